@@ -1,0 +1,40 @@
+# mm-serve: the two commands are `make serve` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# Pinned pair: a CUDA build that also runs on CPU; on the dev machines it comes from local disk.
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install serve test lint typecheck bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PINS)
+	$(PIP) install -q -e '.[dev]' $(TORCH_PINS)
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/mm-serve serve $(ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+typecheck: install
+	$(VENV)/bin/mypy mm_serve vision_prefill text_decode kernels
+
+test: install lint
+	$(VENV)/bin/pytest tests
+
+bench: install
+	$(PY) benchmarks/decode_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

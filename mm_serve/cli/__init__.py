@@ -1,0 +1,1 @@
+"""Command-line interface: ``mm-serve serve | generate | caption | bench | plan | profile``."""

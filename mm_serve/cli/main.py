@@ -1,0 +1,72 @@
+"""Entry point of the ``mm-serve`` console script.
+
+Each sub-command lives in its own module of this package and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (a callable
+taking the parsed ``argparse.Namespace`` and returning an exit status).
+Sub-command modules import heavy dependencies (torch, transformers) lazily,
+inside ``func``, so ``mm-serve --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+# Sub-command modules, in the order ``--help`` lists them. A module that is not
+# present yet (a feature still being built) is skipped.
+_SUBCOMMAND_MODULES = (
+    "mm_serve.cli.serve",
+    "mm_serve.cli.generate",
+    "mm_serve.cli.caption",
+    "mm_serve.cli.bench",
+    "mm_serve.cli.plan",
+    "mm_serve.cli.profile",
+)
+
+
+class CLIError(Exception):
+    """A user error: printed as ``mm-serve: error: <message>`` with exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every available sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="mm-serve",
+        description="Multimodal LLM serving with prefill/decode disaggregation.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in _SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen sub-command; returns the exit status."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as exc:
+        print(f"mm-serve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mm-serve: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Service configuration: YAML → validated, frozen pydantic models.
+
+Keys follow the DistServe write-ups where one exists (``compute.prefill_gpus``,
+``scheduler.decode_max_concurrent``, ``kv_cache.page_size``, ...). Every model
+is frozen and rejects unknown keys; a bad value raises :class:`ConfigError`
+whose message names the dotted key, the value and what is allowed.
+
+Example::
+
+    cfg = load_config("configs/default.yaml", overrides={"api.port": 9000})
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names key, value and rule."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ComputeConfig(_Frozen):
+    """Worker counts and placement of the prefill and decode domains."""
+
+    prefill_workers: int = Field(1, ge=1, le=64, description="Prefill instances (N in NpMd).")
+    decode_workers: int = Field(1, ge=1, le=64, description="Decode instances (M in NpMd).")
+    prefill_tensor_parallel: int = Field(1, ge=1, le=64, description="TP degree per prefill instance.")
+    prefill_pipeline_parallel: int = Field(1, ge=1, le=64, description="PP degree per prefill instance.")
+    decode_tensor_parallel: int = Field(1, ge=1, le=64, description="TP degree per decode instance.")
+    decode_pipeline_parallel: int = Field(1, ge=1, le=64, description="PP degree per decode instance.")
+    prefill_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for prefill, in instance order; empty = CPU.")
+    decode_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for decode, in instance order; empty = CPU.")
+    prefill_cpus: list[int] = Field(default_factory=list, description="CPU cores the prefill workers are pinned to; empty = no pinning.")
+    decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to; empty = no pinning.")
+    threads_per_worker: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = number of pinned cores, else torch's default.")
+
+    @field_validator("prefill_gpus", "decode_gpus", "prefill_cpus", "decode_cpus")
+    @classmethod
+    def _non_negative_unique(cls, value: list[int]) -> list[int]:
+        if any(v < 0 for v in value) or len(set(value)) != len(value):
+            raise ValueError(f"must be distinct non-negative device/core ids, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _gpu_counts(self) -> ComputeConfig:
+        for role in ("prefill", "decode"):
+            gpus = getattr(self, f"{role}_gpus")
+            need = (
+                getattr(self, f"{role}_workers")
+                * getattr(self, f"{role}_tensor_parallel")
+                * getattr(self, f"{role}_pipeline_parallel")
+            )
+            if gpus and len(gpus) != need:
+                raise ValueError(
+                    f"compute.{role}_gpus lists {len(gpus)} GPUs but {role}_workers x tensor_parallel x "
+                    f"pipeline_parallel needs {need}"
+                )
+        return self
+
+
+class SchedulerConfig(_Frozen):
+    """Batching limits of the prefill and decode schedulers."""
+
+    prefill_batch_size: int = Field(8, ge=1, le=1024, description="Max requests in one prefill batch.")
+    prefill_token_budget: int = Field(4096, ge=16, le=1 << 20, description="Max prompt tokens (image tokens included) in one prefill batch.")
+    decode_max_concurrent: int = Field(64, ge=1, le=4096, description="Max running requests per decode worker.")
+    ring_buffer_size: int = Field(16, ge=2, le=1 << 16, description="Hand-off ring slots per (prefill, decode) pair; a power of two.")
+
+    @field_validator("ring_buffer_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two (2, 4, 8, ...), got {value}")
+        return value
+
+
+class KVCacheConfig(_Frozen):
+    """Paged KV cache sizing."""
+
+    page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page (block).")
+    max_pages_per_gpu: int = Field(4096, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
+    ring_pages: int = Field(0, ge=0, le=1 << 24, description="Pages in each ring's shared page pool; 0 = max_pages_per_gpu // 4.")
+    eviction_policy: Literal["lru", "fifo"] = Field("lru", description="Order in which cached free pages are reused.")
+    enable_prefix_caching: bool = Field(False, description="Reuse KV pages of identical prompt prefixes.")
+
+
+class APIConfig(_Frozen):
+    """HTTP front-end limits."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_request_length: int = Field(8192, ge=1, description="Max prompt tokens (image tokens included).")
+    timeout_ms: int = Field(120_000, ge=100, description="A request not finished by then gets 503.")
+    max_body_bytes: int = Field(64 << 20, ge=1024, description="Larger request bodies get 413.")
+    max_images_per_request: int = Field(4, ge=0, le=64)
+    max_image_pixels: int = Field(40_000_000, ge=1, description="Larger decoded images are refused (decompression bomb).")
+    max_image_fetch_bytes: int = Field(20 << 20, ge=1024)
+    image_fetch_timeout_s: float = Field(10.0, gt=0)
+    api_key: str | None = None
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] = Field(default_factory=list)
+
+
+class ServiceConfig(_Frozen):
+    """The whole service: model, mode and the sections above."""
+
+    model: str = Field("embedded", description="Model directory, or a registered name such as 'embedded'.")
+    served_model_name: str | None = None
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    seed: int = 0
+    compute: ComputeConfig = ComputeConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    kv_cache: KVCacheConfig = KVCacheConfig()
+    api: APIConfig = APIConfig()
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: '{part}' is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        value = err.get("input")
+        lines.append(f"{key} = {value!r}: {err['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def config_from_dict(data: dict[str, Any], overrides: dict[str, Any] | None = None) -> ServiceConfig:
+    """Validate a nested dict (plus dotted-key ``overrides``) into a :class:`ServiceConfig`.
+
+    Raises:
+        ConfigError: an unknown key or a bad value; the message lists each one.
+    """
+    tree: dict[str, Any] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(tree, dotted, value)
+    try:
+        return ServiceConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:
+    """Read a YAML file (or the defaults when ``path`` is None) and validate it.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, not a mapping, or invalid.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded
+    return config_from_dict(data, overrides)
+
+
+def dump_config(cfg: ServiceConfig) -> str:
+    """Render ``cfg`` as YAML that :func:`load_config` reads back to an equal object."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
