@@ -1,0 +1,32 @@
+"""Per-step attention metadata: where each new token's K/V goes and what it attends to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward pass over a flattened batch of ``T`` new tokens.
+
+    Prefill (``is_prefill=True``): ``seq_lens[i]`` new tokens of sequence ``i``
+    are laid out back to back; each sequence attends causally to its own new
+    tokens only (no earlier cached context).
+
+    Decode (``is_prefill=False``): one new token per sequence (``T == B``); it
+    attends to the first ``context_lens[i]`` tokens of the sequence in the
+    paged cache, its own K/V included (written before attention runs).
+    """
+
+    is_prefill: bool
+    seq_lens: list[int]  # new tokens per sequence in this pass; sum == T
+    slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset for each new token
+    block_tables: torch.Tensor | None = None  # decode: [B, max_pages] int64, padded with 0
+    context_lens: torch.Tensor | None = None  # decode: [B] int64, tokens in cache incl. the new one
+    max_context_len: int = 0  # decode: max(context_lens), kept as a Python int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

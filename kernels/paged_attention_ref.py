@@ -1,0 +1,95 @@
+"""Plain-torch reference attention over a paged KV cache; runs on CPU and CUDA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_backend import AttentionBackend
+from kernels.attention_metadata import AttentionMetadata
+
+
+def write_kv_ref(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into caches ``[P, S, Hkv, D]`` at flat slots ``[T]``."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
+    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+
+
+def prefill_attention_ref(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: list[int], scale: float
+) -> torch.Tensor:
+    """Causal attention of each sequence over its own tokens.
+
+    Args:
+        query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``; sequences back to back.
+        seq_lens: tokens per sequence, summing to ``T``.
+    Returns:
+        ``[T, Hq, D]``.
+    """
+    group = query.shape[1] // key.shape[1]
+    outputs = []
+    start = 0
+    for n in seq_lens:
+        q = query[start : start + n].transpose(0, 1)
+        k = key[start : start + n].transpose(0, 1)
+        v = value[start : start + n].transpose(0, 1)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)
+            v = v.repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        outputs.append(out.transpose(0, 1))
+        start += n
+    return torch.cat(outputs, dim=0)
+
+
+def decode_attention_ref(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, max_context_len: int, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence attending to its paged context.
+
+    Args:
+        query: ``[B, Hq, D]``.
+        k_cache, v_cache: ``[P, S, Hkv, D]``.
+        block_tables: ``[B, max_pages]`` page ids (padding entries are never read unmasked).
+        context_lens: ``[B]`` tokens of context per sequence (>= 1).
+        max_context_len: ``max(context_lens)`` as an int.
+    Returns:
+        ``[B, Hq, D]``.
+    """
+    batch, num_heads, head_dim = query.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    offsets = torch.arange(page_size, device=query.device)
+    slots = (block_tables[:, :, None] * page_size + offsets).reshape(batch, -1)[:, :max_context_len]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, Hkv, D]
+    values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    q = query.view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", q, keys) * scale
+    positions = torch.arange(max_context_len, device=query.device)
+    pad = positions[None, :] >= context_lens[:, None]  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+class TorchRefAttention(AttentionBackend):
+    """The reference backend: :func:`prefill_attention_ref` and :func:`decode_attention_ref`."""
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
+        write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):  # type: ignore[no-untyped-def]
+        write_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            return prefill_attention_ref(query, key, value, meta.seq_lens, scale)
+        if meta.block_tables is None or meta.context_lens is None:
+            raise ValueError("decode attention needs block_tables and context_lens")
+        return decode_attention_ref(
+            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale
+        )

@@ -1,0 +1,1 @@
+"""The engine: request objects, input processing, model runner and the step loop."""

@@ -1,0 +1,35 @@
+"""Resolved settings of one engine instance (derived once from the service config or arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing. ``max_model_len`` 0 means the checkpoint's ``max_position_embeddings``."""
+
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 2048  # KV pages of this engine
+    max_running: int = 64  # decode_max_concurrent
+    prefill_token_budget: int = 4096  # tokens per prefill batch
+    prefill_batch_size: int = 8  # requests per prefill batch
+    max_model_len: int = 0  # prompt + output tokens at most
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # seeds generators of requests that bring no seed
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

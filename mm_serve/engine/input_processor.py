@@ -1,0 +1,120 @@
+"""Turn a user request (prompt text, token ids or chat messages, plus images) into model inputs.
+
+Each image placeholder (the checkpoint's image token, e.g. ``<image>``) in the
+tokenized prompt is expanded to ``num_image_tokens`` copies, as the llava-hf
+processor does; images are converted and normalised by :class:`ImageProcessor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mm_serve.models.model_config import ModelConfig
+from vision_prefill.image_processor import ImageProcessor
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given (bad shape, too long, wrong image count, ...)."""
+
+
+@dataclass
+class ProcessedInputs:
+    """Model-ready inputs of one request."""
+
+    prompt_token_ids: list[int]  # image placeholders expanded
+    pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32
+    num_images: int
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (offline)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class InputProcessor:
+    """Tokenizes, renders chat templates, preprocesses images and expands image tokens."""
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig, tokenizer: Any | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.image_processor: ImageProcessor | None = None
+        if config.vision is not None:
+            self.image_processor = ImageProcessor.from_pretrained(model_dir)
+
+    @property
+    def image_token_index(self) -> int | None:
+        return None if self.config.vision is None else self.config.vision.image_token_index
+
+    @property
+    def image_token(self) -> str | None:
+        """The placeholder string users put in a raw prompt, once per image."""
+        index = self.image_token_index
+        return None if index is None else str(self.tokenizer.convert_ids_to_tokens(index))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image]]:
+        """Render ``messages`` with the chat template; returns the prompt and the images in order.
+
+        Image parts are ``{"type": "image", "image": PIL.Image}``.
+        """
+        images: list[Image.Image] = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                for part in content:
+                    if part.get("type") == "image":
+                        images.append(part["image"])
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja errors, missing template
+            raise InvalidRequestError(f"cannot render chat template: {exc}") from None
+        return str(prompt), images
+
+    def process(self, request: dict[str, Any]) -> ProcessedInputs:
+        """Process ``{"prompt"| "prompt_token_ids"| "messages": ..., "images": [...]}``.
+
+        Raises:
+            InvalidRequestError: no prompt, token ids out of range, images given to a
+                text-only model, or image count != placeholder count.
+        """
+        images: list[Image.Image] = list(request.get("images") or [])
+        if "messages" in request:
+            prompt, chat_images = self.render_chat(request["messages"])
+            images = chat_images + images
+            ids = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        elif "prompt_token_ids" in request:
+            ids = [int(t) for t in request["prompt_token_ids"]]
+        elif "prompt" in request:
+            ids = list(self.tokenizer(request["prompt"]).input_ids)
+        else:
+            raise InvalidRequestError("request needs 'prompt', 'prompt_token_ids' or 'messages'")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.config.text.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return self._with_images(ids, images)
+
+    def _with_images(self, ids: list[int], images: list[Image.Image]) -> ProcessedInputs:
+        index = self.image_token_index
+        placeholders = 0 if index is None else ids.count(index)
+        if images and (self.image_processor is None or index is None):
+            raise InvalidRequestError("this model is text-only; it does not take images")
+        if placeholders != len(images):
+            raise InvalidRequestError(
+                f"prompt has {placeholders} image placeholder(s) ({self.image_token}) but "
+                f"{len(images)} image(s) were given"
+            )
+        if not images or self.image_processor is None or self.config.vision is None:
+            return ProcessedInputs(ids, None, 0)
+        per_image = self.config.vision.num_image_tokens
+        expanded: list[int] = []
+        for token in ids:
+            expanded.extend([token] * per_image if token == index else [token])
+        return ProcessedInputs(expanded, self.image_processor(images), len(images))

@@ -1,0 +1,156 @@
+"""The colocated engine: one process runs encode, prefill and decode with continuous batching.
+
+Start-up reads as a story: load the model, size the KV cache, build the
+scheduler, serve. :meth:`LLMEngine.step` runs one scheduler step.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from mm_serve.engine.engine_config import EngineConfig
+from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
+from mm_serve.engine.model_runner import ModelRunner
+from mm_serve.engine.request import Request, RequestStatus
+from mm_serve.models.loader import load_model
+from mm_serve.models.model_config import load_model_config
+from mm_serve.sampling_params import SamplingParams
+from text_decode.kv_cache import PagedKVCache, pages_for
+from text_decode.sampler import Sampler, make_generator
+from text_decode.scheduler import ContinuousBatchingScheduler
+from text_decode.stop_checker import check_stop_token, find_stop_string
+
+
+class LLMEngine:
+    """Adds requests, steps the scheduler, reports finished requests.
+
+    Not thread-safe: one caller drives :meth:`step`.
+    """
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.model_config = load_model_config(self.model_dir)
+        self.model = load_model(self.model_dir, self.config.torch_dtype, self.config.device)
+        self.inputs = InputProcessor(self.model_dir, self.model_config)
+        self.tokenizer = self.inputs.tokenizer
+        self.kv_cache = self._make_kv_cache()
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.scheduler = ContinuousBatchingScheduler(
+            self.kv_cache.pool, self.config.page_size, self.config.max_running,
+            self.config.prefill_token_budget, self.config.prefill_batch_size,
+        )
+        self.sampler = Sampler()
+        self.max_model_len = self.config.max_model_len or self.model_config.text.max_position_embeddings
+        eos = set(self.model_config.text.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._texts: dict[str, str] = {}
+        self._seed_rng = random.Random(self.config.seed)
+
+    def _make_kv_cache(self) -> PagedKVCache:
+        text = self.model_config.text
+        return PagedKVCache(
+            text.num_layers, self.config.num_pages, self.config.page_size, text.num_kv_heads,
+            text.head_dim, self.config.torch_dtype, self.config.device,
+        )
+
+    def add_request(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams) -> Request:
+        """Queue a processed request.
+
+        Raises:
+            InvalidRequestError: duplicate id, or prompt + ``max_tokens`` exceeds the
+                context length or the whole KV cache (both numbers in the message).
+        """
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        total = len(inputs.prompt_token_ids) + params.max_tokens
+        capacity = min(self.max_model_len, self.config.num_pages * self.config.page_size)
+        if total > capacity:
+            raise InvalidRequestError(
+                f"prompt ({len(inputs.prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {total} tokens, over this model's context length of {capacity} tokens"
+            )
+        request = Request(
+            request_id=request_id, prompt_token_ids=inputs.prompt_token_ids, sampling_params=params,
+            num_images=inputs.num_images, pixel_values=inputs.pixel_values,
+        )
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        self._generators[request_id] = None if params.greedy else make_generator(seed)
+        self.requests[request_id] = request
+        self._texts[request_id] = ""
+        self.scheduler.add(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        if plan.prefill:
+            self.runner.encode_images(plan.prefill)
+            batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
+        else:
+            batch, logits = plan.decode, self.runner.decode(plan.decode)
+        params = [r.sampling_params for r in batch]
+        tokens = self.sampler.sample(logits, params, [self._generators[r.request_id] for r in batch])
+        logprobs = self.sampler.logprobs(logits, tokens, [p.logprobs for p in params])
+        return self._append_tokens(batch, tokens, logprobs)
+
+    def _append_tokens(self, batch: list[Request], tokens: list[int], logprobs: list) -> list[Request]:
+        finished = []
+        for request, token, lp in zip(batch, tokens, logprobs, strict=True):
+            request.output_token_ids.append(token)
+            if lp is not None:
+                request.output_logprobs.append(lp)
+            status = check_stop_token(request, token, self.eos_token_ids, self.max_model_len)
+            if status is None and request.sampling_params.stop:
+                status = self._check_stop_strings(request)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _check_stop_strings(self, request: Request) -> RequestStatus | None:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        stops = request.sampling_params.stop
+        at = find_stop_string(text, stops, len(self._texts[request.request_id]) - max(map(len, stops)))
+        if at is None:
+            self._texts[request.request_id] = text
+            return None
+        self._texts[request.request_id] = text[:at]
+        request.stop_reason = next(s for s in stops if text.startswith(s, at))
+        return RequestStatus.FINISHED_STOPPED
+
+    def output_text(self, request: Request) -> str:
+        """Final text of a finished request (special tokens skipped, stop string cut)."""
+        if isinstance(request.stop_reason, str):
+            return self._texts[request.request_id]
+        return str(self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's bookkeeping."""
+        self.requests.pop(request_id, None)
+        self._generators.pop(request_id, None)
+        self._texts.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request in any stage; its pages return to the pool."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.status.finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def num_free_pages(self) -> int:
+        return self.kv_cache.pool.num_free
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return pages_for(num_tokens, self.config.page_size)

@@ -1,0 +1,108 @@
+"""Model runner: turns a scheduled batch into tensors, runs the model, returns last-position logits."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from mm_serve.engine.request import Request
+from mm_serve.models.llava import MultimodalLM
+from text_decode.kv_cache import PagedKVCache
+
+
+def slots_for(block_table: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """Flat cache slots of token positions ``[start, end)`` of a sequence with ``block_table``."""
+    return [block_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+
+
+class ModelRunner:
+    """Runs :class:`MultimodalLM` over a :class:`PagedKVCache` (no scheduling decisions here)."""
+
+    def __init__(self, model: MultimodalLM, kv_cache: PagedKVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_size = kv_cache.page_size
+        self.device = kv_cache.data.device
+
+    @torch.inference_mode()
+    def encode_images(self, requests: list[Request]) -> None:
+        """Run the vision tower + projector once for all pending images of ``requests``.
+
+        Sets each request's ``image_embeds`` ``[num_images * num_image_tokens, hidden]``
+        and drops its ``pixel_values``.
+        """
+        pending = [r for r in requests if r.needs_encoding]
+        if not pending:
+            return
+        pixels = torch.cat([r.pixel_values for r in pending if r.pixel_values is not None], dim=0)
+        embeds = self.model.encode_images(pixels.to(self.device))  # [N, tokens, hidden]
+        start = 0
+        for request in pending:
+            n = request.num_images
+            request.image_embeds = embeds[start : start + n].reshape(-1, embeds.shape[-1])
+            request.pixel_values = None
+            start += n
+
+    @torch.inference_mode()
+    def prefill(self, requests: list[Request]) -> torch.Tensor:
+        """Prefill every token of each request (prompt plus any recomputed outputs).
+
+        Returns:
+            Logits ``[B, vocab]`` (float32) at each request's last position.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        embeds = []
+        for request in requests:
+            tokens = request.all_token_ids
+            n = len(tokens)
+            ids.extend(tokens)
+            positions.extend(range(n))
+            slots.extend(slots_for(request.block_table, 0, n, self.page_size))
+            seq_lens.append(n)
+            if request.image_embeds is not None:
+                embeds.append(request.image_embeds)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        image_embeds = torch.cat(embeds, dim=0) if embeds else None
+        meta = AttentionMetadata(
+            is_prefill=True, seq_lens=seq_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+        )
+        hidden = self.model.language_model(
+            self.model.embed(input_ids, image_embeds),
+            torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_cache.layer_caches,
+        )
+        last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
+        return self.model.language_model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, requests: list[Request]) -> torch.Tensor:
+        """One decode step: feed each request's last token at position ``num_tokens - 1``.
+
+        Returns:
+            Logits ``[B, vocab]`` (float32).
+        """
+        ids = [r.output_token_ids[-1] for r in requests]
+        positions = [r.num_tokens - 1 for r in requests]
+        slots = [
+            r.block_table[p // self.page_size] * self.page_size + p % self.page_size
+            for r, p in zip(requests, positions, strict=True)
+        ]
+        max_pages = max(len(r.block_table) for r in requests)
+        tables = [r.block_table + [0] * (max_pages - len(r.block_table)) for r in requests]
+        context = [p + 1 for p in positions]
+        meta = AttentionMetadata(
+            is_prefill=False, seq_lens=[1] * len(requests),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
+            context_lens=torch.tensor(context, dtype=torch.long, device=self.device),
+            max_context_len=max(context),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model.language_model(
+            self.model.language_model.embed(input_ids),
+            torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_cache.layer_caches,
+        )
+        return self.model.language_model.compute_logits(hidden)

@@ -1,0 +1,1 @@
+"""Model definitions and checkpoint handling (llava-hf and Llama formats)."""

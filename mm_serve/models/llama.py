@@ -1,0 +1,129 @@
+"""Our Llama-family decoder over a paged KV cache (Touvron et al. 2023, arXiv:2302.13971).
+
+RMSNorm, RoPE, grouped-query attention, SiLU-gated MLP, tied or untied
+embeddings. Tokens of a batch are flattened to ``[T, hidden]``; the attention
+backend (``kernels/``) handles per-sequence boundaries and the paged cache.
+Weight names match the Hugging Face Llama checkpoints (``layers.N.self_attn.q_proj.weight``, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention_backend import AttentionBackend
+from kernels.attention_metadata import AttentionMetadata
+from mm_serve.models.model_config import TextConfig
+from mm_serve.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Multi-head attention with GQA and RoPE; K/V go to the paged cache."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` (Shazeer 2020, GLU variants)."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        bias = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, k_cache, v_cache, backend):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    ``forward(inputs_embeds [T, hidden], positions [T], meta, kv_caches)`` returns
+    the final hidden states ``[T, hidden]``; ``compute_logits`` maps selected rows
+    to ``[N, vocab_size]`` logits in float32. ``kv_caches[i]`` is the
+    ``(k_cache, v_cache)`` pair of layer ``i``, each ``[P, S, Hkv, D]``.
+    """
+
+    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` for ids ``[T]``."""
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        x = inputs_embeds
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, meta, k_cache, v_cache, self.backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab_size]`` (float32) for hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden).float()

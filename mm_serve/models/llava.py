@@ -1,0 +1,79 @@
+"""The whole served model: optional vision tower + projector, and our Llama decoder.
+
+Image features replace the embeddings of image-token positions, in order
+(each ``<image>`` placeholder was expanded to ``num_image_tokens`` ids before).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.attention_backend import AttentionBackend
+from mm_serve.models.llama import LlamaForCausalLM
+from mm_serve.models.model_config import ModelConfig
+from vision_prefill.projector import MultiModalProjector
+from vision_prefill.vision_encoder import VisionEncoder
+
+
+class MultimodalLM(nn.Module):
+    """A llava-hf checkpoint (or a text-only Llama one) ready to run.
+
+    Attributes:
+        language_model: our :class:`LlamaForCausalLM`.
+        vision: the CLIP tower (None for text-only checkpoints).
+        projector: the LLaVA projector (None for text-only checkpoints).
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, language_model: LlamaForCausalLM | None = None
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.language_model = language_model or LlamaForCausalLM(cfg.text, backend)
+        self.vision: VisionEncoder | None = None
+        self.projector: MultiModalProjector | None = None
+        if cfg.vision is not None:
+            self.vision = VisionEncoder(cfg.vision)
+            self.projector = MultiModalProjector(
+                self.vision.out_features, cfg.text.hidden_size, cfg.vision.projector_hidden_act,
+                cfg.vision.projector_bias,
+            )
+
+    @property
+    def image_token_index(self) -> int | None:
+        return None if self.config.vision is None else self.config.vision.image_token_index
+
+    @property
+    def num_image_tokens(self) -> int:
+        return 0 if self.config.vision is None else self.config.vision.num_image_tokens
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Projected patch embeddings ``[N, num_image_tokens, text_hidden]`` for ``[N, 3, H, W]``.
+
+        Raises:
+            ValueError: the checkpoint has no vision tower.
+        """
+        if self.vision is None or self.projector is None:
+            raise ValueError("this model is text-only; it cannot take images")
+        return self.projector(self.vision(pixel_values))
+
+    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
+        """Input embeddings ``[T, hidden]``; image-token rows take ``image_embeds`` ``[M, hidden]`` in order.
+
+        Raises:
+            ValueError: the number of image-token positions differs from ``M``.
+        """
+        embeds = self.language_model.embed(input_ids)
+        if self.image_token_index is None:
+            return embeds
+        mask = input_ids == self.image_token_index
+        count = int(mask.sum())
+        supplied = 0 if image_embeds is None else int(image_embeds.shape[0])
+        if count != supplied:
+            raise ValueError(f"prompt has {count} image-token positions but {supplied} image embeddings")
+        if count:
+            assert image_embeds is not None
+            embeds = embeds.clone()
+            embeds[mask] = image_embeds.to(embeds.dtype)
+        return embeds

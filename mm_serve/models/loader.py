@@ -1,0 +1,63 @@
+"""Build a :class:`MultimodalLM` from a checkpoint directory and load its safetensors weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels.backend_select import select_attention_backend
+from mm_serve.models.llama import LlamaForCausalLM
+from mm_serve.models.llava import MultimodalLM
+from mm_serve.models.model_config import CheckpointError, load_model_config
+from mm_serve.models.weights import load_state_dicts
+
+
+def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: str, model_dir: Path) -> None:
+    expected = set(module.state_dict().keys())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if unexpected:
+        raise CheckpointError(f"{model_dir}: unexpected {part} weights {unexpected[:5]}")
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing {part} weights {missing[:5]}")
+    module.load_state_dict(state, strict=True)
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> MultimodalLM:
+    """Load a llava-hf or Llama checkpoint into our runner, in eval mode.
+
+    Raises:
+        CheckpointError: missing files, unsupported architecture, or weights that
+            do not match the config (names listed in the message).
+    """
+    root = Path(model_dir)
+    cfg = load_model_config(root)
+    torch_device = torch.device(device)
+    backend = select_attention_backend(torch_device)
+    # The decoder (the bulk of the weights) is built without initialising its
+    # parameters; the vision tower is built normally for its non-persistent buffers.
+    with torch.device("meta"):
+        language_model = LlamaForCausalLM(cfg.text, backend)
+    language_model = language_model.to_empty(device=torch_device)
+    language_model.rotary.reset_inv_freq(torch_device)
+    if cfg.text.tie_word_embeddings:
+        language_model.lm_head.weight = language_model.embed_tokens.weight
+    model = MultimodalLM(cfg, backend, language_model).to(torch_device)
+    parts = load_state_dicts(root)
+    lm_state = parts["lm"]
+    if cfg.text.tie_word_embeddings:
+        lm_state.pop("lm_head.weight", None)
+        lm_state["lm_head.weight"] = lm_state.get("embed_tokens.weight", torch.empty(0))
+    _load_part(model.language_model, lm_state, "language-model", root)
+    if model.vision is not None and model.projector is not None:
+        _load_part(model.vision.tower, parts["vision"], "vision-tower", root)
+        _load_part(model.projector, parts["projector"], "projector", root)
+    elif parts["vision"] or parts["projector"]:
+        raise CheckpointError(f"{root}: vision weights present but config.json is text-only")
+    model = model.to(dtype=dtype)
+    language_model.rotary.reset_inv_freq(torch_device)  # keep frequencies in float32
+    model.eval()
+    return model

@@ -1,0 +1,214 @@
+"""Parse a checkpoint's ``config.json`` (llava-hf ``LlavaConfig`` or plain Llama) into frozen dataclasses.
+
+Both the transformers 4.x keys (``rope_theta``, ``rope_scaling``) and the 5.x
+key (``rope_parameters``) are understood.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A model directory is missing files or holds a config we cannot serve."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters (Su et al. 2021, RoFormer).
+
+    ``rope_type`` is ``default``, ``linear`` (position interpolation, Chen et al. 2023)
+    or ``llama3`` (Llama 3.1 frequency-dependent scaling).
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """Shape of a Llama-family decoder."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower and projector of a llava-hf checkpoint."""
+
+    hf_config: dict[str, Any]  # CLIPVisionConfig kwargs, as in config.json
+    image_size: int  # pixels, square input of the tower
+    patch_size: int  # pixels
+    hidden_size: int
+    image_token_index: int
+    feature_layers: tuple[int, ...]  # hidden-state indices, concatenated in this order
+    feature_layer_is_list: bool
+    select_strategy: str  # "default" drops CLS, "full" keeps it
+    projector_hidden_act: str
+    projector_bias: bool
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Image tokens each ``<image>`` placeholder expands to."""
+        n = (self.image_size // self.patch_size) ** 2
+        return n + (1 if self.select_strategy == "full" else 0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A whole checkpoint: the decoder plus, for llava, the vision side."""
+
+    model_type: str  # "llava" or "llama"
+    text: TextConfig
+    vision: VisionConfig | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision is not None
+
+
+def _rope_from(cfg: dict[str, Any]) -> RopeConfig:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    merged: dict[str, Any] = {**scaling, **params}
+    theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = str(merged.get("rope_type", merged.get("type", "default")))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise CheckpointError(
+            f"rope type '{rope_type}' is not supported (supported: default, linear, llama3)"
+        )
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def parse_text_config(cfg: dict[str, Any]) -> TextConfig:
+    """Build a :class:`TextConfig` from a Llama-family config dict.
+
+    Raises:
+        CheckpointError: a required key is missing or the architecture is unsupported.
+    """
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in ("llama", "mistral"):
+        raise CheckpointError(f"text model_type '{model_type}' is not supported (llama, mistral)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act '{cfg.get('hidden_act')}' is not supported (silu)")
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        return TextConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope=_rope_from(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"config.json text config lacks required key {exc}") from None
+
+
+def _parse_vision(cfg: dict[str, Any]) -> VisionConfig:
+    vcfg = dict(cfg.get("vision_config") or {})
+    if vcfg.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise CheckpointError(
+            f"vision tower '{vcfg.get('model_type')}' is not supported (clip_vision_model)"
+        )
+    layer = cfg.get("vision_feature_layer", -2)
+    is_list = isinstance(layer, list)
+    layers = tuple(int(v) for v in layer) if is_list else (int(layer),)
+    strategy = cfg.get("vision_feature_select_strategy", "default")
+    if strategy not in ("default", "full"):
+        raise CheckpointError(f"vision_feature_select_strategy '{strategy}' (allowed: default, full)")
+    image_token = cfg.get("image_token_index", cfg.get("image_token_id"))
+    if image_token is None:
+        raise CheckpointError("llava config.json lacks image_token_index")
+    return VisionConfig(
+        hf_config=vcfg,
+        image_size=int(vcfg.get("image_size", 224)),
+        patch_size=int(vcfg.get("patch_size", 32)),
+        hidden_size=int(vcfg.get("hidden_size", 768)),
+        image_token_index=int(image_token),
+        feature_layers=layers,
+        feature_layer_is_list=is_list,
+        select_strategy=strategy,
+        projector_hidden_act=str(cfg.get("projector_hidden_act", "gelu")),
+        projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+    )
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``model_dir/config.json`` (and ``generation_config.json`` for EOS ids).
+
+    Raises:
+        CheckpointError: no config.json, invalid JSON, or an unsupported architecture.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json (not a model directory)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
+    model_type = raw.get("model_type")
+    if model_type == "llava":
+        text = parse_text_config(dict(raw.get("text_config") or {}))
+        vision: VisionConfig | None = _parse_vision(raw)
+        if raw.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in (raw.get("text_config") or {}):
+            text = replace(text, tie_word_embeddings=bool(raw["tie_word_embeddings"]))
+    elif model_type in ("llama", "mistral"):
+        text = parse_text_config(raw)
+        vision = None
+    else:
+        raise CheckpointError(f"{path}: model_type '{model_type}' is not supported (llava, llama)")
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        gen_eos = _eos_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        if gen_eos:
+            text = replace(text, eos_token_ids=tuple(dict.fromkeys(text.eos_token_ids + gen_eos)))
+    return ModelConfig(model_type=str(model_type), text=text, vision=vision, raw=raw)
+

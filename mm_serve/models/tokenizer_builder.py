@@ -1,0 +1,87 @@
+"""Train a small byte-level BPE tokenizer offline (``tokenizers``) for test and demo checkpoints.
+
+Byte-level BPE (Radford et al. 2019, GPT-2) covers every UTF-8 string, so any
+text round-trips, including multi-byte characters. The result is saved as a
+``PreTrainedTokenizerFast`` directory (``tokenizer.json``,
+``tokenizer_config.json`` with a LLaVA-1.5-style chat template,
+``special_tokens_map.json``) that ``transformers.AutoTokenizer`` loads offline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from importlib import resources
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+
+# LLaVA-1.5 conversation format: "USER: <image>\n{question} ASSISTANT: {answer}</s>".
+# Content may be a string or a list of parts ({"type": "text"|"image"|"image_url"}).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{% else %}{% set parts = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'system' %}"
+    "{% for part in parts %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{{ '\\n' }}"
+    "{% elif message['role'] == 'user' %}USER: "
+    "{% for part in parts %}"
+    "{% if part['type'] in ('image', 'image_url') %}<image>{{ '\\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %} "
+    "{% elif message['role'] == 'assistant' %}ASSISTANT: "
+    "{% for part in parts %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def shipped_corpus() -> list[str]:
+    """Lines of the English text shipped in ``mm_serve/models/corpus/``."""
+    text = resources.files("mm_serve.models").joinpath("corpus/english.txt").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def train_bpe(lines: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer with :data:`SPECIAL_TOKENS` at ids 0..4 (``<s>`` = 1, ``</s>`` = 2)."""
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(lines), trainer=trainer)
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_length: int = 2048) -> None:
+    """Write ``tokenizer.json`` + config files that ``AutoTokenizer.from_pretrained`` reads."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": "<image>"},
+        model_max_length=model_max_length,
+        add_bos_token=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, extra_lines: Iterable[str] = ()) -> int:
+    """Train on the shipped corpus (plus ``extra_lines``), save to ``out_dir``; returns the vocab size."""
+    tokenizer = train_bpe([*shipped_corpus(), *extra_lines], vocab_size)
+    save_tokenizer(tokenizer, out_dir)
+    return tokenizer.get_vocab_size()

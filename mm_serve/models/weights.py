@@ -1,0 +1,97 @@
+"""Read checkpoint weights from safetensors and map them to our module names.
+
+Accepted layouts: ``model.safetensors``, or shards listed in
+``model.safetensors.index.json``. Accepted key spellings:
+
+* llava-hf (transformers 4.x and what 5.x writes): ``language_model.model.*``,
+  ``language_model.lm_head.*``, ``vision_tower.[vision_model.]*``,
+  ``multi_modal_projector.*``;
+* transformers 5.x in-memory names: ``model.language_model.*``, ``lm_head.*``,
+  ``model.vision_tower.*``, ``model.multi_modal_projector.*``;
+* plain Llama: ``model.*``, ``lm_head.*``.
+
+Every key becomes one of ``lm.<decoder key>`` (e.g. ``lm.layers.0.self_attn.q_proj.weight``,
+``lm.lm_head.weight``), ``vision.<CLIPVisionModel key>`` or ``projector.<key>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mm_serve.models.model_config import CheckpointError
+
+# (prefix in the checkpoint, canonical prefix); the first match wins, so longer first.
+_PREFIX_MAP: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "lm."),
+    ("language_model.model.", "lm."),
+    ("language_model.lm_head.", "lm.lm_head."),
+    ("language_model.", "lm."),
+    ("model.vision_tower.vision_model.", "vision."),
+    ("model.vision_tower.", "vision."),
+    ("vision_tower.vision_model.", "vision."),
+    ("vision_tower.", "vision."),
+    ("model.multi_modal_projector.", "projector."),
+    ("multi_modal_projector.", "projector."),
+    ("lm_head.", "lm.lm_head."),
+    ("model.", "lm."),
+)
+
+
+def canonical_name(key: str) -> str | None:
+    """Map a checkpoint key to ``lm.*`` / ``vision.*`` / ``projector.*``; None if unknown."""
+    for prefix, target in _PREFIX_MAP:
+        if key.startswith(prefix):
+            return target + key[len(prefix):]
+    return None
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of a checkpoint, single-file or sharded.
+
+    Raises:
+        CheckpointError: no safetensors weights, or the index names a missing shard.
+    """
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names missing shards: {missing}")
+        return files
+    single = root / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(root.glob("*.safetensors"))
+    if shards:
+        return shards
+    raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(canonical_name, tensor)`` for every known weight of the checkpoint.
+
+    Keys that belong to no known part (e.g. rotary ``inv_freq`` buffers) are skipped.
+    """
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                name = canonical_name(key)
+                if name is None or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                yield name, handle.get_tensor(key)
+
+
+def load_state_dicts(model_dir: str | Path) -> dict[str, dict[str, torch.Tensor]]:
+    """All weights grouped by part: ``{"lm": {...}, "vision": {...}, "projector": {...}}``."""
+    parts: dict[str, dict[str, torch.Tensor]] = {"lm": {}, "vision": {}, "projector": {}}
+    for name, tensor in iter_weights(model_dir):
+        part, _, rest = name.partition(".")
+        parts[part][rest] = tensor
+    return parts

@@ -1,0 +1,1 @@
+"""Decode domain: paged KV cache, page (block) manager, continuous batching, sampling."""

@@ -1,0 +1,45 @@
+"""Tensor storage of the paged KV cache, with its :class:`PagePool` of ids."""
+
+from __future__ import annotations
+
+import torch
+
+from text_decode.page_pool import PagePool
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages needed to hold ``num_tokens`` tokens (ceil division)."""
+    return -(-num_tokens // page_size)
+
+
+class PagedKVCache:
+    """KV pages for every layer: ``data`` is ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``.
+
+    ``data[l, 0]`` / ``data[l, 1]`` are layer ``l``'s key / value caches, each
+    ``[num_pages, page_size, num_kv_heads, head_dim]`` and contiguous, as the
+    attention backends expect. Page ids come from :attr:`pool`.
+    """
+
+    def __init__(
+        self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.data = torch.zeros(
+            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self.pool = PagePool(num_pages)
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.data[i, 0], self.data[i, 1]) for i in range(num_layers)
+        ]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies across all layers (keys and values)."""
+        layers, _, _, _, heads, dim = self.data.shape
+        return layers * 2 * heads * dim * self.data.element_size()
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size

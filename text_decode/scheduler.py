@@ -1,0 +1,127 @@
+"""Continuous-batching scheduler over a paged KV cache (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
+
+Each step is either a prefill step (new or preempted requests, FCFS, within a
+token budget and a batch-size cap) or a decode step (one token for every
+running request). Prefill is given priority, as in vLLM's default policy.
+When a decode step lacks pages, the most recently admitted running request is
+preempted by recompute: its pages are freed and it goes back to the head of
+the waiting queue; its prompt plus the tokens generated so far are prefilled
+again later (its image embeddings are kept, so nothing is re-encoded).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from mm_serve.engine.request import Request, RequestStatus
+from text_decode.kv_cache import pages_for
+from text_decode.page_pool import PagePool
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner does this step: prefill ``prefill`` or decode ``decode`` (never both)."""
+
+    prefill: list[Request] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class ContinuousBatchingScheduler:
+    """Owns the waiting queue and the running set; allocates and frees KV pages.
+
+    Mutates: the request objects' ``status`` and ``block_table``, and the page pool.
+    """
+
+    def __init__(
+        self, pool: PagePool, page_size: int, max_running: int, prefill_token_budget: int,
+        prefill_batch_size: int,
+    ) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.max_running = max_running
+        self.prefill_token_budget = prefill_token_budget
+        self.prefill_batch_size = prefill_batch_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request for prefill (FCFS)."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work; see the module docstring for the policy."""
+        prefill = self._admit_prefill()
+        if prefill:
+            return SchedulerOutput(prefill=prefill)
+        preempted = self._reserve_decode_pages()
+        return SchedulerOutput(decode=list(self.running), preempted=preempted)
+
+    def _admit_prefill(self) -> list[Request]:
+        batch: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) < self.max_running and len(batch) < self.prefill_batch_size:
+            request = self.waiting[0]
+            n = request.num_tokens
+            if batch and tokens + n > self.prefill_token_budget:
+                break
+            need = pages_for(n, self.page_size)
+            if not self.pool.can_allocate(need):
+                break
+            request.block_table = self.pool.allocate(need)
+            request.status = RequestStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(request)
+            batch.append(request)
+            tokens += n
+        return batch
+
+    def _reserve_decode_pages(self) -> list[Request]:
+        """Give every running request room for its next token, preempting the newest if needed."""
+        preempted: list[Request] = []
+        index = 0
+        while index < len(self.running):
+            request = self.running[index]
+            need = pages_for(request.num_tokens, self.page_size) - len(request.block_table)
+            if need <= 0:
+                index += 1
+                continue
+            if self.pool.can_allocate(need):
+                request.block_table.extend(self.pool.allocate(need))
+                index += 1
+                continue
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.pool.free(request.block_table)
+        request.block_table = []
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark ``request`` finished with ``status``, free its pages, drop it from the queues."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if request.block_table:
+            self.pool.free(request.block_table)
+            request.block_table = []
+        request.status = status

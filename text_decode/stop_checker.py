@@ -1,0 +1,31 @@
+"""Decide after each new token whether a request is finished, and why."""
+
+from __future__ import annotations
+
+from mm_serve.engine.request import Request, RequestStatus
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], search_from: int = 0) -> int | None:
+    """Index in ``text`` where the earliest stop string begins (searching from ``search_from``), or None."""
+    best: int | None = None
+    for stop in stops:
+        at = text.find(stop, max(0, search_from))
+        if at != -1 and (best is None or at < best):
+            best = at
+    return best
+
+
+def check_stop_token(request: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> RequestStatus | None:
+    """Finished status after appending ``token`` to ``request``'s outputs, or None to continue.
+
+    Order: EOS (unless ``ignore_eos``) and ``stop_token_ids`` → ``FINISHED_STOPPED``;
+    ``max_tokens`` or the context length reached → ``FINISHED_LENGTH``.
+    Sets ``request.stop_reason`` to the stop token where one matched.
+    """
+    params = request.sampling_params
+    if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+        request.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
+    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
