@@ -1,0 +1,33 @@
+"""Shared fixtures: small checkpoints built once per test session, offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.factories import build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llava-hf checkpoint: CLIP 56 px / patch 14 (16 image tokens), Llama 2 layers, GQA 4/2."""
+    return build_checkpoint("llava", tmp_path_factory.mktemp("tiny_llava"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_multilayer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llava-hf checkpoint with vision_feature_layer [-3, -1], strategy 'full', no center crop, tied embeddings."""
+    return build_checkpoint("llava-multilayer", tmp_path_factory.mktemp("tiny_llava_ml"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Text-only Llama checkpoint, 3 layers, GQA 4/1, llama3 RoPE scaling."""
+    return build_checkpoint("llama", tmp_path_factory.mktemp("tiny_llama"))

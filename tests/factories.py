@@ -1,0 +1,69 @@
+"""Small factories for tests: checkpoints, images in every Pillow mode, requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mm_serve.models.builder import TinyModelSpec, build_llama, build_llava
+
+SPECS: dict[str, TinyModelSpec] = {
+    "llava": TinyModelSpec(),
+    "llava-multilayer": TinyModelSpec(
+        vision_feature_layer=[-3, -1], vision_feature_select_strategy="full", center_crop=False,
+        tie_word_embeddings=True, num_layers=3, num_heads=4, num_kv_heads=4, vision_layers=3,
+    ),
+    "llama": TinyModelSpec(num_layers=3, num_heads=4, num_kv_heads=1, hidden_size=96, intermediate_size=160),
+}
+
+
+def build_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
+    """Build the named test checkpoint into ``out``."""
+    spec = SPECS[kind]
+    if kind == "llama":
+        path = build_llama(out, seed, spec)
+        _set_llama3_rope(path)
+        return path
+    return build_llava(out, seed, spec)
+
+
+def _set_llama3_rope(path: Path) -> None:
+    """Give the text-only test model llama3 RoPE scaling, so that code path is covered."""
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["rope_parameters"] = {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+    }
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def gradient_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A deterministic RGB image with structure (gradients plus noise)."""
+    rng = np.random.default_rng(seed)
+    x = np.linspace(0, 255, width)[None, :, None]
+    y = np.linspace(0, 255, height)[:, None, None]
+    base = np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=2)
+    noisy = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(noisy)
+
+
+def image_in_mode(mode: str, width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:
+    """``gradient_image`` converted to a Pillow ``mode`` (1, L, LA, P, RGBA, CMYK, I;16, I, F)."""
+    rgb = gradient_image(width, height, seed)
+    if mode in ("I;16", "I", "F"):
+        gray = np.asarray(rgb.convert("L"), dtype=np.float64)
+        if mode == "I;16":
+            return Image.fromarray((gray * 257).astype(np.uint16))
+        if mode == "I":
+            return Image.fromarray((gray * 1000).astype(np.int32))
+        return Image.fromarray((gray / 255).astype(np.float32))
+    if mode in ("LA", "RGBA"):
+        img = rgb.convert(mode)
+        alpha = Image.fromarray(np.tile(np.linspace(0, 255, width, dtype=np.uint8), (height, 1)))
+        img.putalpha(alpha)
+        return img
+    return rgb.convert(mode)

@@ -1,0 +1,50 @@
+"""Reference generation with Hugging Face transformers for the golden parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mm_serve.engine.input_processor import ProcessedInputs
+from mm_serve.engine.llm_engine import LLMEngine
+from mm_serve.engine.request import Request
+from mm_serve.sampling_params import SamplingParams
+from text_decode.kv_cache import pages_for
+
+
+def load_reference(model_dir: Path, multimodal: bool) -> torch.nn.Module:
+    """transformers' own model class for the checkpoint, float32, eval mode."""
+    from transformers import LlamaForCausalLM, LlavaForConditionalGeneration
+
+    cls = LlavaForConditionalGeneration if multimodal else LlamaForCausalLM
+    return cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def reference_generate(model: torch.nn.Module, inputs: ProcessedInputs, new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy ids of ``new_tokens`` tokens (EOS ignored) and first-step logits ``[vocab]``."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([inputs.prompt_token_ids])
+    kwargs = {} if inputs.pixel_values is None else {"pixel_values": inputs.pixel_values}
+    first = model(input_ids=ids, **kwargs).logits[0, -1].float()
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+    )
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs)
+    return out[0, ids.shape[1]:].tolist(), first
+
+
+@torch.inference_mode()
+def our_first_logits(engine: LLMEngine, inputs: ProcessedInputs) -> torch.Tensor:
+    """First-step logits ``[vocab]`` from our runner (prefill of the prompt alone)."""
+    request = Request("logits-probe", list(inputs.prompt_token_ids), SamplingParams(max_tokens=1),
+                      num_images=inputs.num_images, pixel_values=inputs.pixel_values)
+    pool = engine.kv_cache.pool
+    request.block_table = pool.allocate(pages_for(request.num_tokens, engine.config.page_size))
+    try:
+        engine.runner.encode_images([request])
+        return engine.runner.prefill([request])[0]
+    finally:
+        pool.free(request.block_table)

@@ -1,0 +1,95 @@
+"""Sampling: seeded reproducibility regardless of the batch, filters, stop handling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mm_serve import LLM, SamplingParams
+from text_decode.sampler import Sampler, filter_top_k_top_p, make_generator
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava: Path) -> LLM:
+    return LLM(model=tiny_llava, num_pages=256)
+
+
+def test_same_seed_same_tokens_alone_and_in_a_batch_of_eight_others(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    request = {"prompt": "Tell me a story about"}
+    alone = llm.generate(request, params)[0].token_ids
+    others = [
+        ({"prompt": f"Other prompt number {i} with words"}, SamplingParams(max_tokens=10 + i, temperature=1.0, seed=i))
+        for i in range(8)
+    ]
+    batch = [others[0][0], others[1][0], request] + [r for r, _ in others[2:]]
+    batch_params = [others[0][1], others[1][1], params] + [p for _, p in others[2:]]
+    together = llm.generate(batch, batch_params)[2].token_ids
+    assert together == alone
+    assert len(alone) == 24
+    different = llm.generate(request, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True))
+    assert different[0].token_ids != alone
+
+
+def test_greedy_ignores_seed(llm: LLM) -> None:
+    a = llm.generate({"prompt": "The cat"}, SamplingParams(max_tokens=8, temperature=0.0, seed=1, ignore_eos=True))
+    b = llm.generate({"prompt": "The cat"}, SamplingParams(max_tokens=8, temperature=0.0, seed=2, ignore_eos=True))
+    assert a[0].token_ids == b[0].token_ids
+
+
+def test_top_k_one_equals_greedy(llm: LLM) -> None:
+    greedy = llm.generate({"prompt": "Water boils"}, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    topk1 = llm.generate({"prompt": "Water boils"}, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=5, ignore_eos=True))
+    assert greedy[0].token_ids == topk1[0].token_ids
+
+
+def test_filter_top_k_and_top_p_exact() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = filter_top_k_top_p(logits, top_k=2, top_p=1.0)
+    assert torch.isinf(kept).tolist() == [False, False, True, True]
+    kept = filter_top_k_top_p(logits, top_k=0, top_p=0.8)
+    assert torch.isinf(kept).tolist() == [False, False, True, True]
+    kept = filter_top_k_top_p(logits, top_k=0, top_p=0.81)
+    assert torch.isinf(kept).tolist() == [False, False, False, True]
+    kept = filter_top_k_top_p(logits, top_k=0, top_p=0.1)
+    assert torch.isinf(kept).tolist() == [False, True, True, True]
+
+
+def test_sampler_frequencies_follow_probabilities() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs)[None, :]
+    gen = make_generator(0)
+    params = [SamplingParams(temperature=1.0)]
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[Sampler().sample(logits, params, [gen])[0]] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_max_tokens_and_eos_stop(llm: LLM) -> None:
+    out = llm.generate({"prompt": "Hello"}, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    first = out.token_ids[2]
+    stopped = llm.generate({"prompt": "Hello"}, SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(first,)))[0]
+    assert stopped.token_ids == out.token_ids[: out.token_ids.index(first) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == first
+
+
+def test_stop_string_is_cut(llm: LLM) -> None:
+    full = llm.generate({"prompt": "Hello"}, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut = llm.generate({"prompt": "Hello"}, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
