@@ -63,18 +63,16 @@ def decode_attention_ref(
     """
     batch, num_heads, head_dim = query.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     offsets = torch.arange(page_size, device=query.device)
     slots = (block_tables[:, :, None] * page_size + offsets).reshape(batch, -1)[:, :max_context_len]
     keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, Hkv, D]
     values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    q = query.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, keys) * scale
     positions = torch.arange(max_context_len, device=query.device)
-    pad = positions[None, :] >= context_lens[:, None]  # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values)
+    valid = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid,
+        scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )  # [B, Hq, 1, D]
     return out.reshape(batch, num_heads, head_dim)
 
 

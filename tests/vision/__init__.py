@@ -1,0 +1,1 @@
+"""Tests for vision_prefill."""

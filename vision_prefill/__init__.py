@@ -1,0 +1,1 @@
+"""Prefill domain of mm-serve: image preprocessing, vision encoder, projector, prefill worker."""
