@@ -80,7 +80,7 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     model_dir = _model_dir(args.model)
-    llm = LLM(model=model_dir, num_pages=2048, max_running=64)
+    llm = LLM(model=model_dir, mode="colocated", num_pages=2048, max_running=64)
     reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     vocab = llm.engine.model_config.text.vocab_size
     print(f"model {model_dir} | threads {args.threads} | new tokens {args.new_tokens}")

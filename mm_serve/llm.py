@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -18,39 +20,92 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from mm_serve.config import ServiceConfig, config_from_dict
+from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.engine_config import EngineConfig
+from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.llm_engine import LLMEngine
 from mm_serve.engine.request import Request
+from mm_serve.engine.request_state import RequestState
 from mm_serve.models.registry import resolve_model
 from mm_serve.outputs import CompletionOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
 
+# LLM keyword -> dotted ServiceConfig key, for the worker-process modes.
+_SERVICE_KEYS = {
+    "num_pages": "kv_cache.max_pages_per_gpu", "page_size": "kv_cache.page_size",
+    "ring_pages": "kv_cache.ring_pages", "max_running": "scheduler.decode_max_concurrent",
+    "prefill_token_budget": "scheduler.prefill_token_budget", "prefill_batch_size": "scheduler.prefill_batch_size",
+    "ring_buffer_size": "scheduler.ring_buffer_size", "prefill_workers": "compute.prefill_workers",
+    "decode_workers": "compute.decode_workers", "prefill_cpus": "compute.prefill_cpus",
+    "decode_cpus": "compute.decode_cpus", "threads_per_worker": "compute.threads_per_worker",
+    "dtype": "dtype", "seed": "seed", "max_images_per_request": "api.max_images_per_request",
+}
+
 
 class LLM:
-    """Generate from a llava-hf or Llama checkpoint in this process.
+    """Generate from a llava-hf or Llama checkpoint.
 
     Args:
         model: a checkpoint directory or a registered name (``"embedded"``, the default).
-        mode: ``"colocated"`` (one engine runs every phase).
-        **engine_kwargs: :class:`EngineConfig` fields (``page_size``, ``num_pages``,
-            ``max_running``, ``dtype``, ``seed``, ...).
+        mode: ``"disaggregated"`` (default: prefill and decode worker processes joined by
+            the cross-modal ring buffer), ``"colocated"`` (one engine in this process runs
+            every phase) or ``"colocated-worker"`` (the colocated engine in a worker process,
+            as ``mm-serve serve --mode colocated`` runs it).
+        config: a full :class:`~mm_serve.config.ServiceConfig` for the worker modes.
+        **kwargs: sizing (``page_size``, ``num_pages``, ``max_running``, ``dtype``, ``seed``,
+            ``prefill_workers``, ``decode_workers``, ...).
+
+    Use as a context manager, or call :meth:`close`, to stop worker processes; they
+    also stop when this process exits.
 
     Raises:
         CheckpointError: the model cannot be found or loaded.
-        ValueError: an unknown mode or a bad engine setting.
+        ValueError: an unknown mode or a bad setting.
+        WorkerStartError: a worker process failed to start.
     """
 
-    def __init__(self, model: str | Path | None = None, mode: str = "colocated", **engine_kwargs: Any) -> None:
-        if mode != "colocated":
-            raise ValueError(f"mode must be 'colocated', got {mode!r}")
+    def __init__(
+        self, model: str | Path | None = None, mode: str = "disaggregated", config: ServiceConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in ("disaggregated", "colocated", "colocated-worker"):
+            raise ValueError(f"mode must be 'disaggregated', 'colocated' or 'colocated-worker', got {mode!r}")
         self.mode = mode
         self.model_dir = resolve_model(model)
-        self.engine = LLMEngine(self.model_dir, EngineConfig(**engine_kwargs))
         self._counter = 0
+        self.engine: LLMEngine | None = None
+        self.client: EngineClient | None = None
+        if mode == "colocated":
+            self.engine = LLMEngine(self.model_dir, EngineConfig(**kwargs))
+            self.inputs = self.engine.inputs
+            return
+        unknown = sorted(set(kwargs) - set(_SERVICE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown LLM arguments {unknown}; allowed: {sorted(_SERVICE_KEYS)}")
+        overrides = {_SERVICE_KEYS[k]: v for k, v in kwargs.items()}
+        overrides["mode"] = "colocated" if mode == "colocated-worker" else "disaggregated"
+        base = config.model_dump() if config is not None else {}
+        service = config_from_dict(base, overrides)
+        self.client = EngineClient(self.model_dir, service)
+        self.inputs = self.client.inputs
+        self.client.start()
+        atexit.register(self.close)
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.inputs.tokenizer
+
+    def close(self) -> None:
+        """Stop the worker processes and free shared memory (no-op in colocated mode)."""
+        if self.client is not None:
+            self.client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self, requests: dict[str, Any] | Sequence[dict[str, Any]],
@@ -69,8 +124,11 @@ class LLM:
         """
         batch = [requests] if isinstance(requests, dict) else list(requests)
         params = self._params_for(batch, sampling_params)
+        processed = [self.inputs.process(r) for r in batch]
+        if self.client is not None:
+            return self._generate_with_workers(processed, params, use_tqdm)
+        assert self.engine is not None
         plan: list[tuple[str, list[str], int]] = []
-        processed = [self.engine.inputs.process(r) for r in batch]
         for inputs, p in zip(processed, params, strict=True):
             rid = f"req-{self._counter}"
             self._counter += 1
@@ -90,7 +148,38 @@ class LLM:
                     bar.update(1)
         return [self._collect(rid, sub_ids, n_prompt, done) for rid, sub_ids, n_prompt in plan]
 
+    def _generate_with_workers(
+        self, processed: list[ProcessedInputs], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        assert self.client is not None
+        plan: list[tuple[str, list[RequestState]]] = []
+        for inputs, p in zip(processed, params, strict=True):
+            rid = f"req-{uuid.uuid4().hex[:8]}-{self._counter}"
+            self._counter += 1
+            states = [
+                self.client.submit(f"{rid}/{i}", inputs, replace(p, seed=None if p.seed is None else p.seed + i, n=1))
+                for i in range(p.n)
+            ]
+            plan.append((rid, states))
+        all_states = [s for _, states in plan for s in states]
+        with tqdm(total=len(all_states), disable=not use_tqdm, desc="generate") as bar:
+            for state in all_states:
+                state.wait()
+                bar.update(1)
+        failed = [s for s in all_states if s.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
+        return [
+            RequestOutput(request_id=rid, num_prompt_tokens=states[0].num_prompt_tokens, outputs=[
+                CompletionOutput(index=i, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
+                                 stop_reason=s.stop_reason, logprobs=s.logprobs or None)
+                for i, s in enumerate(states)
+            ])
+            for rid, states in plan
+        ]
+
     def _collect(self, rid: str, sub_ids: list[str], n_prompt: int, done: dict[str, Request]) -> RequestOutput:
+        assert self.engine is not None
         outputs = []
         for i, sub_id in enumerate(sub_ids):
             request = done[sub_id]

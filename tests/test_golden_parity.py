@@ -46,7 +46,7 @@ LLAVA_CASES = _llava_cases()
 
 @pytest.fixture(scope="module")
 def llava_llm(tiny_llava: Path) -> LLM:
-    return LLM(model=tiny_llava, num_pages=256, page_size=16)
+    return LLM(model=tiny_llava, mode="colocated", num_pages=256, page_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_image_tokens_counted_in_prompt(llava_llm: LLM) -> None:
 
 
 def test_multilayer_full_strategy_tied_matches_transformers(tiny_llava_multilayer: Path) -> None:
-    llm = LLM(model=tiny_llava_multilayer, num_pages=128)
+    llm = LLM(model=tiny_llava_multilayer, mode="colocated", num_pages=128)
     reference = load_reference(tiny_llava_multilayer, multimodal=True)
     assert llm.engine.model_config.vision is not None
     assert llm.engine.model_config.vision.num_image_tokens == 17  # 16 patches + CLS
@@ -102,14 +102,14 @@ def test_multilayer_full_strategy_tied_matches_transformers(tiny_llava_multilaye
 
 @pytest.mark.parametrize("prompt_ids", [[5], list(range(5, 25)), [(i * 37) % 500 + 5 for i in range(290)]], ids=["1", "20", "290"])
 def test_text_only_llama_matches_transformers(tiny_llama: Path, prompt_ids: list[int]) -> None:
-    llm = LLM(model=tiny_llama, num_pages=128)
+    llm = LLM(model=tiny_llama, mode="colocated", num_pages=128)
     reference = load_reference(tiny_llama, multimodal=False)
     _check_case(llm, reference, {"prompt_token_ids": prompt_ids})
 
 
 def test_perturbed_weight_is_detected(tiny_llava: Path, llava_reference: torch.nn.Module) -> None:
     """The parity check is sensitive: one perturbed weight breaks it."""
-    llm = LLM(model=tiny_llava, num_pages=64)
+    llm = LLM(model=tiny_llava, mode="colocated", num_pages=64)
     request = {"prompt": Q, "images": [gradient_image(80, 60, 1)]}
     inputs = llm.engine.inputs.process(request)
     expected, ref_logits = reference_generate(llava_reference, inputs, NEW_TOKENS)

@@ -13,7 +13,7 @@ from text_decode.sampler import Sampler, filter_top_k_top_p, make_generator
 
 @pytest.fixture(scope="module")
 def llm(tiny_llava: Path) -> LLM:
-    return LLM(model=tiny_llava, num_pages=256)
+    return LLM(model=tiny_llava, mode="colocated", num_pages=256)
 
 
 def test_same_seed_same_tokens_alone_and_in_a_batch_of_eight_others(llm: LLM) -> None:

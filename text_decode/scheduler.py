@@ -60,6 +60,15 @@ class ContinuousBatchingScheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """Adopt a request whose KV is already in its ``block_table`` pages (a claimed hand-off)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def can_admit(self, num_pages: int) -> bool:
+        """Whether a hand-off needing ``num_pages`` pages can join the running set now."""
+        return len(self.running) < self.max_running and self.pool.can_allocate(num_pages)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work; see the module docstring for the policy."""
         prefill = self._admit_prefill()

@@ -61,7 +61,9 @@ class LLMEngine:
             text.head_dim, self.config.torch_dtype, self.config.device,
         )
 
-    def add_request(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams) -> Request:
+    def add_request(
+        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, generator_seed: int | None = None
+    ) -> Request:
         """Queue a processed request.
 
         Raises:
@@ -81,7 +83,9 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=inputs.prompt_token_ids, sampling_params=params,
             num_images=inputs.num_images, pixel_values=inputs.pixel_values,
         )
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seed = generator_seed if generator_seed is not None else (
+            params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        )
         self._generators[request_id] = None if params.greedy else make_generator(seed)
         self.requests[request_id] = request
         self._texts[request_id] = ""
@@ -93,9 +97,13 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one scheduler step; returns the requests that finished in it."""
+        return self.step_all()[1]
+
+    def step_all(self) -> tuple[list[Request], list[Request]]:
+        """Run one scheduler step; returns (requests that got a token, requests that finished)."""
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
+            return [], []
         if plan.prefill:
             self.runner.encode_images(plan.prefill)
             batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
@@ -104,7 +112,7 @@ class LLMEngine:
         params = [r.sampling_params for r in batch]
         tokens = self.sampler.sample(logits, params, [self._generators[r.request_id] for r in batch])
         logprobs = self.sampler.logprobs(logits, tokens, [p.logprobs for p in params])
-        return self._append_tokens(batch, tokens, logprobs)
+        return batch, self._append_tokens(batch, tokens, logprobs)
 
     def _append_tokens(self, batch: list[Request], tokens: list[int], logprobs: list) -> list[Request]:
         finished = []

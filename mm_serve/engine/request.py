@@ -70,13 +70,16 @@ class Request:
     def needs_encoding(self) -> bool:
         return self.pixel_values is not None and self.image_embeds is None
 
+    @staticmethod
+    def finish_reason_for(status: RequestStatus) -> str | None:
+        """OpenAI finish reason of a finished ``status``."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(status)
+
     @property
     def finish_reason(self) -> str | None:
         """OpenAI's ``stop`` / ``length`` (``abort`` for cancelled requests), None while running."""
-        if self.status == RequestStatus.FINISHED_STOPPED:
-            return "stop"
-        if self.status == RequestStatus.FINISHED_LENGTH:
-            return "length"
-        if self.status == RequestStatus.FINISHED_ABORTED:
-            return "abort"
-        return None
+        return self.finish_reason_for(self.status)

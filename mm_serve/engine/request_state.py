@@ -1,0 +1,110 @@
+"""Front-end view of one in-flight request: tokens as they arrive, text deltas, completion."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from mm_serve import messages
+from text_decode.detokenizer import IncrementalDetokenizer
+
+
+class RequestState:
+    """Assembles :class:`~mm_serve.messages.TokenUpdate` s (possibly out of order) into one output.
+
+    Updated by the client's receiver thread; read by the caller. ``listener`` (if
+    set) is called from the receiver thread after every change.
+    """
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, detokenizer: IncrementalDetokenizer) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.detokenizer = detokenizer
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.events: dict[str, float] = {}
+        self.listener: Callable[[RequestState], None] | None = None
+        self._pending_text: list[str] = []
+        self._early: dict[int, messages.TokenUpdate] = {}
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    def apply(self, update: messages.TokenUpdate) -> bool:
+        """Merge an update; returns True when this made the request finish (incl. a stop string)."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._early[update.start_index] = update
+            finished = False
+            while len(self.token_ids) in self._early and not finished:
+                finished = self._take(self._early.pop(len(self.token_ids)))
+            if not finished and self._early and update.finish_reason == "abort":
+                finished = self._finish("abort", None)
+        self._notify()
+        return finished
+
+    def _take(self, update: messages.TokenUpdate) -> bool:
+        self.token_ids.extend(update.token_ids)
+        if update.logprobs:
+            self.logprobs.extend(update.logprobs)
+        if update.events:
+            self.events.update(update.events)
+        delta = self.detokenizer.add(update.token_ids)
+        if delta:
+            self._pending_text.append(delta)
+        if self.detokenizer.stopped:
+            return self._finish("stop", self.detokenizer.stop_string)
+        if update.finish_reason is not None:
+            return self._finish(update.finish_reason, update.stop_reason)
+        return False
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> bool:
+        tail = self.detokenizer.finish()
+        if tail:
+            self._pending_text.append(tail)
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self._done.set()
+        return True
+
+    def fail(self, message: str) -> None:
+        """Finish with an error (a worker failed or the service is shutting down)."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self.error = message
+            self.finish_reason = "error"
+            self._done.set()
+        self._notify()
+
+    def take_text(self) -> str:
+        """Text that arrived since the last call (safe to stream)."""
+        with self._lock:
+            out = "".join(self._pending_text)
+            self._pending_text.clear()
+            return out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until finished; False on timeout."""
+        return self._done.wait(timeout)
+
+    def _notify(self) -> None:
+        listener = self.listener
+        if listener is not None:
+            listener(self)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain values for logging and tests."""
+        return {"request_id": self.request_id, "tokens": list(self.token_ids), "text": self.text,
+                "finish_reason": self.finish_reason, "error": self.error}

@@ -1,0 +1,29 @@
+"""Convert :class:`SamplingParams` to and from :class:`~mm_serve.messages.SamplingMsg`."""
+
+from __future__ import annotations
+
+from mm_serve.messages import SamplingMsg
+from mm_serve.sampling_params import SamplingParams
+
+
+def to_wire(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingMsg:
+    """Wire form; EOS ids are folded into ``stop_token_ids`` unless ``ignore_eos``.
+
+    Workers then need no tokenizer: every token-level stop is in ``stop_token_ids``.
+    """
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops |= eos_token_ids
+    return SamplingMsg(
+        max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
+        top_k=params.top_k, seed=params.seed, stop_token_ids=sorted(stops), ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
+
+
+def from_wire(msg: SamplingMsg) -> SamplingParams:
+    """Worker-side params: EOS is already in ``stop_token_ids``, so ``ignore_eos`` is set."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
+        seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=True, logprobs=msg.logprobs,
+    )

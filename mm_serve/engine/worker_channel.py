@@ -1,0 +1,62 @@
+"""A worker's two ZeroMQ sockets: typed control messages in, typed reports out."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import zmq
+
+from mm_serve import messages
+
+
+class WorkerChannel:
+    """PULL for control messages from the front end, PUSH for reports to it.
+
+    ``recv`` decodes with the worker's message union, so anything that is not one
+    of its typed messages is rejected (logged and dropped), never executed.
+    """
+
+    def __init__(self, control_address: str, output_address: str, kind: object, parent_pid: int = 0) -> None:
+        self._ctx = zmq.Context.instance()
+        self._in = self._ctx.socket(zmq.PULL)
+        self._in.connect(control_address)
+        self._out = self._ctx.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.LINGER, 2000)
+        self._out.connect(output_address)
+        self._decoder = messages.decoder(kind)
+        self._parent_pid = parent_pid
+        self._next_parent_check = 0.0
+
+    def send(self, message: msgspec.Struct) -> None:
+        self._out.send(messages.encode(message), copy=False)
+
+    def recv(self, timeout_ms: int) -> list[object]:
+        """Every pending message, waiting up to ``timeout_ms`` for the first one."""
+        out: list[object] = []
+        if self._in.poll(timeout_ms) == 0:
+            return out
+        while True:
+            try:
+                frame = self._in.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                out.append(self._decoder.decode(frame))
+            except msgspec.DecodeError as exc:
+                print(f"[worker {os.getpid()}] dropped malformed control message: {exc}", flush=True)
+
+    def parent_alive(self) -> bool:
+        """False once the launching process has gone (checked at most once a second)."""
+        if not self._parent_pid:
+            return True
+        now = time.monotonic()
+        if now < self._next_parent_check:
+            return True
+        self._next_parent_check = now + 1.0
+        return os.getppid() == self._parent_pid
+
+    def close(self) -> None:
+        self._in.close(linger=0)
+        self._out.close()

@@ -1,0 +1,56 @@
+"""Build every worker's :class:`WorkerSpec` from the service config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kernels.ring_spec import RingSpec
+from mm_serve.config import ServiceConfig
+from mm_serve.engine.worker_spec import EngineSizing, WorkerSpec
+from mm_serve.launcher import default_role_cpus, split_cpus
+from mm_serve.models.model_config import ModelConfig
+
+
+def _sizing(cfg: ServiceConfig) -> EngineSizing:
+    device = "cpu"
+    return EngineSizing(
+        page_size=cfg.kv_cache.page_size, num_pages=cfg.kv_cache.max_pages_per_gpu,
+        max_running=cfg.scheduler.decode_max_concurrent, prefill_token_budget=cfg.scheduler.prefill_token_budget,
+        prefill_batch_size=cfg.scheduler.prefill_batch_size, dtype=cfg.dtype, device=device, seed=cfg.seed,
+    )
+
+
+def build_worker_specs(
+    model_dir: Path, cfg: ServiceConfig, model: ModelConfig, rings: list[RingSpec], run_dir: Path,
+    output_address: str,
+) -> list[WorkerSpec]:
+    """Specs for N prefill + M decode workers (or one colocated worker), with cores assigned.
+
+    Rings are ordered prefill-major: ring ``p * M + d`` joins prefill ``p`` and decode ``d``.
+    """
+    del model  # shapes are already in the ring specs
+    sizing = _sizing(cfg)
+    compute = cfg.compute
+    parent = os.getpid()
+    common = {"model_dir": str(model_dir), "sizing": sizing, "output_address": output_address,
+              "parent_pid": parent, "threads": compute.threads_per_worker}
+    if cfg.mode == "colocated":
+        cpus = compute.prefill_cpus + [c for c in compute.decode_cpus if c not in compute.prefill_cpus]
+        return [WorkerSpec(role="colocated", index=0, control_address=f"ipc://{run_dir}/ctl-c0", cpus=cpus, **common)]
+    n, m = compute.prefill_workers, compute.decode_workers
+    prefill_cpus, decode_cpus = compute.prefill_cpus, compute.decode_cpus
+    if not prefill_cpus and not decode_cpus:
+        prefill_cpus, decode_cpus = default_role_cpus(n, m)
+    specs = []
+    for p, cpus in enumerate(split_cpus(prefill_cpus, n)):
+        specs.append(WorkerSpec(
+            role="prefill", index=p, control_address=f"ipc://{run_dir}/ctl-p{p}",
+            rings=[rings[p * m + d] for d in range(m)], cpus=cpus, **common,
+        ))
+    for d, cpus in enumerate(split_cpus(decode_cpus, m)):
+        specs.append(WorkerSpec(
+            role="decode", index=d, control_address=f"ipc://{run_dir}/ctl-d{d}",
+            rings=[rings[p * m + d] for p in range(n)], cpus=cpus, **common,
+        ))
+    return specs

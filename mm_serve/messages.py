@@ -1,0 +1,181 @@
+"""Typed control messages between the front end (router) and the workers.
+
+One codec for every socket: msgspec's MessagePack with a tagged union, so a
+receiver gets a typed object or a decode error, never an arbitrary pickled
+object. Tensors travel as raw bytes plus shape and dtype (:class:`TensorBlob`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+
+class TensorBlob(msgspec.Struct, frozen=True):
+    """A dense tensor as bytes: ``data`` holds ``prod(shape)`` items of ``dtype`` (C order)."""
+
+    shape: list[int]
+    dtype: str
+    data: bytes
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> TensorBlob:
+        t = tensor.detach().contiguous().cpu()
+        if t.dtype == torch.bfloat16:
+            return cls(list(t.shape), "bfloat16", t.view(torch.int16).numpy().tobytes())
+        return cls(list(t.shape), str(t.dtype).removeprefix("torch."), t.numpy().tobytes())
+
+    def to_tensor(self) -> torch.Tensor:
+        if self.dtype == "bfloat16":
+            arr = np.frombuffer(self.data, dtype=np.int16).reshape(self.shape)
+            return torch.from_numpy(arr.copy()).view(torch.bfloat16)
+        arr = np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+        return torch.from_numpy(arr.copy())
+
+
+class SamplingMsg(msgspec.Struct, frozen=True):
+    """:class:`mm_serve.sampling_params.SamplingParams` on the wire."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int | None
+
+
+# ---- front end -> prefill worker -------------------------------------------------------------
+
+
+class PrefillRequest(msgspec.Struct, tag=True):
+    """A request to prefill; the KV goes to decode worker ``decode_index``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingMsg
+    generator_seed: int
+    decode_index: int
+    num_images: int = 0
+    pixel_values: TensorBlob | None = None
+    arrival_time: float = 0.0
+
+
+# ---- front end -> any worker -----------------------------------------------------------------
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """Cancel a request in whatever stage it is (queued, prefill, ring, decode)."""
+
+    request_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Stop serving and exit."""
+
+
+class StatsQuery(msgspec.Struct, tag=True):
+    """Ask a worker to report :class:`WorkerStats` now."""
+
+
+# ---- workers -> front end --------------------------------------------------------------------
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    """Sent once the worker has loaded its model, sized its KV cache and warmed up."""
+
+    role: str  # "prefill" | "decode" | "colocated"
+    index: int
+    pid: int
+    kv_pages_total: int
+
+
+class WorkerStats(msgspec.Struct, tag=True):
+    """Load and health of one worker, sent periodically and on :class:`StatsQuery`."""
+
+    role: str
+    index: int
+    pid: int
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    ring_slots_used: int
+    queued_tokens: int
+    num_preemptions: int
+    num_encoded_images: int
+    pages_integrity_ok: bool
+
+
+class TokenUpdate(msgspec.Struct):
+    """New tokens of one request; ``finish_reason`` set on the last update of a request.
+
+    ``start_index`` is the position of ``token_ids[0]`` among the request's output
+    tokens, so the front end can order updates that reach it from two workers.
+    """
+
+    request_id: str
+    start_index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None
+    events: dict[str, float] | None = None  # lifetime events, time.time() seconds
+
+
+class TokenBatch(msgspec.Struct, tag=True):
+    """All token updates of one worker step."""
+
+    role: str
+    index: int
+    updates: list[TokenUpdate]
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    """A worker could not serve a request (it is finished with an error)."""
+
+    request_id: str
+    message: str
+
+
+ToPrefill = PrefillRequest | AbortRequest | Shutdown | StatsQuery
+ToDecode = AbortRequest | Shutdown | StatsQuery
+FromWorker = WorkerReady | WorkerStats | TokenBatch | RequestFailed
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """MessagePack bytes of a message."""
+    return _encoder.encode(message)
+
+
+def decoder(kind: object) -> msgspec.msgpack.Decoder:
+    """A decoder for the union ``kind`` (e.g. :data:`ToPrefill`); raises ``msgspec.DecodeError`` on bad input."""
+    return msgspec.msgpack.Decoder(kind)
+
+
+# ---- prefill worker -> decode worker, inside a ring slot -------------------------------------
+
+
+class HandoffMeta(msgspec.Struct):
+    """The opaque ``meta`` payload of a ring hand-off (prefill → decode)."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingMsg
+    generator_state: bytes | None  # torch CPU generator state after the first token was drawn
+    num_images: int = 0
+    first_logprobs: dict[int, float] | None = None
+    events: dict[str, float] = {}
+
+
+def encode_meta(meta: HandoffMeta) -> bytes:
+    """MessagePack bytes of a :class:`HandoffMeta`."""
+    return _encoder.encode(meta)
+
+
+def decode_meta(data: bytes) -> HandoffMeta:
+    """Parse :func:`encode_meta` output."""
+    return msgspec.msgpack.decode(data, type=HandoffMeta)

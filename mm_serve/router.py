@@ -1,0 +1,87 @@
+"""Request dispatch across prefill and decode workers (xPyD).
+
+* Prefill: the worker with the least queued work, in prompt tokens (image tokens
+  included), counted from dispatch until its first token comes back.
+* Decode: the worker with room, judged from its latest :class:`WorkerStats`
+  (free pages, running count) minus what was dispatched to it since: the one
+  with the most free pages after its in-flight requests, among those under
+  ``decode_max_concurrent``; if none has room, the least loaded (the hand-off
+  then waits in its ring, which is backpressure, never a drop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeLoad:
+    """What the router knows of one decode worker."""
+
+    pages_total: int
+    pages_used: int = 0  # from the last stats report
+    running: int = 0  # from the last stats report
+    inflight: dict[str, int] = field(default_factory=dict)  # request id -> pages it will need
+
+    def free_after_inflight(self) -> int:
+        return self.pages_total - self.pages_used - sum(self.inflight.values())
+
+
+class Router:
+    """Chooses workers; the caller reports dispatches, first tokens, finishes and stats."""
+
+    def __init__(self, num_prefill: int, num_decode: int, decode_pages_total: int, decode_max_running: int) -> None:
+        self.prefill_tokens = [0] * num_prefill
+        self._prefill_of: dict[str, tuple[int, int]] = {}
+        self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
+        self._decode_of: dict[str, int] = {}
+        self.decode_max_running = decode_max_running
+
+    def pick_prefill(self) -> int:
+        """Index of the prefill worker with the fewest queued tokens (lowest index on ties)."""
+        return min(range(len(self.prefill_tokens)), key=lambda i: (self.prefill_tokens[i], i))
+
+    def pick_decode(self, pages_needed: int) -> int:
+        """Index of the decode worker with the most room for ``pages_needed`` more pages."""
+
+        def room(i: int) -> tuple[bool, int, int]:
+            load = self.decode[i]
+            busy = load.running + len(load.inflight)
+            fits = busy < self.decode_max_running and load.free_after_inflight() >= pages_needed
+            return (fits, load.free_after_inflight(), -busy)
+
+        return max(range(len(self.decode)), key=room)
+
+    def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int) -> None:
+        self.prefill_tokens[prefill] += tokens
+        self._prefill_of[request_id] = (prefill, tokens)
+        self.decode[decode].inflight[request_id] = pages
+        self._decode_of[request_id] = decode
+
+    def prefilled(self, request_id: str) -> None:
+        """The first token came back: the request left its prefill queue."""
+        entry = self._prefill_of.pop(request_id, None)
+        if entry is not None:
+            self.prefill_tokens[entry[0]] -= entry[1]
+
+    def claimed(self, request_id: str) -> None:
+        """The decode worker reported the request (its pages now count in the worker's stats)."""
+        decode = self._decode_of.get(request_id)
+        if decode is not None:
+            self.decode[decode].inflight.pop(request_id, None)
+
+    def finished(self, request_id: str) -> None:
+        self.prefilled(request_id)
+        self.claimed(request_id)
+        self._decode_of.pop(request_id, None)
+
+    def decode_of(self, request_id: str) -> int | None:
+        return self._decode_of.get(request_id)
+
+    def prefill_of(self, request_id: str) -> int | None:
+        entry = self._prefill_of.get(request_id)
+        return None if entry is None else entry[0]
+
+    def update_decode_stats(self, index: int, pages_used: int, pages_total: int, running: int) -> None:
+        load = self.decode[index]
+        load.pages_used, load.pages_total, load.running = pages_used, pages_total, running

@@ -1,0 +1,116 @@
+"""Prefill side of the hand-off: copy a prefilled request's KV pages and features into a ring, publish.
+
+A request whose ring is full (no pages, no feature room, or no free slot) stays
+pending here with its KV in the prefill worker's own cache; it is retried every
+loop iteration. That is the backpressure of the design: prefill waits, its
+queue grows, nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kv_transfer import copy_kv_to_ring
+from kernels.ring_buffer import CrossModalRing, Handoff
+from mm_serve import messages
+from mm_serve.engine.request import Request
+from text_decode.kv_cache import PagedKVCache
+
+
+@dataclass
+class PendingHandoff:
+    """A prefilled request waiting to be published to decode worker ``decode_index``."""
+
+    request: Request
+    decode_index: int
+    meta: bytes
+    ring_pages: list[int] | None = None
+    feature_offset: int = 0
+    copied: bool = False
+
+
+class HandoffSender:
+    """Owns the pending list; one ring per decode worker (``rings[d]``)."""
+
+    def __init__(self, rings: list[CrossModalRing], kv_cache: PagedKVCache) -> None:
+        self.rings = rings
+        self.kv_cache = kv_cache
+        self.pending: list[PendingHandoff] = []
+
+    def add(self, request: Request, decode_index: int, meta: messages.HandoffMeta) -> None:
+        meta.events["handoff_begin"] = time.time()
+        self.pending.append(PendingHandoff(request, decode_index, messages.encode_meta(meta)))
+
+    def pump(self) -> list[Request]:
+        """Reclaim released slots, then try to publish every pending hand-off in order.
+
+        Returns the requests published now (their local pages are freed here).
+        """
+        for ring in self.rings:
+            ring.reclaim()
+        published: list[Request] = []
+        still: list[PendingHandoff] = []
+        for item in self.pending:
+            if self._try_publish(item):
+                published.append(item.request)
+                self.kv_cache.pool.free(item.request.block_table)
+                item.request.block_table = []
+            else:
+                still.append(item)
+        self.pending = still
+        return published
+
+    def _try_publish(self, item: PendingHandoff) -> bool:
+        ring = self.rings[item.decode_index]
+        request = item.request
+        rows = 0 if request.image_embeds is None else int(request.image_embeds.shape[0])
+        if item.ring_pages is None:
+            pages = ring.alloc_pages(len(request.block_table))
+            if pages is None:
+                return False
+            offset = ring.alloc_features(rows) if rows else 0
+            if offset is None:
+                ring.free_unpublished(pages, 0, 0)
+                return False
+            item.ring_pages, item.feature_offset = pages, offset
+        if not item.copied:
+            copy_kv_to_ring(self.kv_cache.data, request.block_table, ring.pages, item.ring_pages)
+            if rows and request.image_embeds is not None:
+                ring.features[item.feature_offset : item.feature_offset + rows].copy_(
+                    request.image_embeds.to(ring.features.dtype)
+                )
+            item.copied = True
+        handoff = Handoff(
+            request_id=request.request_id, page_ids=item.ring_pages, num_kv_tokens=request.num_prompt_tokens,
+            first_token=request.output_token_ids[0], feature_offset=item.feature_offset, feature_rows=rows,
+            meta=item.meta,
+        )
+        return ring.publish(handoff, timeout=0.0)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a pending hand-off: free its local pages and any ring allocation."""
+        for item in self.pending:
+            if item.request.request_id == request_id:
+                self.pending.remove(item)
+                if item.ring_pages is not None:
+                    rows = 0 if item.request.image_embeds is None else int(item.request.image_embeds.shape[0])
+                    self.rings[item.decode_index].free_unpublished(item.ring_pages, item.feature_offset, rows)
+                self.kv_cache.pool.free(item.request.block_table)
+                item.request.block_table = []
+                return item.request
+        return None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending)
+
+    def slots_used(self) -> int:
+        return sum(ring.slots_used() for ring in self.rings)
+
+
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """Serialised CPU generator state (so decode continues the same random stream)."""
+    return None if generator is None else bytes(generator.get_state().numpy().tobytes())
