@@ -134,11 +134,25 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
+def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the section that holds the key at ``loc``."""
+    model: Any = ServiceConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return []
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
 def _format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
         value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key; allowed here: {', '.join(_allowed_keys(err['loc']))}")
+            continue
         lines.append(f"{key} = {value!r}: {err['msg']}")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 

@@ -1,0 +1,151 @@
+"""Disaggregated prefill/decode: same tokens as transformers and colocated, preemption, cleanup."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mm_serve import LLM, SamplingParams
+from tests.factories import gradient_image, image_in_mode
+from tests.golden import load_reference, reference_generate
+
+Q = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+Q2 = "USER: <image>\nCompare this <image>\nwith the first one. ASSISTANT:"
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+CASES: list[dict[str, Any]] = [
+    {"prompt": "Serving a language model means"},
+    {"prompt_token_ids": [7]},
+    {"prompt": Q, "images": [gradient_image(80, 60, 1)]},
+    {"prompt": Q2, "images": [gradient_image(200, 90, 2), gradient_image(33, 120, 3)]},
+    {"prompt": Q, "images": [gradient_image(5, 3, 4)]},
+    {"prompt": Q, "images": [gradient_image(1, 400, 5)]},
+    {"prompt": " ".join(["The quick brown fox jumps over the lazy dog."] * 25)},
+    {"prompt": Q, "images": [image_in_mode("RGBA", 70, 50, 9)]},
+    {"prompt": Q, "images": [image_in_mode("P", 70, 50, 10)]},
+    {"prompt": Q, "images": [image_in_mode("I;16", 70, 50, 11)]},
+    {"prompt": Q, "images": [image_in_mode("CMYK", 70, 50, 12)]},
+    {"messages": [{"role": "user", "content": [
+        {"type": "image", "image": gradient_image(64, 64, 6)}, {"type": "text", "text": "Describe the image."}]}]},
+]
+
+
+def shm_segments(prefix: str) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_llava: Path) -> list[list[int]]:
+    colocated = LLM(model=tiny_llava, mode="colocated")
+    reference = load_reference(tiny_llava, multimodal=True)
+    return [reference_generate(reference, colocated.inputs.process(r), 32)[0] for r in CASES]
+
+
+@pytest.fixture(scope="module")
+def one_p_one_d(tiny_llava: Path) -> Iterator[LLM]:
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512) as llm:
+        yield llm
+
+
+def test_colocated_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
+    outputs = LLM(model=tiny_llava, mode="colocated").generate(CASES, GREEDY)
+    assert [o.token_ids for o in outputs] == reference_tokens
+
+
+def test_1p1d_equals_transformers(one_p_one_d: LLM, reference_tokens: list[list[int]]) -> None:
+    outputs = one_p_one_d.generate(CASES, GREEDY)
+    assert [o.token_ids for o in outputs] == reference_tokens
+    assert [o.finish_reason for o in outputs] == ["length"] * len(CASES)
+
+
+def test_2p1d_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
+    with LLM(model=tiny_llava, mode="disaggregated", prefill_workers=2, decode_workers=1, num_pages=512) as llm:
+        outputs = llm.generate(CASES, GREEDY)
+        stats = llm.client.query_stats() if llm.client else {}
+    assert [o.token_ids for o in outputs] == reference_tokens
+    encoded = [stats[("prefill", i)].num_encoded_images for i in range(2)]
+    assert sum(encoded) == sum(len(c.get("images", [])) + (1 if "messages" in c else 0) for c in CASES)
+    assert all(n > 0 for n in encoded), f"router used one prefill worker only: {encoded}"
+
+
+def test_colocated_worker_process_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
+    with LLM(model=tiny_llava, mode="colocated-worker", num_pages=512) as llm:
+        outputs = llm.generate(CASES[:6], GREEDY)
+    assert [o.token_ids for o in outputs] == reference_tokens[:6]
+
+
+def test_prefill_and_decode_run_in_different_processes(one_p_one_d: LLM) -> None:
+    one_p_one_d.generate({"prompt": Q, "images": [gradient_image(40, 40)]}, GREEDY)
+    assert one_p_one_d.client is not None
+    stats = one_p_one_d.client.query_stats()
+    prefill, decode = stats[("prefill", 0)], stats[("decode", 0)]
+    assert len({prefill.pid, decode.pid, os.getpid()}) == 3
+    assert prefill.num_encoded_images >= 1 and decode.num_encoded_images == 0
+
+
+def test_seeded_sampling_matches_colocated(tiny_llava: Path, one_p_one_d: LLM) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    request = {"prompt": Q, "images": [gradient_image(50, 50, 3)]}
+    colocated = LLM(model=tiny_llava, mode="colocated").generate(request, params)[0].token_ids
+    assert one_p_one_d.generate(request, params)[0].token_ids == colocated
+
+
+def test_preemption_recomputes_without_reencoding(tiny_llava: Path) -> None:
+    """A tiny decode page pool forces preemption; outputs stay identical and no image is re-encoded."""
+    requests = [{"prompt": Q, "images": [gradient_image(60 + i, 40, i)]} for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=tiny_llava, mode="colocated").generate(requests, params)]
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=40, page_size=4, ring_pages=20) as llm:
+        outputs = llm.generate(requests, params)
+        assert llm.client is not None
+        stats = llm.client.query_stats()
+    assert [o.token_ids for o in outputs] == expected
+    assert stats[("decode", 0)].num_preemptions > 0
+    assert stats[("prefill", 0)].num_encoded_images == 4
+    assert stats[("decode", 0)].num_encoded_images == 0
+
+
+def test_200_mixed_requests_free_every_page_and_clean_up(tiny_llava: Path) -> None:
+    requests: list[dict[str, Any]] = []
+    for i in range(200):
+        kind = i % 3
+        if kind == 0:
+            requests.append({"prompt": f"Request {i}: tell me about the number {i}"})
+        elif kind == 1:
+            requests.append({"prompt": Q, "images": [gradient_image(30 + i % 50, 40, i)]})
+        else:
+            requests.append({"prompt": Q2, "images": [gradient_image(20, 20, i), gradient_image(45, 30, i + 1)]})
+    params = [SamplingParams(max_tokens=4 + i % 13, temperature=0.0 if i % 2 else 0.7, seed=i) for i in range(200)]
+    llm = LLM(model=tiny_llava, mode="disaggregated", num_pages=256, ring_buffer_size=4)
+    assert llm.client is not None
+    prefix = f"mmsrv-{llm.client.instance}"
+    pids = [p.pid for p in llm.client.processes]
+    try:
+        outputs = llm.generate(requests, params)
+        assert all(1 <= len(o.token_ids) <= 4 + i % 13 for i, o in enumerate(outputs))
+        assert all(o.finish_reason in ("stop", "length") for o in outputs)
+        stats = llm.client.query_stats()
+        for key in (("prefill", 0), ("decode", 0)):
+            assert stats[key].kv_pages_used == 0, key
+            assert stats[key].pages_integrity_ok, key
+            assert stats[key].ring_slots_used == 0, key
+        assert shm_segments(prefix), "rings should exist while serving"
+    finally:
+        llm.close()
+    assert shm_segments(prefix) == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_worker_processes_reject_bad_mode(tiny_llava: Path) -> None:
+    with pytest.raises(ValueError, match="mode must be"):
+        LLM(model=tiny_llava, mode="sideways")
+    with pytest.raises(ValueError, match="unknown LLM arguments"):
+        LLM(model=tiny_llava, mode="disaggregated", bogus=1)
+    assert torch.get_num_threads() >= 1
