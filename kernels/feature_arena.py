@@ -101,6 +101,6 @@ class FeatureArena:
             position = offset + rows
         if position != self.num_rows:
             raise AssertionError(f"extents cover {position} rows, arena has {self.num_rows}")
-        for (a, ra), (b, _) in zip(self._free, self._free[1:]):
+        for (a, ra), (b, _) in zip(self._free, self._free[1:], strict=False):
             if a + ra >= b:
                 raise AssertionError(f"free extents at {a} and {b} touch or are out of order")

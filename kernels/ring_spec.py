@@ -1,15 +1,19 @@
-"""Shape, name and shared-memory layout of one cross-modal ring buffer.
+"""Shape, name and shared-memory layout of one cross-modal ring buffer; the hand-off record.
 
 A :class:`RingSpec` is what the creating side sends to the other side in a
 control message (msgspec-encoded); from it both sides derive the same segment
 names, the same slot layout (:func:`slot_dtype`) and the same control-block
-word offsets. This module imports no torch.
+word offsets. :func:`write_payload` / :func:`read_payload` move a
+:class:`Handoff` in and out of a slot; the protocol around them (status,
+version, indices) is :class:`kernels.ring_buffer.CrossModalRing`'s. No torch here.
 """
 
 from __future__ import annotations
 
+import mmap
 import re
 import uuid
+from dataclasses import dataclass
 from enum import IntEnum
 from types import MappingProxyType
 
@@ -62,6 +66,20 @@ CONTROL_WORDS = 64
 RING_MAGIC = 0x4D4D5352_52494E47  # "MMSRRING"
 
 
+@dataclass
+class Handoff:
+    """One prefilled request handed from prefill to decode."""
+
+    request_id: str  # <= 64 UTF-8 bytes
+    page_ids: list[int]  # ring pool pages holding the KV, in token order
+    num_kv_tokens: int  # tokens whose KV is in the pages (= prompt length)
+    first_token: int  # token sampled by prefill
+    feature_offset: int  # first row in the feature arena (0 with no features)
+    feature_rows: int  # 0 for text-only requests
+    meta: bytes  # opaque caller-encoded payload, <= spec.meta_bytes
+    seq: int = -1  # ring sequence number, filled by publish / peek / claim
+
+
 class RingSpec(msgspec.Struct, frozen=True):
     """Everything both sides need to create or attach the same ring.
 
@@ -80,6 +98,8 @@ class RingSpec(msgspec.Struct, frozen=True):
     meta_bytes: int  # per-slot opaque payload size (msgpack of token ids + sampling params)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.page_shape, tuple):  # a list from Python callers: normalise
+            msgspec.structs.force_setattr(self, "page_shape", tuple(self.page_shape))
         if not _NAME_RE.fullmatch(self.name):
             raise ValueError(f"ring name must match {_NAME_RE.pattern}, got {self.name!r}")
         if self.dtype not in DTYPE_BYTES:
@@ -124,6 +144,28 @@ class RingSpec(msgspec.Struct, frozen=True):
         """POSIX shm name (no leading slash) of segment ``part``: "ctl", "kv" or "feat"."""
         return f"{self.name}-{part}"
 
+    def check_handoff(self, handoff: Handoff) -> bytes:
+        """The UTF-8 request id, once ``handoff``'s sizes fit this ring's slots.
+
+        Raises:
+            ValueError: request id or meta too long, more pages than allowed, page
+                count not ``ceil(num_kv_tokens / page_size)``, or a feature offset
+                without features.
+        """
+        rid = handoff.request_id.encode()
+        if len(rid) > REQUEST_ID_BYTES or len(handoff.meta) > self.meta_bytes:
+            raise ValueError(
+                f"request id ({len(rid)} B) or meta ({len(handoff.meta)} B) too long "
+                f"(max {REQUEST_ID_BYTES} B, {self.meta_bytes} B)"
+            )
+        n = len(handoff.page_ids)
+        needed = -(-handoff.num_kv_tokens // self.page_size)
+        if n > self.max_pages_per_handoff or handoff.num_kv_tokens < 0 or n != needed:
+            raise ValueError(f"{handoff.num_kv_tokens} KV tokens do not fill exactly {n} pages")
+        if not handoff.feature_rows and handoff.feature_offset:
+            raise ValueError(f"feature_offset must be 0 without features, got {handoff.feature_offset}")
+        return rid
+
     def fingerprint(self) -> int:
         """A 63-bit digest of the whole spec; attach refuses a segment created from another spec."""
         digest = uuid.uuid5(uuid.NAMESPACE_OID, repr(msgspec.structs.astuple(self)))
@@ -142,7 +184,7 @@ def slot_dtype(spec: RingSpec) -> np.dtype:
     """
     ids_off = 2 * CACHE_LINE
     meta_off = ids_off + 8 * spec.max_pages_per_handoff
-    size = meta_off + spec.meta_bytes
+    size = meta_off + max(spec.meta_bytes, 1)
     fields = {
         "status": ("<u4", 0),  # SlotStatus
         "request_id_len": ("<u4", 4),
@@ -162,8 +204,17 @@ def slot_dtype(spec: RingSpec) -> np.dtype:
         "names": list(fields),
         "formats": [fmt for fmt, _ in fields.values()],
         "offsets": [off for _, off in fields.values()],
-        "itemsize": -(-(size + 1) // CACHE_LINE) * CACHE_LINE,
+        "itemsize": -(-size // CACHE_LINE) * CACHE_LINE,
     })
+
+
+def segment_sizes(spec: RingSpec) -> dict[str, int]:
+    """Bytes of each segment of the ring by shm name, in order "-ctl", "-kv", "-feat" (>= 1 each)."""
+    return {
+        spec.segment_name("ctl"): control_segment_bytes(spec)[2],
+        spec.segment_name("kv"): spec.num_pages * spec.page_bytes,
+        spec.segment_name("feat"): max(spec.feature_rows * spec.feature_dim * spec.itemsize, 1),
+    }
 
 
 def control_segment_bytes(spec: RingSpec) -> tuple[int, int, int]:
@@ -171,3 +222,49 @@ def control_segment_bytes(spec: RingSpec) -> tuple[int, int, int]:
     slots_off = CONTROL_WORDS * 8
     release_off = slots_off + spec.capacity * slot_dtype(spec).itemsize
     return slots_off, release_off, release_off + spec.capacity * 8
+
+
+def write_payload(slot: np.void, handoff: Handoff, request_id: bytes, seq: int) -> None:
+    """Store every field of ``handoff`` (UTF-8 ``request_id``) and ``seq`` in ``slot``,
+    a view of one slot; status and version are left to the caller (they go last)."""
+    n = len(handoff.page_ids)
+    slot["request_id"][: len(request_id)] = np.frombuffer(request_id, np.uint8)
+    slot["request_id_len"] = len(request_id)
+    slot["page_ids"][:n] = handoff.page_ids
+    slot["num_pages"] = n
+    slot["meta"][: len(handoff.meta)] = np.frombuffer(handoff.meta, np.uint8)
+    slot["meta_len"] = len(handoff.meta)
+    slot["num_kv_tokens"] = handoff.num_kv_tokens
+    slot["first_token"] = handoff.first_token
+    slot["feature_offset"] = handoff.feature_offset
+    slot["feature_rows"] = handoff.feature_rows
+    slot["seq"] = seq
+
+
+def read_payload(snap: np.void) -> Handoff:
+    """The hand-off stored in ``snap``, a private copy of one slot.
+
+    Raises:
+        UnicodeDecodeError: the request id bytes are not UTF-8 (corrupted slot).
+    """
+    return Handoff(
+        request_id=snap["request_id"][: snap["request_id_len"]].tobytes().decode(),
+        page_ids=snap["page_ids"][: snap["num_pages"]].tolist(),
+        num_kv_tokens=int(snap["num_kv_tokens"]),
+        first_token=int(snap["first_token"]),
+        feature_offset=int(snap["feature_offset"]),
+        feature_rows=int(snap["feature_rows"]),
+        meta=snap["meta"][: snap["meta_len"]].tobytes(),
+        seq=int(snap["seq"]),
+    )
+
+
+def control_views(spec: RingSpec, buffer: mmap.mmap) -> tuple[np.ndarray, ...]:
+    """numpy views of the ``-ctl`` segment: control words ``[CONTROL_WORDS]`` u64, slots
+    ``[capacity]`` of :func:`slot_dtype`, release ring ``[capacity]`` u64 (sequence numbers)."""
+    slots_off, release_off, _ = control_segment_bytes(spec)
+    return (
+        np.frombuffer(buffer, np.uint64, CONTROL_WORDS),
+        np.frombuffer(buffer, slot_dtype(spec), spec.capacity, slots_off),
+        np.frombuffer(buffer, np.uint64, spec.capacity, release_off),
+    )

@@ -21,11 +21,13 @@ POSIX only (Linux: segments appear as ``/dev/shm/<name>``).
 
 from __future__ import annotations
 
+import _posixshmem  # CPython's shm_open/shm_unlink binding, as used by multiprocessing
 import mmap
 import os
+from collections.abc import Mapping
 from multiprocessing import resource_tracker
 
-import _posixshmem  # CPython's shm_open/shm_unlink binding, as used by multiprocessing
+import torch
 
 _TRACKER_TYPE = "shared_memory"  # the resource type multiprocessing's tracker unlinks
 
@@ -95,6 +97,19 @@ class ShmSegment:
             raise RuntimeError(f"shared-memory segment {self.name!r} is closed")
         return self._buffer
 
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A ``shape`` tensor over the start of the segment; it keeps the mapping alive.
+
+        Raises:
+            ValueError: the segment is too small for ``shape``.
+        """
+        count = 1
+        for size in shape:
+            count *= size
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.buffer, dtype=dtype, count=count).view(shape)
+
     def close(self) -> None:
         """Drop this object's reference to the mapping; idempotent.
 
@@ -119,3 +134,29 @@ class ShmSegment:
         except FileNotFoundError:
             pass  # removed behind our back (e.g. by hand); nothing left to do
         resource_tracker.unregister(path, _TRACKER_TYPE)
+
+
+def create_segments(sizes: Mapping[str, int]) -> list[ShmSegment]:
+    """Create one segment per ``name: size`` entry, in order; all or none.
+
+    Raises:
+        FileExistsError: a name is taken (the segments created so far are unlinked).
+    """
+    segments: list[ShmSegment] = []
+    try:
+        for name, size in sizes.items():
+            segments.append(ShmSegment.create(name, size))
+    except BaseException:
+        for segment in segments:
+            segment.unlink()
+        raise
+    return segments
+
+
+def attach_segments(min_sizes: Mapping[str, int]) -> list[ShmSegment]:
+    """Attach one segment per ``name: min_size`` entry, in order.
+
+    Raises:
+        FileNotFoundError, ValueError: as :meth:`ShmSegment.attach`.
+    """
+    return [ShmSegment.attach(name, size) for name, size in min_sizes.items()]

@@ -62,7 +62,7 @@ class IncrementalDetokenizer:
         while safe > self.sent and full[safe - 1] == "\ufffd":
             safe -= 1
         if self.stops:
-            safe = min(safe, len(full) - held_tail(full, self.stops))
+            safe -= held_tail(full[:safe], self.stops)
         return self._emit(safe)
 
     def finish(self) -> str:

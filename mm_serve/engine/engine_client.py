@@ -66,6 +66,8 @@ class EngineClient:
         self._lock = threading.RLock()
         self._ctx = zmq.Context.instance()
         self._stopping = threading.Event()
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._seed_rng = random.Random(config.seed)
         self._receiver: threading.Thread | None = None
         self._stats_time: dict[tuple[str, int], float] = {}
@@ -116,6 +118,8 @@ class EngineClient:
         decoder = messages.decoder(messages.FromWorker)
         deadline = time.monotonic() + timeout_s
         while len(self.ready) < len(self.specs):
+            if self._stopping.is_set():
+                raise WorkerStartError("stopped while the workers were starting")
             self._check_processes(raise_on_death=True)
             if time.monotonic() > deadline:
                 raise WorkerStartError(f"workers not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
@@ -144,10 +148,20 @@ class EngineClient:
             out.append(f"--- {log.name}\n" + "\n".join(text))
         return "\n".join(out)
 
+    def request_stop(self) -> None:
+        """Make a concurrent :meth:`start` give up and new submissions fail (cleanup is :meth:`shutdown`)."""
+        self._stopping.set()
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.specs) and len(self.ready) == len(self.specs) and not self.dead and not self._stopping.is_set()
+
     def shutdown(self) -> None:
         """Stop every worker, unlink every ring segment, remove the run directory. Idempotent."""
-        if self._stopping.is_set():
-            return
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stopping.set()
         for sock in getattr(self, "_controls", {}).values():
             try:

@@ -1,0 +1,100 @@
+"""The FastAPI application: OpenAI-compatible routes, health, version, internal stats."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from mm_serve import __version__
+from mm_serve.api.body_limit import BodyLimitMiddleware
+from mm_serve.api.chat import create_chat_completion
+from mm_serve.api.completions import create_completion
+from mm_serve.api.context import ServerContext
+from mm_serve.api.errors import APIError, install_error_handlers
+from mm_serve.api.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    VersionResponse,
+)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in ((400, "Bad request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
+                       (413, "Body too large"), (503, "Service unavailable"))
+}
+
+
+def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
+    """The ASGI app for ``ctx``; with ``start_engine`` the workers start with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if start_engine:
+            ctx.holder.start_background()
+        try:
+            yield
+        finally:
+            if start_engine:
+                await asyncio.to_thread(ctx.holder.stop)
+
+    app = FastAPI(title="mm-serve", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes)
+
+    async def require_key(request: Request) -> None:
+        key = ctx.config.api.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", None, "invalid_api_key")
+
+    auth = [Depends(require_key)]
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS, dependencies=auth,
+              summary="Chat completion (text and images); set stream=true for SSE chunks")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await create_chat_completion(body, request, ctx)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS, dependencies=auth,
+              summary="Text completion; set stream=true for SSE chunks")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(body, request, ctx)
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=auth)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=ctx.served_model_name, created=ctx.created,
+                                         max_model_len=ctx.context_len, root=str(ctx.holder.model_dir))])
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def health() -> JSONResponse:
+        status, workers = ctx.holder.health()
+        body = HealthResponse(status=status, workers=workers).model_dump()  # type: ignore[arg-type]
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__, model=ctx.served_model_name)
+
+    @app.get("/internal/stats", dependencies=auth, summary="Per-worker KV pages, queues and counters")
+    async def stats() -> dict[str, Any]:
+        client = ctx.client_or_503()
+        fresh = await asyncio.to_thread(client.query_stats)
+        return {f"{role}{index}": {f: getattr(s, f) for f in s.__struct_fields__} for (role, index), s in fresh.items()}
+
+    return app

@@ -1,0 +1,39 @@
+"""What the route handlers share: the engine, the config and the served model's name."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from mm_serve.api.engine_holder import EngineHolder
+from mm_serve.api.errors import unavailable
+from mm_serve.config import ServiceConfig
+from mm_serve.engine.engine_client import EngineClient
+
+
+@dataclass
+class ServerContext:
+    """Per-app state (one instance per server; no module globals)."""
+
+    holder: EngineHolder
+    config: ServiceConfig
+    served_model_name: str
+    created: int = int(time.time())
+
+    @property
+    def context_len(self) -> int:
+        """Prompt plus output tokens at most (the checkpoint's limit, capped by one worker's KV pages)."""
+        text = self.holder.model_config.text
+        kv = self.config.kv_cache
+        return min(text.max_position_embeddings, kv.max_pages_per_gpu * kv.page_size)
+
+    def client_or_503(self) -> EngineClient:
+        """The engine client, or 503 while it is warming up, failed or shutting down."""
+        if not self.holder.ready:
+            status, _ = self.holder.health()
+            raise unavailable(f"the service is {status}; try again shortly" if status == "warming"
+                              else "the service is unavailable (a worker is down)")
+        return self.holder.client
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.config.api.timeout_ms / 1000.0

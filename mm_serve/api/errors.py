@@ -1,0 +1,78 @@
+"""OpenAI-format errors (``{"error": {"message", "type", "param", "code"}}``) and their handlers.
+
+Status codes: 400 bad input, 401 missing/wrong key, 404 unknown model or path,
+413 body too large, 503 the service cannot take the request now. A failure is
+never a 200 with error text, and never an unformatted 500.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mm_serve.api.schemas import ErrorDetail, ErrorResponse
+
+
+class APIError(Exception):
+    """An error to send to the client with ``status`` and OpenAI ``type``/``param``/``code``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "service_unavailable", None, "service_unavailable")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors: list[Any] = list(exc.errors())
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg')}", None
+    param = ".".join(loc) or None
+    where = f" at '{param}'" if param else ""
+    return f"{first.get('msg', 'invalid value')}{where}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map validation errors to 400 and every error to OpenAI's error JSON."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()

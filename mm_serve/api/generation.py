@@ -1,0 +1,92 @@
+"""One API call's ``n`` engine requests, watched from the asyncio event loop.
+
+Token updates arrive on the engine client's receiver thread; each
+:class:`RequestState` listener hands a notification to the loop with
+``call_soon_threadsafe``. Nothing here blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+
+from mm_serve.api.errors import bad_request, unavailable
+from mm_serve.engine.engine_client import EngineClient
+from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
+from mm_serve.engine.request_state import RequestState
+from mm_serve.sampling_params import SamplingParams
+
+DISCONNECT_POLL_S = 0.25
+
+
+class Generation:
+    """Submits ``params.n`` requests (seeds ``seed + i``) and reports their progress."""
+
+    def __init__(self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams) -> None:
+        self.client = client
+        self.request_id = uuid.uuid4().hex
+        self.num_prompt_tokens = len(inputs.prompt_token_ids)
+        self.states: list[RequestState] = []
+        self._queue: asyncio.Queue[int] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                state = client.submit(f"{self.request_id}-{i}", inputs, replace(params, n=1, seed=seed))
+                state.listener = lambda _s, i=i: loop.call_soon_threadsafe(self._queue.put_nowait, i)
+                self.states.append(state)
+                self._queue.put_nowait(i)  # in case updates arrived before the listener was set
+        except InvalidRequestError as exc:
+            self.abort()
+            raise bad_request(str(exc), "messages", "context_length_exceeded") from None
+        except RuntimeError as exc:
+            self.abort()
+            raise unavailable(str(exc)) from None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.states)
+
+    def abort(self) -> None:
+        """Cancel every unfinished request of this call (pages are freed by the workers)."""
+        for state in self.states:
+            if not state.finished:
+                self.client.abort(state.request_id)
+
+    async def changes(
+        self, deadline: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> AsyncIterator[int]:
+        """Yield the index of each request that changed, until all finish.
+
+        Raises:
+            TimeoutError: ``deadline`` (``time.monotonic()``) passed; everything is aborted.
+            ConnectionAbortedError: the client went away; everything is aborted.
+        """
+        while not self.finished or not self._queue.empty():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.abort()
+                raise TimeoutError
+            try:
+                index = await asyncio.wait_for(self._queue.get(), min(remaining, DISCONNECT_POLL_S))
+            except TimeoutError:
+                if is_disconnected is not None and await is_disconnected():
+                    self.abort()
+                    raise ConnectionAbortedError from None
+                continue
+            yield index
+
+    async def wait(self, deadline: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Wait for every request to finish (same errors as :meth:`changes`)."""
+        async for _ in self.changes(deadline, is_disconnected):
+            pass
+
+    def failure(self) -> str | None:
+        """The first error message among the requests, if any failed."""
+        for state in self.states:
+            if state.error and state.error != "aborted":
+                return state.error
+        return None

@@ -1,0 +1,300 @@
+"""Resolve the ``image_url`` of a chat content part into an RGB Pillow image, safely.
+
+Accepted: ``data:image/...;base64,``; ``http(s)://`` under a :class:`MediaPolicy`;
+``file://`` under the allowed local media path. Every failure is an ``ImageError`` (400).
+
+DNS rebinding is closed: each hop resolves the host once, checks every address, then
+connects to those addresses itself, sending the original ``Host`` and, for https, the
+original name as TLS SNI (httpcore ``sni_hostname``), so the certificate is verified
+against the name (via a CONNECT proxy the SNI is the IP, which fails closed). Open gap:
+a ``file://`` path is checked, then opened (``O_NOFOLLOW`` on its last part only), so a
+concurrent swap of a parent directory could escape the allowed directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import re
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import httpx
+from PIL import Image
+
+from vision_prefill.errors import ImageError, InvalidImageURLError
+from vision_prefill.image_loading import decode_data_uri, load_image_bytes
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""``(host, port) -> IP address strings``, best first; raises ``MediaFetchError``."""
+
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
+
+
+class MediaFetchError(ImageError):
+    """Fetch failed or refused: timeout, HTTP status >= 400, too large, too many redirects,
+    refused address, domain or local path. Messages never include the payload."""
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Limits for resolving image URLs; one instance per server, never mutated."""
+
+    max_pixels: int
+    """Largest accepted ``width * height`` of a decoded image, in pixels."""
+    max_fetch_bytes: int = 20 * 1024 * 1024
+    """Largest body fetched (after content decoding) or file read, in bytes."""
+    fetch_timeout_s: float = 10.0
+    """Overall limit for one URL, in seconds: DNS, every redirect hop and the body."""
+    max_redirects: int = 3
+    """Most redirects followed for one URL; 0 refuses any redirect."""
+    allowed_local_media_path: Path | None = None
+    """Directory ``file://`` paths must resolve inside (symlinks followed); None refuses them."""
+    allowed_media_domains: tuple[str, ...] = ()
+    """Host names (ASCII; punycode for IDNs) allowed with subdomains; empty allows any."""
+    allow_private_networks: bool = False
+    """Allow loopback, private, link-local and other non-public addresses."""
+
+    def __post_init__(self) -> None:
+        for name, least in (("max_pixels", 1), ("max_fetch_bytes", 1), ("max_redirects", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        if not self.fetch_timeout_s > 0:
+            raise ValueError(f"fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        for domain in self.allowed_media_domains:
+            if not _HOST_NAME.fullmatch(domain.lower()):
+                raise ValueError(f"allowed_media_domains entry is not a host name: {domain!r}")
+
+
+async def load_image_url(
+    url: str,
+    policy: MediaPolicy,
+    client: httpx.AsyncClient | None = None,
+    *,
+    resolver: Resolver | None = None,
+) -> Image.Image:
+    """Resolve one image URL (data:, http(s)://, file://) to an upright RGB image.
+
+    Args:
+        client: reused for http(s) when given (its redirect setting is overridden per
+            request); otherwise a private client is created and closed.
+        resolver: host lookup; default ``loop.getaddrinfo`` (tests inject a stub).
+
+    Raises:
+        InvalidImageURLError: unsupported scheme, malformed URL or data URI, bad base64.
+        MediaFetchError: fetch failed or refused by ``policy`` (see the class).
+        ImageTooLargeError: more pixels than ``policy.max_pixels`` (decompression bomb).
+        ImageDecodeError: the bytes are not a supported image, or are truncated.
+    """
+    text = url.strip()
+    scheme = _scheme_of(text)
+    if scheme == "data":
+        return await asyncio.to_thread(decode_data_uri, text, max_pixels=policy.max_pixels)
+    if scheme in ("http", "https"):
+        if client is None:  # load_image_urls opens, uses and closes a private client
+            return (await load_image_urls([text], policy, resolver=resolver))[0]
+        data = await _fetch(text, policy, client, resolver or _resolve)
+    elif scheme == "file":
+        data = await asyncio.to_thread(_read_local_file, text, policy)
+    else:
+        shown = f"scheme {scheme!r}" if scheme else "no scheme"
+        raise InvalidImageURLError(
+            f"unsupported image URL ({shown}): expected data:image/<format>;base64,..., "
+            "http(s)://, or file:// under the server's allowed local media path"
+        )
+    return await asyncio.to_thread(load_image_bytes, data, max_pixels=policy.max_pixels)
+
+
+async def load_image_urls(
+    urls: list[str],
+    policy: MediaPolicy,
+    client: httpx.AsyncClient | None = None,
+    *,
+    resolver: Resolver | None = None,
+) -> list[Image.Image]:
+    """Resolve image URLs concurrently, in order, sharing one http client (as ``load_image_url``).
+
+    On the first error (in time) the other loads are cancelled and awaited, then it is raised.
+    """
+    if client is None and any(_scheme_of(u.strip()) in ("http", "https") for u in urls):
+        # A private client ignores proxies and .netrc from the environment.
+        async with httpx.AsyncClient(trust_env=False, timeout=policy.fetch_timeout_s) as own_client:
+            return await load_image_urls(urls, policy, own_client, resolver=resolver)
+    loads = (load_image_url(u, policy, client, resolver=resolver) for u in urls)
+    tasks = [asyncio.ensure_future(load) for load in loads]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)  # let them unwind before the shared client closes
+        raise
+
+
+def _scheme_of(text: str) -> str:
+    """The lower-cased URL scheme, or "" when ``text`` does not start with one."""
+    match = _SCHEME.match(text)
+    return match.group(1).lower() if match else ""
+
+
+async def _fetch(
+    url: str, policy: MediaPolicy, client: httpx.AsyncClient, resolve: Resolver
+) -> bytes:
+    """Fetch an http(s) URL within ``policy.fetch_timeout_s`` overall; map httpx errors."""
+    try:
+        return await asyncio.wait_for(_follow(url, policy, client, resolve), policy.fetch_timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        raise MediaFetchError(f"image fetch timed out after {policy.fetch_timeout_s:g} s") from None
+    except httpx.InvalidURL as exc:
+        raise InvalidImageURLError("image URL is malformed") from exc
+    except httpx.HTTPError as exc:
+        detail = _shorten(str(exc)) or type(exc).__name__
+        raise MediaFetchError(f"could not fetch the image: {detail}") from exc
+
+
+async def _follow(
+    url: str, policy: MediaPolicy, client: httpx.AsyncClient, resolve: Resolver
+) -> bytes:
+    """GET ``url``, following at most ``policy.max_redirects`` redirects, each hop re-checked."""
+    target = httpx.URL(url)
+    for _ in range(policy.max_redirects + 1):
+        addresses = await _checked_addresses(target, policy, resolve)
+        response = await _send(client, target, addresses, policy.fetch_timeout_s)
+        try:
+            location = response.headers.get("location")
+            if response.status_code in _REDIRECT_STATUSES and location:
+                target = target.join(location)  # relative to the name, not the pinned IP
+                if target.scheme not in ("http", "https"):
+                    raise MediaFetchError("image URL redirected to a non-http(s) URL; refused")
+                continue
+            if not 200 <= response.status_code < 300:
+                status = f"{response.status_code} {_shorten(response.reason_phrase)}".rstrip()
+                raise MediaFetchError(f"image URL returned HTTP {status}")
+            return await _read_capped(response, policy.max_fetch_bytes)
+        finally:
+            await response.aclose()
+    raise MediaFetchError(f"image URL redirected more than {policy.max_redirects} times")
+
+
+async def _send(
+    client: httpx.AsyncClient, url: httpx.URL, addresses: list[str], timeout_s: float
+) -> httpx.Response:
+    """Send a streamed GET for ``url`` to each checked address in turn until one connects."""
+    host = url.raw_host.decode("ascii").strip("[]")
+    headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*"}
+    extensions = {"sni_hostname": host} if url.scheme == "https" else {}
+
+    def request_to(address: str) -> httpx.Request:
+        pinned = url.copy_with(host=address)
+        return client.build_request(
+            "GET", pinned, headers=headers, extensions=extensions, timeout=timeout_s
+        )
+
+    *others, last = addresses
+    for address in others:
+        try:
+            return await client.send(request_to(address), stream=True, follow_redirects=False)
+        except httpx.ConnectError:
+            continue  # as httpx itself would for a name: try the next address
+    return await client.send(request_to(last), stream=True, follow_redirects=False)
+
+
+async def _checked_addresses(url: httpx.URL, policy: MediaPolicy, resolve: Resolver) -> list[str]:
+    """``url``'s addresses, best first, once the domain and every address pass the policy.
+
+    Raises MediaFetchError (domain, no address, non-public address), InvalidImageURLError.
+    """
+    host = url.raw_host.decode("ascii").strip("[]")
+    if not host:
+        raise InvalidImageURLError("image URL has no host")
+    name = host.rstrip(".").lower()
+    shown = repr(_shorten(name))
+    domains = [d.lower() for d in policy.allowed_media_domains]
+    if domains and not any(name == d or name.endswith("." + d) for d in domains):
+        raise MediaFetchError(f"image host {shown} is not in the allowed media domains")
+    resolved = await resolve(host, url.port or (443 if url.scheme == "https" else 80))
+    addresses = [address.partition("%")[0] for address in resolved]  # drop IPv6 scope ids
+    if not addresses:
+        raise MediaFetchError(f"image host {shown} did not resolve to any address")
+    if not policy.allow_private_networks:
+        if not all(_is_public(ipaddress.ip_address(address)) for address in addresses):
+            raise MediaFetchError(f"image host {shown} resolves to a non-public address")
+    return addresses
+
+
+def _is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """True for globally routable unicast addresses; IPv4 embedded in IPv6 is judged as IPv4."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is None and ip in _NAT64:
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None:
+            return _is_public(embedded)
+        if ip.is_site_local:
+            return False
+    refused = ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast
+    return ip.is_global and not (refused or ip.is_reserved or ip.is_unspecified)
+
+
+async def _resolve(host: str, port: int) -> list[str]:
+    """Default :data:`Resolver`: the event loop's ``getaddrinfo`` (TCP), duplicates removed."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise MediaFetchError(f"cannot resolve image host {_shorten(host)!r}") from exc
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
+    """Read the body, refusing early on Content-Length and as soon as ``max_bytes`` is passed."""
+    declared = response.headers.get("content-length", "").strip()
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
+        raise MediaFetchError(f"image is larger than the {max_bytes}-byte limit (Content-Length)")
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > max_bytes:
+            raise MediaFetchError(f"image is larger than the {max_bytes}-byte limit")
+    return bytes(body)
+
+
+def _read_local_file(url: str, policy: MediaPolicy) -> bytes:
+    """Read a ``file://`` URL whose real path (``..``, symlinks resolved) is inside
+    ``policy.allowed_local_media_path``; otherwise, or if unreadable, MediaFetchError."""
+    root = policy.allowed_local_media_path
+    if root is None:
+        raise MediaFetchError("file:// image URLs are disabled on this server")
+    parts = urlsplit(url)
+    path = unquote(parts.path)
+    if parts.netloc not in ("", "localhost") or not path.startswith("/") or "\x00" in path:
+        raise MediaFetchError("file:// image URL must be file:///<absolute path> on this host")
+    cap = policy.max_fetch_bytes
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        resolved = Path(path).resolve()
+        if not resolved.is_relative_to(root.resolve()):
+            raise MediaFetchError("file:// image path is outside the allowed media directory")
+        with open(os.open(resolved, flags), "rb") as handle:
+            info = os.fstat(handle.fileno())
+            regular = stat.S_ISREG(info.st_mode)
+            data = handle.read(cap + 1) if regular and info.st_size <= cap else b""
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        raise MediaFetchError("file:// image does not exist or cannot be read") from exc
+    if not regular:
+        raise MediaFetchError("file:// image is not a regular file")
+    if info.st_size > cap or len(data) > cap:
+        raise MediaFetchError(f"image file is larger than the {cap}-byte limit")
+    return data
+
+
+def _shorten(text: str) -> str:
+    """``text`` cut to at most 80 characters, fit for an error message."""
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,101 @@
+"""``mm-serve serve``: the OpenAI-compatible server with its prefill/decode (or colocated) workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from mm_serve.cli.main import CLIError
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``serve`` sub-command."""
+    p = subparsers.add_parser(
+        "serve", help="start the OpenAI-compatible API server and its workers",
+        description="Serve a llava-hf or Llama checkpoint over an OpenAI-compatible HTTP API.",
+    )
+    p.add_argument("--config", default=None, help="YAML config file (see configs/default.yaml)")
+    p.add_argument("--model", default=None, help="checkpoint directory or registered name (default: embedded)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    p.add_argument("--prefill-workers", type=int, default=None, metavar="N")
+    p.add_argument("--decode-workers", type=int, default=None, metavar="M")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="allow file:// images under DIR")
+    p.add_argument("--allowed-media-domains", nargs="*", default=None, metavar="DOMAIN",
+                   help="only fetch http(s) images from these hosts")
+    p.set_defaults(func=run)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    pairs = {
+        "model": args.model, "served_model_name": args.served_model_name, "api.host": args.host,
+        "api.port": args.port, "mode": args.mode, "compute.prefill_workers": args.prefill_workers,
+        "compute.decode_workers": args.decode_workers, "api.api_key": args.api_key,
+        "api.allowed_local_media_path": args.allowed_local_media_path,
+        "api.allowed_media_domains": args.allowed_media_domains,
+    }
+    return {k: v for k, v in pairs.items() if v is not None}
+
+
+def _banner(host: str, port: int, name: str, api_key: str | None) -> str:
+    url = f"http://{host}:{port}"
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return (
+        f"mm-serve is ready at {url}  (model: {name})\n"
+        f"Try it:\n"
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Describe the image.\"}}], "
+        f"\"max_tokens\": 32}}'\n"
+        f"Health: {url}/health   OpenAPI: {url}/docs   Stop: Ctrl-C"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
+    import uvicorn
+
+    from mm_serve.api.app import build_app
+    from mm_serve.api.context import ServerContext
+    from mm_serve.api.engine_holder import EngineHolder
+    from mm_serve.config import ConfigError, load_config
+    from mm_serve.models.model_config import CheckpointError
+    from mm_serve.models.registry import resolve_model
+
+    try:
+        cfg = load_config(args.config, _overrides(args))
+        model_dir = resolve_model(cfg.model)
+        if cfg.api.allowed_local_media_path and not Path(cfg.api.allowed_local_media_path).is_dir():
+            raise CLIError(f"--allowed-local-media-path {cfg.api.allowed_local_media_path} is not a directory")
+        holder = EngineHolder(model_dir, cfg)
+    except (ConfigError, CheckpointError) as exc:
+        raise CLIError(str(exc)) from None
+    name = cfg.served_model_name or str(cfg.model)
+    ctx = ServerContext(holder=holder, config=cfg, served_model_name=name)
+    app = build_app(ctx)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
+                                           timeout_graceful_shutdown=5))
+
+    def announce() -> None:
+        holder.ready_event.wait()
+        if holder.start_error:
+            print(f"mm-serve: error: workers failed to start:\n{holder.start_error}", file=sys.stderr, flush=True)
+            server.should_exit = True
+        elif not server.should_exit:
+            print(_banner(cfg.api.host, cfg.api.port, name, cfg.api.api_key), flush=True)
+
+    print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        pass
+    if holder.start_error:
+        return 1
+    return 0 if server.started else 1

@@ -1,0 +1,1 @@
+"""Tests for the OpenAI-compatible HTTP API."""

@@ -1,0 +1,73 @@
+"""Run ``mm-serve serve`` as a real subprocess for end-to-end tests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    mime = {"JPEG": "jpeg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class ServerProcess:
+    """``mm-serve serve`` on a free port; waits for /health 200."""
+
+    def __init__(self, model_dir: Path, *extra: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"server-{self.port}.log"
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(model_dir),
+               "--port", str(self.port), "--served-model-name", "tiny", *extra]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> list[dict]:
+        """Poll /health until 200; returns the bodies seen (warming ones first)."""
+        seen = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log.read_text()}")
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=2)
+                seen.append({"status_code": r.status_code, **r.json()})
+                if r.status_code == 200:
+                    return seen
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready:\n{self.log.read_text()}")
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)

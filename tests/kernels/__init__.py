@@ -1,0 +1,1 @@
+"""Tests of kernels/: the cross-modal ring buffer, its allocators and KV page transfer."""

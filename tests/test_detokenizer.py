@@ -1,0 +1,58 @@
+"""Incremental detokenization: multi-byte characters never split, stop strings never leaked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mm_serve.engine.input_processor import load_tokenizer
+from text_decode.detokenizer import IncrementalDetokenizer, held_tail
+
+TEXT = "Caf\u00e9 na\u00efve \U0001f642 \u6771\u4eac \u041c\u043e\u0441\u043a\u0432\u0430 \U0001f680 done."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llava: Path) -> object:
+    return load_tokenizer(tiny_llava)
+
+
+def test_multibyte_characters_stream_whole(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    assert len(ids) > len(TEXT) // 2  # byte-level pieces: emoji span several tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add([t]) for t in ids] + [detok.finish()]
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_leaked(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    stop = "\U0001f642 \u6771"
+    detok = IncrementalDetokenizer(tokenizer, (stop,))
+    pieces = []
+    for t in ids:
+        pieces.append(detok.add([t]))
+        assert stop[:1] not in "".join(pieces)  # not even a prefix of the stop string went out
+        if detok.stopped:
+            break
+    pieces.append(detok.finish())
+    assert detok.stop_string == stop
+    assert "".join(pieces) == TEXT[: TEXT.index(stop)]
+
+
+def test_held_prefix_is_released_when_it_turns_out_not_to_be_a_stop(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = TEXT[:-1]  # ends with "done"
+    detok = IncrementalDetokenizer(tokenizer, ("done!",))
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    out = "".join(detok.add([t]) for t in ids)
+    assert out.endswith("\u0430 \U0001f680 ")  # "done" is held: it might still become "done!"
+    assert not detok.stopped
+    assert out + detok.finish() == text
+
+
+def test_held_tail() -> None:
+    assert held_tail("abc", ("cde",)) == 1
+    assert held_tail("abcd", ("cde",)) == 2
+    assert held_tail("abc", ("xyz",)) == 0
+    assert held_tail("ab", ("b", "abx")) == 2
