@@ -1,0 +1,104 @@
+"""``mm-serve plan``: size a disaggregated cluster for a model, workload and SLOs.
+
+Example::
+
+    mm-serve plan --model path/to/opt-13b --workload chatbot \\
+        --slo-ttft 0.25 --slo-tpot 0.1 --hardware a100-80gb --nodes 4 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``plan`` sub-command to the ``mm-serve`` parser."""
+    p = subparsers.add_parser(
+        "plan",
+        help="search the prefill/decode placement with the best per-GPU goodput",
+        description="Simulate prefill and decode parallel configs (DistServe Algorithms 1 "
+        "and 2) and print the placement with the best per-GPU goodput, next to the best "
+        "colocated configuration.",
+    )
+    p.add_argument("--model", required=True, help="model directory or a bare config.json "
+                   "(OPT, Llama-family, LLaVA / llava-hf)")
+    p.add_argument("--workload", default="chatbot",
+                   help="chatbot, llava, caption, or a JSONL workload file (default: chatbot)")
+    p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO, seconds")
+    p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO, seconds")
+    p.add_argument("--attainment", type=float, default=0.9,
+                   help="fraction of requests that must meet both SLOs (default 0.9)")
+    p.add_argument("--hardware", default="a100-80gb",
+                   help="a100-80gb, h100-80gb, h200-141gb, or a measured profile JSON file")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--affinity", choices=("high", "low"), default="high",
+                   help="high: KV may cross nodes; low: each prefill stage's decode partner "
+                   "stays on its node (default high)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--write-config", metavar="PATH",
+                   help="write the placement as an mm-serve config YAML")
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    p.add_argument("--num-requests", type=int, default=400,
+                   help="minimum simulated requests per probe (default 400)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="CV of inter-arrival gaps; 1 = Poisson (default 1)")
+    p.add_argument("--prefill-token-budget", type=int, default=2048,
+                   help="prompt tokens per prefill batch (default 2048)")
+    p.add_argument("--decode-max-batch", type=int, default=256,
+                   help="running requests per decode instance (default 256)")
+    p.set_defaults(func=run)
+
+
+def _model_dir(model: str) -> str:
+    path = Path(model)
+    return str(path.parent if path.is_file() else path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the search and print the result; user errors raise ``CLIError``."""
+    from mm_serve.bench.workloads import WorkloadError, make_workload
+    from mm_serve.cli.main import CLIError
+    from mm_serve.planner.errors import PlannerError
+    from mm_serve.planner.hardware import get_hardware
+    from mm_serve.planner.model_shape import load_model_shape
+    from mm_serve.planner.plan_spec import PlanSpec
+    from mm_serve.planner.report import plan_dict, plan_text
+    from mm_serve.planner.search import plan
+    from mm_serve.planner.slo import SLO
+
+    if not (args.slo_ttft > 0 and args.slo_tpot > 0):
+        raise CLIError(f"SLOs must be > 0 seconds, got --slo-ttft {args.slo_ttft} "
+                       f"--slo-tpot {args.slo_tpot}")
+    try:
+        shape = load_model_shape(args.model)
+        hardware = get_hardware(args.hardware)
+        workload = make_workload(args.workload, shape.image_tokens, shape.max_context)
+        spec = PlanSpec(
+            shape=shape, hardware=hardware, workload=workload,
+            slo=SLO(args.slo_ttft, args.slo_tpot), attainment=args.attainment,
+            nodes=args.nodes, gpus_per_node=args.gpus_per_node, affinity=args.affinity,
+            num_requests=args.num_requests, seed=args.seed, burstiness=args.burstiness,
+            prefill_token_budget=args.prefill_token_budget, decode_max_batch=args.decode_max_batch,
+        )
+        result = plan(spec)
+        written = None
+        if args.write_config:
+            from mm_serve.planner.plan_config import write_placement_config
+
+            write_placement_config(result, _model_dir(args.model), args.write_config)
+            written = args.write_config
+    except (PlannerError, WorkloadError) as exc:
+        raise CLIError(str(exc)) from None
+    if args.json:
+        out = plan_dict(result)
+        out["config_written"] = written
+        print(json.dumps(out, indent=2))
+    else:
+        print(plan_text(result))
+        if written:
+            print(f"Config written to {written}")
+    return 0

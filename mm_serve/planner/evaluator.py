@@ -1,0 +1,185 @@
+"""Goodput of candidate instances and units, by simulation, memoised per config.
+
+DistServe's ``simu_prefill`` / ``simu_decode`` (Algorithm 1): the prefill-only
+goodput of a config is the highest rate at which the TTFT SLO is met by the target
+fraction of requests, the decode-only goodput the same for TPOT. A colocated
+instance and a whole disaggregated unit are judged on both SLOs at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from mm_serve.bench.workloads import (
+    JsonlWorkload,
+    RequestSpec,
+    trace_arrivals,
+    unit_rate_arrivals,
+)
+from mm_serve.planner.goodput import max_rate
+from mm_serve.planner.latency_model import LatencyModel, ParallelConfig
+from mm_serve.planner.memory import MemoryPlan, memory_plan
+from mm_serve.planner.plan_spec import PlanSpec
+from mm_serve.planner.sim_request import SimRequest
+from mm_serve.planner.simulator import (
+    DecodeServer,
+    Handoff,
+    PrefillServer,
+    build_requests,
+    simulate_colocated,
+    simulate_decode,
+    simulate_disaggregated,
+    simulate_prefill,
+)
+from mm_serve.planner.slo import Phase, SimResult
+
+_BOUND_SLACK = 1.25  # analytic throughput bounds are approximate; probe above them
+TURNOVERS = 10  # simulated requests per request the system holds at once
+MAX_REQUESTS = 20_000  # cap on simulated requests per probe
+
+
+class GoodputEvaluator:
+    """Simulates candidates for one :class:`PlanSpec`; caches goodputs (requests/s)."""
+
+    def __init__(self, spec: PlanSpec) -> None:
+        self.spec = spec
+        self.model = LatencyModel(spec.shape, spec.hardware)
+        n = max(spec.num_requests, MAX_REQUESTS)
+        self.specs: list[RequestSpec] = spec.workload.sample(n, spec.seed)
+        if isinstance(spec.workload, JsonlWorkload) and spec.workload.is_trace:
+            self._unit_arrivals = trace_arrivals(self.specs, rate=1.0)
+        else:
+            self._unit_arrivals = unit_rate_arrivals(n, spec.seed, spec.burstiness)
+        prompts = [s.total_prompt_tokens for s in self.specs]
+        self.mean_prompt = sum(prompts) / n
+        self.mean_prompt_sq = sum(p * p for p in prompts) / n
+        self.mean_images = sum(s.num_images for s in self.specs) / n
+        self.mean_output = sum(s.output_tokens for s in self.specs) / n
+        self.max_prompt = max(prompts)
+        self.max_context = max(p + s.output_tokens for p, s in zip(prompts, self.specs, strict=True))
+        self._cache: dict[tuple[object, ...], float] = {}
+        self.simulations = 0
+
+    def sim_size(self, concurrency: float) -> tuple[int, int]:
+        """Requests to simulate and warm-up requests to skip for a system holding
+        about ``concurrency`` requests at once.
+
+        A finite run only reveals overload once the backlog outgrows what the SLO
+        slack absorbs, so the run covers ``TURNOVERS`` times the concurrency (at least
+        ``num_requests``; at most the ``max(num_requests, MAX_REQUESTS)`` requests
+        drawn) and ignores the first turnover, whose requests found the system empty.
+        """
+        c = max(1, int(concurrency))
+        n = min(len(self.specs), max(self.spec.num_requests, TURNOVERS * c))
+        return n, min(c, n // 4)
+
+    # ---- servers ---------------------------------------------------------------
+    def memory(self, par: ParallelConfig, vision: bool) -> MemoryPlan:
+        return memory_plan(self.spec.shape, self.spec.hardware, par, vision)
+
+    def prefill_server(self, par: ParallelConfig, cross_node: bool) -> PrefillServer:
+        s = self.spec
+        return PrefillServer(self.model.prefill_timing(par, cross_node), s.prefill_token_budget,
+                             s.prefill_max_batch)
+
+    def decode_server(self, par: ParallelConfig, cross_node: bool, vision: bool = False) -> DecodeServer:
+        cap = self.memory(par, vision).kv_capacity_tokens
+        return DecodeServer(self.model.decode_timing(par, cross_node), cap, self.spec.decode_max_batch)
+
+    def handoff(self, prefill: ParallelConfig, decode: ParallelConfig, cross_node: bool) -> Handoff:
+        """KV link of a pair: parallel streams = the smaller instance's GPU count."""
+        one = self.model.kv_transfer_time(1, min(prefill.gpus, decode.gpus), cross_node)
+        const = self.spec.hardware.collective_latency_s
+        return Handoff(const, one - const)
+
+    # ---- analytic bounds (requests/s) and concurrency (requests) --------------
+    def prefill_batch(self) -> int:
+        """Average-request count of a full token-budget prefill batch."""
+        k = int(self.spec.prefill_token_budget // self.mean_prompt)
+        return max(1, min(self.spec.prefill_max_batch, k))
+
+    def prefill_bound(self, par: ParallelConfig, cross_node: bool) -> float:
+        """Throughput with full token-budget batches of average requests."""
+        timing = self.model.prefill_timing(par, cross_node)
+        k = self.prefill_batch()
+        dt = timing.stage_time(k * self.mean_prompt, k * self.mean_prompt_sq, k, k * self.mean_images)
+        return _BOUND_SLACK * k / dt
+
+    def decode_concurrency(self, server: DecodeServer) -> int:
+        """Average requests a full decode batch holds (``max_batch`` or KV bound)."""
+        final = self.mean_prompt + self.mean_output
+        return max(1, min(server.max_batch, int(server.kv_capacity // final)))
+
+    def decode_bound(self, par: ParallelConfig, cross_node: bool, vision: bool = False) -> float:
+        """Throughput with the running batch as full as KV and ``max_batch`` allow."""
+        server = self.decode_server(par, cross_node, vision)
+        batch = self.decode_concurrency(server)
+        step = server.timing.step_time(batch, batch * (self.mean_prompt + self.mean_output / 2))
+        steps = max(self.mean_output - 1, 1.0)
+        return _BOUND_SLACK * batch / (step * steps)
+
+    # ---- simulated goodputs (requests/s) ----------------------------------------
+    def requests(self, rate: float, n: int) -> list[SimRequest]:
+        """The first ``n`` drawn requests, arriving at mean ``rate`` requests/s."""
+        return build_requests(self.specs[:n], [t / rate for t in self._unit_arrivals[:n]])
+
+    def _search(
+        self,
+        run: Callable[[list[SimRequest]], SimResult],
+        phase: Phase,
+        upper: float,
+        concurrency: float = 1.0,
+    ) -> float:
+        n, skip = self.sim_size(concurrency)
+
+        def attainment(rate: float) -> float:
+            self.simulations += 1
+            return run(self.requests(rate, n)).attainment(self.spec.slo, phase, skip)
+
+        return max_rate(attainment, self.spec.attainment, upper)
+
+    def _memo(self, key: tuple[object, ...], compute: Callable[[], float]) -> float:
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def prefill_goodput(self, par: ParallelConfig, cross_node: bool) -> float:
+        """Max rate one prefill instance serves within the TTFT SLO."""
+        server = self.prefill_server(par, cross_node)
+        return self._memo(("prefill", par, cross_node), lambda: self._search(
+            lambda reqs: simulate_prefill(server, reqs), "prefill",
+            self.prefill_bound(par, cross_node), self.prefill_batch() * par.pp))
+
+    def decode_goodput(self, par: ParallelConfig, cross_node: bool) -> float:
+        """Max rate one decode instance serves within the TPOT SLO."""
+        server = self.decode_server(par, cross_node)
+        return self._memo(("decode", par, cross_node), lambda: self._search(
+            lambda reqs: simulate_decode(server, reqs), "decode",
+            self.decode_bound(par, cross_node), self.decode_concurrency(server)))
+
+    def colocated_goodput(self, par: ParallelConfig, cross_node: bool, replicas: int = 1) -> float:
+        """Max rate ``replicas`` colocated instances (shortest-queue dispatch) serve
+        within both SLOs, requests/s in all."""
+        prefill = self.model.prefill_timing(par, cross_node)
+        server = self.decode_server(par, cross_node, vision=True)
+        budget = self.spec.prefill_token_budget
+        bound = replicas / (1.0 / self.prefill_bound(par, cross_node)
+                            + 1.0 / self.decode_bound(par, cross_node, vision=True))
+        return self._memo(("colocated", par, cross_node, replicas), lambda: self._search(
+            lambda reqs: simulate_colocated(prefill, server, budget, reqs, replicas), "both",
+            bound, replicas * self.decode_concurrency(server)))
+
+    def disaggregated_goodput(
+        self,
+        prefills: Sequence[PrefillServer],
+        decodes: Sequence[DecodeServer],
+        handoff: Sequence[Sequence[Handoff]],
+        upper: float,
+    ) -> float:
+        """Max rate a whole disaggregated unit serves within both SLOs; ``upper`` is
+        the sum of its phases' goodputs (requests/s)."""
+        held = sum(self.decode_concurrency(d) for d in decodes)
+        held += self.prefill_batch() * sum(p.timing.pp for p in prefills)
+        return self._search(
+            lambda reqs: simulate_disaggregated(prefills, decodes, handoff, reqs), "both",
+            _BOUND_SLACK * upper, held)

@@ -1,0 +1,149 @@
+"""Fit a measured profile into the latency model's roofline coefficients.
+
+Each phase's time is ``t = a * FLOPs + b * bytes + c`` (see
+:mod:`mm_serve.planner.hardware`), with FLOPs and bytes of each measured point
+computed from the profiled model's shape (:mod:`mm_serve.planner.work`). The fit is
+non-negative least squares on the *relative* error (each row divided by its measured
+time, so millisecond decode steps weigh as much as second-long prefills), solved
+exactly by trying every subset of free coefficients (Lawson and Hanson, "Solving
+Least Squares Problems", 1974, ch. 23: the NNLS optimum is an unconstrained LS
+optimum on its support).
+
+Decode points vary batch and context, so they identify all three of seconds per
+FLOP, seconds per byte and the overhead. Prefill and encode FLOPs and bytes grow
+together with the prompt, so their byte coefficient is not identifiable from their
+own points: it is taken from the decode fit (one memory system), and only seconds
+per FLOP and the overhead are fitted. A phase with a single point gets seconds per
+FLOP only; a profile without encode points reuses the prefill coefficients.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mm_serve.planner.errors import ProfileError
+from mm_serve.planner.hardware import Hardware, PhaseCoefficients
+from mm_serve.planner.model_shape import ModelShape
+from mm_serve.planner.profile_file import Profile, load_profile
+from mm_serve.planner.work import decode_work, encode_work, prefill_work
+
+DEFAULT_INTRA_NODE_BANDWIDTH = 25e9  # bytes/s: PCIe 4.0 x16, when a profile gives none
+DEFAULT_INTER_NODE_BANDWIDTH = 1.25e9  # bytes/s: 10 Gb Ethernet
+DEFAULT_COLLECTIVE_LATENCY_S = 50e-6
+
+
+@dataclass(frozen=True)
+class PhaseFit:
+    """Fitted coefficients of one phase and how well they reproduce the points."""
+
+    coefficients: PhaseCoefficients
+    points: int
+    max_rel_error: float  # max over points of |predicted - measured| / measured
+    rms_rel_error: float
+
+
+@dataclass(frozen=True)
+class ProfileFit:
+    """A fitted :class:`Hardware` plus per-phase fit quality."""
+
+    hardware: Hardware
+    shape: ModelShape
+    prefill: PhaseFit
+    decode: PhaseFit
+    encode: PhaseFit | None
+
+
+def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Minimise ``sum(((rows @ x) - y) / y)^2`` subject to ``x >= 0``.
+
+    Exhaustive over supports, so only for a handful of columns. Columns are scaled
+    to unit maximum before solving. Returns zeros if no support gives ``x >= 0``.
+    """
+    a = np.asarray(rows, dtype=float) / np.asarray(y, dtype=float)[:, None]
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    ones = np.ones(len(y))
+    cols = a.shape[1]
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(1, min(cols, len(y)) + 1):
+        for support in itertools.combinations(range(cols), k):
+            sol, *_ = np.linalg.lstsq(a[:, support], ones, rcond=None)
+            if np.any(sol < 0):
+                continue
+            x = np.zeros(cols)
+            x[list(support)] = sol
+            err = float(np.sum((a @ x - ones) ** 2))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, x)
+    return [0.0] * cols if best is None else [float(v) for v in best[1] / scale]
+
+
+def _quality(pred: Sequence[float], meas: Sequence[float]) -> tuple[float, float]:
+    rel = [abs(p - m) / m for p, m in zip(pred, meas, strict=True)]
+    return float(max(rel)), float(np.sqrt(np.mean(np.square(rel))))
+
+
+def _fit_compute(
+    works: Sequence[tuple[float, float]], seconds: Sequence[float], per_byte: float
+) -> PhaseFit:
+    """Fit seconds-per-FLOP and overhead with the byte coefficient fixed."""
+    rest = [t - b * per_byte for (_, b), t in zip(works, seconds, strict=True)]
+    if min(rest) <= 0:
+        raise ProfileError("measured times are shorter than the fitted memory traffic alone; "
+                           "check the profile's model and dtype")
+    rows = [[f, 1.0] for f, _ in works] if len(works) > 1 else [[f] for f, _ in works]
+    x = nnls(rows, rest) + [0.0]
+    coef = PhaseCoefficients(x[0], per_byte, x[1])
+    pred = [coef.time(f, b) for f, b in works]
+    return PhaseFit(coef, len(works), *_quality(pred, seconds))
+
+
+def fit_profile(profile: Profile) -> ProfileFit:
+    """Least-squares coefficients for every phase of ``profile`` (see module doc).
+
+    Raises:
+        ProfileError: the points cannot be fitted (e.g. all coefficients zero).
+    """
+    shape = profile.shape
+    layers = shape.num_layers
+    dec_works = [decode_work(shape, d.batch, d.batch * d.context, layers) for d in profile.decode]
+    dec_t = [d.seconds for d in profile.decode]
+    x = nnls([[w.flops, w.bytes, 1.0] for w in dec_works], dec_t)
+    if not any(x):
+        raise ProfileError("decode points could not be fitted by a non-negative roofline")
+    decode = PhaseCoefficients(*x)
+    dec_fit = PhaseFit(decode, len(dec_t), *_quality([decode.time(w.flops, w.bytes) for w in dec_works], dec_t))
+
+    pre_works = [prefill_work(shape, p.batch * p.tokens, p.batch * p.tokens**2, p.batch, layers)
+                 for p in profile.prefill]
+    pre_fit = _fit_compute([(w.flops, w.bytes) for w in pre_works],
+                           [p.seconds for p in profile.prefill], decode.seconds_per_byte)
+    enc_fit = None
+    if profile.encode:
+        if shape.vision is None:
+            raise ProfileError("profile has encode points but its model has no vision tower")
+        enc_works = [encode_work(shape, e.images) for e in profile.encode]
+        enc_fit = _fit_compute([(w.flops, w.bytes) for w in enc_works],
+                               [e.seconds for e in profile.encode], decode.seconds_per_byte)
+    hardware = Hardware(
+        name=profile.name,
+        memory_bytes=profile.memory_bytes,
+        prefill=pre_fit.coefficients,
+        decode=decode,
+        encode=enc_fit.coefficients if enc_fit else pre_fit.coefficients,
+        intra_node_bandwidth=profile.intra_node_bandwidth or DEFAULT_INTRA_NODE_BANDWIDTH,
+        inter_node_bandwidth=profile.inter_node_bandwidth or DEFAULT_INTER_NODE_BANDWIDTH,
+        collective_latency_s=profile.collective_latency_s or DEFAULT_COLLECTIVE_LATENCY_S,
+    )
+    return ProfileFit(hardware, shape, pre_fit, dec_fit, enc_fit)
+
+
+def fit_profile_file(path: str | Path) -> ProfileFit:
+    """:func:`load_profile` then :func:`fit_profile`."""
+    return fit_profile(load_profile(path))

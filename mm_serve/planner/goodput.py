@@ -1,0 +1,68 @@
+"""Goodput search: the highest request rate whose SLO attainment meets the target.
+
+DistServe (arXiv:2401.09670, §4.1, Algorithm 1 ``simu_prefill`` / ``simu_decode``)
+binary-searches the rate with the simulator. Here the search is geometric (rates
+span orders of magnitude) and starts from an analytic upper bound on throughput,
+so about eight simulations pin the rate to within ``rel_tol``. Attainment is made
+(nearly) monotone in the rate by common random numbers: every probe replays the
+same requests on the same unit-rate arrival path, time-scaled by ``1 / rate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+
+def max_rate(
+    attainment_at: Callable[[float], float],
+    target: float,
+    upper: float,
+    rel_tol: float = 0.02,
+    span: float = 64.0,
+    max_growth: int = 8,
+) -> float:
+    """Largest rate (requests/s) with ``attainment_at(rate) >= target``; 0 if none.
+
+    Args:
+        attainment_at: simulated SLO attainment (0..1) at a rate in requests/s.
+        target: attainment goal, e.g. 0.9.
+        upper: a rate expected to fail (an analytic throughput bound). If it passes,
+            the search doubles it (at most ``max_growth`` times) until one fails.
+        rel_tol: stop when the bracket ``hi / lo`` is within ``1 + rel_tol``.
+        span: the search floor is ``upper / span``; below it the answer is 0.
+    """
+    if upper <= 0 or not math.isfinite(upper):
+        raise ValueError(f"upper bound must be a positive finite rate, got {upper}")
+    hi = upper
+    if attainment_at(hi) >= target:
+        lo = hi
+        for _ in range(max_growth):
+            hi = lo * 2
+            if attainment_at(hi) < target:
+                break
+            lo = hi
+        else:
+            return lo
+        return _bisect(attainment_at, target, lo, hi, rel_tol, lo_tested=True)
+    return _bisect(attainment_at, target, upper / span, hi, rel_tol, lo_tested=False)
+
+
+def _bisect(
+    attainment_at: Callable[[float], float],
+    target: float,
+    lo: float,
+    hi: float,
+    rel_tol: float,
+    lo_tested: bool,
+) -> float:
+    """Geometric bisection of ``[lo, hi]`` where ``hi`` fails; ``lo`` may be untested."""
+    while hi / lo > 1 + rel_tol:
+        mid = math.sqrt(lo * hi)
+        if attainment_at(mid) >= target:
+            lo, lo_tested = mid, True
+        else:
+            hi = mid
+    if lo_tested or attainment_at(lo) >= target:
+        return lo
+    return 0.0

@@ -1,0 +1,176 @@
+"""Latency model: prefill batch time, decode step time, encode and KV hand-off times.
+
+Every time is the additive roofline of :mod:`mm_serve.planner.hardware` applied to the
+work of :mod:`mm_serve.planner.work`, adjusted for parallelism:
+
+* **Tensor parallelism** (degree ``t``, Megatron-LM, Shoeybi et al. 2019): FLOPs,
+  weight bytes and KV bytes divide by ``t``; each layer adds two ring all-reduces of
+  the activations, ``2 * (latency + 2 (t-1)/t * tokens * hidden * dtype / bw_nvlink)``.
+* **Pipeline parallelism** (degree ``p``, GPipe, Huang et al. 2019): a stage runs
+  ``ceil(L/p)`` layers (the slowest stage, LM head included, sets the pace, so uneven
+  splits are bubbles); a prefill batch takes ``p * stage + (p-1) * hop`` end to end but
+  a new batch can enter every ``stage`` seconds (DistServe §3.1, inter-op: execution
+  time D_m ~ D while the queue sees D_s ~ D/p). Decode splits the running batch into
+  ``m = min(p, B)`` micro-batches; a step takes ``p * s0 + (p/m) * (work of B)``.
+
+All timings are affine in their counts, so each (model, hardware, parallel config)
+is reduced once to a handful of coefficients (:class:`PrefillTiming`,
+:class:`DecodeTiming`) and the simulator evaluates them in O(1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mm_serve.planner.hardware import Hardware
+from mm_serve.planner.model_shape import ModelShape
+from mm_serve.planner.work import decode_work, encode_work, prefill_work
+
+
+@dataclass(frozen=True, order=True)
+class ParallelConfig:
+    """Tensor- and pipeline-parallel degrees of one instance (it uses ``tp * pp`` GPUs)."""
+
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"TP{self.tp} PP{self.pp}"
+
+
+@dataclass(frozen=True)
+class PrefillTiming:
+    """Affine prefill times of one instance (seconds).
+
+    ``stage_time = const + per_token*T + per_token_sq*S2 + per_seq*n``
+    ``+ (encode_const + per_image*I if I > 0)`` for a batch of ``n`` sequences, ``T``
+    tokens in all, ``S2`` the sum of squared lengths and ``I`` images.
+    """
+
+    pp: int
+    const: float
+    per_token: float
+    per_token_sq: float
+    per_seq: float
+    encode_const: float
+    per_image: float
+    hop_const: float
+    hop_per_token: float
+
+    def stage_time(self, tokens: float, tokens_sq: float, seqs: float, images: float) -> float:
+        """Seconds between two batches entering the pipeline (the slowest stage)."""
+        t = self.const + self.per_token * tokens + self.per_token_sq * tokens_sq + self.per_seq * seqs
+        return t + (self.encode_const + self.per_image * images if images > 0 else 0.0)
+
+    def latency(self, tokens: float, tokens_sq: float, seqs: float, images: float) -> float:
+        """Seconds from batch start to first token (all stages plus the hops)."""
+        hops = (self.pp - 1) * (self.hop_const + self.hop_per_token * tokens)
+        return self.pp * self.stage_time(tokens, tokens_sq, seqs, images) + hops
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    """Affine decode step time of one instance: ``step_time(B, C)`` seconds."""
+
+    pp: int
+    stage_const: float
+    stage_per_seq: float
+    stage_per_context: float
+    hop_const: float
+    hop_per_seq: float
+
+    def step_time(self, batch: int, context: float) -> float:
+        """Seconds for every one of ``batch`` running sequences (``context`` KV tokens
+        in total) to get one more token."""
+        m = min(self.pp, max(batch, 1))
+        work = self.stage_per_seq * batch + self.stage_per_context * context
+        hops = (self.pp - 1) * (self.hop_const + self.hop_per_seq * batch / m)
+        return self.pp * self.stage_const + (self.pp / m) * work + hops
+
+
+def _affine(fn: Callable[..., float], nargs: int) -> tuple[float, ...]:
+    """Constant and slopes of an affine function of ``nargs`` arguments."""
+    zero = [0.0] * nargs
+    c0 = fn(*zero)
+    slopes = []
+    for i in range(nargs):
+        x = list(zero)
+        x[i] = 1.0
+        slopes.append(fn(*x) - c0)
+    return (c0, *slopes)
+
+
+class LatencyModel:
+    """Times of one model on one device kind, for any parallel configuration."""
+
+    def __init__(self, shape: ModelShape, hardware: Hardware) -> None:
+        self.shape = shape
+        self.hardware = hardware
+
+    def stage_layers(self, pp: int) -> int:
+        """Decoder layers in the largest pipeline stage."""
+        return math.ceil(self.shape.num_layers / pp)
+
+    def link_bandwidth(self, cross_node: bool) -> float:
+        """Per-GPU bytes/s of the link between two GPUs (NVLink or the inter-node NIC)."""
+        hw = self.hardware
+        return hw.inter_node_bandwidth if cross_node else hw.intra_node_bandwidth
+
+    def _allreduce(self, tokens: float, tp: int, layers: int) -> float:
+        if tp == 1:
+            return 0.0
+        hw = self.hardware
+        msg = tokens * self.shape.hidden_size * self.shape.dtype_bytes
+        one = hw.collective_latency_s + 2 * (tp - 1) / tp * msg / hw.intra_node_bandwidth
+        return 2 * layers * one
+
+    def _hop(self, cross_node: bool) -> tuple[float, float]:
+        per_token = self.shape.hidden_size * self.shape.dtype_bytes / self.link_bandwidth(cross_node)
+        return self.hardware.collective_latency_s, per_token
+
+    def prefill_timing(self, par: ParallelConfig, cross_node: bool = False) -> PrefillTiming:
+        """Prefill coefficients; ``cross_node`` if pipeline hops cross nodes."""
+        hw, shape, tp = self.hardware, self.shape, par.tp
+        layers = self.stage_layers(par.pp)
+
+        def stage(tokens: float, tokens_sq: float, seqs: float) -> float:
+            w = prefill_work(shape, tokens, tokens_sq, seqs, layers)
+            t = hw.prefill.time(w.flops / tp, w.bytes / tp)
+            return t + self._allreduce(tokens, tp, layers)
+
+        const, per_tok, per_sq, per_seq = _affine(stage, 3)
+
+        def encode(images: float) -> float:
+            w = encode_work(shape, images)
+            return hw.encode.time(w.flops / tp, w.bytes / tp)
+
+        enc_const, per_image = _affine(encode, 1)
+        hop_const, hop_tok = self._hop(cross_node)
+        return PrefillTiming(par.pp, const, per_tok, per_sq, per_seq, enc_const, per_image,
+                             hop_const, hop_tok)
+
+    def decode_timing(self, par: ParallelConfig, cross_node: bool = False) -> DecodeTiming:
+        """Decode step coefficients of one pipeline stage, plus hops."""
+        hw, shape, tp = self.hardware, self.shape, par.tp
+        layers = self.stage_layers(par.pp)
+
+        def stage(batch: float, context: float) -> float:
+            w = decode_work(shape, batch, context, layers)
+            return hw.decode.time(w.flops / tp, w.bytes / tp) + self._allreduce(batch, tp, layers)
+
+        const, per_seq, per_ctx = _affine(stage, 2)
+        hop_const, hop_tok = self._hop(cross_node)
+        return DecodeTiming(par.pp, const, per_seq, per_ctx, hop_const, hop_tok)
+
+    def kv_transfer_time(self, tokens: int, streams: int, cross_node: bool) -> float:
+        """Seconds to move ``tokens`` tokens of KV cache from a prefill to a decode
+        instance over ``streams`` parallel GPU pairs (DistServe §4.3)."""
+        size = tokens * self.shape.kv_bytes_per_token
+        bw = self.link_bandwidth(cross_node) * max(1, streams)
+        return self.hardware.collective_latency_s + size / bw

@@ -1,0 +1,59 @@
+"""What the planner is asked: model, device, workload, SLOs, cluster and knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mm_serve.bench.workloads import Workload
+from mm_serve.planner.errors import PlannerError
+from mm_serve.planner.hardware import Hardware
+from mm_serve.planner.model_shape import ModelShape
+from mm_serve.planner.slo import SLO
+
+Affinity = Literal["high", "low"]
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """Inputs of a placement search (DistServe §4: model, workload, SLOs, cluster).
+
+    ``affinity="high"`` assumes fast inter-node links (DistServe Algorithm 1: any
+    placement, KV may cross nodes); ``"low"`` keeps each prefill stage and its decode
+    partner's stage on one node so KV moves over NVLink only (Algorithm 2).
+    """
+
+    shape: ModelShape
+    hardware: Hardware
+    workload: Workload
+    slo: SLO
+    attainment: float = 0.9  # fraction of requests that must meet both SLOs
+    nodes: int = 1
+    gpus_per_node: int = 8
+    affinity: Affinity = "high"
+    num_requests: int = 400  # simulated requests per probe
+    seed: int = 0
+    burstiness: float = 1.0  # CV of inter-arrival gaps; 1 = Poisson
+    prefill_token_budget: int = 2048  # prompt tokens per prefill batch
+    prefill_max_batch: int = 64  # requests per prefill batch
+    decode_max_batch: int = 256  # running requests per decode / colocated instance
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 < self.attainment <= 1, f"attainment must be in (0, 1], got {self.attainment}"),
+            (self.nodes >= 1, f"nodes must be >= 1, got {self.nodes}"),
+            (self.gpus_per_node >= 1, f"gpus per node must be >= 1, got {self.gpus_per_node}"),
+            (self.affinity in ("high", "low"), f"affinity must be high or low, got {self.affinity}"),
+            (self.num_requests >= 20, f"num_requests must be >= 20, got {self.num_requests}"),
+            (self.burstiness > 0, f"burstiness (CV) must be > 0, got {self.burstiness}"),
+            (self.prefill_token_budget >= 1, "prefill token budget must be >= 1"),
+            (self.prefill_max_batch >= 1, "prefill max batch must be >= 1"),
+            (self.decode_max_batch >= 1, "decode max batch must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise PlannerError(message)
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node

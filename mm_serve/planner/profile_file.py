@@ -1,0 +1,166 @@
+"""The measured-profile file: what ``mm-serve profile`` writes and ``--hardware`` reads.
+
+A JSON object (format ``mm-serve-profile/1``)::
+
+    {
+      "format": "mm-serve-profile/1",
+      "name": "cpu-2core",                      # profile name shown in plans
+      "device": "2 x Xeon cores, torch 2.x",    # free text
+      "memory_bytes": 17179869184,              # device memory per instance GPU/host
+      "model": {... config.json ...},           # or a path to config.json / model dir,
+                                                #   relative to this file
+      "dtype": "float32",                       # optional: element type measured
+      "intra_node_bandwidth": 1.0e10,           # optional, bytes/s per device
+      "inter_node_bandwidth": 1.25e9,           # optional, bytes/s per device
+      "collective_latency_s": 5.0e-5,           # optional, seconds
+      "prefill": [{"tokens": 128, "batch": 1, "seconds": 0.051}, ...],
+      "decode":  [{"batch": 4, "context": 256, "seconds": 0.012}, ...],
+      "encode":  [{"images": 1, "seconds": 0.30}, ...]            # optional
+    }
+
+``tokens`` is the prompt length of each of ``batch`` sequences (``batch`` defaults
+to 1); ``context`` is the KV length of each of ``batch`` decoding sequences; every
+``seconds`` is one forward pass (a prefill batch, one decode step, an encode batch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from mm_serve.planner.errors import ModelShapeError, ProfileError
+from mm_serve.planner.model_shape import ModelShape, load_model_shape, shape_from_config
+
+FORMAT = "mm-serve-profile/1"
+_DTYPE_BYTES = MappingProxyType({"float32": 4, "float16": 2, "bfloat16": 2})
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    tokens: int  # prompt tokens per sequence
+    batch: int  # sequences
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    batch: int  # sequences
+    context: int  # KV tokens per sequence
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EncodePoint:
+    images: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A parsed profile file (see the module docstring for units)."""
+
+    name: str
+    device: str
+    memory_bytes: float
+    shape: ModelShape
+    prefill: tuple[PrefillPoint, ...]
+    decode: tuple[DecodePoint, ...]
+    encode: tuple[EncodePoint, ...]
+    intra_node_bandwidth: float | None = None
+    inter_node_bandwidth: float | None = None
+    collective_latency_s: float | None = None
+
+
+def _num(row: Mapping[str, Any], key: str, where: str, default: float | None = None,
+         integer: bool = False) -> float:
+    value = row.get(key, default)
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or value is None or value <= 0:
+        kind = "a positive integer" if integer else "a positive number"
+        raise ProfileError(f"{where}: '{key}' must be {kind}, got {value!r}")
+    return float(value)
+
+
+def _rows(data: Mapping[str, Any], key: str, where: str, required: bool) -> list[Mapping[str, Any]]:
+    rows = data.get(key, [])
+    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
+        raise ProfileError(f"{where}: '{key}' must be a list of objects")
+    if required and not rows:
+        raise ProfileError(f"{where}: '{key}' needs at least one measurement")
+    return rows
+
+
+def _shape(data: Mapping[str, Any], base: Path, where: str) -> ModelShape:
+    model = data.get("model")
+    try:
+        if isinstance(model, Mapping):
+            shape = shape_from_config(model, name=str(model.get("_name_or_path", "profiled")),
+                                      where=f"{where}: model")
+        elif isinstance(model, str):
+            path = Path(model)
+            shape = load_model_shape(path if path.is_absolute() else base / path)
+        else:
+            raise ProfileError(f"{where}: 'model' must be a config.json object or a path")
+    except ModelShapeError as exc:
+        raise ProfileError(str(exc)) from None
+    dtype = data.get("dtype")
+    if dtype is not None:
+        if dtype not in _DTYPE_BYTES:
+            raise ProfileError(f"{where}: 'dtype' must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
+        shape = replace(shape, dtype=dtype, dtype_bytes=_DTYPE_BYTES[dtype])
+    return shape
+
+
+def parse_profile(data: Any, base: Path = Path("."), where: str = "profile") -> Profile:
+    """Validate a decoded profile object; raises :class:`ProfileError` naming the field."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{where}: top level must be a JSON object")
+    if data.get("format") != FORMAT:
+        raise ProfileError(f"{where}: 'format' must be {FORMAT!r}, got {data.get('format')!r}")
+    pre = [PrefillPoint(int(_num(r, "tokens", where, integer=True)),
+                        int(_num(r, "batch", where, 1, integer=True)), _num(r, "seconds", where))
+           for r in _rows(data, "prefill", where, True)]
+    dec = [DecodePoint(int(_num(r, "batch", where, integer=True)),
+                       int(_num(r, "context", where, integer=True)), _num(r, "seconds", where))
+           for r in _rows(data, "decode", where, True)]
+    enc = [EncodePoint(int(_num(r, "images", where, integer=True)), _num(r, "seconds", where))
+           for r in _rows(data, "encode", where, False)]
+    optional = {k: _num(data, k, where) if k in data else None
+                for k in ("intra_node_bandwidth", "inter_node_bandwidth", "collective_latency_s")}
+    return Profile(
+        name=str(data.get("name", "profiled")), device=str(data.get("device", "")),
+        memory_bytes=_num(data, "memory_bytes", where), shape=_shape(data, base, where),
+        prefill=tuple(pre), decode=tuple(dec), encode=tuple(enc), **optional,
+    )
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile JSON file."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {p}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"{p}: not valid JSON: {exc}") from None
+    return parse_profile(data, p.parent, str(p))
+
+
+def profile_to_json(
+    name: str, device: str, memory_bytes: float, model: Mapping[str, Any] | str,
+    prefill: list[PrefillPoint], decode: list[DecodePoint], encode: list[EncodePoint],
+    dtype: str | None = None,
+) -> dict[str, Any]:
+    """The JSON object of a profile (for a profiler to ``json.dump``)."""
+    out: dict[str, Any] = {"format": FORMAT, "name": name, "device": device,
+                           "memory_bytes": memory_bytes, "model": model}
+    if dtype:
+        out["dtype"] = dtype
+    out["prefill"] = [{"tokens": p.tokens, "batch": p.batch, "seconds": p.seconds} for p in prefill]
+    out["decode"] = [{"batch": d.batch, "context": d.context, "seconds": d.seconds} for d in decode]
+    out["encode"] = [{"images": e.images, "seconds": e.seconds} for e in encode]
+    return out

@@ -1,0 +1,105 @@
+"""Render a :class:`PlanResult` as text for people or as one JSON object for tools."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mm_serve.planner.placement import InstancePlacement
+from mm_serve.planner.search import PlanResult
+
+
+def _gpus(ids: Sequence[int]) -> str:
+    """Compact GPU list: runs of consecutive ids as ``a-b``."""
+    parts, start = [], None
+    for i, g in enumerate(ids):
+        if start is None:
+            start = g
+        if i + 1 == len(ids) or ids[i + 1] != g + 1:
+            parts.append(str(start) if start == g else f"{start}-{g}")
+            start = None
+    return ",".join(parts)
+
+
+def instance_dict(inst: InstancePlacement) -> dict[str, Any]:
+    """One placement entry: role, tp, pp, GPU count and ids, nodes."""
+    return {"role": inst.role, "tp": inst.par.tp, "pp": inst.par.pp, "num_gpus": inst.par.gpus,
+            "gpus": list(inst.gpus), "nodes": list(inst.nodes)}
+
+
+def plan_dict(result: PlanResult) -> dict[str, Any]:
+    """The ``--json`` object. Rates in requests/s, per-GPU rates in requests/s/GPU."""
+    spec, unit = result.spec, result.unit
+    col = result.colocated
+    return {
+        "model": spec.shape.name,
+        "hardware": spec.hardware.name,
+        "workload": spec.workload.name,
+        "slo_ttft_s": spec.slo.ttft_s,
+        "slo_tpot_s": spec.slo.tpot_s,
+        "attainment": spec.attainment,
+        "nodes": spec.nodes,
+        "gpus_per_node": spec.gpus_per_node,
+        "affinity": spec.affinity,
+        "per_gpu_goodput": result.per_gpu_goodput,
+        "colocated_per_gpu_goodput": result.colocated_per_gpu_goodput,
+        "disaggregated_over_colocated": result.ratio if col else None,
+        "unit": {
+            "prefill": {"instances": unit.num_prefill, "tp": unit.prefill.tp, "pp": unit.prefill.pp,
+                        "goodput_each": result.prefill.goodput},
+            "decode": {"instances": unit.num_decode, "tp": unit.decode.tp, "pp": unit.decode.pp,
+                       "goodput_each": result.decode.goodput},
+            "gpus": unit.gpus,
+            "goodput": result.unit_goodput,
+            "estimated_goodput": result.estimated_unit_goodput,
+        },
+        "units": result.units,
+        "gpus_used": result.gpus_used,
+        "cluster_goodput": result.cluster_goodput,
+        "placement": [instance_dict(i) for i in result.placement],
+        "colocated": None if col is None else {
+            "tp": col.par.tp, "pp": col.par.pp, "goodput_each": col.goodput,
+            "instances_simulated": result.colocated_unit_instances,
+            "goodput_simulated": result.colocated_unit_goodput,
+            "instances_in_cluster": len(result.colocated_placement),
+        },
+        "simulations": result.simulations,
+        "search_seconds": result.seconds,
+    }
+
+
+def plan_text(result: PlanResult) -> str:
+    """Human-readable summary: placement table, goodputs, colocated comparison."""
+    spec, unit = result.spec, result.unit
+    lines = [
+        f"Placement for {spec.shape.name} on {spec.nodes} x {spec.gpus_per_node} "
+        f"{spec.hardware.name} (affinity {spec.affinity}), workload {spec.workload.name}, "
+        f"SLO TTFT {spec.slo.ttft_s:g} s / TPOT {spec.slo.tpot_s:g} s at {spec.attainment:.0%}",
+        f"Unit: {unit.num_prefill} prefill x {unit.prefill} + {unit.num_decode} decode x "
+        f"{unit.decode} = {unit.gpus} GPUs, {result.unit_goodput:.2f} req/s "
+        f"(phase estimate {result.estimated_unit_goodput:.2f}); replicated {result.units}x",
+        "",
+        f"  {'role':<8} {'tp':>3} {'pp':>3} {'gpus':>5}  {'nodes':<8} gpu ids",
+    ]
+    for inst in result.placement:
+        nodes = ",".join(str(n) for n in inst.nodes)
+        lines.append(f"  {inst.role:<8} {inst.par.tp:>3} {inst.par.pp:>3} {inst.par.gpus:>5}  "
+                     f"{nodes:<8} {_gpus(inst.gpus)}")
+    lines += [
+        "",
+        f"Per-GPU goodput:   {result.per_gpu_goodput:.3f} req/s/GPU "
+        f"(cluster {result.cluster_goodput:.1f} req/s on {result.gpus_used} GPUs)",
+    ]
+    col = result.colocated
+    if col is None:
+        lines.append("Colocated best:    none meets the SLOs")
+    else:
+        lines.append(
+            f"Colocated best:    {result.colocated_per_gpu_goodput:.3f} req/s/GPU "
+            f"({col.par}, {result.colocated_unit_instances} instances simulated together)")
+        lines.append(f"Disaggregated / colocated: {result.ratio:.2f}x")
+        if result.ratio < 1:
+            lines.append("Note: colocated serving beats this disaggregated placement for these "
+                         "SLOs; prefer mode: colocated.")
+    lines.append(f"Search: {result.simulations} simulations in {result.seconds:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,216 @@
+"""Placement search: the disaggregated unit with the best per-GPU goodput, replicated.
+
+* High node-affinity, DistServe Algorithm 1 (arXiv:2401.09670, §4.1): best prefill
+  config and best decode config chosen independently (TP within a node, PP up to
+  the cluster), mixed in the ratio that matches their rates.
+* Low node-affinity, Algorithm 2 (§4.2): for each pipeline degree ``pp`` up to the
+  node count, every pair of (prefill TP, decode TP) whose stages share one node;
+  the unit spans ``pp`` nodes, stage ``k`` of all its instances on node ``k``.
+
+The chosen unit is then simulated as a whole (dispatch, KV hand-off over the links
+its placement implies, both SLOs at once) to get the goodput that is reported; the
+best colocated config is searched the same way for comparison, and then simulated
+as a pool of replicas holding about as many GPUs as the disaggregated unit, behind
+the same shortest-queue dispatcher, so that both sides get the same pooling gain.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mm_serve.planner.candidates import (
+    PhaseCandidate,
+    best_config,
+    choose_mix,
+    enumerate_configs,
+    fits,
+    frontier,
+    phase_candidate,
+    tp_degrees,
+)
+from mm_serve.planner.errors import PlannerError
+from mm_serve.planner.evaluator import GoodputEvaluator
+from mm_serve.planner.latency_model import ParallelConfig
+from mm_serve.planner.placement import (
+    GpuPool,
+    InstancePlacement,
+    Unit,
+    colocated_replicas,
+    place_group,
+    place_unit,
+    replicate,
+    unit_handoff_pairs,
+)
+from mm_serve.planner.plan_spec import PlanSpec
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The chosen placement and its goodputs (requests/s; per GPU: requests/s/GPU)."""
+
+    spec: PlanSpec
+    unit: Unit
+    unit_goodput: float  # whole unit simulated, both SLOs
+    estimated_unit_goodput: float  # min(n Gp, m Gd) from the phase searches
+    prefill: PhaseCandidate
+    decode: PhaseCandidate
+    placement: tuple[InstancePlacement, ...]
+    units: int
+    colocated: PhaseCandidate | None  # best config, one instance simulated alone
+    colocated_unit_instances: int  # replicas simulated together for the comparison
+    colocated_unit_goodput: float  # their goodput, both SLOs, requests/s
+    colocated_placement: tuple[InstancePlacement, ...]
+    simulations: int
+    seconds: float
+
+    @property
+    def per_gpu_goodput(self) -> float:
+        return self.unit_goodput / self.unit.gpus
+
+    @property
+    def colocated_per_gpu_goodput(self) -> float:
+        if self.colocated is None:
+            return 0.0
+        return self.colocated_unit_goodput / (self.colocated_unit_instances * self.colocated.par.gpus)
+
+    @property
+    def cluster_goodput(self) -> float:
+        return self.unit_goodput * self.units
+
+    @property
+    def gpus_used(self) -> int:
+        return self.unit.gpus * self.units
+
+    @property
+    def ratio(self) -> float:
+        """Disaggregated over colocated per-GPU goodput (inf if colocated is 0)."""
+        col = self.colocated_per_gpu_goodput
+        return self.per_gpu_goodput / col if col > 0 else float("inf")
+
+
+def _high_affinity(ev: GoodputEvaluator) -> tuple[Unit, float, PhaseCandidate, PhaseCandidate]:
+    spec = ev.spec
+    total, per_node = spec.total_gpus, spec.gpus_per_node
+    if total < 2:
+        raise PlannerError("a disaggregated placement needs at least 2 GPUs (one prefill, one decode)")
+
+    def cross(par: ParallelConfig) -> bool:
+        return par.gpus > per_node
+
+    pres = frontier(ev, "prefill", enumerate_configs(ev, "prefill", total, total - 1), cross)
+    decs = frontier(ev, "decode", enumerate_configs(ev, "decode", total, total - 1), cross)
+    if not pres or not decs:
+        raise PlannerError(_no_config_message("prefill" if not pres else "decode", spec))
+
+    def feasible(unit: Unit) -> bool:
+        return unit.gpus <= total and place_unit(unit, GpuPool(spec.nodes, per_node)) is not None
+
+    return _best_pair(pres, decs, feasible, spec)
+
+
+def _best_pair(
+    pres: list[PhaseCandidate],
+    decs: list[PhaseCandidate],
+    feasible: Callable[[Unit], bool],
+    spec: PlanSpec,
+) -> tuple[Unit, float, PhaseCandidate, PhaseCandidate]:
+    """The (prefill, decode, n, m) with the best estimated goodput per GPU."""
+    best: tuple[float, Unit, float, PhaseCandidate, PhaseCandidate] | None = None
+    for pre in pres:
+        for dec in decs:
+            mix = choose_mix(pre, dec, feasible)
+            if mix and (best is None or mix[1] / mix[0].gpus > best[0]):
+                best = (mix[1] / mix[0].gpus, mix[0], mix[1], pre, dec)
+    if best is None:
+        raise PlannerError(_no_config_message("prefill and decode pair", spec)
+                           + " in a unit that fits the cluster")
+    return best[1], best[2], best[3], best[4]
+
+
+def _low_affinity(ev: GoodputEvaluator) -> tuple[Unit, float, PhaseCandidate, PhaseCandidate]:
+    spec = ev.spec
+    per_node = spec.gpus_per_node
+    best: tuple[Unit, float, PhaseCandidate, PhaseCandidate] | None = None
+    tps = [t for t in tp_degrees(spec.shape.num_heads, per_node) if t < per_node]
+    for pp in range(1, min(spec.nodes, spec.shape.num_layers) + 1):
+        pres = [c for t in tps if fits(ev, ParallelConfig(t, pp), "prefill")
+                and (c := phase_candidate(ev, "prefill", ParallelConfig(t, pp), pp > 1)).goodput > 0]
+        decs = [c for t in tps if fits(ev, ParallelConfig(t, pp), "decode")
+                and (c := phase_candidate(ev, "decode", ParallelConfig(t, pp), pp > 1)).goodput > 0]
+        if not pres or not decs:
+            continue
+        try:
+            cand = _best_pair(pres, decs, lambda u: u.gpus // u.prefill.pp <= per_node, spec)
+        except PlannerError:
+            continue
+        if best is None or cand[1] / cand[0].gpus > best[1] / best[0].gpus:
+            best = cand
+    if best is None:
+        raise PlannerError(_no_config_message("prefill and decode pair", spec)
+                           + " with both on one node per pipeline stage")
+    return best
+
+
+def _no_config_message(what: str, spec: PlanSpec) -> str:
+    return (f"no {what} configuration of {spec.shape.name} on {spec.hardware.name} meets the "
+            f"SLOs (TTFT {spec.slo.ttft_s} s, TPOT {spec.slo.tpot_s} s) at "
+            f"{spec.attainment:.0%} attainment, or the model does not fit")
+
+
+def _unit_instances(unit: Unit, spec: PlanSpec) -> list[InstancePlacement]:
+    if spec.affinity == "low":
+        return place_group(unit, 0, spec.gpus_per_node)
+    placed = place_unit(unit, GpuPool(spec.nodes, spec.gpus_per_node))
+    if placed is None:  # feasible() checked this
+        raise PlannerError("unit does not fit the cluster")
+    return placed
+
+
+def simulate_unit(ev: GoodputEvaluator, unit: Unit, upper: float) -> float:
+    """Goodput (requests/s) of one unit simulated whole, both SLOs."""
+    instances = _unit_instances(unit, ev.spec)
+    cross = unit_handoff_pairs(instances)
+    pre = [i for i in instances if i.role == "prefill"]
+    dec = [i for i in instances if i.role == "decode"]
+    prefills = [ev.prefill_server(i.par, len(i.nodes) > 1) for i in pre]
+    decodes = [ev.decode_server(i.par, len(i.nodes) > 1) for i in dec]
+    handoff = [[ev.handoff(p.par, d.par, cross[a][b]) for b, d in enumerate(dec)]
+               for a, p in enumerate(pre)]
+    return ev.disaggregated_goodput(prefills, decodes, handoff, upper)
+
+
+def best_colocated(ev: GoodputEvaluator) -> PhaseCandidate | None:
+    """The colocated config with the best goodput per GPU (None if none meets the SLOs)."""
+    spec = ev.spec
+    configs = enumerate_configs(ev, "colocated", spec.total_gpus, spec.total_gpus)
+    return best_config(ev, "colocated", configs, lambda p: p.gpus > spec.gpus_per_node)
+
+
+def plan(spec: PlanSpec) -> PlanResult:
+    """Search the placement for ``spec`` (see the module docstring).
+
+    Raises:
+        PlannerError: no configuration fits in memory or meets the SLOs.
+    """
+    start = time.perf_counter()
+    ev = GoodputEvaluator(spec)
+    search = _low_affinity if spec.affinity == "low" else _high_affinity
+    unit, estimate, pre, dec = search(ev)
+    goodput = simulate_unit(ev, unit, estimate)
+    placement, units = replicate(unit, spec.nodes, spec.gpus_per_node, spec.affinity)
+    colocated = best_colocated(ev)
+    col_placement = (colocated_replicas(colocated.par, spec.nodes, spec.gpus_per_node)
+                     if colocated else [])
+    col_count, col_goodput = 0, 0.0
+    if colocated is not None:
+        col_count = max(1, min(len(col_placement), round(unit.gpus / colocated.par.gpus)))
+        col_goodput = ev.colocated_goodput(colocated.par, colocated.cross_node, col_count)
+    return PlanResult(
+        spec=spec, unit=unit, unit_goodput=goodput, estimated_unit_goodput=estimate,
+        prefill=pre, decode=dec, placement=tuple(placement), units=units,
+        colocated=colocated, colocated_unit_instances=col_count,
+        colocated_unit_goodput=col_goodput, colocated_placement=tuple(col_placement),
+        simulations=ev.simulations, seconds=time.perf_counter() - start,
+    )

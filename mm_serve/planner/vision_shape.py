@@ -1,0 +1,142 @@
+"""Vision tower (ViT) shapes of multimodal checkpoints: llava-hf and original LLaVA layouts.
+
+LLaVA-1.5 runs CLIP ViT-L/14 at 336 px (577 positions: 576 patches + CLS) up to the
+penultimate layer (``vision_feature_layer = -2``), drops the CLS token
+(``vision_feature_select_strategy = "default"``) and projects each of the 576 patch
+embeddings with a two-layer MLP into one LLM token (Liu et al., "Improved Baselines
+with Visual Instruction Tuning", 2023, §3).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from mm_serve.planner.errors import ModelShapeError
+
+# (layers, hidden, heads, intermediate) by ViT size keyword in a tower name.
+_TOWER_SIZES: Mapping[str, tuple[int, int, int, int]] = MappingProxyType({
+    "base": (12, 768, 12, 3072),
+    "large": (24, 1024, 16, 4096),
+    "huge": (32, 1280, 16, 5120),
+    "so400m": (27, 1152, 16, 4304),
+})
+# transformers' defaults for vision configs that omit fields.
+_VISION_DEFAULTS: Mapping[str, Mapping[str, int]] = MappingProxyType({
+    "clip_vision_model": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                          "num_attention_heads": 12, "image_size": 224, "patch_size": 32},
+    "siglip_vision_model": {"hidden_size": 768, "intermediate_size": 3072,
+                            "num_hidden_layers": 12, "num_attention_heads": 12,
+                            "image_size": 224, "patch_size": 16},
+})
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A ViT encoder plus projector; ``image_tokens`` LLM tokens come out per image."""
+
+    model_type: str
+    num_layers: int  # layers actually run (up to the selected feature layer)
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    image_size: int  # pixels per side
+    patch_size: int  # pixels per side
+    has_cls: bool
+    image_tokens: int
+    projector_params: int
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def seq_len(self) -> int:
+        """Positions the ViT attends over per image (patches + CLS)."""
+        return self.num_patches + (1 if self.has_cls else 0)
+
+    @property
+    def layer_params(self) -> int:
+        h = self.hidden_size
+        return 4 * h * h + 2 * h * self.intermediate_size
+
+    @property
+    def params(self) -> int:
+        """Tower (run layers + patch embedding) plus projector weights."""
+        patch_embed = 3 * self.patch_size * self.patch_size * self.hidden_size
+        return self.num_layers * self.layer_params + patch_embed + self.projector_params
+
+
+def _layers_run(total: int, feature_layer: Any) -> int:
+    if isinstance(feature_layer, list) and feature_layer:
+        feature_layer = max(int(v) % (total + 1) for v in feature_layer)
+    if not isinstance(feature_layer, int) or isinstance(feature_layer, bool):
+        return total
+    return max(1, total + 1 + feature_layer if feature_layer < 0 else feature_layer)
+
+
+def _need(value: Any, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelShapeError(f"{where}: vision '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def vision_from_hf(
+    cfg: Mapping[str, Any], vision_cfg: Mapping[str, Any], llm_hidden: int, where: str
+) -> VisionShape:
+    """Vision shape of a llava-hf config (``vision_config`` plus top-level feature keys)."""
+    mtype = str(vision_cfg.get("model_type", "clip_vision_model"))
+    defaults = _VISION_DEFAULTS.get(mtype, _VISION_DEFAULTS["clip_vision_model"])
+
+    def field(key: str) -> int:
+        return _need(vision_cfg.get(key, defaults.get(key)), key, where)
+
+    hidden = field("hidden_size")
+    has_cls = not mtype.startswith("siglip")
+    image, patch = field("image_size"), field("patch_size")
+    tokens = (image // patch) ** 2
+    if has_cls and cfg.get("vision_feature_select_strategy", "default") == "full":
+        tokens += 1
+    seq_len = cfg.get("image_seq_length")
+    if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
+        tokens = seq_len
+    return VisionShape(
+        model_type=mtype,
+        num_layers=_layers_run(field("num_hidden_layers"), cfg.get("vision_feature_layer", -2)),
+        hidden_size=hidden, num_heads=field("num_attention_heads"),
+        intermediate_size=field("intermediate_size"), image_size=image, patch_size=patch,
+        has_cls=has_cls, image_tokens=tokens,
+        projector_params=hidden * llm_hidden + llm_hidden * llm_hidden,
+    )
+
+
+def vision_from_tower_name(
+    tower: str, cfg: Mapping[str, Any], llm_hidden: int, where: str
+) -> VisionShape:
+    """Vision shape of an original LLaVA config from ``mm_vision_tower`` (a hub name)."""
+    name = tower.lower()
+    size = next((k for k in _TOWER_SIZES if k in name), "large")
+    layers, hidden, heads, inter = _TOWER_SIZES[size]
+    hidden = int(cfg.get("mm_hidden_size") or hidden)
+    patch_m = re.search(r"patch(\d+)", name)
+    image_m = re.search(r"-(\d{3,4})(?:$|[^0-9])", name)
+    patch = int(patch_m.group(1)) if patch_m else 14
+    image = int(image_m.group(1)) if image_m else 224
+    has_cls = "siglip" not in name
+    tokens = (image // patch) ** 2
+    if has_cls and cfg.get("mm_vision_select_feature", "patch") == "cls_patch":
+        tokens += 1
+    projector = str(cfg.get("mm_projector_type", "linear"))
+    mlp_m = re.match(r"mlp(\d+)x", projector)
+    depth = int(mlp_m.group(1)) if mlp_m else 1
+    return VisionShape(
+        model_type="siglip_vision_model" if "siglip" in name else "clip_vision_model",
+        num_layers=_layers_run(layers, cfg.get("mm_vision_select_layer", -2)),
+        hidden_size=_need(hidden, "mm_hidden_size", where), num_heads=heads,
+        intermediate_size=inter, image_size=image, patch_size=patch, has_cls=has_cls,
+        image_tokens=tokens,
+        projector_params=hidden * llm_hidden + (depth - 1) * llm_hidden * llm_hidden,
+    )

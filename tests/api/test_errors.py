@@ -1,0 +1,141 @@
+"""Every bad input gets the right status and OpenAI error type; the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from mm_serve.api.app import build_app
+from mm_serve.api.context import ServerContext
+from mm_serve.api.engine_holder import EngineHolder
+from mm_serve.config import load_config
+from tests.api.server_process import ServerProcess, data_uri
+from tests.factories import gradient_image
+
+
+def _png_bytes() -> bytes:
+    buf = io.BytesIO()
+    gradient_image(32, 32).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _bomb_png(width: int = 60000, height: int = 60000) -> bytes:
+    """A tiny PNG whose header claims ``width`` x ``height`` pixels."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 16)) + chunk(b"IEND", b"")
+
+
+def _b64(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def _image_msg(url: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]
+
+
+def _chat(**overrides: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **overrides}
+
+
+PNG = _png_bytes()
+CASES: list[tuple[str, Any, int]] = [
+    ("malformed JSON", b'{"model": "tiny", "messages": [', 400),
+    ("empty messages", _chat(messages=[]), 400),
+    ("unknown role", _chat(messages=[{"role": "wizard", "content": "hi"}]), 400),
+    ("unknown content part", _chat(messages=[{"role": "user", "content": [{"type": "video", "video": "x"}]}]), 400),
+    ("ftp image url", _chat(messages=_image_msg("ftp://example.com/a.png")), 400),
+    ("plain path image url", _chat(messages=_image_msg("/etc/passwd")), 400),
+    ("file url outside allowed dir", _chat(messages=_image_msg("file:///etc/hostname")), 400),
+    ("base64 that does not decode", _chat(messages=_image_msg("data:image/png;base64,@@@notbase64@@@")), 400),
+    ("bytes that are not an image", _chat(messages=_image_msg(_b64(b"hello world, not an image"))), 400),
+    ("truncated image", _chat(messages=_image_msg(_b64(PNG[: len(PNG) // 2]))), 400),
+    ("decompression bomb", _chat(messages=_image_msg(_b64(_bomb_png()))), 400),
+    ("too many images", _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _b64(PNG)}}] * 5}]), 400),
+    ("max_tokens 0", _chat(max_tokens=0), 400),
+    ("max_tokens not an integer", _chat(max_tokens="many"), 400),
+    ("max_tokens fractional", _chat(max_tokens=2.5), 400),
+    ("temperature too high", _chat(temperature=3.5), 400),
+    ("temperature negative", _chat(temperature=-0.1), 400),
+    ("top_p zero", _chat(top_p=0), 400),
+    ("top_p above one", _chat(top_p=1.5), 400),
+    ("n zero", _chat(n=0), 400),
+    ("prompt plus max_tokens over context", _chat(max_tokens=10**6), 400),
+    ("unknown model", _chat(model="gpt-nonexistent"), 404),
+    ("completions with empty prompt list", {"model": "tiny", "prompt": [], "max_tokens": 2}, 400),
+]
+
+
+@pytest.mark.parametrize("name,body,status", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: int) -> None:
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    if isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["message"]
+    if name == "prompt plus max_tokens over context":
+        assert "1000000" in error["message"] and "4096" in error["message"]
+
+
+def test_server_still_serves_after_bad_inputs(server: ServerProcess) -> None:
+    for _, body, _ in CASES[:12]:
+        if isinstance(body, dict):
+            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    long_prompt = "word " * 2100  # ~4200 tokens: under api.max_request_length, over the 4096 context
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": long_prompt, "max_tokens": 5}, timeout=30)
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    ok = httpx.post(f"{server.url}/v1/chat/completions", timeout=5,
+                    json=_chat(messages=_image_msg(data_uri(gradient_image(40, 40))), max_tokens=3))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    stats = httpx.get(f"{server.url}/internal/stats", timeout=10).json()
+    assert stats["decode0"]["kv_pages_used"] == 0 and stats["prefill0"]["kv_pages_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def unstarted_app(tiny_llava: Path) -> TestClient:
+    """An app whose workers are never started: auth, body limits and 503 without a worker."""
+    cfg = load_config(None, {"model": str(tiny_llava), "api.api_key": "sekret", "api.max_body_bytes": 4096})
+    ctx = ServerContext(holder=EngineHolder(tiny_llava, cfg), config=cfg, served_model_name="tiny")
+    return TestClient(build_app(ctx, start_engine=False))
+
+
+def test_401_without_the_right_key(unstarted_app: TestClient) -> None:
+    r = unstarted_app.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = unstarted_app.post("/v1/chat/completions", json=_chat(), headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert unstarted_app.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_413_for_a_body_over_the_limit(unstarted_app: TestClient) -> None:
+    body = _chat(messages=_image_msg(_b64(b"x" * 8000)))
+    r = unstarted_app.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_503_when_no_worker_can_take_the_request(unstarted_app: TestClient) -> None:
+    r = unstarted_app.post("/v1/chat/completions", json=_chat(), headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    health = unstarted_app.get("/health")
+    assert health.status_code == 503 and health.json()["status"] == "warming"
+
+
+def test_image_part_conversion_keeps_image_sizes() -> None:
+    img = Image.open(io.BytesIO(PNG))
+    assert img.size == (32, 32)

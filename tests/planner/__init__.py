@@ -1,0 +1,1 @@
+"""Tests of the placement planner, simulator and benchmark workloads."""

@@ -1,0 +1,98 @@
+"""``mm-serve plan`` through the CLI entry point: output formats and user errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mm_serve.cli.main import main
+from mm_serve.config import load_config
+
+Configs = dict[str, dict[str, Any]]
+BASE = ["plan", "--slo-ttft", "0.25", "--slo-tpot", "0.1", "--hardware", "h100-80gb",
+        "--gpus-per-node", "4"]
+
+
+@pytest.fixture
+def tiny_dir(tmp_path: Path, configs: Configs) -> Path:
+    d = tmp_path / "tiny-llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(configs["tiny-llama"]))
+    return d
+
+
+def test_json_plan_and_config(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_yaml = tmp_path / "plan.yaml"
+    assert main([*BASE, "--model", str(tiny_dir), "--json", "--write-config", str(out_yaml)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == "tiny-llama" and data["hardware"] == "h100-80gb"
+    assert data["per_gpu_goodput"] > 0 and data["colocated_per_gpu_goodput"] > 0
+    assert data["disaggregated_over_colocated"] == pytest.approx(
+        data["per_gpu_goodput"] / data["colocated_per_gpu_goodput"])
+    unit = data["unit"]
+    assert data["per_gpu_goodput"] == pytest.approx(unit["goodput"] / unit["gpus"])
+    placement = data["placement"]
+    assert {p["role"] for p in placement} == {"prefill", "decode"}
+    assert all(p["num_gpus"] == p["tp"] * p["pp"] == len(p["gpus"]) for p in placement)
+    gpus = [g for p in placement for g in p["gpus"]]
+    assert len(gpus) == len(set(gpus)) == data["gpus_used"] <= 4
+    assert data["config_written"] == str(out_yaml)
+    cfg = load_config(out_yaml)
+    roles = [p["role"] for p in placement]
+    assert cfg.compute.prefill_workers == roles.count("prefill")
+    assert cfg.compute.decode_workers == roles.count("decode")
+    assert cfg.dtype == "float32" and cfg.model == str(tiny_dir)
+
+
+def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*BASE, "--model", str(tiny_dir / "config.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Placement for tiny-llama on 1 x 4 h100-80gb (affinity high)")
+    assert "Per-GPU goodput:" in out and "Colocated best:" in out and "prefill" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "{missing}"], "no config.json at"),
+        (["--model", "{bad}"], "not valid JSON"),
+        (["--hardware", "tpu-v5"], "unknown hardware 'tpu-v5'"),
+        (["--hardware", "{bad}"], "not valid JSON"),
+        (["--slo-ttft", "0"], "SLOs must be > 0"),
+        (["--slo-tpot", "-1"], "SLOs must be > 0"),
+        (["--attainment", "1.5"], "attainment must be in (0, 1]"),
+        (["--nodes", "0"], "nodes must be >= 1"),
+        (["--workload", "llava"], "needs a model with a vision tower"),
+        (["--workload", "nope"], "unknown workload 'nope'"),
+        (["--burstiness", "0"], "burstiness (CV) must be > 0"),
+        (["--model", "{huge}"], "or the model does not fit"),
+        (["--gpus-per-node", "1"], "needs at least 2 GPUs"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(
+    tiny_dir: Path, tmp_path: Path, configs: Configs, capsys: pytest.CaptureFixture[str],
+    args: list[str], message: str,
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    huge = tmp_path / "huge.json"  # ~400B parameters: no GPU holds it
+    huge.write_text(json.dumps({**configs["llama-2-7b"], "hidden_size": 16384,
+                                "intermediate_size": 53248, "num_hidden_layers": 126,
+                                "num_attention_heads": 128}))
+    paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge)}
+    argv = [*BASE, "--model", str(tiny_dir), *[paths.get(a, a) for a in args]]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert err.startswith("mm-serve: error: ") and "\n" not in err and "Traceback" not in err
+    assert message in err
+
+
+def test_argument_type_errors_are_argparse_exit_2(tiny_dir: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*BASE, "--model", str(tiny_dir), "--nodes", "two"])
+    assert exc.value.code == 2

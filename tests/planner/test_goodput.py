@@ -1,0 +1,42 @@
+"""Goodput search: geometric bisection for the max rate meeting the attainment target."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from mm_serve.planner.goodput import max_rate
+
+
+def step_attainment(capacity: float) -> tuple[list[float], Callable[[float], float]]:
+    probes: list[float] = []
+
+    def attainment(rate: float) -> float:
+        probes.append(rate)
+        return 1.0 if rate <= capacity else 0.5
+
+    return probes, attainment
+
+
+@pytest.mark.parametrize(("capacity", "upper"), [(7.3, 10.0), (7.3, 1.0), (0.9, 50.0)])
+def test_finds_the_threshold_within_tolerance(capacity: float, upper: float) -> None:
+    probes, fn = step_attainment(capacity)
+    got = max_rate(fn, 0.9, upper, rel_tol=0.02)
+    assert capacity / 1.02 <= got <= capacity
+    assert len(probes) <= 12
+
+
+def test_zero_when_even_the_floor_fails() -> None:
+    probes, fn = step_attainment(0.01)
+    assert max_rate(fn, 0.9, 10.0, span=64) == 0.0
+    assert min(probes) == pytest.approx(10.0 / 64)
+
+
+def test_growth_stops_at_its_cap() -> None:
+    assert max_rate(lambda r: 1.0, 0.9, 1.0, max_growth=3) == 8.0
+
+
+def test_rejects_bad_upper_bound() -> None:
+    with pytest.raises(ValueError):
+        max_rate(lambda r: 1.0, 0.9, 0.0)

@@ -1,0 +1,89 @@
+"""Reading config.json of OPT, Llama, llava-hf and original LLaVA into a model shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mm_serve.planner.errors import ModelShapeError
+from mm_serve.planner.model_shape import load_model_shape, shape_from_config
+
+Configs = dict[str, dict[str, Any]]
+
+
+def test_opt_13b_shape_and_parameter_count(opt13b_dir: Path) -> None:
+    shape = load_model_shape(opt13b_dir)
+    assert shape.name == "opt-13b"
+    assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads) == (40, 5120, 40, 40)
+    assert shape.intermediate_size == 20480 and not shape.gated_mlp and shape.tied_embeddings
+    assert shape.layer_params == 4 * 5120**2 + 2 * 5120 * 20480
+    assert shape.params == 40 * shape.layer_params + 50272 * 5120 + 2048 * 5120 == 12_850_790_400
+    assert shape.kv_bytes_per_token == 2 * 40 * 5120 * 2 == 819_200
+    assert shape.dtype == "float16" and shape.dtype_bytes == 2 and shape.vision is None
+
+
+def test_bare_config_json_and_llama(tmp_path: Path, configs: Configs) -> None:
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(configs["llama-2-7b"]))
+    shape = load_model_shape(path)
+    assert shape.gated_mlp and not shape.tied_embeddings
+    assert shape.params == 6_738_149_376  # Llama-2-7B
+    assert shape.max_context == 4096 and shape.head_dim == 128
+
+
+def test_grouped_query_attention_shrinks_kv(configs: Configs) -> None:
+    shape = shape_from_config({**configs["llama-2-7b"], "num_key_value_heads": 8})
+    assert shape.kv_dim == 8 * 128
+    assert shape.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+
+
+def test_llava_hf_partial_text_config_uses_llama_defaults(llava_dir: Path) -> None:
+    shape = load_model_shape(llava_dir)
+    assert shape.model_type == "llava"
+    assert (shape.num_layers, shape.hidden_size, shape.intermediate_size) == (32, 4096, 11008)
+    assert shape.vocab_size == 32064
+    vis = shape.vision
+    assert vis is not None
+    assert vis.num_layers == 23  # feature layer -2 of 24
+    assert vis.seq_len == 577 and shape.image_tokens == 576  # CLS dropped ("default")
+    assert vis.projector_params == 1024 * 4096 + 4096 * 4096
+    full = shape_from_config({**json.loads((llava_dir / "config.json").read_text()),
+                              "vision_feature_select_strategy": "full"})
+    assert full.image_tokens == 577
+
+
+def test_original_llava_tower_name(configs: Configs) -> None:
+    shape = shape_from_config(configs["llava-original"])
+    assert shape.vision is not None
+    assert (shape.vision.image_size, shape.vision.patch_size, shape.vision.num_layers) == (336, 14, 23)
+    assert shape.image_tokens == 576
+    assert shape.vision.projector_params == 1024 * 4096 + 4096 * 4096
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "top level must be a JSON object"),
+        ({"name": "opt-13b", "hidden_size": "big"}, "'hidden_size' must be a positive integer"),
+        ({"name": "llama-2-7b", "num_key_value_heads": 5}, "not divisible by 5 KV heads"),
+    ],
+)
+def test_malformed_configs_raise_clear_errors(
+    tmp_path: Path, configs: Configs, content: str | dict[str, Any], message: str
+) -> None:
+    if isinstance(content, dict):
+        base = configs[str(content.pop("name"))]
+        content = json.dumps({**base, **content})
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    with pytest.raises(ModelShapeError, match=message):
+        load_model_shape(path)
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelShapeError, match="no config.json"):
+        load_model_shape(tmp_path / "nowhere")

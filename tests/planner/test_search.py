@@ -1,0 +1,110 @@
+"""Placement search on OPT-13B / A100: DistServe's comparisons and the 4 x 8 search time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mm_serve.bench.workloads import make_workload
+from mm_serve.planner.evaluator import GoodputEvaluator
+from mm_serve.planner.hardware import get_hardware
+from mm_serve.planner.latency_model import ParallelConfig
+from mm_serve.planner.model_shape import shape_from_config
+from mm_serve.planner.plan_spec import PlanSpec
+from mm_serve.planner.search import PlanResult, plan
+from mm_serve.planner.slo import SLO
+
+Configs = dict[str, dict[str, Any]]
+CHATBOT_SLO = SLO(ttft_s=0.25, tpot_s=0.1)  # DistServe Table 1, chatbot, OPT-13B
+
+
+def opt13b_spec(config: dict[str, Any], **kw: Any) -> PlanSpec:
+    shape = shape_from_config(config, name="opt-13b")
+    workload = kw.pop("workload", make_workload("chatbot", max_context=shape.max_context))
+    return PlanSpec(shape, get_hardware("a100-80gb"), workload, kw.pop("slo", CHATBOT_SLO), **kw)
+
+
+@pytest.fixture(scope="module")
+def cluster_plan(module_configs: dict[str, dict[str, Any]]) -> PlanResult:
+    """OPT-13B, chatbot, A100, 4 nodes x 8 GPUs, high affinity (shared by tests)."""
+    return plan(opt13b_spec(module_configs["opt-13b"], nodes=4, gpus_per_node=8))
+
+
+def test_search_on_4_nodes_of_8_gpus_is_fast_and_fills_the_cluster(cluster_plan: PlanResult) -> None:
+    print(f"4x8 search: {cluster_plan.seconds:.1f} s, {cluster_plan.simulations} simulations")
+    assert cluster_plan.seconds < 60
+    gpus = [g for inst in cluster_plan.placement for g in inst.gpus]
+    assert len(gpus) == len(set(gpus)) == cluster_plan.gpus_used <= 32
+    assert cluster_plan.gpus_used == cluster_plan.units * cluster_plan.unit.gpus
+    assert cluster_plan.gpus_used > 32 - cluster_plan.unit.gpus  # no room for another unit
+    for inst in cluster_plan.placement:
+        assert len(inst.gpus) == inst.par.tp * inst.par.pp
+        if inst.par.gpus <= 8:
+            assert len(inst.nodes) == 1
+    roles = [i.role for i in cluster_plan.placement]
+    assert roles.count("prefill") == cluster_plan.units * cluster_plan.unit.num_prefill
+    assert roles.count("decode") == cluster_plan.units * cluster_plan.unit.num_decode
+    # the whole-unit simulation lands near the phase-by-phase estimate
+    assert 0.7 < cluster_plan.unit_goodput / cluster_plan.estimated_unit_goodput < 1.3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "The roofline + simulator model finds near parity for ShareGPT-like chat at "
+    "TTFT 0.25 s / TPOT 0.1 s: the best colocated config (TP2) keeps decode steps "
+    "(~60 ms) far enough below the TPOT SLO that prefill stalls rarely break it, so "
+    "disaggregation cannot recover the prefill GPUs' idle headroom. See docs/planner.md."))
+def test_opt13b_chatbot_disaggregated_beats_best_colocated(cluster_plan: PlanResult) -> None:
+    ratio = cluster_plan.ratio
+    print(f"OPT-13B chatbot on A100: disaggregated {cluster_plan.per_gpu_goodput:.3f} vs colocated "
+          f"{cluster_plan.colocated_per_gpu_goodput:.3f} req/s/GPU, ratio {ratio:.2f}x")
+    assert ratio > 1.0
+
+
+@pytest.fixture
+def figure1_workload(tmp_path: Path) -> Any:
+    path = tmp_path / "fig1.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt_len": 512, "output_len": 64}) for _ in range(4)))
+    return make_workload(str(path))
+
+
+def test_figure1_single_gpu_numbers(figure1_workload: Any, configs: Configs) -> None:
+    """DistServe Figure 1 (OPT-13B, one A100, 512 in / 64 out, P90 TTFT 0.4 s, P90 TPOT
+    0.04 s): prefill-only 5.6, decode-only 10, colocated 1.6 req/s measured; 2 prefill
+    GPUs + 1 decode GPU give 10 req/s on 3 GPUs, 2.1x colocated per GPU."""
+    ev = GoodputEvaluator(opt13b_spec(configs["opt-13b"], workload=figure1_workload,
+                                      slo=SLO(0.4, 0.04)))
+    one = ParallelConfig(1, 1)
+    pre, dec, col = ev.prefill_goodput(one, False), ev.decode_goodput(one, False), ev.colocated_goodput(one, False)
+    per_gpu = min(2 * pre, dec) / 3
+    print(f"Figure 1: prefill-only {pre:.2f}, decode-only {dec:.2f}, colocated {col:.2f} req/s; "
+          f"2P1D {per_gpu:.2f} req/s/GPU = {per_gpu / col:.2f}x colocated")
+    assert pre == pytest.approx(5.6, rel=0.2)
+    assert dec == pytest.approx(10.0, rel=0.2)
+    assert col == pytest.approx(1.6, rel=0.2)
+    assert per_gpu / col == pytest.approx(2.1, rel=0.2)
+
+
+def test_figure1_workload_plan_beats_best_colocated(figure1_workload: Any, configs: Configs) -> None:
+    result = plan(opt13b_spec(configs["opt-13b"], workload=figure1_workload, slo=SLO(0.4, 0.04),
+                              gpus_per_node=4))
+    print(f"Figure 1 workload on 1x4 A100: {result.per_gpu_goodput:.2f} vs colocated "
+          f"{result.colocated_per_gpu_goodput:.2f} req/s/GPU, ratio {result.ratio:.2f}x")
+    assert result.ratio > 1.1
+    assert result.unit.gpus <= 4
+
+
+def test_low_affinity_keeps_each_prefill_stage_with_its_decode_partner(configs: Configs) -> None:
+    result = plan(opt13b_spec(configs["opt-13b"], nodes=2, gpus_per_node=8, affinity="low"))
+    pp = result.unit.prefill.pp
+    assert result.unit.decode.pp == pp
+    assert result.units == 2 // pp
+    per_unit = result.unit.num_prefill + result.unit.num_decode
+    for u in range(result.units):
+        unit = result.placement[u * per_unit:(u + 1) * per_unit]
+        nodes = {inst.nodes for inst in unit}
+        assert len(nodes) == 1  # every instance of the unit spans the same nodes
+        assert {i.role for i in unit} == {"prefill", "decode"}
+        assert sum(i.par.tp for i in unit) <= 8  # one node's GPUs per stage

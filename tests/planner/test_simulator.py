@@ -1,0 +1,139 @@
+"""The discrete-event simulator against queueing theory and hand-worked timelines."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mm_serve.bench.workloads import RequestSpec, poisson_arrivals
+from mm_serve.planner.latency_model import DecodeTiming, PrefillTiming
+from mm_serve.planner.running_set import RunningSet
+from mm_serve.planner.sim_request import NEVER, SimRequest
+from mm_serve.planner.simulator import (
+    DecodeServer,
+    Handoff,
+    PrefillServer,
+    build_requests,
+    simulate_colocated,
+    simulate_decode,
+    simulate_disaggregated,
+    simulate_prefill,
+)
+from mm_serve.planner.slo import SLO, SimResult
+
+
+def fixed_prefill(seconds: float) -> PrefillTiming:
+    """Every prefill batch takes ``seconds``, whatever it holds."""
+    return PrefillTiming(1, seconds, 0, 0, 0, 0, 0, 0, 0)
+
+
+def fixed_decode(seconds: float) -> DecodeTiming:
+    """Every decode step takes ``seconds``."""
+    return DecodeTiming(1, seconds, 0, 0, 0, 0)
+
+
+def req(i: int, t: float, prompt: int, output: int) -> SimRequest:
+    return SimRequest(i, t, prompt, output)
+
+
+@pytest.mark.parametrize("load", [0.3, 0.6, 0.8])
+def test_prefill_queue_matches_md1_mean_ttft(load: float) -> None:
+    """DistServe §3.1: one prefill instance, deterministic service time D, Poisson
+    arrivals at rate R: mean TTFT = D + R D^2 / (2 (1 - R D))."""
+    service, n = 0.1, 120_000
+    rate = load / service
+    reqs = build_requests([RequestSpec(512, 1)] * n, poisson_arrivals(n, rate, seed=0))
+    result = simulate_prefill(PrefillServer(fixed_prefill(service), 1 << 20, 1), reqs)
+    theory = service + rate * service**2 / (2 * (1 - rate * service))
+    got = result.mean_ttft()
+    print(f"R*D={load}: simulated mean TTFT {got:.4f} s, M/D/1 {theory:.4f} s "
+          f"({(got / theory - 1) * 100:+.1f} %)")
+    assert got == pytest.approx(theory, rel=0.05)
+
+
+def test_prefill_batches_by_token_budget_fcfs() -> None:
+    timing = PrefillTiming(1, 0.01, 1e-4, 0, 0, 0, 0, 0, 0)  # 10 ms + 0.1 ms per token
+    reqs = [req(0, 0.0, 100, 1), req(1, 0.001, 300, 1), req(2, 0.002, 200, 1), req(3, 0.003, 50, 1)]
+    simulate_prefill(PrefillServer(timing, 512, 8), reqs)
+    # t=0: [0] alone (20 ms); t=0.02: [1, 2] (500 tokens <= 512), 60 ms; then [3], 15 ms
+    assert [r.first_token_s for r in reqs] == pytest.approx([0.02, 0.08, 0.08, 0.095])
+
+
+def test_pipelined_prefill_overlaps_batches() -> None:
+    timing = PrefillTiming(2, 0.05, 0, 0, 0, 0, 0, 0.001, 0)  # 2 stages of 50 ms, 1 ms hop
+    reqs = [req(0, 0.0, 10, 1), req(1, 0.0, 10, 1), req(2, 0.0, 10, 1)]
+    simulate_prefill(PrefillServer(timing, 10, 1), reqs)
+    assert [r.first_token_s for r in reqs] == pytest.approx([0.101, 0.151, 0.201])
+
+
+def test_decode_continuous_batching_timeline() -> None:
+    a, b = req(0, 0.0, 10, 4), req(1, 0.015, 10, 2)
+    simulate_decode(DecodeServer(fixed_decode(0.01), 1000, 8), [a, b])
+    # steps 0-10 ms and 10-20 ms run A alone; B joins at 20 ms; both end at 30 ms
+    assert (a.finish_s, b.finish_s) == pytest.approx((0.03, 0.03))
+    assert (a.tpot, b.tpot) == pytest.approx((0.01, 0.015))
+
+
+def test_decode_waits_for_kv_capacity_and_drops_what_never_fits() -> None:
+    a, b, huge = req(0, 0.0, 10, 4), req(1, 0.015, 10, 2), req(2, 0.016, 100, 2)
+    simulate_decode(DecodeServer(fixed_decode(0.01), 20, 8), [a, b, huge])
+    assert a.finish_s == pytest.approx(0.03)
+    assert b.finish_s == pytest.approx(0.04)  # admitted when A released its 14 tokens
+    assert b.decode_ready_s == pytest.approx(0.015)
+    assert huge.finish_s == NEVER and huge.tpot == NEVER
+
+
+def test_colocated_prefill_stalls_decode() -> None:
+    a, b = req(0, 0.0, 10, 3), req(1, 0.02, 10, 2)
+    simulate_colocated(fixed_prefill(0.05), DecodeServer(fixed_decode(0.01), 1000, 8), 4096, [a, b])
+    assert (a.first_token_s, b.first_token_s) == pytest.approx((0.05, 0.10))
+    assert (a.finish_s, b.finish_s) == pytest.approx((0.12, 0.11))
+    assert (a.ttft, a.tpot, b.ttft, b.tpot) == pytest.approx((0.05, 0.035, 0.08, 0.01))
+
+
+def test_disaggregated_handoff_and_shortest_queue() -> None:
+    a, b = req(0, 0.0, 10, 20), req(1, 0.01, 10, 2)
+    result = simulate_disaggregated(
+        [PrefillServer(fixed_prefill(0.05), 4096, 8)],
+        [DecodeServer(fixed_decode(0.01), 1000, 8)] * 2,
+        [[Handoff(0.001, 0.0), Handoff(0.001, 0.0)]],
+        [a, b],
+    )
+    assert (a.first_token_s, b.first_token_s) == pytest.approx((0.05, 0.10))
+    assert a.decode_ready_s == pytest.approx(0.051) and a.finish_s == pytest.approx(0.051 + 19 * 0.01)
+    assert b.decode_ready_s == pytest.approx(0.101) and b.finish_s == pytest.approx(0.111)  # decode 1
+    slo = SLO(ttft_s=0.06, tpot_s=0.02)
+    assert result.attainment(slo, "prefill") == 0.5  # B waited behind A's prefill
+    assert result.attainment(slo, "decode") == 1.0
+    assert result.attainment(slo) == 0.5
+
+
+def test_running_set_invariants_under_random_load() -> None:
+    rng = random.Random(7)
+    rs = RunningSet(kv_capacity=5000, max_batch=16)
+    reqs = [req(i, 0.0, rng.randint(1, 400), rng.randint(1, 300)) for i in range(300)]
+    pending, done = list(reqs), 0
+    while pending or len(rs):
+        while pending and rs.fits(pending[0]):
+            if not rs.add(pending.pop(0)):
+                done += 1
+        rs.check()
+        done += len(rs.finish_step())
+        rs.check()
+    assert done == 300 and rs.reserved_kv == 0 and rs.context == 0
+
+
+def test_sim_result_metrics() -> None:
+    reqs = [req(i, 0.0, 1, 3) for i in range(10)]
+    for i, r in enumerate(reqs):
+        r.first_token_s = 0.1 * (i + 1)
+        r.finish_s = r.first_token_s + 0.2
+    res = SimResult(reqs)
+    assert res.mean_ttft() == pytest.approx(0.55)
+    assert res.mean_tpot() == pytest.approx(0.1)
+    assert res.percentile("ttft", 0.9) == pytest.approx(0.9)
+    assert res.attainment(SLO(0.45, 1.0)) == 0.4
+    assert res.attainment(SLO(0.45, 1.0), skip=5) == 0.0
+    with pytest.raises(ValueError, match="SLOs must be > 0"):
+        SLO(0.0, 1.0)
