@@ -9,10 +9,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from mm_serve import __version__
-from mm_serve.api.body_limit import BodyLimitMiddleware
+from mm_serve.api.body_limit import ArrivalTimeMiddleware, BodyLimitMiddleware
 from mm_serve.api.chat import create_chat_completion
 from mm_serve.api.completions import create_completion
 from mm_serve.api.context import ServerContext
@@ -28,6 +29,7 @@ from mm_serve.api.schemas import (
     ModelList,
     VersionResponse,
 )
+from mm_serve.metrics import ServiceMetrics, WorkerStatsCollector, render
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
@@ -51,8 +53,13 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
 
     app = FastAPI(title="mm-serve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
-    install_error_handlers(app)
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry)
+    registry.register(WorkerStatsCollector(lambda: dict(ctx.holder.client.stats)))
+    ctx.holder.client.finish_listeners.append(metrics.observe_finished)
+    install_error_handlers(app, metrics.observe_rejected)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes)
+    app.add_middleware(ArrivalTimeMiddleware)
 
     async def require_key(request: Request) -> None:
         key = ctx.config.api.api_key
@@ -86,6 +93,10 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         status, workers = ctx.holder.health()
         body = HealthResponse(status=status, workers=workers).model_dump()  # type: ignore[arg-type]
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics (text exposition format)")
+    async def metrics_endpoint() -> Response:
+        return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

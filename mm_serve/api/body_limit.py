@@ -1,8 +1,9 @@
-"""ASGI middleware that refuses request bodies over ``max_body_bytes`` with 413, before parsing."""
+"""ASGI middlewares: refuse bodies over ``max_body_bytes`` with 413 before parsing; stamp arrival time."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 Scope = dict[str, Any]
@@ -59,3 +60,20 @@ class BodyLimitMiddleware:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+class ArrivalTimeMiddleware:
+    """Stamps ``request.state.arrival`` (``time.monotonic()``) before the body is read, for TTFT."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
+def arrival_time(request: Any) -> float:
+    """When the request reached the server (falls back to now)."""
+    return float(getattr(request.state, "arrival", time.monotonic()))

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import unavailable
 from mm_serve.api.generation import Generation
@@ -39,12 +40,13 @@ def _finish(reason: str | None) -> str | None:
 
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServerContext) -> object:
     """Validate, submit ``n`` requests, and answer as JSON or as an SSE stream."""
+    arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     messages = await chat_messages(body.messages, ctx.config.api)
     inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None)
-    gen = Generation(ctx.client_or_503(), inputs, params)
+    gen = Generation(ctx.client_or_503(), inputs, params, arrival)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(gen, body, ctx, raw, include_usage), media_type="text/event-stream")

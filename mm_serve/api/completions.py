@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import bad_request, unavailable
 from mm_serve.api.generation import Generation
@@ -42,6 +43,7 @@ def _finish(reason: str | None) -> str | None:
 
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerContext) -> object:
     """Validate, submit ``n`` requests per prompt, answer as JSON or SSE."""
+    arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     prompts = _prompts(body.prompt)
     if len(prompts) > 64:
@@ -56,7 +58,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     gens: list[Generation] = []
     try:
         for inputs, params in prepared:
-            gens.append(Generation(client, inputs, params))
+            gens.append(Generation(client, inputs, params, arrival))
     except BaseException:
         for gen in gens:
             gen.abort()

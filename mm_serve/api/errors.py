@@ -7,6 +7,7 @@ never a 200 with error text, and never an unformatted 500.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,23 +57,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{first.get('msg', 'invalid value')}{where}", param
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Map validation errors to 400 and every error to OpenAI's error JSON."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
+    """Map validation errors to 400 and every error to OpenAI's error JSON; ``on_error(status)`` counts them."""
+
+    def respond(error: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(error.status)
+        return error.response()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return respond(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return bad_request(message, param).response()
+        return respond(bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind).response()
+        return respond(APIError(exc.status_code, str(exc.detail), kind))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error").response()
+        return respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"))

@@ -25,7 +25,9 @@ DISCONNECT_POLL_S = 0.25
 class Generation:
     """Submits ``params.n`` requests (seeds ``seed + i``) and reports their progress."""
 
-    def __init__(self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams) -> None:
+    def __init__(
+        self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
         self.client = client
         self.request_id = uuid.uuid4().hex
         self.num_prompt_tokens = len(inputs.prompt_token_ids)
@@ -35,7 +37,7 @@ class Generation:
         try:
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
-                state = client.submit(f"{self.request_id}-{i}", inputs, replace(params, n=1, seed=seed))
+                state = client.submit(f"{self.request_id}-{i}", inputs, replace(params, n=1, seed=seed), arrival_time)
                 state.listener = lambda _s, i=i: loop.call_soon_threadsafe(self._queue.put_nowait, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set

@@ -6,9 +6,10 @@ Accepted: ``data:image/...;base64,``; ``http(s)://`` under a :class:`MediaPolicy
 DNS rebinding is closed: each hop resolves the host once, checks every address, then
 connects to those addresses itself, sending the original ``Host`` and, for https, the
 original name as TLS SNI (httpcore ``sni_hostname``), so the certificate is verified
-against the name (via a CONNECT proxy the SNI is the IP, which fails closed). Open gap:
-a ``file://`` path is checked, then opened (``O_NOFOLLOW`` on its last part only), so a
-concurrent swap of a parent directory could escape the allowed directory.
+against the name. Known gaps: a pooled https connection to an IP may be reused for
+another name on that IP (verified for the first name); via a CONNECT proxy the SNI is
+the IP (fails closed); a ``file://`` path is checked, then opened (``O_NOFOLLOW`` on its
+last part only), so a concurrent swap of a parent directory could escape the root.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from vision_prefill.image_loading import decode_data_uri, load_image_bytes
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """``(host, port) -> IP address strings``, best first; raises ``MediaFetchError``."""
 
-_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
@@ -91,8 +91,7 @@ async def load_image_url(
     Raises:
         InvalidImageURLError: unsupported scheme, malformed URL or data URI, bad base64.
         MediaFetchError: fetch failed or refused by ``policy`` (see the class).
-        ImageTooLargeError: more pixels than ``policy.max_pixels`` (decompression bomb).
-        ImageDecodeError: the bytes are not a supported image, or are truncated.
+        ImageTooLargeError, ImageDecodeError: a bomb; not a supported image, or truncated.
     """
     text = url.strip()
     scheme = _scheme_of(text)
@@ -156,8 +155,7 @@ async def _fetch(
     except httpx.InvalidURL as exc:
         raise InvalidImageURLError("image URL is malformed") from exc
     except httpx.HTTPError as exc:
-        detail = _shorten(str(exc)) or type(exc).__name__
-        raise MediaFetchError(f"could not fetch the image: {detail}") from exc
+        raise MediaFetchError(f"could not fetch the image: {_shorten(repr(exc))}") from exc
 
 
 async def _follow(
@@ -170,7 +168,7 @@ async def _follow(
         response = await _send(client, target, addresses, policy.fetch_timeout_s)
         try:
             location = response.headers.get("location")
-            if response.status_code in _REDIRECT_STATUSES and location:
+            if response.status_code in (301, 302, 303, 307, 308) and location:
                 target = target.join(location)  # relative to the name, not the pinned IP
                 if target.scheme not in ("http", "https"):
                     raise MediaFetchError("image URL redirected to a non-http(s) URL; refused")
@@ -286,6 +284,8 @@ def _read_local_file(url: str, policy: MediaPolicy) -> bytes:
             info = os.fstat(handle.fileno())
             regular = stat.S_ISREG(info.st_mode)
             data = handle.read(cap + 1) if regular and info.st_size <= cap else b""
+    except IsADirectoryError as exc:
+        raise MediaFetchError("file:// image is not a regular file") from exc
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         raise MediaFetchError("file:// image does not exist or cannot be read") from exc
     if not regular:

@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ class EngineClient:
         self._seed_rng = random.Random(config.seed)
         self._receiver: threading.Thread | None = None
         self._stats_time: dict[tuple[str, int], float] = {}
+        self.finish_listeners: list[Callable[[RequestState], None]] = []  # called on the receiver thread
         self.specs: list[Any] = []
         self.router: Router | None = None
 
@@ -183,7 +185,9 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def submit(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams) -> RequestState:
+    def submit(
+        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None
+    ) -> RequestState:
         """Route a processed request to a prefill (or colocated) worker.
 
         Raises:
@@ -201,6 +205,9 @@ class EngineClient:
             )
         detok = IncrementalDetokenizer(self.inputs.tokenizer, params.stop)
         state = RequestState(request_id, n, detok)
+        state.num_images = inputs.num_images
+        if arrival_time is not None:
+            state.arrival_time = arrival_time
         assert self.router is not None
         with self._lock:
             if request_id in self.requests:
@@ -232,6 +239,7 @@ class EngineClient:
             return
         self._abort_workers(request_id, prefill, decode)
         state.fail("aborted")
+        self._notify_finished(state)
 
     def _abort_workers(self, request_id: str, prefill: int | None, decode: int | None) -> None:
         """Tell the workers that may hold ``request_id`` to drop it (prefill queue, ring, decode)."""
@@ -309,6 +317,7 @@ class EngineClient:
                 self.router.finished(update.request_id)
             if update.finish_reason is None:  # finished here by a stop string: stop the workers
                 self._abort_workers(update.request_id, prefill, decode)
+            self._notify_finished(state)
 
     def _on_stats(self, msg: messages.WorkerStats) -> None:
         with self._lock:
@@ -324,6 +333,11 @@ class EngineClient:
             self.requests.clear()
         for state in states:
             state.fail(message)
+            self._notify_finished(state)
+
+    def _notify_finished(self, state: RequestState) -> None:
+        for listener in self.finish_listeners:
+            listener(state)
 
     def health(self) -> dict[str, Any]:
         """Per-worker status: ``ready``, ``warming`` or ``down`` (with exit code)."""

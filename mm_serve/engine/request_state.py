@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ class RequestState:
     def __init__(self, request_id: str, num_prompt_tokens: int, detokenizer: IncrementalDetokenizer) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_images = 0
         self.detokenizer = detokenizer
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
@@ -28,6 +30,10 @@ class RequestState:
         self.error: str | None = None
         self.events: dict[str, float] = {}
         self.listener: Callable[[RequestState], None] | None = None
+        self.arrival_time = time.monotonic()  # the submitter may set an earlier time (HTTP receipt)
+        self.first_token_time: float | None = None  # monotonic, first output token received here
+        self.token_times: list[float] = []  # monotonic receipt time of each output token
+        self.finish_time: float | None = None
         self._pending_text: list[str] = []
         self._early: dict[int, messages.TokenUpdate] = {}
         self._done = threading.Event()
@@ -56,6 +62,10 @@ class RequestState:
         return finished
 
     def _take(self, update: messages.TokenUpdate) -> bool:
+        now = time.monotonic()
+        if update.token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.extend([now] * len(update.token_ids))
         self.token_ids.extend(update.token_ids)
         if update.logprobs:
             self.logprobs.extend(update.logprobs)
@@ -75,6 +85,7 @@ class RequestState:
         if tail:
             self._pending_text.append(tail)
         self.finish_reason, self.stop_reason = reason, stop_reason
+        self.finish_time = time.monotonic()
         self._done.set()
         return True
 
@@ -85,6 +96,7 @@ class RequestState:
                 return
             self.error = message
             self.finish_reason = "error"
+            self.finish_time = time.monotonic()
             self._done.set()
         self._notify()
 

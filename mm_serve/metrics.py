@@ -1,0 +1,123 @@
+"""Prometheus metrics of the service (prometheus-client), all named ``mm_serve_*``.
+
+The API process aggregates: request-level histograms are observed when a
+request finishes (its lifetime events come back from the workers in the token
+updates), and per-worker gauges are read at scrape time from the workers' latest
+:class:`~mm_serve.messages.WorkerStats`. Each server owns its own
+``CollectorRegistry`` (no process-global state), so two services in one process
+never mix their numbers.
+
+TTFT and TPOT follow DistServe §2: TTFT from the API receiving the request to the
+first output token reaching it; TPOT = (finish − first token) / (output tokens − 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mm_serve.engine.request_state import RequestState
+
+# Seconds, from 1 ms (GPU decode steps) to a minute (long CPU prefills), roughly x2.5 per bucket.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
+
+# (histogram, begin event, end event, stage label or None) from the workers' lifetime events.
+_EVENT_SPANS = (
+    ("queue", "prefill_queued", "encode_begin", "prefill"),
+    ("encode", "encode_begin", "encode_end", None),
+    ("prefill", "encode_end", "prefill_end", None),
+    ("handoff", "handoff_begin", "handoff_end", None),
+    ("queue", "handoff_end", "first_decode", "decode"),
+)
+
+
+class ServiceMetrics:
+    """Request histograms and counters, observed by :meth:`observe_finished`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+        def hist(name: str, doc: str, labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(f"mm_serve_{name}", doc, labels, registry=registry, buckets=LATENCY_BUCKETS)
+
+        self.ttft = hist("time_to_first_token_seconds", "Request received to first output token (TTFT).")
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first (TPOT).")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens (ITL).")
+        self.e2e = hist("e2e_request_latency_seconds", "Request received to last output token.")
+        self.queue = hist("queue_time_seconds", "Time waiting in a stage's queue.", ("stage",))
+        self.encode = hist("encode_seconds", "Vision encoder + projector time of a request's prefill batch.")
+        self.prefill = hist("prefill_seconds", "LLM prefill time of a request's prefill batch.")
+        self.handoff = hist("kv_handoff_seconds", "KV hand-off: publish start to decode's copy done.")
+        self.requests = Counter("mm_serve_requests", "Finished requests.", ("finish_reason", "status_code"),
+                                registry=registry)
+        self.prompt_tokens = Counter("mm_serve_prompt_tokens", "Prompt tokens, image tokens included.", registry=registry)
+        self.generation_tokens = Counter("mm_serve_generation_tokens", "Generated tokens.", registry=registry)
+        self.images = Counter("mm_serve_image_inputs", "Images received.", registry=registry)
+
+    def observe_finished(self, state: RequestState) -> None:
+        """Record one finished engine request (called on the engine client's receiver thread)."""
+        reason = state.finish_reason or "unknown"
+        self.requests.labels(finish_reason=reason, status_code="200" if reason in ("stop", "length") else "499").inc()
+        self.prompt_tokens.inc(state.num_prompt_tokens)
+        self.generation_tokens.inc(len(state.token_ids))
+        self.images.inc(state.num_images)
+        if state.first_token_time is None:
+            return
+        self.ttft.observe(state.first_token_time - state.arrival_time)
+        times = state.token_times
+        for earlier, later in zip(times, times[1:], strict=False):
+            self.itl.observe(later - earlier)
+        if len(times) > 1:
+            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        self.e2e.observe((state.finish_time or times[-1]) - state.arrival_time)
+        self._observe_events(state.events)
+
+    def _observe_events(self, events: dict[str, float]) -> None:
+        targets = {"encode": self.encode, "prefill": self.prefill, "handoff": self.handoff}
+        for kind, begin, end, stage in _EVENT_SPANS:
+            if begin in events and end in events:
+                seconds = max(0.0, events[end] - events[begin])
+                if kind == "queue":
+                    self.queue.labels(stage=stage).observe(seconds)
+                else:
+                    targets[kind].observe(seconds)
+
+    def observe_rejected(self, status_code: int) -> None:
+        """Count a request refused before it reached a worker (4xx/5xx)."""
+        self.requests.labels(finish_reason="error", status_code=str(status_code)).inc()
+
+
+class WorkerStatsCollector(Collector):
+    """Per-worker gauges (and the preemption counter) from the latest worker stats, at scrape time."""
+
+    def __init__(self, stats_source: Any) -> None:
+        self._source = stats_source  # callable returning {(role, index): WorkerStats}
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._source()
+        labels = ["worker"]
+        gauges = {
+            "requests_running": ("running", "Requests running (decoding, or pending hand-off on prefill)."),
+            "requests_waiting": ("waiting", "Requests queued."),
+            "kv_pages_used": ("kv_pages_used", "KV pages in use."),
+            "kv_pages_total": ("kv_pages_total", "KV pages in the worker's pool."),
+            "ring_slots_used": ("ring_slots_used", "Hand-off ring slots published and not yet reclaimed."),
+        }
+        for name, (field, doc) in gauges.items():
+            family = GaugeMetricFamily(f"mm_serve_{name}", doc, labels=labels)
+            for (role, index), s in sorted(stats.items()):
+                family.add_metric([f"{role}{index}"], float(getattr(s, field)))
+            yield family
+        preempt = CounterMetricFamily("mm_serve_preemptions", "Requests preempted (KV recomputed).", labels=labels)
+        for (role, index), s in sorted(stats.items()):
+            preempt.add_metric([f"{role}{index}"], float(s.num_preemptions))
+        yield preempt
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The text exposition format of ``registry``."""
+    return generate_latest(registry)
