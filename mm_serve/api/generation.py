@@ -61,7 +61,7 @@ class Generation:
     async def changes(
         self, deadline: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[int]:
-        """Yield the index of each request that changed, until all finish.
+        """Yield the index of each request that changed, until all finish, then every index once more.
 
         Raises:
             TimeoutError: ``deadline`` (``time.monotonic()``) passed; everything is aborted.
@@ -79,6 +79,10 @@ class Generation:
                     self.abort()
                     raise ConnectionAbortedError from None
                 continue
+            yield index
+        # A request can finish on the receiver thread while its notification is still
+        # queued for the loop; give every request one last look so none misses its end.
+        for index in range(len(self.states)):
             yield index
 
     async def wait(self, deadline: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
