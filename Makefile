@@ -14,7 +14,6 @@ export TOKENIZERS_PARALLELISM := false
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PINS)
 	$(PIP) install -q -e '.[dev]' $(TORCH_PINS)
 	touch $@
@@ -33,8 +32,13 @@ typecheck: install
 test: install lint
 	$(VENV)/bin/pytest tests
 
+# Benchmarks print their figures; they are not tests (see README "Measured").
 bench: install
 	$(PY) benchmarks/decode_throughput.py
+	$(PY) benchmarks/ring_throughput.py
+	$(PY) benchmarks/api_overhead.py
+
+-include Makefile.peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
