@@ -21,7 +21,7 @@ from mm_serve.engine.worker_channel import WorkerChannel
 from mm_serve.engine.worker_setup import load_for_worker, pin_and_set_threads
 from mm_serve.engine.worker_spec import WorkerSpec
 from text_decode.handoff_receiver import HandoffReceiver
-from text_decode.sampler import Sampler
+from text_decode.sampler import Sampler, sample_requests
 from text_decode.scheduler import ContinuousBatchingScheduler
 from text_decode.stop_checker import check_stop_token
 
@@ -99,9 +99,7 @@ class DecodeWorker:
             batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
         else:
             batch, logits = plan.decode, self.runner.decode(plan.decode)
-        params = [r.sampling_params for r in batch]
-        tokens = self.sampler.sample(logits, params, [self._generators[r.request_id] for r in batch])
-        logprobs = self.sampler.logprobs(logits, tokens, [p.logprobs for p in params])
+        tokens, logprobs = sample_requests(self.sampler, logits, batch, self._generators)
         now = time.time()
         updates = []
         for request, token, lp in zip(batch, tokens, logprobs, strict=True):

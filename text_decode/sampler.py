@@ -6,9 +6,15 @@ depend only on its seed and its own logits, never on batch composition.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import torch
 
 from mm_serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mm_serve.engine.request import Request
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -78,3 +84,12 @@ class Sampler:
                 entry.update({int(i): float(v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)})
             out.append(entry)
         return out
+
+
+def sample_requests(
+    sampler: Sampler, logits: torch.Tensor, batch: list[Request], generators: Mapping[str, torch.Generator | None]
+) -> tuple[list[int], list[dict[int, float] | None]]:
+    """Next token and (if asked) log-probabilities for each request of a step, in batch order."""
+    params = [r.sampling_params for r in batch]
+    tokens = sampler.sample(logits, params, [generators[r.request_id] for r in batch])
+    return tokens, sampler.logprobs(logits, tokens, [p.logprobs for p in params])

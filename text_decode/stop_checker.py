@@ -5,16 +5,6 @@ from __future__ import annotations
 from mm_serve.engine.request import Request, RequestStatus
 
 
-def find_stop_string(text: str, stops: tuple[str, ...], search_from: int = 0) -> int | None:
-    """Index in ``text`` where the earliest stop string begins (searching from ``search_from``), or None."""
-    best: int | None = None
-    for stop in stops:
-        at = text.find(stop, max(0, search_from))
-        if at != -1 and (best is None or at < best):
-            best = at
-    return best
-
-
 def check_stop_token(request: Request, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> RequestStatus | None:
     """Finished status after appending ``token`` to ``request``'s outputs, or None to continue.
 

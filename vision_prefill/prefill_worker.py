@@ -21,7 +21,7 @@ from mm_serve.engine.worker_channel import WorkerChannel
 from mm_serve.engine.worker_setup import load_for_worker, pin_and_set_threads
 from mm_serve.engine.worker_spec import WorkerSpec
 from text_decode.kv_cache import pages_for
-from text_decode.sampler import Sampler, make_generator
+from text_decode.sampler import Sampler, make_generator, sample_requests
 from text_decode.stop_checker import check_stop_token
 from vision_prefill.handoff_sender import HandoffSender, generator_state
 from vision_prefill.prefill_scheduler import PrefillScheduler
@@ -98,10 +98,7 @@ class PrefillWorker:
         for request in batch:
             self._events[request.request_id].update(encode_end=now, prefill_begin=now)
         logits = self.runner.prefill(batch)
-        params = [r.sampling_params for r in batch]
-        gens = [self._generators[r.request_id] for r in batch]
-        tokens = self.sampler.sample(logits, params, gens)
-        logprobs = self.sampler.logprobs(logits, tokens, [p.logprobs for p in params])
+        tokens, logprobs = sample_requests(self.sampler, logits, batch, self._generators)
         done = time.time()
         updates = []
         for request, token, lp in zip(batch, tokens, logprobs, strict=True):

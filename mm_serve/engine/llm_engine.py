@@ -18,10 +18,11 @@ from mm_serve.engine.request import Request, RequestStatus
 from mm_serve.models.loader import load_model
 from mm_serve.models.model_config import load_model_config
 from mm_serve.sampling_params import SamplingParams
+from text_decode.detokenizer import IncrementalDetokenizer
 from text_decode.kv_cache import PagedKVCache, pages_for
-from text_decode.sampler import Sampler, make_generator
+from text_decode.sampler import Sampler, make_generator, sample_requests
 from text_decode.scheduler import ContinuousBatchingScheduler
-from text_decode.stop_checker import check_stop_token, find_stop_string
+from text_decode.stop_checker import check_stop_token
 
 
 class LLMEngine:
@@ -51,7 +52,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
-        self._texts: dict[str, str] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # requests with stop strings
         self._seed_rng = random.Random(self.config.seed)
 
     def _make_kv_cache(self) -> PagedKVCache:
@@ -88,7 +89,8 @@ class LLMEngine:
         )
         self._generators[request_id] = None if params.greedy else make_generator(seed)
         self.requests[request_id] = request
-        self._texts[request_id] = ""
+        if params.stop:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(request)
         return request
 
@@ -109,9 +111,7 @@ class LLMEngine:
             batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
         else:
             batch, logits = plan.decode, self.runner.decode(plan.decode)
-        params = [r.sampling_params for r in batch]
-        tokens = self.sampler.sample(logits, params, [self._generators[r.request_id] for r in batch])
-        logprobs = self.sampler.logprobs(logits, tokens, [p.logprobs for p in params])
+        tokens, logprobs = sample_requests(self.sampler, logits, batch, self._generators)
         return batch, self._append_tokens(batch, tokens, logprobs)
 
     def _append_tokens(self, batch: list[Request], tokens: list[int], logprobs: list) -> list[Request]:
@@ -121,35 +121,29 @@ class LLMEngine:
             if lp is not None:
                 request.output_logprobs.append(lp)
             status = check_stop_token(request, token, self.eos_token_ids, self.max_model_len)
-            if status is None and request.sampling_params.stop:
-                status = self._check_stop_strings(request)
+            detok = self._detokenizers.get(request.request_id)
+            if status is None and detok is not None:
+                detok.add([token])
+                if detok.stopped:
+                    request.stop_reason = detok.stop_string
+                    status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.scheduler.finish(request, status)
                 finished.append(request)
         return finished
 
-    def _check_stop_strings(self, request: Request) -> RequestStatus | None:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        stops = request.sampling_params.stop
-        at = find_stop_string(text, stops, len(self._texts[request.request_id]) - max(map(len, stops)))
-        if at is None:
-            self._texts[request.request_id] = text
-            return None
-        self._texts[request.request_id] = text[:at]
-        request.stop_reason = next(s for s in stops if text.startswith(s, at))
-        return RequestStatus.FINISHED_STOPPED
-
     def output_text(self, request: Request) -> str:
         """Final text of a finished request (special tokens skipped, stop string cut)."""
-        if isinstance(request.stop_reason, str):
-            return self._texts[request.request_id]
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None and detok.stopped:
+            return detok.text
         return str(self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's bookkeeping."""
         self.requests.pop(request_id, None)
         self._generators.pop(request_id, None)
-        self._texts.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request in any stage; its pages return to the pool."""
