@@ -38,7 +38,7 @@ class Generation:
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
                 state = client.submit(f"{self.request_id}-{i}", inputs, replace(params, n=1, seed=seed), arrival_time)
-                state.listener = lambda _s, i=i: loop.call_soon_threadsafe(self._queue.put_nowait, i)
+                state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set
         except InvalidRequestError as exc:
@@ -47,6 +47,12 @@ class Generation:
         except RuntimeError as exc:
             self.abort()
             raise unavailable(str(exc)) from None
+
+    def _notifier(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[RequestState], None]:
+        def notify(_: RequestState) -> None:
+            loop.call_soon_threadsafe(self._queue.put_nowait, index)
+
+        return notify
 
     @property
     def finished(self) -> bool:

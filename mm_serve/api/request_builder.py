@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from PIL import Image
@@ -18,8 +19,6 @@ from vision_prefill.errors import ImageError
 
 def media_policy(api: APIConfig) -> MediaPolicy:
     """The image-fetch policy of the service."""
-    from pathlib import Path
-
     return MediaPolicy(
         max_pixels=api.max_image_pixels, max_fetch_bytes=api.max_image_fetch_bytes,
         fetch_timeout_s=api.image_fetch_timeout_s,
@@ -43,7 +42,7 @@ async def chat_messages(messages: list[ChatMessage], api: APIConfig) -> list[dic
         images: list[Image.Image] = await load_image_urls(urls, media_policy(api)) if urls else []
     except ImageError as exc:
         raise bad_request(str(exc), "messages", "invalid_image") from None
-    out = []
+    out: list[dict[str, Any]] = []
     index = 0
     for message in messages:
         role = "system" if message.role == "developer" else message.role

@@ -65,7 +65,7 @@ class EngineClient:
         self.dead: dict[tuple[str, int], int] = {}
         self.requests: dict[str, RequestState] = {}
         self._lock = threading.RLock()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
         self._stopping = threading.Event()
         self._closed = False
         self._close_lock = threading.Lock()

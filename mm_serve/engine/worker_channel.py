@@ -19,7 +19,7 @@ class WorkerChannel:
     """
 
     def __init__(self, control_address: str, output_address: str, kind: object, parent_pid: int = 0) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
         self._in = self._ctx.socket(zmq.PULL)
         self._in.connect(control_address)
         self._out = self._ctx.socket(zmq.PUSH)

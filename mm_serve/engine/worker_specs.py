@@ -32,25 +32,23 @@ def build_worker_specs(
     del model  # shapes are already in the ring specs
     sizing = _sizing(cfg)
     compute = cfg.compute
-    parent = os.getpid()
-    common = {"model_dir": str(model_dir), "sizing": sizing, "output_address": output_address,
-              "parent_pid": parent, "threads": compute.threads_per_worker}
+
+    def spec(role: str, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int]) -> WorkerSpec:
+        return WorkerSpec(
+            role=role, index=index, model_dir=str(model_dir), sizing=sizing,
+            control_address=f"ipc://{run_dir}/ctl-{tag}", output_address=output_address, rings=rings_of,
+            cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
+        )
+
     if cfg.mode == "colocated":
         cpus = compute.prefill_cpus + [c for c in compute.decode_cpus if c not in compute.prefill_cpus]
-        return [WorkerSpec(role="colocated", index=0, control_address=f"ipc://{run_dir}/ctl-c0", cpus=cpus, **common)]
+        return [spec("colocated", 0, "c0", [], cpus)]
     n, m = compute.prefill_workers, compute.decode_workers
     prefill_cpus, decode_cpus = compute.prefill_cpus, compute.decode_cpus
     if not prefill_cpus and not decode_cpus:
         prefill_cpus, decode_cpus = default_role_cpus(n, m)
-    specs = []
-    for p, cpus in enumerate(split_cpus(prefill_cpus, n)):
-        specs.append(WorkerSpec(
-            role="prefill", index=p, control_address=f"ipc://{run_dir}/ctl-p{p}",
-            rings=[rings[p * m + d] for d in range(m)], cpus=cpus, **common,
-        ))
-    for d, cpus in enumerate(split_cpus(decode_cpus, m)):
-        specs.append(WorkerSpec(
-            role="decode", index=d, control_address=f"ipc://{run_dir}/ctl-d{d}",
-            rings=[rings[p * m + d] for p in range(n)], cpus=cpus, **common,
-        ))
+    specs = [spec("prefill", p, f"p{p}", [rings[p * m + d] for d in range(m)], cpus)
+             for p, cpus in enumerate(split_cpus(prefill_cpus, n))]
+    specs += [spec("decode", d, f"d{d}", [rings[p * m + d] for p in range(n)], cpus)
+              for d, cpus in enumerate(split_cpus(decode_cpus, m))]
     return specs

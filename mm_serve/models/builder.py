@@ -73,7 +73,7 @@ def _text_config(spec: TinyModelSpec, tokenizer_vocab: int) -> Any:
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        rope_theta=spec.rope_theta,
+        rope_theta=spec.rope_theta,  # type: ignore[call-arg]  # transformers 5 folds it into rope_parameters
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=spec.initializer_range,
         bos_token_id=1,
@@ -142,7 +142,7 @@ def build_llava(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None =
         vision_config=vision,
         image_token_index=4,  # "<image>" in tokenizer_builder.SPECIAL_TOKENS
         vision_feature_layer=spec.vision_feature_layer,
-        vision_feature_select_strategy=spec.vision_feature_select_strategy,
+        vision_feature_select_strategy=spec.vision_feature_select_strategy,  # type: ignore[arg-type]
         projector_hidden_act="gelu",
         image_seq_length=(spec.image_size // spec.patch_size) ** 2,
         tie_word_embeddings=spec.tie_word_embeddings,
