@@ -29,7 +29,7 @@ from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError,
 from mm_serve.engine.request_state import RequestState
 from mm_serve.engine.ring_sizing import ring_specs
 from mm_serve.engine.sampling_wire import to_wire
-from mm_serve.engine.worker_specs import build_worker_specs
+from mm_serve.engine.worker_specs import build_worker_specs, check_supported
 from mm_serve.launcher import start_worker, stop_workers
 from mm_serve.models.model_config import load_model_config
 from mm_serve.router import Router
@@ -46,6 +46,7 @@ class EngineClient:
     """Owns the workers, the rings and the sockets of one service instance."""
 
     def __init__(self, model_dir: str | Path, config: ServiceConfig, inputs: InputProcessor | None = None) -> None:
+        check_supported(config)
         self.model_dir = Path(model_dir)
         self.config = config
         self.model_config = load_model_config(self.model_dir)

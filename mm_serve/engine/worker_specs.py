@@ -6,19 +6,38 @@ import os
 from pathlib import Path
 
 from kernels.ring_spec import RingSpec
-from mm_serve.config import ServiceConfig
+from mm_serve.config import ConfigError, ServiceConfig
 from mm_serve.engine.worker_spec import EngineSizing, WorkerSpec
 from mm_serve.launcher import default_role_cpus, split_cpus
 from mm_serve.models.model_config import ModelConfig
 
 
-def _sizing(cfg: ServiceConfig) -> EngineSizing:
-    device = "cpu"
+def _sizing(cfg: ServiceConfig, device: str) -> EngineSizing:
     return EngineSizing(
         page_size=cfg.kv_cache.page_size, num_pages=cfg.kv_cache.max_pages_per_gpu,
         max_running=cfg.scheduler.decode_max_concurrent, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_batch_size=cfg.scheduler.prefill_batch_size, dtype=cfg.dtype, device=device, seed=cfg.seed,
     )
+
+
+def check_supported(cfg: ServiceConfig) -> None:
+    """Refuse configs the runtime cannot run (the planner may still model them).
+
+    Raises:
+        ConfigError: TP or PP above 1, or GPUs configured where CUDA is unavailable.
+    """
+    compute = cfg.compute
+    for role in ("prefill", "decode"):
+        if getattr(compute, f"{role}_tensor_parallel") > 1 or getattr(compute, f"{role}_pipeline_parallel") > 1:
+            raise ConfigError(
+                f"compute.{role}_tensor_parallel / {role}_pipeline_parallel > 1 is not supported by the runtime "
+                "yet (the planner models it); run more instances with TP = PP = 1 instead"
+            )
+    if compute.prefill_gpus or compute.decode_gpus:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("compute.prefill_gpus / decode_gpus are set but CUDA is not available here")
 
 
 def build_worker_specs(
@@ -30,12 +49,14 @@ def build_worker_specs(
     Rings are ordered prefill-major: ring ``p * M + d`` joins prefill ``p`` and decode ``d``.
     """
     del model  # shapes are already in the ring specs
-    sizing = _sizing(cfg)
     compute = cfg.compute
+    def device(role: str, index: int) -> str:
+        gpus = compute.prefill_gpus if role in ("prefill", "colocated") else compute.decode_gpus
+        return f"cuda:{gpus[index]}" if gpus else "cpu"
 
     def spec(role: str, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int]) -> WorkerSpec:
         return WorkerSpec(
-            role=role, index=index, model_dir=str(model_dir), sizing=sizing,
+            role=role, index=index, model_dir=str(model_dir), sizing=_sizing(cfg, device(role, index)),
             control_address=f"ipc://{run_dir}/ctl-{tag}", output_address=output_address, rings=rings_of,
             cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
         )
