@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -283,7 +284,10 @@ class EngineClient:
                     msg = decoder.decode(self._out.recv())
                 except msgspec.DecodeError:
                     continue
-                self._dispatch(msg)
+                try:
+                    self._dispatch(msg)
+                except Exception:  # a bug in one update must not stop every other request's delivery
+                    traceback.print_exc()
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + 0.5
                 self._check_processes()
