@@ -1,0 +1,163 @@
+"""Read the inputs of a caption job: an image folder, a JSONL file, or an OpenAI batch input file.
+
+Every input gets a stable id, the key that resume matches on:
+
+* folder (recursive, :data:`IMAGE_SUFFIXES`, case-insensitive): the file's path
+  relative to the folder, with ``/`` separators, e.g. ``birds/0001.jpg``; inputs
+  are sorted by that id;
+* JSONL rows ``{"id", "image", "prompt"?}``: the row's ``id`` (a string, or an
+  integer kept as its decimal string); ``image`` is a file path (relative paths
+  are taken from the JSONL file's folder) or a ``data:image/...;base64,`` URI;
+* OpenAI batch rows ``{"custom_id", "method": "POST", "url": "/v1/chat/completions",
+  "body": {...}}``: the ``custom_id``; the body is sent as the request.
+
+The format of a file is decided by its first row: a ``custom_id`` key means an
+OpenAI batch file. A malformed row, a duplicate id or an empty input raises
+:class:`InputError` before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+IMAGE_SUFFIXES: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tiff", ".tif"})
+BATCH_URL = "/v1/chat/completions"
+
+InputFormat = Literal["folder", "jsonl", "openai-batch"]
+
+
+class InputError(ValueError):
+    """INPUT cannot be read as a caption job; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class CaptionInput:
+    """One unit of work.
+
+    Attributes:
+        id: the stable id (folder-relative path, JSONL ``id`` or batch ``custom_id``).
+        path: the image file as an absolute path, or None (data URI, batch row).
+        image: what to load: a file path or a ``data:`` URI; None for a batch row.
+        prompt: the user text sent after the image; None for a batch row.
+        body: the chat-completion request body of a batch row, else None.
+    """
+
+    id: str
+    path: str | None
+    image: str | None
+    prompt: str | None
+    body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class InputSet:
+    """Every input of a job, in input order, and the format they came in."""
+
+    format: InputFormat
+    items: list[CaptionInput]
+
+
+def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet:
+    """Read ``source`` (a folder or a JSONL file); ``default_prompt`` fills rows without a prompt.
+
+    Raises:
+        InputError: missing or unreadable INPUT, a malformed row, a duplicate id,
+            or no inputs at all.
+    """
+    path = Path(source)
+    if path.is_dir():
+        items = _read_folder(path, default_prompt)
+        if not items:
+            raise InputError(f"{path}: no images found ({', '.join(sorted(IMAGE_SUFFIXES))})")
+        return InputSet("folder", items)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file or folder")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read: {exc}") from None
+    rows = _parse_rows(path, text)
+    if not rows:
+        raise InputError(f"{path}: no rows (expected JSON lines)")
+    if "custom_id" in rows[0][1]:
+        fmt: InputFormat = "openai-batch"
+        items = [_batch_item(path, n, row) for n, row in rows]
+    else:
+        fmt = "jsonl"
+        items = [_jsonl_item(path, n, row, default_prompt) for n, row in rows]
+    _check_unique(path, [n for n, _ in rows], [item.id for item in items])
+    return InputSet(fmt, items)
+
+
+def _read_folder(root: Path, prompt: str) -> list[CaptionInput]:
+    items = []
+    for file in root.rglob("*"):
+        if file.suffix.lower() in IMAGE_SUFFIXES and file.is_file():
+            rel = file.relative_to(root).as_posix()
+            items.append(CaptionInput(rel, os.path.abspath(file), str(file), prompt))
+    return sorted(items, key=lambda item: item.id)
+
+
+def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
+        rows.append((number, row))
+    return rows
+
+
+def _row_id(path: Path, number: int, row: dict[str, Any], key: str) -> str:
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise InputError(f"{path}:{number}: '{key}' must be a non-empty string, got {value!r}")
+    return str(value)
+
+
+def _jsonl_item(path: Path, number: int, row: dict[str, Any], default_prompt: str) -> CaptionInput:
+    if "custom_id" in row:
+        raise InputError(f"{path}:{number}: an OpenAI batch row in a file whose first row is not one")
+    item_id = _row_id(path, number, row, "id")
+    image = row.get("image")
+    if not isinstance(image, str) or not image:
+        raise InputError(f"{path}:{number}: 'image' must be a file path or a data: URI, got {image!r}")
+    prompt = row.get("prompt", default_prompt)
+    if not isinstance(prompt, str) or not prompt:
+        raise InputError(f"{path}:{number}: 'prompt' must be a non-empty string, got {prompt!r}")
+    if image[:5].lower() == "data:":
+        return CaptionInput(item_id, None, image, prompt)
+    file = Path(image).expanduser()
+    if not file.is_absolute():
+        file = path.parent / file
+    return CaptionInput(item_id, os.path.abspath(file), str(file), prompt)
+
+
+def _batch_item(path: Path, number: int, row: dict[str, Any]) -> CaptionInput:
+    item_id = _row_id(path, number, row, "custom_id")
+    method, url, body = row.get("method", "POST"), row.get("url"), row.get("body")
+    if method != "POST" or url != BATCH_URL:
+        raise InputError(
+            f"{path}:{number}: only POST {BATCH_URL} rows are supported, got {method!r} {url!r}"
+        )
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        raise InputError(f"{path}:{number}: 'body' must be a chat-completion request with 'messages'")
+    return CaptionInput(item_id, None, None, None, body)
+
+
+def _check_unique(path: Path, numbers: list[int], ids: list[str]) -> None:
+    first: dict[str, int] = {}
+    for number, item_id in zip(numbers, ids, strict=True):
+        if item_id in first:
+            raise InputError(f"{path}:{number}: duplicate id {item_id!r} (first on line {first[item_id]})")
+        first[item_id] = number

@@ -1,0 +1,1 @@
+"""Tests of ``mm-serve caption``: inputs, resume, runner, backends, CLI."""

@@ -1,0 +1,61 @@
+"""``mm-serve caption`` usage errors: exit status 2 and one line, before any engine starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mm_serve.cli.main import main
+
+
+def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = main(["caption", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("mm-serve: error: ") and len(err.splitlines()) == 1
+    return err
+
+
+def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "out.jsonl")
+    assert "no such file or folder" in _error(capsys, str(tmp_path / "missing"), "--out", out)
+    assert "no images found" in _error(capsys, str(tmp_path), "--out", out)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a", "image": "a.png"}\n{"id": "a", "image": "b.png"}\n')
+    assert "duplicate id 'a'" in _error(capsys, str(dup), "--out", out)
+    assert "--concurrency must be at least 1" in _error(capsys, str(dup), "--out", out, "--concurrency", "0")
+    assert "--max-tokens must be at least 1" in _error(capsys, str(dup), "--out", out, "--max-tokens", "0")
+    assert "cannot be used with --server" in _error(
+        capsys, str(dup), "--out", out, "--server", "http://127.0.0.1:9", "--config", "x.yaml")
+    assert "--out is the INPUT file" in _error(capsys, str(dup), "--out", str(dup))
+
+
+def test_unusable_output_or_model_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/a.png").write_bytes(b"x")
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "a.png", "caption": "x"}) + "\n{torn\n" + json.dumps({"id": "b"}) + "\n")
+    assert "out.jsonl:2: not valid JSON" in _error(capsys, str(tmp_path / "img"), "--out", str(out))
+    fresh = str(tmp_path / "fresh.jsonl")
+    assert "neither a registered name" in _error(capsys, str(tmp_path / "img"), "--out", fresh,
+                                                 "--model", str(tmp_path / "no-model"))
+    assert "cannot reach" in _error(capsys, str(tmp_path / "img"), "--out", fresh,
+                                    "--server", "http://127.0.0.1:9", "--retries", "0")
+
+
+def test_model_and_server_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["caption", "in", "--out", "o", "--model", "m", "--server", "http://x"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_nothing_to_do_starts_no_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/a.png").write_bytes(b"x")
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "a.png", "path": "p", "error": "bad"}) + "\n")
+    assert main(["caption", str(tmp_path / "img"), "--out", str(out), "--model", "/no/such/model"]) == 0
+    assert "0 succeeded, 0 failed, 1 already done, 0 remaining (of 1)" in capsys.readouterr().out

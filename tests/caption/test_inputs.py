@@ -1,0 +1,84 @@
+"""INPUT readers: folder ids, JSONL rows, OpenAI batch rows, and the errors they raise."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mm_serve.caption.inputs import InputError, read_inputs
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _batch_row(custom_id: str, **overrides: object) -> dict:
+    row: dict[str, object] = {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+           "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+    row.update(overrides)
+    return row
+
+
+def test_folder_is_recursive_sorted_and_filtered(tmp_path: Path) -> None:
+    for rel in ("b.PNG", "a/x.jpeg", "a/y.webp", "c.tif", "notes.txt", "a/z.gif", "d.bmp", "e.jpg"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    found = read_inputs(tmp_path, "Describe.")
+    assert found.format == "folder"
+    assert [i.id for i in found.items] == ["a/x.jpeg", "a/y.webp", "a/z.gif", "b.PNG", "c.tif", "d.bmp", "e.jpg"]
+    first = found.items[0]
+    assert first.path == os.path.abspath(tmp_path / "a/x.jpeg") and first.prompt == "Describe." and first.body is None
+
+
+def test_jsonl_rows_relative_paths_prompts_and_int_ids(tmp_path: Path) -> None:
+    source = _write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "one", "image": "imgs/1.png"},
+        {"id": 2, "image": "/abs/2.png", "prompt": "What is in this picture?"},
+        {"id": "three", "image": "data:image/png;base64,AAAA"},
+    ])
+    found = read_inputs(source, "Describe the image.")
+    assert found.format == "jsonl"
+    one, two, three = found.items
+    assert one.path == os.path.abspath(tmp_path / "imgs/1.png") and one.prompt == "Describe the image."
+    assert two.id == "2" and two.path == "/abs/2.png" and two.prompt == "What is in this picture?"
+    assert three.path is None and three.image == "data:image/png;base64,AAAA"
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"id": "a", "image": "x.png"}, {"id": "a", "image": "y.png"}], "in.jsonl:2: duplicate id 'a' (first on line 1)"),
+    ([{"image": "x.png"}], "'id' must be a non-empty string"),
+    ([{"id": "a"}], "'image' must be a file path or a data: URI"),
+    ([{"id": "a", "image": "x.png", "prompt": ""}], "'prompt' must be a non-empty string"),
+    ([{"id": "a", "image": "x.png"}, _batch_row("b")], "an OpenAI batch row in a file"),
+    ([_batch_row("a"), _batch_row("a")], "duplicate id 'a'"),
+    ([_batch_row("a", url="/v1/embeddings")], "only POST /v1/chat/completions rows are supported"),
+    ([_batch_row("a", body={"model": "m"})], "'body' must be a chat-completion request with 'messages'"),
+])
+def test_bad_rows_name_file_and_line(tmp_path: Path, rows: list[dict], message: str) -> None:
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_inputs(_write_jsonl(tmp_path / "in.jsonl", rows), "p")
+
+
+def test_batch_rows_keep_their_body(tmp_path: Path) -> None:
+    found = read_inputs(_write_jsonl(tmp_path / "b.jsonl", [_batch_row("r1"), _batch_row("r2")]), "p")
+    assert found.format == "openai-batch"
+    assert [i.id for i in found.items] == ["r1", "r2"]
+    assert found.items[0].body == {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert found.items[0].image is None and found.items[0].prompt is None
+
+
+def test_missing_empty_and_non_json_inputs(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no such file or folder"):
+        read_inputs(tmp_path / "nope", "p")
+    with pytest.raises(InputError, match="no images found"):
+        read_inputs(tmp_path, "p")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(InputError, match="no rows"):
+        read_inputs(tmp_path / "empty.jsonl", "p")
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "image": "x"}\n{oops\n')
+    with pytest.raises(InputError, match="bad.jsonl:2: not valid JSON"):
+        read_inputs(tmp_path / "bad.jsonl", "p")
