@@ -1,0 +1,1 @@
+"""Tests of the embedded shapes model: generator, targets, tokenizer, checkpoint."""
