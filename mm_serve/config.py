@@ -38,8 +38,8 @@ class ComputeConfig(_Frozen):
     decode_pipeline_parallel: int = Field(1, ge=1, le=64, description="PP degree per decode instance.")
     prefill_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for prefill, in instance order; empty = CPU.")
     decode_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for decode, in instance order; empty = CPU.")
-    prefill_cpus: list[int] = Field(default_factory=list, description="CPU cores the prefill workers are pinned to; empty = no pinning.")
-    decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to; empty = no pinning.")
+    prefill_cpus: list[int] = Field(default_factory=list, description="CPU cores the prefill workers are pinned to; empty (with decode_cpus empty) = first half of the cores.")
+    decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to; empty (with prefill_cpus empty) = the other half.")
     threads_per_worker: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = number of pinned cores, else torch's default.")
 
     @field_validator("prefill_gpus", "decode_gpus", "prefill_cpus", "decode_cpus")
@@ -86,7 +86,7 @@ class KVCacheConfig(_Frozen):
     """Paged KV cache sizing."""
 
     page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page (block).")
-    max_pages_per_gpu: int = Field(4096, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
+    max_pages_per_gpu: int = Field(2048, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
     ring_pages: int = Field(0, ge=0, le=1 << 24, description="Pages in each ring's shared page pool; 0 = max_pages_per_gpu // 4.")
     eviction_policy: Literal["lru", "fifo"] = Field("lru", description="Order in which cached free pages are reused.")
     enable_prefix_caching: bool = Field(False, description="Reuse KV pages of identical prompt prefixes.")

@@ -48,8 +48,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors: list[Any] = list(exc.errors())
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # For a union such as ``content: str | list[part]``, report the most specific branch
+    # (the part's own error), not "should be a valid string".
+    specific = [e for e in errors if str(e.get("loc", ("",))[-1]) not in ("str",) and "str" not in map(str, e.get("loc", ()))]
+    first = max(specific or errors, key=lambda e: len(e.get("loc", ())))
+    # Drop pydantic's branch labels ("list[tagged-union[...]]", "str") so the path reads like the JSON.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p) and p != "str"]
+    loc = [p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1]]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
     param = ".".join(loc) or None

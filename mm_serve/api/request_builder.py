@@ -95,10 +95,19 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], max_re
     Raises:
         APIError: 400 for an invalid prompt or one over the prompt cap.
     """
+    param = "messages" if "messages" in request else "prompt"
+    chars = _text_chars(request)
+    if chars > max_request_length * MAX_CHARS_PER_TOKEN:
+        raise bad_request(
+            f"the prompt has {chars} characters, more than api.max_request_length ({max_request_length} tokens) "
+            f"can hold at {MAX_CHARS_PER_TOKEN} characters per token", param, "context_length_exceeded",
+        )
     try:
         processed = await asyncio.to_thread(inputs.process, request)
     except (InvalidRequestError, ImageError) as exc:
-        raise bad_request(str(exc), "messages" if "messages" in request else "prompt") from None
+        raise bad_request(str(exc), param) from None
+    except (TypeError, UnicodeError) as exc:  # e.g. lone surrogates the tokenizer cannot encode
+        raise bad_request(f"the prompt text cannot be tokenized: {exc}", param) from None
     n = len(processed.prompt_token_ids)
     if n > max_request_length:
         raise bad_request(
@@ -106,6 +115,23 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], max_re
             "(api.max_request_length)", "messages" if "messages" in request else "prompt", "context_length_exceeded",
         )
     return processed
+
+
+MAX_CHARS_PER_TOKEN = 32  # a cheap bound checked before tokenizing (no tokenizer yields fewer tokens)
+
+
+def _text_chars(request: dict[str, Any]) -> int:
+    """Characters of prompt text in a processed-request dict (before tokenizing)."""
+    if isinstance(request.get("prompt"), str):
+        return len(request["prompt"])
+    total = 0
+    for message in request.get("messages", []):
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text", "")) for p in content if p.get("type") == "text")
+    return total
 
 
 def check_model(requested: str, served: str, model_dir: str) -> None:

@@ -46,13 +46,13 @@ class StreamOptions(_Lenient):
 
 class _SamplingFields(_Lenient):
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="extension: 0 or -1 = off")
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, strict=True, description="extension: 0 or -1 = off")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1024, strict=True)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=16, strict=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -63,15 +63,15 @@ class _SamplingFields(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=1, strict=True)
+    logprobs: int | None = Field(None, ge=0, le=20, strict=True)
     echo: bool = False
 
 

@@ -44,6 +44,23 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in pairs.items() if v is not None}
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail fast (before starting workers) when the address cannot be bound."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise CLIError(f"cannot resolve --host {host}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def _banner(host: str, port: int, name: str, api_key: str | None) -> str:
     url = f"http://{host}:{port}"
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
@@ -51,7 +68,7 @@ def _banner(host: str, port: int, name: str, api_key: str | None) -> str:
         f"mm-serve is ready at {url}  (model: {name})\n"
         f"Try it:\n"
         f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Describe the image.\"}}], "
+        f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello! Who are you?\"}}], "
         f"\"max_tokens\": 32}}'\n"
         f"Health: {url}/health   OpenAPI: {url}/docs   Stop: Ctrl-C"
     )
@@ -73,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir = resolve_model(cfg.model)
         if cfg.api.allowed_local_media_path and not Path(cfg.api.allowed_local_media_path).is_dir():
             raise CLIError(f"--allowed-local-media-path {cfg.api.allowed_local_media_path} is not a directory")
+        _check_port_free(cfg.api.host, cfg.api.port)
         holder = EngineHolder(model_dir, cfg)
     except (ConfigError, CheckpointError) as exc:
         raise CLIError(str(exc)) from None
@@ -96,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(server.serve())
     except KeyboardInterrupt:
         pass
+    print("mm-serve: stopped (workers and shared memory released)", file=sys.stderr, flush=True)
     if holder.start_error:
         return 1
     return 0 if server.started else 1

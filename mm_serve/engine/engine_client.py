@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -142,6 +143,8 @@ class EngineClient:
                 self.dead[key] = code
                 if raise_on_death:
                     raise WorkerStartError(f"{spec.role} worker {spec.index} exited with {code}:\n{self.log_tail()}")
+                print(f"mm-serve: {spec.role} worker {spec.index} exited unexpectedly (code {code}); "
+                      "in-flight requests fail, new ones get 503", file=sys.stderr, flush=True)
                 self._fail_all(f"{spec.role} worker {spec.index} exited unexpectedly (code {code})")
 
     def log_tail(self, lines: int = 30) -> str:

@@ -72,6 +72,10 @@ CASES: list[tuple[str, Any, int]] = [
     ("top_p above one", _chat(top_p=1.5), 400),
     ("n zero", _chat(n=0), 400),
     ("prompt plus max_tokens over context", _chat(max_tokens=10**6), 400),
+    ("seed out of range", _chat(seed=2**64), 400),
+    ("max_tokens as a string", _chat(max_tokens="4"), 400),
+    ("lone surrogate in text", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400),
+    ("prompt far too long to tokenize", _chat(messages=[{"role": "user", "content": "x" * 300_000}]), 400),
     ("unknown model", _chat(model="gpt-nonexistent"), 404),
     ("completions with empty prompt list", {"model": "tiny", "prompt": [], "max_tokens": 2}, 400),
 ]
@@ -89,6 +93,8 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
     assert error["message"]
+    if name == "unknown content part":
+        assert "video" in error["message"] or "tag" in error["message"], error["message"]
     if name == "prompt plus max_tokens over context":
         assert "1000000" in error["message"] and "4096" in error["message"]
 

@@ -1,0 +1,109 @@
+"""SLO attainment against request rate, one curve per system (matplotlib, PNG).
+
+Filled markers are complete runs; open markers are runs stopped early once the
+target was out of reach (their attainment is a lower bound). The dashed line is the
+attainment target, the dotted verticals each system's goodput.
+
+Several benchmark JSON files (``mm-serve bench --out``) can be merged into one figure::
+
+    python -m mm_serve.bench.plot bench_out/ours/bench.json bench_out/vllm/bench.json \\
+        --out docs/goodput_chatbot.png --title "chatbot workload"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One system's runs: rates (requests/s), attainments (0..1), early-stop flags, goodput."""
+
+    label: str
+    rates: tuple[float, ...]
+    attainments: tuple[float, ...]
+    stopped_early: tuple[bool, ...]
+    goodput: float | None
+
+
+def curves_from_json(doc: dict[str, Any], label_prefix: str = "") -> list[Curve]:
+    """The curves of one benchmark JSON document (the ``systems`` that have loaded runs)."""
+    curves = []
+    for system in doc.get("systems", []):
+        runs = system.get("sweep", {}).get("runs") if system.get("sweep") else None
+        if runs is None:
+            runs = [system["single"]] if system.get("single") else []
+        runs = [r for r in runs if r.get("attainment") is not None]
+        if not runs:
+            continue
+        curves.append(Curve(
+            label=label_prefix + str(system["name"]),
+            rates=tuple(float(r["rate"]) for r in runs),
+            attainments=tuple(float(r["attainment"]) for r in runs),
+            stopped_early=tuple(bool(r.get("stopped_early")) for r in runs),
+            goodput=system.get("goodput"),
+        ))
+    return curves
+
+
+def plot_attainment(curves: Sequence[Curve], target: float, path: Path, title: str = "") -> Path:
+    """Write the attainment-vs-rate figure of ``curves`` to ``path`` (PNG); returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for i, curve in enumerate(curves):
+        color = f"C{i}"
+        order = sorted(range(len(curve.rates)), key=lambda k: curve.rates[k])
+        xs = [curve.rates[k] for k in order]
+        ys = [100 * curve.attainments[k] for k in order]
+        label = curve.label + (f" (goodput {curve.goodput:.2f} req/s)" if curve.goodput else "")
+        ax.plot(xs, ys, "-", color=color, label=label)
+        for k in order:
+            face = "none" if curve.stopped_early[k] else color
+            ax.plot(curve.rates[k], 100 * curve.attainments[k], "o", color=color, markerfacecolor=face)
+        if curve.goodput:
+            ax.axvline(curve.goodput, color=color, linestyle=":", linewidth=1)
+    ax.axhline(100 * target, color="gray", linestyle="--", linewidth=1, label=f"target {100 * target:.0f} %")
+    ax.set_xscale("log")
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(-2, 102)
+    ax.grid(True, which="both", alpha=0.3)
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Merge benchmark JSON files into one plot (command line in the module docstring)."""
+    parser = argparse.ArgumentParser(description="Plot SLO attainment vs rate from mm-serve bench JSON files.")
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="PNG path")
+    parser.add_argument("--title", default="")
+    args = parser.parse_args(argv)
+    curves: list[Curve] = []
+    target = 0.9
+    for f in args.files:
+        doc = json.loads(f.read_text())
+        target = float(doc.get("slo", {}).get("attainment_target", target))
+        curves += curves_from_json(doc)
+    plot_attainment(curves, target, args.out, args.title)
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

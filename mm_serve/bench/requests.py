@@ -1,0 +1,144 @@
+"""Turn sampled :class:`~mm_serve.bench.workloads.RequestSpec` rows into OpenAI request bodies.
+
+A spec gives lengths in tokens; a server needs text and images. Prompt text is a
+window of the English corpus shipped with mm-serve, cut to ``prompt_tokens`` tokens
+with the model's own tokenizer when one is given (``tokenizer.json`` of the
+checkpoint, read with ``tokenizers``), else to ``4 * prompt_tokens`` characters (the
+workload module's estimate). The chat template adds a few tokens on top. Images
+are seeded RGB noise, ``image_size`` pixels square (the vision tower's input, so the
+server's resize is a no-op), JPEG-encoded into a ``data:`` URI.
+
+Every body asks for exactly ``output_tokens`` tokens (``max_tokens`` plus
+``ignore_eos``, the vLLM extension; servers without it may stop early at EOS, and
+TPOT then uses the token count the server reports). Text and images depend on a
+``salt`` as well as the request index, so repeated runs of the same plan (a rate
+sweep) never hit a prefix cache or an image-feature cache.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mm_serve.bench.workloads import RequestSpec
+
+Api = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request of a run: when to send it and what to send."""
+
+    index: int
+    arrival_s: float  # seconds after the run start
+    max_tokens: int  # output tokens asked for
+    body: bytes  # JSON body, ready to POST
+
+
+class _TextSource:
+    """Corpus windows of a given length in tokens (exact with a tokenizer, else ~4 chars/token)."""
+
+    def __init__(self, tokenizer_dir: Path | None) -> None:
+        from mm_serve.models.tokenizer_builder import shipped_corpus
+
+        self._text = " ".join(line.strip() for line in shipped_corpus())
+        self._tokenizer: Any = None
+        self._ids: list[int] = []
+        path = tokenizer_dir / "tokenizer.json" if tokenizer_dir else None
+        if path is not None and path.is_file():
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(path))
+            self._ids = self._tokenizer.encode(self._text, add_special_tokens=False).ids
+
+    @property
+    def exact(self) -> bool:
+        """True when lengths are counted with the model's tokenizer."""
+        return self._tokenizer is not None
+
+    def window(self, num_tokens: int, rng: random.Random) -> str:
+        """About ``num_tokens`` tokens of corpus text starting at a random place."""
+        if self._tokenizer is not None:
+            start = rng.randrange(len(self._ids))
+            ids = [self._ids[(start + i) % len(self._ids)] for i in range(num_tokens)]
+            return str(self._tokenizer.decode(ids, skip_special_tokens=True)).strip() or "Hello"
+        num_chars = 4 * num_tokens
+        start = rng.randrange(len(self._text))
+        doubled = self._text * (2 + num_chars // len(self._text))
+        return doubled[start : start + num_chars].strip() or "Hello"
+
+
+def noise_image_uri(size: int, seed: int) -> str:
+    """A ``size`` x ``size`` RGB noise image (seeded) as a JPEG ``data:`` URI."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class RequestFactory:
+    """Builds streaming OpenAI bodies (chat or completions) for sampled request specs."""
+
+    def __init__(self, model_name: str, api: Api = "chat", tokenizer_dir: Path | None = None,
+                 image_size: int = 336, ignore_eos: bool = True) -> None:
+        if image_size < 1:
+            raise ValueError(f"image size must be >= 1 pixel, got {image_size}")
+        self.model_name = model_name
+        self.api = api
+        self.image_size = image_size
+        self.ignore_eos = ignore_eos
+        self._text = _TextSource(tokenizer_dir)
+
+    @property
+    def exact_lengths(self) -> bool:
+        """True when prompt text is cut with the model's tokenizer."""
+        return self._text.exact
+
+    def body(self, spec: RequestSpec, index: int, salt: int = 0) -> bytes:
+        """The JSON body for ``spec`` (request ``index`` of a plan salted with ``salt``).
+
+        Raises:
+            ValueError: images asked for on the completions API.
+        """
+        rng = random.Random(f"request:{salt}:{index}")
+        text = self._text.window(max(1, spec.prompt_tokens), rng)
+        payload: dict[str, Any] = {
+            "model": self.model_name, "max_tokens": spec.output_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            payload["ignore_eos"] = True
+        if self.api == "completions":
+            if spec.num_images:
+                raise ValueError("image workloads need the chat API (--api chat)")
+            payload["prompt"] = text
+        else:
+            parts: list[dict[str, Any]] = [
+                {"type": "image_url", "image_url": {"url": noise_image_uri(self.image_size, rng.getrandbits(32))}}
+                for _ in range(spec.num_images)
+            ]
+            content: str | list[dict[str, Any]] = [*parts, {"type": "text", "text": text}] if parts else text
+            payload["messages"] = [{"role": "user", "content": content}]
+        return json.dumps(payload).encode()
+
+    def plan(self, specs: Sequence[RequestSpec], arrivals_s: Sequence[float],
+             salt: int = 0) -> list[PlannedRequest]:
+        """Pair specs with arrival times (seconds) into a run plan, bodies built up front."""
+        if len(specs) != len(arrivals_s):
+            raise ValueError(f"{len(specs)} specs but {len(arrivals_s)} arrival times")
+        return [PlannedRequest(i, t, spec.output_tokens, self.body(spec, i, salt))
+                for i, (spec, t) in enumerate(zip(specs, arrivals_s, strict=True))]
+
+    @property
+    def path(self) -> str:
+        """The endpoint path for this factory's API."""
+        return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"

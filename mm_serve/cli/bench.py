@@ -1,0 +1,206 @@
+"""``mm-serve bench``: goodput benchmark client for any OpenAI-compatible server.
+
+Examples::
+
+    # our server, both modes on the same cores, goodput of each and the ratio
+    mm-serve bench --config configs/bench.yaml --workload chatbot --sweep --compare colocated --out bench_out/
+    # any running server (vLLM, transformers serve, mm-serve), one rate
+    mm-serve bench --server http://127.0.0.1:8000 --model DIR --workload llava --rate 2 --slo-ttft 1 --slo-tpot 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mm_serve.cli.main import CLIError
+
+if TYPE_CHECKING:
+    from mm_serve.bench.report import SystemResult
+    from mm_serve.bench.session import BenchSettings
+    from mm_serve.planner.slo import SLO
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` sub-command."""
+    p = subparsers.add_parser(
+        "bench", help="measure SLO attainment and goodput of a server under a workload",
+        description="Open-loop load (Poisson or gamma arrivals) against an OpenAI-compatible server: "
+        "TTFT, TPOT, ITL, e2e percentiles, SLO attainment, throughput, and goodput by rate search.",
+    )
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--server", metavar="URL", help="a running OpenAI-compatible server")
+    target.add_argument("--config", metavar="FILE", help="start our server with this config (default: defaults)")
+    p.add_argument("--model", metavar="DIR", help="checkpoint: served with --config; with --server, read "
+                   "locally for the tokenizer (exact prompt lengths) and the image size")
+    p.add_argument("--model-name", help="model id to send (default: the first of GET /v1/models)")
+    p.add_argument("--workload", default="chatbot", help="chatbot, llava, caption, or a JSONL file")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=float, metavar="R", help="one run at R requests/s")
+    load.add_argument("--sweep", action="store_true", help="find the goodput by searching the rate")
+    p.add_argument("--slo-ttft", type=float, metavar="S", help="TTFT SLO, s (default 5x unloaded p90)")
+    p.add_argument("--slo-tpot", type=float, metavar="S", help="TPOT SLO, s (default 5x unloaded p90)")
+    p.add_argument("--attainment", type=float, default=0.9, help="goodput attainment target (default 0.9)")
+    p.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of arrivals per run")
+    p.add_argument("--num-requests", type=int, metavar="N",
+                   help="requests per run (overrides --duration, except that a run never plans "
+                   "arrivals past 3x --duration)")
+    p.add_argument("--burstiness", type=float, default=1.0, metavar="CV",
+                   help="gamma arrivals with this gap CV (1 = Poisson, > 1 burstier)")
+    p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    p.add_argument("--compare", choices=["colocated"], help="also run our colocated mode on the same cores")
+    p.add_argument("--start-rate", type=float, metavar="R", help="first sweep rate (default from unloaded e2e)")
+    p.add_argument("--rate-tolerance", type=float, default=0.1, help="sweep precision, relative (default 0.1)")
+    p.add_argument("--api", choices=["chat", "completions"], default="chat")
+    p.add_argument("--api-key", help="bearer key for the server")
+    p.add_argument("--label", help="name of the --server system in reports (default: server)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
+    p.add_argument("--no-early-stop", action="store_true", help="finish every run even when it has failed")
+    p.add_argument("--out", metavar="DIR", help="write bench.json, attainment.png, records-*.jsonl and server logs here")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("rate", "slo_ttft", "slo_tpot", "duration", "start_rate", "rate_tolerance", "burstiness"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if not 0 < args.attainment <= 1:
+        raise CLIError(f"--attainment must be in (0, 1], got {args.attainment}")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise CLIError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if (args.slo_ttft is None) != (args.slo_tpot is None):
+        raise CLIError("give both --slo-ttft and --slo-tpot, or neither (then 5x the unloaded p90s)")
+    if args.server and args.compare:
+        raise CLIError("--compare starts our own servers; use --config (or neither), not --server")
+    if args.model and not args.server and not Path(args.model).is_dir():
+        raise CLIError(f"--model {args.model} is not a directory")
+
+
+def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
+    """The local checkpoint directory (if any) and the mode our server will start in."""
+    from mm_serve.config import ConfigError, load_config
+    from mm_serve.models.registry import resolve_model
+
+    if args.server:
+        return (Path(args.model) if args.model else None), ""
+    try:
+        cfg = load_config(args.config, {"model": args.model} if args.model else None)
+        return resolve_model(cfg.model), cfg.mode
+    except (ConfigError, ValueError, OSError) as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
+    from mm_serve.bench.runner import LoadSpec
+    from mm_serve.bench.session import BenchSettings
+    from mm_serve.bench.workloads import WorkloadError, make_workload
+    from mm_serve.models.model_config import CheckpointError, load_model_config
+
+    image_tokens, image_size, max_context = 0, 336, 4096
+    if model_dir is not None:
+        try:
+            shape = load_model_config(model_dir)
+        except CheckpointError as exc:
+            raise CLIError(str(exc)) from None
+        max_context = shape.text.max_position_embeddings
+        if shape.vision is not None:
+            image_tokens, image_size = shape.vision.num_image_tokens, shape.vision.image_size
+    try:
+        if args.workload in ("llava", "caption") and model_dir is None:
+            raise WorkloadError(f"workload '{args.workload}' with --server needs --model DIR (image size)")
+        workload = make_workload(args.workload, image_tokens, max_context)
+        load = LoadSpec(workload, args.seed, args.duration, args.num_requests, burstiness=args.burstiness)
+    except WorkloadError as exc:
+        raise CLIError(str(exc)) from None
+    if args.api == "completions" and args.workload in ("llava", "caption"):
+        raise CLIError("image workloads need --api chat")
+    return BenchSettings(
+        load=load, target=args.attainment, rate=args.rate, sweep=args.sweep, start_rate=args.start_rate,
+        rel_tol=args.rate_tolerance, api=args.api, api_key=args.api_key, tokenizer_dir=model_dir,
+        image_size=image_size, ignore_eos=not args.no_ignore_eos, early_stop=not args.no_early_stop,
+        records_dir=Path(args.out) if args.out else None,
+    )
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; SIGTERM, and SIGINT even where a background shell ignores it, raise
+    KeyboardInterrupt, so that the servers this command started are stopped on the way out."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _write(out: Path, results: list[SystemResult], slo: SLO, settings: BenchSettings,
+           args: argparse.Namespace) -> None:
+    """Write bench.json and attainment.png for the systems measured so far."""
+    from mm_serve.bench.plot import curves_from_json, plot_attainment
+    from mm_serve.bench.report import write_json
+
+    write_json(out / "bench.json", results, slo, settings.target,
+               {k: v for k, v in vars(args).items() if k not in ("func", "api_key")})
+    doc = json.loads((out / "bench.json").read_text())
+    plot_attainment(curves_from_json(doc), settings.target, out / "attainment.png",
+                    f"{args.workload}: TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Measure each system in turn (starting our servers when asked), print and write the results."""
+    from mm_serve.bench.launch import LaunchError, LocalServer
+    from mm_serve.bench.report import format_goodput, format_runs
+    from mm_serve.bench.session import measure
+    from mm_serve.planner.slo import SLO
+
+    _check(args)
+    model_dir, mode = _model_dir(args)
+    settings = _settings(args, model_dir)
+    slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft else None
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="mm-serve-bench-"))
+    systems: list[tuple[str, str | None]] = [(args.label or "server", None)] if args.server else [(mode, None)]
+    if args.compare == "colocated":
+        if mode == "colocated":
+            raise CLIError("the config already runs colocated; --compare colocated needs a disaggregated config")
+        systems.append(("colocated", "colocated"))
+    results: list[SystemResult] = []
+    for name, mode_override in systems:
+        server = None if args.server else LocalServer(out / f"server-{name}.log", args.config,
+                                                      args.model, mode_override)
+        try:
+            url = args.server or (server.start() if server else "")
+            prev = results[0].sweep.goodput if results and results[0].sweep else None
+            result, slo = measure(name, url, settings, slo, args.model_name, prev or None, _log)
+        except LaunchError as exc:
+            print(f"mm-serve: error: {exc}", file=sys.stderr)
+            return 1
+        except (ConnectionError, ValueError) as exc:
+            raise CLIError(str(exc)) from None
+        finally:
+            if server is not None:
+                server.stop()
+        results.append(result)
+        if args.out:
+            _write(out, results, slo, settings, args)
+    print()
+    for result in results:
+        print(format_runs(result) + "\n")
+    if slo is not None and settings.sweep:
+        print(format_goodput(results, slo, settings.target))
+    if args.out:
+        print(f"\nwrote {out / 'bench.json'} and {out / 'attainment.png'}")
+    return 0
