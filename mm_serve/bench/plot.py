@@ -79,7 +79,7 @@ def plot_attainment(curves: Sequence[Curve], target: float, path: Path, title: s
     ax.grid(True, which="both", alpha=0.3)
     if title:
         ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -1,0 +1,66 @@
+"""The load client against a fake streaming server: timings, token counts, errors, early stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from mm_serve.bench.client import Endpoint, run_load, run_sequential
+from mm_serve.bench.requests import PlannedRequest, RequestFactory
+from mm_serve.bench.workloads import RequestSpec
+from mm_serve.planner.slo import SLO
+from tests.bench.fake_server import FakeServer
+
+
+def plan(n: int, max_tokens: int, gap_s: float = 0.0) -> list[PlannedRequest]:
+    factory = RequestFactory("fake-model")
+    return factory.plan([RequestSpec(8, max_tokens)] * n, [i * gap_s for i in range(n)])
+
+
+def test_timings_and_usage() -> None:
+    with FakeServer(service_s=0.2, itl_s=0.05) as server:
+        records = asyncio.run(run_sequential(Endpoint(server.url), plan(2, max_tokens=5)))
+    for r in records:
+        assert r.ok and r.output_tokens == 5 and r.prompt_tokens == 7
+        assert r.ttft_s == pytest.approx(0.2, abs=0.1)
+        assert r.tpot_s == pytest.approx(0.05, abs=0.02)
+        assert len(r.itls_s) == 4 and min(r.itls_s) > 0.03
+
+
+def test_request_bodies_follow_the_openai_schema() -> None:
+    with FakeServer(service_s=0.0) as server:
+        asyncio.run(run_sequential(Endpoint(server.url), plan(1, max_tokens=3)))
+        body = server.app.state.bodies[0]
+    assert body["model"] == "fake-model" and body["max_tokens"] == 3 and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
+    assert isinstance(body["messages"][0]["content"], str)
+
+
+def test_image_requests_carry_data_uris_and_differ_by_salt() -> None:
+    factory = RequestFactory("m", image_size=32)
+    spec = RequestSpec(8, 4, num_images=1, image_tokens=16)
+    a, b = (json.loads(factory.body(spec, 0, salt)) for salt in (1, 2))
+    part = a["messages"][0]["content"][0]
+    assert part["type"] == "image_url" and part["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    assert a != b and json.loads(factory.body(spec, 0, 1)) == a
+    with pytest.raises(ValueError, match="chat"):
+        RequestFactory("m", api="completions").body(spec, 0)
+
+
+def test_http_errors_are_recorded() -> None:
+    with FakeServer(service_s=0.0, status=503) as server:
+        result = asyncio.run(run_load(Endpoint(server.url), plan(3, max_tokens=4)))
+    assert [r.ok for r in result.records] == [False] * 3
+    assert all(r.error and r.error.startswith("HTTP 503") for r in result.records)
+
+
+def test_overload_stops_early() -> None:
+    # Capacity 2 req/s, offered 40 req/s for 40 requests: TTFT passes 0.3 s after a few.
+    with FakeServer(service_s=0.5) as server:
+        result = asyncio.run(run_load(Endpoint(server.url), plan(40, 4, gap_s=0.025),
+                                      SLO(ttft_s=0.3, tpot_s=1.0), target=0.9))
+    assert result.stopped_early
+    errors = {r.error for r in result.records if not r.ok}
+    assert errors <= {"cancelled", "not sent", None} and "cancelled" in errors

@@ -1,0 +1,44 @@
+"""The benchmark client against a real ``mm-serve serve`` process (tiny llava, disaggregated)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mm_serve.bench.client import Endpoint
+from mm_serve.bench.launch import LaunchError, LocalServer
+from mm_serve.bench.requests import RequestFactory
+from mm_serve.bench.runner import LoadRunner, LoadSpec
+from mm_serve.bench.session import default_slo
+from mm_serve.bench.workloads import LlavaWorkload
+from mm_serve.models.model_config import load_model_config
+
+
+def test_llava_workload_at_a_low_rate(tiny_llava: Path, tmp_path: Path) -> None:
+    vision = load_model_config(tiny_llava).vision
+    assert vision is not None
+    load = LoadSpec(LlavaWorkload(vision.num_image_tokens), seed=1, duration_s=3.0, min_requests=6)
+    with LocalServer(tmp_path / "server.log", model=str(tiny_llava)) as server:
+        factory = RequestFactory("bench", tokenizer_dir=tiny_llava, image_size=vision.image_size)
+        runner = LoadRunner(Endpoint(server.url), factory, load, slo=None, target=0.9)
+        unloaded = runner.unloaded(num_requests=2)
+        runner.slo = default_slo(unloaded)
+        run = runner.run_at(2.0)
+    assert factory.exact_lengths
+    assert unloaded.num_ok == 2 and 0 < unloaded.ttft.p50 < 5.0
+    assert run.num_requests == 6 and run.num_ok == 6, run
+    assert 0 < run.ttft.p50 <= run.ttft.p99 < 10.0
+    assert 0 < run.tpot.p50 < 1.0 and run.itl.count > 0
+    specs = load.workload.sample(6, seed=1)
+    assert run.mean_output_tokens == sum(s.output_tokens for s in specs) / 6  # ignore_eos honoured
+    text_and_image = sum(s.total_prompt_tokens for s in specs) / 6
+    assert text_and_image < run.mean_prompt_tokens < text_and_image + 24  # plus the chat template
+    assert 0 < run.attainment <= 1 and run.request_throughput > 0
+
+
+def test_a_server_that_cannot_start_raises(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: sideways\n")
+    with pytest.raises(LaunchError, match="mode"):
+        LocalServer(tmp_path / "server.log", config=str(bad)).start(timeout_s=60)
