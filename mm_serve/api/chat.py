@@ -22,16 +22,9 @@ from mm_serve.api.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
-    Usage,
     dump,
 )
 from mm_serve.api.sse import DONE, error_event, event
-
-
-def _usage(gen: Generation) -> Usage:
-    completion = sum(len(s.token_ids) for s in gen.states)
-    return Usage(prompt_tokens=gen.num_prompt_tokens, completion_tokens=completion,
-                 total_tokens=gen.num_prompt_tokens + completion)
 
 
 def _finish(reason: str | None) -> str | None:
@@ -67,7 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         )
         for i, s in enumerate(gen.states)
     ]
-    return ChatCompletionResponse(model=ctx.served_model_name, choices=choices, usage=_usage(gen))
+    return ChatCompletionResponse(model=ctx.served_model_name, choices=choices, usage=gen.usage())
 
 
 async def _stream(gen: Generation, body: ChatCompletionRequest, ctx: ServerContext, raw: Request,
@@ -110,7 +103,7 @@ async def _stream(gen: Generation, body: ChatCompletionRequest, ctx: ServerConte
                 yield emit([ChatChunkChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs)])
         if include_usage:
             chunk.choices = []
-            chunk.usage = _usage(gen)
+            chunk.usage = gen.usage()
             yield event(dump(chunk))
         yield DONE
     except TimeoutError:

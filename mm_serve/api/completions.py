@@ -115,10 +115,7 @@ async def _stream(gen: Generation, body: CompletionRequest, ctx: ServerContext, 
                           "finish_reason": _finish(state.finish_reason) if state.finished else None}
                 yield event({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
-            completion = sum(len(s.token_ids) for s in gen.states)
-            usage = Usage(prompt_tokens=gen.num_prompt_tokens, completion_tokens=completion,
-                          total_tokens=gen.num_prompt_tokens + completion)
-            yield event({**base, "choices": [], "usage": dump(usage)})
+            yield event({**base, "choices": [], "usage": dump(gen.usage())})
         yield DONE
     except TimeoutError:
         yield error_event(f"the request did not finish within api.timeout_ms ({ctx.config.api.timeout_ms} ms)")

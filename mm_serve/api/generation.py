@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 from mm_serve.api.errors import bad_request, unavailable
+from mm_serve.api.schemas import Usage
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
@@ -95,6 +96,12 @@ class Generation:
         """Wait for every request to finish (same errors as :meth:`changes`)."""
         async for _ in self.changes(deadline, is_disconnected):
             pass
+
+    def usage(self) -> Usage:
+        """Token counts: the prompt once, the completion tokens of every choice."""
+        completion = sum(len(s.token_ids) for s in self.states)
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.num_prompt_tokens + completion)
 
     def failure(self) -> str | None:
         """The first error message among the requests, if any failed."""

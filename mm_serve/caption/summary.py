@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mm_serve.bench.metrics import percentile
 from mm_serve.caption.records import Outcome
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) by linear interpolation between order statistics; NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclass
