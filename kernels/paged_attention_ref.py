@@ -65,8 +65,11 @@ def decode_attention_ref(
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     offsets = torch.arange(page_size, device=query.device)
     slots = (block_tables[:, :, None] * page_size + offsets).reshape(batch, -1)[:, :max_context_len]
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, Hkv, D]
-    values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    flat_slots = slots.reshape(-1)  # index_select is several times faster than advanced indexing on CPU
+    keys = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, flat_slots).view(
+        batch, max_context_len, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+    values = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, flat_slots).view(
+        batch, max_context_len, num_kv_heads, head_dim)
     positions = torch.arange(max_context_len, device=query.device)
     valid = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(
