@@ -3,7 +3,8 @@
 Examples::
 
     # our server, both modes on the same cores, goodput of each and the ratio
-    mm-serve bench --config configs/bench.yaml --workload chatbot --sweep --compare colocated --out bench_out/
+    mm-serve bench --config configs/default.yaml --model out/bench-llava --workload llava --sweep \
+        --slo-ttft 1 --slo-tpot 0.05 --compare colocated --out bench_out/llava
     # any running server (vLLM, transformers serve, mm-serve), one rate
     mm-serve bench --server http://127.0.0.1:8000 --model DIR --workload llava --rate 2 --slo-ttft 1 --slo-tpot 0.05
 """
