@@ -44,7 +44,7 @@ class DecodeWorker:
         )
         self.sampler = Sampler()
         self.channel = WorkerChannel(spec.control_address, spec.output_address, messages.ToDecode, spec.parent_pid)
-        self.max_model_len = self.config.max_model_len or self.model_config.text.max_position_embeddings
+        self.max_model_len = self.config.resolved_max_model_len(self.model_config.text)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._events: dict[str, dict[str, float]] = {}
@@ -121,16 +121,11 @@ class DecodeWorker:
 
     def _send_stats(self) -> None:
         pool = self.kv_cache.pool
-        try:
-            pool.check_integrity()
-            ok = True
-        except AssertionError:
-            ok = False
         self.channel.send(messages.WorkerStats(
             role="decode", index=self.spec.index, pid=os.getpid(), running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), kv_pages_used=pool.num_used, kv_pages_total=pool.num_pages,
             ring_slots_used=sum(r.slots_used() for r in self.rings), queued_tokens=0,
-            num_preemptions=self.scheduler.num_preemptions, num_encoded_images=0, pages_integrity_ok=ok,
+            num_preemptions=self.scheduler.num_preemptions, num_encoded_images=0, pages_integrity_ok=pool.integrity_ok(),
         ))
 
     def serve(self) -> None:

@@ -112,6 +112,14 @@ class PagePool:
         if self._ref_counts[page] == 0:
             raise ValueError(f"page {page} is free (double free or use after free)")
 
+    def integrity_ok(self) -> bool:
+        """:meth:`check_integrity` as a boolean, for health reports."""
+        try:
+            self.check_integrity()
+        except AssertionError:
+            return False
+        return True
+
     def check_integrity(self) -> None:
         """Verify the invariants in the class docstring.
 

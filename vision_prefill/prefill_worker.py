@@ -40,7 +40,7 @@ class PrefillWorker:
         self.scheduler = PrefillScheduler(self.config.prefill_token_budget, self.config.prefill_batch_size)
         self.sampler = Sampler()
         self.channel = WorkerChannel(spec.control_address, spec.output_address, messages.ToPrefill, spec.parent_pid)
-        self.max_model_len = self.config.max_model_len or self.model_config.text.max_position_embeddings
+        self.max_model_len = self.config.resolved_max_model_len(self.model_config.text)
         self._targets: dict[str, int] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._events: dict[str, dict[str, float]] = {}
@@ -135,18 +135,13 @@ class PrefillWorker:
 
     def _send_stats(self) -> None:
         pool = self.kv_cache.pool
-        try:
-            pool.check_integrity()
-            ok = True
-        except AssertionError:
-            ok = False
         vision = self.model.vision
         self.channel.send(messages.WorkerStats(
             role="prefill", index=self.spec.index, pid=os.getpid(), running=self.sender.num_pending,
             waiting=len(self.scheduler), kv_pages_used=pool.num_used, kv_pages_total=pool.num_pages,
             ring_slots_used=self.sender.slots_used(), queued_tokens=self.scheduler.queued_tokens,
             num_preemptions=0, num_encoded_images=0 if vision is None else vision.num_encoded_images,
-            pages_integrity_ok=ok,
+            pages_integrity_ok=pool.integrity_ok(),
         ))
 
     def serve(self) -> None:

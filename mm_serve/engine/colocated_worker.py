@@ -90,7 +90,7 @@ class ColocatedWorker:
             waiting=len(sched.waiting), kv_pages_used=pool.num_used, kv_pages_total=pool.num_pages,
             ring_slots_used=0, queued_tokens=sum(r.num_tokens for r in sched.waiting),
             num_preemptions=sched.num_preemptions,
-            num_encoded_images=0 if vision is None else vision.num_encoded_images, pages_integrity_ok=True,
+            num_encoded_images=0 if vision is None else vision.num_encoded_images, pages_integrity_ok=pool.integrity_ok(),
         ))
 
     def serve(self) -> None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mm_serve.models.model_config import TextConfig
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,6 +31,10 @@ class EngineConfig:
         for name in ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def resolved_max_model_len(self, text: TextConfig) -> int:
+        """``max_model_len``, or the checkpoint's ``max_position_embeddings`` when it is 0."""
+        return self.max_model_len or text.max_position_embeddings
 
     @property
     def torch_dtype(self) -> torch.dtype:

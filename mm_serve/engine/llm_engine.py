@@ -45,7 +45,7 @@ class LLMEngine:
             self.config.prefill_token_budget, self.config.prefill_batch_size,
         )
         self.sampler = Sampler()
-        self.max_model_len = self.config.max_model_len or self.model_config.text.max_position_embeddings
+        self.max_model_len = self.config.resolved_max_model_len(self.model_config.text)
         eos = set(self.model_config.text.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
