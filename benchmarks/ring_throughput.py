@@ -1,7 +1,7 @@
 """Cross-modal ring buffer hand-off throughput next to a plain tensor copy of the same bytes.
 
 A producer process (prefill side) copies each hand-off's KV pages from its own
-layer-major paged cache into the ring (``copy_kv_to_ring``) and its patch
+paged cache (page-major, like the ring) into the ring (``copy_kv_to_ring``) and its patch
 features into the feature arena, then publishes; a consumer process (decode
 side, spawned, attached by ``RingSpec``) claims, copies the pages into its own
 paged cache (``copy_kv_from_ring``) and the features into its own tensor, and
@@ -58,9 +58,9 @@ def _spec(args: argparse.Namespace) -> RingSpec:
 
 
 def _engine_cache(spec: RingSpec) -> torch.Tensor:
-    """A layer-major ``[L, 2, pages, S, H, D]`` cache, touched so no page faults are timed."""
-    layers, _, size, heads, dim = spec.page_shape
-    return torch.ones(layers, 2, _ENGINE_PAGES, size, heads, dim, dtype=_DTYPES[spec.dtype])
+    """A page-major ``[pages, L, 2, S, H, D]`` cache (:class:`PagedKVCache`'s layout), touched so
+    no page faults are timed."""
+    return torch.ones(_ENGINE_PAGES, *spec.page_shape, dtype=_DTYPES[spec.dtype])
 
 
 def _consume(spec_bytes: bytes, total: int, warmup: int, threads: int, out: multiprocessing.Queue) -> None:

@@ -1,18 +1,20 @@
 """KV page copies between an engine's paged cache and a cross-modal ring's page pool.
 
-Layouts:
+Both sides store pages the same way, page-major, so one page of every layer is
+one contiguous block (``L * 2 * S * H * D`` elements):
 
-* engine cache ``kv_data``: ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``
-  (layer-major, as :class:`text_decode.kv_cache.PagedKVCache` stores it);
-* ring pool ``ring_pages``: ``[num_ring_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``
-  (page-major: one hand-off page is one contiguous block).
+* engine cache ``kv_data``: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``
+  (as :class:`text_decode.kv_cache.PagedKVCache` stores it);
+* ring pool ``ring_pages``: ``[num_ring_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``.
 
 Page ``i`` of the transfer moves ``src_page_ids[i]`` to ``dst_page_ids[i]``.
 The fast versions copy every byte once, straight from source to destination
-(no gathered temporary): the engine cache is viewed page-major
-(``permute``) and the pages are moved run by run, a run being consecutive ids
-on the destination side, with one ``index_select(out=...)`` or ``copy_`` per
-run. The ``*_ref`` versions are the plain advanced-indexing definitions.
+(no gathered temporary), run by run, a run being consecutive ids on the
+destination side: one ``copy_`` when the source ids are consecutive too, else one
+``index_select(out=...)``. Every run is a plain memory copy of whole pages
+(an earlier layer-major engine layout made each page 2·L strided chunks and
+the copies about twice as slow). The ``*_ref`` versions are the plain
+advanced-indexing definitions.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-_PAGE_MAJOR = (2, 0, 1, 3, 4, 5)  # engine [L, 2, P, S, H, D] -> [P, L, 2, S, H, D]
 
 
 def copy_kv_to_ring(
@@ -35,7 +35,7 @@ def copy_kv_to_ring(
             length, an id is out of range, or a destination id repeats.
     """
     _check(kv_data, ring_pages, src_page_ids, dst_page_ids, ring_is_dst=True)
-    _copy_pages(ring_pages, dst_page_ids, kv_data.permute(_PAGE_MAJOR), src_page_ids)
+    _copy_pages(ring_pages, dst_page_ids, kv_data, src_page_ids)
 
 
 def copy_kv_from_ring(
@@ -48,7 +48,7 @@ def copy_kv_from_ring(
         ValueError: as :func:`copy_kv_to_ring`.
     """
     _check(kv_data, ring_pages, dst_page_ids, src_page_ids, ring_is_dst=False)
-    _copy_pages(kv_data.permute(_PAGE_MAJOR), dst_page_ids, ring_pages, src_page_ids)
+    _copy_pages(kv_data, dst_page_ids, ring_pages, src_page_ids)
 
 
 def copy_kv_to_ring_ref(
@@ -57,7 +57,7 @@ def copy_kv_to_ring_ref(
 ) -> None:
     """Reference for :func:`copy_kv_to_ring` (gathers into a temporary first)."""
     src = torch.as_tensor(list(src_page_ids), dtype=torch.long, device=kv_data.device)
-    ring_pages[list(dst_page_ids)] = kv_data[:, :, src].permute(_PAGE_MAJOR)
+    ring_pages[list(dst_page_ids)] = kv_data[src]
 
 
 def copy_kv_from_ring_ref(
@@ -66,13 +66,13 @@ def copy_kv_from_ring_ref(
 ) -> None:
     """Reference for :func:`copy_kv_from_ring` (gathers into a temporary first)."""
     src = torch.as_tensor(list(src_page_ids), dtype=torch.long, device=ring_pages.device)
-    kv_data[:, :, list(dst_page_ids)] = ring_pages[src].permute(1, 2, 0, 3, 4, 5)
+    kv_data[list(dst_page_ids)] = ring_pages[src]
 
 
 def _copy_pages(
     dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]
 ) -> None:
-    """``dst[dst_ids[i]] = src[src_ids[i]]`` for page-major views, one op per destination run."""
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for page-major tensors, one op per destination run."""
     n = len(dst_ids)
     i = 0
     while i < n:
@@ -93,12 +93,12 @@ def _check(
     kv_data: torch.Tensor, ring_pages: torch.Tensor, kv_ids: Sequence[int],
     ring_ids: Sequence[int], ring_is_dst: bool,
 ) -> None:
-    if kv_data.dim() != 6 or ring_pages.dim() != 6 or kv_data.shape[1] != 2:
+    if kv_data.dim() != 6 or ring_pages.dim() != 6 or kv_data.shape[2] != 2:
         raise ValueError(
-            f"expected kv_data [L, 2, P, S, H, D] and ring_pages [N, L, 2, S, H, D], "
+            f"expected kv_data [P, L, 2, S, H, D] and ring_pages [N, L, 2, S, H, D], "
             f"got {tuple(kv_data.shape)} and {tuple(ring_pages.shape)}"
         )
-    page = kv_data.shape[:2] + kv_data.shape[3:]
+    page = kv_data.shape[1:]
     if page != ring_pages.shape[1:]:
         raise ValueError(f"page shapes differ: engine {tuple(page)}, ring {tuple(ring_pages.shape[1:])}")
     if kv_data.dtype != ring_pages.dtype or kv_data.device != ring_pages.device:
@@ -108,7 +108,7 @@ def _check(
         )
     if len(kv_ids) != len(ring_ids):
         raise ValueError(f"{len(kv_ids)} engine page ids but {len(ring_ids)} ring page ids")
-    for ids, limit, side in ((kv_ids, kv_data.shape[2], "engine"), (ring_ids, ring_pages.shape[0], "ring")):
+    for ids, limit, side in ((kv_ids, kv_data.shape[0], "engine"), (ring_ids, ring_pages.shape[0], "ring")):
         if ids and not (0 <= min(ids) and max(ids) < limit):
             raise ValueError(f"{side} page ids out of range [0, {limit}): {list(ids)}")
     dst_ids = ring_ids if ring_is_dst else kv_ids

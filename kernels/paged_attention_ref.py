@@ -13,10 +13,15 @@ def write_kv_ref(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into caches ``[P, S, Hkv, D]`` at flat slots ``[T]``."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into caches ``[P, S, Hkv, D]`` at flat slots ``[T]``.
+
+    Slot ``s`` is token ``s % S`` of page ``s // S``. The caches may have any page
+    stride (:class:`text_decode.kv_cache.PagedKVCache` hands out strided per-layer views).
+    """
+    page_size = k_cache.shape[1]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    k_cache[pages, offsets] = key
+    v_cache[pages, offsets] = value
 
 
 def prefill_attention_ref(
@@ -54,7 +59,7 @@ def decode_attention_ref(
 
     Args:
         query: ``[B, Hq, D]``.
-        k_cache, v_cache: ``[P, S, Hkv, D]``.
+        k_cache, v_cache: ``[P, S, Hkv, D]``, any page stride.
         block_tables: ``[B, max_pages]`` page ids (padding entries are never read unmasked).
         context_lens: ``[B]`` tokens of context per sequence (>= 1).
         max_context_len: ``max(context_lens)`` as an int.
@@ -63,13 +68,14 @@ def decode_attention_ref(
     """
     batch, num_heads, head_dim = query.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    offsets = torch.arange(page_size, device=query.device)
-    slots = (block_tables[:, :, None] * page_size + offsets).reshape(batch, -1)[:, :max_context_len]
-    flat_slots = slots.reshape(-1)  # index_select is several times faster than advanced indexing on CPU
-    keys = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, flat_slots).view(
-        batch, max_context_len, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-    values = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, flat_slots).view(
-        batch, max_context_len, num_kv_heads, head_dim)
+    num_pages = -(-max_context_len // page_size)
+    # Gather whole pages (index_select is several times faster than advanced indexing
+    # on CPU), then cut every row to the longest context.
+    pages = block_tables[:, :num_pages].reshape(-1)
+    keys = torch.index_select(k_cache, 0, pages).view(
+        batch, num_pages * page_size, num_kv_heads, head_dim)[:, :max_context_len]  # [B, L, Hkv, D]
+    values = torch.index_select(v_cache, 0, pages).view(
+        batch, num_pages * page_size, num_kv_heads, head_dim)[:, :max_context_len]
     positions = torch.arange(max_context_len, device=query.device)
     valid = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(

@@ -13,11 +13,16 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class PagedKVCache:
-    """KV pages for every layer: ``data`` is ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``.
+    """KV pages for every layer: ``data`` is ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``.
 
-    ``data[l, 0]`` / ``data[l, 1]`` are layer ``l``'s key / value caches, each
-    ``[num_pages, page_size, num_kv_heads, head_dim]`` and contiguous, as the
-    attention backends expect. Page ids come from :attr:`pool`.
+    Page-major, the layout of the cross-modal ring's page pool: a page holds every
+    layer's keys and values of its ``page_size`` tokens in one contiguous block, so
+    a KV hand-off moves whole pages with plain memory copies
+    (:mod:`kernels.kv_transfer`). ``data[:, l, 0]`` / ``data[:, l, 1]`` are layer
+    ``l``'s key / value caches, each ``[num_pages, page_size, num_kv_heads, head_dim]``
+    with a page stride of ``num_layers * 2 * page_size * num_kv_heads * head_dim``
+    elements (the attention backends index pages and slots, never ``view`` the
+    whole cache). Page ids come from :attr:`pool`.
     """
 
     def __init__(
@@ -27,17 +32,17 @@ class PagedKVCache:
         self.page_size = page_size
         self.num_pages = num_pages
         self.data = torch.zeros(
-            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_pages, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self.pool = PagePool(num_pages)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.data[i, 0], self.data[i, 1]) for i in range(num_layers)
+            (self.data[:, i, 0], self.data[:, i, 1]) for i in range(num_layers)
         ]
 
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers (keys and values)."""
-        layers, _, _, _, heads, dim = self.data.shape
+        _, layers, _, _, heads, dim = self.data.shape
         return layers * 2 * heads * dim * self.data.element_size()
 
     @property

@@ -40,16 +40,16 @@ def crc(tensor: torch.Tensor) -> int:
     return zlib.crc32(tensor.contiguous().numpy().tobytes())
 
 
-def page_major(kv: torch.Tensor, page_ids: list[int]) -> torch.Tensor:
-    """Engine pages ``[L, 2, n, S, H, D]`` -> ``[n, L, 2, S, H, D]``."""
-    return kv[:, :, page_ids].permute(2, 0, 1, 3, 4, 5)
+def pages_of(kv: torch.Tensor, page_ids: list[int]) -> torch.Tensor:
+    """Engine pages ``page_ids`` of a ``[P, L, 2, S, H, D]`` cache, in that order."""
+    return kv[page_ids]
 
 
 def consume(spec_bytes: bytes, expected: int, results: multiprocessing.Queue) -> None:
     """Decode side (child process): claim, copy out, verify checksums and order, release."""
     spec = msgspec.msgpack.decode(spec_bytes, type=RingSpec)
     ring = CrossModalRing.attach(spec)
-    kv = torch.zeros(spec.page_shape[0], 2, ENGINE_PAGES, *spec.page_shape[2:])
+    kv = torch.zeros(ENGINE_PAGES, *spec.page_shape)
     errors: list[str] = []
     received = 0
     deadline = time.monotonic() + 60
@@ -67,7 +67,7 @@ def consume(spec_bytes: bytes, expected: int, results: multiprocessing.Queue) ->
             "peek == claim": handoff == peeked,
             "in order": (index, peeked.seq, peeked.request_id) == (received, received, f"req-{received}"),
             "first token": peeked.first_token == 7 * received,
-            "kv checksum": crc(page_major(kv, dst)) == kv_crc,
+            "kv checksum": crc(pages_of(kv, dst)) == kv_crc,
             "feature checksum": crc(rows.clone()) == feature_crc,
         }
         errors += [f"hand-off {received}: {name}" for name, ok in checks.items() if not ok]
@@ -89,11 +89,11 @@ def produce(ring: CrossModalRing, index: int, kv: torch.Tensor, rng: random.Rand
         assert time.monotonic() < deadline, "feature arena never drained"
         time.sleep(0.0002)
     src = rng.sample(range(ENGINE_PAGES), len(pages))
-    kv[:, :, src] = torch.randn(kv[:, :, src].shape)
+    kv[src] = torch.randn(kv[src].shape)
     copy_kv_to_ring(kv, src, ring.pages, pages)
     features = torch.randn(rows, ring.spec.feature_dim)
     ring.features[offset : offset + rows] = features
-    meta = msgspec.msgpack.encode([index, crc(page_major(kv, src)), crc(features)])
+    meta = msgspec.msgpack.encode([index, crc(pages_of(kv, src)), crc(features)])
     handoff = Handoff(f"req-{index}", pages, tokens, 7 * index, offset, rows, meta)
     assert ring.publish(handoff, timeout=30)
 
@@ -105,7 +105,7 @@ def test_1200_handoffs_between_processes_arrive_verified_in_order() -> None:
     with CrossModalRing.create(spec) as ring:
         child = ctx.Process(target=consume, args=(msgspec.msgpack.encode(spec), NUM_HANDOFFS, results))
         child.start()
-        kv = torch.zeros(spec.page_shape[0], 2, ENGINE_PAGES, *spec.page_shape[2:])
+        kv = torch.zeros(ENGINE_PAGES, *spec.page_shape)
         rng = random.Random(0)
         for index in range(NUM_HANDOFFS):
             produce(ring, index, kv, rng)
