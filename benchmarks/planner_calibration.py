@@ -73,10 +73,11 @@ def _run(cmd: list[str]) -> None:
         sys.exit(f"command failed with exit status {result.returncode}: {' '.join(cmd)}")
 
 
-def _records(path: Path) -> list[dict[str, object]]:
-    """The bench's per-request rows (``records-<system>.jsonl``), in plan order."""
+def _records(path: Path, rate: float) -> list[dict[str, object]]:
+    """The bench's per-request rows (``records-<system>.jsonl``) of the run at ``rate``, in
+    plan order (the file also holds the unloaded requests, written with rate 0)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted(rows, key=lambda r: int(r["index"]))
+    return sorted((r for r in rows if abs(float(r["rate"]) - rate) < 1e-9), key=lambda r: int(r["index"]))
 
 
 def measured_attainment(rows: list[dict[str, object]], slo: SLO) -> tuple[float, float, float]:
@@ -144,7 +145,8 @@ def main() -> None:
         run_dir = args.out / f"rate-{rate:g}"
         if not args.records_only:
             cmd = [*cli, "bench", "--model", str(model_dir), "--workload", args.workload, "--rate", str(rate),
-                   "--num-requests", str(args.num_requests), "--slo-ttft", str(args.slo_ttft),
+                   "--num-requests", str(args.num_requests), "--duration", str(args.num_requests / rate),
+                   "--slo-ttft", str(args.slo_ttft),
                    "--slo-tpot", str(args.slo_tpot), "--no-early-stop", "--out", str(run_dir)]
             if args.config:
                 cmd += ["--config", str(args.config)]
@@ -152,7 +154,9 @@ def main() -> None:
         records = sorted(run_dir.glob("records-*.jsonl"))
         if not records:
             sys.exit(f"no records-*.jsonl in {run_dir}")
-        rows = _records(records[0])
+        rows = _records(records[0], rate)
+        if not rows:
+            sys.exit(f"no requests at rate {rate} in {records[0]}")
         measured = measured_attainment(rows, slo)
         simulated = simulated_attainment(rows, model, args.config, slo)
         rows_out.append((rate, len(rows), measured, simulated))

@@ -56,3 +56,28 @@ def test_held_tail() -> None:
     assert held_tail("abcd", ("cde",)) == 2
     assert held_tail("abc", ("xyz",)) == 0
     assert held_tail("ab", ("b", "abx")) == 2
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer and records how many ids each ``decode`` call was given."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def decode(self, ids, **kwargs):  # type: ignore[no-untyped-def]
+        self.lengths.append(len(ids))
+        return self.inner.decode(ids, **kwargs)
+
+
+def test_long_outputs_decode_a_short_window_per_step_and_match_the_full_decode(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    import random
+
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    ids = [rng.randrange(vocab) for _ in range(600)]  # byte pieces, words and special tokens mixed
+    counting = _CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting)
+    text = "".join(detok.add([t]) for t in ids) + detok.finish()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(counting.lengths) <= 16  # O(1) ids per step, not the whole output
