@@ -1,7 +1,8 @@
-"""Command line: ``python -m mm_serve.models.shapes {train,eval}``.
+"""Command line: ``python -m mm_serve.models.shapes {train,eval,draw}``.
 
 Examples::
 
+    python -m mm_serve.models.shapes draw --out scene.png --seed 3   # prints the caption
     python -m mm_serve.models.shapes train --out /tmp/shapes --seed 0
     python -m mm_serve.models.shapes eval                       # the embedded checkpoint
     python -m mm_serve.models.shapes eval --model /tmp/shapes --n 500 --seed 0 --backend hf
@@ -89,8 +90,31 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draw(args: argparse.Namespace) -> int:
+    import random
+
+    from mm_serve.models.shapes.scenes import MAX_SIDE, MIN_SIDE, draw_scene
+    from mm_serve.models.shapes.targets import caption
+
+    size = None
+    if args.size is not None:
+        width, height = args.size
+        if not (MIN_SIDE <= width <= MAX_SIDE and MIN_SIDE <= height <= MAX_SIDE):
+            print(f"error: --size sides must be in [{MIN_SIDE}, {MAX_SIDE}] px, got {width} x {height}", file=sys.stderr)
+            return 2
+        size = (width, height)
+    image, objects = draw_scene(random.Random(f"mm-serve-shapes/draw/{args.seed}"), size=size, count=args.count)
+    try:
+        image.save(args.out)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot write {args.out}: {exc}", file=sys.stderr)
+        return 2
+    print(caption(objects))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``train`` / ``eval`` argument parser."""
+    """The ``train`` / ``eval`` / ``draw`` argument parser."""
     parser = argparse.ArgumentParser(prog="python -m mm_serve.models.shapes", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the shapes model from scratch")
@@ -116,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ev.add_argument("--record", action="store_true", help="write the figures into the model's TRAINING.md")
     ev.set_defaults(func=_eval)
+    draw = sub.add_parser("draw", help="draw one scene to an image file and print its true caption")
+    draw.add_argument("--out", default="scene.png", help="image file to write (default scene.png; format from the suffix)")
+    draw.add_argument("--seed", type=int, default=0, help="scene seed (default 0)")
+    draw.add_argument("--count", type=int, choices=(1, 2, 3), default=None, help="number of shapes (default: random)")
+    draw.add_argument("--size", type=int, nargs=2, metavar=("W", "H"), default=None, help="image size in px (default: random)")
+    draw.set_defaults(func=_draw)
     return parser
 
 
