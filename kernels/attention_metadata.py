@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # decode: [B, max_pages] int64, padded with 0
     context_lens: torch.Tensor | None = None  # decode: [B] int64, tokens in cache incl. the new one
     max_context_len: int = 0  # decode: max(context_lens), kept as a Python int
+    plan: dict[str, Any] = field(default_factory=dict)  # what a backend derives once per pass, reused by every layer
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,14 @@ def write_kv_ref(
     stride (:class:`text_decode.kv_cache.PagedKVCache` hands out strided per-layer views).
     """
     page_size = k_cache.shape[1]
-    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    scatter_kv(key, value, k_cache, v_cache, slot_mapping // page_size, slot_mapping % page_size)
+
+
+def scatter_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    pages: torch.Tensor, offsets: torch.Tensor,
+) -> None:
+    """:func:`write_kv_ref` with the slots already split into page ids and in-page offsets ``[T]``."""
     k_cache[pages, offsets] = key
     v_cache[pages, offsets] = value
 
@@ -51,30 +60,77 @@ def prefill_attention_ref(
     return torch.cat(outputs, dim=0)
 
 
-MIN_GROUP_FILL = 0.5  # a decode group pads no sequence to more than twice its context
+MIN_GROUP_FILL = 0.5  # a decode group pads no sequence to more than twice its context ...
+MIN_SPLIT_CONTEXT = 256  # ... once the group's longest context reaches this many tokens
 
 
-def length_groups(context_lens: list[int], min_fill: float = MIN_GROUP_FILL) -> list[list[int]]:
-    """Batch rows grouped by context length, longest first, so that every row of a group has
-    at least ``min_fill`` times the context of the group's longest row.
+def length_groups(
+    context_lens: list[int], min_fill: float = MIN_GROUP_FILL, min_split: int = MIN_SPLIT_CONTEXT
+) -> list[list[int]]:
+    """Batch rows grouped by context length, longest first.
 
     Decode attention pads each row to the longest context it is batched with; grouping
-    bounds that waste (at most ``1 / min_fill`` times the work per row) at the price of
-    one kernel call per group, at most ``1 + log(max / min) / log(1 / min_fill)`` groups.
+    bounds that waste at the price of one kernel call per group. A row starts a new
+    group when its context is below ``min_fill`` times the current group's longest
+    and that longest is at least ``min_split`` tokens; below ``min_split`` padding
+    costs less than another call, so the rest of the batch joins the group. Hence
+    every row of a group whose longest row has ``n >= min_split`` tokens has at least
+    ``min_fill * n`` tokens, and there are at most ``1 + log(max / min_split) /
+    log(1 / min_fill)`` groups.
     """
     order = sorted(range(len(context_lens)), key=context_lens.__getitem__, reverse=True)
     groups: list[list[int]] = []
     for row in order:
-        if groups and context_lens[row] >= min_fill * context_lens[groups[-1][0]]:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
+        if groups:
+            longest = context_lens[groups[-1][0]]
+            if longest < min_split or context_lens[row] >= min_fill * longest:
+                groups[-1].append(row)
+                continue
+        groups.append([row])
     return groups
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """One kernel call of :func:`decode_attention_ref`: rows padded to ``max_len``.
+
+    ``rows`` ``[b]`` are the batch rows (None: the whole batch in order), ``pages``
+    ``[b * num_pages]`` their page ids row by row, ``valid`` ``[b, 1, 1, max_len]`` the
+    mask of real context positions.
+    """
+
+    rows: torch.Tensor | None
+    pages: torch.Tensor
+    valid: torch.Tensor
+    max_len: int
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int) -> list[DecodeGroup]:
+    """The :class:`DecodeGroup` calls for one decode pass; the same for every layer, so a
+    backend computes it once per pass (``AttentionMetadata.plan``).
+
+    Args:
+        block_tables: ``[B, max_pages]`` page ids. context_lens: ``[B]`` tokens (>= 1).
+        page_size: tokens per page.
+    """
+    lens = context_lens.tolist()
+    groups = length_groups(lens) if len(lens) > 1 else [[0]]
+    plan = []
+    for rows in groups:
+        index = None if len(groups) == 1 else torch.tensor(rows, dtype=torch.long, device=block_tables.device)
+        tables = block_tables if index is None else block_tables[index]
+        group_lens = context_lens if index is None else context_lens[index]
+        max_len = lens[rows[0]]  # rows are sorted longest first
+        num_pages = -(-max_len // page_size)
+        positions = torch.arange(max_len, device=block_tables.device)
+        valid = (positions[None, :] < group_lens[:, None])[:, None, None, :]
+        plan.append(DecodeGroup(index, tables[:, :num_pages].reshape(-1), valid, max_len))
+    return plan
 
 
 def decode_attention_ref(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int, scale: float,
+    context_lens: torch.Tensor, max_context_len: int, scale: float, plan: list[DecodeGroup] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its paged context.
 
@@ -88,42 +144,37 @@ def decode_attention_ref(
         block_tables: ``[B, max_pages]`` page ids (padding entries are never read unmasked).
         context_lens: ``[B]`` tokens of context per sequence (>= 1).
         max_context_len: ``max(context_lens)`` as an int.
+        plan: :func:`plan_decode` of these tables and lengths, if already computed.
     Returns:
         ``[B, Hq, D]``.
     """
-    lens = context_lens.tolist()
-    groups = length_groups(lens) if len(lens) > 1 else [[0]]
-    if len(groups) == 1:
-        return _decode_attention_padded(query, k_cache, v_cache, block_tables, context_lens, max_context_len, scale)
+    if plan is None:
+        plan = plan_decode(block_tables, context_lens, k_cache.shape[1])
+    if len(plan) == 1:
+        return _attend_group(query, k_cache, v_cache, plan[0], scale)
     out = torch.empty_like(query)
-    for rows in groups:
-        index = torch.tensor(rows, dtype=torch.long, device=query.device)
-        out[index] = _decode_attention_padded(
-            query[index], k_cache, v_cache, block_tables[index], context_lens[index], lens[rows[0]], scale)
+    for group in plan:
+        out[group.rows] = _attend_group(query[group.rows], k_cache, v_cache, group, scale)
     return out
 
 
-def _decode_attention_padded(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int, scale: float,
+def _attend_group(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
-    """:func:`decode_attention_ref` for one group: every row padded to ``max_context_len``."""
+    """Attention of ``query`` ``[b, Hq, D]`` over the gathered, padded pages of one group."""
     batch, num_heads, head_dim = query.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_pages = -(-max_context_len // page_size)
+    width = group.pages.shape[0] // batch * page_size
     # Gather whole pages (index_select is several times faster than advanced indexing
-    # on CPU), then cut every row to the longest context.
-    pages = block_tables[:, :num_pages].reshape(-1)
-    keys = torch.index_select(k_cache, 0, pages).view(
-        batch, num_pages * page_size, num_kv_heads, head_dim)[:, :max_context_len]  # [B, L, Hkv, D]
-    values = torch.index_select(v_cache, 0, pages).view(
-        batch, num_pages * page_size, num_kv_heads, head_dim)[:, :max_context_len]
-    positions = torch.arange(max_context_len, device=query.device)
-    valid = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    # on CPU), then cut every row to the group's longest context.
+    keys = torch.index_select(k_cache, 0, group.pages).view(
+        batch, width, num_kv_heads, head_dim)[:, : group.max_len]  # [b, L, Hkv, D]
+    values = torch.index_select(v_cache, 0, group.pages).view(
+        batch, width, num_kv_heads, head_dim)[:, : group.max_len]
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid,
+        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.valid,
         scale=scale, enable_gqa=num_heads != num_kv_heads,
-    )  # [B, Hq, 1, D]
+    )  # [b, Hq, 1, D]
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -134,11 +185,17 @@ class TorchRefAttention(AttentionBackend):
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):  # type: ignore[no-untyped-def]
-        write_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
+        page_size = k_cache.shape[1]
+        if "slots" not in meta.plan:  # the first layer of the pass derives what every layer reuses
+            meta.plan["slots"] = (meta.slot_mapping // page_size, meta.slot_mapping % page_size)
+        scatter_kv(key, value, k_cache, v_cache, *meta.plan["slots"])
         if meta.is_prefill:
             return prefill_attention_ref(query, key, value, meta.seq_lens, scale)
         if meta.block_tables is None or meta.context_lens is None:
             raise ValueError("decode attention needs block_tables and context_lens")
+        if "decode" not in meta.plan:
+            meta.plan["decode"] = plan_decode(meta.block_tables, meta.context_lens, page_size)
         return decode_attention_ref(
-            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale
+            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale,
+            plan=meta.plan["decode"],
         )

@@ -3,7 +3,9 @@
 RMSNorm, RoPE, grouped-query attention, SiLU-gated MLP, tied or untied
 embeddings. Tokens of a batch are flattened to ``[T, hidden]``; the attention
 backend (``kernels/``) handles per-sequence boundaries and the paged cache.
-Weight names match the Hugging Face Llama checkpoints (``layers.N.self_attn.q_proj.weight``, ...).
+Weight names match the Hugging Face Llama checkpoints (``layers.N.self_attn.o_proj.weight``, ...)
+except for two fused projections, stacked on load (:mod:`mm_serve.models.fused_weights`):
+``self_attn.qkv_proj`` (rows ``[q | k | v]``) and ``mlp.gate_up_proj`` (rows ``[gate | up]``).
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(
@@ -53,9 +55,10 @@ class LlamaAttention(nn.Module):
         k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -66,12 +69,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         bias = cfg.mlp_bias
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from kernels.backend_select import select_attention_backend
+from mm_serve.models.fused_weights import fuse_projections
 from mm_serve.models.llama import LlamaForCausalLM
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.models.model_config import CheckpointError, load_model_config
@@ -51,6 +52,10 @@ def load_model(
     if cfg.text.tie_word_embeddings:
         lm_state.pop("lm_head.weight", None)
         lm_state["lm_head.weight"] = lm_state.get("embed_tokens.weight", torch.empty(0))
+    try:
+        lm_state = fuse_projections(lm_state, model.language_model.state_dict().keys())
+    except CheckpointError as exc:
+        raise CheckpointError(f"{root}: {exc}") from None
     _load_part(model.language_model, lm_state, "language-model", root)
     if model.vision is not None and model.projector is not None:
         _load_part(model.vision.tower, parts["vision"], "vision-tower", root)

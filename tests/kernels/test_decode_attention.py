@@ -8,7 +8,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels.paged_attention_ref import decode_attention_ref, length_groups, write_kv_ref
+from kernels.paged_attention_ref import (
+    MIN_SPLIT_CONTEXT,
+    decode_attention_ref,
+    length_groups,
+    write_kv_ref,
+)
 
 LAYERS, PAGE, HKV, HQ, D = 3, 4, 2, 4, 8
 
@@ -54,7 +59,17 @@ def test_length_groups_partition_the_batch_with_bounded_padding(lens: list[int])
     groups = length_groups(lens)
     assert sorted(row for g in groups for row in g) == list(range(len(lens)))
     for g in groups:
-        assert all(lens[r] <= lens[g[0]] and 2 * lens[r] >= lens[g[0]] for r in g)
+        longest = lens[g[0]]
+        assert all(lens[r] <= longest for r in g)
+        if longest >= MIN_SPLIT_CONTEXT:  # long groups pad no row past twice its context
+            assert all(2 * lens[r] >= longest for r in g)
     longest = [lens[g[0]] for g in groups]
     assert longest == sorted(longest, reverse=True)
-    assert len(groups) <= 1 + (max(lens) // min(lens)).bit_length()
+    assert len(groups) <= 1 + (max(lens) // MIN_SPLIT_CONTEXT).bit_length()
+    # rows shorter than MIN_SPLIT_CONTEXT never start a group of their own once it is reached
+    assert sum(1 for n in longest if n < MIN_SPLIT_CONTEXT) <= 1
+
+
+def test_short_contexts_share_one_call_and_long_ones_split() -> None:
+    assert length_groups([40, 200, 120, 33]) == [[1, 2, 0, 3]]
+    assert length_groups([2000, 300, 1500, 900, 40]) == [[0, 2], [3], [1], [4]]

@@ -72,19 +72,27 @@ def sample_turns(objects: Sequence[SceneObject], rng: random.Random) -> list[QA]
     return [qa for qa in (sample_qa(objects, rng, kind) for kind in order) if qa is not None]
 
 
-def sample_grounded_turns(objects: Sequence[SceneObject], rng: random.Random) -> list[QA]:
-    """Stage 3: many questions that need the image, asked before the caption.
+def sample_grounded_turns(
+    objects: Sequence[SceneObject], rng: random.Random, caption_first: float = GROUNDED_CAPTION_FIRST
+) -> list[QA]:
+    """Many questions that need the image, asked before the caption.
 
-    :data:`GROUNDED_EXISTS` yes/no questions, the colour of every shape present once
+    :data:`GROUNDED_EXISTS` distinct yes/no questions, the colour of every shape present once
     and the count, shuffled; the caption comes last (first with probability
-    :data:`GROUNDED_CAPTION_FIRST`), so most answers cannot be copied from a caption
-    already in the context.
+    ``caption_first``), so most answers cannot be copied from a caption already in
+    the context and the model must read them off the image.
     """
-    questions = [exists_qa(objects, rng) for _ in range(GROUNDED_EXISTS)]
+    questions: list[QA] = []
+    for _ in range(4 * GROUNDED_EXISTS):  # distinct yes/no questions (a repeat could be copied)
+        qa = exists_qa(objects, rng)
+        if qa not in questions:
+            questions.append(qa)
+        if len(questions) == GROUNDED_EXISTS:
+            break
     questions += [*colour_questions(objects), count_qa(objects)]
     rng.shuffle(questions)
     described = caption_qa(objects, rng.choice(CAPTION_PROMPTS))
-    return [described, *questions] if rng.random() < GROUNDED_CAPTION_FIRST else [*questions, described]
+    return [described, *questions] if rng.random() < caption_first else [*questions, described]
 
 
 class ConversationEncoder:
@@ -127,6 +135,7 @@ class TrainingStream:
         batch_size: int,
         namespace: str = TRAIN_NAMESPACE,
         grounded: bool = False,
+        caption_first: float = GROUNDED_CAPTION_FIRST,
     ) -> None:
         self.encoder = encoder
         self.image_processor = image_processor
@@ -134,6 +143,7 @@ class TrainingStream:
         self.batch_size = batch_size
         self.namespace = namespace
         self.grounded = grounded
+        self.caption_first = caption_first
 
     def examples(self, step: int) -> list[tuple[Image.Image, list[SceneObject], list[QA]]]:
         """The ``batch_size`` (image, shapes, turns) triples of batch ``step``."""
@@ -141,8 +151,8 @@ class TrainingStream:
         for i in range(self.batch_size):
             rng = scene_rng(self.namespace, self.seed, step * self.batch_size + i)
             image, objects = draw_scene(rng)
-            sample = sample_grounded_turns if self.grounded else sample_turns
-            result.append((image, objects, sample(objects, rng)))
+            turns = sample_grounded_turns(objects, rng, self.caption_first) if self.grounded else sample_turns(objects, rng)
+            result.append((image, objects, turns))
         return result
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
