@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same formula
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -55,10 +57,12 @@ class LlamaAttention(nn.Module):
         k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_size = self.q_size + self.kv_size
+        # RoPE on the query and key heads together (they are adjacent in the fused output)
+        qk = apply_rotary(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
