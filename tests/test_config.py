@@ -55,3 +55,11 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.compute.prefill_workers >= 1 and cfg.compute.decode_workers >= 1
+    for cpu in cfg.compute.prefill_cpus + cfg.compute.decode_cpus:
+        assert 0 <= cpu < 2  # the shipped configs target the 2-core CPU machine
