@@ -14,10 +14,13 @@ from mm_serve.models.shapes.dataset import (
     TrainingStream,
     VisionStream,
     patch_labels,
+    question_probe_class,
+    sample_grounded_turns,
     sample_turns,
 )
 from mm_serve.models.shapes.model_config import IMAGE_SIZE, NUM_IMAGE_TOKENS, image_processor_config
-from mm_serve.models.shapes.scenes import SceneObject, draw_scene, scene_rng
+from mm_serve.models.shapes.scenes import COLOURS, SceneObject, draw_scene, scene_rng
+from mm_serve.models.shapes.targets import QA
 from mm_serve.models.shapes.tokenizer import save_tokenizer, train_tokenizer
 
 
@@ -68,6 +71,23 @@ def test_training_batches_are_deterministic_and_well_formed(stream: TrainingStre
     assert not (supervised & (first["input_ids"] == image_id)).any()
     assert (first["labels"][supervised] == first["input_ids"][supervised]).all()
     assert (first["attention_mask"].bool() | (first["input_ids"] == stream.encoder.tokenizer.pad_token_id)).all()
+
+
+def test_question_probe_labels_sit_on_the_shape_word(stream: TrainingStream) -> None:
+    assert question_probe_class(QA("colour", "What color is the square?", "orange")) == list(COLOURS).index("orange")
+    assert question_probe_class(QA("exists", "Is there a red circle?", "no")) == len(COLOURS)
+    assert question_probe_class(QA("exists", "Is there a red circle?", "yes")) == len(COLOURS) + 1
+    assert question_probe_class(QA("count", "How many shapes are there?", "two")) == IGNORE_INDEX
+    rng = scene_rng("train", 0, 5)
+    _, objects = draw_scene(rng)
+    turns = sample_grounded_turns(objects, rng, caption_first=0.0)
+    ids, labels, probes = stream.encoder.encode_with_probes(turns)
+    assert (ids, labels) == stream.encoder.encode(turns)
+    tokenizer = stream.encoder.tokenizer
+    probed = [(tokenizer.decode([ids[i]]).strip(), target) for i, target in enumerate(probes) if target != IGNORE_INDEX]
+    expected = [(qa.question.rstrip("?").split()[-1], question_probe_class(qa))
+                for qa in turns if qa.kind in ("colour", "exists")]
+    assert probed == expected and len(expected) >= 4
 
 
 def test_vision_batches(stream: TrainingStream) -> None:

@@ -34,6 +34,8 @@ def _train(args: argparse.Namespace) -> int:
         cfg = replace(cfg, steps=args.steps)
     if args.qa_steps is not None:
         cfg = replace(cfg, qa_steps=args.qa_steps)
+    if args.question_probe_weight is not None:
+        cfg = replace(cfg, question_probe_weight=args.question_probe_weight)
     result = train(Path(args.out), cfg, start_stage=args.start_stage)
     print(
         f"trained in {result.seconds / 60:.1f} min (CPU {result.cpu_seconds / 60:.1f} min), "
@@ -123,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="stage 2 steps (default: the shipped recipe)")
     train.add_argument("--qa-steps", type=int, default=None, help="stage 3 (grounded QA) steps (default 0)")
     train.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    train.add_argument("--question-probe-weight", type=float, default=None,
+                       help="weight of the question-probe loss in stages 2-3 (default: the shipped recipe's)")
     train.add_argument(
         "--start-stage",
         type=int,

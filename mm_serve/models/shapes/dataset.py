@@ -95,6 +95,19 @@ def sample_grounded_turns(
     return [described, *questions] if rng.random() < caption_first else [*questions, described]
 
 
+QUESTION_PROBE_CLASSES = len(COLOURS) + 2  # a colour, or "no" / "yes"
+
+
+def question_probe_class(qa: QA) -> int:
+    """Target of the question probe (training only): the answer colour's index in ``COLOURS``
+    for a colour question, ``len(COLOURS)`` for "no" and ``+ 1`` for "yes"; -100 otherwise."""
+    if qa.kind == "colour":
+        return list(COLOURS).index(qa.answer)
+    if qa.kind == "exists":
+        return len(COLOURS) + (qa.answer == "yes")
+    return IGNORE_INDEX
+
+
 class ConversationEncoder:
     """Token ids and labels of conversations; caches the few distinct prompt and answer strings."""
 
@@ -110,18 +123,32 @@ class ConversationEncoder:
 
     def encode(self, turns: Sequence[QA]) -> tuple[list[int], list[int]]:
         """``(input_ids, labels)`` of one conversation, ``<image>`` expanded to the patch count."""
+        input_ids, labels, _ = self.encode_with_probes(turns)
+        return input_ids, labels
+
+    def encode_with_probes(self, turns: Sequence[QA]) -> tuple[list[int], list[int], list[int]]:
+        """:meth:`encode` plus ``probe_labels``: per position, the :func:`question_probe_class` of
+        a colour or yes/no question at its last word (the shape), -100 elsewhere."""
         input_ids = [self.tokenizer.bos_token_id]
         labels = [IGNORE_INDEX]
+        probes = [IGNORE_INDEX]
         for index, qa in enumerate(turns):
             prompt = self._ids(user_prompt(qa.question, with_image=index == 0))
             answer = self._ids(f" {qa.answer}{self.tokenizer.eos_token}")
-            for token in prompt:
+            target = question_probe_class(qa)
+            # the prompt ends "... <shape>? ASSISTANT:"; the shape word sits 4 tokens from its end
+            word = len(prompt) - 4
+            if target != IGNORE_INDEX and self._ids(" " + qa.question.rstrip("?").split()[-1]) != [prompt[word]]:
+                target = IGNORE_INDEX  # the tokenizer split the word: no probe on this turn
+            for position, token in enumerate(prompt):
                 count = NUM_IMAGE_TOKENS if token == self.image_token_id else 1
                 input_ids += [token] * count
                 labels += [IGNORE_INDEX] * count
+                probes += [target if position == word else IGNORE_INDEX] * count
             input_ids += answer
             labels += answer
-        return input_ids, labels
+            probes += [IGNORE_INDEX] * len(answer)
+        return input_ids, labels, probes
 
 
 class TrainingStream:
@@ -157,18 +184,21 @@ class TrainingStream:
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """Tensors of batch ``step``: ``input_ids``, ``attention_mask``, ``labels`` ``[B, T]``
-        (right-padded with ``<pad>``), ``pixel_values`` ``[B, 3, S, S]`` float32 and
-        ``patch_labels`` ``[B, 3, grid * grid]`` (:func:`patch_labels`, for the auxiliary loss)."""
+        (right-padded with ``<pad>``), ``pixel_values`` ``[B, 3, S, S]`` float32,
+        ``patch_labels`` ``[B, 3, grid * grid]`` (:func:`patch_labels`, for the auxiliary loss)
+        and ``probe_labels`` ``[B, T]`` (:meth:`ConversationEncoder.encode_with_probes`)."""
         examples = self.examples(step)
-        encoded = [self.encoder.encode(turns) for _, _, turns in examples]
-        length = max(len(ids) for ids, _ in encoded)
+        encoded = [self.encoder.encode_with_probes(turns) for _, _, turns in examples]
+        length = max(len(ids) for ids, _, _ in encoded)
         pad = self.encoder.tokenizer.pad_token_id
         input_ids = torch.full((len(encoded), length), pad, dtype=torch.long)
         labels = torch.full((len(encoded), length), IGNORE_INDEX, dtype=torch.long)
+        probes = torch.full((len(encoded), length), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)
-        for row, (ids, labs) in enumerate(encoded):
+        for row, (ids, labs, probe) in enumerate(encoded):
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, : len(labs)] = torch.tensor(labs)
+            probes[row, : len(probe)] = torch.tensor(probe)
             attention_mask[row, : len(ids)] = 1
         pixels = self.image_processor([image for image, _, _ in examples], return_tensors="pt")
         grid = math.isqrt(NUM_IMAGE_TOKENS)
@@ -179,6 +209,7 @@ class TrainingStream:
             "labels": labels,
             "pixel_values": pixels["pixel_values"],
             "patch_labels": torch.from_numpy(np.stack(patches)),
+            "probe_labels": probes,
         }
 
 

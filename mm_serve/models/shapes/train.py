@@ -39,6 +39,7 @@ from transformers import (
 from mm_serve.models.shapes.dataset import (
     IGNORE_INDEX,
     QA_NAMESPACE,
+    QUESTION_PROBE_CLASSES,
     ConversationEncoder,
     TrainingStream,
     VisionStream,
@@ -68,7 +69,9 @@ class TrainConfig:
     batch_size: int = 32  # stage 2 scenes per step
     lr: float = 1.5e-3  # stage 2 peak learning rate
     patch_loss_weight: float = 0.5  # stages 2-3 weight of the per-patch loss on the projected features
-    grounded: bool = False  # stage 2: True asks yes/no, colour and count before the caption (tried: QA 73.8 %, no better)
+    question_probe_weight: float = 1.0  # stages 2-3 weight of the question-probe loss (0: off)
+    question_probe_layer: int = 2  # decoder layer whose output the question probe reads
+    grounded: bool = True  # stage 2: yes/no, colour and count questions before the caption (False: one turn per kind, any order)
     caption_first: float = 0.4  # grounded stage 2: probability that the caption is the first turn
     qa_steps: int = 0  # stage 3 optimizer steps (0: no stage 3, as in the shipped checkpoint)
     qa_lr: float = 1.5e-3  # stage 3 peak learning rate
@@ -213,30 +216,49 @@ def train_conversations(
 
     The loss is the LM loss on answer tokens plus ``patch_loss_weight`` times the
     per-patch loss of a linear probe on the projected image features (the LM's input),
-    which keeps shape, colour and rank linearly readable there.
+    which keeps shape, colour and rank linearly readable there, plus (when
+    ``question_probe_weight`` > 0) a linear probe on decoder layer
+    ``question_probe_layer``'s output at the shape word of each colour and yes/no
+    question, which must give that question's answer: intermediate supervision of
+    the binding of question words to the image (the answer position then only has
+    to read it from a few tokens back).
     """
-    heads = patch_heads(model.model.multi_modal_projector.linear_2.out_features)
-    params = [*model.parameters(), *heads.parameters()]
+    width = model.model.multi_modal_projector.linear_2.out_features
+    heads = patch_heads(width)
+    question_head = torch.nn.Linear(width, QUESTION_PROBE_CLASSES)
+    params = [*model.parameters(), *heads.parameters(), *question_head.parameters()]
+    probe_on = cfg.question_probe_weight > 0
     optimizer, scheduler = _optimizer(params, lr, steps, cfg)
     losses: list[float] = []
     accuracy: list[float] = []
+    probe_accuracy: list[float] = []
     projected: list[torch.Tensor] = []  # the projector's output [B, P, hidden] of the current step
     hook = model.model.multi_modal_projector.register_forward_hook(lambda _m, _i, out: projected.append(out))
     bar = tqdm(range(steps), desc=name, unit="step", dynamic_ncols=True)
     for step in bar:
         batch = stream.batch(step)
         labels = batch.pop("patch_labels")
+        probe_labels = batch.pop("probe_labels")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            out = model(**batch)
+            out = model(**batch, output_hidden_states=probe_on)
             features = projected.pop().reshape(labels.shape[0], labels.shape[2], -1)
             aux, shape_accuracy = patch_loss(heads(features), labels)
-        _step(out.loss + cfg.patch_loss_weight * aux, params, optimizer, scheduler, cfg)
+            loss = out.loss + cfg.patch_loss_weight * aux
+            probed = probe_labels != IGNORE_INDEX
+            if probe_on and bool(probed.any()):
+                layer = min(cfg.question_probe_layer, len(out.hidden_states) - 1)  # small test models
+                hidden = out.hidden_states[layer]  # [B, T, width]
+                probe_logits = question_head(hidden[probed]).float()
+                loss = loss + cfg.question_probe_weight * F.cross_entropy(probe_logits, probe_labels[probed])
+                probe_accuracy.append((probe_logits.argmax(-1) == probe_labels[probed]).float().mean().item())
+        _step(loss, params, optimizer, scheduler, cfg)
         losses.append(out.loss.item())
         accuracy.append(shape_accuracy)
         if step % 25 == 0 or step == steps - 1:
             recent = sum(losses[-25:]) / len(losses[-25:])
             bar.set_postfix(loss=f"{recent:.4f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-            tqdm.write(f"step {step:5d}  loss {recent:.4f}  patch shape acc {sum(accuracy[-25:]) / len(accuracy[-25:]):.3f}")
+            probe = f"  question probe acc {sum(probe_accuracy[-25:]) / len(probe_accuracy[-25:]):.3f}" if probe_accuracy else ""
+            tqdm.write(f"step {step:5d}  loss {recent:.4f}  patch shape acc {sum(accuracy[-25:]) / len(accuracy[-25:]):.3f}{probe}")
     hook.remove()
     return sum(losses[-50:]) / len(losses[-50:])
 
