@@ -108,7 +108,7 @@ class LLM:
         self.close()
 
     def generate(
-        self, requests: dict[str, Any] | Sequence[dict[str, Any]],
+        self, requests: str | dict[str, Any] | Sequence[str | dict[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -117,12 +117,16 @@ class LLM:
         A request is ``{"prompt": str, "images": [PIL.Image, ...]}`` (the prompt holds
         the image token once per image), ``{"prompt_token_ids": [...], "images": [...]}``
         or ``{"messages": [...]}`` (chat, rendered with the checkpoint's template; image
-        parts are ``{"type": "image", "image": PIL.Image}``).
+        parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
+        {"url": X}}``, ``X`` a PIL image, a path, bytes or a data URI); a bare string is
+        ``{"prompt": string}``.
 
         Raises:
             InvalidRequestError: a request is malformed or too long (nothing is run).
         """
-        batch = [requests] if isinstance(requests, dict) else list(requests)
+        if isinstance(requests, str | dict):
+            requests = [requests]
+        batch = [{"prompt": r} if isinstance(r, str) else r for r in requests]
         params = self._params_for(batch, sampling_params)
         processed = [self.inputs.process(r) for r in batch]
         if self.client is not None:

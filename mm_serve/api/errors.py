@@ -23,6 +23,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
+        # a lone UTF-16 surrogate echoed from the request (e.g. a model name) cannot be
+        # encoded as UTF-8: escape it so the error itself can always be sent
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message

@@ -79,6 +79,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--max-image-pixels must be positive, got {args.max_image_pixels}")
     if args.server and args.config:
         raise CLIError("--config configures the in-process engine; it cannot be used with --server")
+    if args.server:
+        from urllib.parse import urlparse
+
+        parsed = urlparse(args.server)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise CLIError(f"--server must be an http(s) URL such as http://127.0.0.1:8000, got {args.server!r}")
     if args.retries < 0:
         raise CLIError(f"--retries must be 0 or more, got {args.retries}")
     if not args.server and (args.served_model or args.api_key):

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_serve.models.model_config import ModelConfig
+from mm_serve.engine.offline_media import normalize_messages, to_pil
+from mm_serve.models.model_config import CheckpointError, ModelConfig
 from vision_prefill.image_processor import ImageProcessor
 
 
@@ -32,10 +33,19 @@ class ProcessedInputs:
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
-    """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (offline)."""
+    """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (offline).
+
+    Raises:
+        CheckpointError: the directory has no usable tokenizer files.
+    """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({first[:300]}); a checkpoint directory "
+                              "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None
 
 
 class InputProcessor:
@@ -61,15 +71,16 @@ class InputProcessor:
     def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image]]:
         """Render ``messages`` with the chat template; returns the prompt and the images in order.
 
-        Image parts are ``{"type": "image", "image": PIL.Image}``.
+        Image parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
+        {"url": X}}`` with ``X`` a PIL image, a path, bytes or a data URI (:mod:`mm_serve.engine.offline_media`).
+
+        Raises:
+            InvalidRequestError: malformed messages, an unknown part type, an unusable image.
         """
-        images: list[Image.Image] = []
-        for message in messages:
-            content = message.get("content")
-            if isinstance(content, list):
-                for part in content:
-                    if part.get("type") == "image":
-                        images.append(part["image"])
+        try:
+            messages, images = normalize_messages(messages)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         try:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors, missing template
@@ -83,7 +94,12 @@ class InputProcessor:
             InvalidRequestError: no prompt, token ids out of range, images given to a
                 text-only model, or image count != placeholder count.
         """
-        images: list[Image.Image] = list(request.get("images") or [])
+        if not isinstance(request, dict):
+            raise InvalidRequestError(f"a request must be a dict (or a prompt string), not {type(request).__name__}")
+        try:
+            images: list[Image.Image] = [to_pil(image) for image in request.get("images") or []]
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         if "messages" in request:
             prompt, chat_images = self.render_chat(request["messages"])
             images = chat_images + images

@@ -77,13 +77,16 @@ CASES: list[tuple[str, Any, int]] = [
     ("lone surrogate in text", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400),
     ("prompt far too long to tokenize", _chat(messages=[{"role": "user", "content": "x" * 300_000}]), 400),
     ("unknown model", _chat(model="gpt-nonexistent"), 404),
+    ("lone surrogate in the model name", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 404),
+    ("lone surrogate in the completions model name", b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}', 404),
     ("completions with empty prompt list", {"model": "tiny", "prompt": [], "max_tokens": 2}, 400),
 ]
 
 
 @pytest.mark.parametrize("name,body,status", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: int) -> None:
-    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    completions = "prompt" in body if isinstance(body, dict) else isinstance(body, bytes) and b'"prompt"' in body
+    path = "/v1/completions" if completions else "/v1/chat/completions"
     if isinstance(body, bytes):
         r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
     else:

@@ -30,6 +30,20 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
     assert "cannot be used with --server" in _error(
         capsys, str(dup), "--out", out, "--server", "http://127.0.0.1:9", "--config", "x.yaml")
     assert "--out is the INPUT file" in _error(capsys, str(dup), "--out", str(dup))
+    assert "--server must be an http(s) URL" in _error(capsys, str(dup), "--out", out, "--server", "not-a-url")
+
+
+def test_checkpoint_without_a_tokenizer_exits_2(tmp_path: Path, tiny_llava: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "no-tokenizer"
+    broken.mkdir()
+    for name in ("config.json", "model.safetensors", "preprocessor_config.json"):
+        (broken / name).write_bytes((tiny_llava / name).read_bytes())
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/a.png").write_bytes(b"x")
+    code = main(["caption", str(tmp_path / "img"), "--out", str(tmp_path / "o.jsonl"), "--model", str(broken)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("mm-serve: error: ") and "cannot load the tokenizer" in last
 
 
 def test_unusable_output_or_model_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -72,6 +72,13 @@ def _eval(args: argparse.Namespace) -> int:
 
     from mm_serve.models.shapes.evaluate import evaluate
 
+    for flag, value in (("--n", args.n), ("--batch-size", args.batch_size)):
+        if value < 1:
+            print(f"error: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
+    if args.threads < 0:
+        print(f"error: --threads must be 0 or more, got {args.threads}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

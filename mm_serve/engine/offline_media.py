@@ -1,0 +1,89 @@
+"""Images handed to the offline API (``LLM.generate``): PIL images, files, bytes, data URIs.
+
+The HTTP API fetches and decodes ``image_url`` parts itself (:mod:`mm_serve.api.media`);
+the offline API accepts the same chat content parts without any network access:
+``{"type": "image", "image": X}`` and ``{"type": "image_url", "image_url": {"url": X}}``
+(or ``"image_url": X``), where ``X`` is a ``PIL.Image.Image``, a ``data:image/...;base64,``
+URI, a local file path (``str`` / ``pathlib.Path``, or a ``file://`` URL) or the encoded
+bytes of an image. ``http(s)`` URLs are refused: fetch them yourself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from PIL import Image
+
+from vision_prefill.errors import ImageError
+from vision_prefill.image_loading import decode_data_uri, load_image_bytes, load_image_file
+
+OFFLINE_MAX_PIXELS = 40_000_000  # the HTTP API's default ``api.max_image_pixels``
+TEXT_PART_TYPES = ("text",)
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def to_pil(value: Any, max_pixels: int = OFFLINE_MAX_PIXELS) -> Image.Image:
+    """An image from any of the accepted forms (module docstring).
+
+    Raises:
+        ValueError: a form that is not accepted, or an image that cannot be read or
+            decoded (:class:`vision_prefill.errors.ImageError` messages).
+    """
+    if isinstance(value, Image.Image):
+        return value
+    try:
+        if isinstance(value, bytes | bytearray):
+            return load_image_bytes(bytes(value), max_pixels=max_pixels)
+        if isinstance(value, os.PathLike):
+            return load_image_file(value, max_pixels=max_pixels)
+        if isinstance(value, str):
+            text = value.strip()
+            if text[:5].lower() == "data:":
+                return decode_data_uri(text, max_pixels=max_pixels)
+            if text.lower().startswith(("http://", "https://")):
+                raise ValueError("the offline API does not fetch http(s) images; pass a PIL image, a path or a data URI")
+            path = text[7:] if text.lower().startswith("file://") else text
+            return load_image_file(path, max_pixels=max_pixels)
+    except ImageError as exc:
+        raise ValueError(f"image: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"image: cannot read {value!r}: {exc.strerror or exc}") from None
+    raise ValueError(f"an image must be a PIL image, a file path, a data URI or bytes, not {type(value).__name__}")
+
+
+def normalize_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """Chat ``messages`` with every image part as ``{"type": "image", "image": PIL.Image}``
+    (what the chat templates count), and the images in order.
+
+    Raises:
+        ValueError: ``messages`` is not a non-empty list of ``{"role", "content"}`` dicts, a
+            content part has an unknown type, or an image cannot be used.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of {'role', 'content'} dicts")
+    images: list[Image.Image] = []
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError("each message must be a dict with 'role' and 'content'")
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in TEXT_PART_TYPES:
+                parts.append(part)
+            elif kind in IMAGE_PART_TYPES:
+                raw = part.get("image") if kind == "image" else part.get("image_url")
+                if isinstance(raw, dict):
+                    raw = raw.get("url")
+                image = to_pil(raw)
+                images.append(image)
+                parts.append({"type": "image", "image": image})
+            else:
+                raise ValueError(f"unsupported content part type {kind!r}; use 'text', 'image' or 'image_url'")
+        out.append({**message, "content": parts})
+    return out, images

@@ -1,0 +1,75 @@
+"""The offline API's image forms: every accepted form gives the same model inputs; bad ones a clear error."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError
+from mm_serve.engine.offline_media import normalize_messages, to_pil
+from mm_serve.models.model_config import load_model_config
+
+
+def _png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+IMAGE = Image.new("RGB", (40, 30), (200, 30, 30))
+IMAGE.putpixel((3, 4), (0, 0, 255))
+
+
+def test_every_form_decodes_to_the_same_pixels(tmp_path: Path) -> None:
+    data = _png(IMAGE)
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    for form in (IMAGE, data, path, str(path), f"file://{path}", uri):
+        assert to_pil(form).convert("RGB").tobytes() == IMAGE.tobytes(), type(form)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("https://example.com/a.png", "does not fetch"),
+    ("/nonexistent/a.png", "cannot read"),
+    (b"not an image", "image:"),
+    ("data:text/plain;base64,aGk=", "media type"),
+    (42, "not int"),
+])
+def test_bad_images_raise_value_errors(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        to_pil(value)
+
+
+def test_normalize_rejects_unknown_parts_and_malformed_messages() -> None:
+    with pytest.raises(ValueError, match="unsupported content part type 'video'"):
+        normalize_messages([{"role": "user", "content": [{"type": "video", "video": "x"}]}])
+    with pytest.raises(ValueError, match="non-empty list"):
+        normalize_messages([])
+    with pytest.raises(ValueError, match="'role'"):
+        normalize_messages(["hello"])
+    messages, images = normalize_messages([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": IMAGE}}, {"type": "text", "text": "hi"}]}])
+    assert images == [IMAGE] and messages[0]["content"][0] == {"type": "image", "image": IMAGE}
+
+
+def test_image_url_parts_reach_the_model_like_image_parts(tiny_llava: Path) -> None:
+    processor = InputProcessor(tiny_llava, load_model_config(tiny_llava))
+    uri = "data:image/png;base64," + base64.b64encode(_png(IMAGE)).decode()
+    question = {"type": "text", "text": "What is this?"}
+    reference = processor.process({"messages": [{"role": "user", "content": [{"type": "image", "image": IMAGE}, question]}]})
+    for part in ({"type": "image_url", "image_url": {"url": uri}}, {"type": "image_url", "image_url": uri}):
+        got = processor.process({"messages": [{"role": "user", "content": [part, question]}]})
+        assert got.prompt_token_ids == reference.prompt_token_ids and got.num_images == 1
+        assert reference.pixel_values is not None and got.pixel_values is not None
+        assert torch.equal(got.pixel_values, reference.pixel_values)
+    with pytest.raises(InvalidRequestError, match="image:"):
+        processor.process({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, question]}]})
+    with pytest.raises(InvalidRequestError, match="must be a dict"):
+        processor.process("hello")  # type: ignore[arg-type]
