@@ -76,6 +76,9 @@ def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet
         return InputSet("folder", items)
     if not path.is_file():
         raise InputError(f"{path}: no such file or folder")
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        raise InputError(f"{path}: INPUT must be a folder of images or a JSONL file, not one image "
+                         "(put it in a folder, or use `mm-serve generate --image` for a single image)")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"SLOs must be > 0 seconds, got --slo-ttft {args.slo_ttft} "
                        f"--slo-tpot {args.slo_tpot}")
     try:
-        shape = load_model_shape(args.model)
+        from mm_serve.models.registry import NAMED_MODELS
+
+        shape = load_model_shape(NAMED_MODELS.get(args.model, args.model))  # registered names too (embedded)
         hardware = get_hardware(args.hardware)
         workload = make_workload(args.workload, shape.image_tokens, shape.max_context)
         spec = PlanSpec(

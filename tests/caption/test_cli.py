@@ -31,6 +31,8 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
         capsys, str(dup), "--out", out, "--server", "http://127.0.0.1:9", "--config", "x.yaml")
     assert "--out is the INPUT file" in _error(capsys, str(dup), "--out", str(dup))
     assert "--server must be an http(s) URL" in _error(capsys, str(dup), "--out", out, "--server", "not-a-url")
+    (tmp_path / "one.png").write_bytes(b"x")
+    assert "not one image" in _error(capsys, str(tmp_path / "one.png"), "--out", out)
 
 
 def test_checkpoint_without_a_tokenizer_exits_2(tmp_path: Path, tiny_llava: Path,
