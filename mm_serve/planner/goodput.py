@@ -21,6 +21,7 @@ def max_rate(
     rel_tol: float = 0.02,
     span: float = 64.0,
     max_growth: int = 8,
+    max_shrink: int = 4,
 ) -> float:
     """Largest rate (requests/s) with ``attainment_at(rate) >= target``; 0 if none.
 
@@ -30,7 +31,8 @@ def max_rate(
         upper: a rate expected to fail (an analytic throughput bound). If it passes,
             the search doubles it (at most ``max_growth`` times) until one fails.
         rel_tol: stop when the bracket ``hi / lo`` is within ``1 + rel_tol``.
-        span: the search floor is ``upper / span``; below it the answer is 0.
+        span: the first search floor is ``upper / span``; while a floor fails, the next is
+            ``span`` times lower, ``max_shrink`` floors in all; below the last the answer is 0.
     """
     if upper <= 0 or not math.isfinite(upper):
         raise ValueError(f"upper bound must be a positive finite rate, got {upper}")
@@ -45,7 +47,14 @@ def max_rate(
         else:
             return lo
         return _bisect(attainment_at, target, lo, hi, rel_tol, lo_tested=True)
-    return _bisect(attainment_at, target, upper / span, hi, rel_tol, lo_tested=False)
+    # ``upper`` fails: look for a passing floor ``span`` times lower, then lower again (an
+    # analytic bound can be far off, e.g. for a tiny model whose hand-off dominates)
+    floor = upper / span
+    for _ in range(max_shrink):
+        if attainment_at(floor) >= target:
+            return _bisect(attainment_at, target, floor, hi, rel_tol, lo_tested=True)
+        hi, floor = floor, floor / span
+    return 0.0
 
 
 def _bisect(
