@@ -42,8 +42,7 @@ class FlashAttention(AttentionBackend):
         if meta.block_tables is None or meta.context_lens is None:
             raise ValueError("decode attention needs block_tables and context_lens")
         if k_cache.shape[1] % FLASH_PAGE_MULTIPLE:
-            return decode_attention_ref(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                        meta.max_context_len, scale)
+            return decode_attention_ref(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         out = self._with_kvcache(
             query[:, None], k_cache, v_cache, cache_seqlens=meta.context_lens.to(torch.int32),
             block_table=meta.block_tables.to(torch.int32), softmax_scale=scale, causal=True,

@@ -130,7 +130,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, page_siz
 
 def decode_attention_ref(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, max_context_len: int, scale: float, plan: list[DecodeGroup] | None = None,
+    context_lens: torch.Tensor, scale: float, plan: list[DecodeGroup] | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending to its paged context.
 
@@ -143,7 +143,6 @@ def decode_attention_ref(
         k_cache, v_cache: ``[P, S, Hkv, D]``, any page stride.
         block_tables: ``[B, max_pages]`` page ids (padding entries are never read unmasked).
         context_lens: ``[B]`` tokens of context per sequence (>= 1).
-        max_context_len: ``max(context_lens)`` as an int.
         plan: :func:`plan_decode` of these tables and lengths, if already computed.
     Returns:
         ``[B, Hq, D]``.
@@ -196,6 +195,5 @@ class TorchRefAttention(AttentionBackend):
         if "decode" not in meta.plan:
             meta.plan["decode"] = plan_decode(meta.block_tables, meta.context_lens, page_size)
         return decode_attention_ref(
-            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale,
-            plan=meta.plan["decode"],
+            query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, plan=meta.plan["decode"],
         )

@@ -47,7 +47,7 @@ def test_mixed_lengths_match_a_dense_reference_per_sequence() -> None:
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     query = torch.randn(len(lens), HQ, D)
-    out = decode_attention_ref(query, k_cache, v_cache, block_tables, torch.tensor(lens), max(lens), D**-0.5)
+    out = decode_attention_ref(query, k_cache, v_cache, block_tables, torch.tensor(lens), D**-0.5)
     for i, n in enumerate(lens):
         expected = _dense(query[i], keys[i], values[i], D**-0.5)
         assert torch.allclose(out[i], expected, atol=1e-5), f"row {i} (context {n})"
