@@ -5,7 +5,8 @@ Decode tokens/s is measured the same way for both: the wall time to generate
 the ``batch * (N - 1)`` decode tokens. Prompts have mixed lengths (32-128
 tokens); transformers pads them (left), our engine batches them unpadded.
 
-Usage: ``python benchmarks/decode_throughput.py [--model bench|tiny|DIR] [--threads 2] [--new-tokens 64]``
+Usage: ``python benchmarks/decode_throughput.py [--model bench|tiny|large|DIR] [--threads 2] [--new-tokens 64]
+[--device cpu|cuda]``. ``large`` (hidden 2048, 16 layers, ~0.9 B parameters) is meant for a GPU.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ import torch  # noqa: E402
 from mm_serve import LLM, SamplingParams  # noqa: E402
 from mm_serve.models.builder import BENCH_SPEC, TinyModelSpec, build_llama  # noqa: E402
 
+LARGE_SPEC = TinyModelSpec(
+    vocab_size=2048, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16, num_kv_heads=8,
+    initializer_range=0.02,
+)
+
 
 def _model_dir(name: str) -> Path:
     if Path(name).is_dir():
         return Path(name)
-    spec = BENCH_SPEC if name == "bench" else TinyModelSpec()
+    spec = {"bench": BENCH_SPEC, "large": LARGE_SPEC}.get(name, TinyModelSpec())
     out = Path(tempfile.gettempdir()) / f"mm_serve_bench_{name}_llama"
     if not (out / "config.json").is_file():
         build_llama(out, seed=0, spec=spec)
@@ -52,13 +58,14 @@ def _hf(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> fl
     from transformers import GenerationConfig
 
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config).tolist()  # waits for the device
     return time.perf_counter() - start
 
 
@@ -75,15 +82,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; both runners use it")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 
     model_dir = _model_dir(args.model)
-    llm = LLM(model=model_dir, mode="colocated", num_pages=2048, max_running=64)
-    reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    llm = LLM(model=model_dir, mode="colocated", num_pages=2048, max_running=64, device=args.device)
+    reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(args.device)
     vocab = llm.engine.model_config.text.vocab_size
-    print(f"model {model_dir} | threads {args.threads} | new tokens {args.new_tokens}")
+    print(f"model {model_dir} | device {args.device} | threads {args.threads} | new tokens {args.new_tokens}")
     print(f"KV cache: {llm.engine.kv_cache.bytes_per_token} bytes/token, "
           f"{llm.engine.kv_cache.bytes_per_page} bytes/page (page_size {llm.engine.config.page_size})")
     print(f"{'batch':>5} | {'mm-serve tok/s':>14} | {'transformers tok/s':>18} | ratio")

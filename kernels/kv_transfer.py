@@ -13,8 +13,10 @@ The fast versions copy every byte once, straight from source to destination
 destination side: one ``copy_`` when the source ids are consecutive too, else one
 ``index_select(out=...)``. Every run is a plain memory copy of whole pages
 (an earlier layer-major engine layout made each page 2·L strided chunks and
-the copies about twice as slow). The ``*_ref`` versions are the plain
-advanced-indexing definitions.
+the copies about twice as slow). The engine cache may live on another device
+than the ring (a CUDA cache, a host shared-memory ring): runs then copy across
+devices, a non-consecutive run gathered on the source device first. The
+``*_ref`` versions are the plain advanced-indexing definitions.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def copy_kv_to_ring(
     """Copy engine pages ``src_page_ids`` of ``kv_data`` into ring pages ``dst_page_ids`` (prefill side).
 
     Raises:
-        ValueError: shapes, dtypes or devices disagree, the id lists differ in
+        ValueError: shapes or dtypes disagree, the id lists differ in
             length, an id is out of range, or a destination id repeats.
     """
     _check(kv_data, ring_pages, src_page_ids, dst_page_ids, ring_is_dst=True)
@@ -83,9 +85,12 @@ def _copy_pages(
         first = src_ids[i]
         if all(src_ids[i + j] == first + j for j in range(1, k)):
             dst[start:start + k].copy_(src[first:first + k])
-        else:
+        elif src.device == dst.device:
             index = torch.as_tensor(src_ids[i:i + k], dtype=torch.long, device=src.device)
             torch.index_select(src, 0, index, out=dst[start:start + k])
+        else:  # e.g. a CUDA cache and a host ring: gather on the source device, one transfer
+            index = torch.as_tensor(src_ids[i:i + k], dtype=torch.long, device=src.device)
+            dst[start:start + k].copy_(src.index_select(0, index))
         i += k
 
 
@@ -101,11 +106,8 @@ def _check(
     page = kv_data.shape[1:]
     if page != ring_pages.shape[1:]:
         raise ValueError(f"page shapes differ: engine {tuple(page)}, ring {tuple(ring_pages.shape[1:])}")
-    if kv_data.dtype != ring_pages.dtype or kv_data.device != ring_pages.device:
-        raise ValueError(
-            f"engine cache is {kv_data.dtype} on {kv_data.device}, "
-            f"ring is {ring_pages.dtype} on {ring_pages.device}"
-        )
+    if kv_data.dtype != ring_pages.dtype:
+        raise ValueError(f"engine cache is {kv_data.dtype}, ring is {ring_pages.dtype}")
     if len(kv_ids) != len(ring_ids):
         raise ValueError(f"{len(kv_ids)} engine page ids but {len(ring_ids)} ring page ids")
     for ids, limit, side in ((kv_ids, kv_data.shape[0], "engine"), (ring_ids, ring_pages.shape[0], "ring")):

@@ -23,11 +23,12 @@ def load_reference(model_dir: Path, multimodal: bool) -> torch.nn.Module:
 
 @torch.inference_mode()
 def reference_generate(model: torch.nn.Module, inputs: ProcessedInputs, new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy ids of ``new_tokens`` tokens (EOS ignored) and first-step logits ``[vocab]``."""
+    """Greedy ids of ``new_tokens`` tokens (EOS ignored) and first-step logits ``[vocab]`` (on the model's device)."""
     from transformers import GenerationConfig
 
-    ids = torch.tensor([inputs.prompt_token_ids])
-    kwargs = {} if inputs.pixel_values is None else {"pixel_values": inputs.pixel_values}
+    device = next(model.parameters()).device
+    ids = torch.tensor([inputs.prompt_token_ids], device=device)
+    kwargs = {} if inputs.pixel_values is None else {"pixel_values": inputs.pixel_values.to(device)}
     first = model(input_ids=ids, **kwargs).logits[0, -1].float()
     config = GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,

@@ -75,7 +75,7 @@ class HandoffReceiver:
         embeds = None
         if handoff.feature_rows:
             rows = ring.features[handoff.feature_offset : handoff.feature_offset + handoff.feature_rows]
-            embeds = rows.clone()
+            embeds = rows.to(self.kv_cache.data.device, copy=True)
         ring.release(handoff)
         request = Request(
             request_id=handoff.request_id, prompt_token_ids=list(meta.prompt_token_ids),

@@ -46,7 +46,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 class Sampler:
-    """Picks one token per row of a logits batch ``[B, V]`` (float32)."""
+    """Picks one token per row of a logits batch ``[B, V]`` (float32, any device).
+
+    Sampled rows are drawn on the CPU with each request's CPU generator, so a seed
+    gives the same tokens whatever device the logits came from.
+    """
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
@@ -57,12 +61,15 @@ class Sampler:
             ValueError: a random (temperature > 0) row has no generator.
         """
         tokens = torch.argmax(logits, dim=-1).tolist()
+        host: torch.Tensor | None = None  # sampled rows draw on the CPU: generators are CPU ones
         for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
             if p.greedy:
                 continue
             if gen is None:
                 raise ValueError("a sampled (temperature > 0) request needs a generator")
-            scaled = filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+            if host is None:
+                host = logits.float().cpu()
+            scaled = filter_top_k_top_p(host[row] / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(scaled, dim=-1)
             tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
         return tokens

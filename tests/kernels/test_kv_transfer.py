@@ -82,7 +82,7 @@ def test_bad_arguments_raise_value_error() -> None:
         copy_kv_to_ring(prefill, [0], torch.zeros(6, LAYERS, 2, PAGE_SIZE, HEADS, 4), [0])
     with pytest.raises(ValueError, match="expected kv_data"):
         copy_kv_to_ring(prefill[0], [0], ring, [0])
-    with pytest.raises(ValueError, match="torch.float32 on cpu, ring is torch.bfloat16"):
+    with pytest.raises(ValueError, match="engine cache is torch.float32, ring is torch.bfloat16"):
         copy_kv_to_ring(prefill, [0], ring.to(torch.bfloat16), [0])
     with pytest.raises(ValueError, match="2 engine page ids but 1 ring page ids"):
         copy_kv_to_ring(prefill, [0, 1], ring, [0])

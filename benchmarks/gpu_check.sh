@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU checks in one run, for a machine with CUDA (the CPU CI never runs this):
+#   1. tests/test_cuda.py: our runner on the GPU == transformers on the GPU (greedy ids, first-step
+#      logits), a batch of mixed cases, and the disaggregated service with GPU KV caches and a host ring;
+#   2. decode throughput on the GPU, ours vs transformers' generate (bench and large models);
+#   3. the whole test suite with CUDA present (everything must still pass where CUDA is visible).
+# Usage: OUT=DIR PYTHON=python3 benchmarks/gpu_check.sh   (torch with CUDA and the project's deps installed)
+# Each step has its own time limit so that one slow step cannot eat the others' time.
+set -u
+OUT=${OUT:-/tmp/mm_serve_gpu_check}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) ==="
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.txt"
+    echo "=== $name: exit $rc in $((SECONDS - start)) s ==="
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$PY" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+} 2>&1 | tee "$OUT/env.txt"
+
+step cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs
+step decode_bench_cuda 80 "$PY" benchmarks/decode_throughput.py --model bench --device cuda --threads 8
+step decode_large_cuda 150 "$PY" benchmarks/decode_throughput.py --model large --device cuda --threads 8 \
+    --batches 1,8,32,64
+step full_suite "${FULL_SUITE_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -n 8 --timeout 150 -x tests
