@@ -38,6 +38,10 @@ def prefill_attention_ref(
 ) -> torch.Tensor:
     """Causal attention of each sequence over its own tokens.
 
+    Consecutive sequences of the same length (a batch of same-size images with the
+    same question, say) go through one batched kernel call; the result is the same
+    as one call per sequence.
+
     Args:
         query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]``; sequences back to back.
         seq_lens: tokens per sequence, summing to ``T``.
@@ -47,17 +51,22 @@ def prefill_attention_ref(
     group = query.shape[1] // key.shape[1]
     outputs = []
     start = 0
-    for n in seq_lens:
-        q = query[start : start + n].transpose(0, 1)
-        k = key[start : start + n].transpose(0, 1)
-        v = value[start : start + n].transpose(0, 1)
-        if group > 1:
-            k = k.repeat_interleave(group, dim=0)
-            v = v.repeat_interleave(group, dim=0)
+    i = 0
+    while i < len(seq_lens):
+        n = seq_lens[i]
+        count = 1
+        while i + count < len(seq_lens) and seq_lens[i + count] == n:
+            count += 1
+        end = start + count * n
+        q, k, v = (x[start:end].unflatten(0, (count, n)).transpose(1, 2) for x in (query, key, value))
+        if group > 1:  # [count, H, n, D]
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        outputs.append(out.transpose(0, 1))
-        start += n
-    return torch.cat(outputs, dim=0)
+        outputs.append(out.transpose(1, 2).flatten(0, 1))
+        start = end
+        i += count
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
 MIN_GROUP_FILL = 0.5  # a decode group pads no sequence to more than twice its context ...
