@@ -9,11 +9,13 @@ and the same job code; only the in-flight window differs:
 
 images/s = images / wall time of the run (engine start-up excluded, image loading
 included). The images are drawn scenes (held-out stream, seed 1), saved as PNG.
+The two runs alternate ``--rounds`` times (default 3) on the same engine; the
+figures reported are medians (the one-at-a-time rate moves by ~±5 % between runs).
 
 Usage::
 
     python benchmarks/caption_throughput.py [--model embedded|tiny|DIR] [--images 256] [--max-tokens 32]
-                                            [--concurrency N] [--config YAML] [--set KEY=VALUE ...]
+                                            [--concurrency N] [--rounds 3] [--config YAML] [--set KEY=VALUE ...]
                                             [--server URL]
 
 ``--server URL`` measures an OpenAI-compatible server instead (ours or another);
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -74,11 +77,15 @@ async def _timed(backend: CaptionBackend, folder: Path, out: Path, concurrency: 
 
 
 async def _measure(backend: CaptionBackend, folder: Path, work: Path, concurrency: int | None,
-                   warmup: Path) -> tuple[JobStats, JobStats]:
+                   warmup: Path, rounds: int) -> list[tuple[JobStats, JobStats]]:
+    """``rounds`` x (job, then one at a time), alternating, so slow drifts hit both alike."""
     await _timed(backend, warmup, work / "warmup.jsonl", 4)
-    job = await _timed(backend, folder, work / "job.jsonl", concurrency or backend.default_concurrency)
-    single = await _timed(backend, folder, work / "single.jsonl", 1)
-    return job, single
+    out = []
+    for r in range(rounds):
+        job = await _timed(backend, folder, work / f"job{r}.jsonl", concurrency or backend.default_concurrency)
+        single = await _timed(backend, folder, work / f"single{r}.jsonl", 1)
+        out.append((job, single))
+    return out
 
 
 def _start_backend(args: argparse.Namespace) -> CaptionBackend:
@@ -100,12 +107,12 @@ def _start_backend(args: argparse.Namespace) -> CaptionBackend:
 
 
 async def _run(args: argparse.Namespace, backend: CaptionBackend, folder: Path, work: Path,
-               warmup: Path) -> tuple[JobStats, JobStats]:
+               warmup: Path) -> list[tuple[JobStats, JobStats]]:
     start = getattr(backend, "start", None)
     if args.server and start is not None:
         await start()
     try:
-        return await _measure(backend, folder, work, args.concurrency, warmup)
+        return await _measure(backend, folder, work, args.concurrency, warmup, args.rounds)
     finally:
         if args.server:
             await backend.aclose()
@@ -122,7 +129,10 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=None, help="job window (default: the backend's)")
+    parser.add_argument("--rounds", type=int, default=3, help="job / one-at-a-time pairs; medians are reported")
     args = parser.parse_args()
+    if args.images < 1 or args.rounds < 1:
+        parser.error("--images and --rounds must be at least 1")
     with tempfile.TemporaryDirectory(prefix="caption-bench-") as tmp:
         work = Path(tmp)
         folder, warmup = work / "images", work / "warmup"
@@ -132,17 +142,24 @@ def main() -> None:
         _draw_images(warmup, 4)
         backend = _start_backend(args)
         try:
-            job, single = asyncio.run(_run(args, backend, folder, work, warmup))
+            rounds = asyncio.run(_run(args, backend, folder, work, warmup))
         finally:
             close = getattr(backend, "close", None)
             if close is not None:
                 close()
-    print(f"images: {args.images}, max_tokens: {args.max_tokens}, failed: {job.failed + single.failed}")
-    print(f"job (window {args.concurrency or backend.default_concurrency}): {job.images_per_s:7.2f} images/s "
-          f"({job.wall_s:.1f} s, latency p50 {job.to_dict()['latency_p50_s']} s)")
-    print(f"one at a time:        {single.images_per_s:7.2f} images/s "
-          f"({single.wall_s:.1f} s, latency p50 {single.to_dict()['latency_p50_s']} s)")
-    print(f"speed-up:             {job.images_per_s / max(single.images_per_s, 1e-9):7.2f}x")
+    window = args.concurrency or backend.default_concurrency
+    failed = sum(job.failed + single.failed for job, single in rounds)
+    print(f"images: {args.images}, max_tokens: {args.max_tokens}, rounds: {args.rounds}, failed: {failed}")
+    for r, (job, single) in enumerate(rounds):
+        print(f"round {r + 1}: job (window {window}) {job.images_per_s:7.2f} images/s "
+              f"(latency p50 {job.to_dict()['latency_p50_s']} s) | one at a time {single.images_per_s:7.2f} "
+              f"images/s (latency p50 {single.to_dict()['latency_p50_s']} s) | "
+              f"{job.images_per_s / max(single.images_per_s, 1e-9):.2f}x")
+    job_rate = statistics.median(job.images_per_s for job, _ in rounds)
+    single_rate = statistics.median(single.images_per_s for _, single in rounds)
+    ratio = statistics.median(job.images_per_s / max(single.images_per_s, 1e-9) for job, single in rounds)
+    print(f"median: job {job_rate:.2f} images/s, one at a time {single_rate:.2f} images/s, "
+          f"speed-up {ratio:.2f}x (median of the rounds' ratios)")
 
 
 if __name__ == "__main__":

@@ -83,15 +83,18 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; both runners use it")
+    parser.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs for our decode steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 
     model_dir = _model_dir(args.model)
-    llm = LLM(model=model_dir, mode="colocated", num_pages=2048, max_running=64, device=args.device)
+    llm = LLM(model=model_dir, mode="colocated", num_pages=2048, max_running=64, device=args.device,
+              enforce_eager=args.enforce_eager)
     reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(args.device)
     vocab = llm.engine.model_config.text.vocab_size
-    print(f"model {model_dir} | device {args.device} | threads {args.threads} | new tokens {args.new_tokens}")
+    graphs = "CUDA graphs" if llm.engine.runner.graphs is not None else "eager"
+    print(f"model {model_dir} | device {args.device} ({graphs}) | threads {args.threads} | new tokens {args.new_tokens}")
     print(f"KV cache: {llm.engine.kv_cache.bytes_per_token} bytes/token, "
           f"{llm.engine.kv_cache.bytes_per_page} bytes/page (page_size {llm.engine.config.page_size})")
     print(f"{'batch':>5} | {'mm-serve tok/s':>14} | {'transformers tok/s':>18} | ratio")

@@ -2,11 +2,12 @@
 # GPU checks in one run, for a machine with CUDA (the CPU CI never runs this):
 #   1. tests/test_cuda.py: our runner on the GPU == transformers on the GPU (greedy ids, first-step
 #      logits), a batch of mixed cases, and the disaggregated service with GPU KV caches and a host ring;
-#   2. decode throughput on the GPU, ours vs transformers' generate (bench and large models);
+#   2. decode throughput on the GPU, ours (CUDA graphs, and eager) vs transformers' generate (bench and
+#      large models);
 #   3. the whole test suite with CUDA present (everything must still pass where CUDA is visible).
 # Usage: OUT=DIR PYTHON=python3 benchmarks/gpu_check.sh   (torch with CUDA and the project's deps installed,
 # dev extra included: pytest-xdist and pytest-timeout too). Results of a run: docs/gpu.md.
-# Each step has its own time limit so that one slow step cannot eat the others' time.
+# Each step has its own time limit so that one slow step cannot eat the others' time; FULL_SUITE_S=0 skips 3.
 set -u
 OUT=${OUT:-/tmp/mm_serve_gpu_check}
 PY=${PYTHON:-python3}
@@ -31,6 +32,8 @@ step() {  # step NAME SECONDS COMMAND...
 
 step cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs
 step decode_bench_cuda 80 "$PY" benchmarks/decode_throughput.py --model bench --device cuda --threads 8
+step decode_bench_cuda_eager 80 "$PY" benchmarks/decode_throughput.py --model bench --device cuda --threads 8 \
+    --enforce-eager
 step decode_large_cuda 150 "$PY" benchmarks/decode_throughput.py --model large --device cuda --threads 8 \
     --batches 1,8,32,64
-OMP_NUM_THREADS=2 step full_suite "${FULL_SUITE_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -n 4 --timeout 150 tests
+[ "${FULL_SUITE_S:-180}" -gt 0 ] && OMP_NUM_THREADS=2 step full_suite "${FULL_SUITE_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -n 4 --timeout 150 tests

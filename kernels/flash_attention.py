@@ -14,7 +14,7 @@ import torch
 
 from kernels.attention_backend import AttentionBackend
 from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention_ref import decode_attention_ref, write_kv_ref
+from kernels.paged_attention_ref import decode_attention_padded, decode_attention_ref, write_kv_ref
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -42,6 +42,8 @@ class FlashAttention(AttentionBackend):
         if meta.block_tables is None or meta.context_lens is None:
             raise ValueError("decode attention needs block_tables and context_lens")
         if k_cache.shape[1] % FLASH_PAGE_MULTIPLE:
+            if meta.graph_safe:
+                return decode_attention_padded(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
             return decode_attention_ref(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         out = self._with_kvcache(
             query[:, None], k_cache, v_cache, cache_seqlens=meta.context_lens.to(torch.int32),

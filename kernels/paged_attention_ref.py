@@ -166,6 +166,41 @@ def decode_attention_ref(
     return out
 
 
+def decode_attention_padded(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """:func:`decode_attention_ref` with static shapes and no host synchronisation.
+
+    Every row attends over all ``max_pages * S`` positions of its block table, masked
+    to its ``context_lens``; no grouping and no Python reads of device values, so the
+    call can be captured in a CUDA graph (``mm_serve.engine.decode_graphs``) and
+    replayed for any contents of the same shapes. Masked positions must hold finite
+    values (the caches start zeroed and only ever receive finite K/V).
+
+    Args:
+        query: ``[B, Hq, D]``. k_cache, v_cache: ``[P, S, Hkv, D]``.
+        block_tables: ``[B, max_pages]`` page ids, every entry a valid page.
+        context_lens: ``[B]`` tokens of context per sequence (>= 1).
+    Returns:
+        ``[B, Hq, D]``.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_pages = block_tables.shape[1]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    width = num_pages * page_size
+    pages = block_tables.reshape(-1)
+    keys = torch.index_select(k_cache, 0, pages).view(batch, width, num_kv_heads, head_dim)
+    values = torch.index_select(v_cache, 0, pages).view(batch, width, num_kv_heads, head_dim)
+    positions = torch.arange(width, device=query.device)
+    valid = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid,
+        scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.reshape(batch, num_heads, head_dim)
+
+
 def _attend_group(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
@@ -201,6 +236,8 @@ class TorchRefAttention(AttentionBackend):
             return prefill_attention_ref(query, key, value, meta.seq_lens, scale)
         if meta.block_tables is None or meta.context_lens is None:
             raise ValueError("decode attention needs block_tables and context_lens")
+        if meta.graph_safe:
+            return decode_attention_padded(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         if "decode" not in meta.plan:
             meta.plan["decode"] = plan_decode(meta.block_tables, meta.context_lens, page_size)
         return decode_attention_ref(

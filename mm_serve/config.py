@@ -117,6 +117,7 @@ class ServiceConfig(_Frozen):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
+    enforce_eager: bool = Field(False, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()

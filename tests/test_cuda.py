@@ -1,7 +1,7 @@
 """The same engine on a CUDA device: parity with transformers on that device, hand-off through a host ring.
 
 Skipped where CUDA is absent (the CPU CI); run on a GPU machine with
-``python -m pytest tests/test_cuda.py``. The workers' KV caches live on the GPU
+``python -m pytest tests/test_cuda.py``. Decode steps replay CUDA graphs there (checked against the eager path). The workers' KV caches live on the GPU
 while the cross-modal ring stays in host shared memory, so the disaggregated case
 checks the cross-device page copies of :mod:`kernels.kv_transfer` and the
 hand-off of image features.
@@ -89,6 +89,19 @@ def test_colocated_on_cuda_matches_transformers_on_cuda(
 def test_batch_on_cuda_matches_transformers(cuda_llm: LLM, expected: dict[str, list[int]]) -> None:
     outs = cuda_llm.generate([r for _, r in CASES], _greedy())
     assert [o.token_ids for o in outs] == [expected[n] for n, _ in CASES]
+
+
+def test_decode_steps_replay_cuda_graphs_and_equal_eager(tiny_llava: Path, cuda_llm: LLM) -> None:
+    graphs = cuda_llm.engine.runner.graphs
+    assert graphs is not None
+    requests = [r for _, r in CASES]
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=5, ignore_eos=True)
+    with_graphs = [o.token_ids for o in cuda_llm.generate(requests, sampled)]
+    assert graphs.num_graphs >= 1
+    eager = LLM(model=tiny_llava, mode="colocated", num_pages=256, page_size=16, device="cuda", enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    assert [o.token_ids for o in eager.generate(requests, sampled)] == with_graphs
+    assert eager.engine.runner.graphs is None and cuda_llm.engine.kv_cache.pool.num_used == 0
 
 
 def test_disaggregated_on_cuda_matches_transformers_and_colocated_sampling(

@@ -35,7 +35,9 @@ class DecodeWorker:
         self.spec = spec
         pin_and_set_threads(spec)
         self.model_config, self.model, self.kv_cache, self.config = load_for_worker(spec)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, cuda_graphs=self.config.use_cuda_graphs, max_batch=self.config.max_running,
+        )
         self.rings = [CrossModalRing.attach(r) for r in spec.rings]
         self.receiver = HandoffReceiver(self.rings, self.kv_cache)
         self.scheduler = ContinuousBatchingScheduler(

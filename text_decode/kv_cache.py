@@ -22,7 +22,9 @@ class PagedKVCache:
     ``l``'s key / value caches, each ``[num_pages, page_size, num_kv_heads, head_dim]``
     with a page stride of ``num_layers * 2 * page_size * num_kv_heads * head_dim``
     elements (the attention backends index pages and slots, never ``view`` the
-    whole cache). Page ids come from :attr:`pool`.
+    whole cache). Page ids come from :attr:`pool`. One more page, :attr:`scratch_page`
+    (id ``num_pages``), is never handed out: padded rows of a captured decode step
+    write their K/V there (``mm_serve.engine.decode_graphs``).
     """
 
     def __init__(
@@ -32,8 +34,9 @@ class PagedKVCache:
         self.page_size = page_size
         self.num_pages = num_pages
         self.data = torch.zeros(
-            num_pages, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
+        self.scratch_page = num_pages
         self.pool = PagePool(num_pages)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.data[:, i, 0], self.data[:, i, 1]) for i in range(num_layers)

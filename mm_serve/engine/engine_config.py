@@ -24,6 +24,12 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0  # seeds generators of requests that bring no seed
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps are captured in CUDA graphs: a CUDA device and not ``enforce_eager``."""
+        return self.device.startswith("cuda") and not self.enforce_eager
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -39,7 +39,9 @@ class LLMEngine:
         self.inputs = InputProcessor(self.model_dir, self.model_config)
         self.tokenizer = self.inputs.tokenizer
         self.kv_cache = self._make_kv_cache()
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, cuda_graphs=self.config.use_cuda_graphs, max_batch=self.config.max_running,
+        )
         self.scheduler = ContinuousBatchingScheduler(
             self.kv_cache.pool, self.config.page_size, self.config.max_running,
             self.config.prefill_token_budget, self.config.prefill_batch_size,

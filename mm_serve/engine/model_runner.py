@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from mm_serve.engine.decode_graphs import DecodeGraphs
 from mm_serve.engine.request import Request
 from mm_serve.models.llava import MultimodalLM
 from text_decode.kv_cache import PagedKVCache
@@ -16,13 +17,22 @@ def slots_for(block_table: list[int], start: int, end: int, page_size: int) -> l
 
 
 class ModelRunner:
-    """Runs :class:`MultimodalLM` over a :class:`PagedKVCache` (no scheduling decisions here)."""
+    """Runs :class:`MultimodalLM` over a :class:`PagedKVCache` (no scheduling decisions here).
 
-    def __init__(self, model: MultimodalLM, kv_cache: PagedKVCache) -> None:
+    With ``cuda_graphs`` (a CUDA cache), decode steps of up to ``max_batch`` requests
+    replay captured CUDA graphs (:class:`~mm_serve.engine.decode_graphs.DecodeGraphs`).
+    """
+
+    def __init__(
+        self, model: MultimodalLM, kv_cache: PagedKVCache, cuda_graphs: bool = False, max_batch: int = 64,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.page_size = kv_cache.page_size
         self.device = kv_cache.data.device
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(model, kv_cache, max_batch, capture=True)
 
     @torch.inference_mode()
     def encode_images(self, requests: list[Request]) -> None:
@@ -84,6 +94,8 @@ class ModelRunner:
         Returns:
             Logits ``[B, vocab]`` (float32).
         """
+        if self.graphs is not None and self.graphs.supports(requests):
+            return self.graphs.run(requests)
         ids = [r.output_token_ids[-1] for r in requests]
         positions = [r.num_tokens - 1 for r in requests]
         slots = [

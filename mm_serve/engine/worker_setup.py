@@ -29,7 +29,7 @@ def engine_config(spec: WorkerSpec) -> EngineConfig:
     return EngineConfig(
         page_size=s.page_size, num_pages=s.num_pages, max_running=s.max_running,
         prefill_token_budget=s.prefill_token_budget, prefill_batch_size=s.prefill_batch_size,
-        max_model_len=s.max_model_len, dtype=s.dtype, device=s.device, seed=s.seed,
+        max_model_len=s.max_model_len, dtype=s.dtype, device=s.device, seed=s.seed, enforce_eager=s.enforce_eager,
     )
 
 

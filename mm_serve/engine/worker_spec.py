@@ -23,6 +23,7 @@ class EngineSizing(msgspec.Struct, frozen=True):
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    enforce_eager: bool = False
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
