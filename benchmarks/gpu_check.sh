@@ -36,4 +36,6 @@ step decode_bench_cuda_eager 80 "$PY" benchmarks/decode_throughput.py --model be
     --enforce-eager
 step decode_large_cuda 150 "$PY" benchmarks/decode_throughput.py --model large --device cuda --threads 8 \
     --batches 1,8,32,64
-[ "${FULL_SUITE_S:-180}" -gt 0 ] && OMP_NUM_THREADS=2 step full_suite "${FULL_SUITE_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -n 4 --timeout 150 tests
+if [ "${FULL_SUITE_S:-180}" -gt 0 ]; then
+    OMP_NUM_THREADS=2 step full_suite "${FULL_SUITE_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -n 4 --timeout 150 tests
+fi
