@@ -7,7 +7,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Lenient(BaseModel):
@@ -44,6 +45,31 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+def _active(value: Any, inactive: tuple[Any, ...] = ()) -> bool:
+    """Whether an optional OpenAI parameter asks for something (not absent, empty or a no-op value)."""
+    return value not in (None, False, "", [], {}) and value not in inactive
+
+
+# OpenAI parameters this server does not implement: asking for them is a 400, not a silent no-op.
+# name -> values that ask for nothing (accepted and ignored)
+UNSUPPORTED_CHAT = {
+    "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True,), "response_format": ({"type": "text"},), "logit_bias": (),
+    "prediction": (), "audio": (), "modalities": (["text"],), "best_of": (1,),
+}
+UNSUPPORTED_COMPLETIONS = {"echo": (), "suffix": (), "logit_bias": (), "best_of": (1,)}
+
+
+def _refuse(data: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
+    if isinstance(data, dict):
+        for name, inactive in unsupported.items():
+            if _active(data.get(name), inactive):
+                raise PydanticCustomError(
+                    "unsupported_parameter", "'{name}' is not supported by this server", {"name": name},
+                )
+    return data
+
+
 class _SamplingFields(_Lenient):
     model: str
     max_tokens: int | None = Field(None, ge=1, strict=True)
@@ -67,12 +93,23 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        """400 for :data:`UNSUPPORTED_CHAT` parameters that ask for something."""
+        return _refuse(data, UNSUPPORTED_CHAT)
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, strict=True)
     logprobs: int | None = Field(None, ge=0, le=20, strict=True)
-    echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        """400 for :data:`UNSUPPORTED_COMPLETIONS` parameters that ask for something."""
+        return _refuse(data, UNSUPPORTED_COMPLETIONS)
 
 
 class Usage(BaseModel):

@@ -80,6 +80,12 @@ CASES: list[tuple[str, Any, int]] = [
     ("lone surrogate in the model name", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 404),
     ("lone surrogate in the completions model name", b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}', 404),
     ("completions with empty prompt list", {"model": "tiny", "prompt": [], "max_tokens": 2}, 400),
+    ("tools (unsupported)", _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
+    ("json response_format (unsupported)", _chat(response_format={"type": "json_object"}), 400),
+    ("logit_bias (unsupported)", _chat(logit_bias={"5": 100}), 400),
+    ("completions echo (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "echo": True}, 400),
+    ("completions suffix (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "suffix": "end"}, 400),
+    ("completions best_of 3 (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 3}, 400),
 ]
 
 
@@ -98,6 +104,10 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
     assert error["message"]
     if name == "unknown content part":
         assert "video" in error["message"] or "tag" in error["message"], error["message"]
+    if "(unsupported)" in name:
+        param = name.split()[1] if name.startswith("completions") else name.split()[0]
+        param = {"json": "response_format"}.get(param, param)
+        assert error["message"] == f"'{param}' is not supported by this server", error["message"]
     if name == "prompt plus max_tokens over context":
         assert "1000000" in error["message"] and "4096" in error["message"]
 
