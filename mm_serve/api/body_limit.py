@@ -9,12 +9,9 @@ from typing import Any
 Scope = dict[str, Any]
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
-    """Checks ``Content-Length`` up front and counts streamed (chunked) bodies as they arrive."""
+    """Checks ``Content-Length`` up front; a body without one (chunked) is read here first,
+    counted as it arrives, and refused with 413 as soon as it passes the limit."""
 
     def __init__(self, app: Any, max_body_bytes: int) -> None:
         self.app = app
@@ -24,33 +21,37 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+        length = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_body_bytes:
                 await self._reject(send)
                 return
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
         seen = 0
-        started = False
-
-        async def limited_receive() -> Any:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body_bytes:
                 await self._reject(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: wait for a disconnect, as the server would
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send: Any) -> None:
         body = json.dumps({"error": {

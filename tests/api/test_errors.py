@@ -148,6 +148,23 @@ def test_413_for_a_body_over_the_limit(unstarted_app: TestClient) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_413_for_a_chunked_body_over_the_limit_and_small_chunked_bodies_pass(unstarted_app: TestClient) -> None:
+    import json
+
+    def chunks(data: bytes, size: int = 1000):  # type: ignore[no-untyped-def]
+        for i in range(0, len(data), size):
+            yield data[i : i + size]
+
+    headers = {"Authorization": "Bearer sekret", "content-type": "application/json"}
+    big = json.dumps(_chat(messages=_image_msg(_b64(b"x" * 8000)))).encode()
+    r = unstarted_app.post("/v1/chat/completions", content=chunks(big), headers=headers)
+    assert "content-length" not in r.request.headers
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    small = json.dumps(_chat()).encode()
+    r = unstarted_app.post("/v1/chat/completions", content=chunks(small, 10), headers=headers)
+    assert r.status_code == 503, r.text  # parsed and validated; no worker in this app
+
+
 def test_503_when_no_worker_can_take_the_request(unstarted_app: TestClient) -> None:
     r = unstarted_app.post("/v1/chat/completions", json=_chat(), headers={"Authorization": "Bearer sekret"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
