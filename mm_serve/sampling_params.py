@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TOP_K = 2**31 - 1  # any value at or above the vocabulary size keeps every token
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -39,8 +41,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= 16:

@@ -74,17 +74,21 @@ class Generation:
             TimeoutError: ``deadline`` (``time.monotonic()``) passed; everything is aborted.
             ConnectionAbortedError: the client went away; everything is aborted.
         """
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         while not self.finished or not self._queue.empty():
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 self.abort()
                 raise TimeoutError
-            try:
-                index = await asyncio.wait_for(self._queue.get(), min(remaining, DISCONNECT_POLL_S))
-            except TimeoutError:
+            if now >= next_poll:  # on a clock, so a steady stream of tokens cannot hide a disconnect
+                next_poll = now + DISCONNECT_POLL_S
                 if is_disconnected is not None and await is_disconnected():
                     self.abort()
-                    raise ConnectionAbortedError from None
+                    raise ConnectionAbortedError
+            try:
+                index = await asyncio.wait_for(self._queue.get(), min(remaining, next_poll - now))
+            except TimeoutError:
                 continue
             yield index
         # A request can finish on the receiver thread while its notification is still

@@ -55,9 +55,12 @@ def _active(value: Any, inactive: tuple[Any, ...] = ()) -> bool:
 UNSUPPORTED_CHAT = {
     "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
     "parallel_tool_calls": (True,), "response_format": ({"type": "text"},), "logit_bias": (),
-    "prediction": (), "audio": (), "modalities": (["text"],), "best_of": (1,),
+    "prediction": (), "audio": (), "modalities": (["text"],), "best_of": (1,), "presence_penalty": (),
+    "frequency_penalty": (),
 }
-UNSUPPORTED_COMPLETIONS = {"echo": (), "suffix": (), "logit_bias": (), "best_of": (1,)}
+UNSUPPORTED_COMPLETIONS = {
+    "echo": (), "suffix": (), "logit_bias": (), "best_of": (1,), "presence_penalty": (), "frequency_penalty": (),
+}
 
 
 def _refuse(data: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
@@ -75,7 +78,7 @@ class _SamplingFields(_Lenient):
     max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, strict=True, description="extension: 0 or -1 = off")
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1, strict=True, description="extension: 0 or -1 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1024, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)
@@ -83,8 +86,6 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0 is supported")
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0, description="only 0 is supported")
 
 
 class ChatCompletionRequest(_SamplingFields):

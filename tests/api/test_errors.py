@@ -85,6 +85,10 @@ CASES: list[tuple[str, Any, int]] = [
     ("logit_bias (unsupported)", _chat(logit_bias={"5": 100}), 400),
     ("completions echo (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "echo": True}, 400),
     ("completions suffix (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "suffix": "end"}, 400),
+    ("presence_penalty (unsupported)", _chat(presence_penalty=0.5), 400),
+    ("completions frequency_penalty (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frequency_penalty": -1}, 400),
+    ("top_k beyond any vocabulary", _chat(top_k=10**30), 400),
+    ("completions top_k 2**64", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_k": 2**64}, 400),
     ("completions best_of 3 (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 3}, 400),
 ]
 

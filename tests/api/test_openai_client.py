@@ -219,3 +219,19 @@ def test_disconnect_mid_stream_frees_pages(server: ServerProcess) -> None:
         time.sleep(0.1)
     assert all(s["kv_pages_used"] == 0 for s in stats.values()), stats
     assert all(s["pages_integrity_ok"] for s in stats.values())
+
+
+def test_disconnect_of_a_non_streaming_request_aborts_it(server: ServerProcess) -> None:
+    """Tokens arriving all the time must not hide the disconnect (the check runs on a clock)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Talk for a long time"}],
+            "max_tokens": 4000, "n": 16, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.0)
+    gone = time.monotonic()
+    stats: dict = {}
+    while time.monotonic() - gone < 3.0:  # the whole generation would take far longer
+        stats = httpx.get(f"{server.url}/internal/stats", timeout=10).json()
+        if all(s["kv_pages_used"] == 0 and s["running"] == 0 for s in stats.values()):
+            break
+        time.sleep(0.1)
+    assert all(s["kv_pages_used"] == 0 and s["running"] == 0 for s in stats.values()), stats
