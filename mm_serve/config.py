@@ -182,6 +182,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config path is a folder, not a YAML file: {p}")
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:

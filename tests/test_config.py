@@ -20,6 +20,27 @@ def test_shipped_default_config_loads_and_round_trips(tmp_path: Path) -> None:
     assert load_config(out) == cfg
 
 
+def test_default_yaml_lists_every_key_with_its_default() -> None:
+    """README: configs/default.yaml lists every key with its default."""
+    import yaml
+
+    from mm_serve.config import ServiceConfig
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    shipped = flat(yaml.safe_load((ROOT / "configs" / "default.yaml").read_text()))
+    defaults = flat(ServiceConfig().model_dump())
+    assert sorted(shipped) == sorted(defaults)
+    assert shipped == defaults
+
+
 @pytest.mark.parametrize("key,value,fragment", [
     ("scheduler.ring_buffer_size", 12, "power of two"),
     ("kv_cache.page_size", 0, "greater than or equal to 1"),
@@ -48,6 +69,8 @@ def test_gpu_list_must_match_worker_counts() -> None:
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

@@ -18,6 +18,7 @@ from mm_serve.api.chat import create_chat_completion
 from mm_serve.api.completions import create_completion
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import APIError, install_error_handlers
+from mm_serve.api.request_builder import check_model
 from mm_serve.api.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -83,10 +84,19 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(body, request, ctx)
 
+    def card() -> ModelCard:
+        return ModelCard(id=ctx.served_model_name, created=ctx.created, max_model_len=ctx.context_len,
+                         root=str(ctx.holder.model_dir))
+
     @app.get("/v1/models", response_model=ModelList, dependencies=auth)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=ctx.served_model_name, created=ctx.created,
-                                         max_model_len=ctx.context_len, root=str(ctx.holder.model_dir))])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERRORS, dependencies=auth,
+             summary="The served model's card; 404 for any other name")
+    async def model(model: str) -> ModelCard:
+        check_model(model, ctx.served_model_name, str(ctx.holder.model_dir))
+        return card()
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health() -> JSONResponse:

@@ -59,6 +59,9 @@ def test_banner_with_working_curl_example(server: ServerProcess) -> None:
 
 def test_models_version_openapi(client: openai.OpenAI, server: ServerProcess) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-nonexistent")
     assert httpx.get(f"{server.url}/version").json()["model"] == "tiny"
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version"} <= set(spec["paths"])
