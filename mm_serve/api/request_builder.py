@@ -106,8 +106,11 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], max_re
         processed = await asyncio.to_thread(inputs.process, request)
     except (InvalidRequestError, ImageError) as exc:
         raise bad_request(str(exc), param) from None
-    except (TypeError, UnicodeError) as exc:  # e.g. lone surrogates the tokenizer cannot encode
-        raise bad_request(f"the prompt text cannot be tokenized: {exc}", param) from None
+    except (TypeError, UnicodeError):  # e.g. lone surrogates the tokenizer cannot encode
+        raise bad_request(
+            "the prompt text cannot be tokenized: it holds characters that are not valid Unicode "
+            "(such as an unpaired UTF-16 surrogate escape like \\ud800)", param,
+        ) from None
     n = len(processed.prompt_token_ids)
     if n > max_request_length:
         raise bad_request(

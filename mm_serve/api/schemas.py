@@ -42,7 +42,7 @@ class ChatMessage(_Lenient):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 def _active(value: Any, inactive: tuple[Any, ...] = ()) -> bool:
@@ -76,22 +76,22 @@ def _refuse(data: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
 class _SamplingFields(_Lenient):
     model: str
     max_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, strict=True, description="extension: 0 or -1 = off")
     seed: int | None = Field(None, ge=0, le=2**63 - 1024, strict=True)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16, strict=True)
-    stream: bool = False
+    stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = Field(False, strict=True)
     user: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    logprobs: bool = False
+    logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
 
     @model_validator(mode="before")

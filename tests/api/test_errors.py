@@ -80,6 +80,9 @@ CASES: list[tuple[str, Any, int]] = [
     ("lone surrogate in the model name", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 404),
     ("lone surrogate in the completions model name", b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}', 404),
     ("completions with empty prompt list", {"model": "tiny", "prompt": [], "max_tokens": 2}, 400),
+    ("empty body", b"", 400),
+    ("stream as a string", _chat(stream="yes"), 400),
+    ("temperature NaN", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400),
     ("tools (unsupported)", _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
     ("json response_format (unsupported)", _chat(response_format={"type": "json_object"}), 400),
     ("logit_bias (unsupported)", _chat(logit_bias={"5": 100}), 400),
@@ -108,6 +111,12 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
     assert error["message"]
     if name == "unknown content part":
         assert "video" in error["message"] or "tag" in error["message"], error["message"]
+    if name == "empty body":
+        assert error["message"] == "request body is missing: send a JSON object", error["message"]
+    if name == "temperature NaN":
+        assert "finite" in error["message"], error["message"]
+    if name == "lone surrogate in text":
+        assert "not valid Unicode" in error["message"] and "TextEncodeInput" not in error["message"]
     if "(unsupported)" in name:
         param = name.split()[1] if name.startswith("completions") else name.split()[0]
         param = {"json": "response_format"}.get(param, param)
