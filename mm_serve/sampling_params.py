@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_TOP_K = 2**31 - 1  # any value at or above the vocabulary size keeps every token
+MAX_TOKENS = 2**31 - 1
+MAX_TOKEN_ID = 2**31 - 1
+MAX_SEED = 2**63 - 1024  # the HTTP API's bound too: seeds of n > 1 choices (seed + i) stay int64
+
+
+def _check_int(name: str, value: object, low: int, high: int, note: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}]{' ' + note if note else ''}, got {value!r}")
+
+
+def _check_real(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -35,23 +53,27 @@ class SamplingParams:
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= 16:
-            raise ValueError(f"n must be an integer in [1, 16], got {self.n!r}")
+        _check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
+        _check_real("temperature", self.temperature, 0.0, 100.0)
+        _check_real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_k == -1:  # vLLM's older spelling of "off"
+            object.__setattr__(self, "top_k", 0)
+        _check_int("top_k", self.top_k, 0, MAX_TOP_K, "(0 or -1 = off)")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, 20)
+        _check_int("n", self.n, 1, 16)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token, 0, MAX_TOKEN_ID)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -89,7 +89,49 @@ def test_stop_string_is_cut(llm: LLM) -> None:
 @pytest.mark.parametrize("kwargs,field", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"n": 0}, "n"), ({"stop": [""]}, "stop"),
+    ({"top_k": True}, "top_k"), ({"n": True}, "n"), ({"logprobs": 2.5}, "logprobs"), ({"logprobs": "3"}, "logprobs"),
+    ({"seed": 2**70}, "seed"), ({"seed": "abc"}, "seed"), ({"seed": -5}, "seed"),
+    ({"stop_token_ids": [10**30]}, "stop_token_ids"), ({"stop_token_ids": ["5"]}, "stop_token_ids"),
+    ({"stop": [1]}, "stop"), ({"max_tokens": 10**30}, "max_tokens"), ({"temperature": None}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_top_k_minus_one_means_off_as_over_http() -> None:
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="x", stop_token_ids=[3, 4]) == SamplingParams(stop=("x",), stop_token_ids=(3, 4))
+
+
+def test_a_request_a_worker_cannot_decode_fails_instead_of_hanging(tmp_path: Path) -> None:
+    import msgspec
+    import zmq
+
+    from mm_serve import messages
+    from mm_serve.engine.worker_channel import WorkerChannel
+
+    ctx = zmq.Context.instance()
+    control, output = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    control.bind(f"ipc://{tmp_path}/ctl")
+    output.bind(f"ipc://{tmp_path}/out")
+    channel = WorkerChannel(f"ipc://{tmp_path}/ctl", f"ipc://{tmp_path}/out", messages.ToPrefill)
+    try:
+        bad = {"type": "PrefillRequest", "request_id": "r-7", "prompt_token_ids": [1, 2], "sampling": "nonsense"}
+        control.send(msgspec.msgpack.encode(bad))
+        control.send(messages.encode(messages.StatsQuery()))
+        got: list[object] = []
+        for _ in range(50):
+            got += channel.recv(100)
+            if got:
+                break
+        assert [type(m).__name__ for m in got] == ["StatsQuery"]  # the bad one is dropped, the next one served
+        assert output.poll(2000)
+        failed = messages.decoder(messages.FromWorker).decode(output.recv())
+        assert isinstance(failed, messages.RequestFailed) and failed.request_id == "r-7"
+        assert "could not decode" in failed.message
+    finally:
+        channel.close()
+        control.close(0)
+        output.close(0)

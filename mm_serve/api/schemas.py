@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -45,28 +46,44 @@ class StreamOptions(_Lenient):
     include_usage: bool = Field(False, strict=True)
 
 
-def _active(value: Any, inactive: tuple[Any, ...] = ()) -> bool:
-    """Whether an optional OpenAI parameter asks for something (not absent, empty or a no-op value)."""
-    return value not in (None, False, "", [], {}) and value not in inactive
+def _empty(value: Any) -> bool:
+    return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
+
+
+def _one(value: Any) -> bool:
+    return value is None or (type(value) is int and value == 1)
+
+
+def _zero(value: Any) -> bool:
+    return value is None or (type(value) in (int, float) and value == 0)
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: _empty(value) or any(value == a and type(value) is type(a) for a in allowed)
 
 
 # OpenAI parameters this server does not implement: asking for them is a 400, not a silent no-op.
-# name -> values that ask for nothing (accepted and ignored)
-UNSUPPORTED_CHAT = {
-    "tools": (), "tool_choice": ("none", "auto"), "functions": (), "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True,), "response_format": ({"type": "text"},), "logit_bias": (),
-    "prediction": (), "audio": (), "modalities": (["text"],), "best_of": (1,), "presence_penalty": (),
-    "frequency_penalty": (),
+# name -> whether a value asks for nothing (then it is accepted and ignored)
+UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    "tools": _empty, "tool_choice": _is("none", "auto"), "functions": _empty, "function_call": _is("none", "auto"),
+    "parallel_tool_calls": _is(True), "response_format": _text_format, "logit_bias": _empty, "prediction": _empty,
+    "audio": _empty, "modalities": _is(["text"]), "best_of": _one, "presence_penalty": _zero,
+    "frequency_penalty": _zero,
 }
-UNSUPPORTED_COMPLETIONS = {
-    "echo": (), "suffix": (), "logit_bias": (), "best_of": (1,), "presence_penalty": (), "frequency_penalty": (),
+UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {
+    "echo": _empty, "suffix": _empty, "logit_bias": _empty, "best_of": _one, "presence_penalty": _zero,
+    "frequency_penalty": _zero,
 }
 
 
-def _refuse(data: Any, unsupported: dict[str, tuple[Any, ...]]) -> Any:
+def _refuse(data: Any, unsupported: dict[str, Callable[[Any], bool]]) -> Any:
     if isinstance(data, dict):
-        for name, inactive in unsupported.items():
-            if _active(data.get(name), inactive):
+        for name, asks_nothing in unsupported.items():
+            if not asks_nothing(data.get(name)):
                 raise PydanticCustomError(
                     "unsupported_parameter", "'{name}' is not supported by this server", {"name": name},
                 )

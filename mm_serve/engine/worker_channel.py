@@ -15,7 +15,8 @@ class WorkerChannel:
     """PULL for control messages from the front end, PUSH for reports to it.
 
     ``recv`` decodes with the worker's message union, so anything that is not one
-    of its typed messages is rejected (logged and dropped), never executed.
+    of its typed messages is rejected (logged and dropped), never executed; a
+    rejected message that names a ``request_id`` fails that request.
     """
 
     def __init__(self, control_address: str, output_address: str, kind: object, parent_pid: int = 0) -> None:
@@ -46,6 +47,17 @@ class WorkerChannel:
                 out.append(self._decoder.decode(frame))
             except msgspec.DecodeError as exc:
                 print(f"[worker {os.getpid()}] dropped malformed control message: {exc}", flush=True)
+                self._fail_request_of(frame, exc)
+
+    def _fail_request_of(self, frame: bytes, exc: Exception) -> None:
+        """Tell the front end a request it sent could not be decoded, so its caller is not left waiting."""
+        try:
+            raw = msgspec.msgpack.decode(frame)
+        except msgspec.DecodeError:
+            return
+        request_id = raw.get("request_id") if isinstance(raw, dict) else None
+        if isinstance(request_id, str):
+            self.send(messages.RequestFailed(request_id, f"the worker could not decode the request: {exc}"))
 
     def parent_alive(self) -> bool:
         """False once the launching process has gone (checked at most once a second)."""

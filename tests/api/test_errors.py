@@ -92,6 +92,8 @@ CASES: list[tuple[str, Any, int]] = [
     ("completions frequency_penalty (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frequency_penalty": -1}, 400),
     ("top_k beyond any vocabulary", _chat(top_k=10**30), 400),
     ("completions top_k 2**64", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "top_k": 2**64}, 400),
+    ("completions best_of 0 (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 0}, 400),
+    ("completions best_of true (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": True}, 400),
     ("completions best_of 3 (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 3}, 400),
 ]
 
@@ -121,8 +123,17 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
         param = name.split()[1] if name.startswith("completions") else name.split()[0]
         param = {"json": "response_format"}.get(param, param)
         assert error["message"] == f"'{param}' is not supported by this server", error["message"]
+        assert error["param"] == param
     if name == "prompt plus max_tokens over context":
         assert "1000000" in error["message"] and "4096" in error["message"]
+
+
+def test_values_of_unsupported_parameters_that_ask_for_nothing_are_accepted(server: ServerProcess) -> None:
+    harmless = _chat(tool_choice="none", response_format={"type": "text", "x": 1}, presence_penalty=0,
+                     frequency_penalty=0.0, best_of=1, logit_bias={}, tools=[], modalities=["text"], max_tokens=2)
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=harmless, timeout=30).status_code == 200
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "echo": False, "suffix": "", "best_of": 1}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
 
 
 def test_server_still_serves_after_bad_inputs(server: ServerProcess) -> None:
