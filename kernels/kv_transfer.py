@@ -85,12 +85,12 @@ def _copy_pages(
         first = src_ids[i]
         if all(src_ids[i + j] == first + j for j in range(1, k)):
             dst[start:start + k].copy_(src[first:first + k])
-        elif src.device == dst.device:
+        else:
             index = torch.as_tensor(src_ids[i:i + k], dtype=torch.long, device=src.device)
-            torch.index_select(src, 0, index, out=dst[start:start + k])
-        else:  # e.g. a CUDA cache and a host ring: gather on the source device, one transfer
-            index = torch.as_tensor(src_ids[i:i + k], dtype=torch.long, device=src.device)
-            dst[start:start + k].copy_(src.index_select(0, index))
+            if src.device == dst.device:
+                torch.index_select(src, 0, index, out=dst[start:start + k])
+            else:  # e.g. a CUDA cache and a host ring: gather on the source device, one transfer
+                dst[start:start + k].copy_(src.index_select(0, index))
         i += k
 
 

@@ -185,37 +185,34 @@ def decode_attention_padded(
     Returns:
         ``[B, Hq, D]``.
     """
-    batch, num_heads, head_dim = query.shape
-    num_pages = block_tables.shape[1]
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width = num_pages * page_size
-    pages = block_tables.reshape(-1)
-    keys = torch.index_select(k_cache, 0, pages).view(batch, width, num_kv_heads, head_dim)
-    values = torch.index_select(v_cache, 0, pages).view(batch, width, num_kv_heads, head_dim)
+    width = block_tables.shape[1] * k_cache.shape[1]
     positions = torch.arange(width, device=query.device)
     valid = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid,
-        scale=scale, enable_gqa=num_heads != num_kv_heads,
-    )
-    return out.reshape(batch, num_heads, head_dim)
+    return _attend_pages(query, k_cache, v_cache, block_tables.reshape(-1), width, valid, scale)
 
 
 def _attend_group(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
     """Attention of ``query`` ``[b, Hq, D]`` over the gathered, padded pages of one group."""
+    return _attend_pages(query, k_cache, v_cache, group.pages, group.max_len, group.valid, scale)
+
+
+def _attend_pages(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, length: int,
+    valid: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """``query`` ``[b, Hq, D]`` attending to the first ``length`` positions of its rows' pages
+    (``pages`` ``[b * pages_per_row]``, row by row), masked by ``valid`` ``[b, 1, 1, length]``."""
     batch, num_heads, head_dim = query.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    width = group.pages.shape[0] // batch * page_size
+    width = pages.shape[0] // batch * page_size
     # Gather whole pages (index_select is several times faster than advanced indexing
-    # on CPU), then cut every row to the group's longest context.
-    keys = torch.index_select(k_cache, 0, group.pages).view(
-        batch, width, num_kv_heads, head_dim)[:, : group.max_len]  # [b, L, Hkv, D]
-    values = torch.index_select(v_cache, 0, group.pages).view(
-        batch, width, num_kv_heads, head_dim)[:, : group.max_len]
+    # on CPU), then cut every row to ``length``.
+    keys = torch.index_select(k_cache, 0, pages).view(batch, width, num_kv_heads, head_dim)[:, :length]  # [b, L, Hkv, D]
+    values = torch.index_select(v_cache, 0, pages).view(batch, width, num_kv_heads, head_dim)[:, :length]
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=group.valid,
+        query[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid,
         scale=scale, enable_gqa=num_heads != num_kv_heads,
     )  # [b, Hq, 1, D]
     return out.reshape(batch, num_heads, head_dim)
