@@ -26,7 +26,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset for each new token
     block_tables: torch.Tensor | None = None  # decode: [B, max_pages] int64, padded with 0
     context_lens: torch.Tensor | None = None  # decode: [B] int64, tokens in cache incl. the new one
-    max_context_len: int = 0  # decode: max(context_lens), kept as a Python int
     graph_safe: bool = False  # decode: static shapes, no host reads (the pass is captured in a CUDA graph)
     plan: dict[str, Any] = field(default_factory=dict)  # what a backend derives once per pass, reused by every layer
 

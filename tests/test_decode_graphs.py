@@ -49,7 +49,7 @@ def test_padded_attention_equals_grouped_reference() -> None:
 def test_capture_needs_cuda(tiny_llava: Path) -> None:
     llm = LLM(model=tiny_llava, mode="colocated", num_pages=64)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA KV cache"):
-        DecodeGraphs(llm.engine.model, llm.engine.kv_cache, 8, capture=True)
+        DecodeGraphs(llm.engine.runner.forward_decode, llm.engine.kv_cache, 8, capture=True)
     assert llm.engine.runner.graphs is None  # never on a CPU
 
 
@@ -66,7 +66,7 @@ def test_padded_step_generates_the_same_tokens(tiny_llava: Path, max_batch: int)
     sampled = SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=3, ignore_eos=True)
     plain = LLM(model=tiny_llava, mode="colocated", num_pages=256, page_size=4)
     padded = LLM(model=tiny_llava, mode="colocated", num_pages=256, page_size=4)
-    graphs = DecodeGraphs(padded.engine.model, padded.engine.kv_cache, max_batch, capture=False)
+    graphs = DecodeGraphs(padded.engine.runner.forward_decode, padded.engine.kv_cache, max_batch, capture=False)
     padded.engine.runner.graphs = graphs
     batches: list[int] = []
     run = graphs.run

@@ -17,14 +17,17 @@ tests check it against the ordinary decode path; capture needs CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from mm_serve.engine.model_runner import decode_inputs
 from mm_serve.engine.request import Request
-from mm_serve.models.llava import MultimodalLM
 from text_decode.kv_cache import PagedKVCache
+
+DecodeForward = Callable[..., torch.Tensor]  # ModelRunner.forward_decode
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 WARMUP_RUNS = 2  # eager runs on a side stream before a capture (lazy initialisation happens there)
@@ -57,7 +60,8 @@ class DecodeGraphs:
     """Decode steps for batches of up to ``max_batch`` requests, captured per (batch, pages) bucket.
 
     Args:
-        model: the model whose language model runs the step.
+        forward: the decode forward pass (``ModelRunner.forward_decode``), called with
+            ``graph_safe=True``.
         kv_cache: its paged cache (``scratch_page`` receives the padded rows' K/V).
         max_batch: the largest batch to capture for (larger batches run uncaptured).
         capture: capture and replay CUDA graphs (needs a CUDA cache); False runs the
@@ -67,17 +71,17 @@ class DecodeGraphs:
         ValueError: ``capture`` with a cache that is not on a CUDA device.
     """
 
-    def __init__(self, model: MultimodalLM, kv_cache: PagedKVCache, max_batch: int, capture: bool) -> None:
+    def __init__(self, forward: DecodeForward, kv_cache: PagedKVCache, max_batch: int, capture: bool) -> None:
         if capture and kv_cache.data.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA KV cache, this one is on {kv_cache.data.device}")
-        self.model = model
+        self.forward = forward
         self.kv_cache = kv_cache
         self.page_size = kv_cache.page_size
         self.device = kv_cache.data.device
         self.capture = capture
         self.max_batch = batch_bucket(max_batch) or BATCH_BUCKETS[-1]
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool: tuple[int, int] | None = None  # the memory pool every graph shares
+        self._pool: Any = None  # the memory pool every graph shares (a CUDA graph pool handle)
 
     @property
     def num_graphs(self) -> int:
@@ -100,7 +104,10 @@ class DecodeGraphs:
         n = len(requests)
         batch = batch_bucket(n) or n
         pages = pages_bucket(max(len(r.block_table) for r in requests))
-        inputs = self._host_inputs(requests, batch, pages)
+        inputs = [
+            torch.tensor(x, dtype=torch.long)
+            for x in decode_inputs(requests, self.page_size, batch, pages, self.kv_cache.scratch_page)
+        ]
         if not self.capture:
             return self._forward(*(t.to(self.device) for t in inputs))[:n]
         graph = self._graphs.get((batch, pages)) or self._capture(batch, pages)
@@ -112,46 +119,16 @@ class DecodeGraphs:
         graph.graph.replay()
         return graph.logits[:n].clone()
 
-    def _host_inputs(self, requests: list[Request], batch: int, pages: int) -> tuple[torch.Tensor, ...]:
-        """ids, positions, slots ``[batch]``, block tables ``[batch, pages]``, context lengths ``[batch]`` (CPU)."""
-        scratch, size = self.kv_cache.scratch_page, self.page_size
-        pad = batch - len(requests)
-        ids = [r.output_token_ids[-1] for r in requests] + [0] * pad
-        positions = [r.num_tokens - 1 for r in requests] + [0] * pad
-        slots = [r.block_table[p // size] * size + p % size for r, p in zip(requests, positions, strict=False)]
-        slots += [scratch * size] * pad
-        tables = [r.block_table + [scratch] * (pages - len(r.block_table)) for r in requests]
-        tables += [[scratch] * pages] * pad
-        context = [p + 1 for p in positions[: len(requests)]] + [1] * pad
-        return (
-            torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-            torch.tensor(slots, dtype=torch.long), torch.tensor(tables, dtype=torch.long),
-            torch.tensor(context, dtype=torch.long),
-        )
-
-    def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor, context_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        language_model = self.model.language_model
-        meta = AttentionMetadata(
-            is_prefill=False, seq_lens=[1] * int(input_ids.shape[0]), slot_mapping=slot_mapping,
-            block_tables=block_tables, context_lens=context_lens, graph_safe=True,
-        )
-        hidden = language_model(language_model.embed(input_ids), positions, meta, self.kv_cache.layer_caches)
-        return language_model.compute_logits(hidden)
+    def _forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.forward(*inputs, graph_safe=True)
 
     def _capture(self, batch: int, pages: int) -> _Graph:
         """Capture the step for ``batch`` rows and ``pages`` pages per row (inputs: padding rows)."""
-        scratch = self.kv_cache.scratch_page
-
-        def full(shape: tuple[int, ...], value: int) -> torch.Tensor:
-            return torch.full(shape, value, dtype=torch.long, device=self.device)
-
-        static = (
-            full((batch,), 0), full((batch,), 0), full((batch,), scratch * self.page_size),
-            full((batch, pages), scratch), full((batch,), 1),
+        ids, positions, slots, tables, context = (
+            torch.tensor(x, dtype=torch.long, device=self.device)
+            for x in decode_inputs([], self.page_size, batch, pages, self.kv_cache.scratch_page)
         )
+        static = (ids, positions, slots, tables, context)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -163,6 +140,6 @@ class DecodeGraphs:
             logits = self._forward(*static)
         if self._pool is None:
             self._pool = graph.pool()
-        captured = _Graph(graph, *static, logits=logits)
+        captured = _Graph(graph, ids, positions, slots, tables, context, logits)
         self._graphs[(batch, pages)] = captured
         return captured

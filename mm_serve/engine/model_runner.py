@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from mm_serve.engine.decode_graphs import DecodeGraphs
 from mm_serve.engine.request import Request
 from mm_serve.models.llava import MultimodalLM
 from text_decode.kv_cache import PagedKVCache
+
+if TYPE_CHECKING:
+    from mm_serve.engine.decode_graphs import DecodeGraphs
 
 
 def slots_for(block_table: list[int], start: int, end: int, page_size: int) -> list[int]:
     """Flat cache slots of token positions ``[start, end)`` of a sequence with ``block_table``."""
     return [block_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
+
+
+def decode_inputs(
+    requests: list[Request], page_size: int, batch: int | None = None, pages: int | None = None,
+    filler_page: int = 0,
+) -> tuple[list[int], list[int], list[int], list[list[int]], list[int]]:
+    """Token ids, positions, slots ``[batch]``, block tables ``[batch, pages]`` and context
+    lengths ``[batch]`` of a decode step that feeds each request's last token at position
+    ``num_tokens - 1``.
+
+    ``batch`` (default: the requests) and ``pages`` (default: the longest block table)
+    may be larger: extra rows feed token 0 at position 0 with one token of context on
+    ``filler_page``, and block tables are padded with ``filler_page``.
+    """
+    rows = [(r.output_token_ids[-1], r.num_tokens - 1, r.block_table) for r in requests]
+    rows += [(0, 0, [filler_page])] * ((batch or len(requests)) - len(requests))
+    pages = pages or max(len(r.block_table) for r in requests)
+    return (
+        [token for token, _, _ in rows],
+        [position for _, position, _ in rows],
+        [slots_for(table, position, position + 1, page_size)[0] for _, position, table in rows],
+        [table + [filler_page] * (pages - len(table)) for _, _, table in rows],
+        [position + 1 for _, position, _ in rows],
+    )
 
 
 class ModelRunner:
@@ -32,7 +60,9 @@ class ModelRunner:
         self.device = kv_cache.data.device
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            self.graphs = DecodeGraphs(model, kv_cache, max_batch, capture=True)
+            from mm_serve.engine.decode_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.forward_decode, kv_cache, max_batch, capture=True)
 
     @torch.inference_mode()
     def encode_images(self, requests: list[Request]) -> None:
@@ -96,25 +126,21 @@ class ModelRunner:
         """
         if self.graphs is not None and self.graphs.supports(requests):
             return self.graphs.run(requests)
-        ids = [r.output_token_ids[-1] for r in requests]
-        positions = [r.num_tokens - 1 for r in requests]
-        slots = [
-            r.block_table[p // self.page_size] * self.page_size + p % self.page_size
-            for r, p in zip(requests, positions, strict=True)
-        ]
-        max_pages = max(len(r.block_table) for r in requests)
-        tables = [r.block_table + [0] * (max_pages - len(r.block_table)) for r in requests]
-        context = [p + 1 for p in positions]
+        ids, positions, slots, tables, context = (
+            torch.tensor(x, dtype=torch.long, device=self.device) for x in decode_inputs(requests, self.page_size)
+        )
+        return self.forward_decode(ids, positions, slots, tables, context)
+
+    def forward_decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor, context_lens: torch.Tensor, graph_safe: bool = False,
+    ) -> torch.Tensor:
+        """The decode forward pass on tensors (:func:`decode_inputs`, on the device): logits
+        ``[B, vocab]`` (float32). ``graph_safe`` selects static-shape attention (CUDA graphs)."""
+        language_model = self.model.language_model
         meta = AttentionMetadata(
-            is_prefill=False, seq_lens=[1] * len(requests),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
-            context_lens=torch.tensor(context, dtype=torch.long, device=self.device),
-            max_context_len=max(context),
+            is_prefill=False, seq_lens=[1] * int(input_ids.shape[0]), slot_mapping=slot_mapping,
+            block_tables=block_tables, context_lens=context_lens, graph_safe=graph_safe,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model.language_model(
-            self.model.language_model.embed(input_ids),
-            torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_cache.layer_caches,
-        )
-        return self.model.language_model.compute_logits(hidden)
+        hidden = language_model(language_model.embed(input_ids), positions, meta, self.kv_cache.layer_caches)
+        return language_model.compute_logits(hidden)
