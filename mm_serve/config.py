@@ -118,6 +118,7 @@ class ServiceConfig(_Frozen):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     seed: int = 0
     enforce_eager: bool = Field(False, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
+    cpu_gemm: Literal["onednn", "torch"] = Field("onednn", description="float32 on a CPU: 'onednn' runs linear layers from oneDNN-packed weights (kernels/cpu_linear.py), 'torch' uses torch's default F.linear (MKL).")
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()

@@ -40,7 +40,7 @@ _SERVICE_KEYS = {
     "decode_workers": "compute.decode_workers", "prefill_cpus": "compute.prefill_cpus",
     "decode_cpus": "compute.decode_cpus", "threads_per_worker": "compute.threads_per_worker",
     "dtype": "dtype", "seed": "seed", "max_images_per_request": "api.max_images_per_request",
-    "enforce_eager": "enforce_eager",
+    "enforce_eager": "enforce_eager", "cpu_gemm": "cpu_gemm",
 }
 
 

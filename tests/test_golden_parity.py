@@ -127,3 +127,14 @@ def test_rejects_image_count_mismatch(llava_llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="context length"):
         llava_llm.generate({"prompt": "hi"}, SamplingParams(max_tokens=10**6))
     assert isinstance(Image.new("RGB", (2, 2)), Image.Image)
+
+
+def test_torch_gemm_path_matches_transformers(tiny_llava: Path, llava_reference: torch.nn.Module) -> None:
+    """``cpu_gemm="torch"`` (F.linear, no packed weights) gives the reference's tokens too."""
+    from kernels.cpu_linear import PackedLinear
+
+    llm = LLM(model=tiny_llava, mode="colocated", num_pages=256, cpu_gemm="torch")
+    assert not any(isinstance(m, PackedLinear) for m in llm.engine.model.modules())
+    requests = [r for name, r in LLAVA_CASES if name in ("text-only", "one-image", "two-images-different-sizes", "long-text-~300-tokens")]
+    expected = [reference_generate(llava_reference, llm.engine.inputs.process(r), NEW_TOKENS)[0] for r in requests]
+    assert [o.token_ids for o in llm.generate(requests, _greedy())] == expected

@@ -25,6 +25,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0  # seeds generators of requests that bring no seed
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
+    cpu_gemm: str = "onednn"  # float32 on a CPU: "onednn" (packed weights, kernels/cpu_linear.py) or "torch" (F.linear)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -32,6 +33,8 @@ class EngineConfig:
         return self.device.startswith("cuda") and not self.enforce_eager
 
     def __post_init__(self) -> None:
+        if self.cpu_gemm not in ("onednn", "torch"):
+            raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size"):

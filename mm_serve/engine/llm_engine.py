@@ -35,7 +35,9 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
-        self.model = load_model(self.model_dir, self.config.torch_dtype, self.config.device)
+        self.model = load_model(
+            self.model_dir, self.config.torch_dtype, self.config.device, pack_cpu_linears=self.config.cpu_gemm == "onednn",
+        )
         self.inputs = InputProcessor(self.model_dir, self.model_config)
         self.tokenizer = self.inputs.tokenizer
         self.kv_cache = self._make_kv_cache()

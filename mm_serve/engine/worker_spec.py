@@ -24,6 +24,7 @@ class EngineSizing(msgspec.Struct, frozen=True):
     device: str = "cpu"
     seed: int = 0
     enforce_eager: bool = False
+    cpu_gemm: str = "onednn"
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):

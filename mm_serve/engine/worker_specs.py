@@ -17,7 +17,7 @@ def _sizing(cfg: ServiceConfig, device: str) -> EngineSizing:
         page_size=cfg.kv_cache.page_size, num_pages=cfg.kv_cache.max_pages_per_gpu,
         max_running=cfg.scheduler.decode_max_concurrent, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_batch_size=cfg.scheduler.prefill_batch_size, dtype=cfg.dtype, device=device, seed=cfg.seed,
-        enforce_eager=cfg.enforce_eager,
+        enforce_eager=cfg.enforce_eager, cpu_gemm=cfg.cpu_gemm,
     )
 
 

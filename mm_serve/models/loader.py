@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from kernels.backend_select import select_attention_backend
+from kernels.cpu_linear import pack_linear_layers
 from mm_serve.models.fused_weights import fuse_projections
 from mm_serve.models.llama import LlamaForCausalLM
 from mm_serve.models.llava import MultimodalLM
@@ -26,9 +27,13 @@ def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: st
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    pack_cpu_linears: bool = True,
 ) -> MultimodalLM:
     """Load a llava-hf or Llama checkpoint into our runner, in eval mode.
+
+    With ``pack_cpu_linears`` (float32 on a CPU), every linear layer, the vision
+    tower's included, runs from oneDNN-packed weights (:mod:`kernels.cpu_linear`).
 
     Raises:
         CheckpointError: missing files, unsupported architecture, or weights that
@@ -65,4 +70,6 @@ def load_model(
     model = model.to(dtype=dtype)
     language_model.rotary.reset_inv_freq(torch_device)  # keep frequencies in float32
     model.eval()
+    if pack_cpu_linears and torch_device.type == "cpu" and dtype == torch.float32:
+        pack_linear_layers(model)
     return model

@@ -1,0 +1,105 @@
+"""oneDNN packed linear layers: same values as F.linear, picked by size, kept in step with the weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu_linear import (
+    MIN_PACKED_MACS,
+    PackedLinear,
+    onednn_linear_available,
+    pack_linear_layers,
+)
+from mm_serve.engine.engine_config import EngineConfig
+from mm_serve.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 257])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_matches_f_linear(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    dense = nn.Linear(256, 1536, bias=bias)
+    packed = PackedLinear(dense)
+    x = torch.randn(rows, 256)
+    with torch.inference_mode():
+        ref = F.linear(x, dense.weight, dense.bias)
+        got = packed(x)
+    assert got.shape == (rows, 1536)
+    assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_packed_path_is_taken_from_min_rows_and_differs_only_in_rounding() -> None:
+    """At and above ``min_rows`` the output is oneDNN's (not bitwise MKL's), below it is exactly F.linear's."""
+    torch.manual_seed(0)
+    dense = nn.Linear(256, 1536, bias=False)
+    packed = PackedLinear(dense)
+    assert packed.min_rows == -(-MIN_PACKED_MACS // (256 * 1536)) == 2
+    with torch.inference_mode():
+        one = torch.randn(1, 256)
+        assert torch.equal(packed(one), F.linear(one, dense.weight))  # below: the MKL call itself
+        many = torch.randn(64, 256)
+        direct = torch.ops.mkldnn._linear_pointwise(many, packed.packed, None, "none", [], "")
+        assert torch.equal(packed(many), direct)
+
+
+def test_three_dimensional_input_keeps_its_shape() -> None:
+    torch.manual_seed(1)
+    dense = nn.Linear(192, 768)
+    packed = PackedLinear(dense)
+    x = torch.randn(4, 65, 192)
+    with torch.inference_mode():
+        got, ref = packed(x), F.linear(x, dense.weight, dense.bias)
+    assert got.shape == (4, 65, 768)
+    assert float((got - ref).abs().max()) < 1e-4
+
+
+def test_in_place_weight_write_is_repacked() -> None:
+    torch.manual_seed(2)
+    dense = nn.Linear(256, 1536, bias=False)
+    packed = PackedLinear(dense)
+    x = torch.randn(32, 256)
+    with torch.inference_mode():
+        before = packed(x)
+    with torch.no_grad():
+        packed.weight[5, :] += 1.0
+    with torch.inference_mode():
+        after = packed(x)
+    assert torch.allclose(after[:, 5] - before[:, 5], x.sum(dim=1), atol=1e-3)
+    assert torch.equal(after[:, 6], before[:, 6])
+
+
+def test_refuses_non_float32_layers() -> None:
+    with pytest.raises(ValueError, match="float32 CPU layer"):
+        PackedLinear(nn.Linear(4, 4).to(torch.bfloat16))
+
+
+def test_pack_linear_layers_keeps_state_dict_and_tied_weights() -> None:
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False), nn.Sequential(nn.Linear(8, 8)))
+    model[1].weight = model[0].weight
+    keys = list(model.state_dict())
+    assert pack_linear_layers(model) == 2
+    assert isinstance(model[1], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert list(model.state_dict()) == keys
+    assert model[1].weight is model[0].weight
+
+
+def test_load_model_packs_on_request(tiny_llava: Path) -> None:
+    packed = load_model(tiny_llava)
+    plain = load_model(tiny_llava, pack_cpu_linears=False)
+    n_linear = sum(type(m) is nn.Linear for m in plain.modules())
+    assert n_linear > 10  # decoder, projector and vision tower
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == n_linear
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    assert packed.language_model.state_dict().keys() == plain.language_model.state_dict().keys()
+
+
+def test_engine_config_rejects_unknown_cpu_gemm() -> None:
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        EngineConfig(cpu_gemm="blas")
