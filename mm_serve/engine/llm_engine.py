@@ -13,6 +13,7 @@ import torch
 
 from mm_serve.engine.engine_config import EngineConfig
 from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
+from mm_serve.engine.malloc_tuning import tune_malloc_for_inference
 from mm_serve.engine.model_runner import ModelRunner
 from mm_serve.engine.request import Request, RequestStatus
 from mm_serve.models.loader import load_model
@@ -34,6 +35,8 @@ class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
+        if self.config.device == "cpu":
+            tune_malloc_for_inference()  # activations stay mapped between passes (malloc_tuning.py)
         self.model_config = load_model_config(self.model_dir)
         self.model = load_model(
             self.model_dir, self.config.torch_dtype, self.config.device, pack_cpu_linears=self.config.cpu_gemm == "onednn",

@@ -16,6 +16,9 @@ def main(argv: list[str]) -> int:
     from mm_serve.engine.worker_spec import decode_spec
 
     spec = decode_spec(argv[1])
+    from mm_serve.engine.malloc_tuning import tune_malloc_for_inference
+
+    tune_malloc_for_inference()
     try:
         if spec.role == "prefill":
             from vision_prefill.prefill_worker import PrefillWorker
