@@ -34,6 +34,7 @@ test: install lint
 
 # Benchmarks print their figures; they are not tests (see README "Measured").
 bench: install
+	$(PY) benchmarks/cpu_gemm.py
 	$(PY) benchmarks/decode_throughput.py
 	$(PY) benchmarks/ring_throughput.py
 	$(PY) benchmarks/api_overhead.py
