@@ -94,14 +94,19 @@ def _start_backend(args: argparse.Namespace) -> CaptionBackend:
 
         return ServerBackend(args.server, model=args.served_model, max_tokens=args.max_tokens)
     from mm_serve.caption.engine_backend import EngineBackend
-    from mm_serve.config import load_config
+    from mm_serve.config import ConfigError, load_config
 
     model_dir = _model_dir(args.model)
     overrides: dict[str, object] = {"model": str(model_dir)}
     for pair in args.set:
-        key, _, value = pair.partition("=")
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"caption_throughput.py: error: --set {pair!r}: expected KEY=VALUE")
         overrides[key] = yaml.safe_load(value)
-    config = load_config(args.config, overrides)
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        raise SystemExit(f"caption_throughput.py: error: {exc}") from None
     print(f"starting the {config.mode} engine for {model_dir} ...", flush=True)
     return EngineBackend.start(model_dir, config, max_tokens=args.max_tokens)
 

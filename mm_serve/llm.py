@@ -14,7 +14,7 @@ from __future__ import annotations
 import atexit
 import uuid
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.llm_engine import LLMEngine
 from mm_serve.engine.request import Request
 from mm_serve.engine.request_state import RequestState
+from mm_serve.engine.worker_setup import engine_config_from_sizing
+from mm_serve.engine.worker_specs import engine_sizing, worker_device
 from mm_serve.models.registry import resolve_model
 from mm_serve.outputs import CompletionOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
@@ -44,6 +46,23 @@ _SERVICE_KEYS = {
 }
 
 
+_ENGINE_KEYS = [f.name for f in fields(EngineConfig)]
+
+
+def _colocated_engine_config(config: ServiceConfig | None, kwargs: dict[str, Any]) -> EngineConfig:
+    """The in-process engine's settings: ``config`` as its colocated worker would get it, then ``kwargs``.
+
+    Raises:
+        ValueError: a keyword that is not an :class:`EngineConfig` field, or a bad value.
+    """
+    unknown = sorted(set(kwargs) - set(_ENGINE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown LLM arguments {unknown} for mode='colocated'; allowed: {_ENGINE_KEYS}")
+    if config is None:
+        return EngineConfig(**kwargs)
+    return replace(engine_config_from_sizing(engine_sizing(config, worker_device(config, "colocated", 0))), **kwargs)
+
+
 class LLM:
     """Generate from a llava-hf or Llama checkpoint.
 
@@ -53,9 +72,13 @@ class LLM:
             the cross-modal ring buffer), ``"colocated"`` (one engine in this process runs
             every phase) or ``"colocated-worker"`` (the colocated engine in a worker process,
             as ``mm-serve serve --mode colocated`` runs it).
-        config: a full :class:`~mm_serve.config.ServiceConfig` for the worker modes.
-        **kwargs: sizing (``page_size``, ``num_pages``, ``max_running``, ``dtype``, ``seed``,
-            ``prefill_workers``, ``decode_workers``, ...).
+        config: a full :class:`~mm_serve.config.ServiceConfig`; in ``"colocated"`` mode its
+            engine settings (KV cache, scheduler, dtype, seed, ``cpu_gemm``, ...) as the
+            colocated worker would get them.
+        **kwargs: settings that override ``config``: sizing (``page_size``, ``num_pages``,
+            ``max_running``, ``dtype``, ``seed``, ``cpu_gemm``, ...); the worker modes also take
+            ``prefill_workers``, ``decode_workers``, ... (see ``_SERVICE_KEYS``), the colocated
+            mode the :class:`~mm_serve.engine.engine_config.EngineConfig` fields.
 
     Use as a context manager, or call :meth:`close`, to stop worker processes; they
     also stop when this process exits.
@@ -78,7 +101,7 @@ class LLM:
         self.engine: LLMEngine | None = None
         self.client: EngineClient | None = None
         if mode == "colocated":
-            self.engine = LLMEngine(self.model_dir, EngineConfig(**kwargs))
+            self.engine = LLMEngine(self.model_dir, _colocated_engine_config(config, kwargs))
             self.inputs = self.engine.inputs
             return
         unknown = sorted(set(kwargs) - set(_SERVICE_KEYS))

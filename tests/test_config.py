@@ -86,3 +86,28 @@ def test_every_shipped_config_loads(path: Path) -> None:
     assert cfg.compute.prefill_workers >= 1 and cfg.compute.decode_workers >= 1
     for cpu in cfg.compute.prefill_cpus + cfg.compute.decode_cpus:
         assert 0 <= cpu < 2  # the shipped configs target the 2-core CPU machine
+
+
+def test_colocated_llm_takes_the_service_config_then_keywords(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    from mm_serve import LLM
+    from mm_serve.config import config_from_dict
+
+    service = config_from_dict({}, {"cpu_gemm": "torch", "kv_cache.max_pages_per_gpu": 96, "seed": 7})
+    llm = LLM(model=tiny_llama, mode="colocated", config=service, max_running=5)
+    cfg = llm.engine.config
+    assert (cfg.cpu_gemm, cfg.num_pages, cfg.seed, cfg.max_running) == ("torch", 96, 7, 5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"prefill_workers": 1}, "unknown LLM arguments \\['prefill_workers'\\] for mode='colocated'"),
+    ({"num_pages": "many"}, "num_pages must be an integer"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"enforce_eager": "yes"}, "enforce_eager must be true or false"),
+    ({"dtype": ["float32"]}, "dtype must be one of"),
+    ({"cpu_gemm": "blas"}, "cpu_gemm must be 'onednn' or 'torch'"),
+])
+def test_colocated_llm_bad_keywords_are_value_errors(tiny_llama, kwargs, match) -> None:  # type: ignore[no-untyped-def]
+    from mm_serve import LLM
+
+    with pytest.raises(ValueError, match=match):
+        LLM(model=tiny_llama, mode="colocated", **kwargs)

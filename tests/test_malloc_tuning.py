@@ -50,3 +50,9 @@ def test_user_malloc_variables_win() -> None:
     tuned, mmapped, _ = _run("tune", MALLOC_TRIM_THRESHOLD_="131072")
     assert not tuned
     assert mmapped == 1
+
+
+def test_glibc_tunables_win() -> None:
+    tuned, mmapped, _ = _run("tune", GLIBC_TUNABLES="glibc.malloc.mmap_threshold=65536")
+    assert not tuned
+    assert mmapped == 1

@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.caption.output import OutputError, OutputFile
 
     _check_args(args)
+    created = not Path(args.out).exists()
     try:
         inputs = read_inputs(args.input, args.prompt)
         out, resume = OutputFile.open(args.out, inputs.format, retry_errors=args.retry_errors, fsync=args.fsync)
@@ -121,10 +122,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         out.close()
+        _remove_if_unused(Path(args.out), created)
     print(stats.format(), flush=True)
     if stats.interrupted:
         return 128 + (received[0] if received else int(signal.SIGINT))
     return 1 if stats.fatal_error else 0
+
+
+def _remove_if_unused(path: Path, created: bool) -> None:
+    """Delete OUT when this run created it and wrote nothing (the job failed before any input ran)."""
+    try:
+        if created and path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass
 
 
 def _run_job(args: argparse.Namespace, fmt: InputFormat, todo: list[CaptionInput], skipped: int,

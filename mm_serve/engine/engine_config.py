@@ -33,9 +33,20 @@ class EngineConfig:
         return self.device.startswith("cuda") and not self.enforce_eager
 
     def __post_init__(self) -> None:
-        if self.cpu_gemm not in ("onednn", "torch"):
+        for name in ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size",
+                     "max_model_len", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.device, str):
+            raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0: the checkpoint's), got {self.max_model_len}")
+        if not isinstance(self.cpu_gemm, str) or self.cpu_gemm not in ("onednn", "torch"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
-        if self.dtype not in _DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size"):
             if getattr(self, name) < 1:

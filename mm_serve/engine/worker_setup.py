@@ -7,7 +7,7 @@ import os
 import torch
 
 from mm_serve.engine.engine_config import EngineConfig
-from mm_serve.engine.worker_spec import WorkerSpec
+from mm_serve.engine.worker_spec import EngineSizing, WorkerSpec
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.models.loader import load_model
 from mm_serve.models.model_config import ModelConfig, load_model_config
@@ -25,7 +25,11 @@ def pin_and_set_threads(spec: WorkerSpec) -> None:
 
 def engine_config(spec: WorkerSpec) -> EngineConfig:
     """The resolved :class:`EngineConfig` of a worker."""
-    s = spec.sizing
+    return engine_config_from_sizing(spec.sizing)
+
+
+def engine_config_from_sizing(s: EngineSizing) -> EngineConfig:
+    """:class:`EngineConfig` of the wire-format sizing ``s`` (same fields)."""
     return EngineConfig(
         page_size=s.page_size, num_pages=s.num_pages, max_running=s.max_running,
         prefill_token_budget=s.prefill_token_budget, prefill_batch_size=s.prefill_batch_size,

@@ -12,7 +12,8 @@ from mm_serve.launcher import default_role_cpus, split_cpus
 from mm_serve.models.model_config import ModelConfig
 
 
-def _sizing(cfg: ServiceConfig, device: str) -> EngineSizing:
+def engine_sizing(cfg: ServiceConfig, device: str) -> EngineSizing:
+    """The engine sizing a worker on ``device`` gets from the service config."""
     return EngineSizing(
         page_size=cfg.kv_cache.page_size, num_pages=cfg.kv_cache.max_pages_per_gpu,
         max_running=cfg.scheduler.decode_max_concurrent, prefill_token_budget=cfg.scheduler.prefill_token_budget,
@@ -41,6 +42,12 @@ def check_supported(cfg: ServiceConfig) -> None:
             raise ConfigError("compute.prefill_gpus / decode_gpus are set but CUDA is not available here")
 
 
+def worker_device(cfg: ServiceConfig, role: str, index: int) -> str:
+    """``cuda:N`` from ``compute.prefill_gpus`` (prefill, colocated) or ``decode_gpus``, else ``cpu``."""
+    gpus = cfg.compute.prefill_gpus if role in ("prefill", "colocated") else cfg.compute.decode_gpus
+    return f"cuda:{gpus[index]}" if gpus else "cpu"
+
+
 def build_worker_specs(
     model_dir: Path, cfg: ServiceConfig, model: ModelConfig, rings: list[RingSpec], run_dir: Path,
     output_address: str,
@@ -51,13 +58,10 @@ def build_worker_specs(
     """
     del model  # shapes are already in the ring specs
     compute = cfg.compute
-    def device(role: str, index: int) -> str:
-        gpus = compute.prefill_gpus if role in ("prefill", "colocated") else compute.decode_gpus
-        return f"cuda:{gpus[index]}" if gpus else "cpu"
 
     def spec(role: str, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int]) -> WorkerSpec:
         return WorkerSpec(
-            role=role, index=index, model_dir=str(model_dir), sizing=_sizing(cfg, device(role, index)),
+            role=role, index=index, model_dir=str(model_dir), sizing=engine_sizing(cfg, worker_device(cfg, role, index)),
             control_address=f"ipc://{run_dir}/ctl-{tag}", output_address=output_address, rings=rings_of,
             cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
         )

@@ -75,3 +75,25 @@ def test_nothing_to_do_starts_no_engine(tmp_path: Path, capsys: pytest.CaptureFi
     out.write_text(json.dumps({"id": "a.png", "path": "p", "error": "bad"}) + "\n")
     assert main(["caption", str(tmp_path / "img"), "--out", str(out), "--model", "/no/such/model"]) == 0
     assert "0 succeeded, 0 failed, 1 already done, 0 remaining (of 1)" in capsys.readouterr().out
+
+
+def test_failed_start_leaves_no_empty_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/a.png").write_bytes(b"x")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpu_gemm: blas\n")
+    out = tmp_path / "out.jsonl"
+
+    def bad_config() -> str:
+        code = main(["caption", str(tmp_path / "img"), "--out", str(out), "--config", str(bad)])
+        err = capsys.readouterr().err
+        assert code == 2
+        return err
+
+    assert "cpu_gemm = 'blas'" in bad_config()
+    assert "cannot reach" in _error(capsys, str(tmp_path / "img"), "--out", str(out),
+                                    "--server", "http://127.0.0.1:9", "--retries", "0")
+    assert not out.exists()
+    out.write_text("")  # an OUT that was there before the run is left alone
+    assert "cpu_gemm = 'blas'" in bad_config()
+    assert out.exists()
