@@ -11,11 +11,15 @@ backends: pack the weights at load time, run every GEMM from the packed copy.
 Results differ from MKL's in float32 rounding only (relative ~1e-7: the
 summation order differs), like any two BLAS libraries. Very small GEMMs (one or
 two rows against a small matrix, a decode step at batch 1) are faster on MKL,
-so :class:`PackedLinear` keeps the dense weight and sends products under
-:data:`MIN_PACKED_MACS` multiply-accumulates there.
+so :class:`PackedLinear` keeps the dense weight of small layers and sends
+products under :data:`MIN_PACKED_MACS` multiply-accumulates there; larger layers
+keep only the packed copy, so a big model's weights are not held twice.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -37,64 +41,108 @@ def onednn_linear_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """A drop-in for a float32 CPU ``nn.Linear`` that also holds a oneDNN-packed weight.
+    """A drop-in for a float32 CPU ``nn.Linear`` that runs from a oneDNN-packed weight.
 
-    ``weight`` ``[out, in]`` and ``bias`` ``[out]`` are the original parameters (so
-    ``state_dict`` keys and tied weights are unchanged); the packed copy is an
-    opaque oneDNN tensor, made at construction and again after any in-place write
-    to ``weight`` (its version counter moved). Input ``[..., in]`` → output ``[..., out]``.
+    ``bias`` ``[out]`` stays the original parameter. ``weight`` ``[out, in]``:
+
+    * ``keep_dense=True`` (layers small enough that :data:`MIN_PACKED_MACS` sends some
+      products to ``F.linear``, and weights shared with another module such as tied
+      embeddings): the original parameter stays too, and the packed copy is made again
+      after any in-place write to it (its version counter moved);
+    * ``keep_dense=False``: only the packed copy is kept (no second copy of the layer in
+      memory). ``weight`` then reads back a fresh dense tensor (writing into it changes
+      nothing); ``state_dict`` still holds ``weight`` and ``load_state_dict`` repacks it.
+
+    Input ``[..., in]`` → output ``[..., out]``.
 
     Args:
         linear: the layer to wrap (float32, on the CPU).
+        keep_dense: keep the dense parameter; default: only where ``F.linear`` is used
+            for small products (``min_rows > 1``).
     Raises:
         ValueError: the layer is not float32 on the CPU.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_dense: bool | None = None) -> None:
         super().__init__()
         if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
             raise ValueError(f"PackedLinear needs a float32 CPU layer, got {linear.weight.dtype} on {linear.weight.device}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self._pack()
         self.min_rows = max(1, -(-MIN_PACKED_MACS // (self.in_features * self.out_features)))
+        self.keep_dense = self.min_rows > 1 if keep_dense is None else keep_dense
+        self._pack(linear.weight)
+        if self.keep_dense:  # (register_parameter would refuse the name: it is the property below)
+            self._parameters["weight"] = cast(nn.Parameter, linear.weight)
+        self.bias = linear.bias
 
-    def _pack(self) -> None:
+    @property  # type: ignore[override]
+    def weight(self) -> torch.Tensor:
+        """The dense ``[out, in]`` weight: the parameter itself, or a copy read back from the packed one."""
+        dense = self._parameters.get("weight")
+        return dense if dense is not None else self.packed.to_dense()
+
+    def _pack(self, weight: torch.Tensor) -> None:
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         # inference tensors keep no version counter: such a weight is never repacked
-        self.packed_version = None if self.weight.is_inference() else self.weight._version
+        self.packed_version = None if weight.is_inference() else weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features if x.dim() else 0
         if rows < self.min_rows or x.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        if self.packed_version is not None and self.weight._version != self.packed_version:  # written in place since packing (a test, a weight update)
-            self._pack()
+        dense = self._parameters.get("weight")
+        if dense is not None and self.packed_version is not None and dense._version != self.packed_version:
+            self._pack(dense)  # written in place since packing (a test, a weight update)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        if not self.keep_dense:
+            destination[prefix + "weight"] = self.packed.to_dense()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,  # type: ignore[no-untyped-def]
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self.keep_dense:
+            return
+        key = prefix + "weight"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            missing_keys.append(key)
+        elif tuple(state_dict[key].shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {key}: {tuple(state_dict[key].shape)} in the checkpoint, "
+                              f"{(self.out_features, self.in_features)} here")
+        else:
+            self._pack(state_dict[key].to(torch.float32))
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed"
+        kept = "dense kept" if self.keep_dense else "packed only"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, oneDNN-packed, {kept}"
 
 
 def pack_linear_layers(module: nn.Module) -> int:
     """Replace every float32 CPU ``nn.Linear`` inside ``module`` by a :class:`PackedLinear`.
 
     Does nothing (returns 0) when oneDNN is unavailable. Call it after the weights
-    are loaded: the packed copies are made from the current values.
+    are loaded: the packed copies are made from the current values. Layers whose
+    weight is also another module's parameter (tied embeddings) keep it dense.
 
     Returns:
         The number of layers replaced.
     """
     if not onednn_linear_available():
         return 0
+    uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-                setattr(parent, name, PackedLinear(child))
+                shared = uses[id(child.weight)] > 1
+                setattr(parent, name, PackedLinear(child, keep_dense=True if shared else None))
                 replaced += 1
     return replaced

@@ -103,3 +103,36 @@ def test_load_model_packs_on_request(tiny_llava: Path) -> None:
 def test_engine_config_rejects_unknown_cpu_gemm() -> None:
     with pytest.raises(ValueError, match="cpu_gemm"):
         EngineConfig(cpu_gemm="blas")
+
+
+def test_large_layer_keeps_only_the_packed_weight() -> None:
+    """512 x 2048 (1 M MACs per row): every product goes to oneDNN, so no dense copy is held."""
+    torch.manual_seed(3)
+    dense = nn.Linear(512, 2048)
+    original = dense.weight.detach().clone()
+    packed = PackedLinear(dense)
+    assert packed.min_rows == 1 and not packed.keep_dense
+    assert [name for name, _ in packed.named_parameters()] == ["bias"]  # the weight is not held twice
+    assert torch.equal(packed.weight, original)  # read back from the packed copy
+    state = packed.state_dict()
+    assert list(state) == ["weight", "bias"] and torch.equal(state["weight"], original)
+    x = torch.randn(3, 512)
+    with torch.inference_mode():
+        assert float((packed(x) - F.linear(x, original, dense.bias)).abs().max()) < 1e-4
+    new_weight = torch.randn(2048, 512)
+    packed.load_state_dict({"weight": new_weight, "bias": state["bias"]})
+    with torch.inference_mode():
+        assert float((packed(x) - F.linear(x, new_weight, dense.bias)).abs().max()) < 1e-4
+    with pytest.raises(RuntimeError, match="Missing key"):
+        packed.load_state_dict({"bias": state["bias"]})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        packed.load_state_dict({"weight": torch.zeros(4, 4), "bias": state["bias"]})
+    grad_mode = packed(x)  # grad enabled: F.linear on the weight read back from the packed copy
+    assert float((grad_mode - F.linear(x, new_weight, dense.bias)).abs().max().detach()) < 1e-4
+
+
+def test_tied_large_weight_stays_dense_and_shared() -> None:
+    model = nn.Sequential(nn.Embedding(2048, 512), nn.Linear(512, 2048, bias=False))
+    model[1].weight = model[0].weight
+    assert pack_linear_layers(model) == 1
+    assert model[1].keep_dense and model[1].weight is model[0].weight
