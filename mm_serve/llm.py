@@ -28,7 +28,7 @@ from mm_serve.engine.llm_engine import LLMEngine
 from mm_serve.engine.request import Request
 from mm_serve.engine.request_state import RequestState
 from mm_serve.engine.worker_setup import engine_config_from_sizing
-from mm_serve.engine.worker_specs import engine_sizing, worker_device
+from mm_serve.engine.worker_specs import check_supported, engine_sizing, worker_device
 from mm_serve.models.registry import resolve_model
 from mm_serve.outputs import CompletionOutput, RequestOutput
 from mm_serve.sampling_params import SamplingParams
@@ -54,12 +54,16 @@ def _colocated_engine_config(config: ServiceConfig | None, kwargs: dict[str, Any
 
     Raises:
         ValueError: a keyword that is not an :class:`EngineConfig` field, or a bad value.
+        ConfigError: ``config`` asks for what the runtime cannot run (TP/PP > 1, GPUs without CUDA).
     """
     unknown = sorted(set(kwargs) - set(_ENGINE_KEYS))
     if unknown:
         raise ValueError(f"unknown LLM arguments {unknown} for mode='colocated'; allowed: {_ENGINE_KEYS}")
     if config is None:
         return EngineConfig(**kwargs)
+    if not isinstance(config, ServiceConfig):
+        raise ValueError(f"config must be a ServiceConfig (mm_serve.config.load_config), got {type(config).__name__}")
+    check_supported(config)
     return replace(engine_config_from_sizing(engine_sizing(config, worker_device(config, "colocated", 0))), **kwargs)
 
 

@@ -111,3 +111,13 @@ def test_colocated_llm_bad_keywords_are_value_errors(tiny_llama, kwargs, match) 
 
     with pytest.raises(ValueError, match=match):
         LLM(model=tiny_llama, mode="colocated", **kwargs)
+
+
+def test_colocated_llm_checks_the_service_config(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    from mm_serve import LLM
+    from mm_serve.config import config_from_dict
+
+    with pytest.raises(ConfigError, match="tensor_parallel"):
+        LLM(model=tiny_llama, mode="colocated", config=config_from_dict({}, {"compute.prefill_tensor_parallel": 2}))
+    with pytest.raises(ValueError, match="config must be a ServiceConfig"):
+        LLM(model=tiny_llama, mode="colocated", config={"seed": 3})  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ libc.mallinfo2.restype = Info
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 tuned = tune_malloc_for_inference() if sys.argv[1] == "tune" else False
+assert sys.argv[1] != "tune" or tune_malloc_for_inference() == tuned  # a second call: the first result
 before = libc.mallinfo2().hblks
 block = libc.malloc(16 << 20)
 mmapped = libc.mallinfo2().hblks - before
@@ -50,6 +51,14 @@ def test_user_malloc_variables_win() -> None:
     tuned, mmapped, _ = _run("tune", MALLOC_TRIM_THRESHOLD_="131072")
     assert not tuned
     assert mmapped == 1
+
+
+def test_skip_note_is_printed_once() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"MALLOC_TRIM_THRESHOLD_": "131072"}
+    script = "from mm_serve.engine.malloc_tuning import tune_malloc_for_inference as t; print(t(), t(), t())"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["False", "False", "False"]
+    assert out.stderr.count("malloc tuning skipped: MALLOC_TRIM_THRESHOLD_ set by the user") == 1
 
 
 def test_glibc_tunables_win() -> None:

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.caption.output import OutputError, OutputFile
 
     _check_args(args)
-    created = not Path(args.out).exists()
+    created = not os.path.lexists(args.out)  # (a dangling symlink is the user's, not ours)
     try:
         inputs = read_inputs(args.input, args.prompt)
         out, resume = OutputFile.open(args.out, inputs.format, retry_errors=args.retry_errors, fsync=args.fsync)
@@ -121,18 +121,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"mm-serve: error: the engine failed to start: {exc}", file=sys.stderr)
         return 1
     finally:
+        if created:
+            _remove_if_unused(Path(args.out))  # still holding OUT's lock: no other job can be writing it
         out.close()
-        _remove_if_unused(Path(args.out), created)
     print(stats.format(), flush=True)
     if stats.interrupted:
         return 128 + (received[0] if received else int(signal.SIGINT))
     return 1 if stats.fatal_error else 0
 
 
-def _remove_if_unused(path: Path, created: bool) -> None:
-    """Delete OUT when this run created it and wrote nothing (the job failed before any input ran)."""
+def _remove_if_unused(path: Path) -> None:
+    """Delete OUT, which this run created, when nothing was written (the job failed before any input ran).
+
+    Called while this job still holds OUT's lock, so no other job is writing it.
+    """
     try:
-        if created and path.stat().st_size == 0:
+        if not path.is_symlink() and path.stat().st_size == 0:
             path.unlink()
     except OSError:
         pass

@@ -25,11 +25,11 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD_BYTES = 512 << 20  # free heap kept before trimming: several batches' activations
 
-_done = False
+_result: bool | None = None  # the first call's outcome; later calls return it
 
 
 def tune_malloc_for_inference() -> bool:
-    """Apply the thresholds above to this process's glibc malloc (once; later calls are no-ops).
+    """Apply the thresholds above to this process's glibc malloc (once; later calls return the first result).
 
     Skipped when the process is not on glibc, or when the user set either threshold
     (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or ``glibc.malloc.mmap_threshold``
@@ -39,9 +39,13 @@ def tune_malloc_for_inference() -> bool:
     Returns:
         True when the thresholds are (now or already) set by this function.
     """
-    global _done
-    if _done:
-        return True
+    global _result
+    if _result is None:
+        _result = _tune()
+    return _result
+
+
+def _tune() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     user = sorted(os.environ.keys() & {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"})
@@ -57,5 +61,4 @@ def tune_malloc_for_inference() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _done = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-    return _done
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

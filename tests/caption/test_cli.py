@@ -97,3 +97,16 @@ def test_failed_start_leaves_no_empty_output(tmp_path: Path, capsys: pytest.Capt
     out.write_text("")  # an OUT that was there before the run is left alone
     assert "cpu_gemm = 'blas'" in bad_config()
     assert out.exists()
+
+
+def test_dangling_symlink_out_is_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/a.png").write_bytes(b"x")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpu_gemm: blas\n")
+    (tmp_path / "data").mkdir()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "data" / "results.jsonl")
+    assert main(["caption", str(tmp_path / "img"), "--out", str(link), "--config", str(bad)]) == 2
+    assert "cpu_gemm = 'blas'" in capsys.readouterr().err
+    assert link.is_symlink()

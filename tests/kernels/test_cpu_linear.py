@@ -136,3 +136,69 @@ def test_tied_large_weight_stays_dense_and_shared() -> None:
     model[1].weight = model[0].weight
     assert pack_linear_layers(model) == 1
     assert model[1].keep_dense and model[1].weight is model[0].weight
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (512, 2048)], ids=["dense-kept", "packed-only"])
+def test_module_operations_behave_like_nn_linear(shape: tuple[int, int]) -> None:
+    import copy
+    import pickle
+
+    torch.manual_seed(4)
+    dense = nn.Linear(*shape)
+    reference = copy.deepcopy(dense)
+    packed = PackedLinear(dense)
+    x = torch.randn(300, shape[0])
+
+    def check(layer: nn.Module, ref: nn.Module, inputs: torch.Tensor, tol: float = 1e-5) -> None:
+        with torch.inference_mode():
+            expected = ref(inputs)
+            assert float((layer(inputs) - expected).abs().max() / expected.abs().max()) < tol
+
+    check(copy.deepcopy(packed), reference, x)
+    check(pickle.loads(pickle.dumps(packed)), reference, x)
+    # a new weight: both paths (few rows: F.linear; many: oneDNN) use it
+    new = torch.randn(shape[1], shape[0])
+    packed.weight = nn.Parameter(new.clone())
+    reference.weight = nn.Parameter(new.clone())
+    check(packed, reference, x)
+    check(packed, reference, x[:1])
+    # .to(float64) drops the packed copy (F.linear in that dtype); back to float32 packs again
+    packed.to(torch.float64)
+    reference.to(torch.float64)
+    assert packed.packed is None
+    check(packed, reference, x.double(), 1e-12)
+    packed.float()
+    reference.float()
+    assert packed.packed is not None
+    check(packed, reference, x)
+
+
+def test_same_version_replacement_is_repacked() -> None:
+    """A replacement whose version counter equals the old one's is still noticed (identity check)."""
+    torch.manual_seed(5)
+    packed = PackedLinear(nn.Linear(64, 64, bias=False))
+    new = torch.randn(64, 64)
+    param = nn.Parameter(new.clone())
+    with torch.no_grad():
+        param.mul_(1.0)
+    packed.weight = param
+    x = torch.randn(256, 64)
+    with torch.inference_mode():
+        assert float((packed(x) - F.linear(x, new)).abs().max()) < 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_bad_inputs_get_f_linear_errors_and_empty_layers_are_skipped() -> None:
+    packed = PackedLinear(nn.Linear(512, 2048))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="cannot be multiplied"):
+        packed(torch.randn(8, 100))
+    with pytest.raises(ValueError, match="non-empty"):
+        PackedLinear(nn.Linear(0, 4))
+    model = nn.Sequential(nn.Linear(0, 4), nn.Linear(4, 0))
+    assert pack_linear_layers(model) == 0
+
+
+def test_cpu_autocast_keeps_nn_linear_semantics() -> None:
+    packed = PackedLinear(nn.Linear(512, 2048))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packed(torch.randn(8, 512)).dtype == torch.bfloat16
