@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ class EngineClient:
         self.inputs = inputs or InputProcessor(self.model_dir, self.model_config)
         self.instance = uuid.uuid4().hex[:12]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"mmsrv-{self.instance}-"))
+        # removed by shutdown(); also when a client that never started is dropped, or at exit
+        weakref.finalize(self, shutil.rmtree, str(self.run_dir), True)
         self.colocated = config.mode == "colocated"
         self.max_model_len = self.model_config.text.max_position_embeddings
         eos = set(self.model_config.text.eos_token_ids)
