@@ -15,7 +15,7 @@ from mm_serve.engine.llm_engine import LLMEngine
 from mm_serve.engine.request import Request
 from mm_serve.engine.sampling_wire import from_wire
 from mm_serve.engine.worker_channel import WorkerChannel
-from mm_serve.engine.worker_setup import engine_config, pin_and_set_threads
+from mm_serve.engine.worker_setup import engine_config_from_sizing, pin_and_set_threads
 from mm_serve.engine.worker_spec import WorkerSpec
 
 
@@ -25,7 +25,7 @@ class ColocatedWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         pin_and_set_threads(spec)
-        self.engine = LLMEngine(spec.model_dir, engine_config(spec))
+        self.engine = LLMEngine(spec.model_dir, engine_config_from_sizing(spec.sizing))
         self.channel = WorkerChannel(spec.control_address, spec.output_address, messages.ToPrefill, spec.parent_pid)
         self._events: dict[str, dict[str, float]] = {}
         self._sent: dict[str, int] = {}

@@ -32,12 +32,19 @@ class EngineConfig:
         """Decode steps are captured in CUDA graphs: a CUDA device and not ``enforce_eager``."""
         return self.device.startswith("cuda") and not self.enforce_eager
 
+    @property
+    def pack_cpu_linears(self) -> bool:
+        """Linear layers run from oneDNN-packed weights (``cpu_gemm`` onednn; float32 CPU layers only)."""
+        return self.cpu_gemm == "onednn"
+
     def __post_init__(self) -> None:
-        for name in ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size",
-                     "max_model_len", "seed"):
+        positive = ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size")
+        for name in (*positive, "max_model_len", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+            if name in positive and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.device, str):
@@ -48,9 +55,6 @@ class EngineConfig:
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
         if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     def resolved_max_model_len(self, text: TextConfig) -> int:
         """``max_model_len``, or the checkpoint's ``max_position_embeddings`` when it is 0."""

@@ -39,7 +39,7 @@ class LLMEngine:
             tune_malloc_for_inference()  # activations stay mapped between passes (malloc_tuning.py)
         self.model_config = load_model_config(self.model_dir)
         self.model = load_model(
-            self.model_dir, self.config.torch_dtype, self.config.device, pack_cpu_linears=self.config.cpu_gemm == "onednn",
+            self.model_dir, self.config.torch_dtype, self.config.device, pack_cpu_linears=self.config.pack_cpu_linears,
         )
         self.inputs = InputProcessor(self.model_dir, self.model_config)
         self.tokenizer = self.inputs.tokenizer

@@ -23,11 +23,6 @@ def pin_and_set_threads(spec: WorkerSpec) -> None:
         torch.set_num_threads(threads)
 
 
-def engine_config(spec: WorkerSpec) -> EngineConfig:
-    """The resolved :class:`EngineConfig` of a worker."""
-    return engine_config_from_sizing(spec.sizing)
-
-
 def engine_config_from_sizing(s: EngineSizing) -> EngineConfig:
     """:class:`EngineConfig` of the wire-format sizing ``s`` (same fields)."""
     return EngineConfig(
@@ -40,9 +35,9 @@ def engine_config_from_sizing(s: EngineSizing) -> EngineConfig:
 
 def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedKVCache, EngineConfig]:
     """Load the checkpoint and allocate this worker's paged KV cache."""
-    cfg = engine_config(spec)
+    cfg = engine_config_from_sizing(spec.sizing)
     model_config = load_model_config(spec.model_dir)
-    model = load_model(spec.model_dir, cfg.torch_dtype, cfg.device, pack_cpu_linears=cfg.cpu_gemm == "onednn")
+    model = load_model(spec.model_dir, cfg.torch_dtype, cfg.device, pack_cpu_linears=cfg.pack_cpu_linears)
     text = model_config.text
     kv_cache = PagedKVCache(
         text.num_layers, cfg.num_pages, cfg.page_size, text.num_kv_heads, text.head_dim,
