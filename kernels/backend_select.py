@@ -1,4 +1,5 @@
-"""Pick the attention backend for a device: flash-attn on CUDA when installed, else the torch reference."""
+"""Pick the attention backend for a device: flash-attn on CUDA when installed, the compiled
+in-place decode kernel on a CPU when it builds, else the torch reference."""
 
 from __future__ import annotations
 
@@ -10,15 +11,24 @@ from kernels.attention_backend import AttentionBackend
 from kernels.paged_attention_ref import TorchRefAttention
 
 
-def select_attention_backend(device: torch.device) -> AttentionBackend:
+def select_attention_backend(device: torch.device, compiled_cpu: bool = True) -> AttentionBackend:
     """Return the best available backend for ``device``.
 
     The flash-attn backend (``kernels.flash_attention``, extra ``[gpu]``) is used
-    only when the device is CUDA and ``flash_attn`` imports; otherwise the
-    plain-torch reference, which is exact but slower.
+    only when the device is CUDA and ``flash_attn`` imports. On a CPU with
+    ``compiled_cpu``, :class:`~kernels.cpu_paged_attention.CompiledCpuAttention` when its
+    kernel builds (:mod:`kernels.cpu_attention_ext`; a failed build warns once). Otherwise
+    the plain-torch reference, which is exact but slower.
     """
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         from kernels.flash_attention import FlashAttention
 
         return FlashAttention()
+    if device.type == "cpu" and compiled_cpu:
+        from kernels.cpu_attention_ext import paged_decode_attention_op
+        from kernels.cpu_paged_attention import CompiledCpuAttention
+
+        op = paged_decode_attention_op()
+        if op is not None:
+            return CompiledCpuAttention(op)
     return TorchRefAttention()

@@ -233,6 +233,14 @@ class TorchRefAttention(AttentionBackend):
             return prefill_attention_ref(query, key, value, meta.seq_lens, scale)
         if meta.block_tables is None or meta.context_lens is None:
             raise ValueError("decode attention needs block_tables and context_lens")
+        return self.decode(query, k_cache, v_cache, meta, scale)
+
+    def decode(  # type: ignore[no-untyped-def]
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale,
+    ) -> torch.Tensor:
+        """Decode attention ``[B, Hq, D]`` once this pass's K/V are in the cache (``meta`` has tables and lengths)."""
+        assert meta.block_tables is not None and meta.context_lens is not None
+        page_size = k_cache.shape[1]
         if meta.graph_safe:
             return decode_attention_padded(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         if "decode" not in meta.plan:

@@ -29,7 +29,7 @@ def engine_config_from_sizing(s: EngineSizing) -> EngineConfig:
         page_size=s.page_size, num_pages=s.num_pages, max_running=s.max_running,
         prefill_token_budget=s.prefill_token_budget, prefill_batch_size=s.prefill_batch_size,
         max_model_len=s.max_model_len, dtype=s.dtype, device=s.device, seed=s.seed, enforce_eager=s.enforce_eager,
-        cpu_gemm=s.cpu_gemm,
+        cpu_gemm=s.cpu_gemm, cpu_attention=s.cpu_attention,
     )
 
 
@@ -37,7 +37,10 @@ def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedK
     """Load the checkpoint and allocate this worker's paged KV cache."""
     cfg = engine_config_from_sizing(spec.sizing)
     model_config = load_model_config(spec.model_dir)
-    model = load_model(spec.model_dir, cfg.torch_dtype, cfg.device, pack_cpu_linears=cfg.pack_cpu_linears)
+    model = load_model(
+        spec.model_dir, cfg.torch_dtype, cfg.device, pack_cpu_linears=cfg.pack_cpu_linears,
+        compiled_cpu_attention=cfg.compiled_cpu_attention,
+    )
     text = model_config.text
     kv_cache = PagedKVCache(
         text.num_layers, cfg.num_pages, cfg.page_size, text.num_kv_heads, text.head_dim,

@@ -28,12 +28,14 @@ def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: st
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    pack_cpu_linears: bool = True,
+    pack_cpu_linears: bool = True, compiled_cpu_attention: bool = True,
 ) -> MultimodalLM:
     """Load a llava-hf or Llama checkpoint into our runner, in eval mode.
 
     With ``pack_cpu_linears`` (float32 on a CPU), every linear layer, the vision
-    tower's included, runs from oneDNN-packed weights (:mod:`kernels.cpu_linear`).
+    tower's included, runs from oneDNN-packed weights (:mod:`kernels.cpu_linear`). With
+    ``compiled_cpu_attention`` (a CPU), float32 decode attention reads the paged cache in
+    place with the compiled kernel (:mod:`kernels.cpu_paged_attention`), built on first use.
 
     Raises:
         CheckpointError: missing files, unsupported architecture, or weights that
@@ -42,7 +44,7 @@ def load_model(
     root = Path(model_dir)
     cfg = load_model_config(root)
     torch_device = torch.device(device)
-    backend = select_attention_backend(torch_device)
+    backend = select_attention_backend(torch_device, compiled_cpu=compiled_cpu_attention)
     # The decoder (the bulk of the weights) is built without initialising its
     # parameters; the vision tower is built normally for its non-persistent buffers.
     with torch.device("meta"):

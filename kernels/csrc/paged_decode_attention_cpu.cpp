@@ -1,0 +1,179 @@
+// Decode attention straight from a paged KV cache, float32, CPU.
+//
+// One query token per sequence attends to its first context_lens[b] cached tokens,
+// read in place from the pages its block table names: no gather copy, no padding.
+// Work items are (sequence, KV head) pairs spread over torch's intra-op threads
+// (at::parallel_for). Each item reads its K rows once, computing the scores of the
+// whole grouped-query group (Ainslie et al. 2023, GQA) per row, takes the softmax
+// (max-subtracted, as in Milakov & Gimelshein 2018), then reads its V rows once.
+// The same computation as kernels/paged_attention_ref.py (decode_attention_ref);
+// results differ from it in float32 summation order only.
+//
+// Built on first use by kernels/cpu_attention_ext.py (torch.utils.cpp_extension);
+// registered as torch.ops.mm_serve_cpu.paged_decode_attention.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// Asks for the `bytes` at `p` ahead of use (a page's rows are contiguous; pages are scattered).
+inline void prefetch(const float* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+// kHeadDim: the head size as a compile-time constant (the common 64 and 128, so the dot
+// products unroll fully), or 0 to read it from the tensors.
+template <int64_t kHeadDim>
+void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
+  const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_pages = block_tables.size(1);
+  const int64_t k_page_stride = k_cache.stride(0), v_page_stride = v_cache.stride(0);
+  const int64_t row_stride = num_kv_heads * head_dim;  // one token inside a page
+  const float* q_data = query.data_ptr<float>();
+  const float* k_data = k_cache.data_ptr<float>();
+  const float* v_data = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* out_data = out.data_ptr<float>();
+  // A work item is one sequence's KV heads [h0, h0 + heads): all of them when there are
+  // sequences enough to keep every thread busy, so that each page is read as one
+  // contiguous block; otherwise one head per item.
+  const int64_t heads = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads;
+  const int64_t chunk_bytes = heads * head_dim * static_cast<int64_t>(sizeof(float));  // per token row
+
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(heads * group * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads;
+      const int64_t length = lens[b];
+      const int64_t rows = heads * group;  // query heads of this item
+      const int64_t* table = tables + b * max_pages;
+      const float* q = q_data + (b * num_heads + h0 * group) * head_dim;  // `rows` rows of head_dim
+      const int64_t num_pages = (length + page_size - 1) / page_size;
+      scores.resize(rows * length);
+      for (int64_t p = 0; p < num_pages; ++p) {
+        const float* page = k_data + table[p] * k_page_stride + h0 * head_dim;
+        // While this K page is scored, the next K page and this V page (read in the
+        // second pass, from L2 by then) are fetched.
+        const float* v_page = v_data + table[p] * v_page_stride + h0 * head_dim;
+        const float* next = p + 1 < num_pages ? k_data + table[p + 1] * k_page_stride + h0 * head_dim : nullptr;
+        const int64_t first = p * page_size, last = std::min(length, first + page_size);
+        for (int64_t t = first; t < last; ++t) {
+          if (next != nullptr) prefetch(next + (t - first) * row_stride, chunk_bytes);
+          prefetch(v_page + (t - first) * row_stride, chunk_bytes);
+          const float* k = page + (t - first) * row_stride;
+          for (int64_t r = 0; r < rows; ++r) {
+            scores[r * length + t] = dot(q + r * head_dim, k + (r / group) * head_dim, head_dim) * scale;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * length;
+        const float top = *std::max_element(s, s + length);
+        float total = 0.f;
+        for (int64_t t = 0; t < length; ++t) {
+          s[t] = std::exp(s[t] - top);
+          total += s[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < length; ++t) s[t] *= inv;
+      }
+      acc.assign(rows * head_dim, 0.f);
+      for (int64_t p = 0; p < num_pages; ++p) {
+        const float* page = v_data + table[p] * v_page_stride + h0 * head_dim;
+        const int64_t first = p * page_size, last = std::min(length, first + page_size);
+        for (int64_t t = first; t < last; ++t) {
+          const float* v = page + (t - first) * row_stride;
+          for (int64_t r = 0; r < rows; ++r) {
+            axpy(scores[r * length + t], v + (r / group) * head_dim, acc.data() + r * head_dim, head_dim);
+          }
+        }
+      }
+      std::copy(acc.begin(), acc.end(), out_data + (b * num_heads + h0 * group) * head_dim);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, Hq, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must both be [P, S, Hkv, D]");
+  for (const at::Tensor* cache : {&k_cache, &v_cache}) {
+    TORCH_CHECK(cache->stride(3) == 1 && cache->stride(2) == cache->size(3) &&
+                    cache->stride(1) == cache->size(2) * cache->size(3),
+                "each cache page must be a contiguous [S, Hkv, D] block (any page stride)");
+  }
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && block_tables.is_contiguous(),
+              "block_tables must be a contiguous [B, max_pages] tensor");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == query.size(0) &&
+                  context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
+              "context_lens must be a contiguous int64 [B] tensor");
+  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < context_lens.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= capacity, "context_lens[", b, "] = ", lens[b],
+                " is outside [1, max_pages * page_size = ", capacity, "]");
+  }
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong, "block_tables must be int64");
+  const int64_t* page_ids = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < block_tables.size(0); ++b) {
+    for (int64_t i = 0; i < (lens[b] + k_cache.size(1) - 1) / k_cache.size(1); ++i) {
+      const int64_t page = page_ids[b * block_tables.size(1) + i];
+      TORCH_CHECK(page >= 0 && page < k_cache.size(0), "block_tables[", b, ", ", i, "] = ", page,
+                  " is not a page of the cache (", k_cache.size(0), " pages)");
+    }
+  }
+  at::Tensor out = at::empty_like(query);
+  const float fscale = static_cast<float>(scale);
+  switch (query.size(2)) {
+    case 64:
+      attend<64>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+      break;
+    case 128:
+      attend<128>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+      break;
+    default:
+      attend<0>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(mm_serve_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,153 @@
+"""The compiled CPU decode-attention kernel: equal to the torch reference, checked inputs, fallback."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels.cpu_attention_ext as ext
+from kernels.attention_metadata import AttentionMetadata
+from kernels.backend_select import select_attention_backend
+from kernels.cpu_paged_attention import CompiledCpuAttention
+from kernels.paged_attention_ref import TorchRefAttention, decode_attention_ref
+
+
+@pytest.fixture(scope="module")
+def op():  # type: ignore[no-untyped-def]
+    compiled = ext.paged_decode_attention_op()
+    assert compiled is not None, "the kernel must build where the tests run (g++ and ninja are installed)"
+    return compiled
+
+
+def _case(lens: list[int], page: int, hkv: int, group: int, dim: int, seed: int, num_pages: int = 0):  # type: ignore[no-untyped-def]
+    """Random query, a strided layer view of a page-major cache, shuffled block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = sum(-(-n // page) for n in lens)
+    num_pages = max(num_pages, need + 3)
+    data = torch.randn(num_pages, 3, 2, page, hkv, dim, generator=gen)  # [P, layers, K/V, S, Hkv, D]
+    k_cache, v_cache = data[:, 1, 0], data[:, 1, 1]
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // page))] for n in lens]
+    width = max(len(t) for t in tables) + 2  # padding entries past every row's pages
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query = torch.randn(len(lens), hkv * group, dim, generator=gen)
+    return query, k_cache, v_cache, block_tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128])  # the generic path and the two unrolled head sizes
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_equals_reference_over_head_sizes_and_gqa_groups(op, dim: int, group: int) -> None:  # type: ignore[no-untyped-def]
+    lens = [1, 15, 16, 17, 33, 64, 200, 5, 90, 128] * 4  # 40 rows: whole sequences per work item
+    query, k, v, tables, ctx = _case(lens, page=16, hkv=2, group=group, dim=dim, seed=dim + group)
+    got = op(query, k, v, tables, ctx, dim**-0.5)
+    want = decode_attention_ref(query, k, v, tables, ctx, dim**-0.5)
+    assert got.shape == want.shape == query.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=12),
+    page=st.sampled_from([1, 4, 16]),
+    hkv=st.integers(1, 4),
+    group=st.integers(1, 3),
+    dim=st.sampled_from([8, 64]),
+    seed=st.integers(0, 1000),
+)
+def test_equals_reference_on_random_batches(
+    op, lens: list[int], page: int, hkv: int, group: int, dim: int, seed: int,  # type: ignore[no-untyped-def]
+) -> None:
+    """Small batches (one KV head per work item), any page size, ragged lengths."""
+    query, k, v, tables, ctx = _case(lens, page, hkv, group, dim, seed)
+    got = op(query, k, v, tables, ctx, 0.3)
+    torch.testing.assert_close(got, decode_attention_ref(query, k, v, tables, ctx, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_result_does_not_depend_on_thread_count(op) -> None:  # type: ignore[no-untyped-def]
+    query, k, v, tables, ctx = _case([37, 3, 150, 64, 1, 99] * 6, page=16, hkv=4, group=2, dim=64, seed=5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(query, k, v, tables, ctx, 0.125)
+        torch.set_num_threads(2)
+        two = op(query, k, v, tables, ctx, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each (sequence, head) is computed by one thread, in one order
+
+
+def test_reads_only_the_pages_of_each_context(op) -> None:  # type: ignore[no-untyped-def]
+    """Poisoning every slot outside the contexts (other pages, the tail of the last page) changes nothing."""
+    lens = [5, 16, 21]
+    query, k, v, tables, ctx = _case(lens, page=8, hkv=2, group=2, dim=64, seed=1)
+    clean = op(query, k, v, tables, ctx, 0.125)
+    used = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool)
+    for row, n in enumerate(lens):
+        for t in range(n):
+            used[tables[row, t // 8], t % 8] = True
+    k[~used] = float("nan")
+    v[~used] = float("inf")
+    assert torch.equal(op(query, k, v, tables, ctx, 0.125), clean)
+
+
+def test_bad_inputs_raise_clear_errors(op) -> None:  # type: ignore[no-untyped-def]
+    query, k, v, tables, ctx = _case([10, 20], page=16, hkv=2, group=2, dim=64, seed=2)
+    with pytest.raises(RuntimeError, match="is not a page of the cache"):
+        op(query, k, v, torch.full_like(tables, k.shape[0]), ctx, 0.1)
+    with pytest.raises(RuntimeError, match=r"context_lens\[1\] = 0 is outside"):
+        op(query, k, v, tables, torch.tensor([10, 0]), 0.1)
+    with pytest.raises(RuntimeError, match="outside"):
+        op(query, k, v, tables, torch.tensor([10, tables.shape[1] * 16 + 1]), 0.1)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        op(query.double(), k.double(), v.double(), tables, ctx, 0.1)
+    with pytest.raises(RuntimeError, match="block_tables must be int64"):
+        op(query, k, v, tables.int(), ctx, 0.1)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        op(query[:, :3].contiguous(), k, v, tables, ctx, 0.1)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(query, k.transpose(1, 2), v.transpose(1, 2), tables, ctx, 0.1)
+
+
+def test_backend_uses_the_kernel_for_float32_decode_only(op) -> None:  # type: ignore[no-untyped-def]
+    backend = select_attention_backend(torch.device("cpu"))
+    assert isinstance(backend, CompiledCpuAttention)
+    assert type(select_attention_backend(torch.device("cpu"), compiled_cpu=False)) is TorchRefAttention
+    query, k, v, tables, ctx = _case([3, 40], page=16, hkv=2, group=2, dim=64, seed=3)
+    meta = AttentionMetadata(is_prefill=False, seq_lens=[1, 1], slot_mapping=torch.tensor([0, 1]),
+                             block_tables=tables, context_lens=ctx)
+    # bfloat16 takes the reference path (the kernel is float32 only): it must not raise.
+    half = backend.decode(query.bfloat16(), k.bfloat16(), v.bfloat16(), meta, 0.125)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(backend.decode(query, k, v, meta, 0.125),
+                               decode_attention_ref(query, k, v, tables, ctx, 0.125), rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this kernel does not build\n")
+    monkeypatch.setattr(ext, "SOURCE", broken)
+    monkeypatch.setattr(ext, "_loaded", {})
+    monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match=r"(?s)compiled CPU attention kernel unavailable.*error: #error this kernel does not build"):
+        assert ext.paged_decode_attention_op() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not retried, no second warning
+        assert ext.paged_decode_attention_op() is None
+        assert type(select_attention_backend(torch.device("cpu"))) is TorchRefAttention
+    assert (tmp_path / "cache" / "kernels").is_dir()
+
+
+def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MM_SERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ext.cache_root() == tmp_path / "mm-serve"
+    monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "mine"))
+    assert ext.cache_root() == tmp_path / "mine"
