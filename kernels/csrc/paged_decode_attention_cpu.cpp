@@ -104,10 +104,18 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
         for (int64_t t = 0; t < length; ++t) s[t] *= inv;
       }
       acc.assign(rows * head_dim, 0.f);
+      // While V (fetched during the K pass) is summed from cache, the next item's K pages
+      // are fetched: each pass pairs one page stream with compute on data already here.
+      const bool has_next = item + 1 < end;
+      const int64_t next_b = (item + 1) / items_per_seq, next_h0 = ((item + 1) % items_per_seq) * heads;
+      const int64_t next_pages = has_next ? (lens[next_b] + page_size - 1) / page_size : 0;
+      const int64_t* next_table = tables + next_b * max_pages;
       for (int64_t p = 0; p < num_pages; ++p) {
         const float* page = v_data + table[p] * v_page_stride + h0 * head_dim;
+        const float* ahead = p < next_pages ? k_data + next_table[p] * k_page_stride + next_h0 * head_dim : nullptr;
         const int64_t first = p * page_size, last = std::min(length, first + page_size);
         for (int64_t t = first; t < last; ++t) {
+          if (ahead != nullptr) prefetch(ahead + (t - first) * row_stride, chunk_bytes);
           const float* v = page + (t - first) * row_stride;
           for (int64_t r = 0; r < rows; ++r) {
             axpy(scores[r * length + t], v + (r / group) * head_dim, acc.data() + r * head_dim, head_dim);
