@@ -39,3 +39,17 @@ class AttentionBackend(ABC):
         implementations write them to the cache (:meth:`write_kv`) before reading it.
         Does not mutate anything else.
         """
+
+    def fused_decode(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor | None:
+        """A decode pass's attention straight from the fused QKV projection, or None.
+
+        ``qkv`` ``[B, (num_heads + 2 num_kv_heads) * head_dim]`` (queries, keys, values);
+        ``cos``/``sin`` ``[B, head_dim]``: the rotate-half RoPE of the model. A backend with
+        a fused kernel applies RoPE, writes the new K/V and attends, returning
+        ``[B, num_heads, head_dim]``; None (this default) means the caller applies RoPE and
+        calls :meth:`forward`.
+        """
+        return None

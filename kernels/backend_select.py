@@ -25,10 +25,10 @@ def select_attention_backend(device: torch.device, compiled_cpu: bool = True) ->
 
         return FlashAttention()
     if device.type == "cpu" and compiled_cpu:
-        from kernels.cpu_attention_ext import paged_decode_attention_op
+        from kernels.cpu_attention_ext import cpu_attention_ops
         from kernels.cpu_paged_attention import CompiledCpuAttention
 
-        op = paged_decode_attention_op()
-        if op is not None:
-            return CompiledCpuAttention(op)
+        ops = cpu_attention_ops()
+        if ops is not None:
+            return CompiledCpuAttention(ops)
     return TorchRefAttention()

@@ -2,7 +2,8 @@
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (g++ and
 ninja, ~10 s once) into a per-user cache folder keyed by the source, the torch
-version and this CPU, and registered as ``torch.ops.mm_serve_cpu.paged_decode_attention``.
+version and this CPU, and registered as ``torch.ops.mm_serve_cpu`` (``paged_decode_attention`` and
+``rope_paged_decode_attention``).
 Later processes load the cached library in milliseconds; concurrent first uses
 (several worker processes) wait on one lock (``flock``, released if its holder dies). Where the build fails
 (no C++ compiler, say) callers fall back to the plain-torch reference and one
@@ -20,8 +21,8 @@ import shutil
 import sys
 import threading
 import warnings
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # cpp_extension adds the C++ stan
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
-_loaded: dict[str, Callable[..., torch.Tensor] | None] = {}
+_loaded: dict[str, Any] = {}
 
 
 def cache_root() -> Path:
@@ -71,7 +72,7 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build() -> Callable[..., torch.Tensor]:
+def _build() -> Any:
     # cpp_extension logs a CUDA_HOME notice at import on machines without CUDA; not ours to show.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils import cpp_extension
@@ -94,7 +95,7 @@ def _build() -> Callable[..., torch.Tensor]:
             name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
             build_directory=str(build_dir), is_python_module=False, verbose=False,
         )
-    return torch.ops.mm_serve_cpu.paged_decode_attention
+    return torch.ops.mm_serve_cpu
 
 
 def _reason(exc: Exception) -> str:
@@ -106,22 +107,27 @@ def _reason(exc: Exception) -> str:
     return picked if len(picked) <= 400 else "..." + picked[-400:]
 
 
-def paged_decode_attention_op() -> Callable[..., torch.Tensor] | None:
-    """The compiled op ``(query [B, Hq, D], k_cache, v_cache [P, S, Hkv, D], block_tables [B, max_pages],
-    context_lens [B] int64, scale) -> [B, Hq, D]`` (float32, CPU), or None where it cannot be built.
+def cpu_attention_ops() -> Any | None:
+    """The compiled ops' namespace ``torch.ops.mm_serve_cpu``, or None where it cannot be built.
+
+    ``paged_decode_attention(query [B, Hq, D], k_cache, v_cache [P, S, Hkv, D], block_tables
+    [B, max_pages] int64, context_lens [B] int64, scale) -> [B, Hq, D]`` and
+    ``rope_paged_decode_attention(qkv [B, (Hq + 2 Hkv) * D], cos, sin [B, D], num_heads, k_cache,
+    v_cache, block_tables, context_lens, scale) -> [B, Hq, D]`` (writes the new K/V), float32
+    on a CPU; wrong inputs raise ``RuntimeError`` naming the problem.
 
     Built at most once per process; a failed build warns once (``RuntimeWarning``) and
     is not retried.
     """
     with _lock:
-        if "op" not in _loaded:
+        if "ops" not in _loaded:
             try:
-                _loaded["op"] = _build()
+                _loaded["ops"] = _build()
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
-                _loaded["op"] = None
+                _loaded["ops"] = None
                 warnings.warn(
                     f"compiled CPU attention kernel unavailable ({type(exc).__name__}: {_reason(exc)}); "
                     "using the plain-torch reference (set cpu_attention: torch to silence this)",
                     RuntimeWarning, stacklevel=2,
                 )
-        return _loaded["op"]
+        return _loaded["ops"]

@@ -9,8 +9,13 @@
 // The same computation as kernels/paged_attention_ref.py (decode_attention_ref);
 // results differ from it in float32 summation order only.
 //
+// rope_paged_decode_attention does a decode layer's whole attention after the fused QKV
+// projection: RoPE on the query and the new key, the new key and value written to their
+// slot (the context's last position), then the attention above.
+//
 // Built on first use by kernels/cpu_attention_ext.py (torch.utils.cpp_extension);
-// registered as torch.ops.mm_serve_cpu.paged_decode_attention.
+// registered as torch.ops.mm_serve_cpu.paged_decode_attention and
+// torch.ops.mm_serve_cpu.rope_paged_decode_attention.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -127,42 +132,41 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_decode_attention: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, Hq, D] tensor");
+// The checks both entry points share: devices, dtypes, cache layout, tables and lengths
+// (every page a context reads is a page of the cache).
+void check_cache_and_tables(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t batch) {
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "paged decode attention: CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "paged decode attention: float32 only");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must both be [P, S, Hkv, D]");
   for (const at::Tensor* cache : {&k_cache, &v_cache}) {
     TORCH_CHECK(cache->stride(3) == 1 && cache->stride(2) == cache->size(3) &&
                     cache->stride(1) == cache->size(2) * cache->size(3),
                 "each cache page must be a contiguous [S, Hkv, D] block (any page stride)");
   }
-  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim differs between query and cache");
-  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) && block_tables.is_contiguous(),
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && block_tables.is_contiguous(),
               "block_tables must be a contiguous [B, max_pages] tensor");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == query.size(0) &&
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong, "block_tables must be int64");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == batch &&
                   context_lens.scalar_type() == at::kLong && context_lens.is_contiguous(),
               "context_lens must be a contiguous int64 [B] tensor");
-  const int64_t capacity = block_tables.size(1) * k_cache.size(1);
+  const int64_t page_size = k_cache.size(1), capacity = block_tables.size(1) * page_size;
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < context_lens.size(0); ++b) {
+  const int64_t* page_ids = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= capacity, "context_lens[", b, "] = ", lens[b],
                 " is outside [1, max_pages * page_size = ", capacity, "]");
-  }
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong, "block_tables must be int64");
-  const int64_t* page_ids = block_tables.data_ptr<int64_t>();
-  for (int64_t b = 0; b < block_tables.size(0); ++b) {
-    for (int64_t i = 0; i < (lens[b] + k_cache.size(1) - 1) / k_cache.size(1); ++i) {
+    for (int64_t i = 0; i < (lens[b] + page_size - 1) / page_size; ++i) {
       const int64_t page = page_ids[b * block_tables.size(1) + i];
       TORCH_CHECK(page >= 0 && page < k_cache.size(0), "block_tables[", b, ", ", i, "] = ", page,
                   " is not a page of the cache (", k_cache.size(0), " pages)");
     }
   }
+}
+
+at::Tensor attend_checked(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   at::Tensor out = at::empty_like(query);
   const float fscale = static_cast<float>(scale);
   switch (query.size(2)) {
@@ -178,10 +182,76 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return out;
 }
 
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat, "query: float32 only, on the CPU");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be a contiguous [B, Hq, D] tensor");
+  check_cache_and_tables(k_cache, v_cache, block_tables, context_lens, query.size(0));
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  return attend_checked(query, k_cache, v_cache, block_tables, context_lens, scale);
+}
+
+// out = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (the GPT-NeoX / Llama form
+// of RoPE, Su et al. 2021; transformers' apply_rotary_pos_emb), for one head of `dim` values.
+// Not contracted into fused multiply-adds, so the result equals the reference's two
+// rounded products and rounded sum bit for bit.
+__attribute__((optimize("fp-contract=off"))) inline void rotate(const float* x, const float* cos, const float* sin, float* out, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+  for (int64_t i = half; i < dim; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+at::Tensor rope_paged_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                       int64_t num_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat, "qkv: float32 only, on the CPU");
+  check_cache_and_tables(k_cache, v_cache, block_tables, context_lens, qkv.size(0));
+  const int64_t batch = qkv.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  TORCH_CHECK(num_heads >= 1 && num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(head_dim % 2 == 0, "RoPE needs an even head_dim");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && qkv.is_contiguous(),
+              "qkv must be a contiguous [B, (Hq + 2 Hkv) * D] tensor");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == batch && t->size(1) == head_dim &&
+                    t->is_contiguous(),
+                "cos and sin must be contiguous float32 [B, D] tensors");
+  }
+  at::Tensor query = at::empty({batch, num_heads, head_dim}, qkv.options());
+  const float* qkv_data = qkv.data_ptr<float>();
+  const float* cos_data = cos.data_ptr<float>();
+  const float* sin_data = sin.data_ptr<float>();
+  float* q_data = query.data_ptr<float>();
+  float* k_data = k_cache.data_ptr<float>();
+  float* v_data = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t page_size = k_cache.size(1), row_stride = num_kv_heads * head_dim;
+  for (int64_t b = 0; b < batch; ++b) {  // ~(Hq + Hkv) * D multiplies a row: not worth threads
+    const float* row = qkv_data + b * width;
+    const float* c = cos_data + b * head_dim;
+    const float* s = sin_data + b * head_dim;
+    for (int64_t h = 0; h < num_heads; ++h) rotate(row + h * head_dim, c, s, q_data + (b * num_heads + h) * head_dim, head_dim);
+    const int64_t position = lens[b] - 1;  // the new token is the context's last
+    const int64_t page = tables[b * block_tables.size(1) + position / page_size];
+    const int64_t offset = (position % page_size) * row_stride;
+    float* k_slot = k_data + page * k_cache.stride(0) + offset;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      rotate(row + (num_heads + h) * head_dim, c, s, k_slot + h * head_dim, head_dim);
+    }
+    std::copy(row + (num_heads + num_kv_heads) * head_dim, row + width, v_data + page * v_cache.stride(0) + offset);
+  }
+  return attend_checked(query, k_cache, v_cache, block_tables, context_lens, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mm_serve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("rope_paged_decode_attention(Tensor qkv, Tensor cos, Tensor sin, int num_heads, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("rope_paged_decode_attention", c10::DispatchKey::CPU, &rope_paged_decode_attention);
 }

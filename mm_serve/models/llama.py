@@ -58,6 +58,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        fused = backend.fused_decode(qkv, cos, sin, self.num_heads, k_cache, v_cache, meta, self.scale)
+        if fused is not None:  # RoPE, K/V write and attention in one kernel
+            return self.o_proj(fused.reshape(tokens, self.num_heads * self.head_dim))
         qk_size = self.q_size + self.kv_size
         # RoPE on the query and key heads together (they are adjacent in the fused output)
         qk = apply_rotary(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)

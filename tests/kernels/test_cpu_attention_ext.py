@@ -15,14 +15,19 @@ import kernels.cpu_attention_ext as ext
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend_select import select_attention_backend
 from kernels.cpu_paged_attention import CompiledCpuAttention
-from kernels.paged_attention_ref import TorchRefAttention, decode_attention_ref
+from kernels.paged_attention_ref import TorchRefAttention, decode_attention_ref, write_kv_ref
 
 
 @pytest.fixture(scope="module")
-def op():  # type: ignore[no-untyped-def]
-    compiled = ext.paged_decode_attention_op()
-    assert compiled is not None, "the kernel must build where the tests run (g++ and ninja are installed)"
+def ops():  # type: ignore[no-untyped-def]
+    compiled = ext.cpu_attention_ops()
+    assert compiled is not None, "the kernels must build where the tests run (g++ and ninja are installed)"
     return compiled
+
+
+@pytest.fixture(scope="module")
+def op(ops):  # type: ignore[no-untyped-def]
+    return ops.paged_decode_attention
 
 
 def _case(lens: list[int], page: int, hkv: int, group: int, dim: int, seed: int, num_pages: int = 0):  # type: ignore[no-untyped-def]
@@ -116,6 +121,35 @@ def test_bad_inputs_raise_clear_errors(op) -> None:  # type: ignore[no-untyped-d
         op(query, k.transpose(1, 2), v.transpose(1, 2), tables, ctx, 0.1)
 
 
+@pytest.mark.parametrize("dim", [64, 32])
+def test_fused_rope_write_and_attention_equal_the_reference_steps(ops, dim: int) -> None:  # type: ignore[no-untyped-def]
+    """RoPE + K/V write + attention in one op: the cache receives bit-identical K/V, the
+    output equals the reference path's."""
+    from mm_serve.models.rope import apply_rotary
+
+    lens = [1, 16, 17, 40, 9, 128]
+    hq, hkv = 4, 2
+    query, k, v, tables, ctx = _case(lens, page=16, hkv=hkv, group=2, dim=dim, seed=dim)
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * dim, generator=gen)
+    angles = (ctx - 1).float()[:, None] * torch.rand(dim // 2, generator=gen)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    k_ref, v_ref = k.clone(), v.clone()
+    qk = apply_rotary(qkv[:, : (hq + hkv) * dim].view(len(lens), hq + hkv, dim), cos, sin)
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    write_kv_ref(qk[:, hq:], qkv[:, (hq + hkv) * dim:].view(len(lens), hkv, dim), k_ref, v_ref, slots)
+    want = decode_attention_ref(qk[:, :hq].contiguous(), k_ref, v_ref, tables, ctx, 0.2)
+
+    got = ops.rope_paged_decode_attention(qkv, cos, sin, hq, k, v, tables, ctx, 0.2)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"qkv must be a contiguous \[B, \(Hq \+ 2 Hkv\) \* D\]"):
+        ops.rope_paged_decode_attention(qkv[:, 1:], cos, sin, hq, k, v, tables, ctx, 0.2)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ops.rope_paged_decode_attention(qkv, cos[:, :2], sin, hq, k, v, tables, ctx, 0.2)
+
+
 def test_backend_uses_the_kernel_for_float32_decode_only(op) -> None:  # type: ignore[no-untyped-def]
     backend = select_attention_backend(torch.device("cpu"))
     assert isinstance(backend, CompiledCpuAttention)
@@ -137,10 +171,10 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(ext, "_loaded", {})
     monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.warns(RuntimeWarning, match=r"(?s)compiled CPU attention kernel unavailable.*error: #error this kernel does not build"):
-        assert ext.paged_decode_attention_op() is None
+        assert ext.cpu_attention_ops() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not retried, no second warning
-        assert ext.paged_decode_attention_op() is None
+        assert ext.cpu_attention_ops() is None
         assert type(select_attention_backend(torch.device("cpu"))) is TorchRefAttention
     assert (tmp_path / "cache" / "kernels").is_dir()
 
