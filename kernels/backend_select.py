@@ -17,7 +17,7 @@ def select_attention_backend(device: torch.device, compiled_cpu: bool = True) ->
     The flash-attn backend (``kernels.flash_attention``, extra ``[gpu]``) is used
     only when the device is CUDA and ``flash_attn`` imports. On a CPU with
     ``compiled_cpu``, :class:`~kernels.cpu_paged_attention.CompiledCpuAttention` when its
-    kernel builds (:mod:`kernels.cpu_attention_ext`; a failed build warns once). Otherwise
+    kernel builds (:mod:`kernels.cpu_extension`; a failed build warns once). Otherwise
     the plain-torch reference, which is exact but slower.
     """
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
@@ -25,10 +25,10 @@ def select_attention_backend(device: torch.device, compiled_cpu: bool = True) ->
 
         return FlashAttention()
     if device.type == "cpu" and compiled_cpu:
-        from kernels.cpu_attention_ext import cpu_attention_ops
+        from kernels.cpu_extension import cpu_kernel_ops
         from kernels.cpu_paged_attention import CompiledCpuAttention
 
-        ops = cpu_attention_ops()
+        ops = cpu_kernel_ops()
         if ops is not None:
             return CompiledCpuAttention(ops)
     return TorchRefAttention()

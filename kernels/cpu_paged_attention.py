@@ -13,7 +13,7 @@ from kernels.paged_attention_ref import TorchRefAttention
 class CompiledCpuAttention(TorchRefAttention):
     """:class:`TorchRefAttention` whose float32 CPU decode reads the paged cache in place.
 
-    ``ops`` is :func:`kernels.cpu_attention_ext.cpu_attention_ops`'s namespace
+    ``ops`` is :func:`kernels.cpu_extension.cpu_kernel_ops`'s namespace
     (``kernels/csrc/paged_decode_attention_cpu.cpp``): no gather of each row's pages into a
     padded copy, no mask, one pass over K and one over V per (sequence, KV head); the fused
     op also applies RoPE and writes the new K/V. Prefill, other dtypes and devices, and
@@ -21,7 +21,7 @@ class CompiledCpuAttention(TorchRefAttention):
     """
 
     def __init__(self, ops: Any) -> None:
-        self._ops = ops
+        self.ops = ops  # torch.ops.mm_serve_cpu
 
     @staticmethod
     def _applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -33,7 +33,7 @@ class CompiledCpuAttention(TorchRefAttention):
         if not self._applies(query, meta):
             return super().decode(query, k_cache, v_cache, meta, scale)
         assert meta.block_tables is not None and meta.context_lens is not None
-        return self._ops.paged_decode_attention(
+        return self.ops.paged_decode_attention(
             query.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, float(scale),
         )
 
@@ -42,7 +42,7 @@ class CompiledCpuAttention(TorchRefAttention):
     ) -> torch.Tensor | None:
         if not self._applies(qkv, meta) or meta.block_tables is None or meta.context_lens is None:
             return None
-        return self._ops.rope_paged_decode_attention(
+        return self.ops.rope_paged_decode_attention(
             qkv.contiguous(), cos.contiguous(), sin.contiguous(), num_heads, k_cache, v_cache,
             meta.block_tables, meta.context_lens, float(scale),
         )

@@ -43,7 +43,7 @@ _SERVICE_KEYS = {
     "decode_cpus": "compute.decode_cpus", "threads_per_worker": "compute.threads_per_worker",
     "dtype": "dtype", "seed": "seed", "max_images_per_request": "api.max_images_per_request",
     "enforce_eager": "enforce_eager", "cpu_gemm": "cpu_gemm",
-    "cpu_attention": "cpu_attention",
+    "cpu_kernels": "cpu_kernels",
 }
 
 
@@ -81,7 +81,7 @@ class LLM:
             engine settings (KV cache, scheduler, dtype, seed, ``cpu_gemm``, ...) as the
             colocated worker would get them.
         **kwargs: settings that override ``config``: sizing (``page_size``, ``num_pages``,
-            ``max_running``, ``dtype``, ``seed``, ``cpu_gemm``, ``cpu_attention``, ...); the worker modes also take
+            ``max_running``, ``dtype``, ``seed``, ``cpu_gemm``, ``cpu_kernels``, ...); the worker modes also take
             ``prefill_workers``, ``decode_workers``, ... (see ``_SERVICE_KEYS``), the colocated
             mode the :class:`~mm_serve.engine.engine_config.EngineConfig` fields.
 

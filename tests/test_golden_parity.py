@@ -132,12 +132,12 @@ def test_rejects_image_count_mismatch(llava_llm: LLM) -> None:
 def test_torch_gemm_and_attention_path_matches_transformers(
     tiny_llava: Path, llava_reference: torch.nn.Module,
 ) -> None:
-    """``cpu_gemm="torch"`` (F.linear, no packed weights) and ``cpu_attention="torch"`` (gather +
+    """``cpu_gemm="torch"`` (F.linear, no packed weights) and ``cpu_kernels="torch"`` (gather +
     SDPA, not the compiled kernel) give the reference's tokens too."""
     from kernels.cpu_linear import PackedLinear
     from kernels.paged_attention_ref import TorchRefAttention
 
-    llm = LLM(model=tiny_llava, mode="colocated", num_pages=256, cpu_gemm="torch", cpu_attention="torch")
+    llm = LLM(model=tiny_llava, mode="colocated", num_pages=256, cpu_gemm="torch", cpu_kernels="torch")
     assert not any(isinstance(m, PackedLinear) for m in llm.engine.model.modules())
     assert type(llm.engine.model.language_model.backend) is TorchRefAttention
     requests = [r for name, r in LLAVA_CASES if name in ("text-only", "one-image", "two-images-different-sizes", "long-text-~300-tokens")]

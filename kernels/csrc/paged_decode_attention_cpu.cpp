@@ -13,7 +13,7 @@
 // projection: RoPE on the query and the new key, the new key and value written to their
 // slot (the context's last position), then the attention above.
 //
-// Built on first use by kernels/cpu_attention_ext.py (torch.utils.cpp_extension);
+// Built on first use by kernels/cpu_extension.py (torch.utils.cpp_extension);
 // registered as torch.ops.mm_serve_cpu.paged_decode_attention and
 // torch.ops.mm_serve_cpu.rope_paged_decode_attention.
 

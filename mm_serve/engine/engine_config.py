@@ -26,7 +26,7 @@ class EngineConfig:
     seed: int = 0  # seeds generators of requests that bring no seed
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
     cpu_gemm: str = "onednn"  # float32 on a CPU: "onednn" (packed weights, kernels/cpu_linear.py) or "torch" (F.linear)
-    cpu_attention: str = "compiled"  # float32 CPU decode: "compiled" (kernels/csrc, in place) or "torch" (gather + SDPA)
+    cpu_kernels: str = "compiled"  # float32 CPU decode: "compiled" (kernels/csrc, in place) or "torch" (gather + SDPA)
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -39,9 +39,9 @@ class EngineConfig:
         return self.cpu_gemm == "onednn"
 
     @property
-    def compiled_cpu_attention(self) -> bool:
-        """Decode attention runs the compiled in-place kernel (``cpu_attention`` compiled; float32 CPU only)."""
-        return self.cpu_attention == "compiled"
+    def compiled_cpu_kernels(self) -> bool:
+        """Decode attention runs the compiled in-place kernel (``cpu_kernels`` compiled; float32 CPU only)."""
+        return self.cpu_kernels == "compiled"
 
     def __post_init__(self) -> None:
         positive = ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size")
@@ -59,8 +59,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 0 (0: the checkpoint's), got {self.max_model_len}")
         if not isinstance(self.cpu_gemm, str) or self.cpu_gemm not in ("onednn", "torch"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
-        if not isinstance(self.cpu_attention, str) or self.cpu_attention not in ("compiled", "torch"):
-            raise ValueError(f"cpu_attention must be 'compiled' or 'torch', got {self.cpu_attention!r}")
+        if not isinstance(self.cpu_kernels, str) or self.cpu_kernels not in ("compiled", "torch"):
+            raise ValueError(f"cpu_kernels must be 'compiled' or 'torch', got {self.cpu_kernels!r}")
         if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

@@ -40,7 +40,7 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_dir)
         self.model = load_model(
             self.model_dir, self.config.torch_dtype, self.config.device, pack_cpu_linears=self.config.pack_cpu_linears,
-            compiled_cpu_attention=self.config.compiled_cpu_attention,
+            compiled_cpu_kernels=self.config.compiled_cpu_kernels,
         )
         self.inputs = InputProcessor(self.model_dir, self.model_config)
         self.tokenizer = self.inputs.tokenizer

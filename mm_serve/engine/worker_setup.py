@@ -29,7 +29,7 @@ def engine_config_from_sizing(s: EngineSizing) -> EngineConfig:
         page_size=s.page_size, num_pages=s.num_pages, max_running=s.max_running,
         prefill_token_budget=s.prefill_token_budget, prefill_batch_size=s.prefill_batch_size,
         max_model_len=s.max_model_len, dtype=s.dtype, device=s.device, seed=s.seed, enforce_eager=s.enforce_eager,
-        cpu_gemm=s.cpu_gemm, cpu_attention=s.cpu_attention,
+        cpu_gemm=s.cpu_gemm, cpu_kernels=s.cpu_kernels,
     )
 
 
@@ -39,7 +39,7 @@ def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedK
     model_config = load_model_config(spec.model_dir)
     model = load_model(
         spec.model_dir, cfg.torch_dtype, cfg.device, pack_cpu_linears=cfg.pack_cpu_linears,
-        compiled_cpu_attention=cfg.compiled_cpu_attention,
+        compiled_cpu_kernels=cfg.compiled_cpu_kernels,
     )
     text = model_config.text
     kv_cache = PagedKVCache(

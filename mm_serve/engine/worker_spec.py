@@ -25,7 +25,7 @@ class EngineSizing(msgspec.Struct, frozen=True):
     seed: int = 0
     enforce_eager: bool = False
     cpu_gemm: str = "onednn"
-    cpu_attention: str = "compiled"
+    cpu_kernels: str = "compiled"
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):

@@ -19,7 +19,7 @@ def engine_sizing(cfg: ServiceConfig, device: str) -> EngineSizing:
         max_running=cfg.scheduler.decode_max_concurrent, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_batch_size=cfg.scheduler.prefill_batch_size, dtype=cfg.dtype, device=device, seed=cfg.seed,
         enforce_eager=cfg.enforce_eager, cpu_gemm=cfg.cpu_gemm,
-        cpu_attention=cfg.cpu_attention,
+        cpu_kernels=cfg.cpu_kernels,
     )
 
 

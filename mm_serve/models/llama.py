@@ -10,6 +10,8 @@ except for two fused projections, stacked on load (:mod:`mm_serve.models.fused_w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,9 +29,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # The compiled one-pass kernel (kernels/csrc/rms_norm_cpu.cpp) for float32 CPU
+        # inference, set by the loader (``compiled_cpu_kernels``); None: torch's ops.
+        self.compiled_kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if (self.compiled_kernel is not None and dtype == torch.float32 and self.weight.dtype == torch.float32
+                and x.device.type == "cpu" and not torch.is_grad_enabled()):
+            return self.compiled_kernel(x.contiguous(), self.weight, self.eps)
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same formula
         h = x.to(torch.float32)

@@ -8,8 +8,9 @@ import torch
 
 from kernels.backend_select import select_attention_backend
 from kernels.cpu_linear import pack_linear_layers
+from kernels.cpu_paged_attention import CompiledCpuAttention
 from mm_serve.models.fused_weights import fuse_projections
-from mm_serve.models.llama import LlamaForCausalLM
+from mm_serve.models.llama import LlamaForCausalLM, RMSNorm
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.models.model_config import CheckpointError, load_model_config
 from mm_serve.models.weights import load_state_dicts
@@ -28,14 +29,15 @@ def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: st
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    pack_cpu_linears: bool = True, compiled_cpu_attention: bool = True,
+    pack_cpu_linears: bool = True, compiled_cpu_kernels: bool = True,
 ) -> MultimodalLM:
     """Load a llava-hf or Llama checkpoint into our runner, in eval mode.
 
     With ``pack_cpu_linears`` (float32 on a CPU), every linear layer, the vision
     tower's included, runs from oneDNN-packed weights (:mod:`kernels.cpu_linear`). With
-    ``compiled_cpu_attention`` (a CPU), float32 decode attention reads the paged cache in
-    place with the compiled kernel (:mod:`kernels.cpu_paged_attention`), built on first use.
+    ``compiled_cpu_kernels`` (a CPU), float32 decode attention reads the paged cache in
+    place with the compiled kernel (:mod:`kernels.cpu_paged_attention`) and RMSNorm runs as
+    one compiled op (:mod:`kernels.cpu_extension`, built on first use).
 
     Raises:
         CheckpointError: missing files, unsupported architecture, or weights that
@@ -44,7 +46,7 @@ def load_model(
     root = Path(model_dir)
     cfg = load_model_config(root)
     torch_device = torch.device(device)
-    backend = select_attention_backend(torch_device, compiled_cpu=compiled_cpu_attention)
+    backend = select_attention_backend(torch_device, compiled_cpu=compiled_cpu_kernels)
     # The decoder (the bulk of the weights) is built without initialising its
     # parameters; the vision tower is built normally for its non-persistent buffers.
     with torch.device("meta"):
@@ -74,4 +76,8 @@ def load_model(
     model.eval()
     if pack_cpu_linears and torch_device.type == "cpu" and dtype == torch.float32:
         pack_linear_layers(model)
+    if compiled_cpu_kernels and isinstance(backend, CompiledCpuAttention) and dtype == torch.float32:
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.compiled_kernel = backend.ops.rms_norm
     return model

@@ -1,4 +1,4 @@
-"""The compiled CPU decode-attention kernel: equal to the torch reference, checked inputs, fallback."""
+"""The compiled CPU kernels: equal to the torch reference, checked inputs, fallback."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels.cpu_attention_ext as ext
+import kernels.cpu_extension as ext
 from kernels.attention_metadata import AttentionMetadata
 from kernels.backend_select import select_attention_backend
 from kernels.cpu_paged_attention import CompiledCpuAttention
@@ -20,7 +20,7 @@ from kernels.paged_attention_ref import TorchRefAttention, decode_attention_ref,
 
 @pytest.fixture(scope="module")
 def ops():  # type: ignore[no-untyped-def]
-    compiled = ext.cpu_attention_ops()
+    compiled = ext.cpu_kernel_ops()
     assert compiled is not None, "the kernels must build where the tests run (g++ and ninja are installed)"
     return compiled
 
@@ -167,14 +167,14 @@ def test_backend_uses_the_kernel_for_float32_decode_only(op) -> None:  # type: i
 def test_a_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this kernel does not build\n")
-    monkeypatch.setattr(ext, "SOURCE", broken)
+    monkeypatch.setattr(ext, "SOURCES", [broken])
     monkeypatch.setattr(ext, "_loaded", {})
     monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.warns(RuntimeWarning, match=r"(?s)compiled CPU attention kernel unavailable.*error: #error this kernel does not build"):
-        assert ext.cpu_attention_ops() is None
+    with pytest.warns(RuntimeWarning, match=r"(?s)compiled CPU kernels unavailable.*error: #error this kernel does not build"):
+        assert ext.cpu_kernel_ops() is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not retried, no second warning
-        assert ext.cpu_attention_ops() is None
+        assert ext.cpu_kernel_ops() is None
         assert type(select_attention_backend(torch.device("cpu"))) is TorchRefAttention
     assert (tmp_path / "cache" / "kernels").is_dir()
 
@@ -185,3 +185,36 @@ def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     assert ext.cache_root() == tmp_path / "mm-serve"
     monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "mine"))
     assert ext.cache_root() == tmp_path / "mine"
+
+
+@pytest.mark.parametrize("shape", [(1, 512), (32, 512), (3, 7, 100), (2000, 64)])
+def test_rms_norm_equals_torch(ops, shape: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=gen) * 3
+    weight = torch.randn(shape[-1], generator=gen)
+    got = ops.rms_norm(x, weight, 1e-6)
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))  # transformers' LlamaRMSNorm
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
+        ops.rms_norm(x, weight[:-1], 1e-6)
+    with pytest.raises(RuntimeError, match="float32 CPU tensors only"):
+        ops.rms_norm(x.double(), weight.double(), 1e-6)
+
+
+def test_loaded_model_uses_the_compiled_norm_only_for_inference(ops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from mm_serve.models.builder import build_llama
+    from mm_serve.models.llama import RMSNorm
+    from mm_serve.models.loader import load_model
+
+    model_dir = build_llama(tmp_path / "m", seed=0)
+    model = load_model(model_dir)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.compiled_kernel is not None for m in norms)
+    assert all(m.compiled_kernel is None for m in load_model(model_dir, compiled_cpu_kernels=False).modules()
+               if isinstance(m, RMSNorm))
+    x = torch.randn(4, norms[0].weight.shape[0])
+    with torch.inference_mode():
+        fast = norms[0](x)
+    slow = norms[0](x)  # grad enabled: torch's op, differentiable
+    assert slow.requires_grad and not fast.requires_grad
+    torch.testing.assert_close(fast, slow.detach(), rtol=2e-6, atol=1e-6)

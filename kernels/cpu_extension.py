@@ -1,12 +1,12 @@
-"""Build, cache and load the compiled CPU decode-attention kernel (``kernels/csrc``).
+"""Build, cache and load the compiled CPU kernels (``kernels/csrc/*.cpp``).
 
-The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (g++ and
-ninja, ~10 s once) into a per-user cache folder keyed by the source, the torch
-version and this CPU, and registered as ``torch.ops.mm_serve_cpu`` (``paged_decode_attention`` and
-``rope_paged_decode_attention``).
-Later processes load the cached library in milliseconds; concurrent first uses
-(several worker processes) wait on one lock (``flock``, released if its holder dies). Where the build fails
-(no C++ compiler, say) callers fall back to the plain-torch reference and one
+The C++ sources are compiled on first use with ``torch.utils.cpp_extension`` (g++ and
+ninja, ~15 s once) into one library in a per-user cache folder keyed by the sources,
+the flags, the torch version and this CPU, whose ops register as ``torch.ops.mm_serve_cpu``
+(``paged_decode_attention``, ``rope_paged_decode_attention``, ``rms_norm``). Later
+processes load the cached library in milliseconds; concurrent first uses (several worker
+processes) wait on one lock (``flock``, released if its holder dies). Where the build
+fails (no C++ compiler, say) callers fall back to the plain-torch reference and one
 warning says why.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_attention_cpu.cpp", "rms_norm_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # cpp_extension adds the C++ standard torch needs
 LDFLAGS = ["-fopenmp"]
 
@@ -53,10 +53,10 @@ def _cpu_flags() -> str:
 
 
 def build_tag() -> str:
-    """Short hash of what the binary depends on: source, flags, torch version, CPU features."""
+    """Short hash of what the binary depends on: sources, flags, torch version, CPU features."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(),
+                 torch.__version__.encode(), platform.machine().encode(), _cpu_flags().encode()):
         digest.update(part)
     return digest.hexdigest()[:12]
 
@@ -78,10 +78,10 @@ def _build() -> Any:
     from torch.utils import cpp_extension
 
     tag = build_tag()
-    build_dir = cache_root() / "kernels" / f"paged_decode_attention_{tag}"
+    build_dir = cache_root() / "kernels" / f"cpu_kernels_{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     _put_ninja_on_path()
-    name = f"mm_serve_cpu_attention_{tag}"
+    name = f"mm_serve_cpu_kernels_{tag}"
     # Our own lock, which the kernel drops when its holder dies: the lock file of older
     # torch versions' cpp_extension (FileBaton) outlives a build that was killed (Ctrl-C at
     # first start) and makes every later start wait for it forever, so while holding ours,
@@ -90,9 +90,9 @@ def _build() -> Any:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         if not (build_dir / f"{name}.so").exists():
-            print(f"mm-serve: building the CPU attention kernel in {build_dir} (once, ~10 s)", file=sys.stderr, flush=True)
+            print(f"mm-serve: building the CPU kernels in {build_dir} (once, ~15 s)", file=sys.stderr, flush=True)
         cpp_extension.load(
-            name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            name=name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
             build_directory=str(build_dir), is_python_module=False, verbose=False,
         )
     return torch.ops.mm_serve_cpu
@@ -107,14 +107,15 @@ def _reason(exc: Exception) -> str:
     return picked if len(picked) <= 400 else "..." + picked[-400:]
 
 
-def cpu_attention_ops() -> Any | None:
+def cpu_kernel_ops() -> Any | None:
     """The compiled ops' namespace ``torch.ops.mm_serve_cpu``, or None where it cannot be built.
 
     ``paged_decode_attention(query [B, Hq, D], k_cache, v_cache [P, S, Hkv, D], block_tables
     [B, max_pages] int64, context_lens [B] int64, scale) -> [B, Hq, D]`` and
     ``rope_paged_decode_attention(qkv [B, (Hq + 2 Hkv) * D], cos, sin [B, D], num_heads, k_cache,
-    v_cache, block_tables, context_lens, scale) -> [B, Hq, D]`` (writes the new K/V), float32
-    on a CPU; wrong inputs raise ``RuntimeError`` naming the problem.
+    v_cache, block_tables, context_lens, scale) -> [B, Hq, D]`` (writes the new K/V), and
+    ``rms_norm(x [..., H], weight [H], eps) -> [..., H]``; float32 on a CPU; wrong inputs
+    raise ``RuntimeError`` naming the problem.
 
     Built at most once per process; a failed build warns once (``RuntimeWarning``) and
     is not retried.
@@ -126,8 +127,8 @@ def cpu_attention_ops() -> Any | None:
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
                 _loaded["ops"] = None
                 warnings.warn(
-                    f"compiled CPU attention kernel unavailable ({type(exc).__name__}: {_reason(exc)}); "
-                    "using the plain-torch reference (set cpu_attention: torch to silence this)",
+                    f"compiled CPU kernels unavailable ({type(exc).__name__}: {_reason(exc)}); "
+                    "using the plain-torch reference (set cpu_kernels: torch to silence this)",
                     RuntimeWarning, stacklevel=2,
                 )
         return _loaded["ops"]
