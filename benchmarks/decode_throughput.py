@@ -6,7 +6,7 @@ the ``batch * (N - 1)`` decode tokens. Prompts have mixed lengths (32-128
 tokens); transformers pads them (left), our engine batches them unpadded.
 
 Usage: ``python benchmarks/decode_throughput.py [--model bench|tiny|large|DIR] [--threads 2] [--new-tokens 64]
-[--device cpu|cuda] [--cpu-gemm onednn|torch]``. ``large`` (hidden 2048, 16 layers, ~0.9 B parameters) is meant for a GPU.
+[--device cpu|cuda] [--cpu-gemm onednn|torch] [--cpu-kernels compiled|torch]``. ``large`` (hidden 2048, 16 layers, ~0.9 B parameters) is meant for a GPU.
 """
 
 from __future__ import annotations
@@ -86,17 +86,19 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs for our decode steps")
     parser.add_argument("--cpu-gemm", default="onednn", choices=["onednn", "torch"],
                         help="cpu: our linear layers from oneDNN-packed weights (default) or torch's F.linear (MKL)")
+    parser.add_argument("--cpu-kernels", default="compiled", choices=["compiled", "torch"],
+                        help="cpu: decode attention and RMSNorm from the compiled kernels (default) or torch ops")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 
     model_dir = _model_dir(args.model)
     llm = LLM(model=model_dir, mode="colocated", num_pages=2048, max_running=64, device=args.device,
-              enforce_eager=args.enforce_eager, cpu_gemm=args.cpu_gemm)
+              enforce_eager=args.enforce_eager, cpu_gemm=args.cpu_gemm, cpu_kernels=args.cpu_kernels)
     reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(args.device)
     vocab = llm.engine.model_config.text.vocab_size
     graphs = "CUDA graphs" if llm.engine.runner.graphs is not None else "eager"
-    gemm = f", cpu_gemm {args.cpu_gemm}" if args.device == "cpu" else ""
+    gemm = f", cpu_gemm {args.cpu_gemm}, cpu_kernels {args.cpu_kernels}" if args.device == "cpu" else ""
     print(f"model {model_dir} | device {args.device} ({graphs}{gemm}) | threads {args.threads} | new tokens {args.new_tokens}")
     print(f"KV cache: {llm.engine.kv_cache.bytes_per_token} bytes/token, "
           f"{llm.engine.kv_cache.bytes_per_page} bytes/page (page_size {llm.engine.config.page_size})")
