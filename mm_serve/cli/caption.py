@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         out, resume = OutputFile.open(args.out, inputs.format, retry_errors=args.retry_errors, fsync=args.fsync)
     except (InputError, OutputError) as exc:
         raise CLIError(str(exc)) from None
+    from mm_serve.caption.backends import FatalBackendError
     from mm_serve.engine.engine_client import WorkerStartError
 
     try:
@@ -119,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         stats = _run_job(args, inputs.format, todo, skipped, out, received)
     except WorkerStartError as exc:
         print(f"mm-serve: error: the engine failed to start: {exc}", file=sys.stderr)
+        return 1
+    except FatalBackendError as exc:  # only raised while connecting, before any input ran
+        print(f"mm-serve: error: --server {args.server}: {exc}", file=sys.stderr)
         return 1
     finally:
         if created:
@@ -144,7 +148,6 @@ def _remove_if_unused(path: Path) -> None:
 
 def _run_job(args: argparse.Namespace, fmt: InputFormat, todo: list[CaptionInput], skipped: int,
              out: OutputFile, received: list[int]) -> JobStats:
-    from mm_serve.caption.backends import FatalBackendError
     from mm_serve.caption.summary import JobStats
 
     if not todo:
@@ -152,8 +155,6 @@ def _run_job(args: argparse.Namespace, fmt: InputFormat, todo: list[CaptionInput
     engine = None if args.server else _start_engine(args)
     try:
         return asyncio.run(_run_async(args, fmt, todo, skipped, out, engine, received))
-    except FatalBackendError as exc:  # only raised while connecting, before any input ran
-        raise CLIError(f"--server {args.server}: {exc}") from None
     finally:
         if engine is not None:
             engine.close()

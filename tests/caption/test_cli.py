@@ -57,8 +57,6 @@ def test_unusable_output_or_model_exit_2(tmp_path: Path, capsys: pytest.CaptureF
     fresh = str(tmp_path / "fresh.jsonl")
     assert "neither a registered name" in _error(capsys, str(tmp_path / "img"), "--out", fresh,
                                                  "--model", str(tmp_path / "no-model"))
-    assert "cannot reach" in _error(capsys, str(tmp_path / "img"), "--out", fresh,
-                                    "--server", "http://127.0.0.1:9", "--retries", "0")
 
 
 def test_model_and_server_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
@@ -91,8 +89,10 @@ def test_failed_start_leaves_no_empty_output(tmp_path: Path, capsys: pytest.Capt
         return err
 
     assert "cpu_gemm = 'blas'" in bad_config()
-    assert "cannot reach" in _error(capsys, str(tmp_path / "img"), "--out", str(out),
-                                    "--server", "http://127.0.0.1:9", "--retries", "0")
+    # An unreachable server is a service that failed to start (exit 1), not a usage error.
+    code = main(["caption", str(tmp_path / "img"), "--out", str(out), "--server", "http://127.0.0.1:9", "--retries", "0"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("mm-serve: error: --server http://127.0.0.1:9: ") and "cannot reach" in err
     assert not out.exists()
     out.write_text("")  # an OUT that was there before the run is left alone
     assert "cpu_gemm = 'blas'" in bad_config()
