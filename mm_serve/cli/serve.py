@@ -100,12 +100,17 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
 
+    failed: list[bool] = []
+
     def announce() -> None:
         holder.ready_event.wait()
+        if server.should_exit:  # Ctrl-C / SIGTERM during warm-up: the start was stopped, not failed
+            return
         if holder.start_error:
+            failed.append(True)
             print(f"mm-serve: error: workers failed to start:\n{holder.start_error}", file=sys.stderr, flush=True)
             server.should_exit = True
-        elif not server.should_exit:
+        else:
             print(_banner(cfg.api.host, cfg.api.port, name, cfg.api.api_key), flush=True)
 
     print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
@@ -115,6 +120,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     print("mm-serve: stopped (workers and shared memory released)", file=sys.stderr, flush=True)
-    if holder.start_error:
+    if failed:
         return 1
     return 0 if server.started else 1
