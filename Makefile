@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH_PINS)
 	$(PIP) install -q -e '.[dev]' $(TORCH_PINS)
+	$(PY) -m kernels.cpu_extension || echo "(continuing on the plain-torch CPU kernels)"
 	touch $@
 
 install: $(VENV)/.installed

@@ -98,7 +98,8 @@ def main() -> None:
     reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(args.device)
     vocab = llm.engine.model_config.text.vocab_size
     graphs = "CUDA graphs" if llm.engine.runner.graphs is not None else "eager"
-    gemm = f", cpu_gemm {args.cpu_gemm}, cpu_kernels {args.cpu_kernels}" if args.device == "cpu" else ""
+    backend = type(llm.engine.model.language_model.backend).__name__  # what runs, after any build fallback
+    gemm = f", cpu_gemm {args.cpu_gemm}, attention {backend}" if args.device == "cpu" else ""
     print(f"model {model_dir} | device {args.device} ({graphs}{gemm}) | threads {args.threads} | new tokens {args.new_tokens}")
     print(f"KV cache: {llm.engine.kv_cache.bytes_per_token} bytes/token, "
           f"{llm.engine.kv_cache.bytes_per_page} bytes/page (page_size {llm.engine.config.page_size})")

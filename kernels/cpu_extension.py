@@ -1,11 +1,14 @@
 """Build, cache and load the compiled CPU kernels (``kernels/csrc/*.cpp``).
 
-The C++ sources are compiled on first use with ``torch.utils.cpp_extension`` (g++ and
-ninja, ~15 s once) into one library in a per-user cache folder keyed by the sources,
+The C++ sources are compiled on first use with ``torch.utils.cpp_extension`` (``c++`` or
+``$CXX``, and ninja; ~15 s once) into one library in a per-user cache folder keyed by the sources,
 the flags, the torch version and this CPU, whose ops register as ``torch.ops.mm_serve_cpu``
-(``paged_decode_attention``, ``rope_paged_decode_attention``, ``rms_norm``). Later
-processes load the cached library in milliseconds; concurrent first uses (several worker
-processes) wait on one lock (``flock``, released if its holder dies). Where the build
+(``paged_decode_attention``, ``rope_paged_decode_attention``, ``rms_norm``). A finished
+build is marked, and later processes load it directly (milliseconds; no compiler or write
+access needed); concurrent first builds (several worker processes) wait on one lock
+(``flock``, released if its holder dies). ``python -m kernels.cpu_extension`` builds ahead
+of time (``make install`` does; :class:`~mm_serve.engine.engine_client.EngineClient` does
+before it starts CPU workers, so messages reach its terminal). Where the build
 fails (no C++ compiler, say) callers fall back to the plain-torch reference and one
 warning says why.
 """
@@ -61,45 +64,94 @@ def build_tag() -> str:
     return digest.hexdigest()[:12]
 
 
-def _put_ninja_on_path() -> None:
-    """cpp_extension runs ``ninja`` from PATH; the pip ``ninja`` package (a dependency) brings one
-    that is not on PATH when the virtual environment is not activated."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return  # the build then fails with cpp_extension's own message
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+def library_path() -> Path:
+    """The compiled library for this source/flags/torch/CPU combination (it may not exist yet)."""
+    tag = build_tag()
+    return cache_root() / "kernels" / f"cpu_kernels_{tag}" / f"mm_serve_cpu_kernels_{tag}.so"
+
+
+def _built_marker(library: Path) -> Path:
+    return library.with_suffix(".built")
+
+
+def is_built() -> bool:
+    """Whether :func:`library_path` holds a finished build (loadable without a compiler)."""
+    library = library_path()
+    return library.is_file() and _built_marker(library).is_file()
+
+
+def _registered() -> Any | None:
+    """``torch.ops.mm_serve_cpu`` if this process already loaded the library (a namespace registers once)."""
+    try:
+        torch.ops.mm_serve_cpu.paged_decode_attention  # noqa: B018 - raises until the library is loaded
+    except (AttributeError, RuntimeError):
+        return None
+    return torch.ops.mm_serve_cpu
+
+
+def _ninja_env() -> dict[str, str]:
+    """PATH with the pip ``ninja`` (a dependency) first: the same ninja for every build, so one
+    ninja's log does not make another rebuild, and one even where the venv is not activated."""
+    env = dict(os.environ)
+    try:
+        import ninja
+    except ImportError:
+        return env  # a system ninja, if any
+    env["PATH"] = ninja.BIN_DIR + os.pathsep + env.get("PATH", "")
+    return env
 
 
 def _build() -> Any:
+    """Compile the library under a lock, mark it finished, load it. Raises on any failure."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set $CXX)")
     # cpp_extension logs a CUDA_HOME notice at import on machines without CUDA; not ours to show.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils import cpp_extension
 
-    tag = build_tag()
-    build_dir = cache_root() / "kernels" / f"cpu_kernels_{tag}"
+    library = library_path()
+    build_dir = library.parent
     build_dir.mkdir(parents=True, exist_ok=True)
-    _put_ninja_on_path()
-    name = f"mm_serve_cpu_kernels_{tag}"
     # Our own lock, which the kernel drops when its holder dies: the lock file of older
     # torch versions' cpp_extension (FileBaton) outlives a build that was killed (Ctrl-C at
     # first start) and makes every later start wait for it forever, so while holding ours,
     # a leftover one is removed.
     with open(build_dir / "mm-serve.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if is_built():  # another process finished it while this one waited
+            torch.ops.load_library(str(library))
+            return torch.ops.mm_serve_cpu
         (build_dir / "lock").unlink(missing_ok=True)
-        if not (build_dir / f"{name}.so").exists():
-            print(f"mm-serve: building the CPU kernels in {build_dir} (once, ~15 s)", file=sys.stderr, flush=True)
-        cpp_extension.load(
-            name=name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-            build_directory=str(build_dir), is_python_module=False, verbose=False,
-        )
+        print(f"mm-serve: building the CPU kernels in {build_dir} (once, ~15 s)", file=sys.stderr, flush=True)
+        saved_path = os.environ.get("PATH")
+        os.environ["PATH"] = _ninja_env()["PATH"]
+        try:
+            cpp_extension.load(  # copies of the flag lists: load() appends to the lists it is given
+                name=library.stem, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False, verbose=False,
+            )
+        finally:
+            if saved_path is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = saved_path
+        _built_marker(library).touch()
     return torch.ops.mm_serve_cpu
 
 
+def _load_or_build() -> Any:
+    ops = _registered()
+    if ops is not None:
+        return ops
+    if is_built():  # no lock, no compiler: works from a read-only cache too
+        torch.ops.load_library(str(library_path()))
+        return torch.ops.mm_serve_cpu
+    return _build()
+
+
 def _reason(exc: Exception) -> str:
-    """The compiler's first error lines from a build failure, else the message's end."""
+    """The compiler's first error lines from a build failure, else the message (its end if long)."""
     text = str(exc)
     errors = [line.strip() for line in text.splitlines()
               if "error" in line.lower() and not line.startswith("Error building extension") and "ninja" not in line]
@@ -123,7 +175,7 @@ def cpu_kernel_ops() -> Any | None:
     with _lock:
         if "ops" not in _loaded:
             try:
-                _loaded["ops"] = _build()
+                _loaded["ops"] = _load_or_build()
             except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
                 _loaded["ops"] = None
                 warnings.warn(
@@ -132,3 +184,16 @@ def cpu_kernel_ops() -> Any | None:
                     RuntimeWarning, stacklevel=2,
                 )
         return _loaded["ops"]
+
+
+def main() -> int:
+    """``python -m kernels.cpu_extension``: build (or find) the library now; 0 if it loads, else 1."""
+    ops = cpu_kernel_ops()
+    if ops is None:
+        return 1
+    print(f"mm-serve: CPU kernels ready: {library_path()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,7 +119,7 @@ class ServiceConfig(_Frozen):
     seed: int = 0
     enforce_eager: bool = Field(False, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
     cpu_gemm: Literal["onednn", "torch"] = Field("onednn", description="float32 on a CPU: 'onednn' runs linear layers from oneDNN-packed weights (kernels/cpu_linear.py), 'torch' uses torch's default F.linear (MKL).")
-    cpu_kernels: Literal["compiled", "torch"] = Field("compiled", description="float32 decode attention on a CPU: 'compiled' reads the paged KV cache in place with a C++ kernel built on first use (kernels/csrc; falls back to 'torch' with a warning where no compiler is found), 'torch' gathers the pages and runs torch's SDPA.")
+    cpu_kernels: Literal["compiled", "torch"] = Field("compiled", description="float32 on a CPU: 'compiled' runs decode attention (RoPE, K/V write, attention read in place from the KV pages) and RMSNorm from C++ kernels built once (kernels/csrc; falls back to 'torch' with one warning where they cannot be built), 'torch' uses torch ops (pages gathered, then SDPA).")
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()

@@ -52,6 +52,23 @@ def one_p_one_d(tiny_llava: Path) -> Iterator[LLM]:
         yield llm
 
 
+def test_1p1d_without_a_compiler_runs_the_torch_kernels(
+    tiny_llava: Path, reference_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The front end builds the CPU kernels before the workers start; where that fails, it
+    says so once on its own stderr and the workers run the torch path, still exact."""
+    monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512) as llm:
+        assert llm.client is not None
+        assert {s.sizing.cpu_kernels for s in llm.client.specs} == {"torch"}
+        outputs = llm.generate(CASES, GREEDY)
+    assert [o.token_ids for o in outputs] == reference_tokens
+    err = capfd.readouterr().err
+    assert err.count("compiled CPU kernels unavailable") == 1 and "'no-such-compiler-here' is not on PATH" in err
+
+
 def test_colocated_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
     outputs = LLM(model=tiny_llava, mode="colocated").generate(CASES, GREEDY)
     assert [o.token_ids for o in outputs] == reference_tokens

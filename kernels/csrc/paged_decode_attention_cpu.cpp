@@ -140,6 +140,8 @@ void check_cache_and_tables(const at::Tensor& k_cache, const at::Tensor& v_cache
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "paged decode attention: float32 only");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "caches must both be [P, S, Hkv, D]");
+  TORCH_CHECK(k_cache.size(1) >= 1 && k_cache.size(2) >= 1 && k_cache.size(3) >= 1,
+              "caches need S >= 1 tokens a page, Hkv >= 1 KV heads and D >= 1");
   for (const at::Tensor* cache : {&k_cache, &v_cache}) {
     TORCH_CHECK(cache->stride(3) == 1 && cache->stride(2) == cache->size(3) &&
                     cache->stride(1) == cache->size(2) * cache->size(3),

@@ -9,8 +9,11 @@ receiver thread assembles token updates into :class:`RequestState` s, and
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -104,6 +107,7 @@ class EngineClient:
         output_address = f"ipc://{self.run_dir}/out"
         self._out.bind(output_address)
         self.specs = build_worker_specs(self.model_dir, cfg, self.model_config, specs, self.run_dir, output_address)
+        self._prebuild_cpu_kernels()
         self._controls: dict[tuple[str, int], zmq.Socket] = {}
         self._send_lock = threading.Lock()
         for spec in self.specs:
@@ -121,6 +125,43 @@ class EngineClient:
         self._wait_ready(timeout_s)
         self._receiver = threading.Thread(target=self._receive_loop, name="mm-serve-receiver", daemon=True)
         self._receiver.start()
+
+    def _prebuild_cpu_kernels(self) -> None:
+        """Build the compiled CPU kernels (:mod:`kernels.cpu_extension`) before CPU workers start.
+
+        Workers log to files; building here, in a child process of this one, puts the build
+        message or the fallback warning on this process's terminal, once, and lets a stop
+        request kill the compiler with it (its own process group). If the build fails,
+        workers run ``cpu_kernels: torch`` instead of each failing the same way.
+        """
+        wanted = [s.sizing.device == "cpu" and s.sizing.dtype == "float32" and s.sizing.cpu_kernels == "compiled"
+                  for s in self.specs]
+        if not any(wanted):
+            return
+        from kernels.cpu_extension import is_built
+
+        if is_built():
+            return
+        build = subprocess.Popen([sys.executable, "-m", "kernels.cpu_extension"], start_new_session=True)
+        try:
+            while build.poll() is None:
+                if self._stopping.is_set():
+                    raise WorkerStartError("stopped while the workers were starting")
+                time.sleep(0.1)
+        finally:
+            if build.poll() is None:
+                # SIGTERM first: ninja runs each compiler in a process group of its own and
+                # stops them itself when it is told to stop, which SIGKILL would not let it do.
+                os.killpg(build.pid, signal.SIGTERM)
+                try:
+                    build.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    os.killpg(build.pid, signal.SIGKILL)
+                    build.wait()
+        if build.returncode != 0:
+            replace = msgspec.structs.replace
+            self.specs = [replace(s, sizing=replace(s.sizing, cpu_kernels="torch")) if w else s
+                          for s, w in zip(self.specs, wanted, strict=True)]
 
     def _wait_ready(self, timeout_s: float) -> None:
         decoder = messages.decoder(messages.FromWorker)

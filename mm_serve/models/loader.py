@@ -46,7 +46,7 @@ def load_model(
     root = Path(model_dir)
     cfg = load_model_config(root)
     torch_device = torch.device(device)
-    backend = select_attention_backend(torch_device, compiled_cpu=compiled_cpu_kernels)
+    backend = select_attention_backend(torch_device, compiled_cpu=compiled_cpu_kernels and dtype == torch.float32)
     # The decoder (the bulk of the weights) is built without initialising its
     # parameters; the vision tower is built normally for its non-persistent buffers.
     with torch.device("meta"):
