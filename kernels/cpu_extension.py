@@ -187,8 +187,13 @@ def cpu_kernel_ops() -> Any | None:
 
 
 def main() -> int:
-    """``python -m kernels.cpu_extension``: build (or find) the library now; 0 if it loads, else 1."""
-    ops = cpu_kernel_ops()
+    """``python -m kernels.cpu_extension``: build (or find) the library now; 0 if it loads, else 1
+    (the reason on one ``mm-serve: warning:`` line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ops = cpu_kernel_ops()
+    for warning in caught:
+        print(f"mm-serve: warning: {warning.message}", file=sys.stderr)
     if ops is None:
         return 1
     print(f"mm-serve: CPU kernels ready: {library_path()}", file=sys.stderr)
