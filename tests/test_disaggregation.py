@@ -69,6 +69,25 @@ def test_1p1d_without_a_compiler_runs_the_torch_kernels(
     assert err.count("compiled CPU kernels unavailable") == 1 and "'no-such-compiler-here' is not on PATH" in err
 
 
+def test_a_hung_kernel_build_times_out_to_the_torch_kernels(
+    tiny_llava: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A compiler that never returns does not keep the workers from starting."""
+    import mm_serve.engine.engine_client as engine_client
+
+    hung = tmp_path / "hung-cxx"
+    hung.write_text("#!/bin/sh\nexec sleep 1000\n")
+    hung.chmod(0o755)
+    monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(hung))
+    monkeypatch.setattr(engine_client, "CPU_KERNEL_BUILD_TIMEOUT_S", 3.0)
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512) as llm:
+        assert llm.client is not None
+        assert {s.sizing.cpu_kernels for s in llm.client.specs} == {"torch"}
+        assert len(llm.generate(CASES[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert "building the CPU kernels took over 3 s" in capfd.readouterr().err
+
+
 def test_colocated_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
     outputs = LLM(model=tiny_llava, mode="colocated").generate(CASES, GREEDY)
     assert [o.token_ids for o in outputs] == reference_tokens

@@ -208,6 +208,7 @@ at::Tensor rope_paged_decode_attention(const at::Tensor& qkv, const at::Tensor& 
                                        int64_t num_heads, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat, "qkv: float32 only, on the CPU");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous [B, (Hq + 2 Hkv) * D] tensor");
   check_cache_and_tables(k_cache, v_cache, block_tables, context_lens, qkv.size(0));
   const int64_t batch = qkv.size(0), num_kv_heads = k_cache.size(2), head_dim = k_cache.size(3);
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;

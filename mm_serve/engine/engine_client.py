@@ -48,6 +48,9 @@ class WorkerStartError(RuntimeError):
     """A worker exited or did not report ready in time; the message has its log tail."""
 
 
+CPU_KERNEL_BUILD_TIMEOUT_S = 300.0  # a normal build takes ~15 s on 2 cores
+
+
 class EngineClient:
     """Owns the workers, the rings and the sockets of one service instance."""
 
@@ -140,13 +143,21 @@ class EngineClient:
             return
         from kernels.cpu_extension import is_built
 
-        if is_built():
-            return
+        try:
+            if is_built():
+                return
+        except OSError:
+            pass  # sources missing or unreadable: the child says so, workers use torch kernels
         build = subprocess.Popen([sys.executable, "-m", "kernels.cpu_extension"], start_new_session=True)
+        deadline = time.monotonic() + CPU_KERNEL_BUILD_TIMEOUT_S
         try:
             while build.poll() is None:
                 if self._stopping.is_set():
                     raise WorkerStartError("stopped while the workers were starting")
+                if time.monotonic() > deadline:  # a hung compiler, or another build stopped holding the lock
+                    print(f"mm-serve: warning: building the CPU kernels took over {CPU_KERNEL_BUILD_TIMEOUT_S:.0f} s; "
+                          "stopped it, workers use the torch kernels", file=sys.stderr, flush=True)
+                    break
                 time.sleep(0.1)
         finally:
             if build.poll() is None:
@@ -158,6 +169,9 @@ class EngineClient:
                 except subprocess.TimeoutExpired:
                     os.killpg(build.pid, signal.SIGKILL)
                     build.wait()
+        if build.returncode is not None and build.returncode < 0 and time.monotonic() <= deadline:
+            print(f"mm-serve: warning: building the CPU kernels was killed (signal {-build.returncode}); "
+                  "workers use the torch kernels", file=sys.stderr, flush=True)
         if build.returncode != 0:
             replace = msgspec.structs.replace
             self.specs = [replace(s, sizing=replace(s.sizing, cpu_kernels="torch")) if w else s
