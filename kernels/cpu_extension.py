@@ -74,10 +74,13 @@ def _built_marker(library: Path) -> Path:
     return library.with_suffix(".built")
 
 
+def _finished(library: Path) -> bool:
+    return library.is_file() and _built_marker(library).is_file()
+
+
 def is_built() -> bool:
     """Whether :func:`library_path` holds a finished build (loadable without a compiler)."""
-    library = library_path()
-    return library.is_file() and _built_marker(library).is_file()
+    return _finished(library_path())
 
 
 def _registered() -> Any | None:
@@ -101,8 +104,8 @@ def _ninja_env() -> dict[str, str]:
     return env
 
 
-def _build() -> Any:
-    """Compile the library under a lock, mark it finished, load it. Raises on any failure."""
+def _build(library: Path) -> Any:
+    """Compile ``library`` under a lock, mark it finished, load it. Raises on any failure."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set $CXX)")
@@ -110,7 +113,6 @@ def _build() -> Any:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     from torch.utils import cpp_extension
 
-    library = library_path()
     build_dir = library.parent
     build_dir.mkdir(parents=True, exist_ok=True)
     # Our own lock, which the kernel drops when its holder dies: the lock file of older
@@ -119,7 +121,7 @@ def _build() -> Any:
     # a leftover one is removed.
     with open(build_dir / "mm-serve.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if is_built():  # another process finished it while this one waited
+        if _finished(library):  # another process finished it while this one waited
             torch.ops.load_library(str(library))
             return torch.ops.mm_serve_cpu
         (build_dir / "lock").unlink(missing_ok=True)
@@ -144,10 +146,11 @@ def _load_or_build() -> Any:
     ops = _registered()
     if ops is not None:
         return ops
-    if is_built():  # no lock, no compiler: works from a read-only cache too
-        torch.ops.load_library(str(library_path()))
+    library = library_path()  # hashes the sources and reads /proc/cpuinfo: once
+    if _finished(library):  # no lock, no compiler: works from a read-only cache too
+        torch.ops.load_library(str(library))
         return torch.ops.mm_serve_cpu
-    return _build()
+    return _build(library)
 
 
 def _reason(exc: Exception) -> str:

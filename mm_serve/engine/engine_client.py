@@ -35,6 +35,7 @@ from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError,
 from mm_serve.engine.request_state import RequestState
 from mm_serve.engine.ring_sizing import ring_specs
 from mm_serve.engine.sampling_wire import to_wire
+from mm_serve.engine.worker_setup import engine_config_from_sizing
 from mm_serve.engine.worker_specs import build_worker_specs, check_supported
 from mm_serve.launcher import start_worker, stop_workers
 from mm_serve.models.model_config import load_model_config
@@ -137,8 +138,7 @@ class EngineClient:
         request kill the compiler with it (its own process group). If the build fails,
         workers run ``cpu_kernels: torch`` instead of each failing the same way.
         """
-        wanted = [s.sizing.device == "cpu" and s.sizing.dtype == "float32" and s.sizing.cpu_kernels == "compiled"
-                  for s in self.specs]
+        wanted = [engine_config_from_sizing(s.sizing).compiled_cpu_kernels for s in self.specs]
         if not any(wanted):
             return
         from kernels.cpu_extension import is_built

@@ -26,7 +26,7 @@ class EngineConfig:
     seed: int = 0  # seeds generators of requests that bring no seed
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
     cpu_gemm: str = "onednn"  # float32 on a CPU: "onednn" (packed weights, kernels/cpu_linear.py) or "torch" (F.linear)
-    cpu_kernels: str = "compiled"  # float32 CPU decode: "compiled" (kernels/csrc, in place) or "torch" (gather + SDPA)
+    cpu_kernels: str = "compiled"  # float32 CPU: "compiled" (decode attention + RMSNorm from kernels/csrc) or "torch"
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -40,8 +40,8 @@ class EngineConfig:
 
     @property
     def compiled_cpu_kernels(self) -> bool:
-        """Decode attention runs the compiled in-place kernel (``cpu_kernels`` compiled; float32 CPU only)."""
-        return self.cpu_kernels == "compiled"
+        """Decode attention and RMSNorm run the compiled kernels: ``cpu_kernels`` compiled, float32, a CPU."""
+        return self.cpu_kernels == "compiled" and self.device.startswith("cpu") and self.dtype == "float32"
 
     def __post_init__(self) -> None:
         positive = ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size")

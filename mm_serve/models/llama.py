@@ -35,10 +35,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if (self.compiled_kernel is not None and dtype == torch.float32 and self.weight.dtype == torch.float32
-                and x.device.type == "cpu" and not torch.is_grad_enabled()):
-            return self.compiled_kernel(x.contiguous(), self.weight, self.eps)
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if self.compiled_kernel is not None and x.device.type == "cpu" and not torch.is_grad_enabled():
+                return self.compiled_kernel(x.contiguous(), self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same formula
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

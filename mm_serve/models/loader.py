@@ -76,7 +76,7 @@ def load_model(
     model.eval()
     if pack_cpu_linears and torch_device.type == "cpu" and dtype == torch.float32:
         pack_linear_layers(model)
-    if compiled_cpu_kernels and isinstance(backend, CompiledCpuAttention) and dtype == torch.float32:
+    if isinstance(backend, CompiledCpuAttention):  # chosen only for compiled_cpu_kernels, float32, a CPU
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.compiled_kernel = backend.ops.rms_norm
