@@ -92,17 +92,40 @@ def best_config(
     cross_node: Callable[[ParallelConfig], bool],
 ) -> PhaseCandidate | None:
     """The config with the highest simulated goodput per GPU (None if all are 0)."""
+    best = near_best_configs(ev, stage, configs, cross_node, tolerance=0.0, limit=1)
+    return best[0] if best else None
+
+
+def near_best_configs(
+    ev: GoodputEvaluator,
+    stage: Stage,
+    configs: Iterable[ParallelConfig],
+    cross_node: Callable[[ParallelConfig], bool],
+    tolerance: float,
+    limit: int,
+) -> list[PhaseCandidate]:
+    """Configs whose simulated goodput per GPU is within ``tolerance`` (relative) of
+    the best, best first, ``limit`` at most; empty if every goodput is 0.
+
+    Configs are simulated in decreasing order of their analytic bound per GPU, and
+    the scan stops once the bound falls below ``(1 - tolerance)`` times the best.
+    """
     goodput, bound = _funcs(ev, stage)
     ranked = sorted(configs, key=lambda p: -bound(p, cross_node(p)) / p.gpus)
-    best: PhaseCandidate | None = None
+    found: list[PhaseCandidate] = []
     for par in ranked:
         cross = cross_node(par)
-        if best is not None and bound(par, cross) / par.gpus <= best.per_gpu:
+        top = max((c.per_gpu for c in found), default=0.0)
+        if found and bound(par, cross) / par.gpus <= (1 - tolerance) * top:
             break
         cand = PhaseCandidate(par, goodput(par, cross), cross)
-        if cand.goodput > 0 and (best is None or cand.per_gpu > best.per_gpu):
-            best = cand
-    return best
+        if cand.goodput > 0:
+            found.append(cand)
+    if not found:
+        return []
+    found.sort(key=lambda c: (-c.per_gpu, c.par.gpus))
+    top = found[0].per_gpu
+    return [c for c in found if c.per_gpu >= (1 - tolerance) * top][:limit]
 
 
 def frontier(

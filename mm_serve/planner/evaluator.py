@@ -34,6 +34,8 @@ from mm_serve.planner.simulator import (
 from mm_serve.planner.slo import Phase, SimResult
 
 _BOUND_SLACK = 1.25  # analytic throughput bounds are approximate; probe above them
+NEAR_SPAN = 2.0  # search floor below a simulated estimate (not an analytic bound)
+NEAR_SHRINKS = 24  # floors tried below it: down to NEAR_SPAN ** -24 (as far as 64 ** -4)
 TURNOVERS = 10  # simulated requests per request the system holds at once
 MAX_REQUESTS = 20_000  # cap on simulated requests per probe
 
@@ -129,13 +131,19 @@ class GoodputEvaluator:
         phase: Phase,
         upper: float,
         concurrency: float = 1.0,
+        near: bool = False,
     ) -> float:
+        """``near``: ``upper`` comes from simulated goodputs, so the answer is close to
+        it and the first floor is ``upper / NEAR_SPAN`` (about 7 probes instead of 10)."""
         n, skip = self.sim_size(concurrency)
 
         def attainment(rate: float) -> float:
             self.simulations += 1
             return run(self.requests(rate, n)).attainment(self.spec.slo, phase, skip)
 
+        if near:
+            return max_rate(attainment, self.spec.attainment, upper, span=NEAR_SPAN,
+                            max_shrink=NEAR_SHRINKS)
         return max_rate(attainment, self.spec.attainment, upper)
 
     def _memo(self, key: tuple[object, ...], compute: Callable[[], float]) -> float:
@@ -159,15 +167,20 @@ class GoodputEvaluator:
 
     def colocated_goodput(self, par: ParallelConfig, cross_node: bool, replicas: int = 1) -> float:
         """Max rate ``replicas`` colocated instances (shortest-queue dispatch) serve
-        within both SLOs, requests/s in all."""
+        within both SLOs, requests/s in all. For ``replicas > 1`` the search starts
+        from ``replicas`` times one instance's simulated goodput."""
         prefill = self.model.prefill_timing(par, cross_node)
         server = self.decode_server(par, cross_node, vision=True)
         budget = self.spec.prefill_token_budget
-        bound = replicas / (1.0 / self.prefill_bound(par, cross_node)
-                            + 1.0 / self.decode_bound(par, cross_node, vision=True))
+        near = replicas > 1 and self.colocated_goodput(par, cross_node) > 0
+        if near:
+            bound = _BOUND_SLACK * replicas * self.colocated_goodput(par, cross_node)
+        else:
+            bound = replicas / (1.0 / self.prefill_bound(par, cross_node)
+                                + 1.0 / self.decode_bound(par, cross_node, vision=True))
         return self._memo(("colocated", par, cross_node, replicas), lambda: self._search(
             lambda reqs: simulate_colocated(prefill, server, budget, reqs, replicas), "both",
-            bound, replicas * self.decode_concurrency(server)))
+            bound, replicas * self.decode_concurrency(server), near))
 
     def disaggregated_goodput(
         self,
@@ -177,9 +190,10 @@ class GoodputEvaluator:
         upper: float,
     ) -> float:
         """Max rate a whole disaggregated unit serves within both SLOs; ``upper`` is
-        the sum of its phases' goodputs (requests/s)."""
+        its phase estimate ``min(n Gp, m Gd)`` from simulated phase goodputs
+        (requests/s)."""
         held = sum(self.decode_concurrency(d) for d in decodes)
         held += self.prefill_batch() * sum(p.timing.pp for p in prefills)
         return self._search(
             lambda reqs: simulate_disaggregated(prefills, decodes, handoff, reqs), "both",
-            _BOUND_SLACK * upper, held)
+            _BOUND_SLACK * upper, held, near=True)

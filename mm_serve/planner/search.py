@@ -7,9 +7,13 @@
   node count, every pair of (prefill TP, decode TP) whose stages share one node;
   the unit spans ``pp`` nodes, stage ``k`` of all its instances on node ``k``.
 
-The chosen unit is then simulated as a whole (dispatch, KV hand-off over the links
-its placement implies, both SLOs at once) to get the goodput that is reported; the
-best colocated config is searched the same way for comparison, and then simulated
+The phase estimate ``min(n Gp, m Gd)`` ignores what a whole unit adds or loses
+(dispatch across several instances pools their queues, the hand-off costs time,
+both SLOs must hold at once), and several mixes often tie on it. So the units whose
+estimated goodput per GPU is within ``SHORTLIST_TOLERANCE`` of the best (at most
+``SHORTLIST_SIZE`` of them) are each simulated as a whole (dispatch, KV hand-off
+over the links its placement implies, both SLOs at once), and the one with the best
+simulated goodput per GPU is chosen and reported. The best colocated config is searched the same way for comparison, and then simulated
 as a pool of replicas holding about as many GPUs as the disaggregated unit, behind
 the same shortest-queue dispatcher, so that both sides get the same pooling gain.
 """
@@ -22,11 +26,11 @@ from dataclasses import dataclass
 
 from mm_serve.planner.candidates import (
     PhaseCandidate,
-    best_config,
     choose_mix,
     enumerate_configs,
     fits,
     frontier,
+    near_best_configs,
     phase_candidate,
     tp_degrees,
 )
@@ -44,6 +48,23 @@ from mm_serve.planner.placement import (
     unit_handoff_pairs,
 )
 from mm_serve.planner.plan_spec import PlanSpec
+
+SHORTLIST_TOLERANCE = 0.10  # relative gap to the best estimate per GPU
+SHORTLIST_SIZE = 4  # most units simulated whole
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A candidate unit and its phase estimate ``min(n Gp, m Gd)`` (requests/s)."""
+
+    unit: Unit
+    estimate: float
+    prefill: PhaseCandidate
+    decode: PhaseCandidate
+
+    @property
+    def per_gpu(self) -> float:
+        return self.estimate / self.unit.gpus
 
 
 @dataclass(frozen=True)
@@ -90,7 +111,7 @@ class PlanResult:
         return self.per_gpu_goodput / col if col > 0 else float("inf")
 
 
-def _high_affinity(ev: GoodputEvaluator) -> tuple[Unit, float, PhaseCandidate, PhaseCandidate]:
+def _high_affinity(ev: GoodputEvaluator) -> list[Mix]:
     spec = ev.spec
     total, per_node = spec.total_gpus, spec.gpus_per_node
     if total < 2:
@@ -107,50 +128,52 @@ def _high_affinity(ev: GoodputEvaluator) -> tuple[Unit, float, PhaseCandidate, P
     def feasible(unit: Unit) -> bool:
         return unit.gpus <= total and place_unit(unit, GpuPool(spec.nodes, per_node)) is not None
 
-    return _best_pair(pres, decs, feasible, spec)
+    mixes = _pair_mixes(pres, decs, feasible)
+    if not mixes:
+        raise PlannerError(_no_config_message("prefill and decode pair", spec)
+                           + " in a unit that fits the cluster")
+    return mixes
 
 
-def _best_pair(
+def _pair_mixes(
     pres: list[PhaseCandidate],
     decs: list[PhaseCandidate],
     feasible: Callable[[Unit], bool],
-    spec: PlanSpec,
-) -> tuple[Unit, float, PhaseCandidate, PhaseCandidate]:
-    """The (prefill, decode, n, m) with the best estimated goodput per GPU."""
-    best: tuple[float, Unit, float, PhaseCandidate, PhaseCandidate] | None = None
+) -> list[Mix]:
+    """The best mix (n, m) of every (prefill, decode) pair that has a feasible one."""
+    out = []
     for pre in pres:
         for dec in decs:
             mix = choose_mix(pre, dec, feasible)
-            if mix and (best is None or mix[1] / mix[0].gpus > best[0]):
-                best = (mix[1] / mix[0].gpus, mix[0], mix[1], pre, dec)
-    if best is None:
-        raise PlannerError(_no_config_message("prefill and decode pair", spec)
-                           + " in a unit that fits the cluster")
-    return best[1], best[2], best[3], best[4]
+            if mix:
+                out.append(Mix(mix[0], mix[1], pre, dec))
+    return out
 
 
-def _low_affinity(ev: GoodputEvaluator) -> tuple[Unit, float, PhaseCandidate, PhaseCandidate]:
+def _low_affinity(ev: GoodputEvaluator) -> list[Mix]:
     spec = ev.spec
     per_node = spec.gpus_per_node
-    best: tuple[Unit, float, PhaseCandidate, PhaseCandidate] | None = None
+    mixes: list[Mix] = []
     tps = [t for t in tp_degrees(spec.shape.num_heads, per_node) if t < per_node]
     for pp in range(1, min(spec.nodes, spec.shape.num_layers) + 1):
         pres = [c for t in tps if fits(ev, ParallelConfig(t, pp), "prefill")
                 and (c := phase_candidate(ev, "prefill", ParallelConfig(t, pp), pp > 1)).goodput > 0]
         decs = [c for t in tps if fits(ev, ParallelConfig(t, pp), "decode")
                 and (c := phase_candidate(ev, "decode", ParallelConfig(t, pp), pp > 1)).goodput > 0]
-        if not pres or not decs:
-            continue
-        try:
-            cand = _best_pair(pres, decs, lambda u: u.gpus // u.prefill.pp <= per_node, spec)
-        except PlannerError:
-            continue
-        if best is None or cand[1] / cand[0].gpus > best[1] / best[0].gpus:
-            best = cand
-    if best is None:
+        if pres and decs:
+            mixes += _pair_mixes(pres, decs, lambda u: u.gpus // u.prefill.pp <= per_node)
+    if not mixes:
         raise PlannerError(_no_config_message("prefill and decode pair", spec)
                            + " with both on one node per pipeline stage")
-    return best
+    return mixes
+
+
+def shortlist(mixes: list[Mix]) -> list[Mix]:
+    """The mixes worth simulating whole: best estimate per GPU first, then every one
+    within ``SHORTLIST_TOLERANCE`` of it, ``SHORTLIST_SIZE`` at most (ties: fewer GPUs)."""
+    ranked = sorted(mixes, key=lambda m: (-m.per_gpu, m.unit.gpus))
+    top = ranked[0].per_gpu
+    return [m for m in ranked if m.per_gpu >= (1 - SHORTLIST_TOLERANCE) * top][:SHORTLIST_SIZE]
 
 
 def _no_config_message(what: str, spec: PlanSpec) -> str:
@@ -181,11 +204,26 @@ def simulate_unit(ev: GoodputEvaluator, unit: Unit, upper: float) -> float:
     return ev.disaggregated_goodput(prefills, decodes, handoff, upper)
 
 
-def best_colocated(ev: GoodputEvaluator) -> PhaseCandidate | None:
-    """The colocated config with the best goodput per GPU (None if none meets the SLOs)."""
+def best_colocated(ev: GoodputEvaluator, gpus: int) -> tuple[PhaseCandidate, int, float] | None:
+    """The best colocated pool of about ``gpus`` GPUs: the configs within
+    ``SHORTLIST_TOLERANCE`` of the best single-instance goodput per GPU (at most
+    ``SHORTLIST_SIZE``), each simulated as ``round(gpus / its GPUs)`` replicas behind
+    one dispatcher (as many as the cluster holds, at least one); returns the config,
+    its replica count and their goodput (requests/s), or None if no config meets the
+    SLOs."""
     spec = ev.spec
     configs = enumerate_configs(ev, "colocated", spec.total_gpus, spec.total_gpus)
-    return best_config(ev, "colocated", configs, lambda p: p.gpus > spec.gpus_per_node)
+    near = near_best_configs(ev, "colocated", configs, lambda p: p.gpus > spec.gpus_per_node,
+                             SHORTLIST_TOLERANCE, SHORTLIST_SIZE)
+    best: tuple[PhaseCandidate, int, float] | None = None
+    for cand in near:
+        room = len(colocated_replicas(cand.par, spec.nodes, spec.gpus_per_node))
+        count = max(1, min(room, round(gpus / cand.par.gpus)))
+        goodput = ev.colocated_goodput(cand.par, cand.cross_node, count)
+        per_gpu = goodput / (count * cand.par.gpus)
+        if best is None or per_gpu > best[2] / (best[1] * best[0].par.gpus):
+            best = (cand, count, goodput)
+    return best
 
 
 def plan(spec: PlanSpec) -> PlanResult:
@@ -197,16 +235,14 @@ def plan(spec: PlanSpec) -> PlanResult:
     start = time.perf_counter()
     ev = GoodputEvaluator(spec)
     search = _low_affinity if spec.affinity == "low" else _high_affinity
-    unit, estimate, pre, dec = search(ev)
-    goodput = simulate_unit(ev, unit, estimate)
+    simulated = [(simulate_unit(ev, m.unit, m.estimate), m) for m in shortlist(search(ev))]
+    goodput, chosen = max(simulated, key=lambda gm: (gm[0] / gm[1].unit.gpus, -gm[1].unit.gpus))
+    unit, estimate, pre, dec = chosen.unit, chosen.estimate, chosen.prefill, chosen.decode
     placement, units = replicate(unit, spec.nodes, spec.gpus_per_node, spec.affinity)
-    colocated = best_colocated(ev)
+    pool = best_colocated(ev, unit.gpus)
+    colocated, col_count, col_goodput = pool if pool else (None, 0, 0.0)
     col_placement = (colocated_replicas(colocated.par, spec.nodes, spec.gpus_per_node)
                      if colocated else [])
-    col_count, col_goodput = 0, 0.0
-    if colocated is not None:
-        col_count = max(1, min(len(col_placement), round(unit.gpus / colocated.par.gpus)))
-        col_goodput = ev.colocated_goodput(colocated.par, colocated.cross_node, col_count)
     return PlanResult(
         spec=spec, unit=unit, unit_goodput=goodput, estimated_unit_goodput=estimate,
         prefill=pre, decode=dec, placement=tuple(placement), units=units,
