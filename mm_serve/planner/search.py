@@ -168,6 +168,15 @@ def _low_affinity(ev: GoodputEvaluator) -> list[Mix]:
     return mixes
 
 
+def candidate_mixes(ev: GoodputEvaluator) -> list[Mix]:
+    """Every (prefill, decode) pair's best mix under the spec's node affinity.
+
+    Raises:
+        PlannerError: no pair meets the SLOs in a unit that fits the cluster.
+    """
+    return _low_affinity(ev) if ev.spec.affinity == "low" else _high_affinity(ev)
+
+
 def shortlist(mixes: list[Mix]) -> list[Mix]:
     """The mixes worth simulating whole: best estimate per GPU first, then every one
     within ``SHORTLIST_TOLERANCE`` of it, ``SHORTLIST_SIZE`` at most (ties: fewer GPUs)."""
@@ -234,8 +243,7 @@ def plan(spec: PlanSpec) -> PlanResult:
     """
     start = time.perf_counter()
     ev = GoodputEvaluator(spec)
-    search = _low_affinity if spec.affinity == "low" else _high_affinity
-    simulated = [(simulate_unit(ev, m.unit, m.estimate), m) for m in shortlist(search(ev))]
+    simulated = [(simulate_unit(ev, m.unit, m.estimate), m) for m in shortlist(candidate_mixes(ev))]
     goodput, chosen = max(simulated, key=lambda gm: (gm[0] / gm[1].unit.gpus, -gm[1].unit.gpus))
     unit, estimate, pre, dec = chosen.unit, chosen.estimate, chosen.prefill, chosen.decode
     placement, units = replicate(unit, spec.nodes, spec.gpus_per_node, spec.affinity)

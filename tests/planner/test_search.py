@@ -9,12 +9,22 @@ from typing import Any
 import pytest
 
 from mm_serve.bench.workloads import make_workload
+from mm_serve.planner.candidates import PhaseCandidate
 from mm_serve.planner.evaluator import GoodputEvaluator
 from mm_serve.planner.hardware import get_hardware
 from mm_serve.planner.latency_model import ParallelConfig
 from mm_serve.planner.model_shape import shape_from_config
+from mm_serve.planner.placement import Unit
 from mm_serve.planner.plan_spec import PlanSpec
-from mm_serve.planner.search import PlanResult, plan
+from mm_serve.planner.search import (
+    SHORTLIST_SIZE,
+    Mix,
+    PlanResult,
+    candidate_mixes,
+    plan,
+    shortlist,
+    simulate_unit,
+)
 from mm_serve.planner.slo import SLO
 
 Configs = dict[str, dict[str, Any]]
@@ -59,6 +69,39 @@ def test_opt13b_chatbot_disaggregated_beats_best_colocated(cluster_plan: PlanRes
     print(f"OPT-13B chatbot on A100: disaggregated {cluster_plan.per_gpu_goodput:.3f} vs colocated "
           f"{cluster_plan.colocated_per_gpu_goodput:.3f} req/s/GPU, ratio {ratio:.2f}x")
     assert ratio > 1.0
+
+
+def test_chosen_unit_is_the_best_simulated_of_the_shortlist(cluster_plan: PlanResult) -> None:
+    """The phase estimate min(n Gp, m Gd) ranks the candidate units; the reported unit
+    must be the best of the near-tied ones once each is simulated whole, so it is at
+    least as good as the estimate's favourite (which, here, it is not: pooling
+    several prefill instances beats one large one under both SLOs at once)."""
+    ev = GoodputEvaluator(cluster_plan.spec)
+    listed = shortlist(candidate_mixes(ev))
+    per_gpu = [simulate_unit(ev, m.unit, m.estimate) / m.unit.gpus for m in listed]
+    print("shortlist:", [(f"{m.unit.num_prefill}x{m.unit.prefill}+{m.unit.num_decode}x{m.unit.decode}",
+                          round(m.per_gpu, 3), round(g, 3)) for m, g in zip(listed, per_gpu, strict=True)])
+    assert 2 <= len(listed) <= SHORTLIST_SIZE
+    assert cluster_plan.unit in [m.unit for m in listed]
+    assert cluster_plan.per_gpu_goodput == pytest.approx(max(per_gpu))
+    assert cluster_plan.per_gpu_goodput > per_gpu[0] * 1.05  # beats the estimate's pick
+    # the colocated side is pooled on about the unit's GPU count
+    col_gpus = cluster_plan.colocated_unit_instances * cluster_plan.colocated.par.gpus
+    assert abs(col_gpus - cluster_plan.unit.gpus) <= cluster_plan.colocated.par.gpus / 2
+
+
+def _mix(n: int, m: int, estimate: float) -> Mix:
+    one, two = ParallelConfig(1, 1), ParallelConfig(2, 1)
+    return Mix(Unit(one, two, n, m), estimate, PhaseCandidate(one, 1.0), PhaseCandidate(two, 1.0))
+
+
+def test_shortlist_keeps_the_near_ties_best_first() -> None:
+    mixes = [_mix(1, 1, 3.0), _mix(2, 2, 6.6), _mix(1, 2, 4.0), _mix(2, 1, 3.0), _mix(4, 4, 12.0)]
+    # TP1 prefill + TP2 decode: 3, 6, 5, 4, 12 GPUs, so per GPU 1.0, 1.1, 0.8, 0.75, 1.0
+    got = [(m.unit.num_prefill, m.unit.num_decode) for m in shortlist(mixes)]
+    assert got == [(2, 2), (1, 1), (4, 4)]  # within 10 % of 1.1; ties: fewer GPUs first
+    many = [_mix(1, 1, 3.0 - i * 0.01) for i in range(10)]
+    assert len(shortlist(many)) == SHORTLIST_SIZE
 
 
 @pytest.fixture
