@@ -17,7 +17,7 @@ from mm_serve.bench.workloads import (
     unit_rate_arrivals,
 )
 from mm_serve.planner.goodput import max_rate
-from mm_serve.planner.latency_model import LatencyModel, ParallelConfig
+from mm_serve.planner.latency_model import DecodeTiming, LatencyModel, ParallelConfig, PrefillTiming
 from mm_serve.planner.memory import MemoryPlan, memory_plan
 from mm_serve.planner.plan_spec import PlanSpec
 from mm_serve.planner.sim_request import SimRequest
@@ -125,6 +125,26 @@ class GoodputEvaluator:
         """The first ``n`` drawn requests, arriving at mean ``rate`` requests/s."""
         return build_requests(self.specs[:n], [t / rate for t in self._unit_arrivals[:n]])
 
+    def alone_attainment(self, n: int, prefill: PrefillTiming | None, decode: DecodeTiming | None) -> float:
+        """Share of the first ``n`` requests that would meet the SLOs with the instance
+        to themselves (no queue, no batch): TTFT = the prompt's prefill latency, TPOT =
+        a batch-1 step at the prompt's context (a lower bound on every later step).
+
+        Load only adds waiting and batch work, so a config whose attainment here is
+        below the target has goodput 0 at any rate, and needs no simulation (low-rate
+        probes are the slowest ones: every request decodes alone for its whole answer).
+        ``prefill`` None: TTFT not judged; ``decode`` None: TPOT not judged.
+        """
+        slo, ok = self.spec.slo, 0
+        for s in self.specs[:n]:
+            p = s.total_prompt_tokens
+            if prefill is not None and prefill.latency(p, p * p, 1, s.num_images) > slo.ttft_s:
+                continue
+            if decode is not None and s.output_tokens > 1 and decode.step_time(1, p) > slo.tpot_s:
+                continue
+            ok += 1
+        return ok / max(1, min(n, len(self.specs)))
+
     def _search(
         self,
         run: Callable[[list[SimRequest]], SimResult],
@@ -132,10 +152,15 @@ class GoodputEvaluator:
         upper: float,
         concurrency: float = 1.0,
         near: bool = False,
+        timings: tuple[PrefillTiming | None, DecodeTiming | None] | None = None,
     ) -> float:
         """``near``: ``upper`` comes from simulated goodputs, so the answer is close to
-        it and the first floor is ``upper / NEAR_SPAN`` (about 7 probes instead of 10)."""
+        it and the first floor is ``upper / NEAR_SPAN`` (about 7 probes instead of 10).
+        ``timings``: the (prefill, decode) timings judged; 0 without simulating when
+        even an idle instance misses the target (see :meth:`alone_attainment`)."""
         n, skip = self.sim_size(concurrency)
+        if timings is not None and self.alone_attainment(n, *timings) < self.spec.attainment:
+            return 0.0
 
         def attainment(rate: float) -> float:
             self.simulations += 1
@@ -156,14 +181,16 @@ class GoodputEvaluator:
         server = self.prefill_server(par, cross_node)
         return self._memo(("prefill", par, cross_node), lambda: self._search(
             lambda reqs: simulate_prefill(server, reqs), "prefill",
-            self.prefill_bound(par, cross_node), self.prefill_batch() * par.pp))
+            self.prefill_bound(par, cross_node), self.prefill_batch() * par.pp,
+            timings=(server.timing, None)))
 
     def decode_goodput(self, par: ParallelConfig, cross_node: bool) -> float:
         """Max rate one decode instance serves within the TPOT SLO."""
         server = self.decode_server(par, cross_node)
         return self._memo(("decode", par, cross_node), lambda: self._search(
             lambda reqs: simulate_decode(server, reqs), "decode",
-            self.decode_bound(par, cross_node), self.decode_concurrency(server)))
+            self.decode_bound(par, cross_node), self.decode_concurrency(server),
+            timings=(None, server.timing)))
 
     def colocated_goodput(self, par: ParallelConfig, cross_node: bool, replicas: int = 1) -> float:
         """Max rate ``replicas`` colocated instances (shortest-queue dispatch) serve
@@ -180,7 +207,7 @@ class GoodputEvaluator:
                                 + 1.0 / self.decode_bound(par, cross_node, vision=True))
         return self._memo(("colocated", par, cross_node, replicas), lambda: self._search(
             lambda reqs: simulate_colocated(prefill, server, budget, reqs, replicas), "both",
-            bound, replicas * self.decode_concurrency(server), near))
+            bound, replicas * self.decode_concurrency(server), near, (prefill, server.timing)))
 
     def disaggregated_goodput(
         self,

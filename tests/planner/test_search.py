@@ -149,3 +149,22 @@ def test_low_affinity_keeps_each_prefill_stage_with_its_decode_partner(configs: 
         assert len(nodes) == 1  # every instance of the unit spans the same nodes
         assert {i.role for i in unit} == {"prefill", "decode"}
         assert sum(i.par.tp for i in unit) <= 8  # one node's GPUs per stage
+
+
+def test_config_that_misses_the_slo_even_when_idle_is_not_simulated(configs: Configs) -> None:
+    """OPT-13B's batch-1 decode step on one A100 is ~24 ms: a 10 ms TPOT SLO can't be
+    met at any rate, which the evaluator knows without simulating (low-rate probes are
+    the slowest); at 0.1 s every request meets it when alone, so it simulates."""
+    tight = GoodputEvaluator(opt13b_spec(configs["opt-13b"], slo=SLO(0.25, 0.01)))
+    one = ParallelConfig(1, 1)
+    n = tight.spec.num_requests
+    assert tight.alone_attainment(n, None, tight.decode_server(one, False).timing) == 0.0
+    assert tight.decode_goodput(one, False) == 0.0
+    assert tight.colocated_goodput(one, False) == 0.0
+    assert tight.simulations == 0
+    # TTFT alone: prompts of the chatbot workload prefill in well under 0.25 s
+    prefill = tight.prefill_server(one, False).timing
+    assert tight.alone_attainment(n, prefill, None) == 1.0
+    loose = GoodputEvaluator(opt13b_spec(configs["opt-13b"]))
+    assert loose.alone_attainment(n, None, loose.decode_server(one, False).timing) == 1.0
+    assert loose.decode_goodput(one, False) > 0 and loose.simulations > 0
