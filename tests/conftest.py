@@ -31,3 +31,14 @@ def tiny_llava_multilayer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Text-only Llama checkpoint, 3 layers, GQA 4/1, llama3 RoPE scaling."""
     return build_checkpoint("llama", tmp_path_factory.mktemp("tiny_llama"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the figures tests record with ``record_property("figure", text)`` (e.g. the
+    planner's disaggregated / colocated ratio), so that ``make test`` shows them."""
+    lines = [str(value) for report in terminalreporter.stats.get("passed", [])
+             for key, value in report.user_properties if key == "figure"]
+    if lines:
+        terminalreporter.section("figures")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,12 @@ def cluster_plan(module_configs: dict[str, dict[str, Any]]) -> PlanResult:
     return plan(opt13b_spec(module_configs["opt-13b"], nodes=4, gpus_per_node=8))
 
 
-def test_search_on_4_nodes_of_8_gpus_is_fast_and_fills_the_cluster(cluster_plan: PlanResult) -> None:
-    print(f"4x8 search: {cluster_plan.seconds:.1f} s, {cluster_plan.simulations} simulations")
+def test_search_on_4_nodes_of_8_gpus_is_fast_and_fills_the_cluster(
+    cluster_plan: PlanResult, record_property: Callable[[str, object], None]
+) -> None:
+    line = f"planner, 4x8 search: {cluster_plan.seconds:.1f} s, {cluster_plan.simulations} simulations"
+    print(line)
+    record_property("figure", line)
     assert cluster_plan.seconds < 60
     gpus = [g for inst in cluster_plan.placement for g in inst.gpus]
     assert len(gpus) == len(set(gpus)) == cluster_plan.gpus_used <= 32
@@ -61,13 +66,17 @@ def test_search_on_4_nodes_of_8_gpus_is_fast_and_fills_the_cluster(cluster_plan:
     assert 0.7 < cluster_plan.unit_goodput / cluster_plan.estimated_unit_goodput < 1.3
 
 
-def test_opt13b_chatbot_disaggregated_beats_best_colocated(cluster_plan: PlanResult) -> None:
+def test_opt13b_chatbot_disaggregated_beats_best_colocated(
+    cluster_plan: PlanResult, record_property: Callable[[str, object], None]
+) -> None:
     """Issue #8: DistServe's chatbot setting (OPT-13B, ShareGPT-like chat, TTFT 0.25 s /
     TPOT 0.1 s, A100) on 4 x 8 GPUs; the colocated side is its best config pooled on
     as many GPUs as the disaggregated unit."""
     ratio = cluster_plan.ratio
-    print(f"OPT-13B chatbot on A100: disaggregated {cluster_plan.per_gpu_goodput:.3f} vs colocated "
-          f"{cluster_plan.colocated_per_gpu_goodput:.3f} req/s/GPU, ratio {ratio:.2f}x")
+    line = (f"planner, OPT-13B chatbot on 4x8 A100: disaggregated {cluster_plan.per_gpu_goodput:.3f} "
+            f"vs colocated {cluster_plan.colocated_per_gpu_goodput:.3f} req/s/GPU, ratio {ratio:.2f}x")
+    print(line)
+    record_property("figure", line)
     assert ratio > 1.0
 
 
@@ -111,7 +120,9 @@ def figure1_workload(tmp_path: Path) -> Any:
     return make_workload(str(path))
 
 
-def test_figure1_single_gpu_numbers(figure1_workload: Any, configs: Configs) -> None:
+def test_figure1_single_gpu_numbers(
+    figure1_workload: Any, configs: Configs, record_property: Callable[[str, object], None]
+) -> None:
     """DistServe Figure 1 (OPT-13B, one A100, 512 in / 64 out, P90 TTFT 0.4 s, P90 TPOT
     0.04 s): prefill-only 5.6, decode-only 10, colocated 1.6 req/s measured; 2 prefill
     GPUs + 1 decode GPU give 10 req/s on 3 GPUs, 2.1x colocated per GPU."""
@@ -120,8 +131,10 @@ def test_figure1_single_gpu_numbers(figure1_workload: Any, configs: Configs) -> 
     one = ParallelConfig(1, 1)
     pre, dec, col = ev.prefill_goodput(one, False), ev.decode_goodput(one, False), ev.colocated_goodput(one, False)
     per_gpu = min(2 * pre, dec) / 3
-    print(f"Figure 1: prefill-only {pre:.2f}, decode-only {dec:.2f}, colocated {col:.2f} req/s; "
-          f"2P1D {per_gpu:.2f} req/s/GPU = {per_gpu / col:.2f}x colocated")
+    line = (f"planner, DistServe Figure 1: prefill-only {pre:.2f}, decode-only {dec:.2f}, colocated "
+            f"{col:.2f} req/s; 2P1D {per_gpu:.2f} req/s/GPU = {per_gpu / col:.2f}x colocated")
+    print(line)
+    record_property("figure", line)
     assert pre == pytest.approx(5.6, rel=0.2)
     assert dec == pytest.approx(10.0, rel=0.2)
     assert col == pytest.approx(1.6, rel=0.2)

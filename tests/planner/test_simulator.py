@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -38,7 +39,9 @@ def req(i: int, t: float, prompt: int, output: int) -> SimRequest:
 
 
 @pytest.mark.parametrize("load", [0.3, 0.6, 0.8])
-def test_prefill_queue_matches_md1_mean_ttft(load: float) -> None:
+def test_prefill_queue_matches_md1_mean_ttft(
+    load: float, record_property: Callable[[str, object], None]
+) -> None:
     """DistServe §3.1: one prefill instance, deterministic service time D, Poisson
     arrivals at rate R: mean TTFT = D + R D^2 / (2 (1 - R D))."""
     service, n = 0.1, 120_000
@@ -47,8 +50,10 @@ def test_prefill_queue_matches_md1_mean_ttft(load: float) -> None:
     result = simulate_prefill(PrefillServer(fixed_prefill(service), 1 << 20, 1), reqs)
     theory = service + rate * service**2 / (2 * (1 - rate * service))
     got = result.mean_ttft()
-    print(f"R*D={load}: simulated mean TTFT {got:.4f} s, M/D/1 {theory:.4f} s "
-          f"({(got / theory - 1) * 100:+.1f} %)")
+    line = (f"planner, M/D/1 at R*D={load}: simulated mean TTFT {got:.4f} s, theory {theory:.4f} s "
+            f"({(got / theory - 1) * 100:+.1f} %)")
+    print(line)
+    record_property("figure", line)
     assert got == pytest.approx(theory, rel=0.05)
 
 
