@@ -24,7 +24,9 @@ def test_timings_and_usage() -> None:
         records = asyncio.run(run_sequential(Endpoint(server.url), plan(2, max_tokens=5)))
     for r in records:
         assert r.ok and r.output_tokens == 5 and r.prompt_tokens == 7
-        assert r.ttft_s == pytest.approx(0.2, abs=0.1)
+        # the server waits 0.2 s before the first token; above that is client, loop and
+        # connection time, which a busy 2-core CI machine stretches (0.36 s seen once)
+        assert 0.19 < r.ttft_s < 0.7
         assert r.tpot_s == pytest.approx(0.05, abs=0.02)
         assert len(r.itls_s) == 4 and min(r.itls_s) > 0.03
 
