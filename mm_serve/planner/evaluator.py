@@ -125,10 +125,13 @@ class GoodputEvaluator:
         """The first ``n`` drawn requests, arriving at mean ``rate`` requests/s."""
         return build_requests(self.specs[:n], [t / rate for t in self._unit_arrivals[:n]])
 
-    def alone_attainment(self, n: int, prefill: PrefillTiming | None, decode: DecodeTiming | None) -> float:
-        """Share of the first ``n`` requests that would meet the SLOs with the instance
-        to themselves (no queue, no batch): TTFT = the prompt's prefill latency, TPOT =
-        a batch-1 step at the prompt's context (a lower bound on every later step).
+    def alone_attainment(
+        self, n: int, prefill: PrefillTiming | None, decode: DecodeTiming | None, skip: int = 0
+    ) -> float:
+        """Share of requests ``skip .. n-1`` (those a probe scores) that would meet the
+        SLOs with the instance to themselves (no queue, no batch): TTFT = the prompt's
+        prefill latency, TPOT = a batch-1 step at the prompt's context (a lower bound on
+        every later step).
 
         Load only adds waiting and batch work, so a config whose attainment here is
         below the target has goodput 0 at any rate, and needs no simulation (low-rate
@@ -136,14 +139,15 @@ class GoodputEvaluator:
         ``prefill`` None: TTFT not judged; ``decode`` None: TPOT not judged.
         """
         slo, ok = self.spec.slo, 0
-        for s in self.specs[:n]:
+        scored = self.specs[skip:n]
+        for s in scored:
             p = s.total_prompt_tokens
             if prefill is not None and prefill.latency(p, p * p, 1, s.num_images) > slo.ttft_s:
                 continue
             if decode is not None and s.output_tokens > 1 and decode.step_time(1, p) > slo.tpot_s:
                 continue
             ok += 1
-        return ok / max(1, min(n, len(self.specs)))
+        return ok / max(1, len(scored))
 
     def _search(
         self,
@@ -159,7 +163,7 @@ class GoodputEvaluator:
         ``timings``: the (prefill, decode) timings judged; 0 without simulating when
         even an idle instance misses the target (see :meth:`alone_attainment`)."""
         n, skip = self.sim_size(concurrency)
-        if timings is not None and self.alone_attainment(n, *timings) < self.spec.attainment:
+        if timings is not None and self.alone_attainment(n, *timings, skip) < self.spec.attainment:
             return 0.0
 
         def attainment(rate: float) -> float:

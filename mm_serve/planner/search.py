@@ -13,9 +13,11 @@ both SLOs must hold at once), and several mixes often tie on it. So the units wh
 estimated goodput per GPU is within ``SHORTLIST_TOLERANCE`` of the best (at most
 ``SHORTLIST_SIZE`` of them) are each simulated as a whole (dispatch, KV hand-off
 over the links its placement implies, both SLOs at once), and the one with the best
-simulated goodput per GPU is chosen and reported. The best colocated config is searched the same way for comparison, and then simulated
-as a pool of replicas holding about as many GPUs as the disaggregated unit, behind
-the same shortest-queue dispatcher, so that both sides get the same pooling gain.
+simulated goodput per GPU is chosen and reported. The colocated comparison gets the
+same treatment: the configs within ``SHORTLIST_TOLERANCE`` of the best single-instance
+goodput per GPU are each simulated as a pool of replicas holding about as many GPUs
+as the chosen unit, behind the same shortest-queue dispatcher (so that both sides get
+the same pooling gain), and the best pool is reported.
 """
 
 from __future__ import annotations
