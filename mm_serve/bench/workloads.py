@@ -205,13 +205,23 @@ def load_jsonl_workload(
         if output < 1:
             raise WorkloadError(f"{where}: 'output_len' must be >= 1")
         stamp = row.get("timestamp")
-        if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float))):
-            raise WorkloadError(f"{where}: 'timestamp' must be a number, got {stamp!r}")
+        if stamp is not None and (isinstance(stamp, bool) or not isinstance(stamp, (int, float))
+                                  or not math.isfinite(stamp) or stamp < 0):
+            raise WorkloadError(f"{where}: 'timestamp' must be a number >= 0 (seconds), got {stamp!r}")
         images = _row_int(row, "num_images", where, 0)
+        if prompt + images * image_tokens < 1 and not (images and image_tokens == 0):
+            raise WorkloadError(f"{where}: a request needs at least one prompt token (or an image)")
         rows.append(RequestSpec(prompt, output, images, image_tokens if images else 0,
                                 None if stamp is None else float(stamp)))
     if not rows:
         raise WorkloadError(f"{p}: no requests")
+    stamped = sum(r.arrival_s is not None for r in rows)
+    if 0 < stamped < len(rows):
+        raise WorkloadError(f"{p}: {stamped} of {len(rows)} rows have a 'timestamp': give every "
+                            "row one (a trace) or none (arrivals drawn at the requested rate)")
+    if stamped and len({r.arrival_s for r in rows}) < 2:
+        raise WorkloadError(f"{p}: a trace needs at least two different 'timestamp' values "
+                            "(it is replayed at a rate scaled from their spacing)")
     return JsonlWorkload(tuple(rows), name=p.stem)
 
 

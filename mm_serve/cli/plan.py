@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,25 @@ def _model_dir(model: str) -> str:
     return str(path.parent if path.is_file() else path)
 
 
+MAX_SLO_S = 3600.0  # an SLO of over an hour per token is a typo, not a target
+
+
+def _check_writable(path: str) -> None:
+    """Fail before a long search if ``--write-config`` cannot be written."""
+    from mm_serve.cli.main import CLIError
+
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if not path.strip():
+        raise CLIError("--write-config needs a file path")
+    if target.is_dir():
+        raise CLIError(f"--write-config {path}: is a directory")
+    if not parent.is_dir():
+        raise CLIError(f"--write-config {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CLIError(f"--write-config {path}: not writable")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the search and print the result; user errors raise ``CLIError``."""
     from mm_serve.bench.workloads import WorkloadError, make_workload
@@ -70,9 +90,11 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.planner.search import plan
     from mm_serve.planner.slo import SLO
 
-    if not (args.slo_ttft > 0 and args.slo_tpot > 0):
-        raise CLIError(f"SLOs must be > 0 seconds, got --slo-ttft {args.slo_ttft} "
-                       f"--slo-tpot {args.slo_tpot}")
+    if not (0 < args.slo_ttft <= MAX_SLO_S and 0 < args.slo_tpot <= MAX_SLO_S):
+        raise CLIError(f"SLOs must be > 0 and at most {MAX_SLO_S:g} seconds, got --slo-ttft "
+                       f"{args.slo_ttft} --slo-tpot {args.slo_tpot}")
+    if args.write_config is not None:
+        _check_writable(args.write_config)
     try:
         from mm_serve.models.registry import NAMED_MODELS
 
@@ -88,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         )
         result = plan(spec)
         written = None
-        if args.write_config:
+        if args.write_config is not None:
             from mm_serve.planner.plan_config import write_placement_config
 
             write_placement_config(result, _model_dir(args.model), args.write_config)

@@ -168,12 +168,26 @@ def choose_mix(
     """Instance counts ``(n, m)`` maximising ``min(n Gp, m Gd) / GPUs`` among units
     ``feasible`` accepts (ties: fewer GPUs); returns the unit and its estimated rate
     (requests/s), or None if no unit is feasible."""
-    best: tuple[tuple[float, int], Unit, float] | None = None
+    ranked = ranked_mixes(prefill, decode, feasible, limit=1)
+    return ranked[0] if ranked else None
+
+
+def ranked_mixes(
+    prefill: PhaseCandidate, decode: PhaseCandidate, feasible: Callable[[Unit], bool], limit: int
+) -> list[tuple[Unit, float]]:
+    """The ``limit`` best feasible ``(unit, estimated rate)`` of the pair, best
+    ``min(n Gp, m Gd) / GPUs`` first (ties: fewer GPUs)."""
+    scored = []
     for n in range(1, MAX_INSTANCES_PER_ROLE + 1):
         for m in range(1, MAX_INSTANCES_PER_ROLE + 1):
             unit = Unit(prefill.par, decode.par, n, m)
             rate = min(n * prefill.goodput, m * decode.goodput)
-            key = (rate / unit.gpus, -unit.gpus)
-            if (best is None or key > best[0]) and feasible(unit):
-                best = (key, unit, rate)
-    return None if best is None else (best[1], best[2])
+            scored.append(((rate / unit.gpus, -unit.gpus), unit, rate))
+    scored.sort(key=lambda x: x[0], reverse=True)
+    out: list[tuple[Unit, float]] = []
+    for _, unit, rate in scored:
+        if len(out) == limit:
+            break
+        if feasible(unit):
+            out.append((unit, rate))
+    return out

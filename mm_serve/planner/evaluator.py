@@ -130,8 +130,8 @@ class GoodputEvaluator:
     ) -> float:
         """Share of requests ``skip .. n-1`` (those a probe scores) that would meet the
         SLOs with the instance to themselves (no queue, no batch): TTFT = the prompt's
-        prefill latency, TPOT = a batch-1 step at the prompt's context (a lower bound on
-        every later step).
+        prefill latency, TPOT = :meth:`DecodeTiming.min_step_time` at the prompt's context
+        (a lower bound on each of its steps in any batch).
 
         Load only adds waiting and batch work, so a config whose attainment here is
         below the target has goodput 0 at any rate, and needs no simulation (low-rate
@@ -144,7 +144,7 @@ class GoodputEvaluator:
             p = s.total_prompt_tokens
             if prefill is not None and prefill.latency(p, p * p, 1, s.num_images) > slo.ttft_s:
                 continue
-            if decode is not None and s.output_tokens > 1 and decode.step_time(1, p) > slo.tpot_s:
+            if decode is not None and s.output_tokens > 1 and decode.min_step_time(p) > slo.tpot_s:
                 continue
             ok += 1
         return ok / max(1, len(scored))

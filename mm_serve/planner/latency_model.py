@@ -93,6 +93,15 @@ class DecodeTiming:
         hops = (self.pp - 1) * (self.hop_const + self.hop_per_seq * batch / m)
         return self.pp * self.stage_const + (self.pp / m) * work + hops
 
+    def min_step_time(self, context: float) -> float:
+        """A lower bound (seconds) on the step of a sequence holding ``context`` KV
+        tokens, in any batch: its own share of the work with the pipeline full
+        (``pp / m = 1``), plus the constants. Equals ``step_time(1, context)`` for
+        ``pp == 1``; with ``pp > 1`` a batch of ``m`` micro-batches can be faster per
+        sequence than running it alone."""
+        work = self.stage_per_seq + self.stage_per_context * context
+        return self.pp * self.stage_const + work + (self.pp - 1) * self.hop_const
+
 
 def _affine(fn: Callable[..., float], nargs: int) -> tuple[float, ...]:
     """Constant and slopes of an affine function of ``nargs`` arguments."""

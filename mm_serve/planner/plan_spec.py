@@ -12,6 +12,9 @@ from mm_serve.planner.model_shape import ModelShape
 from mm_serve.planner.slo import SLO
 
 Affinity = Literal["high", "low"]
+MAX_NODES = 1024
+MAX_GPUS_PER_NODE = 64
+MAX_NUM_REQUESTS = 200_000
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,12 @@ class PlanSpec:
     def __post_init__(self) -> None:
         checks = [
             (0 < self.attainment <= 1, f"attainment must be in (0, 1], got {self.attainment}"),
-            (self.nodes >= 1, f"nodes must be >= 1, got {self.nodes}"),
-            (self.gpus_per_node >= 1, f"gpus per node must be >= 1, got {self.gpus_per_node}"),
+            (1 <= self.nodes <= MAX_NODES, f"nodes must be in 1..{MAX_NODES}, got {self.nodes}"),
+            (1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE,
+             f"gpus per node must be in 1..{MAX_GPUS_PER_NODE}, got {self.gpus_per_node}"),
             (self.affinity in ("high", "low"), f"affinity must be high or low, got {self.affinity}"),
-            (self.num_requests >= 20, f"num_requests must be >= 20, got {self.num_requests}"),
+            (20 <= self.num_requests <= MAX_NUM_REQUESTS,
+             f"num_requests must be in 20..{MAX_NUM_REQUESTS}, got {self.num_requests}"),
             (self.burstiness > 0, f"burstiness (CV) must be > 0, got {self.burstiness}"),
             (self.prefill_token_budget >= 1, "prefill token budget must be >= 1"),
             (self.prefill_max_batch >= 1, "prefill max batch must be >= 1"),
@@ -53,6 +58,23 @@ class PlanSpec:
         for ok, message in checks:
             if not ok:
                 raise PlannerError(message)
+        self._check_workload()
+
+    def _check_workload(self) -> None:
+        """A trace or JSONL file must fit the model: context length, images only for a
+        multimodal model (the built-in workloads are drawn within the context)."""
+        rows = getattr(self.workload, "rows", None)
+        if rows is None:
+            return
+        name, ctx = self.shape.name, self.shape.max_context
+        for r in rows:
+            if r.num_images and self.shape.vision is None:
+                raise PlannerError(f"workload {self.workload.name}: a request has {r.num_images} "
+                                   f"image(s) but {name} has no vision tower")
+            if r.total_prompt_tokens + r.output_tokens > ctx:
+                raise PlannerError(
+                    f"workload {self.workload.name}: a request of {r.total_prompt_tokens} prompt + "
+                    f"{r.output_tokens} output tokens exceeds {name}'s context of {ctx} tokens")
 
     @property
     def total_gpus(self) -> int:

@@ -22,18 +22,19 @@ the same pooling gain), and the best pool is reported.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mm_serve.planner.candidates import (
     PhaseCandidate,
-    choose_mix,
     enumerate_configs,
     fits,
     frontier,
     near_best_configs,
     phase_candidate,
+    ranked_mixes,
     tp_degrees,
 )
 from mm_serve.planner.errors import PlannerError
@@ -51,8 +52,9 @@ from mm_serve.planner.placement import (
 )
 from mm_serve.planner.plan_spec import PlanSpec
 
-SHORTLIST_TOLERANCE = 0.10  # relative gap to the best estimate per GPU
-SHORTLIST_SIZE = 4  # most units simulated whole
+SHORTLIST_TOLERANCE = 0.25  # relative gap to the best estimate per GPU
+SHORTLIST_SIZE = 6  # most units simulated whole
+MIXES_PER_PAIR = 2  # best (n, m) mixes kept per (prefill, decode) config pair
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,7 @@ class PlanResult:
     decode: PhaseCandidate
     placement: tuple[InstancePlacement, ...]
     units: int
-    colocated: PhaseCandidate | None  # best config, one instance simulated alone
+    colocated: PhaseCandidate | None  # config of the best colocated pool (goodput: one instance)
     colocated_unit_instances: int  # replicas simulated together for the comparison
     colocated_unit_goodput: float  # their goodput, both SLOs, requests/s
     colocated_placement: tuple[InstancePlacement, ...]
@@ -122,8 +124,12 @@ def _high_affinity(ev: GoodputEvaluator) -> list[Mix]:
     def cross(par: ParallelConfig) -> bool:
         return par.gpus > per_node
 
-    pres = frontier(ev, "prefill", enumerate_configs(ev, "prefill", total, total - 1), cross)
-    decs = frontier(ev, "decode", enumerate_configs(ev, "decode", total, total - 1), cross)
+    pre_configs = enumerate_configs(ev, "prefill", total, total - 1)
+    dec_configs = enumerate_configs(ev, "decode", total, total - 1)
+    if not pre_configs or not dec_configs:
+        raise PlannerError(_no_fit_message(ev, total - 1))
+    pres = frontier(ev, "prefill", pre_configs, cross)
+    decs = frontier(ev, "decode", dec_configs, cross)
     if not pres or not decs:
         raise PlannerError(_no_config_message("prefill" if not pres else "decode", spec))
 
@@ -142,14 +148,9 @@ def _pair_mixes(
     decs: list[PhaseCandidate],
     feasible: Callable[[Unit], bool],
 ) -> list[Mix]:
-    """The best mix (n, m) of every (prefill, decode) pair that has a feasible one."""
-    out = []
-    for pre in pres:
-        for dec in decs:
-            mix = choose_mix(pre, dec, feasible)
-            if mix:
-                out.append(Mix(mix[0], mix[1], pre, dec))
-    return out
+    """The ``MIXES_PER_PAIR`` best mixes (n, m) of every (prefill, decode) pair."""
+    return [Mix(unit, rate, pre, dec) for pre in pres for dec in decs
+            for unit, rate in ranked_mixes(pre, dec, feasible, MIXES_PER_PAIR)]
 
 
 def _low_affinity(ev: GoodputEvaluator) -> list[Mix]:
@@ -165,6 +166,8 @@ def _low_affinity(ev: GoodputEvaluator) -> list[Mix]:
         if pres and decs:
             mixes += _pair_mixes(pres, decs, lambda u: u.gpus // u.prefill.pp <= per_node)
     if not mixes:
+        if not enumerate_configs(ev, "decode", spec.nodes, spec.total_gpus):
+            raise PlannerError(_no_fit_message(ev, spec.total_gpus))
         raise PlannerError(_no_config_message("prefill and decode pair", spec)
                            + " with both on one node per pipeline stage")
     return mixes
@@ -185,6 +188,16 @@ def shortlist(mixes: list[Mix]) -> list[Mix]:
     ranked = sorted(mixes, key=lambda m: (-m.per_gpu, m.unit.gpus))
     top = ranked[0].per_gpu
     return [m for m in ranked if m.per_gpu >= (1 - SHORTLIST_TOLERANCE) * top][:SHORTLIST_SIZE]
+
+
+def _no_fit_message(ev: GoodputEvaluator, max_gpus: int) -> str:
+    """Why no config holds the model: its weights and the largest request's KV."""
+    spec, shape = ev.spec, ev.spec.shape
+    usable = spec.hardware.memory_utilization * spec.hardware.memory_bytes - spec.hardware.activation_reserve_bytes
+    return (f"{shape.name} does not fit in one instance of at most {max_gpus} GPUs of "
+            f"{spec.hardware.name}: {shape.weight_bytes / 2**30:.1f} GiB of weights plus the KV of a "
+            f"{ev.max_context}-token request, {usable / 2**30:.1f} GiB usable per GPU "
+            "(use more GPUs per node or nodes, or a smaller model)")
 
 
 def _no_config_message(what: str, spec: PlanSpec) -> str:
@@ -229,7 +242,7 @@ def best_colocated(ev: GoodputEvaluator, gpus: int) -> tuple[PhaseCandidate, int
     best: tuple[PhaseCandidate, int, float] | None = None
     for cand in near:
         room = len(colocated_replicas(cand.par, spec.nodes, spec.gpus_per_node))
-        count = max(1, min(room, round(gpus / cand.par.gpus)))
+        count = max(1, min(room, math.floor(gpus / cand.par.gpus + 0.5)))
         goodput = ev.colocated_goodput(cand.par, cand.cross_node, count)
         per_gpu = goodput / (count * cand.par.gpus)
         if best is None or per_gpu > best[2] / (best[1] * best[0].par.gpus):
@@ -247,6 +260,12 @@ def plan(spec: PlanSpec) -> PlanResult:
     ev = GoodputEvaluator(spec)
     simulated = [(simulate_unit(ev, m.unit, m.estimate), m) for m in shortlist(candidate_mixes(ev))]
     goodput, chosen = max(simulated, key=lambda gm: (gm[0] / gm[1].unit.gpus, -gm[1].unit.gpus))
+    if goodput <= 0:
+        raise PlannerError(
+            f"no disaggregated unit of {spec.shape.name} on {spec.hardware.name} meets both SLOs "
+            f"(TTFT {spec.slo.ttft_s} s, TPOT {spec.slo.tpot_s} s) at {spec.attainment:.0%} "
+            "attainment: each phase meets its own SLO alone, but with the KV hand-off between "
+            "them too few requests meet both")
     unit, estimate, pre, dec = chosen.unit, chosen.estimate, chosen.prefill, chosen.decode
     placement, units = replicate(unit, spec.nodes, spec.gpus_per_node, spec.affinity)
     pool = best_colocated(ev, unit.gpus)

@@ -64,11 +64,23 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--slo-ttft", "0"], "SLOs must be > 0"),
         (["--slo-tpot", "-1"], "SLOs must be > 0"),
         (["--attainment", "1.5"], "attainment must be in (0, 1]"),
-        (["--nodes", "0"], "nodes must be >= 1"),
+        (["--nodes", "0"], "nodes must be in 1..1024, got 0"),
+        (["--nodes", "100000"], "nodes must be in 1..1024, got 100000"),
+        (["--gpus-per-node", "65"], "gpus per node must be in 1..64"),
+        (["--num-requests", "100000000"], "num_requests must be in 20..200000"),
+        (["--slo-ttft", "inf"], "at most 3600 seconds"),
+        (["--write-config", ""], "--write-config needs a file path"),
+        (["--write-config", "{nodir}"], "does not exist"),
+        (["--workload", "{zero}"], "at least one prompt token"),
+        (["--workload", "{negstamp}"], "'timestamp' must be a number >= 0"),
+        (["--workload", "{samestamp}"], "at least two different 'timestamp' values"),
+        (["--workload", "{halfstamp}"], "1 of 2 rows have a 'timestamp'"),
+        (["--workload", "{long}"], "exceeds tiny-llama's context"),
+        (["--workload", "{images}"], "has no vision tower"),
         (["--workload", "llava"], "needs a model with a vision tower"),
         (["--workload", "nope"], "unknown workload 'nope'"),
         (["--burstiness", "0"], "burstiness (CV) must be > 0"),
-        (["--model", "{huge}"], "or the model does not fit"),
+        (["--model", "{huge}"], "does not fit in one instance of at most"),
         (["--gpus-per-node", "1"], "needs at least 2 GPUs"),
     ],
 )
@@ -82,7 +94,19 @@ def test_user_errors_exit_2_with_one_line(
     huge.write_text(json.dumps({**configs["llama-2-7b"], "hidden_size": 16384,
                                 "intermediate_size": 53248, "num_hidden_layers": 126,
                                 "num_attention_heads": 128}))
-    paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge)}
+    rows = {"zero": [{"prompt_len": 0, "output_len": 10}],
+            "negstamp": [{"prompt_len": 5, "output_len": 5, "timestamp": -3}],
+            "samestamp": [{"prompt_len": 5, "output_len": 5, "timestamp": 0}] * 2,
+            "halfstamp": [{"prompt_len": 5, "output_len": 5, "timestamp": 0},
+                          {"prompt_len": 5, "output_len": 5}],
+            "long": [{"prompt_len": 100_000, "output_len": 5}],
+            "images": [{"prompt_len": 5, "output_len": 5, "num_images": 1}]}
+    paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge),
+             "{nodir}": str(tmp_path / "nodir" / "x.yaml")}
+    for name, lines in rows.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in lines))
+        paths[f"{{{name}}}"] = str(path)
     argv = [*BASE, "--model", str(tiny_dir), *[paths.get(a, a) for a in args]]
     assert main(argv) == 2
     captured = capsys.readouterr()

@@ -11,6 +11,7 @@ import pytest
 
 from mm_serve.bench.workloads import make_workload
 from mm_serve.planner.candidates import PhaseCandidate
+from mm_serve.planner.errors import PlannerError
 from mm_serve.planner.evaluator import GoodputEvaluator
 from mm_serve.planner.hardware import get_hardware
 from mm_serve.planner.latency_model import ParallelConfig
@@ -181,3 +182,29 @@ def test_config_that_misses_the_slo_even_when_idle_is_not_simulated(configs: Con
     loose = GoodputEvaluator(opt13b_spec(configs["opt-13b"]))
     assert loose.alone_attainment(n, None, loose.decode_server(one, False).timing) == 1.0
     assert loose.decode_goodput(one, False) > 0 and loose.simulations > 0
+
+
+def test_unit_that_misses_both_slos_together_is_an_error(tmp_path: Path, configs: Configs) -> None:
+    """Each phase meets its SLO alone, but the cross-node KV hand-off of 1000-token
+    prompts (~0.8 GB over one 25 GB/s NIC) pushes the short answers past a 30 ms TPOT:
+    no unit is a placement, so the planner says so instead of printing 0 req/s."""
+    path = tmp_path / "handoff.jsonl"
+    rows = [{"prompt_len": 1000, "output_len": 2}] * 5 + [{"prompt_len": 100, "output_len": 100}] * 5
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    spec = opt13b_spec(configs["opt-13b"], workload=make_workload(str(path)), slo=SLO(1.0, 0.03),
+                       nodes=2, gpus_per_node=1)
+    with pytest.raises(PlannerError, match="each phase meets its own SLO alone"):
+        plan(spec)
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_min_step_time_bounds_every_batch(pp: int, configs: Configs) -> None:
+    """The idle check's TPOT bound: no batch makes a sequence's step shorter."""
+    ev = GoodputEvaluator(opt13b_spec(configs["opt-13b"]))
+    timing = ev.model.decode_timing(ParallelConfig(1, pp))
+    for own in (10, 500, 2000):
+        bound = timing.min_step_time(own)
+        if pp == 1:
+            assert bound == pytest.approx(timing.step_time(1, own))
+        for batch, others in ((1, 0), (2, 10), (4, 30), (64, 64 * 300)):
+            assert bound <= timing.step_time(batch, own + others) + 1e-12
