@@ -72,6 +72,8 @@ def _check_writable(path: str) -> None:
         raise CLIError("--write-config needs a file path")
     if target.is_dir():
         raise CLIError(f"--write-config {path}: is a directory")
+    if parent.exists() and not parent.is_dir():
+        raise CLIError(f"--write-config {path}: {parent} is not a directory")
     if not parent.is_dir():
         raise CLIError(f"--write-config {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):

@@ -194,8 +194,10 @@ def _no_fit_message(ev: GoodputEvaluator, max_gpus: int) -> str:
     """Why no config holds the model: its weights and the largest request's KV."""
     spec, shape = ev.spec, ev.spec.shape
     usable = spec.hardware.memory_utilization * spec.hardware.memory_bytes - spec.hardware.activation_reserve_bytes
-    return (f"{shape.name} does not fit in one instance of at most {max_gpus} GPUs of "
-            f"{spec.hardware.name}: {shape.weight_bytes / 2**30:.1f} GiB of weights plus the KV of a "
+    gpus = f"{max_gpus} GPU" + ("" if max_gpus == 1 else "s")
+    return (f"{shape.name} does not fit in one instance of at most {gpus} of "
+            f"{spec.hardware.name} (a prefill and a decode instance share the "
+            f"{spec.total_gpus}): {shape.weight_bytes / 2**30:.1f} GiB of weights plus the KV of a "
             f"{ev.max_context}-token request, {usable / 2**30:.1f} GiB usable per GPU "
             "(use more GPUs per node or nodes, or a smaller model)")
 

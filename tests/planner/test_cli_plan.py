@@ -71,6 +71,7 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--slo-ttft", "inf"], "at most 3600 seconds"),
         (["--write-config", ""], "--write-config needs a file path"),
         (["--write-config", "{nodir}"], "does not exist"),
+        (["--write-config", "{underfile}"], "is not a directory"),
         (["--workload", "{zero}"], "at least one prompt token"),
         (["--workload", "{negstamp}"], "'timestamp' must be a number >= 0"),
         (["--workload", "{samestamp}"], "at least two different 'timestamp' values"),
@@ -102,7 +103,7 @@ def test_user_errors_exit_2_with_one_line(
             "long": [{"prompt_len": 100_000, "output_len": 5}],
             "images": [{"prompt_len": 5, "output_len": 5, "num_images": 1}]}
     paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge),
-             "{nodir}": str(tmp_path / "nodir" / "x.yaml")}
+             "{nodir}": str(tmp_path / "nodir" / "x.yaml"), "{underfile}": str(bad / "x.yaml")}
     for name, lines in rows.items():
         path = tmp_path / f"{name}.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in lines))
