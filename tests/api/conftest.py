@@ -15,7 +15,7 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("media")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after this package: idle workers poll
 def server(tiny_llava: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = ServerProcess(tiny_llava, "--allowed-local-media-path", str(media_dir),
                          log_dir=tmp_path_factory.mktemp("logs"))

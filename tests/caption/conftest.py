@@ -19,7 +19,7 @@ def scene_folder(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[s
     return root, write_scene_folder(root, NUM_SCENES)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after this package: idle workers poll
 def tiny_engine(tiny_llava: Path) -> Iterator[EngineBackend]:
     """An in-process engine on the random tiny checkpoint, 8 new tokens per caption."""
     config = config_from_dict({"model": str(tiny_llava)})
