@@ -92,16 +92,15 @@ def _registered() -> Any | None:
     return torch.ops.mm_serve_cpu
 
 
-def _ninja_env() -> dict[str, str]:
+def _ninja_path() -> str:
     """PATH with the pip ``ninja`` (a dependency) first: the same ninja for every build, so one
     ninja's log does not make another rebuild, and one even where the venv is not activated."""
-    env = dict(os.environ)
+    path = os.environ.get("PATH", "")
     try:
         import ninja
     except ImportError:
-        return env  # a system ninja, if any
-    env["PATH"] = ninja.BIN_DIR + os.pathsep + env.get("PATH", "")
-    return env
+        return path  # a system ninja, if any
+    return ninja.BIN_DIR + os.pathsep + path
 
 
 def _build(library: Path) -> Any:
@@ -127,7 +126,7 @@ def _build(library: Path) -> Any:
         (build_dir / "lock").unlink(missing_ok=True)
         print(f"mm-serve: building the CPU kernels in {build_dir} (once, ~15 s)", file=sys.stderr, flush=True)
         saved_path = os.environ.get("PATH")
-        os.environ["PATH"] = _ninja_env()["PATH"]
+        os.environ["PATH"] = _ninja_path()
         try:
             cpp_extension.load(  # copies of the flag lists: load() appends to the lists it is given
                 name=library.stem, sources=[str(source) for source in SOURCES], extra_cflags=list(CFLAGS),

@@ -66,10 +66,10 @@ def _check_writable(path: str) -> None:
     """Fail before a long search if ``--write-config`` cannot be written."""
     from mm_serve.cli.main import CLIError
 
-    target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
     if not path.strip():
         raise CLIError("--write-config needs a file path")
+    target = Path(path)
+    parent = target.parent  # "." for a bare file name
     if target.is_dir():
         raise CLIError(f"--write-config {path}: is a directory")
     if parent.exists() and not parent.is_dir():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 from mm_serve.planner.evaluator import GoodputEvaluator
 from mm_serve.planner.latency_model import ParallelConfig
@@ -33,9 +33,36 @@ class PhaseCandidate:
     cross_node: bool = False
 
     @property
+    def gpus(self) -> int:
+        return self.par.gpus
+
+    @property
     def per_gpu(self) -> float:
         """Goodput per GPU, requests/s/GPU."""
         return self.goodput / self.par.gpus
+
+
+class Ranked(Protocol):
+    """Anything ranked by goodput per GPU (ties: fewer GPUs)."""
+
+    @property
+    def gpus(self) -> int: ...
+
+    @property
+    def per_gpu(self) -> float: ...
+
+
+R = TypeVar("R", bound=Ranked)
+
+
+def near_best(items: Iterable[R], tolerance: float, limit: int) -> list[R]:
+    """The items whose ``per_gpu`` is within ``tolerance`` (relative) of the best, best
+    first (ties: fewer GPUs), ``limit`` at most; empty for no items."""
+    ranked = sorted(items, key=lambda c: (-c.per_gpu, c.gpus))
+    if not ranked:
+        return []
+    top = ranked[0].per_gpu
+    return [c for c in ranked if c.per_gpu >= (1 - tolerance) * top][:limit]
 
 
 def tp_degrees(num_heads: int, gpus_per_node: int) -> list[int]:
@@ -113,19 +140,16 @@ def near_best_configs(
     goodput, bound = _funcs(ev, stage)
     ranked = sorted(configs, key=lambda p: -bound(p, cross_node(p)) / p.gpus)
     found: list[PhaseCandidate] = []
+    top = 0.0  # best goodput per GPU so far
     for par in ranked:
         cross = cross_node(par)
-        top = max((c.per_gpu for c in found), default=0.0)
         if found and bound(par, cross) / par.gpus <= (1 - tolerance) * top:
             break
         cand = PhaseCandidate(par, goodput(par, cross), cross)
         if cand.goodput > 0:
             found.append(cand)
-    if not found:
-        return []
-    found.sort(key=lambda c: (-c.per_gpu, c.par.gpus))
-    top = found[0].per_gpu
-    return [c for c in found if c.per_gpu >= (1 - tolerance) * top][:limit]
+            top = max(top, cand.per_gpu)
+    return near_best(found, tolerance, limit)
 
 
 def frontier(

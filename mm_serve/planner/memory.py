@@ -31,6 +31,12 @@ class MemoryPlan:
         return self.kv_capacity_tokens > 0
 
 
+def usable_bytes(hw: Hardware) -> float:
+    """Bytes per GPU for weights and KV: ``memory_utilization`` of the memory, less the
+    activation reserve (vLLM's ``gpu_memory_utilization``)."""
+    return hw.memory_utilization * hw.memory_bytes - hw.activation_reserve_bytes
+
+
 def memory_plan(shape: ModelShape, hw: Hardware, par: ParallelConfig, vision: bool) -> MemoryPlan:
     """Weights and KV capacity of an instance with ``par``; ``vision`` if it runs the
     vision tower (prefill and colocated instances of a multimodal model)."""
@@ -41,7 +47,6 @@ def memory_plan(shape: ModelShape, hw: Hardware, par: ParallelConfig, vision: bo
     weights = params * shape.dtype_bytes / par.tp
     kv_heads = max(1.0, shape.num_kv_heads / par.tp)
     kv_per_token = 2 * layers * kv_heads * shape.head_dim * shape.dtype_bytes
-    usable = hw.memory_utilization * hw.memory_bytes - hw.activation_reserve_bytes
-    free = usable - weights
+    free = usable_bytes(hw) - weights
     capacity = int(free // kv_per_token) if free > 0 else 0
     return MemoryPlan(weights, kv_per_token, capacity)

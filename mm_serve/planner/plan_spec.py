@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mm_serve.bench.workloads import Workload
+from mm_serve.bench.workloads import JsonlWorkload, Workload
 from mm_serve.planner.errors import PlannerError
 from mm_serve.planner.hardware import Hardware
 from mm_serve.planner.model_shape import ModelShape
@@ -63,11 +63,10 @@ class PlanSpec:
     def _check_workload(self) -> None:
         """A trace or JSONL file must fit the model: context length, images only for a
         multimodal model (the built-in workloads are drawn within the context)."""
-        rows = getattr(self.workload, "rows", None)
-        if rows is None:
+        if not isinstance(self.workload, JsonlWorkload):
             return
         name, ctx = self.shape.name, self.shape.max_context
-        for r in rows:
+        for r in self.workload.rows:
             if r.num_images and self.shape.vision is None:
                 raise PlannerError(f"workload {self.workload.name}: a request has {r.num_images} "
                                    f"image(s) but {name} has no vision tower")

@@ -32,6 +32,7 @@ from mm_serve.planner.candidates import (
     enumerate_configs,
     fits,
     frontier,
+    near_best,
     near_best_configs,
     phase_candidate,
     ranked_mixes,
@@ -40,6 +41,7 @@ from mm_serve.planner.candidates import (
 from mm_serve.planner.errors import PlannerError
 from mm_serve.planner.evaluator import GoodputEvaluator
 from mm_serve.planner.latency_model import ParallelConfig
+from mm_serve.planner.memory import usable_bytes
 from mm_serve.planner.placement import (
     GpuPool,
     InstancePlacement,
@@ -65,6 +67,10 @@ class Mix:
     estimate: float
     prefill: PhaseCandidate
     decode: PhaseCandidate
+
+    @property
+    def gpus(self) -> int:
+        return self.unit.gpus
 
     @property
     def per_gpu(self) -> float:
@@ -185,15 +191,13 @@ def candidate_mixes(ev: GoodputEvaluator) -> list[Mix]:
 def shortlist(mixes: list[Mix]) -> list[Mix]:
     """The mixes worth simulating whole: best estimate per GPU first, then every one
     within ``SHORTLIST_TOLERANCE`` of it, ``SHORTLIST_SIZE`` at most (ties: fewer GPUs)."""
-    ranked = sorted(mixes, key=lambda m: (-m.per_gpu, m.unit.gpus))
-    top = ranked[0].per_gpu
-    return [m for m in ranked if m.per_gpu >= (1 - SHORTLIST_TOLERANCE) * top][:SHORTLIST_SIZE]
+    return near_best(mixes, SHORTLIST_TOLERANCE, SHORTLIST_SIZE)
 
 
 def _no_fit_message(ev: GoodputEvaluator, max_gpus: int) -> str:
     """Why no config holds the model: its weights and the largest request's KV."""
     spec, shape = ev.spec, ev.spec.shape
-    usable = spec.hardware.memory_utilization * spec.hardware.memory_bytes - spec.hardware.activation_reserve_bytes
+    usable = usable_bytes(spec.hardware)
     gpus = f"{max_gpus} GPU" + ("" if max_gpus == 1 else "s")
     return (f"{shape.name} does not fit in one instance of at most {gpus} of "
             f"{spec.hardware.name} (a prefill and a decode instance share the "
