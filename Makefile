@@ -12,7 +12,12 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install serve test lint typecheck bench clean
 
+# The venv takes about 6 GB (torch's CUDA build); say so up front rather than fail half-way with ENOSPC.
+NEED_KB := 6500000
 $(VENV)/.installed: pyproject.toml
+	@free_kb=$$(df -Pk . | awk 'NR==2 {print $$4}'); \
+	if [ -n "$$free_kb" ] && [ "$$free_kb" -lt $(NEED_KB) ]; then \
+	  echo "warning: $$((free_kb / 1024)) MiB free here; the install needs about 6.5 GB (torch's CUDA build)" >&2; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH_PINS)
 	$(PIP) install -q -e '.[dev]' $(TORCH_PINS)
