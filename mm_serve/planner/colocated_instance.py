@@ -18,6 +18,7 @@ from mm_serve.planner.events import EventLoop
 from mm_serve.planner.latency_model import DecodeTiming, PrefillTiming
 from mm_serve.planner.running_set import RunningSet
 from mm_serve.planner.sim_request import NEVER, SimRequest
+from mm_serve.planner.step_runs import StepRuns
 
 
 class ColocatedInstance:
@@ -38,16 +39,19 @@ class ColocatedInstance:
         self._budget = token_budget
         self._waiting: deque[SimRequest] = deque()
         self.running = RunningSet(kv_capacity, max_batch)
-        self._busy = False
-
-    @property
-    def load(self) -> int:
-        return len(self._waiting) + len(self.running)
+        self._steps = StepRuns(loop, decode, self.running, self._end_run)
+        self._prefilling = False
+        self.load = 0  # requests waiting, prefilling or running (the dispatcher's queue length)
 
     def submit(self, req: SimRequest) -> None:
         """A new request arrives now."""
-        self._waiting.append(req)
-        if not self._busy:
+        waiting = self._waiting
+        waiting.append(req)
+        self.load += 1
+        if self._steps.active:
+            if len(waiting) == 1:  # it may be prefilled at the next step boundary
+                self._steps.cut()
+        elif not self._prefilling:
             self._iterate()
 
     def _take_prefill_batch(self) -> list[SimRequest]:
@@ -58,6 +62,7 @@ class ColocatedInstance:
             head = waiting[0]
             if running.never_fits(head):
                 waiting.popleft().first_token_s = NEVER
+                self.load -= 1
                 continue
             if batch and tokens + head.prompt_tokens > self._budget:
                 break
@@ -70,33 +75,34 @@ class ColocatedInstance:
         return batch
 
     def _iterate(self) -> None:
-        loop = self._loop
-        batch = self._take_prefill_batch()
+        batch = self._take_prefill_batch() if self._waiting else []
         if batch:
-            self._busy = True
-            tokens = sum(r.prompt_tokens for r in batch)
-            sq = sum(r.prompt_tokens * r.prompt_tokens for r in batch)
-            images = sum(r.num_images for r in batch)
+            self._prefilling = True
+            tokens = sq = images = 0
+            for r in batch:
+                tokens += r.prompt_tokens
+                sq += r.prompt_tokens * r.prompt_tokens
+                images += r.num_images
+            loop = self._loop
             dt = self._prefill.latency(tokens, sq, len(batch), images)
             loop.at(loop.now + dt, partial(self._end_prefill, batch))
         elif len(self.running):
-            self._busy = True
-            dt = self._decode.step_time(len(self.running), self.running.context)
-            loop.at(loop.now + dt, self._end_step)
-        else:
-            self._busy = False
+            self._steps.start()
 
     def _end_prefill(self, batch: list[SimRequest]) -> None:
+        self._prefilling = False
         now = self._loop.now
         for r in batch:
             r.first_token_s = now
             r.decode_ready_s = now
             if not self.running.add(r):
                 r.finish_s = now
+                self.load -= 1
         self._iterate()
 
-    def _end_step(self) -> None:
+    def _end_run(self, done: list[SimRequest]) -> None:
         now = self._loop.now
-        for r in self.running.finish_step():
+        for r in done:
             r.finish_s = now
+        self.load -= len(done)
         self._iterate()

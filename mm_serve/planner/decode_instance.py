@@ -9,6 +9,7 @@ from mm_serve.planner.events import EventLoop
 from mm_serve.planner.latency_model import DecodeTiming
 from mm_serve.planner.running_set import RunningSet
 from mm_serve.planner.sim_request import NEVER, SimRequest
+from mm_serve.planner.step_runs import StepRuns
 
 
 class DecodeInstance:
@@ -17,7 +18,8 @@ class DecodeInstance:
     Requests wait FCFS until the running batch has room (``max_batch`` requests and
     ``kv_capacity`` tokens, see :class:`RunningSet`); admission happens only between
     steps (iteration-level scheduling, Orca, Yu et al. OSDI 2022). One step gives every
-    running request one token and takes ``timing.step_time(B, context)`` seconds. A
+    running request one token and takes ``timing.step_time(B, context)`` seconds;
+    steps are simulated a run at a time (:class:`~mm_serve.planner.step_runs.StepRuns`). A
     request that could never fit is dropped with ``finish_s = NEVER`` (an SLO miss).
     ``on_finish(req)`` is called when its last token is out.
     """
@@ -35,22 +37,23 @@ class DecodeInstance:
         self._on_finish = on_finish
         self._waiting: deque[SimRequest] = deque()
         self.running = RunningSet(kv_capacity, max_batch)
-        self._busy = False
-
-    @property
-    def load(self) -> int:
-        """Requests waiting or running (the dispatcher's queue length)."""
-        return len(self._waiting) + len(self.running)
+        self._steps = StepRuns(loop, timing, self.running, self._end_run)
+        self.load = 0  # requests waiting or running (the dispatcher's queue length)
 
     def submit(self, req: SimRequest) -> None:
         """Hand ``req`` (first token already out, KV landed) to this instance now."""
         req.decode_ready_s = self._loop.now
-        self._waiting.append(req)
-        if not self._busy:
-            self._begin_step()
+        waiting = self._waiting
+        waiting.append(req)
+        self.load += 1
+        if not self._steps.active:
+            self._begin_run()
+        elif len(waiting) == 1:  # a blocked head would block it too; else it may join
+            self._steps.cut()
 
     def _finish(self, req: SimRequest) -> None:
         req.finish_s = self._loop.now
+        self.load -= 1
         if self._on_finish:
             self._on_finish(req)
 
@@ -60,6 +63,7 @@ class DecodeInstance:
             head = waiting[0]
             if running.never_fits(head):
                 waiting.popleft().finish_s = NEVER
+                self.load -= 1
                 continue
             if not running.fits(head):
                 return
@@ -67,17 +71,13 @@ class DecodeInstance:
             if not running.add(head):
                 self._finish(head)
 
-    def _begin_step(self) -> None:
-        self._admit()
-        running = self.running
-        if not len(running):
-            self._busy = False
-            return
-        self._busy = True
-        dt = self._timing.step_time(len(running), running.context)
-        self._loop.at(self._loop.now + dt, self._end_step)
+    def _begin_run(self) -> None:
+        if self._waiting:
+            self._admit()
+        if len(self.running):
+            self._steps.start()
 
-    def _end_step(self) -> None:
-        for req in self.running.finish_step():
+    def _end_run(self, done: list[SimRequest]) -> None:
+        for req in done:
             self._finish(req)
-        self._begin_step()
+        self._begin_run()

@@ -93,6 +93,25 @@ class DecodeTiming:
         hops = (self.pp - 1) * (self.hop_const + self.hop_per_seq * batch / m)
         return self.pp * self.stage_const + (self.pp / m) * work + hops
 
+    def step_ends(self, start: float, batch: int, context: int, steps: int) -> list[float]:
+        """End times (seconds) of ``steps`` consecutive steps of an unchanged batch
+        starting at ``start``, the context growing by ``batch`` tokens a step: the same
+        floats as adding :meth:`step_time` one step at a time, without a call per step."""
+        pp = self.pp
+        m = min(pp, max(batch, 1))
+        seq_work = self.stage_per_seq * batch
+        per_context = self.stage_per_context
+        const = pp * self.stage_const
+        scale = pp / m
+        hops = (pp - 1) * (self.hop_const + self.hop_per_seq * batch / m)
+        ends = []
+        t = start
+        for _ in range(steps):
+            t += const + scale * (seq_work + per_context * context) + hops
+            context += batch
+            ends.append(t)
+        return ends
+
     def min_step_time(self, context: float) -> float:
         """A lower bound (seconds) on the step of a sequence holding ``context`` KV
         tokens, in any batch: its own share of the work with the pipeline full

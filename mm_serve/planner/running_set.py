@@ -9,7 +9,8 @@ Invariants, checked by :meth:`RunningSet.check`:
 * ``context`` is the KV tokens the next step reads: prompt + tokens generated so far,
   summed over running requests;
 * a request admitted at step ``s`` with ``k`` tokens still to generate finishes at
-  the end of step ``s + k``; the heap is ordered by that step.
+  the end of step ``s + k``; the heap is ordered by that step, so the batch stays the
+  same for :meth:`RunningSet.steps_to_next_finish` steps (see ``step_runs``).
 """
 
 from __future__ import annotations
@@ -53,13 +54,33 @@ class RunningSet:
         heapq.heappush(self._heap, (self.steps + remaining, req.index, req))
         return True
 
+    def steps_to_next_finish(self) -> int:
+        """Steps until the first running request produces its last token (>= 1).
+
+        Raises:
+            IndexError: nothing is running.
+        """
+        return self._heap[0][0] - self.steps
+
     def finish_step(self) -> list[SimRequest]:
         """Account one decode step (every running request gained a token) and return
         the requests that just produced their last token."""
-        self.steps += 1
-        self.context += len(self._heap)
-        done = []
+        return self.finish_steps(1)
+
+    def finish_steps(self, steps: int) -> list[SimRequest]:
+        """Account ``steps`` decode steps with this batch (no more than
+        :meth:`steps_to_next_finish`) and return the requests that just produced
+        their last token.
+
+        Raises:
+            ValueError: ``steps`` is below 1 or passes a request's last token.
+        """
         heap = self._heap
+        if steps < 1 or (heap and heap[0][0] < self.steps + steps):
+            raise ValueError(f"cannot account {steps} steps with this batch")
+        self.steps += steps
+        self.context += steps * len(heap)
+        done = []
         while heap and heap[0][0] <= self.steps:
             req = heapq.heappop(heap)[2]
             self.reserved_kv -= req.final_context

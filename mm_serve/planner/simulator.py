@@ -72,9 +72,7 @@ def simulate_prefill(server: PrefillServer, requests: Sequence[SimRequest]) -> S
     """One prefill instance alone; sets ``first_token_s`` (TTFT)."""
     loop = EventLoop()
     inst = PrefillInstance(loop, server.timing, server.token_budget, server.max_batch, lambda r: None)
-    for r in requests:
-        loop.at(r.arrival_s, partial(inst.submit, r))
-    loop.run()
+    loop.run([(r.arrival_s, partial(inst.submit, r)) for r in requests])
     return SimResult(requests)
 
 
@@ -85,8 +83,7 @@ def simulate_decode(server: DecodeServer, requests: Sequence[SimRequest]) -> Sim
     inst = DecodeInstance(loop, server.timing, server.kv_capacity, server.max_batch)
     for r in requests:
         r.first_token_s = r.arrival_s
-        loop.at(r.arrival_s, partial(inst.submit, r))
-    loop.run()
+    loop.run([(r.arrival_s, partial(inst.submit, r)) for r in requests])
     return SimResult(requests)
 
 
@@ -106,9 +103,7 @@ def simulate_colocated(
     def arrive(req: SimRequest) -> None:
         insts[_shortest([inst.load for inst in insts])].submit(req)
 
-    for r in requests:
-        loop.at(r.arrival_s, partial(arrive, r))
-    loop.run()
+    loop.run([(r.arrival_s, partial(arrive, r)) for r in requests])
     return SimResult(requests)
 
 
@@ -143,7 +138,5 @@ def simulate_disaggregated(
     def arrive(req: SimRequest) -> None:
         pre[_shortest([inst.load for inst in pre])].submit(req)
 
-    for r in requests:
-        loop.at(r.arrival_s, partial(arrive, r))
-    loop.run()
+    loop.run([(r.arrival_s, partial(arrive, r)) for r in requests])
     return SimResult(requests)

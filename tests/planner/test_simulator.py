@@ -142,3 +142,83 @@ def test_sim_result_metrics() -> None:
     assert res.attainment(SLO(0.45, 1.0), skip=5) == 0.0
     with pytest.raises(ValueError, match="SLOs must be > 0"):
         SLO(0.0, 1.0)
+
+
+def stepwise_decode(timing: DecodeTiming, kv_capacity: int, max_batch: int,
+                    reqs: list[SimRequest]) -> list[float]:
+    """Oracle: one decode instance stepped one step at a time, written plainly
+    (FCFS admission at step boundaries; an arrival at a boundary joins it)."""
+    pending = sorted(reqs, key=lambda r: r.arrival_s)
+    waiting: list[SimRequest] = []
+    running: dict[int, list[int]] = {}  # index -> [tokens left, context]
+    finish = {r.index: NEVER for r in reqs}
+    t, reserved = 0.0, 0
+    while pending or waiting or running:
+        if not running and not waiting:
+            t = max(t, pending[0].arrival_s)
+        while pending and pending[0].arrival_s <= t:
+            waiting.append(pending.pop(0))
+        while waiting:
+            head = waiting[0]
+            if head.final_context > kv_capacity:
+                waiting.pop(0)
+                continue
+            if len(running) >= max_batch or reserved + head.final_context > kv_capacity:
+                break
+            waiting.pop(0)
+            if head.output_tokens == 1:
+                finish[head.index] = t
+                continue
+            reserved += head.final_context
+            running[head.index] = [head.output_tokens - 1, head.prompt_tokens + 1]
+        if not running:
+            continue
+        t += timing.step_time(len(running), sum(c for _, c in running.values()))
+        for i, state in list(running.items()):
+            state[0] -= 1
+            state[1] += 1
+            if state[0] == 0:
+                finish[i] = t
+                reserved -= state[1]  # = prompt + output, its final context
+                del running[i]
+    return [finish[r.index] for r in reqs]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_step_runs_match_stepping_one_step_at_a_time(seed: int) -> None:
+    """The simulator runs decode steps a run at a time (one event per unchanged batch,
+    cut when a request may join); per-request finish times must equal the plain
+    one-step-at-a-time schedule, under KV pressure and arrivals mid-run."""
+    rng = random.Random(seed)
+    timing = DecodeTiming(2, 0.004, 1e-4, 2e-6, 1e-4, 1e-6)  # pipelined, context-dependent
+    t, reqs = 0.0, []
+    for i in range(400):
+        t += rng.expovariate(40.0)
+        reqs.append(req(i, t, rng.randint(1, 600), rng.choice([1, 2, rng.randint(3, 300)])))
+    reqs.append(req(400, t, 5000, 10))  # never fits
+    expected = stepwise_decode(timing, 4000, 24, [req(r.index, r.arrival_s, r.prompt_tokens,
+                                                      r.output_tokens) for r in reqs])
+    simulate_decode(DecodeServer(timing, 4000, 24), reqs)
+    assert sum(f < NEVER for f in expected) == 400
+    assert [r.finish_s for r in reqs] == pytest.approx(expected, rel=1e-12)
+
+
+def test_colocated_dispatch_counts_requests_in_prefill() -> None:
+    """Shortest-queue dispatch counts a request being prefilled: B goes to the idle
+    replica instead of queueing behind A's prefill."""
+    a, b = req(0, 0.0, 10, 2), req(1, 0.01, 10, 2)
+    simulate_colocated(fixed_prefill(0.05), DecodeServer(fixed_decode(0.01), 1000, 8), 4096,
+                       [a, b], replicas=2)
+    assert (a.first_token_s, b.first_token_s) == pytest.approx((0.05, 0.06))
+
+
+def test_running_set_accounts_runs_of_steps() -> None:
+    rs = RunningSet(kv_capacity=1000, max_batch=8)
+    rs.add(req(0, 0.0, 10, 5))  # 4 steps left
+    rs.add(req(1, 0.0, 20, 3))  # 2 steps left
+    assert rs.steps_to_next_finish() == 2
+    with pytest.raises(ValueError, match="cannot account 3 steps"):
+        rs.finish_steps(3)
+    assert [r.index for r in rs.finish_steps(2)] == [1]
+    assert (rs.steps_to_next_finish(), rs.context) == (2, 11 + 2)
+    rs.check()
