@@ -126,12 +126,22 @@ def _positive_int(value: Any, key: str, where: str) -> int:
     return value
 
 
-def _dtype(*configs: Mapping[str, Any]) -> dict[str, Any]:
-    """``dtype`` and ``dtype_bytes`` from the config's ``torch_dtype`` (default float16)."""
+def _dtype(where: str, *configs: Mapping[str, Any]) -> dict[str, Any]:
+    """``dtype`` and ``dtype_bytes`` from the config's ``torch_dtype`` (default float16).
+
+    Raises:
+        ModelShapeError: a ``torch_dtype`` the planner has no size for (float8 or
+            integer checkpoints, a typo): guessing 2 bytes would misplan memory.
+    """
     for cfg in configs:
-        name = cfg.get("torch_dtype") or cfg.get("dtype")
-        if isinstance(name, str) and name in _DTYPE_BYTES:
-            return {"dtype": "float32" if name == "float" else name, "dtype_bytes": _DTYPE_BYTES[name]}
+        key = "torch_dtype" if cfg.get("torch_dtype") is not None else "dtype"
+        name = cfg.get(key)
+        if name is None:
+            continue
+        if not isinstance(name, str) or name not in _DTYPE_BYTES:
+            raise ModelShapeError(f"{where}: '{key}' {name!r} is not supported "
+                                  "(float16, bfloat16 or float32)")
+        return {"dtype": "float32" if name == "float" else name, "dtype_bytes": _DTYPE_BYTES[name]}
     return {"dtype": "float16", "dtype_bytes": 2}
 
 
@@ -166,7 +176,8 @@ def shape_from_config(cfg: Mapping[str, Any], name: str = "model", where: str = 
     """Build a :class:`ModelShape` from a parsed config.json (any supported layout).
 
     Raises:
-        ModelShapeError: a required field is missing or not a positive integer.
+        ModelShapeError: a required field is missing or not a positive integer, or
+            the element type is not float16, bfloat16 or float32.
     """
     if not isinstance(cfg, Mapping):
         raise ModelShapeError(f"{where}: top level must be a JSON object")
@@ -178,7 +189,7 @@ def shape_from_config(cfg: Mapping[str, Any], name: str = "model", where: str = 
         if isinstance(vision_cfg, Mapping):
             vision = vision_from_hf(cfg, vision_cfg, fields["hidden_size"], where)
         fields["model_type"] = str(cfg.get("model_type", "llava"))
-        return ModelShape(**fields, **_dtype(cfg, text_cfg), vision=vision)
+        return ModelShape(**fields, **_dtype(where, cfg, text_cfg), vision=vision)
     fields = _text_shape(cfg, name, where)
     tower = cfg.get("mm_vision_tower")
     vision = None
@@ -187,7 +198,7 @@ def shape_from_config(cfg: Mapping[str, Any], name: str = "model", where: str = 
     if fields["model_type"].startswith("llava"):
         fields["model_type"] = "llava"
         fields["gated_mlp"] = True
-    return ModelShape(**fields, **_dtype(cfg), vision=vision)
+    return ModelShape(**fields, **_dtype(where, cfg), vision=vision)
 
 
 def load_model_shape(path: str | Path) -> ModelShape:

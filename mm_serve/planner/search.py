@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from mm_serve.planner.candidates import (
     PhaseCandidate,
@@ -136,16 +137,20 @@ def _high_affinity(ev: GoodputEvaluator) -> list[Mix]:
         raise PlannerError(_no_fit_message(ev, total - 1))
     pres = frontier(ev, "prefill", pre_configs, cross)
     decs = frontier(ev, "decode", dec_configs, cross)
-    if not pres or not decs:
-        raise PlannerError(_no_config_message("prefill" if not pres else "decode", spec))
+    if not pres:
+        raise PlannerError(_no_phase_message(ev, "prefill", pre_configs, cross))
+    if not decs:
+        raise PlannerError(_no_phase_message(ev, "decode", dec_configs, cross))
 
     def feasible(unit: Unit) -> bool:
         return unit.gpus <= total and place_unit(unit, GpuPool(spec.nodes, per_node)) is not None
 
     mixes = _pair_mixes(pres, decs, feasible)
     if not mixes:
-        raise PlannerError(_no_config_message("prefill and decode pair", spec)
-                           + " in a unit that fits the cluster")
+        raise PlannerError(
+            f"no prefill and decode pair of {spec.shape.name} that meets the SLOs fits "
+            f"{spec.nodes} x {per_node} GPUs: the prefill candidates take "
+            f"{_sizes(pres)} GPUs, the decode candidates {_sizes(decs)} (use more GPUs)")
     return mixes
 
 
@@ -164,19 +169,33 @@ def _low_affinity(ev: GoodputEvaluator) -> list[Mix]:
     per_node = spec.gpus_per_node
     mixes: list[Mix] = []
     tps = [t for t in tp_degrees(spec.shape.num_heads, per_node) if t < per_node]
+    roles: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
+    held: dict[str, list[ParallelConfig]] = {"prefill": [], "decode": []}
+    found: dict[str, bool] = {"prefill": False, "decode": False}
     for pp in range(1, min(spec.nodes, spec.shape.num_layers) + 1):
-        pres = [c for t in tps if fits(ev, ParallelConfig(t, pp), "prefill")
-                and (c := phase_candidate(ev, "prefill", ParallelConfig(t, pp), pp > 1)).goodput > 0]
-        decs = [c for t in tps if fits(ev, ParallelConfig(t, pp), "decode")
-                and (c := phase_candidate(ev, "decode", ParallelConfig(t, pp), pp > 1)).goodput > 0]
-        if pres and decs:
-            mixes += _pair_mixes(pres, decs, lambda u: u.gpus // u.prefill.pp <= per_node)
-    if not mixes:
+        cands: dict[str, list[PhaseCandidate]] = {}
+        for role in roles:
+            pars = [ParallelConfig(t, pp) for t in tps if fits(ev, ParallelConfig(t, pp), role)]
+            held[role] += pars
+            cands[role] = [c for p in pars if (c := phase_candidate(ev, role, p, pp > 1)).goodput > 0]
+            found[role] = found[role] or bool(cands[role])
+        if cands["prefill"] and cands["decode"]:
+            mixes += _pair_mixes(cands["prefill"], cands["decode"],
+                                 lambda u: u.gpus // u.prefill.pp <= per_node)
+    if mixes:
+        return mixes
+    if not held["prefill"] or not held["decode"]:
         if not enumerate_configs(ev, "decode", spec.nodes, spec.total_gpus):
             raise PlannerError(_no_fit_message(ev, spec.total_gpus))
-        raise PlannerError(_no_config_message("prefill and decode pair", spec)
-                           + " with both on one node per pipeline stage")
-    return mixes
+        raise PlannerError(
+            f"{spec.shape.name} fits only with a whole node ({per_node} GPUs) per pipeline stage; "
+            "--affinity low puts a prefill and a decode stage on one node: try --affinity high")
+    for role in roles:
+        if not found[role]:
+            raise PlannerError(_no_phase_message(ev, role, held[role], lambda p: p.pp > 1))
+    raise PlannerError(
+        f"no prefill and decode pair of {spec.shape.name} that meets the SLOs shares a node per "
+        f"pipeline stage ({per_node} GPUs per node): try --affinity high")
 
 
 def candidate_mixes(ev: GoodputEvaluator) -> list[Mix]:
@@ -206,10 +225,36 @@ def _no_fit_message(ev: GoodputEvaluator, max_gpus: int) -> str:
             "(use more GPUs per node or nodes, or a smaller model)")
 
 
-def _no_config_message(what: str, spec: PlanSpec) -> str:
-    return (f"no {what} configuration of {spec.shape.name} on {spec.hardware.name} meets the "
-            f"SLOs (TTFT {spec.slo.ttft_s} s, TPOT {spec.slo.tpot_s} s) at "
-            f"{spec.attainment:.0%} attainment, or the model does not fit")
+def _sizes(candidates: list[PhaseCandidate]) -> str:
+    return ", ".join(str(g) for g in sorted({c.gpus for c in candidates}))
+
+
+def _no_phase_message(
+    ev: GoodputEvaluator,
+    role: Literal["prefill", "decode"],
+    configs: list[ParallelConfig],
+    cross: Callable[[ParallelConfig], bool],
+) -> str:
+    """Why no config of ``role`` has a goodput: the SLO is out of reach even for an
+    idle instance (see :meth:`GoodputEvaluator.alone_attainment`), or only under load."""
+    spec = ev.spec
+    if role == "prefill":
+        slo = f"TTFT {spec.slo.ttft_s} s"
+        shares = [(ev.alone_attainment(len(ev.specs), ev.model.prefill_timing(p, cross(p)), None), p)
+                  for p in configs]
+    else:
+        slo = f"TPOT {spec.slo.tpot_s} s"
+        shares = [(ev.alone_attainment(len(ev.specs), None, ev.model.decode_timing(p, cross(p))), p)
+                  for p in configs]
+    share, par = max(shares, key=lambda x: (x[0], -x[1].gpus))
+    sizes = sorted({p.gpus for p in configs})
+    span = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    head = (f"no {role} configuration of {spec.shape.name} on {spec.hardware.name} meets {slo} "
+            f"for {spec.attainment:.0%} of requests: of the {len(configs)} that hold the model "
+            f"({span} GPU{'s' if sizes[-1] > 1 else ''}), the best, TP{par.tp} PP{par.pp}, ")
+    if share < spec.attainment:
+        return head + f"meets it for {share:.0%} even idle (one request at a time); relax the SLO"
+    return head + f"meets it for {share:.0%} idle but for too few under any load the search tried"
 
 
 def _unit_instances(unit: Unit, spec: PlanSpec) -> list[InstancePlacement]:

@@ -82,6 +82,15 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--workload", "nope"], "unknown workload 'nope'"),
         (["--burstiness", "0"], "burstiness (CV) must be > 0"),
         (["--model", "{huge}"], "does not fit in one instance of at most"),
+        (["--model", "{huge}", "--nodes", "4", "--affinity", "low"], "fits only with a whole node"),
+        (["--model", "{huge}", "--nodes", "5", "--slo-ttft", "10", "--slo-tpot", "1"],
+         "the prefill candidates take 12 GPUs, the decode candidates 12"),
+        (["--model", "{fp8}"], "'torch_dtype' 'float8_e4m3fn' is not supported"),
+        (["--slo-ttft", "0.0001"], "no prefill configuration of tiny-llama on h100-80gb meets TTFT "
+         "0.0001 s for 90% of requests: of the 4 that hold the model (1-3 GPUs), the best, TP1 PP1, "
+         "meets it for 0% even idle"),
+        (["--slo-tpot", "0.00001"], "no decode configuration of tiny-llama on h100-80gb meets TPOT"),
+        (["--slo-ttft", "0.0001", "--nodes", "2", "--affinity", "low"], "no prefill configuration"),
         (["--gpus-per-node", "1"], "needs at least 2 GPUs"),
     ],
 )
@@ -95,6 +104,8 @@ def test_user_errors_exit_2_with_one_line(
     huge.write_text(json.dumps({**configs["llama-2-7b"], "hidden_size": 16384,
                                 "intermediate_size": 53248, "num_hidden_layers": 126,
                                 "num_attention_heads": 128}))
+    fp8 = tmp_path / "fp8.json"
+    fp8.write_text(json.dumps({**configs["llama-2-7b"], "torch_dtype": "float8_e4m3fn"}))
     rows = {"zero": [{"prompt_len": 0, "output_len": 10}],
             "negstamp": [{"prompt_len": 5, "output_len": 5, "timestamp": -3}],
             "samestamp": [{"prompt_len": 5, "output_len": 5, "timestamp": 0}] * 2,
@@ -102,7 +113,7 @@ def test_user_errors_exit_2_with_one_line(
                           {"prompt_len": 5, "output_len": 5}],
             "long": [{"prompt_len": 100_000, "output_len": 5}],
             "images": [{"prompt_len": 5, "output_len": 5, "num_images": 1}]}
-    paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge),
+    paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge), "{fp8}": str(fp8),
              "{nodir}": str(tmp_path / "nodir" / "x.yaml"), "{underfile}": str(bad / "x.yaml")}
     for name, lines in rows.items():
         path = tmp_path / f"{name}.jsonl"

@@ -70,6 +70,8 @@ def test_original_llava_tower_name(configs: Configs) -> None:
         ("[1, 2]", "top level must be a JSON object"),
         ({"name": "opt-13b", "hidden_size": "big"}, "'hidden_size' must be a positive integer"),
         ({"name": "llama-2-7b", "num_key_value_heads": 5}, "not divisible by 5 KV heads"),
+        ({"name": "llama-2-7b", "torch_dtype": "float8_e4m3fn"}, "'torch_dtype' 'float8_e4m3fn' is not supported"),
+        ({"name": "opt-13b", "torch_dtype": None, "dtype": "flaot16"}, "'dtype' 'flaot16' is not supported"),
     ],
 )
 def test_malformed_configs_raise_clear_errors(
@@ -87,3 +89,11 @@ def test_malformed_configs_raise_clear_errors(
 def test_missing_config(tmp_path: Path) -> None:
     with pytest.raises(ModelShapeError, match="no config.json"):
         load_model_shape(tmp_path / "nowhere")
+
+
+def test_element_type_from_torch_dtype_or_dtype(configs: Configs) -> None:
+    """transformers writes ``torch_dtype`` (older) or ``dtype`` (4.56 on); no key: float16."""
+    llama = {k: v for k, v in configs["llama-2-7b"].items() if k != "torch_dtype"}
+    assert shape_from_config({**llama, "dtype": "float32"}).dtype_bytes == 4
+    assert shape_from_config({**llama, "dtype": "bfloat16"}).dtype == "bfloat16"
+    assert (shape_from_config(llama).dtype, shape_from_config(llama).dtype_bytes) == ("float16", 2)
