@@ -41,7 +41,11 @@ class ColocatedInstance:
         self.running = RunningSet(kv_capacity, max_batch)
         self._steps = StepRuns(loop, decode, self.running, self._end_run)
         self._prefilling = False
-        self.load = 0  # requests waiting, prefilling or running (the dispatcher's queue length)
+        # The dispatcher's queue length: requests waiting or running, not the prefill batch
+        # under way. Counting that batch too was tried; it gives the colocated pool 1-8 %
+        # less goodput (OPT-13B chat on A100: 4.07 against 4.11 req/s/GPU; DistServe's
+        # Figure 1 setting: 3.69 against 3.98), and the baseline keeps the stronger rule.
+        self.load = 0
 
     def submit(self, req: SimRequest) -> None:
         """A new request arrives now."""
@@ -78,6 +82,7 @@ class ColocatedInstance:
         batch = self._take_prefill_batch() if self._waiting else []
         if batch:
             self._prefilling = True
+            self.load -= len(batch)
             tokens = sq = images = 0
             for r in batch:
                 tokens += r.prompt_tokens
@@ -91,6 +96,7 @@ class ColocatedInstance:
 
     def _end_prefill(self, batch: list[SimRequest]) -> None:
         self._prefilling = False
+        self.load += len(batch)
         now = self._loop.now
         for r in batch:
             r.first_token_s = now

@@ -2,7 +2,8 @@
 disaggregated serving (DistServe §4.1 "simulator", here event-driven).
 
 Requests arrive at given times; a dispatcher sends each to the instance with the
-shortest queue (fewest requests queued or in service, lowest index on ties). In the
+shortest queue (fewest requests queued or in service, lowest index on ties; for
+colocated instances, queued or decoding: see ``ColocatedInstance.load``). In the
 disaggregated system a prefilled request's KV then crosses the hand-off link of its
 (prefill, decode) pair (a FIFO link, so hand-offs queue behind each other) and joins
 the chosen decode instance's FCFS queue (DistServe §4.3: decode pulls the KV when it

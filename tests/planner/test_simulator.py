@@ -203,13 +203,15 @@ def test_decode_step_runs_match_stepping_one_step_at_a_time(seed: int) -> None:
     assert [r.finish_s for r in reqs] == pytest.approx(expected, rel=1e-12)
 
 
-def test_colocated_dispatch_counts_requests_in_prefill() -> None:
-    """Shortest-queue dispatch counts a request being prefilled: B goes to the idle
-    replica instead of queueing behind A's prefill."""
-    a, b = req(0, 0.0, 10, 2), req(1, 0.01, 10, 2)
+def test_colocated_dispatch_counts_waiting_and_running_requests() -> None:
+    """The colocated pool's dispatcher counts requests waiting or decoding, not the
+    prefill batch under way (the stronger rule for the baseline, see
+    ``ColocatedInstance``): B finds both replicas at 0 and joins replica 0 behind
+    A's prefill; C, arriving while B waits there, goes to replica 1."""
+    a, b, c = req(0, 0.0, 10, 2), req(1, 0.01, 10, 2), req(2, 0.02, 10, 2)
     simulate_colocated(fixed_prefill(0.05), DecodeServer(fixed_decode(0.01), 1000, 8), 4096,
-                       [a, b], replicas=2)
-    assert (a.first_token_s, b.first_token_s) == pytest.approx((0.05, 0.06))
+                       [a, b, c], replicas=2)
+    assert (a.first_token_s, b.first_token_s, c.first_token_s) == pytest.approx((0.05, 0.10, 0.07))
 
 
 def test_running_set_accounts_runs_of_steps() -> None:
