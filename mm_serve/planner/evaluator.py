@@ -16,6 +16,7 @@ from mm_serve.bench.workloads import (
     trace_arrivals,
     unit_rate_arrivals,
 )
+from mm_serve.planner.events import gc_paused
 from mm_serve.planner.goodput import max_rate
 from mm_serve.planner.latency_model import DecodeTiming, LatencyModel, ParallelConfig, PrefillTiming
 from mm_serve.planner.memory import MemoryPlan, memory_plan
@@ -168,7 +169,8 @@ class GoodputEvaluator:
 
         def attainment(rate: float) -> float:
             self.simulations += 1
-            return run(self.requests(rate, n)).attainment(self.spec.slo, phase, skip)
+            with gc_paused():  # the probe's requests and events, not only the loop
+                return run(self.requests(rate, n)).attainment(self.spec.slo, phase, skip)
 
         if near:
             return max_rate(attainment, self.spec.attainment, upper, span=NEAR_SPAN,

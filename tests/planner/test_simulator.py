@@ -224,3 +224,27 @@ def test_running_set_accounts_runs_of_steps() -> None:
     assert [r.index for r in rs.finish_steps(2)] == [1]
     assert (rs.steps_to_next_finish(), rs.context) == (2, 11 + 2)
     rs.check()
+
+
+def test_gc_paused_restores_the_collector_state() -> None:
+    import gc
+
+    from mm_serve.planner.events import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block does not re-enable it
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # left as found
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
