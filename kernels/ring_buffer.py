@@ -317,9 +317,12 @@ class CrossModalRing:
     # observability ---------------------------------------------------------
 
     def slots_used(self) -> int:
-        """Hand-offs published and not yet reclaimed (either side may ask)."""
+        """Hand-offs published and not yet released by the consumer (either side may
+        ask; a released slot the producer has not reclaimed yet is not counted: it
+        reclaims before it publishes, so the slot is as good as free)."""
         self._require_open()
-        return int(self._ctrl[ControlWord.WRITE_INDEX]) - int(self._ctrl[ControlWord.RELEASE_TAIL])
+        released = int(self._ctrl[ControlWord.RELEASE_HEAD])  # read first: it trails the write index
+        return max(0, int(self._ctrl[ControlWord.WRITE_INDEX]) - released)
 
     def pages_free(self) -> int:
         """Free pool pages as of the producer's last allocation or reclaim (either side may ask)."""

@@ -105,7 +105,7 @@ class WorkerStatsCollector(Collector):
             "requests_waiting": ("waiting", "Requests queued."),
             "kv_pages_used": ("kv_pages_used", "KV pages in use."),
             "kv_pages_total": ("kv_pages_total", "KV pages in the worker's pool."),
-            "ring_slots_used": ("ring_slots_used", "Hand-off ring slots published and not yet reclaimed."),
+            "ring_slots_used": ("ring_slots_used", "Hand-off ring slots published and not yet released by decode."),
         }
         for name, (field, doc) in gauges.items():
             family = GaugeMetricFamily(f"mm_serve_{name}", doc, labels=labels)

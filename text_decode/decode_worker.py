@@ -3,7 +3,8 @@
 Start-up story: pin cores → load the model → size the KV cache → attach the
 rings → report ready → serve. Each loop iteration: read control messages,
 claim hand-offs that fit, run one step (decode, or the recompute of preempted
-requests), stream the new tokens to the front end.
+requests), stream the new tokens to the front end. Idle, it sleeps until a control
+message or a hand-off doorbell wakes it (``mm_serve.engine.doorbell``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 
 from kernels.ring_buffer import CrossModalRing
 from mm_serve import messages
+from mm_serve.engine.doorbell import DoorbellListener
 from mm_serve.engine.model_runner import ModelRunner
 from mm_serve.engine.request import Request, RequestStatus
-from mm_serve.engine.worker_channel import WorkerChannel
+from mm_serve.engine.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.engine.worker_setup import load_for_worker, pin_and_set_threads
 from mm_serve.engine.worker_spec import WorkerSpec
 from text_decode.handoff_receiver import HandoffReceiver
@@ -46,6 +48,9 @@ class DecodeWorker:
         )
         self.sampler = Sampler()
         self.channel = WorkerChannel(spec.control_address, spec.output_address, messages.ToDecode, spec.parent_pid)
+        self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
+        if self.doorbell is not None:
+            self.channel.listen_to(self.doorbell)
         self.max_model_len = self.config.resolved_max_model_len(self.model_config.text)
         self.requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator | None] = {}
@@ -142,8 +147,8 @@ class DecodeWorker:
             if self.scheduler.num_unfinished:
                 self._step()
                 idle_wait_ms = 0
-            else:
-                idle_wait_ms = 1
+            else:  # woken early by a control message or a hand-off doorbell
+                idle_wait_ms = IDLE_WAIT_MS if self.doorbell is not None else 1
             if time.monotonic() >= self._next_stats:
                 self._next_stats = time.monotonic() + self.spec.stats_interval_s
                 self._expire_aborts()
@@ -152,4 +157,6 @@ class DecodeWorker:
     def close(self) -> None:
         for ring in self.rings:
             ring.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
         self.channel.close()

@@ -9,6 +9,7 @@ queue grows, nothing is dropped.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,16 @@ class PendingHandoff:
 class HandoffSender:
     """Owns the pending list; one ring per decode worker (``rings[d]``)."""
 
-    def __init__(self, rings: list[CrossModalRing], kv_cache: PagedKVCache) -> None:
+    def __init__(
+        self, rings: list[CrossModalRing], kv_cache: PagedKVCache,
+        on_publish: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_publish(d)`` runs after each publish to decode worker ``d``'s ring
+        (the prefill worker rings that worker's doorbell)."""
         self.rings = rings
         self.kv_cache = kv_cache
         self.pending: list[PendingHandoff] = []
+        self._on_publish = on_publish
 
     def add(self, request: Request, decode_index: int, meta: messages.HandoffMeta) -> None:
         meta.events["handoff_begin"] = time.time()
@@ -55,6 +62,8 @@ class HandoffSender:
         still: list[PendingHandoff] = []
         for item in self.pending:
             if self._try_publish(item):
+                if self._on_publish is not None:
+                    self._on_publish(item.decode_index)
                 published.append(item.request)
                 self.kv_cache.pool.free(item.request.block_table)
                 item.request.block_table = []

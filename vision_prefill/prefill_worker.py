@@ -14,10 +14,11 @@ import torch
 
 from kernels.ring_buffer import CrossModalRing
 from mm_serve import messages
+from mm_serve.engine.doorbell import DoorbellRingers
 from mm_serve.engine.model_runner import ModelRunner
 from mm_serve.engine.request import Request, RequestStatus
 from mm_serve.engine.sampling_wire import from_wire
-from mm_serve.engine.worker_channel import WorkerChannel
+from mm_serve.engine.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.engine.worker_setup import load_for_worker, pin_and_set_threads
 from mm_serve.engine.worker_spec import WorkerSpec
 from text_decode.kv_cache import pages_for
@@ -36,7 +37,9 @@ class PrefillWorker:
         self.model_config, self.model, self.kv_cache, self.config = load_for_worker(spec)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.rings = [CrossModalRing.attach(r) for r in spec.rings]
-        self.sender = HandoffSender(self.rings, self.kv_cache)
+        self.doorbells = DoorbellRingers(spec.doorbells)
+        self.sender = HandoffSender(self.rings, self.kv_cache,
+                                    self.doorbells.ring if spec.doorbells else None)
         self.scheduler = PrefillScheduler(self.config.prefill_token_budget, self.config.prefill_batch_size)
         self.sampler = Sampler()
         self.channel = WorkerChannel(spec.control_address, spec.output_address, messages.ToPrefill, spec.parent_pid)
@@ -150,7 +153,7 @@ class PrefillWorker:
         running = True
         while running and self.channel.parent_alive():
             busy = bool(self.scheduler.queue or self.sender.pending)
-            for msg in self.channel.recv(0 if busy else 5):
+            for msg in self.channel.recv(0 if busy else IDLE_WAIT_MS):
                 running = running and self._on_message(msg)
             for request in self.sender.pump():
                 self._forget(request.request_id)
@@ -167,4 +170,5 @@ class PrefillWorker:
     def close(self) -> None:
         for ring in self.rings:
             ring.close()
+        self.doorbells.close()
         self.channel.close()

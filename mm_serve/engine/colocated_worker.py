@@ -14,7 +14,7 @@ from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.llm_engine import LLMEngine
 from mm_serve.engine.request import Request
 from mm_serve.engine.sampling_wire import from_wire
-from mm_serve.engine.worker_channel import WorkerChannel
+from mm_serve.engine.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.engine.worker_setup import engine_config_from_sizing, pin_and_set_threads
 from mm_serve.engine.worker_spec import WorkerSpec
 
@@ -99,7 +99,7 @@ class ColocatedWorker:
         running = True
         while running and self.channel.parent_alive():
             busy = self.engine.has_unfinished()
-            for msg in self.channel.recv(0 if busy else 5):
+            for msg in self.channel.recv(0 if busy else IDLE_WAIT_MS):
                 running = running and self._on_message(msg)
             if self.engine.has_unfinished():
                 self._step()

@@ -9,6 +9,11 @@ import msgspec
 import zmq
 
 from mm_serve import messages
+from mm_serve.engine.doorbell import DoorbellListener
+
+# Longest an idle worker waits in ``recv`` before its periodic chores (stats, the
+# parent check): control messages and doorbells end the wait at once.
+IDLE_WAIT_MS = 100
 
 
 class WorkerChannel:
@@ -29,14 +34,26 @@ class WorkerChannel:
         self._decoder = messages.decoder(kind)
         self._parent_pid = parent_pid
         self._next_parent_check = 0.0
+        self._poller = zmq.Poller()
+        self._poller.register(self._in, zmq.POLLIN)
+        self._doorbell: DoorbellListener | None = None
+
+    def listen_to(self, doorbell: DoorbellListener) -> None:
+        """Let a ring of ``doorbell`` end :meth:`recv`'s wait too (it is drained there)."""
+        self._doorbell = doorbell
+        self._poller.register(doorbell.socket, zmq.POLLIN)
 
     def send(self, message: msgspec.Struct) -> None:
         self._out.send(messages.encode(message), copy=False)
 
     def recv(self, timeout_ms: int) -> list[object]:
-        """Every pending message, waiting up to ``timeout_ms`` for the first one."""
+        """Every pending message, waiting up to ``timeout_ms`` for the first one or
+        a doorbell ring (see :meth:`listen_to`)."""
         out: list[object] = []
-        if self._in.poll(timeout_ms) == 0:
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._doorbell is not None and self._doorbell.socket in ready:
+            self._doorbell.drain()
+        if self._in not in ready:
             return out
         while True:
             try:

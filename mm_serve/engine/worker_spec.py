@@ -38,6 +38,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     control_address: str  # the worker connects a PULL socket here (the front end binds PUSH)
     output_address: str  # the worker connects a PUSH socket here (the front end binds PULL)
     rings: list[RingSpec] = []  # prefill: one per decode worker, in decode order; decode: one per prefill worker
+    doorbell_address: str = ""  # decode: binds its hand-off doorbell here (see engine.doorbell)
+    doorbells: list[str] = []  # prefill: each decode worker's doorbell, in decode order
     cpus: list[int] = []  # cores to pin to; empty = no pinning
     threads: int = 0  # torch intra-op threads; 0 = len(cpus) or torch's default
     parent_pid: int = 0  # exit if this process disappears (no orphans)

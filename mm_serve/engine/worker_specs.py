@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kernels.ring_spec import RingSpec
 from mm_serve.config import ConfigError, ServiceConfig
+from mm_serve.engine.doorbell import doorbell_address
 from mm_serve.engine.worker_spec import EngineSizing, WorkerSpec
 from mm_serve.launcher import default_role_cpus, split_cpus
 from mm_serve.models.model_config import ModelConfig
@@ -59,11 +60,14 @@ def build_worker_specs(
     """
     del model  # shapes are already in the ring specs
     compute = cfg.compute
+    bells = [doorbell_address(str(run_dir), d) for d in range(compute.decode_workers)]
 
     def spec(role: str, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int]) -> WorkerSpec:
         return WorkerSpec(
             role=role, index=index, model_dir=str(model_dir), sizing=engine_sizing(cfg, worker_device(cfg, role, index)),
             control_address=f"ipc://{run_dir}/ctl-{tag}", output_address=output_address, rings=rings_of,
+            doorbell_address=doorbell_address(str(run_dir), index) if role == "decode" else "",
+            doorbells=bells if role == "prefill" else [],
             cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
         )
 
