@@ -38,7 +38,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -181,10 +181,16 @@ def load_jsonl_workload(
 ) -> JsonlWorkload:
     """Read a JSONL workload file; raises :class:`WorkloadError` naming the bad line."""
     p = Path(path)
+    if p.is_dir():
+        raise WorkloadError(f"workload {p} is a directory, not a JSONL file")
     if not p.is_file():
         raise WorkloadError(f"workload file not found: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     rows: list[RequestSpec] = []
-    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         where = f"{p}:{lineno}"
@@ -222,10 +228,15 @@ def load_jsonl_workload(
     if stamped and len({r.arrival_s for r in rows}) < 2:
         raise WorkloadError(f"{p}: a trace needs at least two different 'timestamp' values "
                             "(it is replayed at a rate scaled from their spacing)")
+    if stamped:  # arrival order, first at 0: epoch or offset timestamps replay the same
+        rows.sort(key=lambda r: r.arrival_s or 0.0)
+        first = rows[0].arrival_s or 0.0
+        rows = [replace(r, arrival_s=(r.arrival_s or 0.0) - first) for r in rows]
     return JsonlWorkload(tuple(rows), name=p.stem)
 
 
 BUILTIN_WORKLOADS = ("chatbot", "llava", "caption")
+MAX_BURSTINESS = 100.0  # CV of the gaps; beyond it a gamma draw underflows to all-at-once
 
 
 def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4096) -> Workload:
@@ -256,8 +267,8 @@ def unit_rate_arrivals(n: int, seed: int, cv: float = 1.0) -> list[float]:
     a Poisson process and ``cv > 1`` is burstier. Divide by a rate R (requests/s) to
     get the same sample path at rate R (common random numbers across rates).
     """
-    if cv <= 0:
-        raise WorkloadError(f"burstiness (CV) must be > 0, got {cv}")
+    if not 0 < cv <= MAX_BURSTINESS:
+        raise WorkloadError(f"burstiness (CV) must be > 0 and at most {MAX_BURSTINESS:g}, got {cv}")
     rng = random.Random(f"arrivals:{seed}:{cv}")
     shape = 1.0 / (cv * cv)
     t, out = 0.0, []

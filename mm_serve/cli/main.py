@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # Sub-command modules, in the order ``--help`` lists them. A module that is not
 # present yet (a feature still being built) is skipped.
@@ -31,9 +32,18 @@ class CLIError(Exception):
     """A user error: printed as ``mm-serve: error: <message>`` with exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument error is one line, in the same format as every other user error
+    (argparse would print the whole usage block first), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"mm-serve: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Build the top-level parser with every available sub-command."""
-    parser = argparse.ArgumentParser(
+    """Build the top-level parser with every available sub-command (their parsers are
+    of the same class, so their argument errors are one line too)."""
+    parser = _Parser(
         prog="mm-serve",
         description="Multimodal LLM serving with prefill/decode disaggregation.",
     )

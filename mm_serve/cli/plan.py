@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def _model_dir(model: str) -> str:
 
 
 MAX_SLO_S = 3600.0  # an SLO of over an hour per token is a typo, not a target
+LOOSE_TTFT_S, LOOSE_TPOT_S = 10.0, 1.0  # beyond these the finite probes cannot reveal overload
 
 
 def _check_writable(path: str) -> None:
@@ -70,8 +72,10 @@ def _check_writable(path: str) -> None:
         raise CLIError("--write-config needs a file path")
     target = Path(path)
     parent = target.parent  # "." for a bare file name
-    if target.is_dir():
-        raise CLIError(f"--write-config {path}: is a directory")
+    if target.is_dir() or path.endswith(("/", os.sep)):
+        raise CLIError(f"--write-config {path}: is a directory (give a file path)")
+    if target.exists() and not target.is_file():
+        raise CLIError(f"--write-config {path}: not a regular file")
     if parent.exists() and not parent.is_dir():
         raise CLIError(f"--write-config {path}: {parent} is not a directory")
     if not parent.is_dir():
@@ -111,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
             prefill_token_budget=args.prefill_token_budget, decode_max_batch=args.decode_max_batch,
         )
         result = plan(spec)
+        if args.slo_ttft >= LOOSE_TTFT_S or args.slo_tpot >= LOOSE_TPOT_S:
+            print(f"mm-serve: warning: SLOs this loose (TTFT >= {LOOSE_TTFT_S:g} s or TPOT >= "
+                  f"{LOOSE_TPOT_S:g} s) hide overload in a finite simulation: the goodputs are "
+                  "upper bounds (docs/planner.md section 7)", file=sys.stderr)
         written = None
         if args.write_config is not None:
             from mm_serve.planner.plan_config import write_placement_config

@@ -63,17 +63,29 @@ def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
 
     Exhaustive over supports, so only for a handful of columns. Columns are scaled
     to unit maximum before solving. Returns zeros if no support gives ``x >= 0``.
+
+    Raises:
+        ProfileError: the least-squares solve fails (degenerate measurements, e.g.
+            times many orders of magnitude apart).
     """
-    a = np.asarray(rows, dtype=float) / np.asarray(y, dtype=float)[:, None]
-    scale = np.abs(a).max(axis=0)
-    scale[scale == 0] = 1.0
-    a = a / scale
+    with np.errstate(all="ignore"):  # overflow is checked just below
+        a = np.asarray(rows, dtype=float) / np.asarray(y, dtype=float)[:, None]
+        scale = np.abs(a).max(axis=0)
+        scale[scale == 0] = 1.0
+        a = a / scale
+    if not np.all(np.isfinite(a)):
+        raise ProfileError("the measurements cannot be fitted (work over time overflows); check "
+                           "their 'seconds' values")
     ones = np.ones(len(y))
     cols = a.shape[1]
     best: tuple[float, np.ndarray] | None = None
     for k in range(1, min(cols, len(y)) + 1):
         for support in itertools.combinations(range(cols), k):
-            sol, *_ = np.linalg.lstsq(a[:, support], ones, rcond=None)
+            try:
+                sol, *_ = np.linalg.lstsq(a[:, support], ones, rcond=None)
+            except np.linalg.LinAlgError as exc:
+                raise ProfileError(f"the measurements cannot be fitted ({exc}); check their "
+                                   "'seconds' values") from None
             if np.any(sol < 0):
                 continue
             x = np.zeros(cols)

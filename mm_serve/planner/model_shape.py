@@ -146,12 +146,20 @@ def _dtype(where: str, *configs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _text_shape(cfg: Mapping[str, Any], name: str, where: str) -> dict[str, Any]:
-    mtype = str(cfg.get("model_type", "llama"))
+    mtype = cfg.get("model_type", "llama")
+    if not isinstance(mtype, str):
+        raise ModelShapeError(f"{where}: 'model_type' must be a string, got {mtype!r}")
     defaults = _TEXT_DEFAULTS.get(mtype, {})
+    if not defaults:  # every field must then be in the file
+        where = f"{where} (model_type {mtype!r} has no known defaults)"
     hidden = _positive_int(_get(cfg, "hidden_size", defaults), "hidden_size", where)
     heads = _positive_int(_get(cfg, "num_attention_heads", defaults), "num_attention_heads", where)
-    kv = _positive_int(cfg.get("num_key_value_heads") or defaults.get("num_key_value_heads")
-                       or heads, "num_key_value_heads", where)
+    kv_value = cfg.get("num_key_value_heads")
+    kv = _positive_int(defaults.get("num_key_value_heads", heads) if kv_value is None else kv_value,
+                       "num_key_value_heads", where)
+    if cfg.get("head_dim") is None and hidden < heads:
+        raise ModelShapeError(f"{where}: 'hidden_size' {hidden} is smaller than "
+                              f"'num_attention_heads' {heads} (head size 0)")
     if heads % kv:
         raise ModelShapeError(f"{where}: {heads} attention heads not divisible by {kv} KV heads")
     inter = _get(cfg, "intermediate_size", defaults) or 4 * hidden

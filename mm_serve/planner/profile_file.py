@@ -26,6 +26,7 @@ to 1); ``context`` is the KV length of each of ``batch`` decoding sequences; eve
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -79,8 +80,8 @@ def _num(row: Mapping[str, Any], key: str, where: str, default: float | None = N
          integer: bool = False) -> float:
     value = row.get(key, default)
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or value is None or value <= 0:
-        kind = "a positive integer" if integer else "a positive number"
+    if isinstance(value, bool) or not ok or value is None or not math.isfinite(value) or value <= 0:
+        kind = "a positive integer" if integer else "a positive finite number"
         raise ProfileError(f"{where}: '{key}' must be {kind}, got {value!r}")
     return float(value)
 

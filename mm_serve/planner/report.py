@@ -96,7 +96,8 @@ def plan_text(result: PlanResult) -> str:
     else:
         lines.append(
             f"Colocated best:    {result.colocated_per_gpu_goodput:.3f} req/s/GPU "
-            f"({col.par}, {result.colocated_unit_instances} instances simulated together)")
+            f"({col.par}, {result.colocated_unit_instances} "
+            f"{'instance' if result.colocated_unit_instances == 1 else 'instances simulated together'})")
         lines.append(f"Disaggregated / colocated: {result.ratio:.2f}x")
         if result.ratio < 1:
             lines.append("Note: colocated serving beats this disaggregated placement for these "

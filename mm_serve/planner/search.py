@@ -188,7 +188,8 @@ def _low_affinity(ev: GoodputEvaluator) -> list[Mix]:
         if not enumerate_configs(ev, "decode", spec.nodes, spec.total_gpus):
             raise PlannerError(_no_fit_message(ev, spec.total_gpus))
         raise PlannerError(
-            f"{spec.shape.name} fits only with a whole node ({per_node} GPUs) per pipeline stage; "
+            f"{spec.shape.name} fits only with a whole node ({per_node} GPU"
+            f"{'' if per_node == 1 else 's'}) per pipeline stage; "
             "--affinity low puts a prefill and a decode stage on one node: try --affinity high")
     for role in roles:
         if not found[role]:
@@ -251,10 +252,16 @@ def _no_phase_message(
     span = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
     head = (f"no {role} configuration of {spec.shape.name} on {spec.hardware.name} meets {slo} "
             f"for {spec.attainment:.0%} of requests: of the {len(configs)} that hold the model "
-            f"({span} GPU{'s' if sizes[-1] > 1 else ''}), the best, TP{par.tp} PP{par.pp}, ")
+            f"({span} GPU{'s' if sizes[-1] > 1 else ''}), ")
+    if share == 0:
+        return head + ("none meets it for any request even idle (one request at a time); relax "
+                       "the SLO, or allow larger instances (more GPUs per node)")
     if share < spec.attainment:
-        return head + f"meets it for {share:.0%} even idle (one request at a time); relax the SLO"
-    return head + f"meets it for {share:.0%} idle but for too few under any load the search tried"
+        return head + (f"the best, TP{par.tp} PP{par.pp}, meets it for {share:.0%} even idle (one "
+                       "request at a time); relax the SLO, or allow larger instances (more GPUs "
+                       "per node)")
+    return head + (f"the best, TP{par.tp} PP{par.pp}, meets it for {share:.0%} idle but for too "
+                   "few under any load the search tried")
 
 
 def _unit_instances(unit: Unit, spec: PlanSpec) -> list[InstancePlacement]:

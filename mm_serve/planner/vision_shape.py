@@ -70,12 +70,33 @@ class VisionShape:
         return self.num_layers * self.layer_params + patch_embed + self.projector_params
 
 
-def _layers_run(total: int, feature_layer: Any) -> int:
-    if isinstance(feature_layer, list) and feature_layer:
-        feature_layer = max(int(v) % (total + 1) for v in feature_layer)
-    if not isinstance(feature_layer, int) or isinstance(feature_layer, bool):
-        return total
-    return max(1, total + 1 + feature_layer if feature_layer < 0 else feature_layer)
+def _layers_run(total: int, feature_layer: Any, key: str, where: str) -> int:
+    """Encoder layers run to reach ``feature_layer`` (an index into the hidden states,
+    negative from the end, or a list of them: the deepest counts).
+
+    Raises:
+        ModelShapeError: not an integer (or list of integers) within ``-total..total``.
+    """
+    layers = feature_layer if isinstance(feature_layer, list) else [feature_layer]
+    if not layers or any(isinstance(v, bool) or not isinstance(v, int) or not -total <= v <= total
+                         for v in layers):
+        raise ModelShapeError(f"{where}: '{key}' must be a layer index in -{total}..{total} "
+                              f"(or a list of them), got {feature_layer!r}")
+    return max(1, max(total + 1 + v if v < 0 else v for v in layers))
+
+
+def _tokens(image: int, patch: int, where: str) -> int:
+    if image < patch:
+        raise ModelShapeError(f"{where}: vision image_size {image} is smaller than its patch_size "
+                              f"{patch}: no image tokens")
+    return (image // patch) ** 2
+
+
+def _choice(cfg: Mapping[str, Any], key: str, default: str, allowed: tuple[str, ...], where: str) -> str:
+    value = cfg.get(key, default)
+    if value not in allowed:
+        raise ModelShapeError(f"{where}: '{key}' must be one of {', '.join(allowed)}, got {value!r}")
+    return str(value)
 
 
 def _need(value: Any, key: str, where: str) -> int:
@@ -97,15 +118,17 @@ def vision_from_hf(
     hidden = field("hidden_size")
     has_cls = not mtype.startswith("siglip")
     image, patch = field("image_size"), field("patch_size")
-    tokens = (image // patch) ** 2
-    if has_cls and cfg.get("vision_feature_select_strategy", "default") == "full":
+    tokens = _tokens(image, patch, where)
+    strategy = _choice(cfg, "vision_feature_select_strategy", "default", ("default", "full"), where)
+    if has_cls and strategy == "full":
         tokens += 1
     seq_len = cfg.get("image_seq_length")
     if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
         tokens = seq_len
     return VisionShape(
         model_type=mtype,
-        num_layers=_layers_run(field("num_hidden_layers"), cfg.get("vision_feature_layer", -2)),
+        num_layers=_layers_run(field("num_hidden_layers"), cfg.get("vision_feature_layer", -2),
+                               "vision_feature_layer", where),
         hidden_size=hidden, num_heads=field("num_attention_heads"),
         intermediate_size=field("intermediate_size"), image_size=image, patch_size=patch,
         has_cls=has_cls, image_tokens=tokens,
@@ -116,26 +139,36 @@ def vision_from_hf(
 def vision_from_tower_name(
     tower: str, cfg: Mapping[str, Any], llm_hidden: int, where: str
 ) -> VisionShape:
-    """Vision shape of an original LLaVA config from ``mm_vision_tower`` (a hub name)."""
+    """Vision shape of an original LLaVA config from ``mm_vision_tower``, a hub name
+    such as ``openai/clip-vit-large-patch14-336`` (size keyword, ``patchN``, and the
+    resolution, 224 if absent).
+
+    Raises:
+        ModelShapeError: the name gives no patch size, or a field is malformed.
+    """
     name = tower.lower()
     size = next((k for k in _TOWER_SIZES if k in name), "large")
     layers, hidden, heads, inter = _TOWER_SIZES[size]
-    hidden = int(cfg.get("mm_hidden_size") or hidden)
+    hidden = _need(cfg.get("mm_hidden_size", hidden), "mm_hidden_size", where)
     patch_m = re.search(r"patch(\d+)", name)
+    if patch_m is None:
+        raise ModelShapeError(f"{where}: cannot tell the patch size of vision tower {tower!r} "
+                              "(expected a name like openai/clip-vit-large-patch14-336)")
     image_m = re.search(r"-(\d{3,4})(?:$|[^0-9])", name)
-    patch = int(patch_m.group(1)) if patch_m else 14
+    patch = _need(int(patch_m.group(1)), "patch size", where)
     image = int(image_m.group(1)) if image_m else 224
     has_cls = "siglip" not in name
-    tokens = (image // patch) ** 2
-    if has_cls and cfg.get("mm_vision_select_feature", "patch") == "cls_patch":
+    tokens = _tokens(image, patch, where)
+    feature = _choice(cfg, "mm_vision_select_feature", "patch", ("patch", "cls_patch"), where)
+    if has_cls and feature == "cls_patch":
         tokens += 1
     projector = str(cfg.get("mm_projector_type", "linear"))
     mlp_m = re.match(r"mlp(\d+)x", projector)
     depth = int(mlp_m.group(1)) if mlp_m else 1
     return VisionShape(
         model_type="siglip_vision_model" if "siglip" in name else "clip_vision_model",
-        num_layers=_layers_run(layers, cfg.get("mm_vision_select_layer", -2)),
-        hidden_size=_need(hidden, "mm_hidden_size", where), num_heads=heads,
+        num_layers=_layers_run(layers, cfg.get("mm_vision_select_layer", -2), "mm_vision_select_layer", where),
+        hidden_size=hidden, num_heads=heads,
         intermediate_size=inter, image_size=image, patch_size=patch, has_cls=has_cls,
         image_tokens=tokens,
         projector_params=hidden * llm_hidden + (depth - 1) * llm_hidden * llm_hidden,

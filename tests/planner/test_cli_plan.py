@@ -67,7 +67,7 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--nodes", "0"], "nodes must be in 1..1024, got 0"),
         (["--nodes", "100000"], "nodes must be in 1..1024, got 100000"),
         (["--gpus-per-node", "65"], "gpus per node must be in 1..64"),
-        (["--num-requests", "100000000"], "num_requests must be in 20..200000"),
+        (["--num-requests", "100000000"], "num_requests must be in 20..50000"),
         (["--slo-ttft", "inf"], "at most 3600 seconds"),
         (["--write-config", ""], "--write-config needs a file path"),
         (["--write-config", "{nodir}"], "does not exist"),
@@ -87,8 +87,13 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
          "the prefill candidates take 12 GPUs, the decode candidates 12"),
         (["--model", "{fp8}"], "'torch_dtype' 'float8_e4m3fn' is not supported"),
         (["--slo-ttft", "0.0001"], "no prefill configuration of tiny-llama on h100-80gb meets TTFT "
-         "0.0001 s for 90% of requests: of the 4 that hold the model (1-3 GPUs), the best, TP1 PP1, "
-         "meets it for 0% even idle"),
+         "0.0001 s for 90% of requests: of the 4 that hold the model (1-3 GPUs), none meets it for "
+         "any request even idle"),
+        (["--workload", "{binary}"], "not UTF-8 text"),
+        (["--workload", "{adir}"], "is a directory, not a JSONL file"),
+        (["--burstiness", "inf"], "burstiness (CV) must be > 0 and at most 100"),
+        (["--write-config", "/dev/null"], "not a regular file"),
+        (["--write-config", "{newdir}/"], "is a directory (give a file path)"),
         (["--slo-tpot", "0.00001"], "no decode configuration of tiny-llama on h100-80gb meets TPOT"),
         (["--slo-ttft", "0.0001", "--nodes", "2", "--affinity", "low"], "no prefill configuration"),
         (["--gpus-per-node", "1"], "needs at least 2 GPUs"),
@@ -115,6 +120,11 @@ def test_user_errors_exit_2_with_one_line(
             "images": [{"prompt_len": 5, "output_len": 5, "num_images": 1}]}
     paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge), "{fp8}": str(fp8),
              "{nodir}": str(tmp_path / "nodir" / "x.yaml"), "{underfile}": str(bad / "x.yaml")}
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe")
+    (tmp_path / "adir.jsonl").mkdir()
+    paths.update({"{binary}": str(binary), "{adir}": str(tmp_path / "adir.jsonl"),
+                  "{newdir}/": str(tmp_path / "newdir") + "/"})
     for name, lines in rows.items():
         path = tmp_path / f"{name}.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in lines))
@@ -128,10 +138,56 @@ def test_user_errors_exit_2_with_one_line(
     assert message in err
 
 
-def test_argument_type_errors_are_argparse_exit_2(tiny_dir: Path) -> None:
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nodes", "two"], "argument --nodes: invalid int value: 'two' (see: mm-serve plan --help)"),
+    (["--affinity", "medium"], "argument --affinity: invalid choice: 'medium'"),
+])
+def test_argument_errors_are_one_line_exit_2(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
     with pytest.raises(SystemExit) as exc:
-        main([*BASE, "--model", str(tiny_dir), "--nodes", "two"])
+        main([*BASE, "--model", str(tiny_dir), *args])
     assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mm-serve: error: ") and "\n" not in err and message in err
+
+
+def test_loose_slos_warn_that_goodputs_are_upper_bounds(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [a if a != "0.25" else "20" for a in BASE]
+    assert main([*argv, "--model", str(tiny_dir), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["per_gpu_goodput"] > 0
+    assert captured.err.startswith("mm-serve: warning: SLOs this loose")
+
+
+def test_a_trace_replays_the_same_whatever_its_time_origin(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Epoch timestamps, a shifted origin or shuffled rows give the plan of the same
+    trace starting at 0."""
+    import random
+
+    rng = random.Random(3)
+    t, rows = 0.0, []
+    for _ in range(200):
+        t += rng.expovariate(1.0)
+        rows.append({"prompt_len": rng.randint(20, 400), "output_len": rng.randint(5, 200), "timestamp": t})
+    results = []
+    for name, offset, shuffle in (("zero", 0.0, False), ("epoch", 1_764_500_000.0, False),
+                                  ("shuffled", 1000.0, True)):
+        lines = [{**r, "timestamp": r["timestamp"] + offset} for r in rows]
+        if shuffle:
+            rng.shuffle(lines)
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in lines))
+        assert main([*BASE, "--model", str(tiny_dir), "--workload", str(path), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        results.append((data["per_gpu_goodput"], data["colocated_per_gpu_goodput"]))
+    assert results[0][0] > 0
+    assert results[1] == pytest.approx(results[0], rel=1e-6)
+    assert results[2] == pytest.approx(results[0], rel=1e-6)
 
 
 def test_registered_model_name_is_accepted(capsys: pytest.CaptureFixture[str]) -> None:
