@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import zmq
 from PIL import Image
 
+from mm_serve.engine.worker_channel import WorkerChannel
 from mm_serve.models.builder import TinyModelSpec, build_llama, build_llava
 
 SPECS: dict[str, TinyModelSpec] = {
@@ -67,3 +71,20 @@ def image_in_mode(mode: str, width: int = 64, height: int = 48, seed: int = 0) -
         img.putalpha(alpha)
         return img
     return rgb.convert(mode)
+
+
+@contextmanager
+def front_end_channel(tmp_path: Path, kind: object) -> Iterator[tuple[WorkerChannel, zmq.Socket, zmq.Socket]]:  # type: ignore[type-arg]
+    """A worker's :class:`WorkerChannel` wired to front-end sockets bound in ``tmp_path``:
+    yields (channel, control PUSH, output PULL); all closed after."""
+    ctx = zmq.Context.instance()
+    control, output = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    control.bind(f"ipc://{tmp_path}/ctl")
+    output.bind(f"ipc://{tmp_path}/out")
+    channel = WorkerChannel(f"ipc://{tmp_path}/ctl", f"ipc://{tmp_path}/out", kind)
+    try:
+        yield channel, control, output
+    finally:
+        channel.close()
+        control.close(0)
+        output.close(0)

@@ -6,40 +6,30 @@ import threading
 import time
 from pathlib import Path
 
-import zmq
-
 from mm_serve import messages
 from mm_serve.engine.doorbell import DoorbellListener, DoorbellRingers, doorbell_address
-from mm_serve.engine.worker_channel import WorkerChannel
+from tests.factories import front_end_channel
 
 
 def test_a_ring_ends_an_idle_recv_and_is_drained(tmp_path: Path) -> None:
-    ctx = zmq.Context.instance()
-    control, output = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    control.bind(f"ipc://{tmp_path}/ctl")
-    output.bind(f"ipc://{tmp_path}/out")
-    channel = WorkerChannel(f"ipc://{tmp_path}/ctl", f"ipc://{tmp_path}/out", messages.ToDecode)
-    listener = DoorbellListener(doorbell_address(str(tmp_path), 0))
-    channel.listen_to(listener)
-    ringers = DoorbellRingers([doorbell_address(str(tmp_path), 0)])
-    ringer = threading.Timer(0.2, ringers.ring, args=(0,))
-    try:
-        start = time.monotonic()
-        ringer.start()
-        assert channel.recv(10_000) == []  # woken by the ring, not by a message
-        waited = time.monotonic() - start
-        assert 0.15 < waited < 5.0, waited
-        assert listener.drain() == 0  # recv drained it
-        control.send(messages.encode(messages.StatsQuery()))
-        got = channel.recv(5_000)
-        assert [type(m).__name__ for m in got] == ["StatsQuery"]
-    finally:
-        ringer.cancel()
-        ringers.close()
-        listener.close()
-        channel.close()
-        control.close(0)
-        output.close(0)
+    with front_end_channel(tmp_path, messages.ToDecode) as (channel, control, _):
+        listener = DoorbellListener(doorbell_address(str(tmp_path), 0))
+        channel.listen_to(listener)
+        ringers = DoorbellRingers([doorbell_address(str(tmp_path), 0)])
+        ringer = threading.Timer(0.2, ringers.ring, args=(0,))
+        try:
+            start = time.monotonic()
+            ringer.start()
+            assert channel.recv(10_000) == []  # woken by the ring, not by a message
+            waited = time.monotonic() - start
+            assert 0.15 < waited < 5.0, waited
+            assert listener.drain() == 0  # recv drained it
+            control.send(messages.encode(messages.StatsQuery()))
+            assert [type(m).__name__ for m in channel.recv(5_000)] == ["StatsQuery"]
+        finally:
+            ringer.cancel()
+            ringers.close()
+            listener.close()
 
 
 def test_rings_nobody_listens_to_never_block(tmp_path: Path) -> None:

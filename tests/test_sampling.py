@@ -107,17 +107,11 @@ def test_top_k_minus_one_means_off_as_over_http() -> None:
 
 def test_a_request_a_worker_cannot_decode_fails_instead_of_hanging(tmp_path: Path) -> None:
     import msgspec
-    import zmq
 
     from mm_serve import messages
-    from mm_serve.engine.worker_channel import WorkerChannel
+    from tests.factories import front_end_channel
 
-    ctx = zmq.Context.instance()
-    control, output = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    control.bind(f"ipc://{tmp_path}/ctl")
-    output.bind(f"ipc://{tmp_path}/out")
-    channel = WorkerChannel(f"ipc://{tmp_path}/ctl", f"ipc://{tmp_path}/out", messages.ToPrefill)
-    try:
+    with front_end_channel(tmp_path, messages.ToPrefill) as (channel, control, output):
         bad = {"type": "PrefillRequest", "request_id": "r-7", "prompt_token_ids": [1, 2], "sampling": "nonsense"}
         control.send(msgspec.msgpack.encode(bad))
         control.send(messages.encode(messages.StatsQuery()))
@@ -131,7 +125,3 @@ def test_a_request_a_worker_cannot_decode_fails_instead_of_hanging(tmp_path: Pat
         failed = messages.decoder(messages.FromWorker).decode(output.recv())
         assert isinstance(failed, messages.RequestFailed) and failed.request_id == "r-7"
         assert "could not decode" in failed.message
-    finally:
-        channel.close()
-        control.close(0)
-        output.close(0)
