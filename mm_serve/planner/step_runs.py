@@ -5,9 +5,10 @@ Between two changes of the running batch (a request finishing, or one joining) e
 step has the same batch size ``B`` and a context that grows by ``B`` tokens, so the
 step end times are known in advance: ``t_j = t_{j-1} + step_time(B, C + (j-1) B)``.
 A run is scheduled as one event at the end of its last step (the step after which
-the first running request finishes, or ``MAX_RUN_STEPS`` steps if that is sooner). If a request that may join arrives during the
-run, the run is cut at the first step boundary at or after that instant, where the
-step-by-step schedule would have admitted it. The boundary times are summed in the
+the first running request finishes, or ``MAX_RUN_STEPS`` steps if that is sooner).
+If a request that may join arrives during the run, the run is cut at the first step
+boundary at or after that instant, where the step-by-step schedule would have
+admitted it. The boundary times are summed in the
 same order as one event per step would sum them, so the per-request times are the
 same floats; only the ordering of events at exactly equal times may differ.
 
