@@ -137,6 +137,7 @@ def test_idle_workers_sleep_until_woken(one_p_one_d: LLM) -> None:
     assert one_p_one_d.client is not None
     stats = one_p_one_d.client.query_stats()
     pids = [stats[("prefill", 0)].pid, stats[("decode", 0)].pid]
+    time.sleep(0.5)  # past any spin-wait of the last request's compute threads
     before = [cpu_seconds(p) for p in pids]
     time.sleep(2.0)
     used = [cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
