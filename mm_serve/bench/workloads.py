@@ -237,6 +237,7 @@ def load_jsonl_workload(
 
 BUILTIN_WORKLOADS = ("chatbot", "llava", "caption")
 MAX_BURSTINESS = 100.0  # CV of the gaps; beyond it a gamma draw underflows to all-at-once
+MIN_BURSTINESS = 0.001  # below it the gamma shape 1 / CV^2 overflows; 0.001 is already periodic
 
 
 def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4096) -> Workload:
@@ -250,6 +251,12 @@ def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4
     if name_or_path in ("llava", "caption"):
         if image_tokens <= 0:
             raise WorkloadError(f"workload '{name_or_path}' needs a model with a vision tower")
+        least = image_tokens + (12 if name_or_path == "caption" else 4) + 40
+        if least > max_context:
+            raise WorkloadError(
+                f"workload '{name_or_path}': an image is {image_tokens} tokens, and with its "
+                f"question and answer a request needs about {least}, more than the model's "
+                f"{max_context}-token context")
         if name_or_path == "llava":
             return LlavaWorkload(image_tokens, max_context=max_context)
         return CaptionWorkload(image_tokens)
@@ -267,8 +274,8 @@ def unit_rate_arrivals(n: int, seed: int, cv: float = 1.0) -> list[float]:
     a Poisson process and ``cv > 1`` is burstier. Divide by a rate R (requests/s) to
     get the same sample path at rate R (common random numbers across rates).
     """
-    if not 0 < cv <= MAX_BURSTINESS:
-        raise WorkloadError(f"burstiness (CV) must be > 0 and at most {MAX_BURSTINESS:g}, got {cv}")
+    if not MIN_BURSTINESS <= cv <= MAX_BURSTINESS:
+        raise WorkloadError(f"burstiness (CV) must be in {MIN_BURSTINESS:g}..{MAX_BURSTINESS:g}, got {cv}")
     rng = random.Random(f"arrivals:{seed}:{cv}")
     shape = 1.0 / (cv * cv)
     t, out = 0.0, []

@@ -140,6 +140,8 @@ def get_hardware(name_or_path: str) -> Hardware:
         from mm_serve.planner.fit import fit_profile_file
 
         return fit_profile_file(path).hardware
+    if key.endswith(".json") or "/" in name_or_path:
+        raise HardwareError(f"hardware profile file not found: {name_or_path}")
     raise HardwareError(
         f"unknown hardware '{name_or_path}': choose {', '.join(hardware_names())} "
         "or give a profile JSON file"

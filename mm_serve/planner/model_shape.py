@@ -160,15 +160,20 @@ def _text_shape(cfg: Mapping[str, Any], name: str, where: str) -> dict[str, Any]
     if cfg.get("head_dim") is None and hidden < heads:
         raise ModelShapeError(f"{where}: 'hidden_size' {hidden} is smaller than "
                               f"'num_attention_heads' {heads} (head size 0)")
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise ModelShapeError(f"{where}: 'hidden_size' {hidden} is not divisible by "
+                              f"'num_attention_heads' {heads} (give 'head_dim')")
     if heads % kv:
         raise ModelShapeError(f"{where}: {heads} attention heads not divisible by {kv} KV heads")
-    inter = _get(cfg, "intermediate_size", defaults) or 4 * hidden
+    inter = _get(cfg, "intermediate_size", defaults)
+    inter = 4 * hidden if inter is None else inter
     fields: dict[str, Any] = {
         "name": name, "model_type": mtype,
         "num_layers": _positive_int(_get(cfg, "num_hidden_layers", defaults), "num_hidden_layers", where),
         "hidden_size": hidden, "num_heads": heads,
         "num_kv_heads": kv,
-        "head_dim": _positive_int(cfg.get("head_dim") or hidden // heads, "head_dim", where),
+        "head_dim": _positive_int(hidden // heads if cfg.get("head_dim") is None else cfg["head_dim"],
+                                  "head_dim", where),
         "intermediate_size": _positive_int(inter, "intermediate_size", where),
         "vocab_size": _positive_int(_get(cfg, "vocab_size", defaults), "vocab_size", where),
         "max_context": _positive_int(_get(cfg, "max_position_embeddings", defaults) or 2048,

@@ -80,7 +80,8 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--workload", "{images}"], "has no vision tower"),
         (["--workload", "llava"], "needs a model with a vision tower"),
         (["--workload", "nope"], "unknown workload 'nope'"),
-        (["--burstiness", "0"], "burstiness (CV) must be > 0"),
+        (["--burstiness", "0"], "burstiness (CV) must be in 0.001..100, got 0.0"),
+        (["--burstiness", "1e-300"], "burstiness (CV) must be in 0.001..100"),
         (["--model", "{huge}"], "does not fit in one instance of at most"),
         (["--model", "{huge}", "--nodes", "4", "--affinity", "low"], "fits only with a whole node"),
         (["--model", "{huge}", "--nodes", "5", "--slo-ttft", "10", "--slo-tpot", "1"],
@@ -91,7 +92,9 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
          "any request even idle"),
         (["--workload", "{binary}"], "not UTF-8 text"),
         (["--workload", "{adir}"], "is a directory, not a JSONL file"),
-        (["--burstiness", "inf"], "burstiness (CV) must be > 0 and at most 100"),
+        (["--burstiness", "inf"], "burstiness (CV) must be in 0.001..100, got inf"),
+        (["--model", "{shortctx}", "--workload", "llava"], "an image is 576 tokens, and with its "
+         "question and answer a request needs about 620, more than the model's 128-token context"),
         (["--write-config", "/dev/null"], "not a regular file"),
         (["--write-config", "{newdir}/"], "is a directory (give a file path)"),
         (["--slo-tpot", "0.00001"], "no decode configuration of tiny-llama on h100-80gb meets TPOT"),
@@ -109,6 +112,10 @@ def test_user_errors_exit_2_with_one_line(
     huge.write_text(json.dumps({**configs["llama-2-7b"], "hidden_size": 16384,
                                 "intermediate_size": 53248, "num_hidden_layers": 126,
                                 "num_attention_heads": 128}))
+    shortctx = tmp_path / "shortctx.json"
+    llava = configs["llava-hf"]
+    shortctx.write_text(json.dumps({**llava, "text_config": {**llava["text_config"],
+                                                             "max_position_embeddings": 128}}))
     fp8 = tmp_path / "fp8.json"
     fp8.write_text(json.dumps({**configs["llama-2-7b"], "torch_dtype": "float8_e4m3fn"}))
     rows = {"zero": [{"prompt_len": 0, "output_len": 10}],
@@ -118,7 +125,7 @@ def test_user_errors_exit_2_with_one_line(
                           {"prompt_len": 5, "output_len": 5}],
             "long": [{"prompt_len": 100_000, "output_len": 5}],
             "images": [{"prompt_len": 5, "output_len": 5, "num_images": 1}]}
-    paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge), "{fp8}": str(fp8),
+    paths = {"{missing}": str(tmp_path / "nowhere"), "{bad}": str(bad), "{huge}": str(huge), "{fp8}": str(fp8), "{shortctx}": str(shortctx),
              "{nodir}": str(tmp_path / "nodir" / "x.yaml"), "{underfile}": str(bad / "x.yaml")}
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(b"\xff\xfe")
