@@ -1,7 +1,7 @@
 """Hand-off doorbells: a prefill worker wakes an idle decode worker when it publishes.
 
 The cross-modal ring lives in shared memory, which no socket can wait on, so an idle
-decode worker would otherwise poll the ring every millisecond (about 6 % of a core
+decode worker would otherwise poll the ring every millisecond (2-6 % of a core
 while the service does nothing). Each decode worker binds one ZeroMQ PULL socket;
 each prefill worker connects one PUSH socket per decode worker and sends an empty
 frame after every publish to that worker's ring. The decode worker waits on its
