@@ -194,6 +194,12 @@ def shape_from_config(cfg: Mapping[str, Any], name: str = "model", where: str = 
     """
     if not isinstance(cfg, Mapping):
         raise ModelShapeError(f"{where}: top level must be a JSON object")
+    for key in ("text_config", "vision_config"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], Mapping):
+            raise ModelShapeError(f"{where}: '{key}' must be a JSON object, got {cfg[key]!r}")
+    if cfg.get("mm_vision_tower") is not None and not isinstance(cfg["mm_vision_tower"], str):
+        raise ModelShapeError(f"{where}: 'mm_vision_tower' must be a model name, got "
+                              f"{cfg['mm_vision_tower']!r}")
     text_cfg = cfg.get("text_config")
     if isinstance(text_cfg, Mapping):  # llava-hf layout
         fields = _text_shape({"model_type": "llama", **text_cfg}, name, f"{where}: text_config")

@@ -165,6 +165,9 @@ def vision_from_tower_name(
     projector = str(cfg.get("mm_projector_type", "linear"))
     mlp_m = re.match(r"mlp(\d+)x", projector)
     depth = int(mlp_m.group(1)) if mlp_m else 1
+    if not 1 <= depth <= 8:
+        raise ModelShapeError(f"{where}: 'mm_projector_type' {projector!r} has {depth} layers "
+                              "(1 to 8 expected, e.g. mlp2x_gelu)")
     return VisionShape(
         model_type="siglip_vision_model" if "siglip" in name else "clip_vision_model",
         num_layers=_layers_run(layers, cfg.get("mm_vision_select_layer", -2), "mm_vision_select_layer", where),

@@ -90,6 +90,10 @@ def test_original_llava_tower_name(configs: Configs) -> None:
          "'patch size' must be a positive integer"),
         ({"name": "llava-original", "mm_vision_select_layer": -100}, "'mm_vision_select_layer' must be"),
         ({"name": "llava-original", "mm_vision_select_feature": "all"}, "must be one of patch, cls_patch"),
+        ({"name": "llava-original", "mm_projector_type": "mlp0x_gelu"}, "has 0 layers"),
+        ({"name": "llava-original", "mm_vision_tower": 5}, "'mm_vision_tower' must be a model name"),
+        ({"name": "llava-hf", "vision_config": "clip"}, "'vision_config' must be a JSON object"),
+        ({"name": "llava-hf", "text_config": [1]}, "'text_config' must be a JSON object"),
     ],
 )
 def test_malformed_configs_raise_clear_errors(
