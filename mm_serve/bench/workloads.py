@@ -267,6 +267,12 @@ def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4
     )
 
 
+def check_burstiness(cv: float) -> None:
+    """Raises :class:`WorkloadError` unless ``MIN_BURSTINESS <= cv <= MAX_BURSTINESS``."""
+    if not MIN_BURSTINESS <= cv <= MAX_BURSTINESS:
+        raise WorkloadError(f"burstiness (CV) must be in {MIN_BURSTINESS:g}..{MAX_BURSTINESS:g}, got {cv}")
+
+
 def unit_rate_arrivals(n: int, seed: int, cv: float = 1.0) -> list[float]:
     """Arrival times (seconds) of ``n`` requests at mean rate 1 request/s.
 
@@ -274,8 +280,7 @@ def unit_rate_arrivals(n: int, seed: int, cv: float = 1.0) -> list[float]:
     a Poisson process and ``cv > 1`` is burstier. Divide by a rate R (requests/s) to
     get the same sample path at rate R (common random numbers across rates).
     """
-    if not MIN_BURSTINESS <= cv <= MAX_BURSTINESS:
-        raise WorkloadError(f"burstiness (CV) must be in {MIN_BURSTINESS:g}..{MAX_BURSTINESS:g}, got {cv}")
+    check_burstiness(cv)
     rng = random.Random(f"arrivals:{seed}:{cv}")
     shape = 1.0 / (cv * cv)
     t, out = 0.0, []

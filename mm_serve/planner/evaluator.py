@@ -205,9 +205,10 @@ class GoodputEvaluator:
         prefill = self.model.prefill_timing(par, cross_node)
         server = self.decode_server(par, cross_node, vision=True)
         budget = self.spec.prefill_token_budget
-        near = replicas > 1 and self.colocated_goodput(par, cross_node) > 0
+        single = self.colocated_goodput(par, cross_node) if replicas > 1 else 0.0
+        near = single > 0
         if near:
-            bound = _BOUND_SLACK * replicas * self.colocated_goodput(par, cross_node)
+            bound = _BOUND_SLACK * replicas * single
         else:
             bound = replicas / (1.0 / self.prefill_bound(par, cross_node)
                                 + 1.0 / self.decode_bound(par, cross_node, vision=True))

@@ -88,12 +88,9 @@ class DecodeTiming:
     def step_time(self, batch: int, context: float) -> float:
         """Seconds for every one of ``batch`` running sequences (``context`` KV tokens
         in total) to get one more token."""
-        m = min(self.pp, max(batch, 1))
-        work = self.stage_per_seq * batch + self.stage_per_context * context
-        hops = (self.pp - 1) * (self.hop_const + self.hop_per_seq * batch / m)
-        return self.pp * self.stage_const + (self.pp / m) * work + hops
+        return self.step_ends(0.0, batch, context, 1)[0]
 
-    def step_ends(self, start: float, batch: int, context: int, steps: int) -> list[float]:
+    def step_ends(self, start: float, batch: int, context: float, steps: int) -> list[float]:
         """End times (seconds) of ``steps`` consecutive steps of an unchanged batch
         starting at ``start``, the context growing by ``batch`` tokens a step: the same
         floats as adding :meth:`step_time` one step at a time, without a call per step."""

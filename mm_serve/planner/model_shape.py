@@ -157,10 +157,11 @@ def _text_shape(cfg: Mapping[str, Any], name: str, where: str) -> dict[str, Any]
     kv_value = cfg.get("num_key_value_heads")
     kv = _positive_int(defaults.get("num_key_value_heads", heads) if kv_value is None else kv_value,
                        "num_key_value_heads", where)
-    if cfg.get("head_dim") is None and hidden < heads:
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and hidden < heads:
         raise ModelShapeError(f"{where}: 'hidden_size' {hidden} is smaller than "
                               f"'num_attention_heads' {heads} (head size 0)")
-    if cfg.get("head_dim") is None and hidden % heads:
+    if head_dim is None and hidden % heads:
         raise ModelShapeError(f"{where}: 'hidden_size' {hidden} is not divisible by "
                               f"'num_attention_heads' {heads} (give 'head_dim')")
     if heads % kv:
@@ -172,8 +173,7 @@ def _text_shape(cfg: Mapping[str, Any], name: str, where: str) -> dict[str, Any]
         "num_layers": _positive_int(_get(cfg, "num_hidden_layers", defaults), "num_hidden_layers", where),
         "hidden_size": hidden, "num_heads": heads,
         "num_kv_heads": kv,
-        "head_dim": _positive_int(hidden // heads if cfg.get("head_dim") is None else cfg["head_dim"],
-                                  "head_dim", where),
+        "head_dim": _positive_int(hidden // heads if head_dim is None else head_dim, "head_dim", where),
         "intermediate_size": _positive_int(inter, "intermediate_size", where),
         "vocab_size": _positive_int(_get(cfg, "vocab_size", defaults), "vocab_size", where),
         "max_context": _positive_int(_get(cfg, "max_position_embeddings", defaults) or 2048,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mm_serve.bench.workloads import MAX_BURSTINESS, MIN_BURSTINESS, JsonlWorkload, Workload
+from mm_serve.bench.workloads import JsonlWorkload, Workload, WorkloadError, check_burstiness
 from mm_serve.planner.errors import PlannerError
 from mm_serve.planner.hardware import Hardware
 from mm_serve.planner.model_shape import ModelShape
@@ -50,8 +50,6 @@ class PlanSpec:
             (self.affinity in ("high", "low"), f"affinity must be high or low, got {self.affinity}"),
             (20 <= self.num_requests <= MAX_NUM_REQUESTS,
              f"num_requests must be in 20..{MAX_NUM_REQUESTS}, got {self.num_requests}"),
-            (MIN_BURSTINESS <= self.burstiness <= MAX_BURSTINESS,
-             f"burstiness (CV) must be in {MIN_BURSTINESS:g}..{MAX_BURSTINESS:g}, got {self.burstiness}"),
             (self.prefill_token_budget >= 1, "prefill token budget must be >= 1"),
             (self.prefill_max_batch >= 1, "prefill max batch must be >= 1"),
             (self.decode_max_batch >= 1, "decode max batch must be >= 1"),
@@ -59,6 +57,10 @@ class PlanSpec:
         for ok, message in checks:
             if not ok:
                 raise PlannerError(message)
+        try:
+            check_burstiness(self.burstiness)
+        except WorkloadError as exc:
+            raise PlannerError(str(exc)) from None
         self._check_workload()
 
     def _check_workload(self) -> None:

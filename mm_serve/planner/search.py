@@ -253,16 +253,14 @@ def _no_phase_message(
     head = (f"no {role} configuration of {spec.shape.name} on {spec.hardware.name} meets {slo} "
             f"for {spec.attainment:.0%} of requests: of the {len(configs)} that hold the model "
             f"({span} GPU{'s' if sizes[-1] > 1 else ''}), ")
-    if share == 0:
-        return head + ("none meets it for any request even idle (one request at a time); relax "
-                       "the SLO, or allow larger instances (more GPUs per node, or nodes for pipeline stages) if the "
-                       "model's heads and layers leave room")
-    if share < spec.attainment:
-        return head + (f"the best, TP{par.tp} PP{par.pp}, meets it for {share:.0%} even idle (one "
-                       "request at a time); relax the SLO, or allow larger instances (more GPUs "
-                       "per node, or nodes for pipeline stages) if the model's heads and layers leave room")
-    return head + (f"the best, TP{par.tp} PP{par.pp}, meets it for {share:.0%} idle but for too "
-                   "few under any load the search tried")
+    if share >= spec.attainment:
+        return head + (f"the best, TP{par.tp} PP{par.pp}, meets it for {share:.0%} idle but for too "
+                       "few under any load the search tried")
+    best = ("none meets it for any request" if share == 0
+            else f"the best, TP{par.tp} PP{par.pp}, meets it for {share:.0%}")
+    return head + (f"{best} even idle (one request at a time); relax the SLO, or allow larger "
+                   "instances (more GPUs per node, or nodes for pipeline stages) if the model's "
+                   "heads and layers leave room")
 
 
 def _unit_instances(unit: Unit, spec: PlanSpec) -> list[InstancePlacement]:
