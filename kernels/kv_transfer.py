@@ -4,7 +4,7 @@ Both sides store pages the same way, page-major, so one page of every layer is
 one contiguous block (``L * 2 * S * H * D`` elements):
 
 * engine cache ``kv_data``: ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``
-  (as :class:`text_decode.kv_cache.PagedKVCache` stores it);
+  (as :class:`mm_serve.runtime.kv_cache.PagedKVCache` stores it);
 * ring pool ``ring_pages``: ``[num_ring_pages, num_layers, 2, page_size, num_kv_heads, head_dim]``.
 
 Page ``i`` of the transfer moves ``src_page_ids[i]`` to ``dst_page_ids[i]``.

@@ -18,7 +18,7 @@ def write_kv_ref(
     """Scatter ``key``/``value`` ``[T, Hkv, D]`` into caches ``[P, S, Hkv, D]`` at flat slots ``[T]``.
 
     Slot ``s`` is token ``s % S`` of page ``s // S``. The caches may have any page
-    stride (:class:`text_decode.kv_cache.PagedKVCache` hands out strided per-layer views).
+    stride (:class:`mm_serve.runtime.kv_cache.PagedKVCache` hands out strided per-layer views).
     """
     page_size = k_cache.shape[1]
     scatter_kv(key, value, k_cache, v_cache, slot_mapping // page_size, slot_mapping % page_size)
@@ -174,7 +174,7 @@ def decode_attention_padded(
 
     Every row attends over all ``max_pages * S`` positions of its block table, masked
     to its ``context_lens``; no grouping and no Python reads of device values, so the
-    call can be captured in a CUDA graph (``mm_serve.engine.decode_graphs``) and
+    call can be captured in a CUDA graph (``mm_serve.runtime.decode_graphs``) and
     replayed for any contents of the same shapes. Masked positions must hold finite
     values (the caches start zeroed and only ever receive finite K/V).
 

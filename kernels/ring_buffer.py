@@ -13,6 +13,7 @@ from types import MappingProxyType
 import torch
 
 from kernels.feature_arena import FeatureArena
+from kernels.page_pool import PagePool
 from kernels.ring_spec import (
     RING_MAGIC,
     ControlWord,
@@ -25,7 +26,6 @@ from kernels.ring_spec import (
     write_payload,
 )
 from kernels.shm_segment import ShmSegment, attach_segments, create_segments
-from text_decode.page_pool import PagePool
 
 __all__ = ["CrossModalRing", "Handoff"]
 

@@ -14,7 +14,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 if TYPE_CHECKING:
     from mm_serve.llm import LLM
     from mm_serve.outputs import RequestOutput
-    from mm_serve.sampling_params import SamplingParams
+    from mm_serve.runtime.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from mm_serve.sampling_params import SamplingParams
+        from mm_serve.runtime.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "RequestOutput":

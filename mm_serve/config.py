@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mm_serve.runtime.engine_config import DEFAULT_ENGINE as _E
+
 
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names key, value and rule."""
@@ -69,9 +71,9 @@ class ComputeConfig(_Frozen):
 class SchedulerConfig(_Frozen):
     """Batching limits of the prefill and decode schedulers."""
 
-    prefill_batch_size: int = Field(8, ge=1, le=1024, description="Max requests in one prefill batch.")
-    prefill_token_budget: int = Field(4096, ge=16, le=1 << 20, description="Max prompt tokens (image tokens included) in one prefill batch.")
-    decode_max_concurrent: int = Field(64, ge=1, le=4096, description="Max running requests per decode worker.")
+    prefill_batch_size: int = Field(_E.prefill_batch_size, ge=1, le=1024, description="Max requests in one prefill batch.")
+    prefill_token_budget: int = Field(_E.prefill_token_budget, ge=16, le=1 << 20, description="Max prompt tokens (image tokens included) in one prefill batch.")
+    decode_max_concurrent: int = Field(_E.max_running, ge=1, le=4096, description="Max running requests per decode worker.")
     ring_buffer_size: int = Field(16, ge=2, le=1 << 16, description="Hand-off ring slots per (prefill, decode) pair; a power of two.")
 
     @field_validator("ring_buffer_size")
@@ -85,8 +87,8 @@ class SchedulerConfig(_Frozen):
 class KVCacheConfig(_Frozen):
     """Paged KV cache sizing."""
 
-    page_size: int = Field(16, ge=1, le=1024, description="Tokens per KV page (block).")
-    max_pages_per_gpu: int = Field(2048, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
+    page_size: int = Field(_E.page_size, ge=1, le=1024, description="Tokens per KV page (block).")
+    max_pages_per_gpu: int = Field(_E.num_pages, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
     ring_pages: int = Field(0, ge=0, le=1 << 24, description="Pages in each ring's shared page pool; 0 = max_pages_per_gpu // 4.")
     eviction_policy: Literal["lru", "fifo"] = Field("lru", description="Order in which cached free pages are reused.")
     enable_prefix_caching: bool = Field(False, description="Reuse KV pages of identical prompt prefixes.")
@@ -115,11 +117,11 @@ class ServiceConfig(_Frozen):
     model: str = Field("embedded", description="Model directory, or a registered name such as 'embedded'.")
     served_model_name: str | None = None
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    seed: int = 0
-    enforce_eager: bool = Field(False, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
-    cpu_gemm: Literal["onednn", "torch"] = Field("onednn", description="float32 on a CPU: 'onednn' runs linear layers from oneDNN-packed weights (kernels/cpu_linear.py), 'torch' uses torch's default F.linear (MKL).")
-    cpu_kernels: Literal["compiled", "torch"] = Field("compiled", description="float32 on a CPU: 'compiled' runs decode attention (RoPE, K/V write, attention read in place from the KV pages) and RMSNorm from C++ kernels built once (kernels/csrc; falls back to 'torch' with one warning where they cannot be built), 'torch' uses torch ops (pages gathered, then SDPA).")
+    dtype: Literal["float32", "bfloat16", "float16"] = _E.dtype
+    seed: int = _E.seed
+    enforce_eager: bool = Field(_E.enforce_eager, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
+    cpu_gemm: Literal["onednn", "torch"] = Field(_E.cpu_gemm, description="float32 on a CPU: 'onednn' runs linear layers from oneDNN-packed weights (kernels/cpu_linear.py), 'torch' uses torch's default F.linear (MKL).")
+    cpu_kernels: Literal["compiled", "torch"] = Field(_E.cpu_kernels, description="float32 on a CPU: 'compiled' runs decode attention (RoPE, K/V write, attention read in place from the KV pages) and RMSNorm from C++ kernels built once (kernels/csrc; falls back to 'torch' with one warning where they cannot be built), 'torch' uses torch ops (pages gathered, then SDPA).")
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()

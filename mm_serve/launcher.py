@@ -2,7 +2,7 @@
 
 Workers are separate OS processes (``python -m mm_serve.engine.worker_main``),
 each given a :class:`WorkerSpec` on its command line. They exit on
-:class:`~mm_serve.messages.Shutdown`, and on their own when the launching
+:class:`~mm_serve.runtime.messages.Shutdown`, and on their own when the launching
 process disappears, so no worker outlives the service.
 """
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from mm_serve.engine.worker_spec import WorkerSpec, encode_spec
+from mm_serve.runtime.worker_spec import WorkerSpec, encode_spec
 
 
 def available_cpus() -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import atexit
 import uuid
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +22,15 @@ from tqdm.auto import tqdm
 
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.engine_config import EngineConfig
 from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.llm_engine import LLMEngine
-from mm_serve.engine.request import Request
 from mm_serve.engine.request_state import RequestState
-from mm_serve.engine.worker_setup import engine_config_from_sizing
 from mm_serve.engine.worker_specs import check_supported, engine_sizing, worker_device
 from mm_serve.models.registry import resolve_model
 from mm_serve.outputs import CompletionOutput, RequestOutput
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.runtime.engine_config import EngineConfig
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampling_params import SamplingParams
 
 # LLM keyword -> dotted ServiceConfig key, for the worker-process modes.
 _SERVICE_KEYS = {
@@ -47,7 +46,7 @@ _SERVICE_KEYS = {
 }
 
 
-_ENGINE_KEYS = [f.name for f in fields(EngineConfig)]
+_ENGINE_KEYS = list(EngineConfig.field_names())
 
 
 def _colocated_engine_config(config: ServiceConfig | None, kwargs: dict[str, Any]) -> EngineConfig:
@@ -65,7 +64,7 @@ def _colocated_engine_config(config: ServiceConfig | None, kwargs: dict[str, Any
     if not isinstance(config, ServiceConfig):
         raise ValueError(f"config must be a ServiceConfig (mm_serve.config.load_config), got {type(config).__name__}")
     check_supported(config)
-    return replace(engine_config_from_sizing(engine_sizing(config, worker_device(config, "colocated", 0))), **kwargs)
+    return engine_sizing(config, worker_device(config, "colocated", 0)).replace(**kwargs)
 
 
 class LLM:
@@ -83,7 +82,7 @@ class LLM:
         **kwargs: settings that override ``config``: sizing (``page_size``, ``num_pages``,
             ``max_running``, ``dtype``, ``seed``, ``cpu_gemm``, ``cpu_kernels``, ...); the worker modes also take
             ``prefill_workers``, ``decode_workers``, ... (see ``_SERVICE_KEYS``), the colocated
-            mode the :class:`~mm_serve.engine.engine_config.EngineConfig` fields.
+            mode the :class:`~mm_serve.runtime.engine_config.EngineConfig` fields.
 
     Use as a context manager, or call :meth:`close`, to stop worker processes; they
     also stop when this process exits.

@@ -3,7 +3,7 @@
 The API process aggregates: request-level histograms are observed when a
 request finishes (its lifetime events come back from the workers in the token
 updates), and per-worker gauges are read at scrape time from the workers' latest
-:class:`~mm_serve.messages.WorkerStats`. Each server owns its own
+:class:`~mm_serve.runtime.messages.WorkerStats`. Each server owns its own
 ``CollectorRegistry`` (no process-global state), so two services in one process
 never mix their numbers.
 

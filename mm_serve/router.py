@@ -30,12 +30,12 @@ class DecodeLoad:
 class Router:
     """Chooses workers; the caller reports dispatches, first tokens, finishes and stats."""
 
-    def __init__(self, num_prefill: int, num_decode: int, decode_pages_total: int, decode_max_running: int) -> None:
+    def __init__(self, num_prefill: int, num_decode: int, decode_pages_total: int, max_running: int) -> None:
         self.prefill_tokens = [0] * num_prefill
         self._prefill_of: dict[str, tuple[int, int]] = {}
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
         self._decode_of: dict[str, int] = {}
-        self.decode_max_running = decode_max_running
+        self.max_running = max_running
 
     def pick_prefill(self) -> int:
         """Index of the prefill worker with the fewest queued tokens (lowest index on ties)."""
@@ -47,7 +47,7 @@ class Router:
         def room(i: int) -> tuple[bool, int, int]:
             load = self.decode[i]
             busy = load.running + len(load.inflight)
-            fits = busy < self.decode_max_running and load.free_after_inflight() >= pages_needed
+            fits = busy < self.max_running and load.free_after_inflight() >= pages_needed
             return (fits, load.free_after_inflight(), -busy)
 
         return max(range(len(self.decode)), key=room)

@@ -11,8 +11,8 @@ import numpy as np
 import zmq
 from PIL import Image
 
-from mm_serve.engine.worker_channel import WorkerChannel
 from mm_serve.models.builder import TinyModelSpec, build_llama, build_llava
+from mm_serve.runtime.worker_channel import WorkerChannel
 
 SPECS: dict[str, TinyModelSpec] = {
     "llava": TinyModelSpec(),

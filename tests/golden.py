@@ -8,9 +8,9 @@ import torch
 
 from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.llm_engine import LLMEngine
-from mm_serve.engine.request import Request
-from mm_serve.sampling_params import SamplingParams
-from text_decode.kv_cache import pages_for
+from mm_serve.runtime.kv_cache import pages_for
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampling_params import SamplingParams
 
 
 def load_reference(model_dir: Path, multimodal: bool) -> torch.nn.Module:

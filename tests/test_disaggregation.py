@@ -63,7 +63,7 @@ def test_1p1d_without_a_compiler_runs_the_torch_kernels(
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with LLM(model=tiny_llava, mode="disaggregated", num_pages=512) as llm:
         assert llm.client is not None
-        assert {s.sizing.cpu_kernels for s in llm.client.specs} == {"torch"}
+        assert {s.sizing.cpu_kernels for s in llm.client.pool.specs} == {"torch"}
         outputs = llm.generate(CASES, GREEDY)
     assert [o.token_ids for o in outputs] == reference_tokens
     err = capfd.readouterr().err
@@ -74,17 +74,17 @@ def test_a_hung_kernel_build_times_out_to_the_torch_kernels(
     tiny_llava: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str],
 ) -> None:
     """A compiler that never returns does not keep the workers from starting."""
-    import mm_serve.engine.engine_client as engine_client
+    import mm_serve.engine.kernel_prebuild as kernel_prebuild
 
     hung = tmp_path / "hung-cxx"
     hung.write_text("#!/bin/sh\nexec sleep 1000\n")
     hung.chmod(0o755)
     monkeypatch.setenv("MM_SERVE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(hung))
-    monkeypatch.setattr(engine_client, "CPU_KERNEL_BUILD_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(kernel_prebuild, "CPU_KERNEL_BUILD_TIMEOUT_S", 3.0)
     with LLM(model=tiny_llava, mode="disaggregated", num_pages=512) as llm:
         assert llm.client is not None
-        assert {s.sizing.cpu_kernels for s in llm.client.specs} == {"torch"}
+        assert {s.sizing.cpu_kernels for s in llm.client.pool.specs} == {"torch"}
         assert len(llm.generate(CASES[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
     assert "building the CPU kernels took over 3 s" in capfd.readouterr().err
 
@@ -183,8 +183,8 @@ def test_200_mixed_requests_free_every_page_and_clean_up(tiny_llava: Path) -> No
     params = [SamplingParams(max_tokens=4 + i % 13, temperature=0.0 if i % 2 else 0.7, seed=i) for i in range(200)]
     llm = LLM(model=tiny_llava, mode="disaggregated", num_pages=256, ring_buffer_size=4)
     assert llm.client is not None
-    prefix = f"mmsrv-{llm.client.instance}"
-    pids = [p.pid for p in llm.client.processes]
+    prefix = f"mmsrv-{llm.client.pool.instance}"
+    pids = [p.pid for p in llm.client.pool.processes]
     try:
         outputs = llm.generate(requests, params)
         assert all(1 <= len(o.token_ids) <= 4 + i % 13 for i, o in enumerate(outputs))

@@ -6,8 +6,8 @@ import threading
 import time
 from pathlib import Path
 
-from mm_serve import messages
-from mm_serve.engine.doorbell import DoorbellListener, DoorbellRingers, doorbell_address
+from mm_serve.runtime import messages
+from mm_serve.runtime.doorbell import DoorbellListener, DoorbellRingers, doorbell_address
 from tests.factories import front_end_channel
 
 

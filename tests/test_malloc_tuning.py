@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 # free it, report the heap size (arena) left. argv[1] == "tune" applies the tuning first.
 _SCRIPT = """
 import ctypes, sys
-from mm_serve.engine.malloc_tuning import tune_malloc_for_inference
+from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -55,7 +55,7 @@ def test_user_malloc_variables_win() -> None:
 
 def test_skip_note_is_printed_once() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"MALLOC_TRIM_THRESHOLD_": "131072"}
-    script = "from mm_serve.engine.malloc_tuning import tune_malloc_for_inference as t; print(t(), t(), t())"
+    script = "from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference as t; print(t(), t(), t())"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["False", "False", "False"]
     assert out.stderr.count("malloc tuning skipped: MALLOC_TRIM_THRESHOLD_ set by the user") == 1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mm_serve import LLM, SamplingParams
-from text_decode.sampler import Sampler, filter_top_k_top_p, make_generator
+from mm_serve.runtime.sampler import Sampler, filter_top_k_top_p, make_generator
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_top_k_minus_one_means_off_as_over_http() -> None:
 def test_a_request_a_worker_cannot_decode_fails_instead_of_hanging(tmp_path: Path) -> None:
     import msgspec
 
-    from mm_serve import messages
+    from mm_serve.runtime import messages
     from tests.factories import front_end_channel
 
     with front_end_channel(tmp_path, messages.ToPrefill) as (channel, control, output):

@@ -7,26 +7,16 @@ before the ring pages are released back to the prefill worker.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
-import torch
-
 from kernels.kv_transfer import copy_kv_from_ring
-from kernels.ring_buffer import CrossModalRing
-from mm_serve import messages
-from mm_serve.engine.request import Request
-from mm_serve.engine.sampling_wire import from_wire
-from text_decode.kv_cache import PagedKVCache, pages_for
-
-
-def restore_generator(state: bytes | None) -> torch.Generator | None:
-    """A CPU generator continuing from a serialised state (None for greedy requests)."""
-    if state is None:
-        return None
-    generator = torch.Generator(device="cpu")
-    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return generator
+from kernels.ring_buffer import CrossModalRing, Handoff
+from mm_serve.runtime import messages
+from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
+from mm_serve.runtime.lifetime import LifetimeEvent, events_from_wire
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampler import restore_generator
+from mm_serve.runtime.sampling_wire import from_wire
 
 
 class HandoffReceiver:
@@ -37,10 +27,9 @@ class HandoffReceiver:
         self.kv_cache = kv_cache
         self._start = 0
 
-    def claim_ready(
-        self, can_admit: Callable[[int], bool], aborted: set[str]
-    ) -> list[tuple[Request, torch.Generator | None, dict[str, float]]]:
-        """Claim every hand-off that fits now; returns (request, generator, events) per claim.
+    def claim_ready(self, can_admit: Callable[[int], bool], aborted: set[str]) -> list[Request]:
+        """Claim every hand-off that fits now; returns one running-ready request per claim
+        (KV in its ``block_table``, first token as its one output, marked reported).
 
         Hand-offs of requests in ``aborted`` are claimed and released without running
         (their ids are removed from the set).
@@ -68,7 +57,7 @@ class HandoffReceiver:
         self._start = (self._start + 1) % max(n, 1)
         return claimed
 
-    def _adopt(self, ring: CrossModalRing, handoff) -> tuple[Request, torch.Generator | None, dict[str, float]]:  # type: ignore[no-untyped-def]
+    def _adopt(self, ring: CrossModalRing, handoff: Handoff) -> Request:
         meta = messages.decode_meta(handoff.meta)
         pages = self.kv_cache.pool.allocate(len(handoff.page_ids))
         copy_kv_from_ring(ring.pages, handoff.page_ids, self.kv_cache.data, pages)
@@ -80,10 +69,10 @@ class HandoffReceiver:
         request = Request(
             request_id=handoff.request_id, prompt_token_ids=list(meta.prompt_token_ids),
             sampling_params=from_wire(meta.sampling), num_images=meta.num_images, image_embeds=embeds,
-            output_token_ids=[handoff.first_token], block_table=pages,
+            block_table=pages, generator=restore_generator(meta.generator_state),
+            events=events_from_wire(meta.events),
         )
-        if meta.first_logprobs is not None:
-            request.output_logprobs.append(meta.first_logprobs)
-        events = dict(meta.events)
-        events["handoff_end"] = time.time()
-        return request, restore_generator(meta.generator_state), events
+        request.append_output(handoff.first_token, meta.first_logprobs)
+        request.num_sent_tokens = 1  # the prefill worker reported the first token
+        request.stamp(LifetimeEvent.HANDOFF_END)
+        return request

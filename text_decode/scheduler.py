@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from mm_serve.engine.request import Request, RequestStatus
-from text_decode.kv_cache import pages_for
-from text_decode.page_pool import PagePool
+from kernels.page_pool import PagePool
+from mm_serve.runtime.engine_config import EngineConfig
+from mm_serve.runtime.kv_cache import pages_for
+from mm_serve.runtime.request import Request, RequestStatus
 
 
 @dataclass
@@ -50,6 +51,11 @@ class ContinuousBatchingScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+
+    @classmethod
+    def from_config(cls, pool: PagePool, cfg: EngineConfig) -> ContinuousBatchingScheduler:
+        """A scheduler over ``pool`` with ``cfg``'s page size, running cap and prefill budget."""
+        return cls(pool, cfg.page_size, cfg.max_running, cfg.prefill_token_budget, cfg.prefill_batch_size)
 
     @property
     def num_unfinished(self) -> int:

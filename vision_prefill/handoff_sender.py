@@ -8,17 +8,17 @@ queue grows, nothing is dropped.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from kernels.kv_transfer import copy_kv_to_ring
 from kernels.ring_buffer import CrossModalRing, Handoff
-from mm_serve import messages
-from mm_serve.engine.request import Request
-from text_decode.kv_cache import PagedKVCache
+from mm_serve.runtime import messages
+from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.lifetime import LifetimeEvent, events_to_wire
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampler import generator_state
+from mm_serve.runtime.sampling_wire import to_wire
 
 
 @dataclass
@@ -47,9 +47,18 @@ class HandoffSender:
         self.pending: list[PendingHandoff] = []
         self._on_publish = on_publish
 
-    def add(self, request: Request, decode_index: int, meta: messages.HandoffMeta) -> None:
-        meta.events["handoff_begin"] = time.time()
-        self.pending.append(PendingHandoff(request, decode_index, messages.encode_meta(meta)))
+    def add(self, request: Request) -> None:
+        """Queue a prefilled request (first token sampled, KV in its ``block_table``) for
+        ``request.decode_index``'s ring."""
+        request.stamp(LifetimeEvent.HANDOFF_BEGIN)
+        p = request.sampling_params
+        meta = messages.HandoffMeta(
+            prompt_token_ids=request.prompt_token_ids, sampling=to_wire(p, frozenset()),
+            generator_state=generator_state(request.generator), num_images=request.num_images,
+            first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
+            events=events_to_wire(request.events),
+        )
+        self.pending.append(PendingHandoff(request, request.decode_index, messages.encode_meta(meta)))
 
     def pump(self) -> list[Request]:
         """Reclaim released slots, then try to publish every pending hand-off in order.
@@ -119,7 +128,3 @@ class HandoffSender:
     def slots_used(self) -> int:
         return sum(ring.slots_used() for ring in self.rings)
 
-
-def generator_state(generator: torch.Generator | None) -> bytes | None:
-    """Serialised CPU generator state (so decode continues the same random stream)."""
-    return None if generator is None else bytes(generator.get_state().numpy().tobytes())

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from mm_serve.engine.request import Request
+from mm_serve.runtime.request import Request
 
 BUCKET_EDGES = (32, 128, 512, 2048, 8192)  # tokens; bucket i holds lengths <= BUCKET_EDGES[i]
 

@@ -1,174 +1,124 @@
 """The prefill worker process: vision encoder + projector + LLM prefill, first token, KV hand-off.
 
-Start-up story: pin cores → load the model → size the KV cache → attach the
-rings → report ready → serve. Each loop iteration: read control messages,
-publish pending hand-offs, run one prefill batch if memory allows.
+Runs in the :class:`~mm_serve.runtime.worker_shell.WorkerShell`. Each step: publish
+pending hand-offs, then, when none is left waiting for ring room, run one prefill
+batch that fits the KV cache.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
-import torch
-
 from kernels.ring_buffer import CrossModalRing
-from mm_serve import messages
-from mm_serve.engine.doorbell import DoorbellRingers
-from mm_serve.engine.model_runner import ModelRunner
-from mm_serve.engine.request import Request, RequestStatus
-from mm_serve.engine.sampling_wire import from_wire
-from mm_serve.engine.worker_channel import IDLE_WAIT_MS, WorkerChannel
-from mm_serve.engine.worker_setup import load_for_worker, pin_and_set_threads
-from mm_serve.engine.worker_spec import WorkerSpec
-from text_decode.kv_cache import pages_for
-from text_decode.sampler import Sampler, make_generator, sample_requests
-from text_decode.stop_checker import check_stop_token
-from vision_prefill.handoff_sender import HandoffSender, generator_state
+from mm_serve.runtime import messages
+from mm_serve.runtime.doorbell import DoorbellRingers
+from mm_serve.runtime.kv_cache import pages_for
+from mm_serve.runtime.lifetime import LifetimeEvent
+from mm_serve.runtime.model_runner import ModelRunner
+from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
+from mm_serve.runtime.request import Request, RequestStatus
+from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
+from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.runtime.worker_setup import load_for_worker
+from mm_serve.runtime.worker_shell import WorkerShell
+from vision_prefill.handoff_sender import HandoffSender
 from vision_prefill.prefill_scheduler import PrefillScheduler
 
+BACKPRESSURE_SLEEP_S = 0.0005  # hand-offs wait for ring room: yield the core between tries
 
-class PrefillWorker:
+
+class PrefillWorker(WorkerShell):
     """Runs prefill batches and hands each request's KV to its decode worker."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
-        pin_and_set_threads(spec)
-        self.model_config, self.model, self.kv_cache, self.config = load_for_worker(spec)
+    role = "prefill"
+    accepts = messages.ToPrefill
+
+    def load(self) -> None:
+        spec, cfg = self.spec, self.spec.sizing
+        self.model_config, self.model, self.kv_cache = load_for_worker(spec)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.rings = [CrossModalRing.attach(r) for r in spec.rings]
         self.doorbells = DoorbellRingers(spec.doorbells)
-        self.sender = HandoffSender(self.rings, self.kv_cache,
-                                    self.doorbells.ring if spec.doorbells else None)
-        self.scheduler = PrefillScheduler(self.config.prefill_token_budget, self.config.prefill_batch_size)
+        self.sender = HandoffSender(self.rings, self.kv_cache, self.doorbells.ring if spec.doorbells else None)
+        self.scheduler = PrefillScheduler(cfg.prefill_token_budget, cfg.prefill_batch_size)
         self.sampler = Sampler()
-        self.channel = WorkerChannel(spec.control_address, spec.output_address, messages.ToPrefill, spec.parent_pid)
-        self.max_model_len = self.config.resolved_max_model_len(self.model_config.text)
-        self._targets: dict[str, int] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
-        self._events: dict[str, dict[str, float]] = {}
-        self._next_stats = 0.0
+        # EOS is folded into each request's stop tokens by the front end (sampling_wire)
+        self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
 
-    # ---- control ---------------------------------------------------------------------------
+    # ---- requests ----------------------------------------------------------------------------
 
-    def _on_message(self, msg: object) -> bool:
-        """Handle one control message; returns False on shutdown."""
-        if isinstance(msg, messages.PrefillRequest):
-            self._enqueue(msg)
-        elif isinstance(msg, messages.AbortRequest):
-            self._abort(msg.request_id)
-        elif isinstance(msg, messages.StatsQuery):
-            self._send_stats()
-        elif isinstance(msg, messages.Shutdown):
-            return False
-        return True
-
-    def _enqueue(self, msg: messages.PrefillRequest) -> None:
+    def accept(self, msg: messages.PrefillRequest) -> None:
         params = from_wire(msg.sampling)
-        pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
-        request = Request(msg.request_id, list(msg.prompt_token_ids), params, num_images=msg.num_images,
-                          pixel_values=pixels)
-        self._targets[msg.request_id] = msg.decode_index
-        self._generators[msg.request_id] = None if params.greedy else make_generator(msg.generator_seed)
-        self._events[msg.request_id] = {"arrived": msg.arrival_time, "prefill_queued": time.time()}
+        request = Request(
+            msg.request_id, list(msg.prompt_token_ids), params, num_images=msg.num_images,
+            pixel_values=None if msg.pixel_values is None else msg.pixel_values.to_tensor(),
+            generator=None if params.greedy else make_generator(msg.generator_seed), decode_index=msg.decode_index,
+        )
+        request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)
+        request.stamp(LifetimeEvent.PREFILL_QUEUED)
         self.scheduler.add(request)
 
-    def _abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         if self.scheduler.remove(request_id) is None:
             self.sender.abort(request_id)
-        self._forget(request_id)
 
-    def _forget(self, request_id: str) -> None:
-        self._targets.pop(request_id, None)
-        self._generators.pop(request_id, None)
-        self._events.pop(request_id, None)
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request that ended at its first token: its pages go back to the pool."""
+        request.status = status
+        self.kv_cache.pool.free(request.block_table)
+        request.block_table = []
 
-    # ---- prefill ---------------------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self.scheduler.queue or self.sender.pending)
+
+    def step(self) -> None:
+        busy = self.busy()
+        self.sender.pump()
+        if not self.sender.pending:
+            batch = self.scheduler.next_batch(self._fits)
+            if batch:
+                self._run_batch(batch)
+        elif busy:
+            time.sleep(BACKPRESSURE_SLEEP_S)
 
     def _fits(self, batch: list[Request]) -> bool:
-        need = sum(pages_for(r.num_tokens, self.config.page_size) for r in batch)
+        need = sum(pages_for(r.num_tokens, self.kv_cache.page_size) for r in batch)
         return self.kv_cache.pool.can_allocate(need)
 
     def _run_batch(self, batch: list[Request]) -> None:
         for request in batch:
-            request.block_table = self.kv_cache.pool.allocate(pages_for(request.num_tokens, self.config.page_size))
+            request.block_table = self.kv_cache.pool.allocate(pages_for(request.num_tokens, self.kv_cache.page_size))
             request.status = RequestStatus.RUNNING
-        now = time.time()
-        for request in batch:
-            self._events[request.request_id]["encode_begin"] = now
+            request.stamp(LifetimeEvent.ENCODE_BEGIN)
         self.runner.encode_images(batch)
         now = time.time()
         for request in batch:
-            self._events[request.request_id].update(encode_end=now, prefill_begin=now)
+            request.stamp(LifetimeEvent.ENCODE_END, now)
+            request.stamp(LifetimeEvent.PREFILL_BEGIN, now)
         logits = self.runner.prefill(batch)
-        tokens, logprobs = sample_requests(self.sampler, logits, batch, self._generators)
-        done = time.time()
-        updates = []
-        for request, token, lp in zip(batch, tokens, logprobs, strict=True):
-            events = self._events[request.request_id]
-            events["prefill_end"] = done
-            request.output_token_ids.append(token)
-            status = check_stop_token(request, token, frozenset(), self.max_model_len)
-            finish = None
-            if status is not None:
-                finish = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
-                self.kv_cache.pool.free(request.block_table)
-                request.block_table = []
-            else:
-                self.sender.add(request, self._targets[request.request_id], self._meta(request, lp, events))
-            updates.append(messages.TokenUpdate(
-                request.request_id, 0, [token], None if lp is None else [lp], finish,
-                token if finish == "stop" else None, dict(events),
-            ))
-            if finish is not None:
-                self._forget(request.request_id)
-        self.channel.send(messages.TokenBatch("prefill", self.spec.index, updates))
+        tokens, logprobs = sample_requests(self.sampler, logits, batch)
+        now = time.time()
+        for request in batch:
+            request.stamp(LifetimeEvent.PREFILL_END, now)
+        finished = process_step(batch, tokens, logprobs, self.stops, self._release)
+        for request in batch:
+            if request not in finished:
+                self.sender.add(request)
+        self.send([token_update(request, with_events=True) for request in batch])
 
-    def _meta(self, request: Request, lp: dict[int, float] | None, events: dict[str, float]) -> messages.HandoffMeta:
-        p = request.sampling_params
-        return messages.HandoffMeta(
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=messages.SamplingMsg(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
-                                          list(p.stop_token_ids), p.ignore_eos, p.logprobs),
-            generator_state=generator_state(self._generators.get(request.request_id)),
-            num_images=request.num_images, first_logprobs=lp, events=dict(events),
-        )
+    # ---- stats and close ---------------------------------------------------------------------
 
-    # ---- loop ------------------------------------------------------------------------------
-
-    def _send_stats(self) -> None:
-        pool = self.kv_cache.pool
+    def load_report(self) -> dict[str, int]:
         vision = self.model.vision
-        self.channel.send(messages.WorkerStats(
-            role="prefill", index=self.spec.index, pid=os.getpid(), running=self.sender.num_pending,
-            waiting=len(self.scheduler), kv_pages_used=pool.num_used, kv_pages_total=pool.num_pages,
-            ring_slots_used=self.sender.slots_used(), queued_tokens=self.scheduler.queued_tokens,
-            num_preemptions=0, num_encoded_images=0 if vision is None else vision.num_encoded_images,
-            pages_integrity_ok=pool.integrity_ok(),
-        ))
+        return {
+            "running": self.sender.num_pending, "waiting": len(self.scheduler),
+            "ring_slots_used": self.sender.slots_used(), "queued_tokens": self.scheduler.queued_tokens,
+            "num_preemptions": 0, "num_encoded_images": 0 if vision is None else vision.num_encoded_images,
+        }
 
-    def serve(self) -> None:
-        """Report ready, then loop until :class:`Shutdown` or the parent process dies."""
-        self.channel.send(messages.WorkerReady("prefill", self.spec.index, os.getpid(), self.kv_cache.num_pages))
-        running = True
-        while running and self.channel.parent_alive():
-            busy = bool(self.scheduler.queue or self.sender.pending)
-            for msg in self.channel.recv(0 if busy else IDLE_WAIT_MS):
-                running = running and self._on_message(msg)
-            for request in self.sender.pump():
-                self._forget(request.request_id)
-            if not self.sender.pending:
-                batch = self.scheduler.next_batch(self._fits)
-                if batch:
-                    self._run_batch(batch)
-            elif busy:
-                time.sleep(0.0005)
-            if time.monotonic() >= self._next_stats:
-                self._next_stats = time.monotonic() + self.spec.stats_interval_s
-                self._send_stats()
-
-    def close(self) -> None:
+    def release_resources(self) -> None:
         for ring in self.rings:
             ring.close()
         self.doorbells.close()
-        self.channel.close()

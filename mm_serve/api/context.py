@@ -9,6 +9,7 @@ from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.errors import unavailable
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
+from mm_serve.engine.worker_specs import engine_sizing
 
 
 @dataclass
@@ -23,9 +24,7 @@ class ServerContext:
     @property
     def context_len(self) -> int:
         """Prompt plus output tokens at most (the checkpoint's limit, capped by one worker's KV pages)."""
-        text = self.holder.model_config.text
-        kv = self.config.kv_cache
-        return min(text.max_position_embeddings, kv.max_pages_per_gpu * kv.page_size)
+        return engine_sizing(self.config).context_limit(self.holder.model_config.text)
 
     def client_or_503(self) -> EngineClient:
         """The engine client, or 503 while it is warming up, failed or shutting down."""

@@ -18,7 +18,7 @@ from mm_serve.api.schemas import Usage
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.runtime.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
 

@@ -9,12 +9,12 @@ from typing import Any
 from PIL import Image
 
 from mm_serve.api.errors import APIError, bad_request
-from mm_serve.api.media import MediaPolicy, load_image_urls
 from mm_serve.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mm_serve.config import APIConfig
 from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
-from mm_serve.sampling_params import SamplingParams
-from vision_prefill.errors import ImageError
+from mm_serve.media.errors import ImageError
+from mm_serve.media.fetch import MediaPolicy, load_image_urls
+from mm_serve.runtime.sampling_params import SamplingParams
 
 
 def media_policy(api: APIConfig) -> MediaPolicy:

@@ -8,7 +8,7 @@ Two backends implement :class:`CaptionBackend`:
   HTTP server (ours or another), images sent as data URIs.
 
 Images of folder and JSONL inputs are loaded here with the server's own loader
-(:mod:`vision_prefill.image_loading`), before anything is sent, so a broken image
+(:mod:`mm_serve.media.image_loading`), before anything is sent, so a broken image
 gives the same error message whichever backend runs the job.
 """
 
@@ -80,10 +80,10 @@ def load_item_image(item: CaptionInput, max_pixels: int) -> Image.Image:
 
     Raises:
         OSError: the file cannot be read (the message names it).
-        vision_prefill.errors.ImageError: not an image, corrupt or truncated, too large,
+        mm_serve.media.errors.ImageError: not an image, corrupt or truncated, too large,
             or a malformed data URI.
     """
-    from vision_prefill.image_loading import decode_data_uri, load_image_file
+    from mm_serve.media.image_loading import decode_data_uri, load_image_file
 
     if item.image is None:
         raise ValueError(f"input {item.id!r} has no image (an OpenAI batch row?)")

@@ -46,8 +46,7 @@ class EngineBatchRequests:
     def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
-        text, kv = client.model_config.text, client.config.kv_cache
-        self.context_len = min(text.max_position_embeddings, kv.max_pages_per_gpu * kv.page_size)
+        self.context_len = client.context_limit
 
     async def run(self, item: CaptionInput, start: float) -> Outcome:
         """Answer the body of ``item``; ``start`` is the input's ``time.perf_counter()`` start.

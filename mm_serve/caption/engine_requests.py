@@ -16,7 +16,7 @@ from mm_serve.caption.backends import FatalBackendError
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.runtime.sampling_params import SamplingParams
 
 
 def submit_all(client: EngineClient, inputs: ProcessedInputs, params: Sequence[SamplingParams]) -> list[RequestState]:

@@ -35,7 +35,7 @@ from mm_serve.caption.backends import (
 )
 from mm_serve.caption.inputs import CaptionInput
 from mm_serve.caption.records import Outcome, failure
-from vision_prefill.errors import ImageError
+from mm_serve.media.errors import ImageError
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _PASS_THROUGH = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_serve.engine.offline_media import normalize_messages, to_pil
+from mm_serve.media.image_processor import ImageProcessor
+from mm_serve.media.offline import normalize_messages, to_pil
 from mm_serve.models.model_config import CheckpointError, ModelConfig
-from vision_prefill.image_processor import ImageProcessor
 
 
 class InvalidRequestError(ValueError):
@@ -59,6 +59,29 @@ class InputProcessor:
             self.image_processor = ImageProcessor.from_pretrained(model_dir)
 
     @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """End-of-sequence ids: the checkpoint's ``eos_token_id`` (one or a list) and the tokenizer's."""
+        eos = set(self.config.text.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        return frozenset(eos)
+
+    @staticmethod
+    def check_context(num_prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        """Refuse a request whose prompt plus ``max_tokens`` exceeds ``limit`` tokens (the engine's
+        :meth:`~mm_serve.runtime.engine_config.EngineConfig.context_limit`).
+
+        Raises:
+            InvalidRequestError: over the limit (both numbers in the message).
+        """
+        total = num_prompt_tokens + max_tokens
+        if total > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} "
+                f"tokens, over this model's context length of {limit} tokens"
+            )
+
+    @property
     def image_token_index(self) -> int | None:
         return None if self.config.vision is None else self.config.vision.image_token_index
 
@@ -72,7 +95,7 @@ class InputProcessor:
         """Render ``messages`` with the chat template; returns the prompt and the images in order.
 
         Image parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
-        {"url": X}}`` with ``X`` a PIL image, a path, bytes or a data URI (:mod:`mm_serve.engine.offline_media`).
+        {"url": X}}`` with ``X`` a PIL image, a path, bytes or a data URI (:mod:`mm_serve.media.offline`).
 
         Raises:
             InvalidRequestError: malformed messages, an unknown part type, an unusable image.

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 
 from mm_serve.engine.llm_engine import LLMEngine
-from mm_serve.engine.request import Request
-from mm_serve.sampling_params import SamplingParams
-from text_decode.kv_cache import pages_for
+from mm_serve.runtime.kv_cache import pages_for
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampling_params import SamplingParams
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -7,12 +7,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mm_serve import messages
-from text_decode.detokenizer import IncrementalDetokenizer
+from mm_serve.engine.detokenizer import IncrementalDetokenizer
+from mm_serve.runtime import messages
 
 
 class RequestState:
-    """Assembles :class:`~mm_serve.messages.TokenUpdate` s (possibly out of order) into one output.
+    """Assembles :class:`~mm_serve.runtime.messages.TokenUpdate` s (possibly out of order) into one output.
 
     Updated by the client's receiver thread; read by the caller. ``listener`` (if
     set) is called from the receiver thread after every change.

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from kernels.ring_spec import RingSpec
 from mm_serve.config import ServiceConfig
+from mm_serve.engine.worker_specs import engine_sizing
 from mm_serve.models.model_config import ModelConfig
-from text_decode.kv_cache import pages_for
+from mm_serve.runtime.kv_cache import pages_for
 
 
 def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[RingSpec]:
@@ -17,7 +18,7 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
     """
     text = model.text
     page_size = cfg.kv_cache.page_size
-    max_len = min(text.max_position_embeddings, cfg.kv_cache.max_pages_per_gpu * page_size)
+    max_len = engine_sizing(cfg).context_limit(text)
     max_pages = pages_for(max_len, page_size)
     num_pages = max(cfg.kv_cache.ring_pages or cfg.kv_cache.max_pages_per_gpu // 4, max_pages)
     per_request_rows = 1

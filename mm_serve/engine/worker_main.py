@@ -6,37 +6,45 @@ import os
 import signal
 import sys
 import traceback
+from typing import Any
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+def worker_class(role: str) -> Any:
+    """The :class:`~mm_serve.runtime.worker_shell.WorkerShell` subclass of ``role`` (imported
+    here, so a process loads only its own stage)."""
+    if role == "prefill":
+        from vision_prefill.prefill_worker import PrefillWorker
+
+        return PrefillWorker
+    if role == "decode":
+        from text_decode.decode_worker import DecodeWorker
+
+        return DecodeWorker
+    from mm_serve.engine.colocated_worker import ColocatedWorker
+
+    return ColocatedWorker
 
 
 def main(argv: list[str]) -> int:
-    """Build the worker named by the spec's role and serve until shutdown."""
+    """Build the worker named by the spec's role and serve until shutdown (exit 0; 1 on a
+    crash, with its traceback in the worker's log; 2 for an unknown role)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when workers stop
-    from mm_serve.engine.worker_spec import decode_spec
+    from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
+    from mm_serve.runtime.worker_spec import decode_spec
 
     spec = decode_spec(argv[1])
-    from mm_serve.engine.malloc_tuning import tune_malloc_for_inference
-
+    if spec.role not in ROLES:
+        print(f"unknown worker role {spec.role!r}", file=sys.stderr)
+        return 2
     tune_malloc_for_inference()
     try:
-        if spec.role == "prefill":
-            from vision_prefill.prefill_worker import PrefillWorker
-
-            worker: object = PrefillWorker(spec)
-        elif spec.role == "decode":
-            from text_decode.decode_worker import DecodeWorker
-
-            worker = DecodeWorker(spec)
-        elif spec.role == "colocated":
-            from mm_serve.engine.colocated_worker import ColocatedWorker
-
-            worker = ColocatedWorker(spec)
-        else:
-            print(f"unknown worker role {spec.role!r}", file=sys.stderr)
-            return 2
-        worker.serve()  # type: ignore[attr-defined]
-        worker.close()  # type: ignore[attr-defined]
+        worker = worker_class(spec.role)(spec)
+        worker.serve()
+        worker.close()
         return 0
     except Exception:
         traceback.print_exc()

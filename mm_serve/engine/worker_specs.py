@@ -7,15 +7,17 @@ from pathlib import Path
 
 from kernels.ring_spec import RingSpec
 from mm_serve.config import ConfigError, ServiceConfig
-from mm_serve.engine.doorbell import doorbell_address
-from mm_serve.engine.worker_spec import EngineSizing, WorkerSpec
 from mm_serve.launcher import default_role_cpus, split_cpus
 from mm_serve.models.model_config import ModelConfig
+from mm_serve.runtime.doorbell import doorbell_address
+from mm_serve.runtime.engine_config import EngineConfig
+from mm_serve.runtime.worker_spec import WorkerSpec
 
 
-def engine_sizing(cfg: ServiceConfig, device: str) -> EngineSizing:
-    """The engine sizing a worker on ``device`` gets from the service config."""
-    return EngineSizing(
+def engine_sizing(cfg: ServiceConfig, device: str = "cpu") -> EngineConfig:
+    """The engine sizing a worker on ``device`` gets from the service config (the one place
+    where service keys map onto engine fields)."""
+    return EngineConfig(
         page_size=cfg.kv_cache.page_size, num_pages=cfg.kv_cache.max_pages_per_gpu,
         max_running=cfg.scheduler.decode_max_concurrent, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_batch_size=cfg.scheduler.prefill_batch_size, dtype=cfg.dtype, device=device, seed=cfg.seed,

@@ -12,8 +12,8 @@ from torch import nn
 from kernels.attention_backend import AttentionBackend
 from mm_serve.models.llama import LlamaForCausalLM
 from mm_serve.models.model_config import ModelConfig
-from vision_prefill.projector import MultiModalProjector
-from vision_prefill.vision_encoder import VisionEncoder
+from mm_serve.models.projector import MultiModalProjector
+from mm_serve.models.vision_encoder import VisionEncoder
 
 
 class MultimodalLM(nn.Module):

@@ -1,4 +1,4 @@
-"""Tests for mm_serve.api.media: data URIs, http(s) under a MediaPolicy, file:// URLs."""
+"""Tests for mm_serve.media.fetch: data URIs, http(s) under a MediaPolicy, file:// URLs."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from mm_serve.api.media import MediaFetchError, MediaPolicy, load_image_url, load_image_urls
-from vision_prefill import errors
+from mm_serve.media.fetch import MediaFetchError, MediaPolicy, load_image_url, load_image_urls
+from mm_serve.media import errors
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 POLICY = MediaPolicy(max_pixels=1_000_000)

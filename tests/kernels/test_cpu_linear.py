@@ -15,8 +15,8 @@ from kernels.cpu_linear import (
     onednn_linear_available,
     pack_linear_layers,
 )
-from mm_serve.engine.engine_config import EngineConfig
 from mm_serve.models.loader import load_model
+from mm_serve.runtime.engine_config import EngineConfig
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear ops")
 

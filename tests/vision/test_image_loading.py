@@ -1,4 +1,4 @@
-"""Tests for vision_prefill.image_loading: modes to RGB, formats, corrupt input, bombs, data URIs."""
+"""Tests for mm_serve.media.image_loading: modes to RGB, formats, corrupt input, bombs, data URIs."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vision_prefill.errors import (
+from mm_serve.media.errors import (
     ImageDecodeError,
     ImageError,
     ImageTooLargeError,
     InvalidImageURLError,
 )
-from vision_prefill.image_loading import (
+from mm_serve.media.image_loading import (
     decode_data_uri,
     load_image_bytes,
     load_image_file,

@@ -1,4 +1,4 @@
-"""Tests for vision_prefill.image_processor, golden against transformers' CLIP image processors."""
+"""Tests for mm_serve.media.image_processor, golden against transformers' CLIP image processors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from transformers import CLIPImageProcessor, CLIPImageProcessorPil
 
-from vision_prefill.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageProcessor
+from mm_serve.media.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageProcessor
 
 LLAVA_CONFIG: dict[str, Any] = {
     "size": {"shortest_edge": 336},

@@ -6,15 +6,14 @@ depend only on its seed and its own logits, never on batch composition.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from mm_serve.engine.request import Request
+    from mm_serve.runtime.request import Request
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -94,9 +93,24 @@ class Sampler:
 
 
 def sample_requests(
-    sampler: Sampler, logits: torch.Tensor, batch: list[Request], generators: Mapping[str, torch.Generator | None]
+    sampler: Sampler, logits: torch.Tensor, batch: list[Request]
 ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """Next token and (if asked) log-probabilities for each request of a step, in batch order."""
+    """Next token and (if asked) log-probabilities for each request of a step (``logits`` ``[B, V]``),
+    in batch order, each sampled request drawing from its own ``generator``."""
     params = [r.sampling_params for r in batch]
-    tokens = sampler.sample(logits, params, [generators[r.request_id] for r in batch])
+    tokens = sampler.sample(logits, params, [r.generator for r in batch])
     return tokens, sampler.logprobs(logits, tokens, [p.logprobs for p in params])
+
+
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """Serialised CPU generator state (so the decode worker continues the same random stream)."""
+    return None if generator is None else bytes(generator.get_state().numpy().tobytes())
+
+
+def restore_generator(state: bytes | None) -> torch.Generator | None:
+    """A CPU generator continuing from :func:`generator_state` output (None for greedy requests)."""
+    if state is None:
+        return None
+    generator = torch.Generator(device="cpu")
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator

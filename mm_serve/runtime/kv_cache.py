@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from text_decode.page_pool import PagePool
+from kernels.page_pool import PagePool
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -24,7 +24,7 @@ class PagedKVCache:
     elements (the attention backends index pages and slots, never ``view`` the
     whole cache). Page ids come from :attr:`pool`. One more page, :attr:`scratch_page`
     (id ``num_pages``), is never handed out: padded rows of a captured decode step
-    write their K/V there (``mm_serve.engine.decode_graphs``).
+    write their K/V there (``mm_serve.runtime.decode_graphs``).
     """
 
     def __init__(

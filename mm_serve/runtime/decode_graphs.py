@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from mm_serve.engine.model_runner import decode_inputs
-from mm_serve.engine.request import Request
-from text_decode.kv_cache import PagedKVCache
+from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.step_inputs import decode_inputs
 
 DecodeForward = Callable[..., torch.Tensor]  # ModelRunner.forward_decode
 

@@ -9,23 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from kernels.ring_spec import RingSpec
-
-
-class EngineSizing(msgspec.Struct, frozen=True):
-    """The :class:`~mm_serve.engine.engine_config.EngineConfig` fields, on the wire."""
-
-    page_size: int = 16
-    num_pages: int = 2048
-    max_running: int = 64
-    prefill_token_budget: int = 4096
-    prefill_batch_size: int = 8
-    max_model_len: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
-    enforce_eager: bool = False
-    cpu_gemm: str = "onednn"
-    cpu_kernels: str = "compiled"
+from mm_serve.runtime.engine_config import EngineConfig
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -34,11 +18,11 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     role: str  # "prefill" | "decode" | "colocated"
     index: int
     model_dir: str
-    sizing: EngineSizing
+    sizing: EngineConfig
     control_address: str  # the worker connects a PULL socket here (the front end binds PUSH)
     output_address: str  # the worker connects a PUSH socket here (the front end binds PULL)
     rings: list[RingSpec] = []  # prefill: one per decode worker, in decode order; decode: one per prefill worker
-    doorbell_address: str = ""  # decode: binds its hand-off doorbell here (see engine.doorbell)
+    doorbell_address: str = ""  # decode: binds its hand-off doorbell here (see runtime.doorbell)
     doorbells: list[str] = []  # prefill: each decode worker's doorbell, in decode order
     cpus: list[int] = []  # cores to pin to; empty = no pinning
     threads: int = 0  # torch intra-op threads; 0 = len(cpus) or torch's default

@@ -25,7 +25,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from vision_prefill.errors import (
+from mm_serve.media.errors import (
     ImageDecodeError,
     ImageTooLargeError,
     InvalidImageURLError,

@@ -7,52 +7,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from mm_serve.engine.request import Request
 from mm_serve.models.llava import MultimodalLM
-from text_decode.kv_cache import PagedKVCache
+from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.step_inputs import decode_inputs, slots_for
 
 if TYPE_CHECKING:
-    from mm_serve.engine.decode_graphs import DecodeGraphs
-
-
-def slots_for(block_table: list[int], start: int, end: int, page_size: int) -> list[int]:
-    """Flat cache slots of token positions ``[start, end)`` of a sequence with ``block_table``."""
-    return [block_table[p // page_size] * page_size + p % page_size for p in range(start, end)]
-
-
-def decode_inputs(
-    requests: list[Request], page_size: int, batch: int | None = None, pages: int | None = None,
-    filler_page: int = 0,
-) -> tuple[list[int], list[int], list[int], list[list[int]], list[int]]:
-    """Token ids, positions, slots ``[batch]``, block tables ``[batch, pages]`` and context
-    lengths ``[batch]`` of a decode step that feeds each request's last token at position
-    ``num_tokens - 1``.
-
-    ``batch`` (default: the requests) and ``pages`` (default: the longest block table)
-    may be larger: extra rows feed token 0 at position 0 with one token of context on
-    ``filler_page``, and block tables are padded with ``filler_page``.
-    """
-    rows = [(r.output_token_ids[-1], r.num_tokens - 1, r.block_table) for r in requests]
-    rows += [(0, 0, [filler_page])] * ((batch or len(requests)) - len(requests))
-    pages = pages or max(len(r.block_table) for r in requests)
-    return (
-        [token for token, _, _ in rows],
-        [position for _, position, _ in rows],
-        [slots_for(table, position, position + 1, page_size)[0] for _, position, table in rows],
-        [table + [filler_page] * (pages - len(table)) for _, _, table in rows],
-        [position + 1 for _, position, _ in rows],
-    )
+    from mm_serve.runtime.decode_graphs import DecodeGraphs
 
 
 class ModelRunner:
     """Runs :class:`MultimodalLM` over a :class:`PagedKVCache` (no scheduling decisions here).
 
-    With ``cuda_graphs`` (a CUDA cache), decode steps of up to ``max_batch`` requests
-    replay captured CUDA graphs (:class:`~mm_serve.engine.decode_graphs.DecodeGraphs`).
+    With ``cuda_graphs`` (a CUDA cache), decode steps of up to ``max_running`` requests
+    replay captured CUDA graphs (:class:`~mm_serve.runtime.decode_graphs.DecodeGraphs`).
     """
 
     def __init__(
-        self, model: MultimodalLM, kv_cache: PagedKVCache, cuda_graphs: bool = False, max_batch: int = 64,
+        self, model: MultimodalLM, kv_cache: PagedKVCache, cuda_graphs: bool = False, max_running: int = 64,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -60,9 +32,9 @@ class ModelRunner:
         self.device = kv_cache.data.device
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            from mm_serve.engine.decode_graphs import DecodeGraphs
+            from mm_serve.runtime.decode_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.forward_decode, kv_cache, max_batch, capture=True)
+            self.graphs = DecodeGraphs(self.forward_decode, kv_cache, max_running, capture=True)
 
     @torch.inference_mode()
     def encode_images(self, requests: list[Request]) -> None:

@@ -28,8 +28,8 @@ from urllib.parse import unquote, urlsplit
 import httpx
 from PIL import Image
 
-from vision_prefill.errors import ImageError, InvalidImageURLError
-from vision_prefill.image_loading import decode_data_uri, load_image_bytes
+from mm_serve.media.errors import ImageError, InvalidImageURLError
+from mm_serve.media.image_loading import decode_data_uri, load_image_bytes
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """``(host, port) -> IP address strings``, best first; raises ``MediaFetchError``."""

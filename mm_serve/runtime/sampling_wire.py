@@ -1,9 +1,9 @@
-"""Convert :class:`SamplingParams` to and from :class:`~mm_serve.messages.SamplingMsg`."""
+"""Convert :class:`SamplingParams` to and from :class:`~mm_serve.runtime.messages.SamplingMsg`."""
 
 from __future__ import annotations
 
-from mm_serve.messages import SamplingMsg
-from mm_serve.sampling_params import SamplingParams
+from mm_serve.runtime.messages import SamplingMsg
+from mm_serve.runtime.sampling_params import SamplingParams
 
 
 def to_wire(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingMsg:

@@ -3,7 +3,7 @@
 This module deliberately imports no torch: it manages integers only, so it can
 run (and be tested) anywhere, including in the scheduler of a process that
 holds no tensors. The tensor storage behind the ids is
-:class:`text_decode.kv_cache.PagedKVCache`.
+:class:`mm_serve.runtime.kv_cache.PagedKVCache`.
 
 Design follows the block managers of vLLM (``v1/core/block_pool.py``) and
 nano-vllm (``engine/block_manager.py``), written anew here.

@@ -1,6 +1,6 @@
 """Images handed to the offline API (``LLM.generate``): PIL images, files, bytes, data URIs.
 
-The HTTP API fetches and decodes ``image_url`` parts itself (:mod:`mm_serve.api.media`);
+The HTTP API fetches and decodes ``image_url`` parts itself (:mod:`mm_serve.media.fetch`);
 the offline API accepts the same chat content parts without any network access:
 ``{"type": "image", "image": X}`` and ``{"type": "image_url", "image_url": {"url": X}}``
 (or ``"image_url": X``), where ``X`` is a ``PIL.Image.Image``, a ``data:image/...;base64,``
@@ -15,8 +15,8 @@ from typing import Any
 
 from PIL import Image
 
-from vision_prefill.errors import ImageError
-from vision_prefill.image_loading import decode_data_uri, load_image_bytes, load_image_file
+from mm_serve.media.errors import ImageError
+from mm_serve.media.image_loading import decode_data_uri, load_image_bytes, load_image_file
 
 OFFLINE_MAX_PIXELS = 40_000_000  # the HTTP API's default ``api.max_image_pixels``
 TEXT_PART_TYPES = ("text",)
@@ -28,7 +28,7 @@ def to_pil(value: Any, max_pixels: int = OFFLINE_MAX_PIXELS) -> Image.Image:
 
     Raises:
         ValueError: a form that is not accepted, or an image that cannot be read or
-            decoded (:class:`vision_prefill.errors.ImageError` messages).
+            decoded (:class:`mm_serve.media.errors.ImageError` messages).
     """
     if isinstance(value, Image.Image):
         return value

@@ -35,7 +35,7 @@ class TensorBlob(msgspec.Struct, frozen=True):
 
 
 class SamplingMsg(msgspec.Struct, frozen=True):
-    """:class:`mm_serve.sampling_params.SamplingParams` on the wire."""
+    """:class:`mm_serve.runtime.sampling_params.SamplingParams` on the wire."""
 
     max_tokens: int
     temperature: float

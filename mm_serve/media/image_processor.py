@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vision_prefill.image_loading import to_rgb
+from mm_serve.media.image_loading import to_rgb
 
 OPENAI_CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
@@ -45,7 +45,7 @@ class ImageProcessor:
 
     The processor only makes pixel tensors; the number of image tokens is the
     vision encoder's business. Every image is first converted with
-    :func:`~vision_prefill.image_loading.to_rgb` (EXIF orientation, alpha onto
+    :func:`~mm_serve.media.image_loading.to_rgb` (EXIF orientation, alpha onto
     white); ``do_convert_rgb`` is accepted for config compatibility but the output
     always has 3 channels.
 

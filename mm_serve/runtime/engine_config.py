@@ -1,0 +1,108 @@
+"""Sizing of one engine instance: the one type, with the one set of defaults.
+
+The service config (:mod:`mm_serve.config`) takes its defaults from here, the front
+end resolves it once per worker (``mm_serve.engine.worker_specs.engine_sizing``), and
+it crosses to the worker inside its :class:`~mm_serve.runtime.worker_spec.WorkerSpec`
+as it is (a frozen msgspec struct, validated again when decoded there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+if TYPE_CHECKING:  # torch is imported only where a dtype is needed (the config loads without it)
+    import torch
+
+    from mm_serve.models.model_config import TextConfig
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_POSITIVE = ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Engine sizing. ``max_model_len`` 0 means the checkpoint's ``max_position_embeddings``.
+
+    Raises:
+        ValueError: a field of the wrong type or out of range (the message names it and the value).
+    """
+
+    page_size: int = 16  # tokens per KV page (kv_cache.page_size)
+    num_pages: int = 2048  # KV pages of this engine (kv_cache.max_pages_per_gpu)
+    max_running: int = 64  # running requests at most (scheduler.decode_max_concurrent)
+    prefill_token_budget: int = 4096  # tokens per prefill batch (scheduler.prefill_token_budget)
+    prefill_batch_size: int = 8  # requests per prefill batch (scheduler.prefill_batch_size)
+    max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = 0  # seeds generators of requests that bring no seed
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
+    cpu_gemm: Literal["onednn", "torch"] = "onednn"  # float32 on a CPU: "onednn" (packed weights, kernels/cpu_linear.py) or "torch" (F.linear)
+    cpu_kernels: Literal["compiled", "torch"] = "compiled"  # float32 CPU: "compiled" (decode attention + RMSNorm from kernels/csrc) or "torch"
+
+    def __post_init__(self) -> None:
+        for name in (*_POSITIVE, "max_model_len", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+            if name in _POSITIVE and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if not isinstance(self.device, str):
+            raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0: the checkpoint's), got {self.max_model_len}")
+        if not isinstance(self.cpu_gemm, str) or self.cpu_gemm not in ("onednn", "torch"):
+            raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
+        if not isinstance(self.cpu_kernels, str) or self.cpu_kernels not in ("compiled", "torch"):
+            raise ValueError(f"cpu_kernels must be 'compiled' or 'torch', got {self.cpu_kernels!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return cls.__struct_fields__
+
+    def replace(self, **changes: object) -> EngineConfig:
+        """A copy with ``changes`` applied (validated again).
+
+        Raises:
+            ValueError: a bad value, or a name that is not a field.
+        """
+        unknown = sorted(set(changes) - set(self.__struct_fields__))
+        if unknown:
+            raise ValueError(f"unknown engine settings {unknown}; allowed: {list(self.__struct_fields__)}")
+        return msgspec.structs.replace(self, **changes)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps are captured in CUDA graphs: a CUDA device and not ``enforce_eager``."""
+        return self.device.startswith("cuda") and not self.enforce_eager
+
+    @property
+    def pack_cpu_linears(self) -> bool:
+        """Linear layers run from oneDNN-packed weights (``cpu_gemm`` onednn; float32 CPU layers only)."""
+        return self.cpu_gemm == "onednn"
+
+    @property
+    def compiled_cpu_kernels(self) -> bool:
+        """Decode attention and RMSNorm run the compiled kernels: ``cpu_kernels`` compiled, float32, a CPU."""
+        return self.cpu_kernels == "compiled" and self.device.startswith("cpu") and self.dtype == "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    def context_limit(self, text: TextConfig) -> int:
+        """Prompt plus output tokens one request may reach, in tokens: the context length
+        (``max_model_len``, else the checkpoint's ``max_position_embeddings``), capped by
+        what the whole KV cache holds (``num_pages * page_size``)."""
+        return min(self.max_model_len or text.max_position_embeddings, self.num_pages * self.page_size)
+
+
+DEFAULT_ENGINE = EngineConfig()
+"""The defaults, for the service config's fields to take theirs from."""

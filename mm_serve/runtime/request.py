@@ -1,0 +1,122 @@
+"""The request object that moves through the schedulers: it owns its state.
+
+Token ids, outputs, its block table, its sampling generator, its lifetime events and
+how many of its outputs the front end has been sent all live here, so a worker keeps
+one ``dict[str, Request]`` and never parallel dicts. No tensors inside, except the
+image inputs a request carries until (``pixel_values``) and after (``image_embeds``)
+the vision tower runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from mm_serve.runtime.lifetime import LifetimeEvent
+from mm_serve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status >= FINISHED_STOPPED`` means finished."""
+
+    WAITING = 0  # queued for prefill (new, or preempted and awaiting recompute)
+    RUNNING = 1  # has KV pages, decoding
+    PREEMPTED = 2  # pages taken back; will be recomputed
+    FINISHED_STOPPED = 3  # EOS, stop token or stop string
+    FINISHED_LENGTH = 4  # max_tokens or context length reached
+    FINISHED_ABORTED = 5  # cancelled by the client or the service
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class StopStringMatcher(Protocol):
+    """Watches a request's text for stop strings (the front end's incremental detokenizer).
+
+    Only engines that hold a tokenizer set one (the in-process colocated engine); workers
+    have none, and the front end cuts stop strings from their streams.
+    """
+
+    @property
+    def stopped(self) -> bool: ...
+
+    @property
+    def stop_string(self) -> str | None: ...
+
+    def add(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation: prompt ids (image placeholders already expanded), outputs and KV pages.
+
+    Compared by identity (``in`` and ``remove`` on the schedulers' queues never look inside).
+
+    ``image_embeds`` (projected patch embeddings ``[num_image_tokens_total, hidden]``)
+    is kept for the whole life of the request so a preempted request is
+    recomputed from token ids plus embeddings, without re-running the vision encoder.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    num_images: int = 0
+    pixel_values: torch.Tensor | None = None  # [num_images, 3, H, W] until encoded
+    image_embeds: torch.Tensor | None = None  # [num_image_tokens_total, hidden] once encoded
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    stop_reason: int | str | None = None  # the stop token id, or the stop string, that finished it
+    generator: torch.Generator | None = None  # CPU generator of a sampled request; None when greedy
+    events: dict[LifetimeEvent, float] = field(default_factory=dict)  # time.time() seconds
+    num_sent_tokens: int = 0  # outputs already reported to the front end (see post_step.token_update)
+    decode_index: int = 0  # prefill worker only: the decode worker its KV is handed to
+    stop_matcher: StopStringMatcher | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def needs_encoding(self) -> bool:
+        return self.pixel_values is not None and self.image_embeds is None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's ``stop`` / ``length`` (``abort`` for cancelled requests), None while running."""
+        return _FINISH_REASONS.get(self.status)
+
+    def stamp(self, event: LifetimeEvent, seconds: float | None = None) -> None:
+        """Record ``event`` at ``seconds`` (default now, ``time.time()``) unless already recorded."""
+        self.events.setdefault(event, time.time() if seconds is None else seconds)
+
+    def append_output(self, token: int, logprobs: dict[int, float] | None) -> None:
+        """Add one sampled token (and its log-probabilities when the request asked for them)."""
+        self.output_token_ids.append(token)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)

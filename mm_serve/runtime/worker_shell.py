@@ -1,0 +1,129 @@
+"""The shell every worker process runs in: start-up, the control loop, stats, close.
+
+Start-up reads as a story: pin cores and set threads → :meth:`WorkerShell.load` (model,
+KV cache, schedulers: the role's own) → open the channel → :meth:`WorkerShell.serve`
+reports ready and loops → :meth:`WorkerShell.close`. Each loop iteration reads every
+pending control message (waiting up to :attr:`WorkerShell.idle_wait_ms` when the worker
+is idle, not at all when it is busy), runs one :meth:`WorkerShell.step`, and sends
+:class:`~mm_serve.runtime.messages.WorkerStats` every ``spec.stats_interval_s``.
+
+A role supplies only what differs: what it loads, how it accepts and aborts a request,
+what one step does, and its load figures for the stats. The shell owns the channel and
+the message dispatch (Abort / Stats / Shutdown, and requests for roles that take them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from mm_serve.runtime import messages
+from mm_serve.runtime.doorbell import DoorbellListener
+from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.worker_channel import IDLE_WAIT_MS, WorkerChannel
+from mm_serve.runtime.worker_setup import pin_and_set_threads
+from mm_serve.runtime.worker_spec import WorkerSpec
+
+
+class WorkerShell(ABC):
+    """Base of the prefill, decode and colocated workers.
+
+    Subclasses set :attr:`role` and :attr:`accepts` (the message union their channel
+    decodes), and in :meth:`load` :attr:`kv_cache` (and :attr:`wake_on`, :attr:`idle_wait_ms`
+    where they differ).
+    """
+
+    role: ClassVar[str]
+    accepts: ClassVar[Any] = messages.ToPrefill
+    idle_wait_ms: int = IDLE_WAIT_MS  # longest wait for a message while idle (a doorbell ends it early)
+    kv_cache: PagedKVCache
+    wake_on: DoorbellListener | None = None  # a doorbell whose ring also ends the idle wait
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        pin_and_set_threads(spec)
+        self.load()
+        self.channel = WorkerChannel(spec.control_address, spec.output_address, self.accepts, spec.parent_pid)
+        if self.wake_on is not None:
+            self.channel.listen_to(self.wake_on)
+        self._next_stats = 0.0
+
+    # ---- what a role supplies ---------------------------------------------------------------
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load the model, size the KV cache (set :attr:`kv_cache`), build the schedulers."""
+
+    def accept(self, msg: messages.PrefillRequest) -> None:
+        """Queue a new request (roles whose :attr:`accepts` includes ``PrefillRequest``)."""
+        raise NotImplementedError(f"a {self.role} worker takes no new requests")
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Drop ``request_id`` wherever it is in this worker and free what it holds."""
+
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether there is work for :meth:`step` now (then messages are read without waiting)."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """Run one iteration of the role's work (a batch, a hand-off pass, ...)."""
+
+    @abstractmethod
+    def load_report(self) -> dict[str, int]:
+        """``running``, ``waiting``, ``ring_slots_used``, ``queued_tokens``, ``num_preemptions``
+        and ``num_encoded_images`` of :class:`~mm_serve.runtime.messages.WorkerStats`."""
+
+    def periodic(self) -> None:
+        """Chores run with each stats report (default: none)."""
+        return None
+
+    def release_resources(self) -> None:
+        """Close what :meth:`load` opened besides the channel (rings, doorbells; default: none)."""
+        return None
+
+    # ---- the shell ----------------------------------------------------------------------------
+
+    def send(self, updates: list[messages.TokenUpdate]) -> None:
+        """Report token updates of one step to the front end (nothing when empty)."""
+        if updates:
+            self.channel.send(messages.TokenBatch(self.role, self.spec.index, updates))
+
+    def send_stats(self) -> None:
+        pool = self.kv_cache.pool
+        self.channel.send(messages.WorkerStats(
+            role=self.role, index=self.spec.index, pid=os.getpid(), kv_pages_used=pool.num_used,
+            kv_pages_total=pool.num_pages, pages_integrity_ok=pool.integrity_ok(), **self.load_report(),
+        ))
+
+    def _on_message(self, msg: object) -> bool:
+        """Handle one control message; returns False on :class:`~mm_serve.runtime.messages.Shutdown`."""
+        if isinstance(msg, messages.PrefillRequest):
+            self.accept(msg)
+        elif isinstance(msg, messages.AbortRequest):
+            self.abort(msg.request_id)
+        elif isinstance(msg, messages.StatsQuery):
+            self.send_stats()
+        elif isinstance(msg, messages.Shutdown):
+            return False
+        return True
+
+    def serve(self) -> None:
+        """Report ready, then loop until :class:`~mm_serve.runtime.messages.Shutdown` or the parent dies."""
+        self.channel.send(messages.WorkerReady(self.role, self.spec.index, os.getpid(), self.kv_cache.num_pages))
+        running = True
+        while running and self.channel.parent_alive():
+            for msg in self.channel.recv(0 if self.busy() else self.idle_wait_ms):
+                running = running and self._on_message(msg)
+            self.step()
+            if time.monotonic() >= self._next_stats:
+                self._next_stats = time.monotonic() + self.spec.stats_interval_s
+                self.periodic()
+                self.send_stats()
+
+    def close(self) -> None:
+        self.release_resources()
+        self.channel.close()
