@@ -29,8 +29,10 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/mm-serve serve $(ARGS)
 
+# ruff, then the layering contracts of pyproject.toml [tool.importlinter] (imports run downward only)
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: install
 	$(VENV)/bin/mypy mm_serve vision_prefill text_decode kernels
