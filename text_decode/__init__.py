@@ -1,1 +1,5 @@
-"""Decode domain: paged KV cache, page (block) manager, continuous batching, sampling."""
+"""The decode stage: the decode worker, the continuous-batching scheduler (admission, the
+decode running set, preemption by recompute) and the receiving side of the KV hand-off.
+
+Stands on :mod:`mm_serve.runtime`; never imports :mod:`vision_prefill` or the front end.
+"""

@@ -1,1 +1,5 @@
-"""Prefill domain of mm-serve: image preprocessing, vision encoder, projector, prefill worker."""
+"""The prefill stage: the prefill worker (vision tower + projector + LLM prefill, first token),
+its scheduler (length buckets, token budget) and the sending side of the KV hand-off.
+
+Stands on :mod:`mm_serve.runtime`; never imports :mod:`text_decode` or the front end.
+"""

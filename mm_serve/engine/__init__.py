@@ -1,1 +1,2 @@
-"""The engine: request objects, input processing, model runner and the step loop."""
+"""The front end's engine side: input processing, the worker pool and the request client,
+the colocated engine and worker, the detokenizer, and the worker process entry point."""
