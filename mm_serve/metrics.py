@@ -21,17 +21,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mm_serve.engine.request_state import RequestState
+from mm_serve.runtime.lifetime import LifetimeEvent
 
 # Seconds, from 1 ms (GPU decode steps) to a minute (long CPU prefills), roughly x2.5 per bucket.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
 
 # (histogram, begin event, end event, stage label or None) from the workers' lifetime events.
 _EVENT_SPANS = (
-    ("queue", "prefill_queued", "encode_begin", "prefill"),
-    ("encode", "encode_begin", "encode_end", None),
-    ("prefill", "encode_end", "prefill_end", None),
-    ("handoff", "handoff_begin", "handoff_end", None),
-    ("queue", "handoff_end", "first_decode", "decode"),
+    ("queue", LifetimeEvent.PREFILL_QUEUED, LifetimeEvent.ENCODE_BEGIN, "prefill"),
+    ("encode", LifetimeEvent.ENCODE_BEGIN, LifetimeEvent.ENCODE_END, None),
+    ("prefill", LifetimeEvent.ENCODE_END, LifetimeEvent.PREFILL_END, None),
+    ("handoff", LifetimeEvent.HANDOFF_BEGIN, LifetimeEvent.HANDOFF_END, None),
+    ("queue", LifetimeEvent.HANDOFF_END, LifetimeEvent.FIRST_DECODE, "decode"),
 )
 
 
@@ -79,8 +80,8 @@ class ServiceMetrics:
     def _observe_events(self, events: dict[str, float]) -> None:
         targets = {"encode": self.encode, "prefill": self.prefill, "handoff": self.handoff}
         for kind, begin, end, stage in _EVENT_SPANS:
-            if begin in events and end in events:
-                seconds = max(0.0, events[end] - events[begin])
+            if begin.value in events and end.value in events:
+                seconds = max(0.0, events[end.value] - events[begin.value])
                 if kind == "queue":
                     self.queue.labels(stage=stage).observe(seconds)
                 else:
