@@ -1,0 +1,138 @@
+"""Small factories for the policy tests: requests, schedulers, router, tiny KV caches and rings.
+
+Everything here holds integers or tiny real tensors; nothing loads model weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from kernels.page_pool import PagePool
+from kernels.ring_buffer import CrossModalRing
+from kernels.ring_spec import RingSpec, unique_ring_name
+from mm_serve.router import Router
+from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampling_params import SamplingParams
+from text_decode.scheduler import ContinuousBatchingScheduler
+from vision_prefill.prefill_scheduler import PrefillScheduler
+
+PAGE_SIZE = 4
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_DIM = 4
+FEATURE_DIM = 8
+RING_PREFIX = "mmsrv-"  # every unique_ring_name starts with it
+RING_TAG = "-policy-"  # ... and the rings made here have this in their segment names
+
+
+def make_request(
+    request_id: str, num_prompt_tokens: int, max_tokens: int = 16, *, temperature: float = 0.0,
+    stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
+    seed: int | None = None, first_id: int = 10, outputs: Sequence[int] = (), decode_index: int = 0,
+) -> Request:
+    """A request with prompt ids ``first_id, first_id + 1, ...`` and ``outputs`` already generated."""
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=ignore_eos, logprobs=logprobs, seed=seed,
+    )
+    request = Request(
+        request_id, list(range(first_id, first_id + num_prompt_tokens)), params, decode_index=decode_index
+    )
+    for token in outputs:
+        request.append_output(token, None)
+    return request
+
+
+def create_requests(num_requests: int, num_tokens: int, max_tokens: int = 16) -> list[Request]:
+    """``num_requests`` requests ``r0, r1, ...`` of ``num_tokens`` prompt tokens each."""
+    return [make_request(f"r{i}", num_tokens, max_tokens) for i in range(num_requests)]
+
+
+def make_scheduler(
+    num_pages: int = 16, page_size: int = PAGE_SIZE, max_running: int = 8, prefill_token_budget: int = 64,
+    prefill_batch_size: int = 8,
+) -> ContinuousBatchingScheduler:
+    """A continuous-batching scheduler over a fresh ``PagePool(num_pages)``."""
+    return ContinuousBatchingScheduler(
+        PagePool(num_pages), page_size, max_running, prefill_token_budget, prefill_batch_size
+    )
+
+
+def make_prefill_scheduler(token_budget: int = 512, batch_size: int = 8, lookahead: int = 32) -> PrefillScheduler:
+    """A prefill scheduler with an empty queue."""
+    return PrefillScheduler(token_budget, batch_size, lookahead)
+
+
+def make_router(
+    num_prefill: int = 2, num_decode: int = 2, decode_pages_total: int = 100, max_running: int = 4
+) -> Router:
+    """A router with fresh load counters."""
+    return Router(num_prefill, num_decode, decode_pages_total, max_running)
+
+
+def make_kv_cache(num_pages: int = 8) -> PagedKVCache:
+    """A float32 CPU paged KV cache with the ring page shape of :func:`make_ring_spec`."""
+    return PagedKVCache(NUM_LAYERS, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+
+
+def make_ring_spec(**overrides: object) -> RingSpec:
+    """A small ring spec with a unique name (pages match :func:`make_kv_cache`)."""
+    spec = RingSpec(
+        name=unique_ring_name(RING_TAG.strip("-")), num_pages=8, page_shape=(NUM_LAYERS, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM),
+        dtype="float32", feature_rows=32, feature_dim=FEATURE_DIM, capacity=4, max_pages_per_handoff=4,
+        meta_bytes=8192,
+    )
+    return msgspec.structs.replace(spec, **overrides) if overrides else spec
+
+
+class RingFactory:
+    """Creates (producer, consumer) ring pairs in this process; :meth:`close_all` removes them."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[CrossModalRing, CrossModalRing]] = []
+
+    def create(self, **overrides: object) -> tuple[CrossModalRing, CrossModalRing]:
+        """A fresh ring: the creating (producer) side and an attached (consumer) side."""
+        spec = make_ring_spec(**overrides)
+        producer = CrossModalRing.create(spec)
+        consumer = CrossModalRing.attach(spec)
+        self.pairs.append((producer, consumer))
+        return producer, consumer
+
+    def names(self) -> list[str]:
+        return [producer.spec.name for producer, _ in self.pairs]
+
+    def close_all(self) -> None:
+        """Close both sides of every ring and unlink its segments."""
+        for producer, consumer in self.pairs:
+            consumer.close()
+            producer.close()
+            producer.unlink()
+
+
+def shm_entries(prefixes: Sequence[str]) -> list[str]:
+    """Names in /dev/shm that start with one of ``prefixes``."""
+    return sorted(n for n in os.listdir("/dev/shm") if any(n.startswith(p) for p in prefixes))
+
+
+def prefilled_request(
+    cache: PagedKVCache, request_id: str, num_prompt_tokens: int, first_token: int, *, fill: float = 0.0,
+    **kwargs: object,
+) -> Request:
+    """A request as the prefill worker leaves it: KV pages allocated and filled, first token sampled.
+
+    Page ``j`` of the request holds ``fill + j * 1000 + arange`` (distinct values everywhere).
+    """
+    request = make_request(request_id, num_prompt_tokens, **kwargs)  # type: ignore[arg-type]
+    request.block_table = cache.pool.allocate(pages_for(num_prompt_tokens, cache.page_size))
+    page_elems = cache.data[0].numel()
+    for j, page in enumerate(request.block_table):
+        values = fill + j * 1000.0 + torch.arange(page_elems, dtype=torch.float32)
+        cache.data[page].copy_(values.view(cache.data.shape[1:]))
+    request.append_output(first_token, None)
+    return request

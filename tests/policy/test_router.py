@@ -1,0 +1,117 @@
+"""Router: least-queued prefill, decode room accounting with in-flight pages, stats, fallback."""
+
+from __future__ import annotations
+
+from mm_serve.router import Router
+from tests.policy.factories import make_router
+
+
+def free_pages(router: Router) -> list[int]:
+    return [load.free_after_inflight() for load in router.decode]
+
+
+def test_pick_prefill_is_the_fewest_queued_tokens_lowest_index_on_ties() -> None:
+    """Prefill goes to the worker with the fewest queued tokens; ties go to the lowest index."""
+    router = make_router(num_prefill=3, num_decode=1)
+    assert router.pick_prefill() == 0
+    router.dispatched("a", prefill=0, decode=0, tokens=100, pages=1)
+    assert router.pick_prefill() == 1
+    router.dispatched("b", prefill=1, decode=0, tokens=50, pages=1)
+    assert router.pick_prefill() == 2
+    router.dispatched("c", prefill=2, decode=0, tokens=50, pages=1)
+    assert router.prefill_tokens == [100, 50, 50]
+    assert router.pick_prefill() == 1  # 1 and 2 tie at 50
+
+
+def test_prefilled_releases_the_queued_tokens_once() -> None:
+    """The first token back releases the request's queued tokens exactly once."""
+    router = make_router(num_prefill=2, num_decode=1)
+    router.dispatched("a", prefill=0, decode=0, tokens=100, pages=1)
+    router.dispatched("b", prefill=1, decode=0, tokens=30, pages=1)
+    router.dispatched("c", prefill=1, decode=0, tokens=30, pages=1)
+    assert router.prefill_tokens == [100, 60] and router.pick_prefill() == 1
+    router.prefilled("a")
+    assert router.prefill_tokens == [0, 60] and router.prefill_of("a") is None
+    router.prefilled("a")  # every later update of the request says so again
+    router.prefilled("unknown")
+    assert router.prefill_tokens == [0, 60] and router.pick_prefill() == 0
+    assert router.prefill_of("b") == 1 and router.decode_of("a") == 0  # still decoding
+
+
+def test_pick_decode_counts_in_flight_pages_until_claimed() -> None:
+    """Dispatched pages count against a decode worker until claimed; after that its stats do."""
+    router = make_router(num_prefill=1, num_decode=2, decode_pages_total=100)
+    assert router.pick_decode(10) == 0  # equal room: the lowest index
+    router.dispatched("a", prefill=0, decode=0, tokens=8, pages=30)
+    assert free_pages(router) == [70, 100] and router.pick_decode(10) == 1
+    router.dispatched("b", prefill=0, decode=1, tokens=8, pages=40)
+    assert free_pages(router) == [70, 60] and router.pick_decode(10) == 0
+    router.claimed("a")
+    assert router.decode[0].inflight == {} and free_pages(router) == [100, 60]
+    router.update_decode_stats(0, pages_used=30, pages_total=100, running=1)
+    assert free_pages(router) == [70, 60] and router.decode[0].running == 1
+    router.claimed("a")  # repeated on every decode update: no effect
+    assert free_pages(router) == [70, 60] and router.decode_of("a") == 0
+
+
+def test_finished_forgets_the_request_everywhere() -> None:
+    """finished releases the prefill tokens and the in-flight pages and forgets both routes."""
+    router = make_router(num_prefill=2, num_decode=2, decode_pages_total=50)
+    router.dispatched("a", prefill=1, decode=1, tokens=12, pages=5)
+    assert (router.prefill_of("a"), router.decode_of("a")) == (1, 1)
+    assert router.prefill_tokens == [0, 12] and router.decode[1].inflight == {"a": 5}
+    router.finished("a")
+    assert (router.prefill_of("a"), router.decode_of("a")) == (None, None)
+    assert router.prefill_tokens == [0, 0] and free_pages(router) == [50, 50]
+    router.finished("a")
+    assert router.prefill_tokens == [0, 0]
+
+
+def test_max_running_counts_stats_and_in_flight_requests() -> None:
+    """A worker at max_running (reported running plus in flight) has no room, whatever its pages."""
+    router = make_router(num_prefill=1, num_decode=2, decode_pages_total=100, max_running=2)
+    router.update_decode_stats(0, pages_used=10, pages_total=100, running=2)
+    router.update_decode_stats(1, pages_used=90, pages_total=100, running=0)
+    assert router.pick_decode(5) == 1  # 0 has 90 free pages but is full
+    router.dispatched("x", prefill=0, decode=1, tokens=4, pages=2)
+    assert router.pick_decode(5) == 1  # 1 running + in flight = 1 < 2
+    router.dispatched("y", prefill=0, decode=1, tokens=4, pages=2)
+    assert free_pages(router) == [90, 6]
+    assert router.pick_decode(5) == 0  # neither has room: the one with the most free pages
+    router.claimed("x")
+    assert router.pick_decode(5) == 1  # room again (its stats do not count x yet)
+
+
+def test_a_worker_with_room_beats_one_with_more_free_pages_but_too_few() -> None:
+    """Fit comes first: pages_needed must fit; among fitting workers the most free pages wins."""
+    router = make_router(num_prefill=1, num_decode=3, decode_pages_total=100, max_running=4)
+    router.update_decode_stats(0, pages_used=80, pages_total=100, running=0)
+    router.update_decode_stats(1, pages_used=60, pages_total=100, running=3)
+    router.update_decode_stats(2, pages_used=70, pages_total=100, running=0)
+    assert free_pages(router) == [20, 40, 30]
+    assert router.pick_decode(10) == 1
+    assert router.pick_decode(35) == 1
+    assert router.pick_decode(41) == 1  # nothing fits: the most free pages
+    router.update_decode_stats(1, pages_used=60, pages_total=100, running=4)
+    assert router.pick_decode(25) == 2  # 1 is full, 2 has more room than 0
+
+
+def test_without_room_the_least_loaded_is_picked() -> None:
+    """When no worker fits, the most free pages wins, then the fewest busy requests."""
+    router = make_router(num_prefill=1, num_decode=3, decode_pages_total=64, max_running=8)
+    router.update_decode_stats(0, pages_used=54, pages_total=64, running=3)
+    router.update_decode_stats(1, pages_used=54, pages_total=64, running=1)
+    router.update_decode_stats(2, pages_used=60, pages_total=64, running=0)
+    assert router.pick_decode(20) == 1  # 0 and 1 both have 10 free; 1 is less busy
+    router.dispatched("z", prefill=0, decode=1, tokens=4, pages=1)
+    assert router.pick_decode(20) == 0  # 1 now has 9 free
+
+
+def test_update_decode_stats_replaces_the_pool_size() -> None:
+    """Stats update pages_used, pages_total and running; in-flight pages stay counted."""
+    router = make_router(num_prefill=1, num_decode=2, decode_pages_total=100)
+    router.dispatched("a", prefill=0, decode=0, tokens=4, pages=20)
+    router.update_decode_stats(0, pages_used=5, pages_total=200, running=1)
+    load = router.decode[0]
+    assert (load.pages_used, load.pages_total, load.running) == (5, 200, 1)
+    assert free_pages(router) == [175, 100] and router.pick_decode(1) == 0
