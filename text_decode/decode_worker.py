@@ -58,6 +58,11 @@ class DecodeWorker(WorkerShell):
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         self.send([token_update(request)])
 
+    def _adopt(self, request: Request) -> None:
+        """A claimed hand-off joins the running set (at once: the next claim sees it)."""
+        self.requests[request.request_id] = request
+        self.scheduler.add_running(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
         del self.requests[request.request_id]
@@ -74,9 +79,7 @@ class DecodeWorker(WorkerShell):
 
     def step(self) -> None:
         aborted = set(self._aborted_at)
-        for request in self.receiver.claim_ready(self.scheduler.can_admit, aborted):
-            self.requests[request.request_id] = request
-            self.scheduler.add_running(request)
+        self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt)
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
             del self._aborted_at[request_id]
         if not self.scheduler.num_unfinished:

@@ -27,9 +27,17 @@ class HandoffReceiver:
         self.kv_cache = kv_cache
         self._start = 0
 
-    def claim_ready(self, can_admit: Callable[[int], bool], aborted: set[str]) -> list[Request]:
+    def claim_ready(
+        self, can_admit: Callable[[int], bool], aborted: set[str],
+        on_claim: Callable[[Request], None] | None = None,
+    ) -> list[Request]:
         """Claim every hand-off that fits now; returns one running-ready request per claim
         (KV in its ``block_table``, first token as its one output, marked reported).
+
+        ``can_admit(num_pages)`` is asked before each claim, for the pages of the prompt
+        plus the first token (allocated with the claim, so the first decode step needs no
+        more); ``on_claim(request)`` runs right after each claim, before the next question,
+        so a scheduler that adds the request there counts it (``max_running`` holds exactly).
 
         Hand-offs of requests in ``aborted`` are claimed and released without running
         (their ids are removed from the set).
@@ -53,14 +61,18 @@ class HandoffReceiver:
                 handoff = ring.claim()
                 if handoff is None:
                     break
-                claimed.append(self._adopt(ring, handoff))
+                request = self._adopt(ring, handoff)
+                claimed.append(request)
+                if on_claim is not None:
+                    on_claim(request)
         self._start = (self._start + 1) % max(n, 1)
         return claimed
 
     def _adopt(self, ring: CrossModalRing, handoff: Handoff) -> Request:
         meta = messages.decode_meta(handoff.meta)
-        pages = self.kv_cache.pool.allocate(len(handoff.page_ids))
-        copy_kv_from_ring(ring.pages, handoff.page_ids, self.kv_cache.data, pages)
+        # room for the first decoded token too: what can_admit was asked for
+        pages = self.kv_cache.pool.allocate(pages_for(handoff.num_kv_tokens + 1, self.kv_cache.page_size))
+        copy_kv_from_ring(ring.pages, handoff.page_ids, self.kv_cache.data, pages[: len(handoff.page_ids)])
         embeds = None
         if handoff.feature_rows:
             rows = ring.features[handoff.feature_offset : handoff.feature_offset + handoff.feature_rows]

@@ -4,8 +4,8 @@
 request is finished and why (:func:`check_stop`), and hands finished requests to the
 caller's ``finish`` (the scheduler's, which frees their pages). :func:`token_update`
 builds the message that reports a request's new outputs to the front end. The order
-of the stop checks follows vLLM's ``StopChecker``: stop tokens, then length, then
-stop strings.
+of the stop checks: stop tokens, then stop strings, then length (a stop string that
+the last allowed token completes still stops the request and is cut, as in vLLM).
 """
 
 from __future__ import annotations
@@ -35,23 +35,24 @@ class StopCriteria:
 def check_stop(request: Request, token: int, criteria: StopCriteria) -> RequestStatus | None:
     """Finished status after ``token`` was appended to ``request``'s outputs, or None to continue.
 
-    Order: EOS (unless ``ignore_eos``) and ``stop_token_ids`` → ``FINISHED_STOPPED``;
-    ``max_tokens`` or the context length reached → ``FINISHED_LENGTH``; a stop string
-    seen by the request's ``stop_matcher`` → ``FINISHED_STOPPED``. Sets
+    Order: EOS (unless ``ignore_eos``) and ``stop_token_ids`` → ``FINISHED_STOPPED``; a
+    stop string seen by the request's ``stop_matcher`` → ``FINISHED_STOPPED`` (also when
+    the same token reaches the length limit, as the front end's stop-string cut and vLLM
+    do); ``max_tokens`` or the context length reached → ``FINISHED_LENGTH``. Sets
     ``request.stop_reason`` to the stop token or the stop string that matched.
     """
     params = request.sampling_params
     if (not params.ignore_eos and token in criteria.eos_token_ids) or token in params.stop_token_ids:
         request.stop_reason = token
         return RequestStatus.FINISHED_STOPPED
-    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= criteria.max_model_len:
-        return RequestStatus.FINISHED_LENGTH
     matcher = request.stop_matcher
     if matcher is not None:
         matcher.add([token])
         if matcher.stopped:
             request.stop_reason = matcher.stop_string
             return RequestStatus.FINISHED_STOPPED
+    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= criteria.max_model_len:
+        return RequestStatus.FINISHED_LENGTH
     return None
 
 

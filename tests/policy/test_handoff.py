@@ -123,8 +123,8 @@ def test_no_ring_pages_keeps_the_request_pending(rings: RingFactory) -> None:
     head = consumer.peek()
     assert head is not None and head.page_ids == [0, 1]  # a's pages, freed in order
     (claimed,) = receiver.claim_ready(admit_all, set())
-    assert claimed.request_id == "b" and claimed.block_table == [4, 5]
-    assert torch.equal(recv_cache.data[[4, 5]], expected_kv)
+    assert claimed.request_id == "b" and claimed.block_table == [5, 6]  # a holds 0-4: 16 tokens + its next one
+    assert torch.equal(recv_cache.data[[5, 6]], expected_kv)
     assert send_cache.pool.num_free == 8
 
 
@@ -251,14 +251,10 @@ def claim_two_small(rings: RingFactory, num_recv_pages: int, max_running: int,
         sender.add(prefilled_request(send_cache, rid, n, 40))
     sender.pump()
     scheduler = ContinuousBatchingScheduler(recv_cache.pool, PAGE_SIZE, max_running, 64, 8)
-    claimed = HandoffReceiver([consumer], recv_cache).claim_ready(scheduler.can_admit, set())
-    for request in claimed:
-        scheduler.add_running(request)
+    claimed = HandoffReceiver([consumer], recv_cache).claim_ready(scheduler.can_admit, set(), scheduler.add_running)
     return scheduler, claimed
 
 
-@pytest.mark.xfail(strict=True, reason="can_admit sees the running count before the loop's claims are added, "
-                   "so one claim_ready call can claim past max_running")
 def test_one_claim_ready_call_respects_max_running(rings: RingFactory) -> None:
     """With max_running 1, one claim_ready call over two ready hand-offs claims only one."""
     scheduler, claimed = claim_two_small(rings, 8, max_running=1, lengths=(3, 3))
@@ -266,11 +262,11 @@ def test_one_claim_ready_call_respects_max_running(rings: RingFactory) -> None:
     assert len(scheduler.running) <= scheduler.max_running
 
 
-@pytest.mark.xfail(strict=True, reason="can_admit checks pages for prompt + 1 tokens but only prompt pages "
-                   "are allocated, so a later claim takes the page the first needs for its next token")
 def test_claimed_handoffs_are_not_preempted_by_the_next_decode_step(rings: RingFactory) -> None:
-    """Hand-offs admitted by can_admit all decode their next step without a preemption."""
+    """A claim takes the page its first decoded token needs, so a later claim cannot take it:
+    b waits in the ring instead of being claimed and then preempted by the next step."""
     scheduler, claimed = claim_two_small(rings, 3, max_running=4, lengths=(8, 3))
-    assert [r.request_id for r in claimed] == ["a", "b"]  # a: 2 pages now, 3 at 9 tokens; b: 1 page
+    assert [(r.request_id, r.block_table) for r in claimed] == [("a", [0, 1, 2])]  # 8 tokens + the next
+    assert scheduler.pool.num_free == 0
     out = scheduler.schedule()
-    assert out.preempted == [] and [r.request_id for r in out.decode] == ["a", "b"]
+    assert out.preempted == [] and [r.request_id for r in out.decode] == ["a"]

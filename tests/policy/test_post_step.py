@@ -99,8 +99,6 @@ def test_matcher_is_not_fed_a_stop_token() -> None:
     assert matcher.seen == [20]
 
 
-@pytest.mark.xfail(strict=True, reason="a stop string completed by the max_tokens-th token is not detected: "
-                   "check_stop returns FINISHED_LENGTH before the matcher sees the token")
 def test_stop_string_in_the_last_allowed_token_still_stops() -> None:
     """A stop string completed by the last allowed token is found (its text must be cut, as in vLLM)."""
     request = make_request("a", 4, max_tokens=2)
