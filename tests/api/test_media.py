@@ -19,8 +19,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from mm_serve.media.fetch import MediaFetchError, MediaPolicy, load_image_url, load_image_urls
 from mm_serve.media import errors
+from mm_serve.media.fetch import MediaFetchError, MediaPolicy, load_image_url, load_image_urls
 
 RED, BLUE = (255, 0, 0), (0, 0, 255)
 POLICY = MediaPolicy(max_pixels=1_000_000)
