@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mm_serve.engine.prompt_encoding import encode_chat, encode_prompt
 from mm_serve.media.image_processor import ImageProcessor
 from mm_serve.media.offline import normalize_messages, to_pil
 from mm_serve.models.model_config import CheckpointError, ModelConfig
@@ -91,8 +92,9 @@ class InputProcessor:
         index = self.image_token_index
         return None if index is None else str(self.tokenizer.convert_ids_to_tokens(index))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image]]:
-        """Render ``messages`` with the chat template; returns the prompt and the images in order.
+    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image], list[str]]:
+        """Render ``messages`` with the chat template; returns the prompt, the images in order,
+        and the user messages' text parts in order (tokenized as text, :mod:`prompt_encoding`).
 
         Image parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
         {"url": X}}`` with ``X`` a PIL image, a path, bytes or a data URI (:mod:`mm_serve.media.offline`).
@@ -108,7 +110,7 @@ class InputProcessor:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors, missing template
             raise InvalidRequestError(f"cannot render chat template: {exc}") from None
-        return str(prompt), images
+        return str(prompt), images, _user_texts(messages)
 
     def process(self, request: dict[str, Any]) -> ProcessedInputs:
         """Process ``{"prompt"| "prompt_token_ids"| "messages": ..., "images": [...]}``.
@@ -124,13 +126,13 @@ class InputProcessor:
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         if "messages" in request:
-            prompt, chat_images = self.render_chat(request["messages"])
+            prompt, chat_images, user_texts = self.render_chat(request["messages"])
             images = chat_images + images
-            ids = list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+            ids = encode_chat(self.tokenizer, prompt, user_texts)
         elif "prompt_token_ids" in request:
             ids = [int(t) for t in request["prompt_token_ids"]]
         elif "prompt" in request:
-            ids = list(self.tokenizer(request["prompt"]).input_ids)
+            ids = encode_prompt(self.tokenizer, request["prompt"])
         else:
             raise InvalidRequestError("request needs 'prompt', 'prompt_token_ids' or 'messages'")
         if not ids:
@@ -157,3 +159,17 @@ class InputProcessor:
         for token in ids:
             expanded.extend([token] * per_image if token == index else [token])
         return ProcessedInputs(expanded, self.image_processor(images), len(images))
+
+
+def _user_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """Text of the user messages' content (strings and text parts), in order."""
+    out: list[str] = []
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out.extend(str(p.get("text", "")) for p in content if p.get("type") == "text")
+    return out

@@ -58,13 +58,14 @@ def normalize_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Image.
 
     Raises:
         ValueError: ``messages`` is not a non-empty list of ``{"role", "content"}`` dicts, a
-            content part has an unknown type, or an image cannot be used.
+            content part has an unknown type, an image is in a message whose role is not
+            ``user`` (chat templates render images in user turns only), or an image cannot be used.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list of {'role', 'content'} dicts")
     images: list[Image.Image] = []
     out: list[dict[str, Any]] = []
-    for message in messages:
+    for number, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError("each message must be a dict with 'role' and 'content'")
         content = message.get("content")
@@ -77,6 +78,9 @@ def normalize_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Image.
             if kind in TEXT_PART_TYPES:
                 parts.append(part)
             elif kind in IMAGE_PART_TYPES:
+                if message["role"] != "user":
+                    raise ValueError(f"images are accepted only in user messages; message {number} "
+                                     f"(role {message['role']!r}) has an image part")
                 raw = part.get("image") if kind == "image" else part.get("image_url")
                 if isinstance(raw, dict):
                     raw = raw.get("url")

@@ -52,6 +52,7 @@ class TinyModelSpec:
     image_mean: list[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])
     image_std: list[float] = field(default_factory=lambda: [0.26862954, 0.26130258, 0.27577711])
     center_crop: bool = True
+    tokenizer_style: str = "bytelevel"  # or "llama": adds BOS itself, template without BOS (tokenizer_builder)
 
 
 # A benchmark preset: large enough that prefill and decode cost real compute on a 2-core CPU.
@@ -111,7 +112,7 @@ def build_llama(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None =
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, spec.vocab_size)
+    vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_text_config(spec, vocab))
     model.save_pretrained(out)
@@ -127,7 +128,7 @@ def build_llava(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None =
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, spec.vocab_size)
+    vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
     vision = CLIPVisionConfig(
         hidden_size=spec.vision_hidden_size,
         intermediate_size=spec.vision_intermediate_size,

@@ -1,8 +1,14 @@
-"""Train a small byte-level BPE tokenizer offline (``tokenizers``) for test and demo checkpoints.
+"""Train a small BPE tokenizer offline (``tokenizers``) for test and demo checkpoints.
 
-Byte-level BPE (Radford et al. 2019, GPT-2) covers every UTF-8 string, so any
-text round-trips, including multi-byte characters. The result is saved as a
-``PreTrainedTokenizerFast`` directory (``tokenizer.json``,
+Two styles:
+
+* ``bytelevel`` (default): byte-level BPE (Radford et al. 2019, GPT-2), covering every
+  UTF-8 string; the tokenizer adds no BOS and the chat template starts with it.
+* ``llama``: SentencePiece-style, as llava-1.5-hf's Llama tokenizer (Metaspace ``▁``
+  word boundaries, byte fallback, the decoder strips the leading space); the tokenizer
+  adds BOS and the chat template does not emit it.
+
+The result is saved as a ``PreTrainedTokenizerFast`` directory (``tokenizer.json``,
 ``tokenizer_config.json`` with a LLaVA-1.5-style chat template,
 ``special_tokens_map.json``) that ``transformers.AutoTokenizer`` loads offline.
 """
@@ -19,8 +25,7 @@ SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
 
 # LLaVA-1.5 conversation format: "USER: <image>\n{question} ASSISTANT: {answer}</s>".
 # Content may be a string or a list of parts ({"type": "text"|"image"|"image_url"}).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
+_CONVERSATION = (
     "{% for message in messages %}"
     "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
     "{% else %}{% set parts = message['content'] %}{% endif %}"
@@ -38,6 +43,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
+CHAT_TEMPLATE = "{{ bos_token }}" + _CONVERSATION  # bytelevel: the template emits BOS
+CHAT_TEMPLATE_NO_BOS = _CONVERSATION  # llama: the tokenizer adds BOS (as llava-1.5-hf)
+TOKENIZER_STYLES = ("bytelevel", "llama")
 
 
 def shipped_corpus() -> list[str]:
@@ -62,7 +70,29 @@ def train_bpe(lines: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_length: int = 2048) -> None:
+def train_sentencepiece_style(lines: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A Llama-style BPE tokenizer (``▁`` word marks, byte fallback), :data:`SPECIAL_TOKENS` at
+    ids 0..4, whose post-processor prepends BOS as Llama's does."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
+    ])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *byte_tokens], show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(lines), trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)],
+    )
+    return tokenizer
+
+
+def save_tokenizer(
+    tokenizer: Tokenizer, out_dir: str | Path, model_max_length: int = 2048, style: str = "bytelevel",
+) -> None:
     """Write ``tokenizer.json`` + config files that ``AutoTokenizer.from_pretrained`` reads."""
     from transformers import PreTrainedTokenizerFast
 
@@ -74,14 +104,23 @@ def save_tokenizer(tokenizer: Tokenizer, out_dir: str | Path, model_max_length: 
         pad_token="<pad>",
         extra_special_tokens={"image_token": "<image>"},
         model_max_length=model_max_length,
-        add_bos_token=False,
+        add_bos_token=style == "llama",
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = CHAT_TEMPLATE_NO_BOS if style == "llama" else CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, extra_lines: Iterable[str] = ()) -> int:
-    """Train on the shipped corpus (plus ``extra_lines``), save to ``out_dir``; returns the vocab size."""
-    tokenizer = train_bpe([*shipped_corpus(), *extra_lines], vocab_size)
-    save_tokenizer(tokenizer, out_dir)
+def build_tokenizer(
+    out_dir: str | Path, vocab_size: int = 512, extra_lines: Iterable[str] = (), style: str = "bytelevel",
+) -> int:
+    """Train on the shipped corpus (plus ``extra_lines``), save to ``out_dir``; returns the vocab size.
+
+    Raises:
+        ValueError: ``style`` is not one of :data:`TOKENIZER_STYLES`.
+    """
+    if style not in TOKENIZER_STYLES:
+        raise ValueError(f"tokenizer style must be one of {TOKENIZER_STYLES}, got {style!r}")
+    lines = [*shipped_corpus(), *extra_lines]
+    tokenizer = train_sentencepiece_style(lines, vocab_size) if style == "llama" else train_bpe(lines, vocab_size)
+    save_tokenizer(tokenizer, out_dir, style=style)
     return tokenizer.get_vocab_size()
