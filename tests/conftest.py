@@ -28,6 +28,13 @@ def tiny_llava_multilayer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_sp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llava-hf checkpoint as tiny_llava, with a SentencePiece-style tokenizer that adds BOS and a
+    chat template that does not emit it (llava-1.5-hf's arrangement)."""
+    return build_checkpoint("llava-sp", tmp_path_factory.mktemp("tiny_llava_sp"))
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Text-only Llama checkpoint, 3 layers, GQA 4/1, llama3 RoPE scaling."""
     return build_checkpoint("llama", tmp_path_factory.mktemp("tiny_llama"))

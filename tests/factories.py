@@ -20,6 +20,8 @@ SPECS: dict[str, TinyModelSpec] = {
         vision_feature_layer=[-3, -1], vision_feature_select_strategy="full", center_crop=False,
         tie_word_embeddings=True, num_layers=3, num_heads=4, num_kv_heads=4, vision_layers=3,
     ),
+    # llava-1.5-hf's arrangement: a Llama-style tokenizer that adds BOS, a template without it
+    "llava-sp": TinyModelSpec(tokenizer_style="llama"),
     "llama": TinyModelSpec(num_layers=3, num_heads=4, num_kv_heads=1, hidden_size=96, intermediate_size=160),
 }
 
