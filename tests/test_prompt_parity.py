@@ -68,7 +68,12 @@ class Reference:
     """transformers' processor and model for one checkpoint."""
 
     def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoTokenizer, CLIPImageProcessor, LlavaForConditionalGeneration, LlavaProcessor
+        from transformers import (
+            AutoTokenizer,
+            CLIPImageProcessor,
+            LlavaForConditionalGeneration,
+            LlavaProcessor,
+        )
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.processor = LlavaProcessor(
