@@ -81,3 +81,22 @@ def test_long_outputs_decode_a_short_window_per_step_and_match_the_full_decode(t
     text = "".join(detok.add([t]) for t in ids) + detok.finish()
     assert text == tokenizer.decode(ids, skip_special_tokens=True)
     assert max(counting.lengths) <= 16  # O(1) ids per step, not the whole output
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_llava", "tiny_llava_sp"])
+def test_streamed_text_equals_transformers_decode(checkpoint: str, request: pytest.FixtureRequest) -> None:
+    """For byte-level and SentencePiece-style tokenizers alike, the streamed deltas join to exactly
+    ``tokenizer.decode(ids, skip_special_tokens=True)``: a leading space appears where transformers
+    keeps one (byte-level ``Ġ``) and not where its decoder strips it (Llama's ``▁``), at the first
+    token and after special tokens, byte-fallback pieces and multi-byte characters."""
+    import random
+
+    tok = load_tokenizer(request.getfixturevalue(checkpoint))
+    rng = random.Random(0)
+    word_ids = tok(" the circle is red. " + TEXT, add_special_tokens=False).input_ids
+    sequences = [word_ids, [tok.bos_token_id, *word_ids, tok.eos_token_id, *word_ids[:3]]]
+    sequences += [[rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 24))] for _ in range(200)]
+    for ids in sequences:
+        detok = IncrementalDetokenizer(tok)
+        streamed = "".join(detok.add([t]) for t in ids) + detok.finish()
+        assert streamed == tok.decode(ids, skip_special_tokens=True), ids
