@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +29,7 @@ from kernels.ring_buffer import CrossModalRing
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.kernel_prebuild import BuildStopped, prebuild_cpu_kernels
 from mm_serve.engine.ring_sizing import ring_specs
+from mm_serve.engine.stale_instances import remove_stale_instances, write_owner
 from mm_serve.engine.worker_specs import build_worker_specs
 from mm_serve.launcher import start_worker, stop_workers
 from mm_serve.models.model_config import ModelConfig
@@ -50,6 +52,7 @@ class WorkerPool:
         self.model_config = model_config
         self.instance = uuid.uuid4().hex[:12]
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"mmsrv-{self.instance}-"))
+        write_owner(self.run_dir)
         # removed by shutdown(); also when a pool that never started is dropped, or at exit
         weakref.finalize(self, shutil.rmtree, str(self.run_dir), True)
         self.colocated = config.mode == "colocated"
@@ -77,6 +80,10 @@ class WorkerPool:
             WorkerStartError: a worker died or timed out, or :meth:`request_stop` was called.
         """
         cfg = self.config
+        stale = remove_stale_instances()
+        if stale:
+            print(f"mm-serve: removed the run directories and shared memory of {len(stale)} stopped "
+                  f"instance(s) whose process is gone: {', '.join(stale)}", file=sys.stderr, flush=True)
         ring_list = [] if self.colocated else ring_specs(self.instance, cfg, self.model_config)
         self.rings = [CrossModalRing.create(s) for s in ring_list]
         self._out = self._ctx.socket(zmq.PULL)
