@@ -101,6 +101,7 @@ class APIConfig(_Frozen):
     port: int = Field(8000, ge=0, le=65535)
     max_request_length: int = Field(8192, ge=1, description="Max prompt tokens (image tokens included).")
     timeout_ms: int = Field(120_000, ge=100, description="A request not finished by then gets 503.")
+    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM/SIGINT: new requests get 503 while in-flight ones finish, for up to this long; then every worker stops. A second signal stops at once.")
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Larger request bodies get 413.")
     max_images_per_request: int = Field(4, ge=0, le=64)
     max_image_pixels: int = Field(40_000_000, ge=1, description="Larger decoded images are refused (decompression bomb).")

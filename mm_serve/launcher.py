@@ -60,16 +60,12 @@ def start_worker(spec: WorkerSpec, log_path: str | None = None) -> subprocess.Po
 
 
 def stop_workers(processes: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
-    """Wait for workers to exit (after a Shutdown message), then terminate, then kill stragglers."""
+    """Wait up to ``timeout_s`` seconds for workers to exit (after a Shutdown message), then kill
+    the stragglers (workers ignore SIGTERM and SIGINT: the front end decides when they stop)."""
     deadline = time.monotonic() + timeout_s
     for proc in processes:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-    for proc in processes:
-        try:
-            proc.wait(3.0)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

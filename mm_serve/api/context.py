@@ -28,6 +28,8 @@ class ServerContext:
 
     def client_or_503(self) -> EngineClient:
         """The engine client, or 503 while it is warming up, failed or shutting down."""
+        if self.holder.draining.is_set():
+            raise unavailable("the service is shutting down; in-flight requests are finishing")
         if not self.holder.ready:
             status, _ = self.holder.health()
             raise unavailable(f"the service is {status}; try again shortly" if status == "warming"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from mm_serve.config import ServiceConfig
@@ -22,6 +23,7 @@ class EngineHolder:
         self.client = EngineClient(model_dir, config, self.inputs)
         self.start_error: str | None = None
         self.ready_event = threading.Event()
+        self.draining = threading.Event()  # set on SIGTERM/SIGINT: new requests get 503
         self._thread: threading.Thread | None = None
 
     def start_background(self) -> None:
@@ -51,6 +53,15 @@ class EngineHolder:
         if any(v.startswith("down") for v in workers.values()):
             return "unavailable", workers
         return "warming", workers
+
+    def drain(self, grace_s: float) -> int:
+        """Stop admitting, then wait up to ``grace_s`` seconds for in-flight engine requests to
+        finish; returns how many were still in flight at the deadline."""
+        self.draining.set()
+        deadline = time.monotonic() + grace_s
+        while self.client.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return len(self.client.requests)
 
     def stop(self) -> None:
         self.client.request_stop()

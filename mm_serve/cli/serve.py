@@ -30,6 +30,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="allow file:// images under DIR")
     p.add_argument("--allowed-media-domains", nargs="*", default=None, metavar="DOMAIN",
                    help="only fetch http(s) images from these hosts")
+    p.add_argument("--shutdown-grace-s", type=float, default=None, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds in-flight requests get to finish while new ones get 503 "
+                        "(api.shutdown_grace_s, default 30; a second signal stops at once)")
     p.set_defaults(func=run)
 
 
@@ -39,7 +42,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "api.port": args.port, "mode": args.mode, "compute.prefill_workers": args.prefill_workers,
         "compute.decode_workers": args.decode_workers, "api.api_key": args.api_key,
         "api.allowed_local_media_path": args.allowed_local_media_path,
-        "api.allowed_media_domains": args.allowed_media_domains,
+        "api.allowed_media_domains": args.allowed_media_domains, "api.shutdown_grace_s": args.shutdown_grace_s,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mm_serve.api.app import build_app
     from mm_serve.api.context import ServerContext
+    from mm_serve.api.draining_server import DrainingServer
     from mm_serve.api.engine_holder import EngineHolder
     from mm_serve.config import ConfigError, load_config
     from mm_serve.models.model_config import CheckpointError
@@ -97,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     name = cfg.served_model_name or str(cfg.model)
     ctx = ServerContext(holder=holder, config=cfg, served_model_name=name)
     app = build_app(ctx)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
+                                           timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s)
 
     failed: list[bool] = []
 

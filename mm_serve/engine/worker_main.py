@@ -32,7 +32,10 @@ def main(argv: list[str]) -> int:
     crash, with its traceback in the worker's log; 2 for an unknown role)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when workers stop
+    # The front end decides when workers stop (a Shutdown message, or its own exit): a signal to
+    # the whole process group (Ctrl-C, systemd, a container runtime) drains the service first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
     from mm_serve.runtime.worker_spec import decode_spec
 

@@ -1,0 +1,45 @@
+"""uvicorn's server with a graceful drain on the first SIGTERM / SIGINT.
+
+The first signal (to the API process, or to the whole process group: workers ignore
+both) stops admitting, with the listener still open so that new requests get a clear
+503 rather than a refused connection; in-flight requests have ``api.shutdown_grace_s``
+seconds to finish; then the server exits as uvicorn does and the lifespan shutdown
+stops every worker and unlinks every segment. A second signal exits at once. Before
+the workers are ready there is nothing to drain, and the first signal exits.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from types import FrameType
+
+import uvicorn
+
+from mm_serve.api.engine_holder import EngineHolder
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` whose first exit signal drains ``holder`` for up to ``grace_s`` seconds."""
+
+    def __init__(self, config: uvicorn.Config, holder: EngineHolder, grace_s: float) -> None:
+        super().__init__(config)
+        self._holder = holder
+        self._grace_s = grace_s
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or not self._holder.ready or self._grace_s <= 0:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        print(f"mm-serve: stopping: new requests get 503, in-flight ones have {self._grace_s:g} s to finish "
+              "(signal again to stop now)", file=sys.stderr, flush=True)
+        threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="mm-serve-drain", daemon=True).start()
+
+    def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
+        left = self._holder.drain(self._grace_s)
+        if left:
+            print(f"mm-serve: {left} request(s) still in flight after {self._grace_s:g} s; stopping them",
+                  file=sys.stderr, flush=True)
+        super().handle_exit(sig, frame)

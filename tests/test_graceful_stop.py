@@ -1,0 +1,84 @@
+"""SIGTERM to the whole process group drains: in-flight requests finish, new ones get 503, nothing is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from mm_serve.engine.stale_instances import SHM_DIR, process_start_time
+from tests.api.server_process import free_port
+
+LONG = 3000  # tokens per in-flight request: several seconds of decode on the tiny model
+
+
+def _stream(url: str, out: list[str], errors: list[str]) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": LONG,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        out.append(next(c["choices"][0]["finish_reason"] for c in reversed(chunks) if c["choices"]))
+    except Exception as exc:  # recorded, asserted below
+        errors.append(repr(exc))
+
+
+def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Path, tmp_path: Path) -> None:
+    """In-flight streams complete with finish_reason 'length'; a request during the drain gets 503;
+    afterwards no worker process, segment or run directory of the instance is left."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    before = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
+             "--served-model-name", "tiny", "--shutdown-grace-s", "60"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            start_new_session=True,  # its own process group, as under systemd or a container runtime
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        workers = [int(w["pid"]) for w in httpx.get(f"{url}/internal/stats", timeout=5).json().values()]
+        mine = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")} - before
+        assert len(mine) == 1 and len(workers) == 2
+        finished: list[str] = []
+        errors: list[str] = []
+        threads = [threading.Thread(target=_stream, args=(url, finished, errors)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the streams are decoding
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        refused = httpx.post(f"{url}/v1/chat/completions", timeout=10, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        for t in threads:
+            t.join(120)
+        assert errors == [] and finished == ["length"] * 3
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(0.5)
+    assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]
+    (instance,) = mine
+    assert not list(SHM_DIR.glob(f"mmsrv-{instance}-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"mmsrv-{instance}-*"))
+    assert "stopping: new requests get 503" in log.read_text()
