@@ -38,7 +38,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     messages = await chat_messages(body.messages, ctx.config.api)
     inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
     top_n = body.top_logprobs or 0
-    params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None)
+    params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,
+                             ctx.holder.model_config.text.vocab_size)
     gen = Generation(ctx.client_or_503(), inputs, params, arrival)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -53,7 +53,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     prepared = []
     for request in prompts:
         inputs = await process_inputs(ctx.holder.inputs, request, ctx.config.api.max_request_length)
-        prepared.append((inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs)))
+        prepared.append((inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
+                                                        ctx.holder.model_config.text.vocab_size)))
     client = ctx.client_or_503()
     gens: list[Generation] = []
     try:

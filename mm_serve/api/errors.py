@@ -60,7 +60,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1]]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None
-    if first.get("type") == "unsupported_parameter":
+    if first.get("type") in ("unsupported_parameter", "invalid_parameter"):
         return str(first.get("msg")), str(first.get("ctx", {}).get("name")) or None
     if first.get("type") == "missing" and not loc:
         return "request body is missing: send a JSON object", None

@@ -14,7 +14,7 @@ from mm_serve.config import APIConfig
 from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
 from mm_serve.media.fetch import MediaPolicy, load_image_urls
-from mm_serve.runtime.sampling_params import SamplingParams
+from mm_serve.runtime.sampling_params import MAX_SEED, SamplingParams
 
 
 def media_policy(api: APIConfig) -> MediaPolicy:
@@ -60,12 +60,23 @@ async def chat_messages(messages: list[ChatMessage], api: APIConfig) -> list[dic
     return out
 
 
+def engine_seed(seed: int | None) -> int | None:
+    """The engine seed of an API ``seed`` (any signed 64-bit integer).
+
+    Choice ``i`` of ``n`` (at most 16) draws with seed + ``i``, which must stay within
+    ``MAX_SEED``: seeds in ``[0, MAX_SEED - 15]`` are used as they are, others wrap modulo
+    ``MAX_SEED - 14`` (so ``-1`` and ``MAX_SEED - 15`` draw alike).
+    """
+    return None if seed is None else seed % (MAX_SEED - 14)
+
+
 def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len: int, context_len: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, vocab_size: int) -> SamplingParams:
     """Sampling parameters; ``max_tokens`` defaults to the rest of the context (as vLLM).
 
     Raises:
-        APIError: 400 when prompt plus ``max_tokens`` exceeds the context (both numbers given).
+        APIError: 400 when prompt plus ``max_tokens`` exceeds the context (both numbers given), or a
+            ``stop_token_ids`` entry is outside ``[0, vocab_size)``.
     """
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is None:
@@ -79,11 +90,16 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
     stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
     if any(not s for s in stop):
         raise bad_request("stop strings must be non-empty", "stop")
+    stop_ids = body.stop_token_ids or []
+    bad_ids = [t for t in stop_ids if not 0 <= t < vocab_size]
+    if bad_ids:
+        raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}) (the vocabulary), got {bad_ids[:5]}",
+                          "stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0), seed=body.seed,
-            stop=tuple(stop), ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
+            seed=engine_seed(body.seed), stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, logprobs=logprobs, n=body.n,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

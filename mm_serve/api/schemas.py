@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -36,10 +36,23 @@ class ImagePart(_Lenient):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+def invalid(name: str, message: str) -> PydanticCustomError:
+    """A validation error that names its parameter (400 with ``param`` = ``name``)."""
+    return PydanticCustomError("invalid_parameter", message, {"name": name})
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        """Only an assistant turn may have no content (OpenAI's rule: it may carry tool calls instead)."""
+        if self.content is None and self.role != "assistant":
+            raise invalid("messages", f"a {self.role} message needs 'content' (a string or a list of parts); "
+                                      "null is allowed only for assistant messages")
+        return self
 
 
 class StreamOptions(_Lenient):
@@ -96,13 +109,29 @@ class _SamplingFields(_Lenient):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, strict=True, description="extension: 0 or -1 = off")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1024, strict=True)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, strict=True,
+                             description="any signed 64-bit integer (see request_builder.engine_seed)")
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(strict=True)]] | None = Field(
+        None, description="extension (vLLM): token ids that end the output, in [0, vocab size)")
     n: int = Field(1, ge=1, le=16, strict=True)
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, strict=True)
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "stream_options is only allowed with stream: true")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        for text in stops:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise invalid("stop", "stop strings must be valid Unicode: one holds an unpaired UTF-16 "
+                                      "surrogate escape such as \\ud800") from None
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -116,6 +145,12 @@ class ChatCompletionRequest(_SamplingFields):
     def _refuse_unsupported(cls, data: Any) -> Any:
         """400 for :data:`UNSUPPORTED_CHAT` parameters that ask for something."""
         return _refuse(data, UNSUPPORTED_CHAT)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "top_logprobs requires logprobs: true")
+        return self
 
 
 class CompletionRequest(_SamplingFields):
@@ -176,8 +211,17 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A streamed delta; ``role`` is sent in a choice's first chunk only (omitted after, as OpenAI does)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_role(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("role") is None:
+            out.pop("role", None)
+        return out
 
 
 class ChatChunkChoice(BaseModel):
