@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from mm_serve import __version__
@@ -52,8 +53,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
             if start_engine:
                 await asyncio.to_thread(ctx.holder.stop)
 
-    app = FastAPI(title="mm-serve", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
+    # /docs and /redoc from Swagger UI / ReDoc assets shipped in fastapi-offline: no CDN, so they work offline
+    app = FastAPIOffline(title="mm-serve", version=__version__, lifespan=lifespan,
+                         description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     registry.register(WorkerStatsCollector(lambda: dict(ctx.holder.client.stats)))

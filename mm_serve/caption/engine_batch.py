@@ -62,7 +62,7 @@ class EngineBatchRequests:
             inputs = await process_inputs(self.client.inputs, {"messages": messages}, api.max_request_length)
             top_n = request.top_logprobs or 0
             params = sampling_params(request, len(inputs.prompt_token_ids), self.context_len,
-                                     top_n if request.logprobs else None)
+                                     top_n if request.logprobs else None, self.client.model_config.text.vocab_size)
             per_choice = [replace(params, n=1, seed=None if params.seed is None else params.seed + i)
                           for i in range(params.n)]
             states = submit_all(self.client, inputs, per_choice)

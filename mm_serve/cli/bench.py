@@ -79,8 +79,6 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError("give both --slo-ttft and --slo-tpot, or neither (then 5x the unloaded p90s)")
     if args.server and args.compare:
         raise CLIError("--compare starts our own servers; use --config (or neither), not --server")
-    if args.model and not args.server and not Path(args.model).is_dir():
-        raise CLIError(f"--model {args.model} is not a directory")
 
 
 def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
@@ -88,9 +86,9 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
     from mm_serve.config import ConfigError, load_config
     from mm_serve.models.registry import resolve_model
 
-    if args.server:
-        return (Path(args.model) if args.model else None), ""
     try:
+        if args.server:
+            return (resolve_model(args.model) if args.model else None), ""
         cfg = load_config(args.config, {"model": args.model} if args.model else None)
         return resolve_model(cfg.model), cfg.mode
     except (ConfigError, ValueError, OSError) as exc:

@@ -15,7 +15,8 @@ def register(subparsers: Any) -> None:
         description="Generate for one chat prompt (and images) with the offline engine; prints the answer.",
     )
     parser.add_argument("--model", default=None, help="checkpoint directory or registered name (default: embedded)")
-    parser.add_argument("--prompt", default="Describe the image.", help="the user message")
+    parser.add_argument("--prompt", default="Describe the image.",
+                        help="the user message (default: 'Describe the image.', asked when none is given)")
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -64,15 +64,35 @@ def _check_port_free(host: str, port: int) -> None:
             raise CLIError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def _banner(host: str, port: int, name: str, api_key: str | None) -> str:
+def _python() -> str:
+    """This interpreter, relative to the working directory when it lies under it (``.venv/bin/python``)."""
+    exe = Path(sys.executable)
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
+def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool) -> str:
+    """What to print once every worker is ready: the URL and a first request to paste.
+
+    A model that sees gets an image question about a scene drawn by the embedded model's
+    scene generator (what the embedded model answers); a text-only one a text question.
+    """
     url = f"http://{host}:{port}"
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    if vision:
+        draw = f"  {_python()} -m mm_serve.models.shapes draw --out scene.png --seed 5\n"
+        content = ('[{"type": "image_url", "image_url": {"url": "data:image/png;base64,\'"$(base64 -w0 scene.png)"\'"}}, '
+                   '{"type": "text", "text": "Describe the image."}]')
+    else:
+        draw, content = "", '"The capital of France is"'
     return (
         f"mm-serve is ready at {url}  (model: {name})\n"
-        f"Try it:\n"
+        f"Try it:\n{draw}"
         f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-        f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello! Who are you?\"}}], "
-        f"\"max_tokens\": 32}}'\n"
+        f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": {content}}}], "
+        f"\"max_tokens\": 32, \"temperature\": 0}}'\n"
         f"Health: {url}/health   OpenAPI: {url}/docs   Stop: Ctrl-C"
     )
 
@@ -115,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"mm-serve: error: workers failed to start:\n{holder.start_error}", file=sys.stderr, flush=True)
             server.should_exit = True
         else:
-            print(_banner(cfg.api.host, cfg.api.port, name, cfg.api.api_key), flush=True)
+            print(_banner(cfg.api.host, cfg.api.port, name, cfg.api.api_key, holder.model_config.vision is not None),
+                  flush=True)
 
     print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
     threading.Thread(target=announce, daemon=True).start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -48,13 +49,22 @@ def test_health_reported_warming_then_ok(server: ServerProcess) -> None:
     assert all(s["status"] == "warming" for s in warming)
 
 
-def test_banner_with_working_curl_example(server: ServerProcess) -> None:
+def test_banner_with_working_curl_example(server: ServerProcess, tmp_path: Path) -> None:
+    """The banner's "Try it" lines, run as a shell would (drawing scene.png, then the curl), get a
+    200 chat completion about the image."""
     text = server.output()
     assert f"mm-serve is ready at {server.url}" in text
-    line = next(ln for ln in text.splitlines() if ln.strip().startswith("-d '"))
-    body = json.loads(line.strip()[4:-1])
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    lines = text.split("Try it:\n", 1)[1].split("\nHealth:", 1)[0].splitlines()
+    commands = "\n".join(lines).replace("\\\n", " ")
+    draw, curl = [c.strip() for c in commands.splitlines()]
+    python, rest = draw.split(" ", 1)
+    draw = f"{Path.cwd() / python if not Path(python).is_absolute() else python} {rest}"  # the server's cwd
+    assert "image_url" in curl and "scene.png" in draw
+    out = subprocess.run(["bash", "-c", f"{draw} && {curl}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout.strip().splitlines()[-1])  # after the drawn scene's caption
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length") and answer["usage"]["prompt_tokens"] > 16
 
 
 def test_models_version_openapi(client: openai.OpenAI, server: ServerProcess) -> None:

@@ -127,3 +127,12 @@ def test_typed_image_token_is_text(server: ServerProcess) -> None:
     assert r.status_code == 200, r.text
     plain = _post(server, "chat", _chat(messages=[{"role": "user", "content": "What does mean?"}]))
     assert r.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+
+
+def test_docs_work_offline(server: ServerProcess) -> None:
+    """/docs loads Swagger UI from this server (fastapi-offline's assets), not from a CDN."""
+    html = httpx.get(f"{server.url}/docs", timeout=10).text
+    assets = [part.split('"')[0] for part in html.split('src="')[1:] + html.split('href="')[1:]]
+    local = [a for a in assets if a.endswith((".js", ".css"))]
+    assert local and all(a.startswith("/") for a in local), assets
+    assert all(httpx.get(f"{server.url}{a}", timeout=10).status_code == 200 for a in local)
