@@ -77,9 +77,9 @@ def test_a_start_after_a_sigkilled_service_removes_its_segments(tiny_llava: Path
     worker_pids = [int(p) for p in victim.stdout.readline().split()]
     with LLM(model=tiny_llava, num_pages=128) as live:  # a live instance: must stay untouched
         live_instance = live.client.pool.instance
-        os.kill(victim.pid, signal.SIGKILL)
+        assert list(SHM_DIR.glob(f"mmsrv-{instance}-*")) and Path(run_dir).is_dir()  # its owner lives: kept
+        os.kill(victim.pid, signal.SIGKILL)  # from now on any instance starting on the machine may clean up
         victim.wait()
-        assert list(SHM_DIR.glob(f"mmsrv-{instance}-*")) and Path(run_dir).is_dir()
         deadline = time.monotonic() + 10
         while any(process_start_time(p) is not None for p in worker_pids) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from mm_serve import __version__
@@ -40,6 +39,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def _fastapi(**kwargs: Any) -> FastAPI:
+    """The app, with /docs and /redoc served from the Swagger UI / ReDoc assets shipped in
+    fastapi-offline (no CDN, so they work offline); FastAPI's CDN pages where it is not installed."""
+    try:
+        from fastapi_offline import FastAPIOffline
+    except ImportError:
+        return FastAPI(**kwargs)
+    return FastAPIOffline(**kwargs)
+
+
 def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     """The ASGI app for ``ctx``; with ``start_engine`` the workers start with the app's lifespan."""
 
@@ -53,9 +62,8 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
             if start_engine:
                 await asyncio.to_thread(ctx.holder.stop)
 
-    # /docs and /redoc from Swagger UI / ReDoc assets shipped in fastapi-offline: no CDN, so they work offline
-    app = FastAPIOffline(title="mm-serve", version=__version__, lifespan=lifespan,
-                         description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
+    app = _fastapi(title="mm-serve", version=__version__, lifespan=lifespan,
+                   description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     registry.register(WorkerStatsCollector(lambda: dict(ctx.holder.client.stats)))

@@ -31,8 +31,15 @@ async def chat_messages(messages: list[ChatMessage], api: APIConfig) -> list[dic
     """Template-ready messages with images loaded (``{"type": "image", "image": PIL.Image}`` parts).
 
     Raises:
-        APIError: 400 for too many images or an image that cannot be loaded.
+        APIError: 400 for an image outside a user message (before any image is fetched), too many
+            images, or an image that cannot be loaded.
     """
+    for number, message in enumerate(messages):
+        if message.role != "user" and isinstance(message.content, list) and any(
+                part.type == "image_url" for part in message.content):
+            # the engine refuses these too (media.offline.normalize_messages); say so before fetching
+            raise bad_request(f"images are accepted only in user messages; message {number} "
+                              f"(role {message.role!r}) has an image part", "messages")
     urls = [part.image_url.url for m in messages if isinstance(m.content, list)
             for part in m.content if part.type == "image_url"]
     if len(urls) > api.max_images_per_request:

@@ -110,7 +110,9 @@ class _SamplingFields(_Lenient):
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1, strict=True, description="extension: 0 or -1 = off")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, strict=True,
-                             description="any signed 64-bit integer (see request_builder.engine_seed)")
+                             description="any signed 64-bit integer; seeds from 0 to 2**63 - 1039 are used as "
+                             "given, others wrap modulo 2**63 - 1038 (so -1 samples like 2**63 - 1039); "
+                             "choice i of n draws with the wrapped seed + i (request_builder.engine_seed)")
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(strict=True)]] | None = Field(
         None, description="extension (vLLM): token ids that end the output, in [0, vocab size)")

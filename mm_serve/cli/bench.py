@@ -79,6 +79,12 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError("give both --slo-ttft and --slo-tpot, or neither (then 5x the unloaded p90s)")
     if args.server and args.compare:
         raise CLIError("--compare starts our own servers; use --config (or neither), not --server")
+    if args.model and not args.server:
+        from mm_serve.models.registry import NAMED_MODELS
+
+        if args.model not in NAMED_MODELS and not Path(args.model).is_dir():
+            raise CLIError(f"--model {args.model} is not a directory or a registered name "
+                           f"({', '.join(sorted(NAMED_MODELS))})")
 
 
 def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:

@@ -87,6 +87,28 @@ def test_image_only_in_user_messages_message(server: ServerProcess) -> None:
     assert "images are accepted only in user messages" in r.json()["error"]["message"]
 
 
+def test_image_outside_user_messages_is_refused_before_any_fetch(server: ServerProcess) -> None:
+    """An image URL that could not be fetched (a file:// outside the allowed directory) in a system
+    message gets the role refusal, not the fetch error: the roles are checked before fetching."""
+    unfetchable = {"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}
+    r = _post(server, "chat", _chat(messages=[{"role": "system", "content": [unfetchable]},
+                                              {"role": "user", "content": "hi"}]))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages" and error["code"] is None, error
+    assert error["message"] == "images are accepted only in user messages; message 0 (role 'system') has an image part"
+
+
+def test_generate_help_names_the_default_question(capsys: pytest.CaptureFixture[str]) -> None:
+    """``mm-serve generate`` without --prompt asks its own question; --help says which."""
+    from mm_serve.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--help"])
+    assert exc.value.code == 0
+    assert "default: 'Describe the image.'" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63 - 1])
 def test_any_signed_64_bit_seed_is_accepted_and_reproducible(server: ServerProcess, seed: int) -> None:
     """The full signed 64-bit range works, n > 1 included, and a seed gives the same tokens twice."""
@@ -136,3 +158,15 @@ def test_docs_work_offline(server: ServerProcess) -> None:
     local = [a for a in assets if a.endswith((".js", ".css"))]
     assert local and all(a.startswith("/") for a in local), assets
     assert all(httpx.get(f"{server.url}{a}", timeout=10).status_code == 200 for a in local)
+
+
+@pytest.mark.parametrize("extra", [[], ["--server", "http://127.0.0.1:9"]], ids=["own server", "--server"])
+def test_bench_takes_a_registered_model_name(extra: list[str]) -> None:
+    """``mm-serve bench --model embedded`` gets past argument checks and model resolution (no run)."""
+    from mm_serve.cli.bench import _check, _model_dir
+    from mm_serve.cli.main import build_parser
+    from mm_serve.models.registry import resolve_model
+
+    args = build_parser().parse_args(["bench", "--sweep", "--model", "embedded", *extra])
+    _check(args)
+    assert _model_dir(args)[0] == resolve_model("embedded")
