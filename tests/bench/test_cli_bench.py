@@ -52,14 +52,3 @@ def test_sweep_finds_the_capacity_of_a_fake_server(tmp_path: Path, capsys: pytes
     out = capsys.readouterr().out
     assert "goodput" in out and "fake" in out
 
-
-def test_bench_accepts_registered_model_names() -> None:
-    """``--model embedded`` resolves as in the other commands (it was "no config.json")."""
-    import argparse
-
-    from mm_serve.cli.bench import _model_dir
-    from mm_serve.models.registry import resolve_model
-
-    for server in (None, "http://127.0.0.1:9"):
-        args = argparse.Namespace(server=server, model="embedded", config=None)
-        assert _model_dir(args)[0] == resolve_model("embedded")
