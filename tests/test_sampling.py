@@ -125,3 +125,14 @@ def test_a_request_a_worker_cannot_decode_fails_instead_of_hanging(tmp_path: Pat
         failed = messages.decoder(messages.FromWorker).decode(output.recv())
         assert isinstance(failed, messages.RequestFailed) and failed.request_id == "r-7"
         assert "could not decode" in failed.message
+
+
+def test_seed_leaves_room_for_every_choice() -> None:
+    """Choice i of n draws with seed + i: a seed too close to MAX_SEED for n is refused at once,
+    naming the bound (it used to fail later, inside generate)."""
+    from mm_serve.runtime.sampling_params import MAX_SEED
+
+    assert SamplingParams(seed=MAX_SEED, n=1).seed == MAX_SEED
+    assert SamplingParams(seed=MAX_SEED - 3, n=4).n == 4
+    with pytest.raises(ValueError, match=f"seed must be at most {MAX_SEED - 3} with n = 4"):
+        SamplingParams(seed=MAX_SEED - 2, n=4)

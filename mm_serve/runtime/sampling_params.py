@@ -64,6 +64,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, 20)
         _check_int("n", self.n, 1, 16)
+        if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"seed must be at most {MAX_SEED - self.n + 1} with n = {self.n} (choice i draws "
+                             f"with seed + i, at most {MAX_SEED}), got {self.seed}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if isinstance(self.stop, str):
