@@ -68,6 +68,8 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
         refused = httpx.post(f"{url}/v1/chat/completions", timeout=10, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "stopping"
         for t in threads:
             t.join(120)
         assert errors == [] and finished == ["length"] * 3

@@ -29,7 +29,11 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining or not self._holder.ready or self._grace_s <= 0:
+        if self._draining:  # a second signal: stop now, without uvicorn's wait for open connections
+            self.force_exit = True
+            super().handle_exit(sig, frame)
+            return
+        if not self._holder.ready or self._grace_s <= 0:
             super().handle_exit(sig, frame)
             return
         self._draining = True

@@ -43,11 +43,14 @@ class EngineHolder:
         return self.client.is_ready
 
     def health(self) -> tuple[str, dict[str, str]]:
-        """(``ok`` | ``warming`` | ``unavailable``, per-worker status)."""
+        """(``ok`` | ``warming`` | ``stopping`` | ``unavailable``, per-worker status); ``stopping``
+        (503) while a SIGTERM/SIGINT drain runs, so load balancers stop sending traffic."""
         if self.start_error is not None:
             return "unavailable", {"engine": f"failed to start: {self.start_error.splitlines()[0]}"}
         info = self.client.health()
         workers: dict[str, str] = info["workers"] or {"engine": "warming"}
+        if self.draining.is_set():
+            return "stopping", workers
         if info["ok"] and self.ready:
             return "ok", workers
         if any(v.startswith("down") for v in workers.values()):

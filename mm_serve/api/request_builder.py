@@ -87,7 +87,7 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, prompt_len:
     """
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is None:
-        max_tokens = context_len - prompt_len
+        max_tokens = max(1, context_len - prompt_len)  # a prompt that fills the context has no room: refused below
     if prompt_len + max_tokens > context_len:
         raise bad_request(
             f"this model's context length is {context_len} tokens; the prompt has {prompt_len} tokens "

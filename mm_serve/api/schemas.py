@@ -291,7 +291,7 @@ class ErrorResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "warming", "unavailable"]
+    status: Literal["ok", "warming", "stopping", "unavailable"]
     workers: dict[str, str]
 
 
