@@ -14,6 +14,7 @@ from mm_serve.config import APIConfig
 from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
 from mm_serve.media.fetch import MediaPolicy, load_image_urls
+from mm_serve.media.offline import image_outside_user_message
 from mm_serve.runtime.sampling_params import MAX_SEED, SamplingParams
 
 
@@ -38,8 +39,7 @@ async def chat_messages(messages: list[ChatMessage], api: APIConfig) -> list[dic
         if message.role != "user" and isinstance(message.content, list) and any(
                 part.type == "image_url" for part in message.content):
             # the engine refuses these too (media.offline.normalize_messages); say so before fetching
-            raise bad_request(f"images are accepted only in user messages; message {number} "
-                              f"(role {message.role!r}) has an image part", "messages")
+            raise bad_request(image_outside_user_message(number, message.role), "messages")
     urls = [part.image_url.url for m in messages if isinstance(m.content, list)
             for part in m.content if part.type == "image_url"]
     if len(urls) > api.max_images_per_request:

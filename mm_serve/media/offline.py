@@ -52,6 +52,11 @@ def to_pil(value: Any, max_pixels: int = OFFLINE_MAX_PIXELS) -> Image.Image:
     raise ValueError(f"an image must be a PIL image, a file path, a data URI or bytes, not {type(value).__name__}")
 
 
+def image_outside_user_message(number: int, role: object) -> str:
+    """The refusal of an image part in message ``number`` whose role is ``role`` (not ``user``)."""
+    return f"images are accepted only in user messages; message {number} (role {role!r}) has an image part"
+
+
 def normalize_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Image.Image]]:
     """Chat ``messages`` with every image part as ``{"type": "image", "image": PIL.Image}``
     (what the chat templates count), and the images in order.
@@ -79,8 +84,7 @@ def normalize_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Image.
                 parts.append(part)
             elif kind in IMAGE_PART_TYPES:
                 if message["role"] != "user":
-                    raise ValueError(f"images are accepted only in user messages; message {number} "
-                                     f"(role {message['role']!r}) has an image part")
+                    raise ValueError(image_outside_user_message(number, message["role"]))
                 raw = part.get("image") if kind == "image" else part.get("image_url")
                 if isinstance(raw, dict):
                     raw = raw.get("url")
