@@ -300,6 +300,37 @@ class CrossModalRing:
             self._claimed.add(seq)
         return handoff
 
+    def discard_corrupt(self) -> Handoff | None:
+        """Take the next slot out of the ring if it is READY at the wrong lap, and release it.
+
+        The producer stores the version before READY, so a READY slot whose version is not
+        ``READ_INDEX // capacity + 1`` is no write in progress: it is a corrupted (or
+        mis-versioned) hand-off that :meth:`peek` would otherwise stall on for good. It is
+        claimed and released at once (the producer gets its pages back) and never consumed.
+
+        Returns:
+            The slot as read (its ``request_id`` as stored, ``""`` when not UTF-8), with
+            ``seq`` set; None when the head slot is not such a slot.
+        """
+        self._require_open()
+        seq = int(self._ctrl[ControlWord.READ_INDEX])
+        index = seq % self.spec.capacity
+        lap = seq // self.spec.capacity + 1
+        if self._slots["status"][index] != SlotStatus.READY or self._slots["version"][index] == lap:
+            return None
+        snap = self._slots[index : index + 1].copy()[0]
+        try:
+            handoff = read_payload(snap)
+        except (UnicodeDecodeError, ValueError):
+            handoff = Handoff(request_id="", page_ids=[], num_kv_tokens=0, first_token=0, feature_offset=0,
+                              feature_rows=0, meta=b"")
+        handoff.seq = seq
+        self._slots["status"][index] = SlotStatus.CLAIMED
+        self._ctrl[ControlWord.READ_INDEX] = seq + 1
+        self._claimed.add(seq)
+        self.release(handoff)
+        return handoff
+
     def release(self, handoff: Handoff) -> None:
         """Hand a claimed hand-off's pages and features back (after copying them out).
 

@@ -62,7 +62,11 @@ class ServiceMetrics:
     def observe_finished(self, state: RequestState) -> None:
         """Record one finished engine request (called on the engine client's receiver thread)."""
         reason = state.finish_reason or "unknown"
-        self.requests.labels(finish_reason=reason, status_code="200" if reason in ("stop", "length") else "499").inc()
+        if reason in ("stop", "length"):
+            code = "200"
+        else:  # cancelled by the client (disconnect, timeout): 499; ended by a fault or a worker error: 503
+            code = "499" if state.error in (None, "aborted") else "503"
+        self.requests.labels(finish_reason=reason, status_code=code).inc()
         self.prompt_tokens.inc(state.num_prompt_tokens)
         self.generation_tokens.inc(len(state.token_ids))
         self.images.inc(state.num_images)
@@ -117,6 +121,41 @@ class WorkerStatsCollector(Collector):
         for (role, index), s in sorted(stats.items()):
             preempt.add_metric([f"{role}{index}"], float(s.num_preemptions))
         yield preempt
+
+
+_FAULT_COUNTERS = (
+    ("worker_restarts", "Worker restarts after an exit or a hang, by role."),
+    ("request_migrations", "Requests moved to another worker (re-prefilled) after a fault of a worker of this role."),
+    ("handoff_failures", "Hand-offs a decode worker refused (bad version, checksum or meta); each was re-prefilled."),
+    ("requests_failed_by_fault", "Requests ended with an error by a fault (past fault.max_migrations, or no worker left)."),
+)
+
+
+class FaultCollector(Collector):
+    """Fault counters by role and per-worker readiness, read at scrape time.
+
+    ``source()`` returns ``(counts, workers)``: ``counts`` maps ``(kind, role)`` to a count,
+    kinds as in :data:`_FAULT_COUNTERS` (``worker_restarts``, ``request_migrations``,
+    ``handoff_failures``, ``requests_failed_by_fault``); ``workers`` maps a worker name to its
+    status (``ready | warming | restarting | down``).
+    """
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        counts, workers = self._source()
+        roles = sorted({role for _, role in counts} | {"prefill", "decode"})
+        for kind, doc in _FAULT_COUNTERS:
+            family = CounterMetricFamily(f"mm_serve_{kind}", doc, labels=["role"])
+            for role in roles:
+                family.add_metric([role], float(counts.get((kind, role), 0)))
+            yield family
+        ready = GaugeMetricFamily("mm_serve_worker_ready", "1 when the worker is ready, else 0 (warming, "
+                                  "restarting, down).", labels=["worker"])
+        for name, status in sorted(workers.items()):
+            ready.add_metric([name], 1.0 if status == "ready" else 0.0)
+        yield ready
 
 
 def render(registry: CollectorRegistry) -> bytes:

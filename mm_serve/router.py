@@ -7,10 +7,14 @@
   with the most free pages after its in-flight requests, among those under
   ``decode_max_concurrent``; if none has room, the least loaded (the hand-off
   then waits in its ring, which is backpressure, never a drop).
+
+Only workers the caller names as candidates (the ready ones) are picked: a worker
+that is restarting or down gets nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -37,12 +41,23 @@ class Router:
         self._decode_of: dict[str, int] = {}
         self.max_running = max_running
 
-    def pick_prefill(self) -> int:
-        """Index of the prefill worker with the fewest queued tokens (lowest index on ties)."""
-        return min(range(len(self.prefill_tokens)), key=lambda i: (self.prefill_tokens[i], i))
+    def pick_prefill(self, candidates: Sequence[int] | None = None) -> int:
+        """Index of the prefill worker with the fewest queued tokens (lowest index on ties),
+        among ``candidates`` (default: all).
 
-    def pick_decode(self, pages_needed: int) -> int:
-        """Index of the decode worker with the most room for ``pages_needed`` more pages."""
+        Raises:
+            ValueError: ``candidates`` is empty.
+        """
+        pool = range(len(self.prefill_tokens)) if candidates is None else candidates
+        return min(pool, key=lambda i: (self.prefill_tokens[i], i))
+
+    def pick_decode(self, pages_needed: int, candidates: Sequence[int] | None = None) -> int:
+        """Index of the decode worker with the most room for ``pages_needed`` more pages, among
+        ``candidates`` (default: all).
+
+        Raises:
+            ValueError: ``candidates`` is empty.
+        """
 
         def room(i: int) -> tuple[bool, int, int]:
             load = self.decode[i]
@@ -50,7 +65,7 @@ class Router:
             fits = busy < self.max_running and load.free_after_inflight() >= pages_needed
             return (fits, load.free_after_inflight(), -busy)
 
-        return max(range(len(self.decode)), key=room)
+        return max(range(len(self.decode)) if candidates is None else candidates, key=room)
 
     def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int) -> None:
         self.prefill_tokens[prefill] += tokens
@@ -81,6 +96,11 @@ class Router:
     def prefill_of(self, request_id: str) -> int | None:
         entry = self._prefill_of.get(request_id)
         return None if entry is None else entry[0]
+
+    def reset_decode(self, index: int) -> None:
+        """Decode worker ``index`` failed: forget its last stats (its restart reports afresh)."""
+        load = self.decode[index]
+        load.pages_used = load.running = 0
 
     def update_decode_stats(self, index: int, pages_used: int, pages_total: int, running: int) -> None:
         load = self.decode[index]

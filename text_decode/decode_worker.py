@@ -38,7 +38,7 @@ class DecodeWorker(WorkerShell):
         self.model_config, self.model, self.kv_cache = load_for_worker(spec)
         self.runner = ModelRunner(self.model, self.kv_cache, cuda_graphs=cfg.use_cuda_graphs, max_running=cfg.max_running)
         self.rings = [CrossModalRing.attach(r) for r in spec.rings]
-        self.receiver = HandoffReceiver(self.rings, self.kv_cache)
+        self.receiver = HandoffReceiver(self.rings, self.kv_cache, self._handoff_failed)
         self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, cfg)
         self.sampler = Sampler()
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
@@ -57,6 +57,13 @@ class DecodeWorker(WorkerShell):
             return
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         self.send([token_update(request)])
+
+    def replace_ring(self, msg: messages.ReplaceRing) -> None:
+        self.receiver.replace_ring(msg.peer_index, msg.ring)
+
+    def _handoff_failed(self, request_id: str, reason: str) -> None:
+        print(f"[decode {self.spec.index}] refused the hand-off of {request_id!r}: {reason}", flush=True)
+        self.channel.send(messages.HandoffFailed(request_id, reason))
 
     def _adopt(self, request: Request) -> None:
         """A claimed hand-off joins the running set (at once: the next claim sees it)."""
@@ -87,11 +94,19 @@ class DecodeWorker(WorkerShell):
         plan = self.scheduler.schedule()
         if plan.empty:
             return
-        if plan.prefill:  # recompute of preempted requests: token ids + kept image embeddings
-            batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
-        else:
-            batch, logits = plan.decode, self.runner.decode(plan.decode)
-        tokens, logprobs = sample_requests(self.sampler, logits, batch)
+        batch = plan.prefill or plan.decode
+        try:
+            if plan.prefill:  # recompute of preempted requests: token ids + kept image embeddings
+                logits = self.runner.prefill(plan.prefill)
+            else:
+                logits = self.runner.decode(plan.decode)
+            tokens, logprobs = sample_requests(self.sampler, logits, batch)
+        except Exception as exc:  # one bad step fails its requests, not the worker
+            print(f"[decode {self.spec.index}] step of {len(batch)} failed: {exc!r}", flush=True)
+            for request in batch:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self.channel.send(messages.RequestFailed(request.request_id, f"decode failed: {exc}"))
+            return
         now = time.time()
         for request in batch:
             request.stamp(LifetimeEvent.FIRST_DECODE, now)

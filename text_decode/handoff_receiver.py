@@ -9,23 +9,57 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
+from kernels.handoff_checksum import handoff_checksum
 from kernels.kv_transfer import copy_kv_from_ring
 from kernels.ring_buffer import CrossModalRing, Handoff
+from kernels.ring_spec import RingSpec
 from mm_serve.runtime import messages
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
 from mm_serve.runtime.lifetime import LifetimeEvent, events_from_wire
 from mm_serve.runtime.request import Request
-from mm_serve.runtime.sampler import restore_generator
+from mm_serve.runtime.sampler import make_generator
 from mm_serve.runtime.sampling_wire import from_wire
 
 
-class HandoffReceiver:
-    """Claims from every ring (round-robin start) into ``kv_cache``."""
+class BadHandoff(Exception):
+    """A claimed hand-off failed its checks; nothing was adopted from it."""
 
-    def __init__(self, rings: list[CrossModalRing], kv_cache: PagedKVCache) -> None:
+
+class HandoffReceiver:
+    """Claims from every ring (round-robin start) into ``kv_cache``.
+
+    Hand-offs that fail a check (a READY slot at the wrong lap, meta that does not
+    parse or names another request, a payload checksum that does not match) are
+    released without running and reported to ``on_failed(request_id, reason)``; the
+    front end prefills those requests again.
+    """
+
+    def __init__(
+        self, rings: list[CrossModalRing], kv_cache: PagedKVCache,
+        on_failed: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.rings = rings
         self.kv_cache = kv_cache
+        self.num_failed = 0
+        self._on_failed = on_failed
         self._start = 0
+
+    def replace_ring(self, prefill_index: int, spec: RingSpec) -> None:
+        """Prefill worker ``prefill_index`` was restarted with a fresh ring: close the old one
+        (what it still held is dropped; the front end resubmits those requests), attach ``spec``.
+
+        Raises:
+            FileNotFoundError, ValueError: as :meth:`CrossModalRing.attach`.
+        """
+        self.rings[prefill_index].close()
+        self.rings[prefill_index] = CrossModalRing.attach(spec)
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        self.num_failed += 1
+        if self._on_failed is not None:
+            self._on_failed(request_id, reason)
 
     def claim_ready(
         self, can_admit: Callable[[int], bool], aborted: set[str],
@@ -49,7 +83,11 @@ class HandoffReceiver:
             while True:
                 head = ring.peek()
                 if head is None:
-                    break
+                    bad = ring.discard_corrupt()
+                    if bad is None:
+                        break
+                    self._fail(bad.request_id, f"hand-off seq {bad.seq} is READY at the wrong version")
+                    continue
                 if head.request_id in aborted:
                     handoff = ring.claim()
                     if handoff is not None:
@@ -61,7 +99,11 @@ class HandoffReceiver:
                 handoff = ring.claim()
                 if handoff is None:
                     break
-                request = self._adopt(ring, handoff)
+                try:
+                    request = self._adopt(ring, handoff)
+                except BadHandoff as exc:
+                    self._fail(handoff.request_id, str(exc))
+                    continue
                 claimed.append(request)
                 if on_claim is not None:
                     on_claim(request)
@@ -69,20 +111,40 @@ class HandoffReceiver:
         return claimed
 
     def _adopt(self, ring: CrossModalRing, handoff: Handoff) -> Request:
-        meta = messages.decode_meta(handoff.meta)
-        # room for the first decoded token too: what can_admit was asked for
-        pages = self.kv_cache.pool.allocate(pages_for(handoff.num_kv_tokens + 1, self.kv_cache.page_size))
-        copy_kv_from_ring(ring.pages, handoff.page_ids, self.kv_cache.data, pages[: len(handoff.page_ids)])
-        embeds = None
-        if handoff.feature_rows:
-            rows = ring.features[handoff.feature_offset : handoff.feature_offset + handoff.feature_rows]
-            embeds = rows.to(self.kv_cache.data.device, copy=True)
+        """Copy a claimed hand-off into the local cache and release it; raise :class:`BadHandoff`
+        (after releasing it and freeing the local pages) when a check fails."""
+        pages: list[int] = []
+        try:
+            try:
+                meta = messages.decode_meta(handoff.meta)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise BadHandoff(f"hand-off meta does not parse: {exc}") from None
+            if meta.request_id != handoff.request_id or len(meta.prompt_token_ids) != handoff.num_kv_tokens:
+                raise BadHandoff(f"hand-off meta belongs to {meta.request_id!r} ({len(meta.prompt_token_ids)} "
+                                 f"tokens), the slot to {handoff.request_id!r} ({handoff.num_kv_tokens})")
+            # room for the first decoded token too: what can_admit was asked for
+            pages = self.kv_cache.pool.allocate(pages_for(handoff.num_kv_tokens + 1, self.kv_cache.page_size))
+            copy_kv_from_ring(ring.pages, handoff.page_ids, self.kv_cache.data, pages[: len(handoff.page_ids)])
+            embeds = None
+            if handoff.feature_rows:
+                rows = ring.features[handoff.feature_offset : handoff.feature_offset + handoff.feature_rows]
+                embeds = rows.to(self.kv_cache.data.device, copy=True)
+            if meta.checksum is not None:  # over the ring memory, after the copy: a change in between shows
+                crc = handoff_checksum(ring.pages, handoff.page_ids, ring.features, handoff.feature_offset,
+                                       handoff.feature_rows)
+                if crc != meta.checksum:
+                    raise BadHandoff(f"hand-off payload checksum {crc:#010x} != {meta.checksum:#010x}")
+        except BadHandoff:
+            self.kv_cache.pool.free(pages)
+            ring.release(handoff)
+            raise
         ring.release(handoff)
+        seed = meta.seed
         request = Request(
             request_id=handoff.request_id, prompt_token_ids=list(meta.prompt_token_ids),
             sampling_params=from_wire(meta.sampling), num_images=meta.num_images, image_embeds=embeds,
-            block_table=pages, generator=restore_generator(meta.generator_state),
-            events=events_from_wire(meta.events),
+            block_table=pages, generator=None if seed is None else make_generator(seed), seed=seed,
+            output_offset=meta.output_offset, events=events_from_wire(meta.events),
         )
         request.append_output(handoff.first_token, meta.first_logprobs)
         request.num_sent_tokens = 1  # the prefill worker reported the first token

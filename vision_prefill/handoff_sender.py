@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kernels.handoff_checksum import handoff_checksum
 from kernels.kv_transfer import copy_kv_to_ring
 from kernels.ring_buffer import CrossModalRing, Handoff
+from kernels.ring_spec import RingSpec
 from mm_serve.runtime import messages
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.lifetime import LifetimeEvent, events_to_wire
 from mm_serve.runtime.request import Request
-from mm_serve.runtime.sampler import generator_state
 from mm_serve.runtime.sampling_wire import to_wire
 
 
@@ -27,10 +28,11 @@ class PendingHandoff:
 
     request: Request
     decode_index: int
-    meta: bytes
+    meta: messages.HandoffMeta
     ring_pages: list[int] | None = None
     feature_offset: int = 0
     copied: bool = False
+    meta_bytes: bytes = b""  # encoded once the pages are in the ring (it carries their checksum)
 
 
 class HandoffSender:
@@ -38,14 +40,16 @@ class HandoffSender:
 
     def __init__(
         self, rings: list[CrossModalRing], kv_cache: PagedKVCache,
-        on_publish: Callable[[int], None] | None = None,
+        on_publish: Callable[[int], None] | None = None, checksum: bool = True,
     ) -> None:
         """``on_publish(d)`` runs after each publish to decode worker ``d``'s ring
-        (the prefill worker rings that worker's doorbell)."""
+        (the prefill worker rings that worker's doorbell); with ``checksum`` each hand-off's
+        meta carries the CRC-32 of its ring pages and features (:mod:`kernels.handoff_checksum`)."""
         self.rings = rings
         self.kv_cache = kv_cache
         self.pending: list[PendingHandoff] = []
         self._on_publish = on_publish
+        self._checksum = checksum
 
     def add(self, request: Request) -> None:
         """Queue a prefilled request (first token sampled, KV in its ``block_table``) for
@@ -53,12 +57,13 @@ class HandoffSender:
         request.stamp(LifetimeEvent.HANDOFF_BEGIN)
         p = request.sampling_params
         meta = messages.HandoffMeta(
-            prompt_token_ids=request.prompt_token_ids, sampling=to_wire(p, frozenset()),
-            generator_state=generator_state(request.generator), num_images=request.num_images,
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling=to_wire(p, frozenset()), seed=request.seed if request.generator is not None else None,
+            output_offset=request.output_offset, num_images=request.num_images,
             first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
             events=events_to_wire(request.events),
         )
-        self.pending.append(PendingHandoff(request, request.decode_index, messages.encode_meta(meta)))
+        self.pending.append(PendingHandoff(request, request.decode_index, meta))
 
     def pump(self) -> list[Request]:
         """Reclaim released slots, then try to publish every pending hand-off in order.
@@ -101,10 +106,14 @@ class HandoffSender:
                     request.image_embeds.to(ring.features.dtype)
                 )
             item.copied = True
+            if self._checksum:
+                item.meta.checksum = handoff_checksum(
+                    ring.pages, item.ring_pages, ring.features, item.feature_offset, rows)
+            item.meta_bytes = messages.encode_meta(item.meta)
         handoff = Handoff(
             request_id=request.request_id, page_ids=item.ring_pages, num_kv_tokens=request.num_prompt_tokens,
             first_token=request.output_token_ids[0], feature_offset=item.feature_offset, feature_rows=rows,
-            meta=item.meta,
+            meta=item.meta_bytes,
         )
         return ring.publish(handoff, timeout=0.0)
 
@@ -120,6 +129,23 @@ class HandoffSender:
                 item.request.block_table = []
                 return item.request
         return None
+
+    def replace_ring(self, decode_index: int, spec: RingSpec) -> list[str]:
+        """Decode worker ``decode_index`` was restarted with a fresh ring: drop every pending
+        hand-off to it (their local pages are freed; the front end resubmits those
+        requests), close the old ring and attach ``spec``. Returns the dropped request ids.
+
+        Raises:
+            FileNotFoundError, ValueError: as :meth:`CrossModalRing.attach`.
+        """
+        dropped = [item for item in self.pending if item.decode_index == decode_index]
+        self.pending = [item for item in self.pending if item.decode_index != decode_index]
+        for item in dropped:
+            self.kv_cache.pool.free(item.request.block_table)
+            item.request.block_table = []
+        self.rings[decode_index].close()
+        self.rings[decode_index] = CrossModalRing.attach(spec)
+        return [item.request.request_id for item in dropped]
 
     @property
     def num_pending(self) -> int:

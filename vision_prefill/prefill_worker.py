@@ -39,7 +39,8 @@ class PrefillWorker(WorkerShell):
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.rings = [CrossModalRing.attach(r) for r in spec.rings]
         self.doorbells = DoorbellRingers(spec.doorbells)
-        self.sender = HandoffSender(self.rings, self.kv_cache, self.doorbells.ring if spec.doorbells else None)
+        self.sender = HandoffSender(self.rings, self.kv_cache, self.doorbells.ring if spec.doorbells else None,
+                                    checksum=spec.handoff_checksum)
         self.scheduler = PrefillScheduler(cfg.prefill_token_budget, cfg.prefill_batch_size)
         self.sampler = Sampler()
         # EOS is folded into each request's stop tokens by the front end (sampling_wire)
@@ -52,7 +53,9 @@ class PrefillWorker(WorkerShell):
         request = Request(
             msg.request_id, list(msg.prompt_token_ids), params, num_images=msg.num_images,
             pixel_values=None if msg.pixel_values is None else msg.pixel_values.to_tensor(),
-            generator=None if params.greedy else make_generator(msg.generator_seed), decode_index=msg.decode_index,
+            generator=None if params.greedy else make_generator(msg.generator_seed),
+            seed=None if params.greedy else msg.generator_seed, output_offset=msg.output_offset,
+            decode_index=msg.decode_index,
         )
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)
         request.stamp(LifetimeEvent.PREFILL_QUEUED)
@@ -61,6 +64,9 @@ class PrefillWorker(WorkerShell):
     def abort(self, request_id: str) -> None:
         if self.scheduler.remove(request_id) is None:
             self.sender.abort(request_id)
+
+    def replace_ring(self, msg: messages.ReplaceRing) -> None:
+        self.sender.replace_ring(msg.peer_index, msg.ring)
 
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Finish a request that ended at its first token: its pages go back to the pool."""
@@ -88,6 +94,18 @@ class PrefillWorker(WorkerShell):
         return self.kv_cache.pool.can_allocate(need)
 
     def _run_batch(self, batch: list[Request]) -> None:
+        """Run one prefill batch; an exception fails the batch's requests, not the worker."""
+        try:
+            self._prefill(batch)
+        except Exception as exc:  # one bad batch must not take the worker (and every other request) down
+            print(f"[prefill {self.spec.index}] batch of {len(batch)} failed: {exc!r}", flush=True)
+            for request in batch:
+                self.sender.abort(request.request_id)
+                if request.block_table:
+                    self._release(request, RequestStatus.FINISHED_ABORTED)
+                self.channel.send(messages.RequestFailed(request.request_id, f"prefill failed: {exc}"))
+
+    def _prefill(self, batch: list[Request]) -> None:
         for request in batch:
             request.block_table = self.kv_cache.pool.allocate(pages_for(request.num_tokens, self.kv_cache.page_size))
             request.status = RequestStatus.RUNNING

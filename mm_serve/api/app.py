@@ -30,7 +30,7 @@ from mm_serve.api.schemas import (
     ModelList,
     VersionResponse,
 )
-from mm_serve.metrics import ServiceMetrics, WorkerStatsCollector, render
+from mm_serve.metrics import FaultCollector, ServiceMetrics, WorkerStatsCollector, render
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
@@ -67,6 +67,7 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     registry.register(WorkerStatsCollector(lambda: dict(ctx.holder.client.stats)))
+    registry.register(FaultCollector(ctx.holder.client.fault_report))
     ctx.holder.client.finish_listeners.append(metrics.observe_finished)
     install_error_handlers(app, metrics.observe_rejected)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes)
@@ -110,9 +111,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health() -> JSONResponse:
-        status, workers = ctx.holder.health()
-        body = HealthResponse(status=status, workers=workers).model_dump()  # type: ignore[arg-type]
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        status, workers, faults = ctx.holder.health()
+        body = HealthResponse(status=status, workers=workers, faults=faults).model_dump()  # type: ignore[arg-type]
+        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)")
     async def metrics_endpoint() -> Response:

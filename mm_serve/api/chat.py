@@ -96,6 +96,7 @@ async def _stream(gen: Generation, body: ChatCompletionRequest, ctx: ServerConte
             if state.finished:
                 if state.error and state.error != "aborted":
                     yield error_event(f"the request failed: {state.error}")
+                    yield DONE
                     return
                 closed[i] = True
                 yield emit([ChatChunkChoice(index=i, delta=DeltaMessage(content=text or None), logprobs=logprobs,
@@ -109,6 +110,7 @@ async def _stream(gen: Generation, body: ChatCompletionRequest, ctx: ServerConte
         yield DONE
     except TimeoutError:
         yield error_event(f"the request did not finish within api.timeout_ms ({ctx.config.api.timeout_ms} ms)")
+        yield DONE
     except ConnectionAbortedError:
         return
     finally:

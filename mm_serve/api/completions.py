@@ -108,6 +108,7 @@ async def _stream(gen: Generation, body: CompletionRequest, ctx: ServerContext, 
             text = state.take_text()
             if state.finished and state.error and state.error != "aborted":
                 yield error_event(f"the request failed: {state.error}")
+                yield DONE
                 return
             if state.finished:
                 closed[i] = True
@@ -120,6 +121,7 @@ async def _stream(gen: Generation, body: CompletionRequest, ctx: ServerContext, 
         yield DONE
     except TimeoutError:
         yield error_event(f"the request did not finish within api.timeout_ms ({ctx.config.api.timeout_ms} ms)")
+        yield DONE
     except ConnectionAbortedError:
         return
     finally:

@@ -27,13 +27,18 @@ class ServerContext:
         return engine_sizing(self.config).context_limit(self.holder.model_config.text)
 
     def client_or_503(self) -> EngineClient:
-        """The engine client, or 503 while it is warming up, failed or shutting down."""
+        """The engine client, or 503 while it is warming up, failed to start or shutting down.
+
+        Once started it is returned even while a worker restarts: requests then wait for it
+        (bounded by ``api.timeout_ms``), and :meth:`EngineClient.submit` refuses them when a
+        role has no worker left.
+        """
         if self.holder.draining.is_set():
             raise unavailable("the service is shutting down; in-flight requests are finishing")
-        if not self.holder.ready:
-            status, _ = self.holder.health()
+        if not self.holder.started:
+            status = self.holder.health()[0]
             raise unavailable(f"the service is {status}; try again shortly" if status == "warming"
-                              else "the service is unavailable (a worker is down)")
+                              else "the service is unavailable (it failed to start; see /health)")
         return self.holder.client
 
     def deadline(self) -> float:

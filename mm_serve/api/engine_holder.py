@@ -40,22 +40,32 @@ class EngineHolder:
 
     @property
     def ready(self) -> bool:
+        """Whether a path serves now (see :meth:`EngineClient.is_ready`)."""
         return self.client.is_ready
 
-    def health(self) -> tuple[str, dict[str, str]]:
-        """(``ok`` | ``warming`` | ``stopping`` | ``unavailable``, per-worker status); ``stopping``
-        (503) while a SIGTERM/SIGINT drain runs, so load balancers stop sending traffic."""
+    @property
+    def started(self) -> bool:
+        """Whether the first start succeeded (later faults are the pool's to repair)."""
+        return self.ready_event.is_set() and self.start_error is None and self.client.router is not None
+
+    def health(self) -> tuple[str, dict[str, str], dict[str, str]]:
+        """(status, per-worker status, last fault per worker).
+
+        Status: ``ok`` (every worker ready), ``degraded`` (a worker is restarting or down but a
+        prefill and a decode path serve; 200), ``warming`` (first start), ``stopping`` (a
+        SIGTERM/SIGINT drain runs, so load balancers stop sending traffic), ``down`` (no path
+        serves, or the start failed). Only ``ok`` and ``degraded`` are HTTP 200.
+        """
         if self.start_error is not None:
-            return "unavailable", {"engine": f"failed to start: {self.start_error.splitlines()[0]}"}
+            return "down", {"engine": f"failed to start: {self.start_error.splitlines()[0]}"}, {}
         info = self.client.health()
         workers: dict[str, str] = info["workers"] or {"engine": "warming"}
+        faults: dict[str, str] = info["faults"]
         if self.draining.is_set():
-            return "stopping", workers
-        if info["ok"] and self.ready:
-            return "ok", workers
-        if any(v.startswith("down") for v in workers.values()):
-            return "unavailable", workers
-        return "warming", workers
+            return "stopping", workers, faults
+        if not self.started:
+            return "warming", workers, faults
+        return info["status"], workers, faults
 
     def drain(self, grace_s: float) -> int:
         """Stop admitting, then wait up to ``grace_s`` seconds for in-flight engine requests to

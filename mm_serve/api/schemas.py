@@ -291,8 +291,11 @@ class ErrorResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ok", "warming", "stopping", "unavailable"]
-    workers: dict[str, str]
+    """``/health``: 200 when ``ok`` or ``degraded``, else 503."""
+
+    status: Literal["ok", "degraded", "warming", "stopping", "down"]
+    workers: dict[str, str]  # worker name (prefill0, decode0, colocated0) -> ready | warming | restarting | down
+    faults: dict[str, str] = {}  # worker name -> its last failure (exit code, hang), for workers that had one
 
 
 class VersionResponse(BaseModel):

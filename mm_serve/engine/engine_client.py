@@ -1,28 +1,38 @@
-"""The front end's request client: submit, abort, receive token updates, worker stats.
+"""The front end's request client: submit, abort, receive token updates, worker stats, migrate.
 
 It stands on a :class:`~mm_serve.engine.worker_pool.WorkerPool` (the processes, rings
 and sockets). :meth:`EngineClient.submit` routes a request (see :mod:`mm_serve.router`)
-and returns its :class:`RequestState`; a receiver thread assembles the workers' token
-updates into those states; :meth:`EngineClient.shutdown` fails what is still in flight
-and shuts the pool down.
+to ready workers and returns its :class:`RequestState`; a receiver thread assembles the
+workers' token updates into those states and runs the pool's supervision. When a worker
+fails, every request that depended on it is migrated (:mod:`mm_serve.engine.flight`):
+
+* prefill (or colocated) worker: the requests it had queued, was prefilling, or had
+  prefilled but whose hand-off no decode worker has reported taking;
+* decode worker: every request routed to it, whatever its stage;
+* a hand-off a decode worker refused (:class:`~mm_serve.runtime.messages.HandoffFailed`).
+
+A migrated request goes to a ready worker, or waits ("parked") while its role has one
+restarting; past ``fault.max_migrations`` it fails with a message naming the fault.
+:meth:`EngineClient.shutdown` fails what is still in flight and shuts the pool down.
 """
 
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.detokenizer import IncrementalDetokenizer
+from mm_serve.engine.flight import Flight
 from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
-from mm_serve.engine.worker_pool import WorkerKey, WorkerPool, WorkerStartError
+from mm_serve.engine.worker_pool import WorkerFailure, WorkerKey, WorkerPool, WorkerStartError
 from mm_serve.engine.worker_specs import check_supported, engine_sizing
 from mm_serve.models.model_config import load_model_config
 from mm_serve.router import Router
@@ -33,9 +43,17 @@ from mm_serve.runtime.sampling_wire import to_wire
 
 __all__ = ["EngineClient", "WorkerStartError"]
 
+SUPERVISE_INTERVAL_S = 0.1  # how often the receiver thread runs the pool's supervision
+
 
 class EngineClient:
     """Requests in flight on the workers of one service instance.
+
+    Attributes:
+        requests: request id -> :class:`RequestState` of every unfinished request.
+        fault_counts: ``(kind, role)`` -> count, kinds ``request_migrations`` (requests moved
+            after a fault of a worker of that role), ``handoff_failures`` (hand-offs refused
+            by decode), ``requests_failed_by_fault`` (requests ended with an error by a fault).
 
     Raises (constructor):
         ConfigError: the config asks for what the runtime cannot run.
@@ -54,8 +72,11 @@ class EngineClient:
         self.eos_token_ids = self.inputs.eos_token_ids
         self.stats: dict[WorkerKey, messages.WorkerStats] = {}
         self.requests: dict[str, RequestState] = {}
+        self.fault_counts: Counter[tuple[str, str]] = Counter()
         self.finish_listeners: list[Callable[[RequestState], None]] = []  # called on the receiver thread
         self.router: Router | None = None
+        self._flights: dict[str, Flight] = {}  # request id -> flight
+        self._wire: dict[str, Flight] = {}  # wire id of the current attempt -> flight
         self._lock = threading.RLock()
         self._seed_rng = random.Random(config.seed)
         self._receiver: threading.Thread | None = None
@@ -88,14 +109,27 @@ class EngineClient:
 
     @property
     def is_ready(self) -> bool:
+        """Whether a path serves now (one prefill and one decode worker, or the colocated one, ready)."""
         return self.pool.is_ready
 
     def health(self) -> dict[str, Any]:
-        """Per-worker status (:meth:`WorkerPool.health`)."""
+        """Service and per-worker status (:meth:`WorkerPool.health`)."""
         return self.pool.health()
 
     def log_tail(self, lines: int = 30) -> str:
         return self.pool.log_tail(lines)
+
+    def fault_report(self) -> tuple[dict[tuple[str, str], int], dict[str, str]]:
+        """Fault counters ``(kind, role) -> count`` (kinds ``worker_restarts``,
+        ``request_migrations``, ``handoff_failures``, ``requests_failed_by_fault``) and each
+        worker's status, for the metrics."""
+        with self._lock:
+            counts = dict(self.fault_counts)
+        for role, n in self.pool.restart_counts.items():
+            counts["worker_restarts", role] = n
+        workers = self.pool.health()["workers"]
+        assert isinstance(workers, dict)
+        return counts, workers
 
     def shutdown(self) -> None:
         """Fail every request in flight, stop every worker, unlink every segment. Idempotent."""
@@ -110,74 +144,101 @@ class EngineClient:
     def submit(
         self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None
     ) -> RequestState:
-        """Route a processed request to a prefill (or colocated) worker.
+        """Route a processed request to a ready prefill (or colocated) worker; while its role
+        has none ready but one restarting, the request waits for it.
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` over the context length.
-            RuntimeError: the service is stopped or a worker is down.
+            RuntimeError: the service is stopped, or no worker of a role it needs is left.
         """
-        if self.pool.stopping.is_set() or self.pool.dead or self.router is None:
-            raise RuntimeError("the service is not available (a worker is down or it is shutting down)")
+        if self.pool.stopping.is_set() or self.router is None:
+            raise RuntimeError("the service is not available (it is shutting down)")
+        self._check_recoverable()
         n = len(inputs.prompt_token_ids)
         self.inputs.check_context(n, params.max_tokens, self.context_limit)
         state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop))
         state.num_images = inputs.num_images
         if arrival_time is not None:
             state.arrival_time = arrival_time
-        page_size = self.config.kv_cache.page_size
-        with self._lock:
-            if request_id in self.requests:
-                raise InvalidRequestError(f"duplicate request id {request_id!r}")
-            prefill = self.router.pick_prefill()
-            decode = self.router.pick_decode(pages_for(n + params.max_tokens, page_size))
-            self.router.dispatched(request_id, prefill, decode, n, pages_for(n + 1, page_size))
-            self.requests[request_id] = state
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        msg = messages.PrefillRequest(
+        first = messages.PrefillRequest(
             request_id=request_id, prompt_token_ids=inputs.prompt_token_ids,
-            sampling=to_wire(params, self.eos_token_ids), generator_seed=seed, decode_index=decode,
+            sampling=to_wire(params, self.eos_token_ids), generator_seed=seed, decode_index=0,
             num_images=inputs.num_images,
             pixel_values=None if inputs.pixel_values is None else messages.TensorBlob.from_tensor(inputs.pixel_values),
             arrival_time=time.time(),
         )
-        self.pool.send(("colocated" if self.colocated else "prefill", prefill), msg)
+        flight = Flight(state, first)
+        with self._lock:
+            if request_id in self.requests:
+                raise InvalidRequestError(f"duplicate request id {request_id!r}")
+            self.requests[request_id] = state
+            self._flights[request_id] = flight
+            self._dispatch(flight)
         return state
+
+    def _check_recoverable(self) -> None:
+        roles = [("colocated",)] if self.colocated else [("prefill",), ("decode",)]
+        for role in roles:
+            if not self.pool.may_recover(*role):
+                raise RuntimeError(f"the service is not available: every {role[0]} worker is down "
+                                   "(past fault.max_restarts); see /health")
+
+    def _dispatch(self, flight: Flight) -> None:
+        """Send the flight's current attempt to ready workers, or park it. Call under the lock."""
+        assert self.router is not None
+        prefill_role = "colocated" if self.colocated else "prefill"
+        prefills = self.pool.ready_indices(prefill_role)
+        decodes = prefills if self.colocated else self.pool.ready_indices("decode")
+        if not prefills or not decodes:
+            flight.parked = True
+            return
+        page_size = self.config.kv_cache.page_size
+        n = len(flight.first.prompt_token_ids) + flight.base
+        prefill = self.router.pick_prefill(prefills)
+        decode = prefill if self.colocated else self.router.pick_decode(
+            pages_for(n + flight.remaining_tokens(), page_size), decodes)
+        flight.parked = False
+        flight.prefill, flight.decode = prefill, decode
+        self._wire[flight.wire_id] = flight
+        self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size))
+        if not self.pool.send((prefill_role, prefill), flight.message(decode, time.time())):
+            # it died a moment ago: supervision finds it and migrates this flight with the rest
+            pass
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; its pages are freed by the workers."""
         with self._lock:
             state = self.requests.pop(request_id, None)
-            prefill, decode = self._forget_route(request_id)
+            flight = self._flights.pop(request_id, None)
+            if flight is not None:
+                self._drop_attempt(flight)
         if state is None:
             return
-        self._abort_workers(request_id, prefill, decode)
         state.fail("aborted")
         self._notify_finished(state)
 
-    def _forget_route(self, request_id: str) -> tuple[int | None, int | None]:
-        """The workers ``request_id`` was routed to; the router forgets it. Call under the lock."""
+    def _drop_attempt(self, flight: Flight) -> None:
+        """Forget the flight's current attempt: the router forgets it, the workers that may hold
+        it drop it (prefill queue, ring, decode). Call under the lock."""
         assert self.router is not None
-        route = self.router.prefill_of(request_id), self.router.decode_of(request_id)
-        self.router.finished(request_id)
-        return route
-
-    def _abort_workers(self, request_id: str, prefill: int | None, decode: int | None) -> None:
-        """Tell the workers that may hold ``request_id`` to drop it (prefill queue, ring, decode)."""
-        msg = messages.AbortRequest(request_id)
-        if self.colocated:
-            self.pool.send(("colocated", decode or 0), msg)
+        wire_id = flight.wire_id
+        self._wire.pop(wire_id, None)
+        self.router.finished(wire_id)
+        if flight.parked or flight.prefill is None:
             return
-        if prefill is not None:
-            self.pool.send(("prefill", prefill), msg)
-        if decode is not None:
-            self.pool.send(("decode", decode), msg)
+        msg = messages.AbortRequest(wire_id)
+        if self.colocated:
+            self.pool.send(("colocated", flight.prefill), msg)
+            return
+        self.pool.send(("prefill", flight.prefill), msg)
+        if flight.decode is not None:
+            self.pool.send(("decode", flight.decode), msg)
 
     def query_stats(self, timeout_s: float = 2.0) -> dict[WorkerKey, messages.WorkerStats]:
-        """Ask every worker for fresh stats and wait for the answers (best effort)."""
+        """Ask every ready worker for fresh stats and wait for the answers (best effort)."""
         asked = time.monotonic()
-        keys = self.pool.keys
-        for key in keys:
-            self.pool.send(key, messages.StatsQuery())
+        keys = [k for k in self.pool.keys if self.pool.send(k, messages.StatsQuery())]
         deadline = asked + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -188,6 +249,66 @@ class EngineClient:
         with self._lock:
             return dict(self.stats)
 
+    # ---- faults ----------------------------------------------------------------------------
+
+    def _on_failure(self, failure: WorkerFailure) -> None:
+        """Move every request that depended on the failed worker (see the module docstring)."""
+        role, index = failure.key
+        with self._lock:
+            self.stats.pop(failure.key, None)
+            self._stats_time.pop(failure.key, None)
+            if self.router is not None and role in ("decode", "colocated"):
+                self.router.reset_decode(index)
+            if role == "decode":
+                hit = [f for f in self._flights.values() if not f.parked and f.decode == index]
+            else:
+                hit = [f for f in self._flights.values()
+                       if not f.parked and f.prefill == index and (role == "colocated" or not f.claimed)]
+            for flight in hit:
+                self._migrate(flight, f"{role} worker {index} {failure.reason}", role)
+            if failure.down:
+                self._fail_unrecoverable(role)
+
+    def _migrate(self, flight: Flight, reason: str, role: str) -> None:
+        """Resubmit the flight's request from what it has received, or fail it past
+        ``fault.max_migrations``. Call under the lock."""
+        self._drop_attempt(flight)
+        limit = self.config.fault.max_migrations
+        if flight.migrations >= limit:
+            self.fault_counts["requests_failed_by_fault", role] += 1
+            self._finish_failed(flight, f"{reason}; the request was moved {flight.migrations} time(s) already "
+                                        f"(fault.max_migrations = {limit})")
+            return
+        self.fault_counts["request_migrations", role] += 1
+        flight.next_attempt()
+        if flight.remaining_tokens() <= 0:  # every token arrived; only the finish was lost
+            self._finish_failed(flight, reason)
+            return
+        self._dispatch(flight)
+
+    def _finish_failed(self, flight: Flight, message: str) -> None:
+        """End a flight with an error. Call under the lock."""
+        self.requests.pop(flight.request_id, None)
+        self._flights.pop(flight.request_id, None)
+        flight.state.fail(message)
+        self._notify_finished(flight.state)
+
+    def _fail_unrecoverable(self, role: str) -> None:
+        """After a worker of ``role`` went down for good: when no worker of a role the
+        requests need is left, fail every request. Call under the lock."""
+        try:
+            self._check_recoverable()
+        except RuntimeError as exc:
+            for flight in list(self._flights.values()):
+                self._drop_attempt(flight)
+                self.fault_counts["requests_failed_by_fault", role] += 1
+                self._finish_failed(flight, str(exc))
+
+    def _dispatch_parked(self) -> None:
+        with self._lock:
+            for flight in [f for f in self._flights.values() if f.parked]:
+                self._dispatch(flight)
+
     # ---- receiver thread -------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
@@ -196,47 +317,64 @@ class EngineClient:
             msg = self.pool.recv(50)
             if msg is not None:
                 try:
-                    self._dispatch(msg)
+                    self._handle(msg)
                 except Exception:  # a bug in one update must not stop every other request's delivery
                     traceback.print_exc()
             if time.monotonic() >= next_check:
-                next_check = time.monotonic() + 0.5
-                self._check_workers()
+                next_check = time.monotonic() + SUPERVISE_INTERVAL_S
+                try:
+                    for failure in self.pool.supervise():
+                        self._on_failure(failure)
+                except Exception:
+                    traceback.print_exc()
 
-    def _check_workers(self) -> None:
-        for role, index, code in self.pool.reap():
-            print(f"mm-serve: {role} worker {index} exited unexpectedly (code {code}); "
-                  "in-flight requests fail, new ones get 503", file=sys.stderr, flush=True)
-            self._fail_all(f"{role} worker {index} exited unexpectedly (code {code})")
-
-    def _dispatch(self, msg: object) -> None:
+    def _handle(self, msg: object) -> None:
+        if not self.pool.observe(msg):
+            return
         if isinstance(msg, messages.TokenBatch):
             for update in msg.updates:
                 self._on_update(msg.role, update)
         elif isinstance(msg, messages.WorkerStats):
             self._on_stats(msg)
+        elif isinstance(msg, messages.WorkerReady):
+            self._dispatch_parked()
+        elif isinstance(msg, messages.HandoffFailed):
+            with self._lock:
+                flight = self._wire.get(msg.request_id)
+                if flight is not None:
+                    self.fault_counts["handoff_failures", "decode"] += 1
+                    self._migrate(flight, f"its hand-off was refused ({msg.reason})", "decode")
         elif isinstance(msg, messages.RequestFailed):
             with self._lock:
-                state = self.requests.pop(msg.request_id, None)
-            if state is not None:
-                state.fail(msg.message)
+                flight = self._wire.get(msg.request_id)
+                if flight is not None:
+                    self._drop_attempt(flight)
+                    self._finish_failed(flight, msg.message)
 
     def _on_update(self, role: str, update: messages.TokenUpdate) -> None:
         with self._lock:
-            state = self.requests.get(update.request_id)
-            if state is None:
-                return
+            flight = self._wire.get(update.request_id)
+            if flight is None:
+                return  # finished, aborted, or an attempt replaced after a fault
             assert self.router is not None
             if role in ("prefill", "colocated"):
                 self.router.prefilled(update.request_id)
             if role in ("decode", "colocated"):
                 self.router.claimed(update.request_id)
+                flight.claimed = True
+            update.start_index += flight.base
+        state = flight.state
         if state.apply(update):
             with self._lock:
-                self.requests.pop(update.request_id, None)
-                prefill, decode = self._forget_route(update.request_id)
-            if update.finish_reason is None:  # finished here by a stop string: stop the workers
-                self._abort_workers(update.request_id, prefill, decode)
+                if self._flights.get(flight.request_id) is flight:
+                    del self._flights[flight.request_id]
+                    self.requests.pop(flight.request_id, None)
+                if update.finish_reason is None:  # finished here by a stop string: stop the workers
+                    self._drop_attempt(flight)
+                else:
+                    self._wire.pop(flight.wire_id, None)
+                    assert self.router is not None
+                    self.router.finished(flight.wire_id)
             self._notify_finished(state)
 
     def _on_stats(self, msg: messages.WorkerStats) -> None:
@@ -251,6 +389,8 @@ class EngineClient:
         with self._lock:
             states = list(self.requests.values())
             self.requests.clear()
+            self._flights.clear()
+            self._wire.clear()
         for state in states:
             state.fail(message)
             self._notify_finished(state)

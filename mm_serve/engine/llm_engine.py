@@ -52,9 +52,11 @@ class LLMEngine:
         self._seed_rng = random.Random(self.config.seed)
 
     def add_request(
-        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, generator_seed: int | None = None
+        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, generator_seed: int | None = None,
+        output_offset: int = 0,
     ) -> Request:
-        """Queue a processed request.
+        """Queue a processed request (``output_offset``: outputs it had before a migration; its
+        random stream continues at that position).
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` exceeds the
@@ -69,8 +71,8 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt_token_ids=inputs.prompt_token_ids, sampling_params=params,
             num_images=inputs.num_images, pixel_values=inputs.pixel_values,
-            generator=None if params.greedy else make_generator(seed),
-            stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
+            generator=None if params.greedy else make_generator(seed), seed=None if params.greedy else seed,
+            output_offset=output_offset, stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)

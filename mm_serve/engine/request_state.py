@@ -100,6 +100,12 @@ class RequestState:
             self._done.set()
         self._notify()
 
+    def drop_unordered(self) -> None:
+        """Forget updates that arrived ahead of a gap (a failed attempt's; its next attempt
+        sends those tokens again)."""
+        with self._lock:
+            self._early.clear()
+
     def take_text(self) -> str:
         """Text that arrived since the last call (safe to stream)."""
         with self._lock:

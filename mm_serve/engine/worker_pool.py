@@ -1,15 +1,28 @@
-"""The worker processes of one service instance and everything they share with the front end.
+"""The worker processes of one service instance, their supervision, and what they share with the front end.
 
 Owns: the run directory (sockets, worker logs), the cross-modal rings (one per
 (prefill, decode) pair), the sockets (one PUSH per worker for control messages, one
 PULL for every worker's reports), the CPU-kernel prebuild, spawning the workers and
-waiting until each reports ready, their exit codes, health, and shutdown (every worker
-stopped, every segment unlinked, the run directory removed). It knows nothing of
-requests: :class:`~mm_serve.engine.engine_client.EngineClient` does.
+waiting until each reports ready, supervision (exits, hangs, restarts with back-off),
+health, and shutdown (every worker stopped, every segment unlinked, the run directory
+removed). It knows nothing of requests: :class:`~mm_serve.engine.engine_client.EngineClient`
+does, and moves the requests of a failed worker elsewhere.
+
+Supervision (:meth:`WorkerPool.supervise`, called by the client's receiver thread
+every 0.1 s): a worker that exits (any code) is seen at the next call; a ready worker
+that sends nothing for ``fault.heartbeat_timeout_s`` (stats come every
+``stats_interval_s`` between steps) is hung, e.g. SIGSTOPped, and is killed. A failed
+worker is restarted with the same spec after ``fault.restart_backoff_s`` (doubled for
+each restart already in ``fault.restart_window_s``), with a fresh control socket and
+fresh ring segments for its pairs (the old ones unlinked; each peer is sent
+:class:`~mm_serve.runtime.messages.ReplaceRing`). Past ``fault.max_restarts`` restarts
+in the window it stays down and the service runs on the others.
 """
 
 from __future__ import annotations
 
+import enum
+import re
 import shutil
 import subprocess
 import sys
@@ -18,14 +31,16 @@ import threading
 import time
 import uuid
 import weakref
+from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import zmq
 
 from kernels.ring_buffer import CrossModalRing
+from kernels.ring_spec import RingSpec
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.kernel_prebuild import BuildStopped, prebuild_cpu_kernels
 from mm_serve.engine.ring_sizing import ring_specs
@@ -38,9 +53,44 @@ from mm_serve.runtime.worker_spec import WorkerSpec
 
 WorkerKey = tuple[str, int]  # (role, index)
 
+_GENERATION_SUFFIX = re.compile(r"-r\d+$")
+
 
 class WorkerStartError(RuntimeError):
     """A worker exited or did not report ready in time; the message has its log tail."""
+
+
+class WorkerStatus(str, enum.Enum):
+    """What ``/health`` says of one worker."""
+
+    WARMING = "warming"  # first start, not ready yet
+    READY = "ready"
+    RESTARTING = "restarting"  # failed; waiting for its back-off, or started again and loading
+    DOWN = "down"  # failed more than fault.max_restarts times in the window: not restarted
+
+
+@dataclass
+class WorkerFailure:
+    """One worker found failed by :meth:`WorkerPool.supervise`."""
+
+    key: WorkerKey
+    reason: str  # "exited with code -9", "hung: no heartbeat for 10.2 s", ...
+    down: bool  # True when it will not be restarted
+
+
+@dataclass
+class _Worker:
+    spec: WorkerSpec
+    process: subprocess.Popen[bytes] | None = None
+    status: WorkerStatus = WorkerStatus.WARMING
+    pid: int = 0
+    last_seen: float = 0.0  # monotonic time of its last message
+    started_at: float = 0.0
+    restart_at: float | None = None  # when to start it again (RESTARTING, not yet started)
+    restarts: deque[float] = field(default_factory=deque)  # monotonic times of its restarts
+    generation: int = 0
+    last_failure: str = ""
+    pending: list[msgspec.Struct] = field(default_factory=list)  # control messages for when it is ready
 
 
 class WorkerPool:
@@ -57,15 +107,15 @@ class WorkerPool:
         weakref.finalize(self, shutil.rmtree, str(self.run_dir), True)
         self.colocated = config.mode == "colocated"
         self.rings: list[CrossModalRing] = []
-        self.specs: list[WorkerSpec] = []
-        self.processes: list[subprocess.Popen[bytes]] = []
-        self.ready: set[WorkerKey] = set()
-        self.dead: dict[WorkerKey, int] = {}  # exit code of each worker that exited unexpectedly
+        self.workers: dict[WorkerKey, _Worker] = {}
+        self.restart_counts: Counter[str] = Counter()  # role -> restarts so far
         self.stopping = threading.Event()
+        self._num_decode = config.compute.decode_workers
+        self._ring_generation = 0
         self._ctx: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
         self._controls: dict[WorkerKey, zmq.Socket] = {}  # type: ignore[type-arg]
         self._out: zmq.Socket | None = None  # type: ignore[type-arg]
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.RLock()
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -91,47 +141,95 @@ class WorkerPool:
         self._out.bind(output_address)
         specs = build_worker_specs(self.model_dir, cfg, self.model_config, ring_list, self.run_dir, output_address)
         try:
-            self.specs = prebuild_cpu_kernels(specs, self.stopping)
+            specs = prebuild_cpu_kernels(specs, self.stopping)
         except BuildStopped as exc:
             raise WorkerStartError(str(exc)) from None
-        for spec in self.specs:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(spec.control_address)
-            self._controls[(spec.role, spec.index)] = sock
-        for spec in self.specs:
-            self.processes.append(start_worker(spec, str(self.run_dir / f"{spec.role}{spec.index}.log")))
+        self.workers = {(s.role, s.index): _Worker(s) for s in specs}
+        for key, worker in self.workers.items():
+            self._bind_control(key, worker.spec.control_address)
+        for key in self.workers:
+            self._spawn(key)
         self._wait_ready(timeout_s, on_stats)
+
+    def _bind_control(self, key: WorkerKey, address: str) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never mute while the worker is connected: sends do not block
+        sock.bind(address)
+        old = self._controls.pop(key, None)
+        if old is not None:
+            old.close(linger=0)
+        self._controls[key] = sock
+
+    def _spawn(self, key: WorkerKey) -> None:
+        worker = self.workers[key]
+        spec = worker.spec
+        worker.process = start_worker(spec, str(self.run_dir / f"{spec.role}{spec.index}.log"))
+        worker.pid = worker.process.pid
+        worker.started_at = worker.last_seen = time.monotonic()
+        worker.restart_at = None
 
     def _wait_ready(self, timeout_s: float, on_stats: Callable[[messages.WorkerStats], None]) -> None:
         deadline = time.monotonic() + timeout_s
-        while len(self.ready) < len(self.specs):
+        while any(w.status is not WorkerStatus.READY for w in self.workers.values()):
             if self.stopping.is_set():
                 raise WorkerStartError("stopped while the workers were starting")
-            for role, index, code in self.reap():
-                raise WorkerStartError(f"{role} worker {index} exited with {code}:\n{self.log_tail()}")
+            for (role, index), worker in self.workers.items():
+                code = None if worker.process is None else worker.process.poll()
+                if code is not None:
+                    raise WorkerStartError(f"{role} worker {index} exited with {code}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise WorkerStartError(f"workers not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
             msg = self.recv(200)
-            if isinstance(msg, messages.WorkerReady):
-                self.ready.add((msg.role, msg.index))
-            elif isinstance(msg, messages.WorkerStats):
+            if msg is not None and self.observe(msg) and isinstance(msg, messages.WorkerStats):
                 on_stats(msg)
 
     # ---- running -------------------------------------------------------------------------------
 
     @property
     def keys(self) -> list[WorkerKey]:
-        return list(self._controls)
+        return list(self.workers)
+
+    @property
+    def specs(self) -> list[WorkerSpec]:
+        """The current spec of every worker, in start order."""
+        return [w.spec for w in self.workers.values()]
+
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        """The current process of every worker that has one."""
+        return [w.process for w in self.workers.values() if w.process is not None]
 
     def num_workers(self, *roles: str) -> int:
         """How many workers have one of ``roles``."""
-        return sum(1 for s in self.specs if s.role in roles)
+        return sum(1 for role, _ in self.workers if role in roles)
 
-    def send(self, key: WorkerKey, msg: msgspec.Struct) -> None:
-        """Queue a control message for worker ``key`` (thread-safe)."""
+    def ready_indices(self, *roles: str) -> list[int]:
+        """Indices of the ready workers of ``roles``."""
+        return [i for (role, i), w in self.workers.items() if role in roles and w.status is WorkerStatus.READY]
+
+    def may_recover(self, *roles: str) -> bool:
+        """Whether a worker of ``roles`` is ready or will be (warming or restarting, not down)."""
+        return any(role in roles and w.status is not WorkerStatus.DOWN for (role, _), w in self.workers.items())
+
+    def status(self, key: WorkerKey) -> WorkerStatus:
+        return self.workers[key].status
+
+    def send(self, key: WorkerKey, msg: msgspec.Struct) -> bool:
+        """Queue a control message for worker ``key`` (thread-safe, never blocks).
+
+        Returns False when the worker is not ready or its socket has no peer (it died and
+        :meth:`supervise` has not seen it yet): the message is not delivered.
+        """
         with self._send_lock:
-            self._controls[key].send(messages.encode(msg))
+            worker = self.workers.get(key)
+            if worker is None or worker.status is not WorkerStatus.READY:
+                return False
+            try:
+                self._controls[key].send(messages.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
 
     def recv(self, timeout_ms: int) -> object | None:
         """The next report from any worker, waiting up to ``timeout_ms``; None on timeout or an
@@ -144,33 +242,163 @@ class WorkerPool:
         except msgspec.DecodeError:
             return None
 
-    def reap(self) -> list[tuple[str, int, int]]:
-        """``(role, index, exit code)`` of each worker that exited since the last call (not
-        counting exits during shutdown); they are recorded in :attr:`dead`."""
+    def observe(self, msg: object) -> bool:
+        """Book-keeping for one report: heartbeat, readiness. Returns False for a report of
+        a process that is no longer the worker's (sent before it was replaced): drop it."""
+        role, index = getattr(msg, "role", None), getattr(msg, "index", None)
+        if role is None or index is None:
+            return True
+        worker = self.workers.get((role, index))
+        if worker is None:
+            return False
+        pid = getattr(msg, "pid", None)
+        if pid is not None and pid != worker.pid:
+            return False
+        worker.last_seen = time.monotonic()
+        if isinstance(msg, messages.WorkerReady) and worker.status is not WorkerStatus.READY:
+            with self._send_lock:
+                worker.status = WorkerStatus.READY
+                pending, worker.pending = worker.pending, []
+            for queued in pending:
+                self.send((role, index), queued)
+        return True
+
+    # ---- supervision ---------------------------------------------------------------------------
+
+    def supervise(self) -> list[WorkerFailure]:
+        """Find workers that exited or hung since the last call, schedule their restarts, and
+        start those whose back-off is over. Returns the failures found now (the caller moves
+        their requests elsewhere). Call from one thread (the receiver)."""
+        if self.stopping.is_set():
+            return []
+        cfg = self.config.fault
+        now = time.monotonic()
+        failures = []
+        for key, worker in self.workers.items():
+            if worker.status is WorkerStatus.DOWN or worker.process is None:
+                continue
+            code = worker.process.poll()
+            reason = None
+            if code is not None:
+                reason = f"exited with code {code}"
+            elif worker.status is WorkerStatus.READY and now - worker.last_seen > cfg.heartbeat_timeout_s:
+                reason = f"hung: no heartbeat for {now - worker.last_seen:.1f} s (fault.heartbeat_timeout_s)"
+            elif worker.status is not WorkerStatus.READY and now - worker.started_at > cfg.start_timeout_s:
+                reason = f"not ready {now - worker.started_at:.0f} s after its restart (fault.start_timeout_s)"
+            if reason is not None:
+                failures.append(self._fail(key, reason, now))
+        for key, worker in self.workers.items():
+            if worker.restart_at is not None and now >= worker.restart_at and not self.stopping.is_set():
+                self._restart(key)
+        return failures
+
+    def _fail(self, key: WorkerKey, reason: str, now: float) -> WorkerFailure:
+        worker = self.workers[key]
+        if worker.process is not None and worker.process.poll() is None:
+            worker.process.kill()
+        if worker.process is not None:
+            worker.process.wait()
+        worker.process = None
+        cfg = self.config.fault
+        while worker.restarts and now - worker.restarts[0] > cfg.restart_window_s:
+            worker.restarts.popleft()
+        with self._send_lock:
+            worker.last_failure = reason
+            if len(worker.restarts) >= cfg.max_restarts:
+                worker.status = WorkerStatus.DOWN
+                worker.restart_at = None
+            else:
+                worker.status = WorkerStatus.RESTARTING
+                worker.restart_at = now + cfg.restart_backoff_s * 2 ** len(worker.restarts)
+        role, index = key
+        if worker.status is WorkerStatus.DOWN:
+            plan = (f"it stays down ({len(worker.restarts)} restarts within fault.restart_window_s = "
+                    f"{cfg.restart_window_s:g} s); the service runs on the other workers")
+        else:
+            plan = (f"restarting it in {worker.restart_at - now if worker.restart_at else 0:.1f} s "
+                    f"(restart {len(worker.restarts) + 1} of {cfg.max_restarts} allowed in {cfg.restart_window_s:g} s)")
+        print(f"mm-serve: {role} worker {index} {reason}; {plan}", file=sys.stderr, flush=True)
+        return WorkerFailure(key, reason, worker.status is WorkerStatus.DOWN)
+
+    def _restart(self, key: WorkerKey) -> None:
+        """Start a failed worker again: fresh control socket, fresh rings for its pairs."""
+        worker = self.workers[key]
+        worker.generation += 1
+        worker.restarts.append(time.monotonic())
+        self.restart_counts[key[0]] += 1
+        role, index = key
+        tag = f"{role[0]}{index}-g{worker.generation}"
+        spec = msgspec.structs.replace(worker.spec, control_address=f"ipc://{self.run_dir}/ctl-{tag}")
+        if role in ("prefill", "decode"):
+            spec = msgspec.structs.replace(spec, rings=self._replace_rings(role, index))
+        worker.spec = spec
+        worker.pending = []  # its spec has the current rings
+        self._bind_control(key, spec.control_address)
+        self._spawn(key)
+
+    def _replace_rings(self, role: str, index: int) -> list[RingSpec]:
+        """New segments for every ring of worker (``role``, ``index``), the old ones unlinked;
+        each peer is told to switch. Returns the worker's rings in its order."""
+        m = self._num_decode
+        pairs = ([index * m + d for d in range(m)] if role == "prefill"
+                 else [p * m + index for p in range(len(self.rings) // m)])
+        self._ring_generation += 1
         out = []
-        for spec, proc in zip(self.specs, self.processes, strict=False):
-            code = proc.poll()
-            key = (spec.role, spec.index)
-            if code is not None and key not in self.dead and not self.stopping.is_set():
-                self.dead[key] = code
-                out.append((spec.role, spec.index, code))
+        for ring_index in pairs:
+            old = self.rings[ring_index]
+            base = _GENERATION_SUFFIX.sub("", old.spec.name)
+            new_spec = msgspec.structs.replace(old.spec, name=f"{base}-r{self._ring_generation}")
+            old.close()
+            old.unlink()
+            self.rings[ring_index] = CrossModalRing.create(new_spec)
+            out.append(new_spec)
+            p, d = divmod(ring_index, m)
+            peer_key, peer_index = (("decode", d), p) if role == "prefill" else (("prefill", p), d)
+            self._tell_peer(peer_key, messages.ReplaceRing(peer_index, new_spec))
         return out
+
+    def _tell_peer(self, key: WorkerKey, msg: messages.ReplaceRing) -> None:
+        """Deliver a ring swap to a peer now, or when it is ready; a peer not started yet gets
+        the new ring in its spec instead."""
+        peer = self.workers[key]
+        rings = list(peer.spec.rings)
+        rings[msg.peer_index] = msg.ring
+        with self._send_lock:
+            peer.spec = msgspec.structs.replace(peer.spec, rings=rings)
+            if peer.status is WorkerStatus.READY:
+                if not self.send(key, msg):
+                    peer.pending.append(msg)  # it died: its own restart uses the spec above
+            elif peer.process is not None:  # loading: it may have attached the old ring already
+                peer.pending.append(msg)
+
+    # ---- health ----------------------------------------------------------------------------------
 
     @property
     def is_ready(self) -> bool:
-        return bool(self.specs) and len(self.ready) == len(self.specs) and not self.dead and not self.stopping.is_set()
+        """Whether at least one path can serve (one prefill and one decode, or one colocated, ready)."""
+        if not self.workers or self.stopping.is_set():
+            return False
+        if self.colocated:
+            return bool(self.ready_indices("colocated"))
+        return bool(self.ready_indices("prefill")) and bool(self.ready_indices("decode"))
 
-    def health(self) -> dict[str, Any]:
-        """Per-worker status: ``ready``, ``warming`` or ``down (exit N)``; ``ok`` when all are ready."""
-        workers = {}
-        for spec in self.specs:
-            key = (spec.role, spec.index)
-            if key in self.dead:
-                status = f"down (exit {self.dead[key]})"
-            else:
-                status = "ready" if key in self.ready else "warming"
-            workers[f"{spec.role}{spec.index}"] = status
-        return {"ok": bool(workers) and all(v == "ready" for v in workers.values()), "workers": workers}
+    def health(self) -> dict[str, object]:
+        """``status`` (``ok``: every worker ready; ``degraded``: some are not but a path serves;
+        ``warming``: the first start is under way; ``down``: no path serves), per-worker
+        ``workers`` (``ready | warming | restarting | down``) and ``faults`` (the last failure
+        of each worker that had one)."""
+        workers = {f"{r}{i}": w.status.value for (r, i), w in self.workers.items()}
+        faults = {f"{r}{i}": w.last_failure for (r, i), w in self.workers.items() if w.last_failure}
+        if workers and all(v == "ready" for v in workers.values()):
+            status = "ok"
+        elif self.is_ready:
+            status = "degraded"
+        elif workers and all(w.status is WorkerStatus.WARMING or w.status is WorkerStatus.READY
+                             for w in self.workers.values()) and not faults:
+            status = "warming"
+        else:
+            status = "down"
+        return {"status": status, "workers": workers, "faults": faults}
 
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of every worker's log."""
@@ -194,17 +422,19 @@ class WorkerPool:
                 return
             self._closed = True
         self.stopping.set()
-        for sock in self._controls.values():
-            try:
-                sock.send(messages.encode(messages.Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        with self._send_lock:
+            for sock in self._controls.values():
+                try:
+                    sock.send(messages.encode(messages.Shutdown()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
         stop_workers(self.processes)
         for ring in self.rings:
             ring.close()
             ring.unlink()
-        for sock in self._controls.values():
-            sock.close(linger=0)
+        with self._send_lock:
+            for sock in self._controls.values():
+                sock.close(linger=0)
         if self._out is not None:
             self._out.close(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)

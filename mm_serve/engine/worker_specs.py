@@ -71,6 +71,7 @@ def build_worker_specs(
             doorbell_address=doorbell_address(str(run_dir), index) if role == "decode" else "",
             doorbells=bells if role == "prefill" else [],
             cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
+            handoff_checksum=cfg.fault.handoff_checksum,
         )
 
     if cfg.mode == "colocated":

@@ -58,16 +58,23 @@ class MultimodalLM(nn.Module):
             raise ValueError("this model is text-only; it cannot take images")
         return self.projector(self.vision(pixel_values))
 
-    def embed(self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
-        """Input embeddings ``[T, hidden]``; image-token rows take ``image_embeds`` ``[M, hidden]`` in order.
+    def embed(
+        self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None, image_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings ``[T, hidden]``; image positions take ``image_embeds`` ``[M, hidden]`` in order.
+
+        Image positions are ``image_mask`` (bool ``[T]``) when given, else every position
+        holding the image token. The runner passes a mask when a recomputed sequence has
+        outputs equal to the image token id: those are text (their table embedding, as in
+        transformers' ``generate``, which feeds generated ids through the embedding table).
 
         Raises:
-            ValueError: the number of image-token positions differs from ``M``.
+            ValueError: the number of image positions differs from ``M``.
         """
         embeds = self.language_model.embed(input_ids)
         if self.image_token_index is None:
             return embeds
-        mask = input_ids == self.image_token_index
+        mask = image_mask if image_mask is not None else input_ids == self.image_token_index
         count = int(mask.sum())
         supplied = 0 if image_embeds is None else int(image_embeds.shape[0])
         if count != supplied:

@@ -11,6 +11,8 @@ import msgspec
 import numpy as np
 import torch
 
+from kernels.ring_spec import RingSpec
+
 
 class TensorBlob(msgspec.Struct, frozen=True):
     """A dense tensor as bytes: ``data`` holds ``prod(shape)`` items of ``dtype`` (C order)."""
@@ -51,7 +53,12 @@ class SamplingMsg(msgspec.Struct, frozen=True):
 
 
 class PrefillRequest(msgspec.Struct, tag=True):
-    """A request to prefill; the KV goes to decode worker ``decode_index``."""
+    """A request to prefill; the KV goes to decode worker ``decode_index``.
+
+    A request migrated after a fault comes back with the outputs already streamed
+    appended to ``prompt_token_ids``, ``output_offset`` = their number (so its random
+    stream continues at that position) and ``sampling.max_tokens`` reduced by it.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -61,6 +68,7 @@ class PrefillRequest(msgspec.Struct, tag=True):
     num_images: int = 0
     pixel_values: TensorBlob | None = None
     arrival_time: float = 0.0
+    output_offset: int = 0
 
 
 # ---- front end -> any worker -----------------------------------------------------------------
@@ -78,6 +86,18 @@ class Shutdown(msgspec.Struct, tag=True):
 
 class StatsQuery(msgspec.Struct, tag=True):
     """Ask a worker to report :class:`WorkerStats` now."""
+
+
+class ReplaceRing(msgspec.Struct, tag=True):
+    """The peer at ``peer_index`` was restarted with a fresh ring: drop the old one, attach ``ring``.
+
+    To a prefill worker, ``peer_index`` is a decode worker (its pending hand-offs to it
+    are dropped, their local pages freed); to a decode worker, a prefill worker (what
+    the old ring still held is dropped). The front end migrates the requests involved.
+    """
+
+    peer_index: int
+    ring: RingSpec
 
 
 # ---- workers -> front end --------------------------------------------------------------------
@@ -140,9 +160,17 @@ class RequestFailed(msgspec.Struct, tag=True):
     message: str
 
 
-ToPrefill = PrefillRequest | AbortRequest | Shutdown | StatsQuery
-ToDecode = AbortRequest | Shutdown | StatsQuery
-FromWorker = WorkerReady | WorkerStats | TokenBatch | RequestFailed
+class HandoffFailed(msgspec.Struct, tag=True):
+    """A decode worker refused a hand-off (bad version, payload checksum, meta for another
+    request); nothing was computed from it and the front end re-prefills the request."""
+
+    request_id: str
+    reason: str
+
+
+ToPrefill = PrefillRequest | AbortRequest | Shutdown | StatsQuery | ReplaceRing
+ToDecode = AbortRequest | Shutdown | StatsQuery | ReplaceRing
+FromWorker = WorkerReady | WorkerStats | TokenBatch | RequestFailed | HandoffFailed
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -163,12 +191,15 @@ def decoder(kind: object) -> msgspec.msgpack.Decoder:
 class HandoffMeta(msgspec.Struct):
     """The opaque ``meta`` payload of a ring hand-off (prefill → decode)."""
 
+    request_id: str  # checked against the slot's id: a slot never feeds another request's meta
     prompt_token_ids: list[int]
     sampling: SamplingMsg
-    generator_state: bytes | None  # torch CPU generator state after the first token was drawn
+    seed: int | None  # the request's generator seed (None: greedy); see sampler.position_seed
+    output_offset: int = 0  # outputs before this attempt (a migrated request)
     num_images: int = 0
     first_logprobs: dict[int, float] | None = None
     events: dict[str, float] = {}
+    checksum: int | None = None  # CRC-32 of the hand-off's ring pages and features (None: not checked)
 
 
 def encode_meta(meta: HandoffMeta) -> bytes:

@@ -83,11 +83,28 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
         )
         hidden = self.model.language_model(
-            self.model.embed(input_ids, image_embeds),
+            self.model.embed(input_ids, image_embeds, self._image_mask(requests, input_ids, seq_lens)),
             torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_cache.layer_caches,
         )
         last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
         return self.model.language_model.compute_logits(hidden[last])
+
+    def _image_mask(self, requests: list[Request], input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor | None:
+        """Image positions of a prefill batch: in each request, the first ``len(image_embeds)``
+        image-token positions (its prompt's placeholders); later ones are outputs that happen to
+        equal the image token id (a recompute after preemption or a migration) and stay text."""
+        token = getattr(self.model, "image_token_index", None)
+        if token is None:
+            return None
+        mask = input_ids == token
+        start = 0
+        for request, n in zip(requests, seq_lens, strict=True):
+            rows = 0 if request.image_embeds is None else int(request.image_embeds.shape[0])
+            hits = mask[start : start + n].nonzero().flatten()
+            if hits.numel() > rows:
+                mask[start + hits[rows:]] = False
+            start += n
+        return mask
 
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> torch.Tensor:

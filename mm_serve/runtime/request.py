@@ -84,6 +84,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     stop_reason: int | str | None = None  # the stop token id, or the stop string, that finished it
     generator: torch.Generator | None = None  # CPU generator of a sampled request; None when greedy
+    seed: int | None = None  # the generator's seed: each draw re-seeds it (sampler.position_seed)
+    output_offset: int = 0  # outputs produced before this request was (re)submitted (a migration)
     events: dict[LifetimeEvent, float] = field(default_factory=dict)  # time.time() seconds
     num_sent_tokens: int = 0  # outputs already reported to the front end (see post_step.token_update)
     decode_index: int = 0  # prefill worker only: the decode worker its KV is handed to

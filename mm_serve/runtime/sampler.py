@@ -1,7 +1,13 @@
 """Token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
 
 Each random request draws from its own ``torch.Generator``, so its tokens
-depend only on its seed and its own logits, never on batch composition.
+depend only on its seed and its own logits, never on batch composition. The
+generator is re-seeded before every draw from (request seed, output position)
+(:func:`position_seed`, a counter-based stream in the spirit of Philox / JAX's
+``fold_in``), so the token at position ``k`` depends on nothing that happened before
+it but the logits: a request moved to another worker (a hand-off, a migration after a
+fault, a preemption recompute) continues the same random stream from its position
+with no generator state to carry.
 """
 
 from __future__ import annotations
@@ -14,6 +20,22 @@ from mm_serve.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mm_serve.runtime.request import Request
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for output token ``position`` (0-based) of a request seeded ``seed``.
+
+    SplitMix64's finaliser (Steele, Lea & Flood, "Fast splittable pseudorandom number
+    generators", OOPSLA 2014) over ``seed + (position + 1) * golden``: distinct
+    positions give unrelated 64-bit seeds. Any int ``seed`` is accepted (taken mod 2**64).
+    """
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -96,21 +118,12 @@ def sample_requests(
     sampler: Sampler, logits: torch.Tensor, batch: list[Request]
 ) -> tuple[list[int], list[dict[int, float] | None]]:
     """Next token and (if asked) log-probabilities for each request of a step (``logits`` ``[B, V]``),
-    in batch order, each sampled request drawing from its own ``generator``."""
+    in batch order, each sampled request drawing from its own ``generator``, re-seeded with
+    :func:`position_seed` of its ``seed`` and the position of the token it draws
+    (``output_offset`` + outputs so far) when the request has a seed."""
     params = [r.sampling_params for r in batch]
+    for r in batch:
+        if r.generator is not None and r.seed is not None:
+            r.generator.manual_seed(position_seed(r.seed, r.output_offset + len(r.output_token_ids)))
     tokens = sampler.sample(logits, params, [r.generator for r in batch])
     return tokens, sampler.logprobs(logits, tokens, [p.logprobs for p in params])
-
-
-def generator_state(generator: torch.Generator | None) -> bytes | None:
-    """Serialised CPU generator state (so the decode worker continues the same random stream)."""
-    return None if generator is None else bytes(generator.get_state().numpy().tobytes())
-
-
-def restore_generator(state: bytes | None) -> torch.Generator | None:
-    """A CPU generator continuing from :func:`generator_state` output (None for greedy requests)."""
-    if state is None:
-        return None
-    generator = torch.Generator(device="cpu")
-    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return generator

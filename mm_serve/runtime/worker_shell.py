@@ -8,7 +8,8 @@ is idle, not at all when it is busy), runs one :meth:`WorkerShell.step`, and sen
 :class:`~mm_serve.runtime.messages.WorkerStats` every ``spec.stats_interval_s``.
 
 A role supplies only what differs: what it loads, how it accepts and aborts a request,
-what one step does, and its load figures for the stats. The shell owns the channel and
+what one step does, its load figures for the stats, and (roles with rings) how it swaps
+the ring of a restarted peer. The shell owns the channel and
 the message dispatch (Abort / Stats / Shutdown, and requests for roles that take them).
 """
 
@@ -77,6 +78,10 @@ class WorkerShell(ABC):
         """``running``, ``waiting``, ``ring_slots_used``, ``queued_tokens``, ``num_preemptions``
         and ``num_encoded_images`` of :class:`~mm_serve.runtime.messages.WorkerStats`."""
 
+    def replace_ring(self, msg: messages.ReplaceRing) -> None:
+        """A peer was restarted with a fresh ring (roles with rings; default: nothing to do)."""
+        return None
+
     def periodic(self) -> None:
         """Chores run with each stats report (default: none)."""
         return None
@@ -107,6 +112,8 @@ class WorkerShell(ABC):
             self.abort(msg.request_id)
         elif isinstance(msg, messages.StatsQuery):
             self.send_stats()
+        elif isinstance(msg, messages.ReplaceRing):
+            self.replace_ring(msg)
         elif isinstance(msg, messages.Shutdown):
             return False
         return True

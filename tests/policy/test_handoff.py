@@ -50,7 +50,7 @@ def sender_for(ring: CrossModalRing, cache: PagedKVCache) -> tuple[HandoffSender
 
 
 def test_published_and_claimed_handoff_carries_everything(rings: RingFactory) -> None:
-    """Prompt, first token, sampling params, generator, KV bytes, features and events survive the trip."""
+    """Prompt, first token, sampling params, seed and output offset, KV bytes, features and events survive the trip."""
     producer, consumer = rings.create()
     send_cache, recv_cache = make_kv_cache(), make_kv_cache()
     send_cache.pool.allocate(1)
@@ -58,8 +58,7 @@ def test_published_and_claimed_handoff_carries_everything(rings: RingFactory) ->
     request = prefilled_request(send_cache, "req-0", 6, 42, temperature=0.7, stop_token_ids=(9, 3), logprobs=2,
                                 seed=11, max_tokens=20)
     request.output_logprobs = [{42: -0.5, 7: -1.5}]
-    request.generator = make_generator(11)
-    torch.rand(3, generator=request.generator)  # the first token's draw advanced it
+    request.generator, request.seed, request.output_offset = make_generator(11), 11, 5
     request.image_embeds = torch.arange(3.0 * FEATURE_DIM).view(3, FEATURE_DIM)
     request.num_images = 1
     request.stamp(LifetimeEvent.ARRIVED, 100.0)
@@ -87,8 +86,7 @@ def test_published_and_claimed_handoff_carries_everything(rings: RingFactory) ->
     )
     assert claimed.block_table == [3, 4] and torch.equal(recv_cache.data[[3, 4]], expected_kv)
     assert claimed.image_embeds is not None and torch.equal(claimed.image_embeds, request.image_embeds)
-    assert claimed.generator is not None
-    assert torch.equal(torch.rand(4, generator=claimed.generator), torch.rand(4, generator=request.generator))
+    assert claimed.generator is not None and (claimed.seed, claimed.output_offset) == (11, 5)
     assert set(claimed.events) == {LifetimeEvent.ARRIVED, LifetimeEvent.PREFILL_END, LifetimeEvent.HANDOFF_BEGIN,
                                    LifetimeEvent.HANDOFF_END}
     assert claimed.events[LifetimeEvent.ARRIVED] == 100.0
