@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -127,14 +128,16 @@ def usage(url: str) -> tuple[int, int]:
     return sum(s["kv_pages_used"] for s in stats.values()), sum(s["ring_slots_used"] for s in stats.values())
 
 
-def shm_count() -> int:
-    return sum(1 for name in os.listdir("/dev/shm") if name.startswith("mmsrv-"))
+def shm_names() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("mmsrv-")}
 
 
 def inject_faults(url: str, stop: threading.Event, duration: float, log: list[str], rng: random.Random) -> None:
+    """Until ``stop`` or ``duration`` seconds: SIGKILL a random worker every 10-15 s, and once,
+    past half-time, SIGSTOP one for longer than the heartbeat timeout."""
     start = time.monotonic()
     stopped_once = False
-    while not stop.wait(rng.uniform(10.0, 15.0)):
+    while not stop.wait(rng.uniform(10.0, 15.0)) and time.monotonic() - start < duration:
         try:
             pids = worker_pids(url)
         except httpx.HTTPError:
@@ -161,7 +164,7 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
     tmp = Path(tempfile.mkdtemp(prefix="mm-serve-fault-bench-"))
     config = tmp / "fault.yaml"
     config.write_text(f"fault:\n  heartbeat_timeout_s: {HEARTBEAT_S}\n  max_restarts: 100\n")
-    shm_before = shm_count()
+    shm_before = shm_names()  # other instances' segments on this machine are not counted
     server = ServerProcess(model, "--config", str(config), "--prefill-workers", str(prefill),
                            "--decode-workers", str(decode), "--served-model-name", "bench", log_dir=tmp)
     try:
@@ -170,12 +173,13 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
         with ThreadPoolExecutor(concurrency) as pool:
             expected = [r["text"] for r in pool.map(lambda b: stream(server.url, b), bodies)]
         pages_before, slots_before = usage(server.url)
-        shm_serving = shm_count()
+        shm_serving = len(shm_names() - shm_before)
         stop = threading.Event()
         log: list[str] = []
         rng = random.Random(seed)
         faults = threading.Thread(target=inject_faults, args=(server.url, stop, duration, log, rng), daemon=True)
         results: Counter[str] = Counter()
+        errors: Counter[str] = Counter()
         deadline = time.monotonic() + duration
         sent = [0]
         lock = threading.Lock()
@@ -189,6 +193,8 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
                 kind = classify(result, expected[i % len(bodies)])
                 with lock:
                     results[kind] += 1
+                    if result["error"] is not None:
+                        errors[str(result["error"])[:160]] += 1
                 i += concurrency
 
         faults.start()
@@ -205,16 +211,18 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
         time.sleep(1.0)
         pages_after, slots_after = usage(server.url)
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-        shm_end = shm_count()
+        shm_end = len(shm_names() - shm_before)
     finally:
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     counters = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
                 if line.startswith(("mm_serve_worker_restarts_total", "mm_serve_request_migrations_total",
                                     "mm_serve_handoff_failures_total", "mm_serve_requests_failed_by_fault_total"))}
     return {
         "layout": f"{prefill}P{decode}D", "sent": sent[0], "results": results, "faults": log,
         "pages": (pages_before, pages_after), "slots": (slots_before, slots_after),
-        "shm": (shm_before, shm_serving, shm_end, shm_count()), "health": health, "counters": counters,
+        "shm": (shm_serving, shm_end, len(shm_names() - shm_before)), "health": health, "counters": counters,
+        "errors": errors,
     }
 
 
@@ -231,11 +239,13 @@ def report(r: dict[str, Any]) -> None:
     print(f"   greedy output differing         : {res['differing']}")
     print(f"   KV pages used  before/after     : {r['pages'][0]} / {r['pages'][1]}")
     print(f"   ring slots used before/after    : {r['slots'][0]} / {r['slots'][1]}")
-    b, s, e, a = r["shm"]
-    print(f"   /dev/shm mmsrv-* segments       : {b} before start, {s} serving, {e} at the end, {a} after stop")
+    s, e, a = r["shm"]
+    print(f"   /dev/shm segments of the service: {s} serving at the start, {e} at the end, {a} after stop")
     print(f"   health at the end               : {r['health']['status']} {r['health']['workers']}")
     for name, value in sorted(r["counters"].items()):
-        print(f"   {name:<52} {value:g}")
+        print(f"   {name:<56} {value:g}")
+    for message, n in r["errors"].most_common():
+        print(f"   error x{n}: {message}")
 
 
 def main() -> None:
@@ -246,6 +256,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="streaming clients")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the server
     model = _model(args.model)
     for layout in args.layouts.split(","):
         p, d = layout.lower().removesuffix("d").split("p")

@@ -166,6 +166,22 @@ def test_hung_decode_worker_is_detected_and_replaced(shared: EngineClient) -> No
     assert_clean(client)
 
 
+def test_peer_dies_while_the_other_restarts(shared: EngineClient) -> None:
+    """Decode dies while the restarted prefill still loads (it may attach the rings decode's
+    restart replaces): each comes back once, no cascade of start failures, output exact."""
+    client, counts = shared, Counts(shared)
+    inputs = image_request(client, 7)
+    (reference,) = run_all(client, "ref", [inputs], LONG)
+    os.kill(client.pool.workers[("prefill", 0)].pid, signal.SIGKILL)
+    wait_for(lambda: client.pool.workers[("prefill", 0)].process is not None
+             and client.pool.status(("prefill", 0)).value == "restarting", 20)  # spawned, loading
+    os.kill(client.pool.workers[("decode", 0)].pid, signal.SIGKILL)
+    state = client.submit(new_id("x"), inputs, LONG)  # waits for both
+    assert state.wait(120) and state.error is None and state.token_ids == reference.token_ids
+    assert_clean(client)
+    assert counts[("worker_restarts", "prefill")] == 1 and counts[("worker_restarts", "decode")] == 1
+
+
 @pytest.mark.parametrize("corrupt", ["version", "checksum"])
 def test_bad_handoff_is_recomputed_not_served(shared: EngineClient, corrupt: str) -> None:
     client, counts = shared, Counts(shared)

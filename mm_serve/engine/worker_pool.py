@@ -13,10 +13,13 @@ every 0.1 s): a worker that exits (any code) is seen at the next call; a ready w
 that sends nothing for ``fault.heartbeat_timeout_s`` (stats come every
 ``stats_interval_s`` between steps) is hung, e.g. SIGSTOPped, and is killed. A failed
 worker is restarted with the same spec after ``fault.restart_backoff_s`` (doubled for
-each restart already in ``fault.restart_window_s``), with a fresh control socket and
-fresh ring segments for its pairs (the old ones unlinked; each peer is sent
-:class:`~mm_serve.runtime.messages.ReplaceRing`). Past ``fault.max_restarts`` restarts
-in the window it stays down and the service runs on the others.
+each restart already in ``fault.restart_window_s``, at most ``MAX_BACKOFF_S``), with a
+fresh control socket and fresh ring segments for its pairs; each peer is sent
+:class:`~mm_serve.runtime.messages.ReplaceRing`. An old segment is unlinked at once,
+unless a peer that is still loading may attach it from its start-up spec: then it is
+kept until that peer is ready (and has been told to switch) or has failed. Past
+``fault.max_restarts`` restarts in the window a worker stays down and the service runs
+on the others.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from mm_serve.runtime.worker_spec import WorkerSpec
 WorkerKey = tuple[str, int]  # (role, index)
 
 _GENERATION_SUFFIX = re.compile(r"-r\d+$")
+MAX_BACKOFF_S = 10.0  # the doubling back-off never waits longer than this
 
 
 class WorkerStartError(RuntimeError):
@@ -112,6 +116,7 @@ class WorkerPool:
         self.stopping = threading.Event()
         self._num_decode = config.compute.decode_workers
         self._ring_generation = 0
+        self._retired: list[tuple[CrossModalRing, set[WorkerKey]]] = []  # old rings a loading peer may attach
         self._ctx: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
         self._controls: dict[WorkerKey, zmq.Socket] = {}  # type: ignore[type-arg]
         self._out: zmq.Socket | None = None  # type: ignore[type-arg]
@@ -261,7 +266,19 @@ class WorkerPool:
                 pending, worker.pending = worker.pending, []
             for queued in pending:
                 self.send((role, index), queued)
+            self._release_retired((role, index))
         return True
+
+    def _release_retired(self, key: WorkerKey) -> None:
+        """``key`` no longer needs the old rings it may have attached: unlink those nobody waits on."""
+        kept = []
+        for ring, waiting in self._retired:
+            waiting.discard(key)
+            if waiting:
+                kept.append((ring, waiting))
+            else:
+                ring.unlink()
+        self._retired = kept
 
     # ---- supervision ---------------------------------------------------------------------------
 
@@ -309,7 +326,8 @@ class WorkerPool:
                 worker.restart_at = None
             else:
                 worker.status = WorkerStatus.RESTARTING
-                worker.restart_at = now + cfg.restart_backoff_s * 2 ** len(worker.restarts)
+                worker.restart_at = now + min(cfg.restart_backoff_s * 2 ** len(worker.restarts), MAX_BACKOFF_S)
+        self._release_retired(key)  # its next start uses the current rings
         role, index = key
         if worker.status is WorkerStatus.DOWN:
             plan = (f"it stays down ({len(worker.restarts)} restarts within fault.restart_window_s = "
@@ -348,12 +366,16 @@ class WorkerPool:
             old = self.rings[ring_index]
             base = _GENERATION_SUFFIX.sub("", old.spec.name)
             new_spec = msgspec.structs.replace(old.spec, name=f"{base}-r{self._ring_generation}")
-            old.close()
-            old.unlink()
             self.rings[ring_index] = CrossModalRing.create(new_spec)
             out.append(new_spec)
             p, d = divmod(ring_index, m)
             peer_key, peer_index = (("decode", d), p) if role == "prefill" else (("prefill", p), d)
+            peer = self.workers[peer_key]
+            old.close()
+            if peer.status is not WorkerStatus.READY and peer.process is not None:
+                self._retired.append((old, {peer_key}))  # it may attach the old ring while it loads
+            else:
+                old.unlink()
             self._tell_peer(peer_key, messages.ReplaceRing(peer_index, new_spec))
         return out
 
@@ -432,6 +454,9 @@ class WorkerPool:
         for ring in self.rings:
             ring.close()
             ring.unlink()
+        for ring, _ in self._retired:
+            ring.unlink()
+        self._retired = []
         with self._send_lock:
             for sock in self._controls.values():
                 sock.close(linger=0)
