@@ -128,8 +128,18 @@ def usage(url: str) -> tuple[int, int]:
     return sum(s["kv_pages_used"] for s in stats.values()), sum(s["ring_slots_used"] for s in stats.values())
 
 
-def shm_names() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("mmsrv-")}
+def instance_prefix(pid: int) -> str:
+    """``mmsrv-<instance>`` of the service whose front end is ``pid`` (it maps its rings)."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        name = line.rsplit("/", 1)[-1]
+        if "/dev/shm/mmsrv-" in line:
+            return "-".join(name.split("-")[:2])
+    raise RuntimeError(f"process {pid} maps no mmsrv ring segment")
+
+
+def shm_count(prefix: str) -> int:
+    """Segments in /dev/shm of one service instance (other instances on the machine not counted)."""
+    return sum(1 for name in os.listdir("/dev/shm") if name.startswith(prefix + "-"))
 
 
 def inject_faults(url: str, stop: threading.Event, duration: float, log: list[str], rng: random.Random) -> None:
@@ -164,7 +174,6 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
     tmp = Path(tempfile.mkdtemp(prefix="mm-serve-fault-bench-"))
     config = tmp / "fault.yaml"
     config.write_text(f"fault:\n  heartbeat_timeout_s: {HEARTBEAT_S}\n  max_restarts: 100\n")
-    shm_before = shm_names()  # other instances' segments on this machine are not counted
     server = ServerProcess(model, "--config", str(config), "--prefill-workers", str(prefill),
                            "--decode-workers", str(decode), "--served-model-name", "bench", log_dir=tmp)
     try:
@@ -173,7 +182,8 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
         with ThreadPoolExecutor(concurrency) as pool:
             expected = [r["text"] for r in pool.map(lambda b: stream(server.url, b), bodies)]
         pages_before, slots_before = usage(server.url)
-        shm_serving = len(shm_names() - shm_before)
+        prefix = instance_prefix(server.proc.pid)
+        shm_serving = shm_count(prefix)
         stop = threading.Event()
         log: list[str] = []
         rng = random.Random(seed)
@@ -211,7 +221,7 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
         time.sleep(1.0)
         pages_after, slots_after = usage(server.url)
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
-        shm_end = len(shm_names() - shm_before)
+        shm_end = shm_count(prefix)
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -221,7 +231,7 @@ def run_layout(model: Path, prefill: int, decode: int, duration: float, concurre
     return {
         "layout": f"{prefill}P{decode}D", "sent": sent[0], "results": results, "faults": log,
         "pages": (pages_before, pages_after), "slots": (slots_before, slots_after),
-        "shm": (shm_serving, shm_end, len(shm_names() - shm_before)), "health": health, "counters": counters,
+        "shm": (shm_serving, shm_end, shm_count(prefix)), "health": health, "counters": counters,
         "errors": errors,
     }
 
