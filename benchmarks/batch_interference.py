@@ -70,6 +70,25 @@ def _counts(http: httpx.Client, batch_id: str) -> dict[str, Any]:
     return http.get(f"/v1/batches/{batch_id}").json()
 
 
+def _search_goodput(runner: LoadRunner, start: float, target: float) -> float:
+    """The highest rate (requests/s) found to meet ``target`` attainment: halve from ``start``, then bisect."""
+    low, high = 0.0, start
+    while runner.run_at(high).attainment < target:
+        low, high = 0.0, high / 2
+        if high < 0.05:
+            raise SystemExit("no rate meets the SLO on this machine now")
+    low, high = high, high * 2 if high < start else high
+    if low == high:
+        return low
+    for _ in range(3):
+        mid = (low + high) / 2
+        if runner.run_at(mid).attainment >= target:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
 def _line(name: str, run: RunSummary) -> str:
     return (f"{name:<22} attainment {run.attainment * 100:5.1f} %   TTFT p50/p90/p99 {run.ttft.p50 * 1e3:6.0f} / "
             f"{run.ttft.p90 * 1e3:6.0f} / {run.ttft.p99 * 1e3:6.0f} ms   TPOT p50/p90/p99 {run.tpot.p50 * 1e3:5.1f} / "
@@ -80,7 +99,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/image_chat.yaml")
     p.add_argument("--model", default="out/bench-llava")
-    p.add_argument("--goodput", type=float, default=6.43, help="the config's llava goodput, requests/s (README)")
+    p.add_argument("--goodput", default="6.43",
+                   help="the config's llava goodput, requests/s (README: 6.43 on a quiet machine), or 'auto': "
+                        "search it first on this server (halving from 6.43, then 3 bisection steps, 40 requests each)")
     p.add_argument("--fraction", type=float, default=0.7, help="interactive rate as a fraction of --goodput")
     p.add_argument("--requests", type=int, default=120, help="interactive requests per run")
     p.add_argument("--batch-images", type=int, default=1000)
@@ -100,11 +121,7 @@ def main() -> int:
         cfg["batch"]["max_in_flight_rows"] = args.max_in_flight
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    rate = args.fraction * args.goodput
     slo = SLO(args.slo_ttft, args.slo_tpot)
-    print(f"interactive llava at {rate:.2f} requests/s ({args.fraction:.0%} of {args.goodput} req/s), "
-          f"{args.requests} requests per run; batch of {args.batch_images} images; SLO TTFT {slo.ttft_s:g} s, "
-          f"TPOT {slo.tpot_s * 1e3:g} ms; work dir {work}", flush=True)
     data = _batch_file(args.batch_images, shape.vision.image_size, args.seed)
 
     server = LocalServer(work / "server.log", str(config), str(model_dir))
@@ -115,6 +132,17 @@ def main() -> int:
         runner = LoadRunner(Endpoint(url), factory, LoadSpec(workload, args.seed, num_requests=args.requests),
                             slo, 0.9, early_stop=False)
         runner.unloaded(4)
+        if args.goodput == "auto":
+            search = LoadRunner(Endpoint(url), factory, LoadSpec(workload, args.seed + 1, num_requests=40), slo, 0.9,
+                                on_run=lambda r: print(f"  goodput search: {r.rate:.2f} req/s -> "
+                                                       f"{r.attainment * 100:.1f} %", flush=True))
+            goodput = _search_goodput(search, 6.43, 0.9)
+        else:
+            goodput = float(args.goodput)
+        rate = args.fraction * goodput
+        print(f"interactive llava at {rate:.2f} requests/s ({args.fraction:.0%} of {goodput:.2f} req/s), "
+              f"{args.requests} requests per run; batch of {args.batch_images} images; SLO TTFT {slo.ttft_s:g} s, "
+              f"TPOT {slo.tpot_s * 1e3:g} ms; work dir {work}", flush=True)
         alone = runner.run_at(rate)
         print(_line("interactive alone", alone), flush=True)
 

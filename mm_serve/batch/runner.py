@@ -109,7 +109,8 @@ class BatchRunner:
         items = await self._items(record)
         if items is None:
             return
-        if record.status == "validating":
+        record = self.store.get_batch(batch_id) or record  # a cancel may have come while the file was read
+        if record.status == "validating":  # (no await from here to the update: a cancel cannot slip in)
             self.store.update_batch(batch_id, status="in_progress", in_progress_at=_now())
             record.status = "in_progress"
         if record.status == "in_progress":
