@@ -119,11 +119,14 @@ class BatchRunner:
         await self._finish(record, items)
 
     async def _wait_for_engine(self, batch_id: str, stop: asyncio.Event) -> bool:
-        """Wait until the engine takes requests; False when stopped first (or a cancel needs no engine)."""
+        """Wait until the engine takes requests, or until the batch is cancelled or expires (finishing
+        those needs no engine); False when the server stops first or its engine failed to start."""
+        record = self.store.get_batch(batch_id)
+        expires_at = record.expires_at if record is not None else 0
         while not self.backend.engine_up():
             if self.ctx.holder.start_error is not None or self._closing:
                 return False
-            if stop.is_set():  # cancelled while waiting: finishing needs no engine
+            if stop.is_set() or time.time() >= expires_at:
                 return True
             await asyncio.sleep(ENGINE_POLL_S)
         return True
