@@ -9,8 +9,9 @@ data directory), then:
 2. a batch of ``--batch-images`` caption rows (one noise image each, 20-40 output
    tokens, as the caption workload) is created, and once it is in progress the same
    interactive run is sent again;
-3. the batch is then left to finish alone, and the interactive run is sent once more
-   alone (so a drift of the machine between runs shows).
+3. the batch then runs alone for ``--alone-s`` seconds (its images/s alone) and is
+   cancelled, and the interactive run is sent once more alone (so a drift of the
+   machine between runs shows).
 
 It prints both attainments (TTFT and TPOT SLOs, over all planned requests), their
 difference in points, the TTFT/TPOT percentiles, and the batch's images/s during the
@@ -109,6 +110,7 @@ def main() -> int:
     p.add_argument("--max-in-flight", type=int, default=None, help="batch.max_in_flight_rows (default: the config's)")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.05, help="seconds")
+    p.add_argument("--alone-s", type=float, default=60.0, help="seconds the batch runs alone before it is cancelled")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -161,19 +163,21 @@ def main() -> int:
             print(_line("with the batch running", together), flush=True)
             if c1 >= args.batch_images:
                 print("note: the batch finished during the interactive run (use more --batch-images)")
+            time.sleep(args.alone_s)  # the batch alone
+            t2, c2 = time.monotonic(), _counts(http, batch["id"])["request_counts"]["completed"]
+            http.post(f"/v1/batches/{batch['id']}/cancel")
             while state["status"] not in ("completed", "failed", "expired", "cancelled"):
-                time.sleep(0.5)
+                time.sleep(0.2)
                 state = _counts(http, batch["id"])
         after = runner.run_at(rate)
         print(_line("alone again, after", after), flush=True)
-        whole = state["completed_at"] - state["in_progress_at"]
         base = (alone.attainment + after.attainment) / 2
         print(f"attainment difference: {(base - together.attainment) * 100:+.1f} points against the mean of the "
               f"two runs alone (goal: within 5)")
         print(f"batch: {(c1 - c0) / (t1 - t0):.1f} images/s during the interactive run, "
-              f"{state['request_counts']['completed'] / max(whole, 1):.1f} images/s over its life "
-              f"({state['request_counts']['completed']} done, {state['request_counts']['failed']} failed, "
-              f"{whole} s, whole seconds)")
+              f"{(c2 - c1) / (t2 - t1):.1f} images/s alone ({args.alone_s:g} s; then cancelled: "
+              f"{state['request_counts']['completed']} of {args.batch_images} done, "
+              f"{state['request_counts']['failed']} failed)")
     finally:
         server.stop()
     return 0

@@ -8,10 +8,14 @@ is the one an interactive request would get, and a request the server would
 refuse (an undecodable image, a bad parameter) gets the server's status code and
 error body in its error row. Rows never fail the batch.
 
-At most ``batch.max_in_flight_rows`` rows of all batches are in the engine at once
-(a semaphore shared by every batch). That cap is what keeps interactive requests
-fast while a batch runs: there are no SLO tiers or priority queues yet (issue #20),
-so an admitted batch row is scheduled like any other request.
+Batch rows use spare capacity only, as far as the front end can tell: a row starts
+only while the engine has fewer than ``batch.max_in_flight_rows`` requests in flight,
+interactive ones included, and at most that many rows of all batches are in flight
+(a semaphore shared by every batch). Interactive requests are never held back; while
+they alone fill the engine to the cap, no batch row starts. There are no SLO tiers
+or priority queues yet (issue #20), so a batch row already in the engine is scheduled
+like any other request (it is not preempted first); rows are short, so that lasts
+one row's latency.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from mm_serve.api.schemas import ChatCompletionRequest, CompletionRequest, dump
 from mm_serve.caption.backends import CaptionBackend, FatalBackendError
 from mm_serve.caption.inputs import COMPLETIONS_URL, CaptionInput
 from mm_serve.caption.records import Outcome
+
+SPARE_POLL_S = 0.005
 
 
 class _RowRequest:
@@ -77,6 +83,7 @@ class RowBackend(CaptionBackend):
                 written; a later run does it).
         """
         async with self.slots:
+            await self._wait_for_spare_capacity()
             if not self.engine_up():
                 raise FatalBackendError("the engine is not taking requests")
             start = time.perf_counter()
@@ -91,6 +98,14 @@ class RowBackend(CaptionBackend):
             return Outcome(latency_s=time.perf_counter() - start, status_code=200, body=payload,
                            request_id=str(payload.get("id")), prompt_tokens=usage.get("prompt_tokens"),
                            completion_tokens=usage.get("completion_tokens"))
+
+    async def _wait_for_spare_capacity(self) -> None:
+        """Return once the engine has fewer than ``batch.max_in_flight_rows`` requests in flight
+        (interactive and batch), or is not taking requests (the caller then stops)."""
+        cap = self.ctx.config.batch.max_in_flight_rows
+        client = self.ctx.holder.client
+        while len(client.requests) >= cap and self.engine_up():
+            await asyncio.sleep(SPARE_POLL_S)
 
     async def _answer(self, item: CaptionInput) -> BaseModel:
         body: dict[str, Any] = {"model": self.ctx.served_model_name, **(item.body or {}), "stream": False}
