@@ -124,6 +124,18 @@ class FaultConfig(_Frozen):
     handoff_checksum: bool = Field(True, description="CRC-32 of each hand-off's KV pages and features, checked by decode before it uses them; a mismatch is re-prefilled.")
 
 
+class BatchConfig(_Frozen):
+    """The server-side OpenAI Batch API (``/v1/files``, ``/v1/batches``): storage and limits."""
+
+    data_dir: str | None = Field(None, description="Folder for the batch database (SQLite) and files; null = $XDG_STATE_HOME/mm-serve/batches, else ~/.local/state/mm-serve/batches. Created on the first batch call.")
+    max_file_bytes: int = Field(200 << 20, ge=1024, le=1 << 40, description="Largest uploaded file, in bytes (OpenAI's limit: 200 MB); larger uploads get 413.")
+    max_lines: int = Field(50_000, ge=1, le=10_000_000, description="Most requests (lines) in one batch input file (OpenAI's limit: 50,000).")
+    max_total_bytes: int = Field(10 << 30, ge=1 << 20, le=1 << 50, description="Disk bound: stored files plus running batches' results, in bytes; an upload that would pass it gets 413.")
+    max_in_flight_rows: int = Field(2, ge=1, le=4096, description="A batch row starts only while the engine has fewer requests than this in flight (interactive ones included), so at most this many batch rows run, over every batch: what keeps interactive traffic fast while a batch runs (there are no SLO tiers yet).")
+    completion_window_s: int = Field(86_400, ge=1, le=30 * 86_400, description="What completion_window '24h' means here: seconds after creation at which unfinished rows are given up (status 'expired', those rows in the error file).")
+    fsync: bool = Field(False, description="fsync each result row (survives power loss); without it a row is flushed to the OS, which survives a crash or SIGKILL of the server.")
+
+
 class ServiceConfig(_Frozen):
     """The whole service: model, mode and the sections above."""
 
@@ -140,6 +152,9 @@ class ServiceConfig(_Frozen):
     kv_cache: KVCacheConfig = KVCacheConfig()
     api: APIConfig = APIConfig()
     fault: FaultConfig = FaultConfig()
+
+
+    batch: BatchConfig = BatchConfig()
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

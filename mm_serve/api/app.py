@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from mm_serve import __version__
+from mm_serve.api.batch_routes import add_batch_routes
 from mm_serve.api.body_limit import ArrivalTimeMiddleware, BodyLimitMiddleware
 from mm_serve.api.chat import create_chat_completion
 from mm_serve.api.completions import create_completion
@@ -30,7 +31,11 @@ from mm_serve.api.schemas import (
     ModelList,
     VersionResponse,
 )
+from mm_serve.batch.service import BatchService
 from mm_serve.metrics import FaultCollector, ServiceMetrics, WorkerStatsCollector, render
+
+UPLOAD_OVERHEAD_BYTES = 1 << 20
+"""What a multipart upload may add to ``batch.max_file_bytes`` (boundaries, part headers, the purpose)."""
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
@@ -50,15 +55,19 @@ def _fastapi(**kwargs: Any) -> FastAPI:
 
 
 def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
-    """The ASGI app for ``ctx``; with ``start_engine`` the workers start with the app's lifespan."""
+    """The ASGI app for ``ctx``; with ``start_engine`` the workers start with the app's lifespan
+    (and unfinished batches resume once they are ready)."""
+    batches = BatchService(ctx)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if start_engine:
             ctx.holder.start_background()
+            batches.start()
         try:
             yield
         finally:
+            await batches.close()
             if start_engine:
                 await asyncio.to_thread(ctx.holder.stop)
 
@@ -70,7 +79,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     registry.register(FaultCollector(ctx.holder.client.fault_report))
     ctx.holder.client.finish_listeners.append(metrics.observe_finished)
     install_error_handlers(app, metrics.observe_rejected)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes)
+    upload_limit = (ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_bytes, plus 1 MiB of form")
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes,
+                       path_limits={"/v1/files": upload_limit})
     app.add_middleware(ArrivalTimeMiddleware)
 
     async def require_key(request: Request) -> None:
@@ -84,6 +95,7 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
                            "authentication_error", None, "invalid_api_key")
 
     auth = [Depends(require_key)]
+    add_batch_routes(app, batches, auth)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS, dependencies=auth,
               summary="Chat completion (text and images); set stream=true for SSE chunks")

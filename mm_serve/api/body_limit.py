@@ -11,20 +11,25 @@ Scope = dict[str, Any]
 
 class BodyLimitMiddleware:
     """Checks ``Content-Length`` up front; a body without one (chunked) is read here first,
-    counted as it arrives, and refused with 413 as soon as it passes the limit."""
+    counted as it arrives, and refused with 413 as soon as it passes the limit.
 
-    def __init__(self, app: Any, max_body_bytes: int) -> None:
+    ``path_limits`` maps a path to its own ``(limit in bytes, config key named in the 413)``
+    (file uploads); every other path has ``max_body_bytes`` (``api.max_body_bytes``)."""
+
+    def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, key = self.path_limits.get(scope.get("path", ""), (self.max_body_bytes, "api.max_body_bytes"))
         length = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
         if length is not None:
-            if length.isdigit() and int(length) > self.max_body_bytes:
-                await self._reject(send)
+            if length.isdigit() and int(length) > limit:
+                await self._reject(send, limit, key)
                 return
             await self.app(scope, receive, send)
             return
@@ -36,8 +41,8 @@ class BodyLimitMiddleware:
                 return
             chunk = message.get("body", b"")
             seen += len(chunk)
-            if seen > self.max_body_bytes:
-                await self._reject(send)
+            if seen > limit:
+                await self._reject(send, limit, key)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -53,9 +58,9 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Any) -> None:
+    async def _reject(self, send: Any, limit: int, key: str) -> None:
         body = json.dumps({"error": {
-            "message": f"request body is larger than the limit of {self.max_body_bytes} bytes (api.max_body_bytes)",
+            "message": f"request body is larger than the limit of {limit} bytes ({key})",
             "type": "invalid_request_error", "param": None, "code": "request_too_large",
         }}).encode()
         await send({"type": "http.response.start", "status": 413,

@@ -47,6 +47,12 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, "service_unavailable", None, "service_unavailable")
 
 
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The 400 that the API answers for a body failing its schema (same message and ``param``)."""
+    message, param = _validation_message(exc)
+    return bad_request(message, param)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors: list[Any] = list(exc.errors())
     if not errors:

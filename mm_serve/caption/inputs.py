@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 IMAGE_SUFFIXES: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tiff", ".tif"})
 BATCH_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
 
 InputFormat = Literal["folder", "jsonl", "openai-batch"]
 
@@ -43,7 +44,8 @@ class CaptionInput:
         path: the image file as an absolute path, or None (data URI, batch row).
         image: what to load: a file path or a ``data:`` URI; None for a batch row.
         prompt: the user text sent after the image; None for a batch row.
-        body: the chat-completion request body of a batch row, else None.
+        body: the request body of a batch row, else None.
+        url: the endpoint a batch row's body is for (:data:`BATCH_URL` or :data:`COMPLETIONS_URL`).
     """
 
     id: str
@@ -51,6 +53,7 @@ class CaptionInput:
     image: str | None
     prompt: str | None
     body: dict[str, Any] | None = None
+    url: str = BATCH_URL
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,34 @@ def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet
         raise InputError(f"{path}: no rows (expected JSON lines)")
     if "custom_id" in rows[0][1]:
         fmt: InputFormat = "openai-batch"
-        items = [_batch_item(path, n, row) for n, row in rows]
+        items = [_batch_item(path, n, row, frozenset({BATCH_URL})) for n, row in rows]
     else:
         fmt = "jsonl"
         items = [_jsonl_item(path, n, row, default_prompt) for n, row in rows]
     _check_unique(path, [n for n, _ in rows], [item.id for item in items])
     return InputSet(fmt, items)
+
+
+def parse_batch_rows(text: str, source: str, urls: frozenset[str]) -> list[CaptionInput]:
+    """The rows of an OpenAI batch input file held in ``text``, in file order.
+
+    Args:
+        text: the file's content (JSON lines; blank lines are skipped).
+        source: the name that error messages start with (``source:LINE: ...``).
+        urls: the endpoints rows may name (``url``), e.g. ``{BATCH_URL}``.
+
+    Raises:
+        InputError: a line that is not a JSON object, a row without a non-empty
+            ``custom_id``, a method other than POST, a ``url`` not in ``urls``, a body
+            that is not a request for its ``url``, a duplicate ``custom_id``, or no rows.
+    """
+    path = Path(source)
+    rows = _parse_rows(path, text)
+    if not rows:
+        raise InputError(f"{path}: no rows (expected JSON lines)")
+    items = [_batch_item(path, n, row, urls) for n, row in rows]
+    _check_unique(path, [n for n, _ in rows], [item.id for item in items], "custom_id")
+    return items
 
 
 def _read_folder(root: Path, prompt: str) -> list[CaptionInput]:
@@ -146,21 +171,23 @@ def _jsonl_item(path: Path, number: int, row: dict[str, Any], default_prompt: st
     return CaptionInput(item_id, os.path.abspath(file), str(file), prompt)
 
 
-def _batch_item(path: Path, number: int, row: dict[str, Any]) -> CaptionInput:
+def _batch_item(path: Path, number: int, row: dict[str, Any], urls: frozenset[str]) -> CaptionInput:
     item_id = _row_id(path, number, row, "custom_id")
     method, url, body = row.get("method", "POST"), row.get("url"), row.get("body")
-    if method != "POST" or url != BATCH_URL:
-        raise InputError(
-            f"{path}:{number}: only POST {BATCH_URL} rows are supported, got {method!r} {url!r}"
-        )
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+    if method != "POST" or url not in urls:
+        allowed = " or ".join(sorted(urls))
+        raise InputError(f"{path}:{number}: only POST {allowed} rows are supported, got {method!r} {url!r}")
+    if url == COMPLETIONS_URL:
+        if not isinstance(body, dict) or "prompt" not in body:
+            raise InputError(f"{path}:{number}: 'body' must be a completion request with 'prompt'")
+    elif not isinstance(body, dict) or not isinstance(body.get("messages"), list):
         raise InputError(f"{path}:{number}: 'body' must be a chat-completion request with 'messages'")
-    return CaptionInput(item_id, None, None, None, body)
+    return CaptionInput(item_id, None, None, None, body, str(url))
 
 
-def _check_unique(path: Path, numbers: list[int], ids: list[str]) -> None:
+def _check_unique(path: Path, numbers: list[int], ids: list[str], key: str = "id") -> None:
     first: dict[str, int] = {}
     for number, item_id in zip(numbers, ids, strict=True):
         if item_id in first:
-            raise InputError(f"{path}:{number}: duplicate id {item_id!r} (first on line {first[item_id]})")
+            raise InputError(f"{path}:{number}: duplicate {key} {item_id!r} (first on line {first[item_id]})")
         first[item_id] = number

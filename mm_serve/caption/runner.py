@@ -19,7 +19,7 @@ import asyncio
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -43,16 +43,19 @@ class CaptionJob:
         in_order: write rows in input order instead of completion order.
         skipped: inputs already done before this run (for the progress bar and summary).
         show_progress: draw a tqdm bar on stderr (done/total, images/s, ETA, failed).
+        on_row: called with each row right after it is written to ``out`` (e.g. to count it).
     """
 
     def __init__(self, items: Sequence[CaptionInput], fmt: InputFormat, backend: CaptionBackend, out: OutputFile,
-                 *, concurrency: int, in_order: bool = False, skipped: int = 0, show_progress: bool = False) -> None:
+                 *, concurrency: int, in_order: bool = False, skipped: int = 0, show_progress: bool = False,
+                 on_row: Callable[[dict[str, Any]], None] | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self.items, self.fmt, self.backend, self.out = list(items), fmt, backend, out
         self.concurrency, self.in_order = concurrency, in_order
         self.stats = JobStats(total=len(self.items) + skipped, skipped=skipped)
         self._show_progress = show_progress
+        self._on_row = on_row
         self._tasks: dict[asyncio.Task[Outcome], int] = {}
         self._held: dict[int, dict[str, Any]] = {}  # finished rows waiting for earlier ones (in_order)
         self._next_row = 0
@@ -125,19 +128,24 @@ class CaptionJob:
             bar.set_postfix(failed=self.stats.failed, refresh=False)
         row = output_row(self.fmt, self.items[index], outcome)
         if not self.in_order:
-            self.out.append(row)
+            self._write(row)
             return
         self._held[index] = row
         self._write_held(everything=False)
 
+    def _write(self, row: dict[str, Any]) -> None:
+        self.out.append(row)
+        if self._on_row is not None:
+            self._on_row(row)
+
     def _write_held(self, everything: bool) -> None:
         """Write held rows in input order: the contiguous run from the next index, or all of them."""
         while self._next_row in self._held:
-            self.out.append(self._held.pop(self._next_row))
+            self._write(self._held.pop(self._next_row))
             self._next_row += 1
         if everything:
             for index in sorted(self._held):
-                self.out.append(self._held.pop(index))
+                self._write(self._held.pop(index))
 
     async def _cancel_in_flight(self, bar: Any) -> None:
         """Cancel every in-flight input; ones that finished meanwhile are still recorded."""

@@ -33,6 +33,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shutdown-grace-s", type=float, default=None, metavar="S",
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish while new ones get 503 "
                         "(api.shutdown_grace_s, default 30; a second signal stops at once)")
+    p.add_argument("--batch-data-dir", default=None, metavar="DIR",
+                   help="where the Batch API keeps its database and files (batch.data_dir; "
+                        "default $XDG_STATE_HOME/mm-serve/batches)")
     p.set_defaults(func=run)
 
 
@@ -43,6 +46,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "compute.decode_workers": args.decode_workers, "api.api_key": args.api_key,
         "api.allowed_local_media_path": args.allowed_local_media_path,
         "api.allowed_media_domains": args.allowed_media_domains, "api.shutdown_grace_s": args.shutdown_grace_s,
+        "batch.data_dir": args.batch_data_dir,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 

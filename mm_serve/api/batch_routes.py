@@ -1,0 +1,72 @@
+"""The OpenAI Batch API routes: ``/v1/files`` and ``/v1/batches`` (behind ``--api-key`` like ``/v1/*``).
+
+The work is in :class:`mm_serve.batch.service.BatchService`; these handlers only
+map HTTP to it. Every error is OpenAI's error JSON (:mod:`mm_serve.api.errors`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI, File, Form, Query, UploadFile
+from fastapi.params import Depends
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from mm_serve.batch.service import BatchService
+
+
+class BatchCreateRequest(BaseModel):
+    """``POST /v1/batches``; other OpenAI fields (``output_expires_after``) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str = Field(description="'24h': rows not done by then (batch.completion_window_s) expire")
+    metadata: dict[str, str] | None = None
+
+
+def add_batch_routes(app: FastAPI, service: BatchService, auth: list[Depends]) -> None:
+    """Register the files and batches routes of ``service`` on ``app``, each with ``auth``."""
+
+    @app.post("/v1/files", dependencies=auth, summary="Upload a batch input file (multipart: file, purpose=batch)")
+    async def upload_file(file: UploadFile = File(...), purpose: str = Form(...)) -> dict[str, Any]:
+        try:
+            return await service.upload(file.file, file.filename, purpose)
+        finally:
+            await file.close()
+
+    @app.get("/v1/files", dependencies=auth, summary="List files")
+    async def list_files(purpose: str | None = None, after: str | None = None,
+                         limit: int = Query(10_000, ge=1, le=10_000),
+                         order: Literal["asc", "desc"] = "desc") -> dict[str, Any]:
+        return service.list_files(purpose, after, limit, order)
+
+    @app.get("/v1/files/{file_id}", dependencies=auth, summary="A file object")
+    async def get_file(file_id: str) -> dict[str, Any]:
+        return service.file(file_id).to_openai()
+
+    @app.get("/v1/files/{file_id}/content", dependencies=auth, summary="A file's content (JSON lines)")
+    async def file_content(file_id: str) -> FileResponse:
+        return FileResponse(service.file_path(file_id), media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}", dependencies=auth, summary="Delete a file")
+    async def delete_file(file_id: str) -> dict[str, Any]:
+        return service.delete_file(file_id)
+
+    @app.post("/v1/batches", dependencies=auth, summary="Create a batch from an uploaded input file")
+    async def create_batch(body: BatchCreateRequest) -> dict[str, Any]:
+        return await service.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+
+    @app.get("/v1/batches", dependencies=auth, summary="List batches, newest first")
+    async def list_batches(after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict[str, Any]:
+        return service.list_batches(after, limit)
+
+    @app.get("/v1/batches/{batch_id}", dependencies=auth, summary="A batch object")
+    async def get_batch(batch_id: str) -> dict[str, Any]:
+        return service.batch(batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel", dependencies=auth, summary="Cancel a batch")
+    async def cancel_batch(batch_id: str) -> dict[str, Any]:
+        return service.cancel(batch_id)

@@ -1,0 +1,135 @@
+"""One batch row answered by the server's own route code, within the in-flight cap.
+
+A row's body goes through exactly what ``POST /v1/chat/completions`` or
+``POST /v1/completions`` runs (:func:`~mm_serve.api.chat.create_chat_completion`,
+:func:`~mm_serve.api.completions.create_completion`, non-streamed): the same
+schema, image rules, tokenization and sampling mapping, so a row's response body
+is the one an interactive request would get, and a request the server would
+refuse (an undecodable image, a bad parameter) gets the server's status code and
+error body in its error row. Rows never fail the batch.
+
+Batch rows use spare capacity only, as far as the front end can tell: a row starts
+only while the engine has fewer than ``batch.max_in_flight_rows`` requests in flight,
+interactive ones included, and at most that many rows of all batches are in flight
+(a semaphore shared by every batch). Interactive requests are never held back; while
+they alone fill the engine to the cap, no batch row starts. There are no SLO tiers
+or priority queues yet (issue #20), so a batch row already in the engine is scheduled
+like any other request (it is not preempted first); rows are short, so that lasts
+one row's latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any, cast
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from mm_serve.api.chat import create_chat_completion
+from mm_serve.api.completions import create_completion
+from mm_serve.api.context import ServerContext
+from mm_serve.api.errors import APIError, validation_error
+from mm_serve.api.schemas import ChatCompletionRequest, CompletionRequest, dump
+from mm_serve.caption.backends import CaptionBackend, FatalBackendError
+from mm_serve.caption.inputs import COMPLETIONS_URL, CaptionInput
+from mm_serve.caption.records import Outcome
+
+SPARE_POLL_S = 0.005
+
+
+class _RowRequest:
+    """Stands in for the HTTP request of a route call: arrival now, never disconnected."""
+
+    def __init__(self) -> None:
+        self.state = SimpleNamespace(arrival=time.monotonic())
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+class RowBackend(CaptionBackend):
+    """Runs batch rows on the server's engine (a :class:`CaptionBackend` for the caption job loop).
+
+    Args:
+        ctx: the server's context (engine holder, config, served model name).
+        slots: the shared in-flight cap (``batch.max_in_flight_rows`` permits).
+    """
+
+    name = "server engine"
+
+    def __init__(self, ctx: ServerContext, slots: asyncio.Semaphore) -> None:
+        self.ctx = ctx
+        self.slots = slots
+
+    @property
+    def default_concurrency(self) -> int:
+        """``batch.max_in_flight_rows``."""
+        return self.ctx.config.batch.max_in_flight_rows
+
+    def engine_up(self) -> bool:
+        """True while the engine takes requests (ready, not draining)."""
+        holder = self.ctx.holder
+        return holder.ready and not holder.draining.is_set()
+
+    async def run(self, item: CaptionInput) -> Outcome:
+        """Answer one row; see the module docstring.
+
+        Raises:
+            FatalBackendError: the engine is down, warming or draining (the row is not
+                written; a later run does it).
+        """
+        async with self.slots:
+            await self._wait_for_spare_capacity()
+            if not self.engine_up():
+                raise FatalBackendError("the engine is not taking requests")
+            start = time.perf_counter()
+            try:
+                response = await self._answer(item)
+            except APIError as exc:
+                if exc.status == 503 and not self.engine_up():
+                    raise FatalBackendError(exc.message) from None
+                return refused(time.perf_counter() - start, exc)
+            payload = dump(response)
+            usage = payload.get("usage") or {}
+            return Outcome(latency_s=time.perf_counter() - start, status_code=200, body=payload,
+                           request_id=str(payload.get("id")), prompt_tokens=usage.get("prompt_tokens"),
+                           completion_tokens=usage.get("completion_tokens"))
+
+    async def _wait_for_spare_capacity(self) -> None:
+        """Return once the engine has fewer than ``batch.max_in_flight_rows`` requests in flight
+        (interactive and batch), or is not taking requests (the caller then stops)."""
+        cap = self.ctx.config.batch.max_in_flight_rows
+        client = self.ctx.holder.client
+        while len(client.requests) >= cap and self.engine_up():
+            await asyncio.sleep(SPARE_POLL_S)
+
+    async def _answer(self, item: CaptionInput) -> BaseModel:
+        body: dict[str, Any] = {"model": self.ctx.served_model_name, **(item.body or {}), "stream": False}
+        body.pop("stream_options", None)
+        raw = cast(Request, _RowRequest())
+        try:
+            if item.url == COMPLETIONS_URL:
+                completion = CompletionRequest.model_validate(body)
+                result = await create_completion(completion, raw, self.ctx)
+            else:
+                chat = ChatCompletionRequest.model_validate(body)
+                result = await create_chat_completion(chat, raw, self.ctx)
+        except ValidationError as exc:
+            raise validation_error(RequestValidationError(exc.errors())) from None
+        if not isinstance(result, BaseModel):  # only a disconnect answers otherwise, and rows never disconnect
+            raise APIError(500, "the route gave no response body", "internal_server_error")
+        return result
+
+    async def aclose(self) -> None:
+        """Nothing to release: the engine belongs to the server."""
+
+
+def refused(latency_s: float, exc: APIError) -> Outcome:
+    """A failed row with the status code and OpenAI error body the server sent."""
+    body = {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+    return Outcome(latency_s=latency_s, error=exc.message, error_code=exc.code or exc.type,
+                   status_code=exc.status, body=body)

@@ -1,0 +1,259 @@
+"""What the batch routes call: files and batches checked, stored and run; OpenAI errors for bad input.
+
+The data directory (``batch.data_dir``) is opened on the first batch call, or at
+start-up when it already holds a database (then every unfinished batch resumes),
+so a server that never sees a batch call writes nothing. It is locked (``flock``
+on ``DATA_DIR/lock``) by one server at a time; a second server on the same
+directory answers batch calls with 503 and serves everything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, BinaryIO
+
+from mm_serve.api.context import ServerContext
+from mm_serve.api.errors import APIError, bad_request, unavailable
+from mm_serve.batch.files import FileLimitError, FileStore
+from mm_serve.batch.records import ACTIVE_STATUSES, BatchRecord, FileRecord, new_batch_id
+from mm_serve.batch.runner import BatchRunner
+from mm_serve.batch.store import BatchStore
+from mm_serve.batch.validation import BatchFileError, read_batch_file
+from mm_serve.caption.inputs import BATCH_URL, COMPLETIONS_URL
+from mm_serve.config import BatchConfig
+
+ENDPOINTS = (BATCH_URL, COMPLETIONS_URL)
+COMPLETION_WINDOWS = ("24h",)
+DB_NAME = "batches.sqlite3"
+
+
+def data_dir(config: BatchConfig) -> Path:
+    """``batch.data_dir``, else ``$XDG_STATE_HOME/mm-serve/batches``, else ``~/.local/state/mm-serve/batches``."""
+    if config.data_dir:
+        return Path(config.data_dir).expanduser()
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "mm-serve" / "batches"
+
+
+def not_found(kind: str, object_id: str, param: str | None = None) -> APIError:
+    """404 for an unknown file or batch id."""
+    return APIError(404, f"no {kind} with id '{object_id}'", "not_found_error", param, f"{kind}_not_found")
+
+
+@dataclass
+class _Open:
+    store: BatchStore
+    files: FileStore
+    runner: BatchRunner
+    lock: IO[bytes]
+
+
+class BatchService:
+    """The Batch API of one server (see the module docstring); call it on the server's event loop."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config.batch
+        self.root = data_dir(self.config)
+        self._open: _Open | None = None
+        self._refusal: str | None = None
+
+    def start(self) -> None:
+        """At server start-up: open the data directory if it holds a database, and resume its batches."""
+        if (self.root / DB_NAME).exists():
+            try:
+                self._opened()
+            except APIError:  # locked by another server, or unusable: batch calls say why
+                pass
+
+    async def close(self) -> None:
+        """Stop the running batches (resumable), close the database and release the lock."""
+        if self._open is None:
+            return
+        opened, self._open = self._open, None
+        await opened.runner.close()
+        opened.store.close()
+        opened.lock.close()
+
+    def _opened(self) -> _Open:
+        """The open data directory (opened, locked and resumed on first use).
+
+        Raises:
+            APIError: 503 when another server holds the directory or it cannot be opened.
+        """
+        if self._open is not None:
+            return self._open
+        if self._refusal is not None:
+            raise unavailable(self._refusal)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = open(self.root / "lock", "a+b")  # held (and closed) by close()
+        except OSError as exc:
+            raise unavailable(f"the batch data directory {self.root} cannot be used: {exc}") from None
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            self._refusal = (f"the batch data directory {self.root} is in use by another mm-serve process; "
+                             "give this server its own batch.data_dir")
+            raise unavailable(self._refusal) from None
+        store = BatchStore(self.root / DB_NAME)
+        files = FileStore(self.root, store, self.config)
+        runner = BatchRunner(self.ctx, store, files)
+        active = store.active_batches()
+        files.sweep({b.id for b in active})
+        self._open = _Open(store, files, runner, lock)
+        for record in active:
+            runner.launch(record.id)
+        return self._open
+
+    # -- files -----------------------------------------------------------------------------
+
+    async def upload(self, source: BinaryIO, filename: str | None, purpose: str) -> dict[str, Any]:
+        """Store an uploaded batch input file; the ``file`` object.
+
+        Raises:
+            APIError: 400 for a purpose other than ``batch``; 413 over ``batch.max_file_bytes``
+                or ``batch.max_total_bytes``.
+        """
+        if purpose != "batch":
+            raise bad_request(f"purpose must be 'batch' (this server stores batch input files only), got {purpose!r}",
+                              "purpose")
+        opened = self._opened()
+        name = Path(filename or "").name or "upload.jsonl"
+        try:
+            record = await asyncio.to_thread(opened.files.save_upload, source, name)
+        except FileLimitError as exc:
+            raise APIError(413, str(exc), "invalid_request_error", "file", exc.code) from None
+        return record.to_openai()
+
+    def file(self, file_id: str) -> FileRecord:
+        """The record of ``file_id``. Raises APIError 404."""
+        record = self._opened().store.get_file(file_id)
+        if record is None:
+            raise not_found("file", file_id)
+        return record
+
+    def file_path(self, file_id: str) -> Path:
+        """Where the content of ``file_id`` is. Raises APIError 404."""
+        return self._opened().files.path(self.file(file_id).id)
+
+    def list_files(self, purpose: str | None, after: str | None, limit: int, order: str) -> dict[str, Any]:
+        """A page of files (OpenAI's list object). Raises APIError 400 for an unknown ``after``."""
+        try:
+            records = self._opened().store.list_files(purpose=purpose, after=after, limit=limit + 1,
+                                                      newest_first=order == "desc")
+        except KeyError:
+            raise bad_request(f"'after' must be the id of a file, got {after!r}", "after") from None
+        return _page([r.to_openai() for r in records], limit)
+
+    def delete_file(self, file_id: str) -> dict[str, Any]:
+        """Delete a file. Raises APIError 404, or 409 while an unfinished batch reads it."""
+        opened = self._opened()
+        self.file(file_id)
+        readers = opened.store.batches_reading(file_id)
+        if readers:
+            raise APIError(409, f"file {file_id} is the input of batch {readers[0]}, which has not finished; "
+                                "cancel it or wait", "invalid_request_error", "file_id", "file_in_use")
+        opened.files.delete(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # -- batches ---------------------------------------------------------------------------
+
+    async def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
+                           metadata: dict[str, str] | None) -> dict[str, Any]:
+        """Check the request and the input file line by line, store the batch and start it.
+
+        Raises:
+            APIError: 400 for an unsupported endpoint or window, bad metadata, a file that is
+                not a batch input or fails validation (the message names the line); 404 for an
+                unknown ``input_file_id``.
+        """
+        if endpoint not in ENDPOINTS:
+            raise bad_request(f"endpoint must be one of {', '.join(ENDPOINTS)} (what this server runs batches on), "
+                              f"got {endpoint!r}", "endpoint", "unsupported_endpoint")
+        if completion_window not in COMPLETION_WINDOWS:
+            raise bad_request(f"completion_window must be '24h', got {completion_window!r}", "completion_window")
+        _check_metadata(metadata)
+        opened = self._opened()
+        source = opened.store.get_file(input_file_id)
+        if source is None:
+            raise not_found("file", input_file_id, "input_file_id")
+        if source.purpose != "batch":
+            raise bad_request(f"file {input_file_id} has purpose {source.purpose!r}; a batch's input file is "
+                              "uploaded with purpose 'batch'", "input_file_id")
+        try:
+            items = await asyncio.to_thread(read_batch_file, opened.files.path(source.id), source.filename,
+                                            endpoint, self.ctx.config)
+        except BatchFileError as exc:
+            raise bad_request(f"the input file {input_file_id} is not a valid batch file: {exc}", "input_file_id",
+                              "invalid_batch_file") from None
+        now = int(time.time())
+        record = BatchRecord(id=new_batch_id(), input_file_id=input_file_id, endpoint=endpoint,
+                             completion_window=completion_window, status="validating", created_at=now,
+                             expires_at=now + self.config.completion_window_s, model=self.ctx.served_model_name,
+                             metadata=metadata, total=len(items))
+        opened.store.add_batch(record)
+        opened.runner.launch(record.id)
+        return record.to_openai()
+
+    def batch(self, batch_id: str) -> dict[str, Any]:
+        """The ``batch`` object. Raises APIError 404."""
+        return self._batch(batch_id).to_openai()
+
+    def list_batches(self, after: str | None, limit: int) -> dict[str, Any]:
+        """A page of batches, newest first. Raises APIError 400 for an unknown ``after``."""
+        try:
+            records = self._opened().store.list_batches(after=after, limit=limit + 1)
+        except KeyError:
+            raise bad_request(f"'after' must be the id of a batch, got {after!r}", "after") from None
+        return _page([r.to_openai() for r in records], limit)
+
+    def cancel(self, batch_id: str) -> dict[str, Any]:
+        """Start cancelling a batch (``cancelling``, then ``cancelled`` with the rows done so far).
+
+        Raises:
+            APIError: 404 for an unknown id; 409 for a batch that has finished or is finalizing.
+        """
+        opened = self._opened()
+        record = self._batch(batch_id)
+        if record.status == "cancelling":
+            return record.to_openai()
+        if record.status not in ACTIVE_STATUSES or record.status == "finalizing":
+            raise APIError(409, f"cannot cancel batch {batch_id}: its status is {record.status!r} "
+                                "(only a validating or in_progress batch can be cancelled)",
+                           "invalid_request_error", None, "batch_not_cancellable")
+        opened.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        opened.runner.launch(batch_id)  # a new task when none runs (engine down): it finishes the cancel
+        opened.runner.stop(batch_id)
+        return self._batch(batch_id).to_openai()
+
+    def _batch(self, batch_id: str) -> BatchRecord:
+        record = self._opened().store.get_batch(batch_id)
+        if record is None:
+            raise not_found("batch", batch_id)
+        return record
+
+
+def _page(objects: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """OpenAI's list object from up to ``limit + 1`` objects (the extra one only sets ``has_more``)."""
+    data = objects[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(objects) > limit}
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's metadata rules: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise bad_request(f"metadata has {len(metadata)} keys; at most 16 are allowed", "metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or len(value) > 512:
+            raise bad_request(f"metadata key {key[:64]!r}: keys are at most 64 characters, values at most 512",
+                              "metadata")

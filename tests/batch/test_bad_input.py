@@ -1,0 +1,103 @@
+"""Bad input to the Batch API: each a 4xx in OpenAI's error JSON naming the problem; the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.api.server_process import ServerProcess
+from tests.batch.conftest import API_KEY, MAX_FILE_BYTES, MAX_TOTAL_BYTES
+from tests.batch.helpers import jsonl, row, scene_body
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _upload(server: ServerProcess, data: bytes, purpose: str = "batch") -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/files", headers=HEADERS, files={"file": ("in.jsonl", data)},
+                      data={"purpose": purpose}, timeout=30)
+
+
+def _create(server: ServerProcess, data: bytes | None = None, **fields: Any) -> httpx.Response:
+    if data is not None:
+        fields.setdefault("input_file_id", _upload(server, data).json()["id"])
+    body = {"endpoint": "/v1/chat/completions", "completion_window": "24h", **fields}
+    return httpx.post(f"{server.url}/v1/batches", headers=HEADERS, json=body, timeout=30)
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+GOOD = row("a", scene_body(0, max_tokens=2))
+
+
+@pytest.mark.parametrize(("lines", "expected"), [
+    ([GOOD, row("b", scene_body(1)), row("a", scene_body(2))], "in.jsonl:3: duplicate custom_id 'a' (first on line 1)"),
+    ([GOOD, "{not json"], "in.jsonl:2: not valid JSON"),
+    ([GOOD, row("e", {"input": "x"}, url="/v1/embeddings")], "in.jsonl:2: only POST /v1/chat/completions rows"),
+    ([GOOD, GOOD | {"method": "GET", "custom_id": "g"}], "in.jsonl:2: only POST /v1/chat/completions rows"),
+    ([{"method": "POST", "url": "/v1/chat/completions", "body": {}}], "in.jsonl:1: 'custom_id' must be a non-empty"),
+    ([GOOD, row("c", {"prompt": "hi"})], "in.jsonl:2: 'body' must be a chat-completion request with 'messages'"),
+    ([row("p", {"prompt": "x"}, url="/v1/completions")], "in.jsonl:1: only POST /v1/chat/completions rows"),
+])
+def test_a_bad_line_is_refused_at_creation_naming_it(batch_server: ServerProcess, lines: list[Any],
+                                                     expected: str) -> None:
+    data = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines).encode()
+    error = _error(_create(batch_server, data), 400)
+    assert expected in error["message"] and error["param"] == "input_file_id" and error["code"] == "invalid_batch_file"
+
+
+def test_bad_requests_name_the_problem_and_the_server_keeps_serving(batch_server: ServerProcess) -> None:
+    missing = _error(_create(batch_server, input_file_id="file-0123456789abcdef0123456789abcdef"), 404)
+    assert missing["type"] == "not_found_error" and "file-0123456789abcdef" in missing["message"]
+    assert missing["param"] == "input_file_id"
+    assert "endpoint must be one of" in _error(_create(batch_server, jsonl([GOOD]), endpoint="/v1/embeddings"),
+                                               400)["message"]
+    assert "'24h'" in _error(_create(batch_server, jsonl([GOOD]), completion_window="1h"), 400)["message"]
+    assert _error(_create(batch_server, jsonl([GOOD]), metadata={f"k{i}": "v" for i in range(17)}),
+                  400)["param"] == "metadata"
+    assert "Field required at 'input_file_id'" in _error(_create(batch_server), 400)["message"]
+    assert _error(_upload(batch_server, jsonl([GOOD]), purpose="fine-tune"), 400)["param"] == "purpose"
+    too_big = _error(_upload(batch_server, b"x" * (MAX_FILE_BYTES + 1)), 413)
+    assert too_big["code"] == "file_too_large" and "batch.max_file_bytes" in too_big["message"]
+    assert "batch.max_file_bytes" in _error(_upload(batch_server, b"x" * (MAX_FILE_BYTES + (2 << 20))),
+                                            413)["message"]
+    unknown = _error(httpx.get(f"{batch_server.url}/v1/batches/batch_nope", headers=HEADERS), 404)
+    assert "batch_nope" in unknown["message"]
+    assert _error(httpx.get(f"{batch_server.url}/v1/batches", params={"after": "batch_nope"}, headers=HEADERS),
+                  400)["param"] == "after"
+    assert _error(httpx.get(f"{batch_server.url}/v1/batches", params={"limit": 0}, headers=HEADERS), 400)
+
+    done = _create(batch_server, jsonl([GOOD])).json()
+    for _ in range(300):
+        if httpx.get(f"{batch_server.url}/v1/batches/{done['id']}", headers=HEADERS).json()["status"] == "completed":
+            break
+        time.sleep(0.1)
+    cancel = _error(httpx.post(f"{batch_server.url}/v1/batches/{done['id']}/cancel", headers=HEADERS), 409)
+    assert "'completed'" in cancel["message"] and cancel["code"] == "batch_not_cancellable"
+
+    assert httpx.get(f"{batch_server.url}/health").status_code == 200
+    reply = httpx.post(f"{batch_server.url}/v1/chat/completions", headers=HEADERS, json=scene_body(3), timeout=30)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+
+
+def test_uploads_past_the_disk_bound_get_413_until_files_are_deleted(batch_server: ServerProcess) -> None:
+    chunk = b"x" * (MAX_FILE_BYTES - 1024)
+    kept = []
+    for _ in range(MAX_TOTAL_BYTES // len(chunk) + 2):
+        r = _upload(batch_server, chunk)
+        if r.status_code != 200:
+            break
+        kept.append(r.json()["id"])
+    full = _error(r, 413)
+    assert full["code"] == "storage_full" and "batch.max_total_bytes" in full["message"]
+    for file_id in kept:
+        assert httpx.delete(f"{batch_server.url}/v1/files/{file_id}", headers=HEADERS).json()["deleted"] is True
+    assert _upload(batch_server, chunk).status_code == 200
