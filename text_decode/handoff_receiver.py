@@ -144,7 +144,7 @@ class HandoffReceiver:
             request_id=handoff.request_id, prompt_token_ids=list(meta.prompt_token_ids),
             sampling_params=from_wire(meta.sampling), num_images=meta.num_images, image_embeds=embeds,
             block_table=pages, generator=None if seed is None else make_generator(seed), seed=seed,
-            output_offset=meta.output_offset, events=events_from_wire(meta.events),
+            output_offset=meta.output_offset, events=events_from_wire(meta.events), priority=meta.priority,
         )
         request.append_output(handoff.first_token, meta.first_logprobs)
         request.num_sent_tokens = 1  # the prefill worker reported the first token

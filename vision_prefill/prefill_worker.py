@@ -55,7 +55,7 @@ class PrefillWorker(WorkerShell):
             pixel_values=None if msg.pixel_values is None else msg.pixel_values.to_tensor(),
             generator=None if params.greedy else make_generator(msg.generator_seed),
             seed=None if params.greedy else msg.generator_seed, output_offset=msg.output_offset,
-            decode_index=msg.decode_index,
+            decode_index=msg.decode_index, priority=msg.priority, max_wait_s=msg.max_wait_s,
         )
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)
         request.stamp(LifetimeEvent.PREFILL_QUEUED)

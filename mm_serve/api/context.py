@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mm_serve.admission.byte_budget import ByteBudget
 from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.errors import unavailable
 from mm_serve.config import ServiceConfig
@@ -20,6 +21,10 @@ class ServerContext:
     config: ServiceConfig
     served_model_name: str
     created: int = int(time.time())
+    image_budget: ByteBudget = field(init=False)  # bytes of images being decoded at once
+
+    def __post_init__(self) -> None:
+        self.image_budget = ByteBudget(self.config.admission.max_image_bytes_in_flight)
 
     @property
     def context_len(self) -> int:

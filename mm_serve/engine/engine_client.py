@@ -112,6 +112,16 @@ class EngineClient:
         """Whether a path serves now (one prefill and one decode worker, or the colocated one, ready)."""
         return self.pool.is_ready
 
+    def queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) waiting for their first token: dispatched to a prefill
+        worker and not yet prefilled, or parked while their worker restarts."""
+        with self._lock:
+            if self.router is None:
+                return 0, 0
+            requests, tokens = self.router.queued()
+            parked = [f for f in self._flights.values() if f.parked]
+            return requests + len(parked), tokens + sum(len(f.first.prompt_token_ids) for f in parked)
+
     def health(self) -> dict[str, Any]:
         """Service and per-worker status (:meth:`WorkerPool.health`)."""
         return self.pool.health()
@@ -142,10 +152,14 @@ class EngineClient:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(
-        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 1, max_wait_s: float = 0.0,
     ) -> RequestState:
         """Route a processed request to a ready prefill (or colocated) worker; while its role
         has none ready but one restarting, the request waits for it.
+
+        ``priority`` is its SLO tier rank (0 interactive, 1 standard, 2 batch) and
+        ``max_wait_s`` the prefill wait (seconds) after which it is served as rank 0 (0: never).
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` over the context length.
@@ -166,7 +180,7 @@ class EngineClient:
             sampling=to_wire(params, self.eos_token_ids), generator_seed=seed, decode_index=0,
             num_images=inputs.num_images,
             pixel_values=None if inputs.pixel_values is None else messages.TensorBlob.from_tensor(inputs.pixel_values),
-            arrival_time=time.time(),
+            arrival_time=time.time(), priority=priority, max_wait_s=max_wait_s,
         )
         flight = Flight(state, first)
         with self._lock:
@@ -201,7 +215,8 @@ class EngineClient:
         flight.parked = False
         flight.prefill, flight.decode = prefill, decode
         self._wire[flight.wire_id] = flight
-        self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size))
+        self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
+                               flight.first.priority, flight.first.num_images)
         if not self.pool.send((prefill_role, prefill), flight.message(decode, time.time())):
             # it died a moment ago: supervision finds it and migrates this flight with the rest
             pass

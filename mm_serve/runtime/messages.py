@@ -69,6 +69,8 @@ class PrefillRequest(msgspec.Struct, tag=True):
     pixel_values: TensorBlob | None = None
     arrival_time: float = 0.0
     output_offset: int = 0
+    priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch (lower runs first)
+    max_wait_s: float = 0.0  # queued longer than this (its TTFT SLO), it moves up to rank 0; 0 = never
 
 
 # ---- front end -> any worker -----------------------------------------------------------------
@@ -199,6 +201,7 @@ class HandoffMeta(msgspec.Struct):
     num_images: int = 0
     first_logprobs: dict[int, float] | None = None
     events: dict[str, float] = {}
+    priority: int = 1  # SLO tier rank (decode preempts the highest rank first)
     checksum: int | None = None  # CRC-32 of the hand-off's ring pages and features (None: not checked)
 
 
