@@ -49,6 +49,17 @@ class DecodeLoad:
         return self.pages_total - self.pages_used - sum(self.inflight.values())
 
 
+@dataclass(frozen=True)
+class LoadView:
+    """What a new request of one tier rank would find on the workers it would be sent to."""
+
+    prefill: int  # the prefill worker it would go to
+    ahead: PrefillWork  # queued or prefilling there at its rank and tighter ones
+    decode: int  # the decode worker it would go to
+    decode_batch: int  # requests running on or dispatched to that decode worker
+    decode_pages_used: int  # KV pages used there (last stats)
+
+
 class Router:
     """Chooses workers; the caller reports dispatches, first tokens, finishes and stats."""
 
@@ -96,6 +107,23 @@ class Router:
         self.prefill_work[prefill][rank].add(1, tokens, images)
         self.decode[decode].inflight[request_id] = pages
         self._decode_of[request_id] = decode
+
+    def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int]) -> LoadView:
+        """The :class:`LoadView` of a request of tier ``rank`` needing ``pages_needed`` decode pages,
+        among the ``prefills`` and ``decodes`` candidates (as :meth:`pick_prefill`, :meth:`pick_decode`).
+
+        Raises:
+            ValueError: a candidate list is empty.
+        """
+        prefill = self.pick_prefill(prefills)
+        ahead = PrefillWork()
+        for work in self.prefill_work[prefill][: min(max(rank, 0), NUM_RANKS - 1) + 1]:
+            ahead.add(work.requests, 0, 0)
+            ahead.tokens += work.tokens
+            ahead.images += work.images
+        decode = self.pick_decode(pages_needed, decodes)
+        load = self.decode[decode]
+        return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used)
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) dispatched to prefill workers and not yet prefilled."""

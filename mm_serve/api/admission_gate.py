@@ -6,16 +6,22 @@ error handlers (:func:`mm_serve.api.errors.from_rejection`) in OpenAI's error JS
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
 
 from mm_serve.admission.bounds import check_queues, check_work
 from mm_serve.admission.byte_budget import ByteBudget
+from mm_serve.admission.rejection import Rejection
+from mm_serve.admission.tiers import Tier
 from mm_serve.api.schemas import ChatMessage
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mm_serve.api.context import ServerContext
 
 
 def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) -> tuple[int, int]:
@@ -72,3 +78,33 @@ def check_call_queues(client: EngineClient, config: ServiceConfig,
     n = prepared[0][1].n
     queued_requests, queued_tokens = client.queued()
     check_queues(queued_requests, queued_tokens, n * len(prepared), n * sum(prompt_tokens), config.admission)
+
+
+def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
+               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> float | None:
+    """The queue caps, then the latency prediction, for a call of ``prepared`` prompts; counts
+    the admission in the tier metrics. Returns the predicted TTFT in seconds (None when no
+    prediction could be made).
+
+    Raises:
+        Rejection: 429 from a queue cap or a predicted SLO miss.
+    """
+    with counted(ctx, tier):
+        check_call_queues(client, ctx.config, prepared)
+        inputs, params = prepared[0]
+        prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
+                                         params.max_tokens)
+    if ctx.tier_metrics is not None:
+        ctx.tier_metrics.observe_admission(tier.name, None)
+    return None if prediction is None else prediction.ttft_s
+
+
+@contextmanager
+def counted(ctx: ServerContext, tier: Tier) -> Iterator[None]:
+    """Count a :class:`Rejection` raised in the body in the tier metrics (and re-raise it)."""
+    try:
+        yield
+    except Rejection as rejection:
+        if ctx.tier_metrics is not None:
+            ctx.tier_metrics.observe_admission(tier.name, rejection.reason)
+        raise

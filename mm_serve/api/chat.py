@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mm_serve.api.admission_gate import check_call_queues, check_call_work, hold_images
+from mm_serve.api.admission_gate import admit_call, check_call_work, counted, hold_images
 from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import unavailable
@@ -38,17 +38,18 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
-    with hold_images(ctx.image_budget, body.messages, ctx.config):
+    with counted(ctx, tier), hold_images(ctx.image_budget, body.messages, ctx.config):
         messages = await chat_messages(body.messages, ctx.config.api)
         inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
         del messages  # the decoded images; the pixels live on in ``inputs``
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,
                              ctx.holder.model_config.text.vocab_size)
-    check_call_work(ctx.config, [(inputs, params)])
+    with counted(ctx, tier):
+        check_call_work(ctx.config, [(inputs, params)])
     client = ctx.client_or_503()
-    check_call_queues(client, ctx.config, [(inputs, params)])
-    gen = Generation(client, inputs, params, arrival, tier)
+    predicted = admit_call(ctx, client, tier, [(inputs, params)])
+    gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(gen, body, ctx, raw, include_usage), media_type="text/event-stream")

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mm_serve.api.admission_gate import check_call_queues, check_call_work
+from mm_serve.api.admission_gate import admit_call, check_call_work, counted
 from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import bad_request, unavailable
@@ -58,13 +58,14 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         inputs = await process_inputs(ctx.holder.inputs, request, ctx.config.api.max_request_length)
         prepared.append((inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
                                                         ctx.holder.model_config.text.vocab_size)))
-    check_call_work(ctx.config, prepared)
+    with counted(ctx, tier):
+        check_call_work(ctx.config, prepared)
     client = ctx.client_or_503()
-    check_call_queues(client, ctx.config, prepared)
+    predicted = admit_call(ctx, client, tier, prepared)
     gens: list[Generation] = []
     try:
         for inputs, params in prepared:
-            gens.append(Generation(client, inputs, params, arrival, tier))
+            gens.append(Generation(client, inputs, params, arrival, tier, predicted))
     except BaseException:
         for gen in gens:
             gen.abort()

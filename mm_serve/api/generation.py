@@ -29,7 +29,7 @@ class Generation:
 
     def __init__(
         self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
-        tier: Tier | None = None,
+        tier: Tier | None = None, predicted_ttft_s: float | None = None,
     ) -> None:
         self.client = client
         self.tier = tier
@@ -43,6 +43,8 @@ class Generation:
                 seed = None if params.seed is None else params.seed + i
                 state = client.submit(f"{self.request_id}-{i}", inputs, replace(params, n=1, seed=seed), arrival_time,
                                       *((tier.rank, tier.max_wait_s) if tier is not None else ()))
+                state.tier = None if tier is None else tier.name
+                state.predicted_ttft_s = predicted_ttft_s
                 state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set

@@ -302,6 +302,7 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "degraded", "warming", "stopping", "down"]
     workers: dict[str, str]  # worker name (prefill0, decode0, colocated0) -> ready | warming | restarting | down
     faults: dict[str, str] = {}  # worker name -> its last failure (exit code, hang), for workers that had one
+    admission: dict[str, Any] | None = None  # the latency predictor's coefficients, observations and their age
 
 
 class VersionResponse(BaseModel):

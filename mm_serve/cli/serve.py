@@ -33,6 +33,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shutdown-grace-s", type=float, default=None, metavar="S",
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish while new ones get 503 "
                         "(api.shutdown_grace_s, default 30; a second signal stops at once)")
+    p.add_argument("--no-admission", action="store_true",
+                   help="no latency prediction at admission (admission.predict false); the hard bounds stay")
     p.set_defaults(func=run)
 
 
@@ -43,6 +45,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "compute.decode_workers": args.decode_workers, "api.api_key": args.api_key,
         "api.allowed_local_media_path": args.allowed_local_media_path,
         "api.allowed_media_domains": args.allowed_media_domains, "api.shutdown_grace_s": args.shutdown_grace_s,
+        "admission.predict": False if args.no_admission else None,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 

@@ -35,7 +35,7 @@ from mm_serve.engine.request_state import RequestState
 from mm_serve.engine.worker_pool import WorkerFailure, WorkerKey, WorkerPool, WorkerStartError
 from mm_serve.engine.worker_specs import check_supported, engine_sizing
 from mm_serve.models.model_config import load_model_config
-from mm_serve.router import Router
+from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.sampling_params import SamplingParams
@@ -74,6 +74,7 @@ class EngineClient:
         self.requests: dict[str, RequestState] = {}
         self.fault_counts: Counter[tuple[str, str]] = Counter()
         self.finish_listeners: list[Callable[[RequestState], None]] = []  # called on the receiver thread
+        self.step_listeners: list[Callable[[str, messages.StepTiming], None]] = []  # (role, timing), same thread
         self.router: Router | None = None
         self._flights: dict[str, Flight] = {}  # request id -> flight
         self._wire: dict[str, Flight] = {}  # wire id of the current attempt -> flight
@@ -111,6 +112,20 @@ class EngineClient:
     def is_ready(self) -> bool:
         """Whether a path serves now (one prefill and one decode worker, or the colocated one, ready)."""
         return self.pool.is_ready
+
+    def load_view(self, rank: int, num_tokens: int, max_tokens: int) -> LoadView | None:
+        """What a request of tier ``rank`` with ``num_tokens`` prompt tokens would find on the
+        workers the router would pick now; None while a role has no ready worker."""
+        with self._lock:
+            if self.router is None:
+                return None
+            prefill_role = "colocated" if self.colocated else "prefill"
+            prefills = self.pool.ready_indices(prefill_role)
+            decodes = prefills if self.colocated else self.pool.ready_indices("decode")
+            if not prefills or not decodes:
+                return None
+            pages = pages_for(num_tokens + max_tokens, self.config.kv_cache.page_size)
+            return self.router.view(rank, pages, prefills, decodes)
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting for their first token: dispatched to a prefill
@@ -349,6 +364,9 @@ class EngineClient:
         if isinstance(msg, messages.TokenBatch):
             for update in msg.updates:
                 self._on_update(msg.role, update)
+            if msg.step is not None:
+                for listener in self.step_listeners:
+                    listener(msg.role, msg.step)
         elif isinstance(msg, messages.WorkerStats):
             self._on_stats(msg)
         elif isinstance(msg, messages.WorkerReady):

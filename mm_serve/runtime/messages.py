@@ -147,12 +147,23 @@ class TokenUpdate(msgspec.Struct):
     events: dict[str, float] | None = None  # lifetime events, time.time() seconds
 
 
+class StepTiming(msgspec.Struct):
+    """How long one worker step took, for the front end's latency predictor."""
+
+    kind: str  # "prefill" (encode + LLM prefill of a batch) | "decode" (one decode step)
+    seconds: float  # wall-clock time of the step
+    requests: int  # requests in the batch
+    tokens: int  # prefill: prompt tokens of the batch (image tokens included); decode: context tokens
+    images: int = 0  # prefill: images encoded
+
+
 class TokenBatch(msgspec.Struct, tag=True):
-    """All token updates of one worker step."""
+    """All token updates of one worker step (and, when it ran a timed step, its timing)."""
 
     role: str
     index: int
     updates: list[TokenUpdate]
+    step: StepTiming | None = None
 
 
 class RequestFailed(msgspec.Struct, tag=True):
