@@ -168,6 +168,7 @@ class AdmissionConfig(_Frozen):
     max_queued_requests: int = Field(1_024, ge=1, description="Engine requests waiting for their first token (all callers); more gets 429.")
     max_queued_prompt_tokens: int = Field(524_288, ge=1, description="Prompt tokens (image tokens included) of the requests waiting for their first token; more gets 429.")
     max_image_bytes_in_flight: int = Field(512 << 20, ge=1 << 20, description="Bytes reserved by images being fetched, decoded and preprocessed in the API process at once; a request whose images do not fit gets 503 with Retry-After.")
+    profile: str | None = Field(None, description="An 'mm-serve profile' JSON file: the predictor starts from a fit of its prefill, encode and decode points instead of the built-in defaults (it is refitted online either way).")
     image_decode_reserve_bytes: int = Field(48 << 20, ge=1 << 16, description="Bytes reserved per image for its decode and preprocessing (on top of its encoded size); 48 MiB holds a 4000x4000 RGB image.")
 
 

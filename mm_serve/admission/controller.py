@@ -19,6 +19,7 @@ from mm_serve.admission.tiers import Tier
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
+from mm_serve.planner.profile_file import load_profile
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 
@@ -29,8 +30,13 @@ class AdmissionController:
     """The predictor and the admission rule of one service (one per API app)."""
 
     def __init__(self, config: ServiceConfig) -> None:
+        """Raises:
+            ProfileError: ``admission.profile`` cannot be read or is not a valid profile.
+        """
         self.config = config
         self.predictor = LatencyPredictor(config.scheduler.prefill_batch_size, config.scheduler.prefill_token_budget)
+        if config.admission.profile is not None:
+            self.predictor.warm_start(load_profile(config.admission.profile))
         self._lock = threading.Lock()
 
     def predict(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int) -> Prediction | None:

@@ -15,8 +15,9 @@ the KV hand-off is not on the TTFT path here: it delays the second token (ITL), 
 the TPOT over the whole output absorbs. Predicted TPOT = one decode step at the chosen
 decode worker's batch (its running and dispatched requests plus this one) and context.
 
-Defaults fit the embedded model on a CPU core; the fits move to the measured times
-within a few dozen steps (about a minute of light traffic).
+Defaults fit the embedded model on a CPU core, or :meth:`LatencyPredictor.warm_start` fits
+them to an ``mm-serve profile`` file (``admission.profile``); the fits move to the
+measured times within a few dozen steps (about a minute of light traffic).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from mm_serve.admission.online_fit import OnlineLinearFit
+from mm_serve.planner.profile_file import Profile
 
 DEFAULT_PREFILL = (0.004, 2e-5, 0.004)  # s per batch, s per token, s per image
 DEFAULT_DECODE = (0.004, 2e-4, 2e-7)  # s per step, s per running request, s per context token
@@ -100,6 +102,17 @@ class LatencyPredictor:
         """Measured TTFT minus its measured queue wait and prefill, in seconds."""
         if residual_s >= 0:
             self.overhead_s += OVERHEAD_WEIGHT * (residual_s - self.overhead_s)
+
+    def warm_start(self, profile: Profile) -> None:
+        """Fit the starting coefficients to an ``mm-serve profile`` file's points (prefill batches,
+        encode batches, decode steps); the online refit goes on from there."""
+        for _ in range(3):  # a few passes: the fit weighs recent points most
+            for p in profile.prefill:
+                self.prefill.observe((1.0, p.tokens * p.batch, 0), p.seconds)
+            for e in profile.encode:
+                self.prefill.observe((1.0, 0, e.images), e.seconds)
+            for d in profile.decode:
+                self.decode.observe((1.0, d.batch, d.batch * d.context), d.seconds)
 
     def report(self) -> dict[str, object]:
         """Coefficients, observation counts and their age in seconds (for /health)."""

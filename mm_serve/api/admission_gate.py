@@ -108,3 +108,11 @@ def counted(ctx: ServerContext, tier: Tier) -> Iterator[None]:
         if ctx.tier_metrics is not None:
             ctx.tier_metrics.observe_admission(tier.name, rejection.reason)
         raise
+
+
+PREDICTION_HEADER = "x-mm-serve-predicted-ttft-ms"
+
+
+def prediction_header(predicted_ttft_s: float | None) -> dict[str, str]:
+    """``{PREDICTION_HEADER: milliseconds}`` for a stream's response headers (none without a prediction)."""
+    return {} if predicted_ttft_s is None else {PREDICTION_HEADER: f"{1000 * predicted_ttft_s:.1f}"}

@@ -8,7 +8,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mm_serve.api.admission_gate import admit_call, check_call_work, counted, hold_images
+from mm_serve.api.admission_gate import (
+    admit_call,
+    check_call_work,
+    counted,
+    hold_images,
+    prediction_header,
+)
 from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import unavailable
@@ -52,7 +58,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(gen, body, ctx, raw, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(gen, body, ctx, raw, include_usage), media_type="text/event-stream",
+                                 headers=prediction_header(predicted))
     try:
         await gen.wait(ctx.deadline(), raw.is_disconnected)
     except TimeoutError:

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mm_serve.api.admission_gate import admit_call, check_call_work, counted
+from mm_serve.api.admission_gate import admit_call, check_call_work, counted, prediction_header
 from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import bad_request, unavailable
@@ -72,7 +72,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(gens[0], body, ctx, raw, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(gens[0], body, ctx, raw, include_usage), media_type="text/event-stream",
+                                 headers=prediction_header(predicted))
     try:
         for gen in gens:
             await gen.wait(ctx.deadline(), raw.is_disconnected)

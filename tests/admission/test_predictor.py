@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from mm_serve.admission.predictor import LatencyPredictor, QueueAhead
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
+from mm_serve.planner.errors import ProfileError
 from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
 
@@ -107,3 +110,22 @@ def test_measured_steps_refit_the_predictor() -> None:
     report = controller.predictor.report()
     assert report["prefill"]["observations"] == 40 and report["decode"]["observations"] == 40  # type: ignore[index]
     assert controller.predictor.decode.predict((1.0, 4, 1000)) == pytest.approx(0.024, rel=0.1)
+
+
+def test_a_profile_file_sets_the_starting_coefficients(tiny_llava: Path, tmp_path: Path) -> None:
+    """admission.profile: the predictor starts from the profile's prefill/encode/decode points."""
+    profile = {
+        "format": "mm-serve-profile/1", "name": "t", "memory_bytes": 1e9, "model": str(tiny_llava),
+        "prefill": [{"tokens": n, "batch": b, "seconds": 0.01 + 2e-4 * n * b} for n in (64, 256, 1024) for b in (1, 2)],
+        "encode": [{"images": i, "seconds": 0.01 + 0.05 * i} for i in (1, 2, 4)],
+        "decode": [{"batch": b, "context": c, "seconds": 0.005 + 1e-3 * b} for b in (1, 4, 16) for c in (128, 512)],
+    }
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    controller = AdmissionController(load_config(None, {"admission.profile": str(path)}))
+    predictor = controller.predictor
+    assert predictor.prefill_seconds(1000, 0) == pytest.approx(0.21, rel=0.1)
+    assert predictor.prefill_seconds(0, 2) == pytest.approx(0.11, rel=0.15)
+    assert predictor.decode.predict((1.0, 8, 8 * 256)) == pytest.approx(0.013, rel=0.15)
+    with pytest.raises(ProfileError, match="cannot read profile"):
+        AdmissionController(load_config(None, {"admission.profile": str(tmp_path / "missing.json")}))
