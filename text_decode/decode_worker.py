@@ -86,7 +86,7 @@ class DecodeWorker(WorkerShell):
 
     def step(self) -> None:
         aborted = set(self._aborted_at)
-        self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt)
+        self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt, self.scheduler.displace)
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
             del self._aborted_at[request_id]
         if not self.scheduler.num_unfinished:
