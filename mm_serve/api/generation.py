@@ -41,10 +41,12 @@ class Generation:
         try:
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
-                state = client.submit(f"{self.request_id}-{i}", inputs, replace(params, n=1, seed=seed), arrival_time,
-                                      *((tier.rank, tier.max_wait_s) if tier is not None else ()))
-                state.tier = None if tier is None else tier.name
-                state.predicted_ttft_s = predicted_ttft_s
+                one = replace(params, n=1, seed=seed)
+                if tier is None:
+                    state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time)
+                else:
+                    state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time, tier.rank,
+                                          tier.max_wait_s, tier.name, predicted_ttft_s)
                 state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set

@@ -168,13 +168,14 @@ class EngineClient:
 
     def submit(
         self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
-        priority: int = 1, max_wait_s: float = 0.0,
+        priority: int = 1, max_wait_s: float = 0.0, tier: str | None = None, predicted_ttft_s: float | None = None,
     ) -> RequestState:
         """Route a processed request to a ready prefill (or colocated) worker; while its role
         has none ready but one restarting, the request waits for it.
 
         ``priority`` is its SLO tier rank (0 interactive, 1 standard, 2 batch) and
-        ``max_wait_s`` the prefill wait (seconds) after which it is served as rank 0 (0: never).
+        ``max_wait_s`` the prefill wait (seconds) after which it is served as rank 0 (0: never);
+        ``tier`` (its name) and ``predicted_ttft_s`` are kept on the state for the metrics.
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` over the context length.
@@ -187,6 +188,7 @@ class EngineClient:
         self.inputs.check_context(n, params.max_tokens, self.context_limit)
         state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop))
         state.num_images = inputs.num_images
+        state.tier, state.predicted_ttft_s = tier, predicted_ttft_s
         if arrival_time is not None:
             state.arrival_time = arrival_time
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
