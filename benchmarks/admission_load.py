@@ -11,7 +11,9 @@ predicted TTFT (``x-mm-serve-predicted-ttft-ms``) against the measured one. Writ
 ``admission.json`` and, with matplotlib, ``admission.png`` (attainment vs offered load).
 
 ``--base-rate`` is the 1x rate in requests/s: the service's goodput rate, e.g. from
-``mm-serve bench --workload llava --sweep``. Not part of ``make test``. Usage::
+``mm-serve bench --workload llava --sweep``; without it, a rough stand-in is measured
+first (the inverse of the mean e2e latency of 8 requests sent one at a time, on the
+admission-on server). Not part of ``make test``. Usage::
 
     python benchmarks/admission_load.py [--model embedded|DIR] [--base-rate 2] [--duration 40]
         [--tier-mix interactive=0.3,standard=0.5,batch=0.2] [--out DIR]
@@ -116,6 +118,14 @@ async def run_load(url: str, rate: float, duration_s: float, mix: dict[str, floa
         return list(await asyncio.gather(*(fire(at, tier, i) for i, (at, tier) in enumerate(arrivals))))
 
 
+async def probe_rate(url: str, num_requests: int = 8) -> float:
+    """1 / mean e2e seconds of ``num_requests`` standard requests sent one at a time (after one warm-up)."""
+    async with httpx.AsyncClient(trust_env=False, timeout=300.0) as http:
+        await one(http, url, "standard", 10_000)
+        times = [(await one(http, url, "standard", 10_001 + i)).elapsed_s for i in range(num_requests)]
+    return 1.0 / statistics.mean(times)
+
+
 def summarize(outcomes: list[Outcome], slo: dict[str, tuple[float, float]], duration_s: float) -> dict[str, Any]:
     per_tier: dict[str, Any] = {}
     met_total = 0
@@ -148,6 +158,9 @@ def serve_and_load(args: argparse.Namespace, predict: bool, folder: Path) -> dic
     slo = {t: (getattr(cfg.slo.tiers, t).ttft_ms / 1000, getattr(cfg.slo.tiers, t).tpot_ms / 1000) for t in TIERS}
     results: dict[str, Any] = {}
     with LocalServer(folder / f"server-{'on' if predict else 'off'}.log", str(config), args.model) as server:
+        if args.base_rate is None:
+            args.base_rate = asyncio.run(probe_rate(server.url))
+            print(f"base rate (1 / mean unloaded e2e): {args.base_rate:.2f} req/s", flush=True)
         asyncio.run(run_load(server.url, args.base_rate / 2, 10.0, parse_mix(args.tier_mix), args.seed + 99))  # warm-up
         for load in LOADS:
             outcomes = asyncio.run(run_load(server.url, args.base_rate * load, args.duration,
@@ -185,7 +198,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="embedded")
     p.add_argument("--config", default=None, help="server config YAML (default: the defaults)")
-    p.add_argument("--base-rate", type=float, default=2.0, help="the 1x rate, requests/s")
+    p.add_argument("--base-rate", type=float, default=None, help="the 1x rate, requests/s (default: probed)")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per load")
     p.add_argument("--tier-mix", default="interactive=0.3,standard=0.5,batch=0.2")
     p.add_argument("--seed", type=int, default=0)
@@ -193,8 +206,9 @@ def main() -> int:
     args = p.parse_args()
     folder = Path(args.out or tempfile.mkdtemp(prefix="admission-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
-    doc = {"base_rate": args.base_rate, "tier_mix": args.tier_mix, "duration_s": args.duration,
-           "on": serve_and_load(args, True, folder), "off": serve_and_load(args, False, folder)}
+    on = serve_and_load(args, True, folder)
+    off = serve_and_load(args, False, folder)
+    doc = {"base_rate": args.base_rate, "tier_mix": args.tier_mix, "duration_s": args.duration, "on": on, "off": off}
     (folder / "admission.json").write_text(json.dumps(doc, indent=2))
     print(f"wrote {folder / 'admission.json'}")
     plot(doc, folder / "admission.png")
