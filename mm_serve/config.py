@@ -131,9 +131,57 @@ class BatchConfig(_Frozen):
     max_file_bytes: int = Field(200 << 20, ge=1024, le=1 << 40, description="Largest uploaded file, in bytes (OpenAI's limit: 200 MB); larger uploads get 413.")
     max_lines: int = Field(50_000, ge=1, le=10_000_000, description="Most requests (lines) in one batch input file (OpenAI's limit: 50,000).")
     max_total_bytes: int = Field(10 << 30, ge=1 << 20, le=1 << 50, description="Disk bound: stored files plus running batches' results, in bytes; an upload that would pass it gets 413.")
-    max_in_flight_rows: int = Field(2, ge=1, le=4096, description="A batch row starts only while the engine has fewer requests than this in flight (interactive ones included), so at most this many batch rows run, over every batch: what keeps interactive traffic fast while a batch runs (there are no SLO tiers yet).")
+    max_in_flight_rows: int = Field(2, ge=1, le=4096, description="A batch row starts only while the engine has fewer requests than this in flight (interactive ones included), so at most this many batch rows run, over every batch: with the batch SLO tier the rows run in, what keeps interactive traffic fast while a batch runs.")
     completion_window_s: int = Field(86_400, ge=1, le=30 * 86_400, description="What completion_window '24h' means here: seconds after creation at which unfinished rows are given up (status 'expired', those rows in the error file).")
     fsync: bool = Field(False, description="fsync each result row (survives power loss); without it a row is flushed to the OS, which survives a crash or SIGKILL of the server.")
+
+
+TierName = Literal["interactive", "standard", "batch"]
+
+
+class TierSLO(_Frozen):
+    """The latency targets of one SLO tier."""
+
+    ttft_ms: float = Field(gt=0, le=3_600_000, description="Time-to-first-token SLO, in milliseconds.")
+    tpot_ms: float = Field(gt=0, le=600_000, description="Time-per-output-token SLO, in milliseconds.")
+    attainment: float = Field(0.9, gt=0, le=1, description="Target fraction of the tier's requests meeting both SLOs.")
+
+
+class TiersConfig(_Frozen):
+    """The three tiers, tightest first; ``batch`` is never rejected for latency, only queued."""
+
+    interactive: TierSLO = TierSLO(ttft_ms=1_000, tpot_ms=100, attainment=0.9)
+    standard: TierSLO = TierSLO(ttft_ms=4_000, tpot_ms=250, attainment=0.9)
+    batch: TierSLO = TierSLO(ttft_ms=60_000, tpot_ms=2_000, attainment=0.5)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TiersConfig:
+        for tight, loose in (("interactive", "standard"), ("standard", "batch")):
+            a, b = getattr(self, tight), getattr(self, loose)
+            if a.ttft_ms > b.ttft_ms or a.tpot_ms > b.tpot_ms:
+                raise ValueError(f"slo.tiers.{tight} must be at least as tight as slo.tiers.{loose} "
+                                 f"(ttft_ms {a.ttft_ms} vs {b.ttft_ms}, tpot_ms {a.tpot_ms} vs {b.tpot_ms})")
+        return self
+
+
+class SLOConfig(_Frozen):
+    """SLO tiers; a request picks one with OpenAI's ``service_tier`` (README "SLO tiers")."""
+
+    tiers: TiersConfig = TiersConfig()
+    default_tier: TierName = Field("standard", description="Tier of a request that sends no service_tier (or 'auto').")
+
+
+class AdmissionConfig(_Frozen):
+    """Admission control in the API front end: hard bounds (always on) and the latency predictor."""
+
+    predict: bool = Field(True, description="Reject (429) a request whose predicted TTFT or TPOT misses its tier's SLO by more than margin; false (--no-admission) keeps only the bounds.")
+    margin: float = Field(0.25, ge=0, le=100, description="Allowed excess of the prediction over the SLO before rejecting, as a fraction (0.25 = 25 %).")
+    max_request_work_tokens: int = Field(262_144, ge=1, description="One API call's work, prompts x n x (prompt tokens + max_tokens); more is a 400.")
+    max_queued_requests: int = Field(1_024, ge=1, description="Engine requests waiting for their first token (all callers); more gets 429.")
+    max_queued_prompt_tokens: int = Field(524_288, ge=1, description="Prompt tokens (image tokens included) of the requests waiting for their first token; more gets 429.")
+    max_image_bytes_in_flight: int = Field(512 << 20, ge=1 << 20, description="Bytes reserved by images being fetched, decoded and preprocessed in the API process at once; a request whose images do not fit gets 503 with Retry-After.")
+    profile: str | None = Field(None, description="An 'mm-serve profile' JSON file: the predictor starts from a fit of its prefill, encode and decode points instead of the built-in defaults (it is refitted online either way).")
+    image_decode_reserve_bytes: int = Field(48 << 20, ge=1 << 16, description="Bytes reserved per image for its decode and preprocessing (on top of its encoded size); 48 MiB holds a 4000x4000 RGB image.")
 
 
 class ServiceConfig(_Frozen):
@@ -152,8 +200,8 @@ class ServiceConfig(_Frozen):
     kv_cache: KVCacheConfig = KVCacheConfig()
     api: APIConfig = APIConfig()
     fault: FaultConfig = FaultConfig()
-
-
+    slo: SLOConfig = SLOConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     batch: BatchConfig = BatchConfig()
 
 

@@ -1,7 +1,9 @@
 """Request dispatch across prefill and decode workers (xPyD).
 
 * Prefill: the worker with the least queued work, in prompt tokens (image tokens
-  included), counted from dispatch until its first token comes back.
+  included), counted from dispatch until its first token comes back. The queued
+  work is also kept per SLO tier rank (:class:`PrefillWork`), for the admission
+  controller's prediction of the wait ahead of a new request.
 * Decode: the worker with room, judged from its latest :class:`WorkerStats`
   (free pages, running count) minus what was dispatched to it since: the one
   with the most free pages after its in-flight requests, among those under
@@ -17,6 +19,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+NUM_RANKS = 3  # SLO tier ranks: 0 interactive, 1 standard, 2 batch
+
+
+@dataclass
+class PrefillWork:
+    """Requests, prompt tokens and images queued (or prefilling) on one prefill worker for one tier rank."""
+
+    requests: int = 0
+    tokens: int = 0
+    images: int = 0
+
+    def add(self, sign: int, tokens: int, images: int) -> None:
+        self.requests += sign
+        self.tokens += sign * tokens
+        self.images += sign * images
+
 
 @dataclass
 class DecodeLoad:
@@ -31,12 +49,24 @@ class DecodeLoad:
         return self.pages_total - self.pages_used - sum(self.inflight.values())
 
 
+@dataclass(frozen=True)
+class LoadView:
+    """What a new request of one tier rank would find on the workers it would be sent to."""
+
+    prefill: int  # the prefill worker it would go to
+    ahead: PrefillWork  # queued or prefilling there at its rank and tighter ones
+    decode: int  # the decode worker it would go to
+    decode_batch: int  # requests running on or dispatched to that decode worker
+    decode_pages_used: int  # KV pages used there (last stats)
+
+
 class Router:
     """Chooses workers; the caller reports dispatches, first tokens, finishes and stats."""
 
     def __init__(self, num_prefill: int, num_decode: int, decode_pages_total: int, max_running: int) -> None:
         self.prefill_tokens = [0] * num_prefill
-        self._prefill_of: dict[str, tuple[int, int]] = {}
+        self._prefill_of: dict[str, tuple[int, int, int, int]] = {}  # id -> (worker, tokens, rank, images)
+        self.prefill_work = [[PrefillWork() for _ in range(NUM_RANKS)] for _ in range(num_prefill)]
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
         self._decode_of: dict[str, int] = {}
         self.max_running = max_running
@@ -67,17 +97,45 @@ class Router:
 
         return max(range(len(self.decode)) if candidates is None else candidates, key=room)
 
-    def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int) -> None:
+    def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int,
+                   rank: int = 1, images: int = 0) -> None:
+        """Count a request sent to ``prefill`` (``tokens`` prompt tokens, ``images`` images, tier
+        ``rank``) whose KV goes to ``decode`` (``pages`` pages for the prompt and first token)."""
+        rank = min(max(rank, 0), NUM_RANKS - 1)
         self.prefill_tokens[prefill] += tokens
-        self._prefill_of[request_id] = (prefill, tokens)
+        self._prefill_of[request_id] = (prefill, tokens, rank, images)
+        self.prefill_work[prefill][rank].add(1, tokens, images)
         self.decode[decode].inflight[request_id] = pages
         self._decode_of[request_id] = decode
+
+    def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int]) -> LoadView:
+        """The :class:`LoadView` of a request of tier ``rank`` needing ``pages_needed`` decode pages,
+        among the ``prefills`` and ``decodes`` candidates (as :meth:`pick_prefill`, :meth:`pick_decode`).
+
+        Raises:
+            ValueError: a candidate list is empty.
+        """
+        prefill = self.pick_prefill(prefills)
+        ahead = PrefillWork()
+        for work in self.prefill_work[prefill][: min(max(rank, 0), NUM_RANKS - 1) + 1]:
+            ahead.add(work.requests, 0, 0)
+            ahead.tokens += work.tokens
+            ahead.images += work.images
+        decode = self.pick_decode(pages_needed, decodes)
+        load = self.decode[decode]
+        return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used)
+
+    def queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) dispatched to prefill workers and not yet prefilled."""
+        return len(self._prefill_of), sum(self.prefill_tokens)
 
     def prefilled(self, request_id: str) -> None:
         """The first token came back: the request left its prefill queue."""
         entry = self._prefill_of.pop(request_id, None)
         if entry is not None:
-            self.prefill_tokens[entry[0]] -= entry[1]
+            worker, tokens, rank, images = entry
+            self.prefill_tokens[worker] -= tokens
+            self.prefill_work[worker][rank].add(-1, tokens, images)
 
     def claimed(self, request_id: str) -> None:
         """The decode worker reported the request (its pages now count in the worker's stats)."""

@@ -86,7 +86,7 @@ class DecodeWorker(WorkerShell):
 
     def step(self) -> None:
         aborted = set(self._aborted_at)
-        self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt)
+        self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt, self.scheduler.displace)
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
             del self._aborted_at[request_id]
         if not self.scheduler.num_unfinished:
@@ -95,6 +95,7 @@ class DecodeWorker(WorkerShell):
         if plan.empty:
             return
         batch = plan.prefill or plan.decode
+        started = time.monotonic()
         try:
             if plan.prefill:  # recompute of preempted requests: token ids + kept image embeddings
                 logits = self.runner.prefill(plan.prefill)
@@ -110,8 +111,10 @@ class DecodeWorker(WorkerShell):
         now = time.time()
         for request in batch:
             request.stamp(LifetimeEvent.FIRST_DECODE, now)
+        timing = None if plan.prefill else messages.StepTiming(
+            "decode", time.monotonic() - started, len(batch), sum(r.num_tokens for r in batch))
         process_step(batch, tokens, logprobs, self.stops, self._finish)
-        self.send([token_update(request) for request in batch])
+        self.send([token_update(request) for request in batch], timing)
 
     # ---- stats and close ---------------------------------------------------------------------
 

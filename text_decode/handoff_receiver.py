@@ -64,6 +64,7 @@ class HandoffReceiver:
     def claim_ready(
         self, can_admit: Callable[[int], bool], aborted: set[str],
         on_claim: Callable[[Request], None] | None = None,
+        make_room: Callable[[int, int], object] | None = None,
     ) -> list[Request]:
         """Claim every hand-off that fits now; returns one running-ready request per claim
         (KV in its ``block_table``, first token as its one output, marked reported).
@@ -72,6 +73,10 @@ class HandoffReceiver:
         plus the first token (allocated with the claim, so the first decode step needs no
         more); ``on_claim(request)`` runs right after each claim, before the next question,
         so a scheduler that adds the request there counts it (``max_running`` holds exactly).
+
+        When ``can_admit`` says no, ``make_room(num_pages, priority)`` (if given) may preempt
+        running requests of a lower tier than the hand-off's (``priority`` from its meta) so
+        that it fits; ``can_admit`` is then asked again.
 
         Hand-offs of requests in ``aborted`` are claimed and released without running
         (their ids are removed from the set).
@@ -94,7 +99,9 @@ class HandoffReceiver:
                         ring.release(handoff)
                     aborted.discard(head.request_id)
                     continue
-                if not can_admit(pages_for(head.num_kv_tokens + 1, self.kv_cache.page_size)):
+                need = pages_for(head.num_kv_tokens + 1, self.kv_cache.page_size)
+                if not can_admit(need) and not (
+                        make_room is not None and make_room(need, _priority(head.meta)) and can_admit(need)):
                     break
                 handoff = ring.claim()
                 if handoff is None:
@@ -144,9 +151,18 @@ class HandoffReceiver:
             request_id=handoff.request_id, prompt_token_ids=list(meta.prompt_token_ids),
             sampling_params=from_wire(meta.sampling), num_images=meta.num_images, image_embeds=embeds,
             block_table=pages, generator=None if seed is None else make_generator(seed), seed=seed,
-            output_offset=meta.output_offset, events=events_from_wire(meta.events),
+            output_offset=meta.output_offset, events=events_from_wire(meta.events), priority=meta.priority,
         )
         request.append_output(handoff.first_token, meta.first_logprobs)
         request.num_sent_tokens = 1  # the prefill worker reported the first token
         request.stamp(LifetimeEvent.HANDOFF_END)
         return request
+
+
+def _priority(meta: bytes) -> int:
+    """The SLO tier rank in a hand-off's meta (1, standard, when it does not parse: the claim
+    checks it properly)."""
+    try:
+        return messages.decode_meta(meta).priority
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 1

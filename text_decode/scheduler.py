@@ -3,9 +3,10 @@
 Each step is either a prefill step (new or preempted requests, FCFS, within a
 token budget and a batch-size cap) or a decode step (one token for every
 running request). Prefill is given priority, as in vLLM's default policy.
-When a decode step lacks pages, the most recently admitted running request is
-preempted by recompute: its pages are freed and it goes back to the head of
-the waiting queue; its prompt plus the tokens generated so far are prefilled
+When a decode step lacks pages, the most recently admitted running request of
+the lowest SLO tier (highest ``Request.priority``) is preempted by recompute:
+its pages are freed and it goes back to the waiting queue, ahead of every
+waiting request of its tier or a lower one; its prompt plus the tokens generated so far are prefilled
 again later (its image embeddings are kept, so nothing is re-encoded).
 """
 
@@ -51,6 +52,7 @@ class ContinuousBatchingScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_displaced = 0  # running requests preempted for a waiting one of a higher tier
 
     @classmethod
     def from_config(cls, pool: PagePool, cfg: EngineConfig) -> ContinuousBatchingScheduler:
@@ -62,8 +64,13 @@ class ContinuousBatchingScheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, request: Request) -> None:
-        """Queue a new request for prefill (FCFS)."""
+        """Queue a new request for prefill: after every waiting request of its tier or a higher one
+        (FCFS within a tier)."""
         request.status = RequestStatus.WAITING
+        for i, waiting in enumerate(self.waiting):
+            if waiting.priority > request.priority:
+                self.waiting.insert(i, request)
+                return
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
@@ -92,7 +99,7 @@ class ContinuousBatchingScheduler:
             if batch and tokens + n > self.prefill_token_budget:
                 break
             need = pages_for(n, self.page_size)
-            if not self.pool.can_allocate(need):
+            if not self.pool.can_allocate(need) and not self.displace(need, request.priority):
                 break
             request.block_table = self.pool.allocate(need)
             request.status = RequestStatus.RUNNING
@@ -116,10 +123,33 @@ class ContinuousBatchingScheduler:
                 request.block_table.extend(self.pool.allocate(need))
                 index += 1
                 continue
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             preempted.append(victim)
         return preempted
+
+    def displace(self, num_pages: int, priority: int) -> list[Request]:
+        """Preempt running requests of a lower tier than ``priority`` (newest first, lowest tier
+        first) until ``num_pages`` pages and a running slot are free; returns them.
+
+        Preempts nothing (and returns ``[]``) when even all of them would not make the room.
+        """
+        lower = [r for r in self.running if r.priority > priority]
+        if self.pool.num_free + sum(len(r.block_table) for r in lower) < num_pages:
+            return []
+        chosen: list[Request] = []
+        for victim in sorted(lower, key=lambda r: (-r.priority, -self.running.index(r))):
+            if self.pool.can_allocate(num_pages) and len(self.running) < self.max_running:
+                break
+            chosen.append(victim)
+            self._preempt(victim)
+        self.num_displaced += len(chosen)
+        return chosen
+
+    def _victim(self) -> Request:
+        """The running request to preempt: of the lowest tier, the newest admitted."""
+        lowest = max(r.priority for r in self.running)
+        return next(r for r in reversed(self.running) if r.priority == lowest)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -128,7 +158,15 @@ class ContinuousBatchingScheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Put a preempted request back: before the first waiting request of its tier or a lower one."""
+        for i, waiting in enumerate(self.waiting):
+            if waiting.priority >= request.priority:
+                self.waiting.insert(i, request)
+                return
+        self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Mark ``request`` finished with ``status``, free its pages, drop it from the queues."""

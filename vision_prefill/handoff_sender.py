@@ -61,7 +61,7 @@ class HandoffSender:
             sampling=to_wire(p, frozenset()), seed=request.seed if request.generator is not None else None,
             output_offset=request.output_offset, num_images=request.num_images,
             first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
-            events=events_to_wire(request.events),
+            events=events_to_wire(request.events), priority=request.priority,
         )
         self.pending.append(PendingHandoff(request, request.decode_index, meta))
 

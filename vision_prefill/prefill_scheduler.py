@@ -1,15 +1,21 @@
-"""Prefill batching: FCFS with a token budget per batch, grouped by prompt-length bucket.
+"""Prefill batching: by SLO tier, then arrival, with a token budget per batch, grouped by length bucket.
 
 DistServe (§4.1) batches prefill only up to the length where the GPU saturates;
 beyond that, batching adds latency without throughput. The budget
-(``scheduler.prefill_token_budget``) is that length. The head of the queue always
-runs next (FCFS, no starvation); later requests join its batch only if they are
-in the same length bucket (similar lengths waste less work on padded backends)
-and fit the budget.
+(``scheduler.prefill_token_budget``) is that length.
+
+Order: the queue is read by ``(rank, arrival)``, where ``rank`` is the request's tier
+(``Request.priority``: 0 interactive, 1 standard, 2 batch), except that a request
+waiting longer than its own ``max_wait_s`` (its tier's TTFT SLO) counts as rank 0
+(ageing: a batch request cannot starve behind a stream of interactive ones). Within a
+rank, arrival order (FCFS). The first request in that order always runs next; later
+ones join its batch only if they are in the same length bucket (similar lengths waste
+less work on padded backends) and fit the budget.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -53,18 +59,30 @@ class PrefillScheduler:
                 return request
         return None
 
-    def next_batch(self, can_fit: Callable[[list[Request]], bool]) -> list[Request]:
+    def ordered(self, now: float | None = None) -> list[Request]:
+        """The queue in service order at ``now`` (``time.monotonic()`` seconds; see the module docstring)."""
+        now = time.monotonic() if now is None else now
+
+        def rank(request: Request) -> int:
+            aged = request.max_wait_s > 0 and now - request.arrival_time > request.max_wait_s
+            return 0 if aged else request.priority
+
+        return sorted(self.queue, key=rank)  # stable: arrival order within a rank
+
+    def next_batch(self, can_fit: Callable[[list[Request]], bool], now: float | None = None) -> list[Request]:
         """Pop the next batch; ``can_fit(batch)`` says whether memory allows a candidate batch.
 
-        Returns an empty list when even the head alone does not fit (backpressure).
+        Returns an empty list when even the first request in service order does not fit
+        (backpressure: nothing overtakes it, so it cannot starve).
         """
-        if not self.queue or not can_fit([self.queue[0]]):
+        order = self.ordered(now)
+        if not order or not can_fit([order[0]]):
             return []
-        head = self.queue[0]
+        head = order[0]
         batch = [head]
         tokens = head.num_tokens
         bucket = length_bucket(head.num_tokens)
-        for request in list(self.queue)[1 : self.lookahead]:
+        for request in order[1 : self.lookahead]:
             if len(batch) >= self.batch_size:
                 break
             n = request.num_tokens

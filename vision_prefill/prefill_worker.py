@@ -55,7 +55,7 @@ class PrefillWorker(WorkerShell):
             pixel_values=None if msg.pixel_values is None else msg.pixel_values.to_tensor(),
             generator=None if params.greedy else make_generator(msg.generator_seed),
             seed=None if params.greedy else msg.generator_seed, output_offset=msg.output_offset,
-            decode_index=msg.decode_index,
+            decode_index=msg.decode_index, priority=msg.priority, max_wait_s=msg.max_wait_s,
         )
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)
         request.stamp(LifetimeEvent.PREFILL_QUEUED)
@@ -106,6 +106,7 @@ class PrefillWorker(WorkerShell):
                 self.channel.send(messages.RequestFailed(request.request_id, f"prefill failed: {exc}"))
 
     def _prefill(self, batch: list[Request]) -> None:
+        started = time.monotonic()
         for request in batch:
             request.block_table = self.kv_cache.pool.allocate(pages_for(request.num_tokens, self.kv_cache.page_size))
             request.status = RequestStatus.RUNNING
@@ -124,7 +125,9 @@ class PrefillWorker(WorkerShell):
         for request in batch:
             if request not in finished:
                 self.sender.add(request)
-        self.send([token_update(request, with_events=True) for request in batch])
+        timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch),
+                                     sum(r.num_tokens for r in batch), sum(r.num_images for r in batch))
+        self.send([token_update(request, with_events=True) for request in batch], timing)
 
     # ---- stats and close ---------------------------------------------------------------------
 

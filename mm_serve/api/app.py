@@ -33,6 +33,7 @@ from mm_serve.api.schemas import (
 )
 from mm_serve.batch.service import BatchService
 from mm_serve.metrics import FaultCollector, ServiceMetrics, WorkerStatsCollector, render
+from mm_serve.tier_metrics import TierMetrics
 
 UPLOAD_OVERHEAD_BYTES = 1 << 20
 """What a multipart upload may add to ``batch.max_file_bytes`` (boundaries, part headers, the purpose)."""
@@ -40,7 +41,8 @@ UPLOAD_OVERHEAD_BYTES = 1 << 20
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in ((400, "Bad request"), (401, "Missing or wrong API key"), (404, "Unknown model"),
-                       (413, "Body too large"), (503, "Service unavailable"))
+                       (413, "Body too large"), (429, "Refused by admission control (Retry-After)"),
+                       (503, "Service unavailable"))
 }
 
 
@@ -78,6 +80,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     registry.register(WorkerStatsCollector(lambda: dict(ctx.holder.client.stats)))
     registry.register(FaultCollector(ctx.holder.client.fault_report))
     ctx.holder.client.finish_listeners.append(metrics.observe_finished)
+    ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)
+    ctx.holder.client.finish_listeners.extend([ctx.tier_metrics.observe_finished, ctx.admission.on_finished])
+    ctx.holder.client.step_listeners.append(ctx.admission.on_step)
     install_error_handlers(app, metrics.observe_rejected)
     upload_limit = (ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_bytes, plus 1 MiB of form")
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes,
@@ -124,7 +129,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health() -> JSONResponse:
         status, workers, faults = ctx.holder.health()
-        body = HealthResponse(status=status, workers=workers, faults=faults).model_dump()  # type: ignore[arg-type]
+        body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]
+                              admission={"predict": ctx.config.admission.predict,
+                                         **ctx.admission.predictor.report()}).model_dump()
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)")

@@ -8,6 +8,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mm_serve.api.admission_gate import (
+    admit_call,
+    check_call_work,
+    counted,
+    hold_images,
+    prediction_header,
+)
 from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import unavailable
@@ -25,6 +32,7 @@ from mm_serve.api.schemas import (
     dump,
 )
 from mm_serve.api.sse import DONE, error_event, event
+from mm_serve.api.tier_param import request_tier
 
 
 def _finish(reason: str | None) -> str | None:
@@ -35,15 +43,23 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     """Validate, submit ``n`` requests, and answer as JSON or as an SSE stream."""
     arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
-    messages = await chat_messages(body.messages, ctx.config.api)
-    inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
+    tier = request_tier(body.service_tier, ctx.config.slo)
+    with counted(ctx, tier), hold_images(ctx.image_budget, body.messages, ctx.config):
+        messages = await chat_messages(body.messages, ctx.config.api)
+        inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
+        del messages  # the decoded images; the pixels live on in ``inputs``
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,
                              ctx.holder.model_config.text.vocab_size)
-    gen = Generation(ctx.client_or_503(), inputs, params, arrival)
+    with counted(ctx, tier):
+        check_call_work(ctx.config, [(inputs, params)])
+    client = ctx.client_or_503()
+    predicted = admit_call(ctx, client, tier, [(inputs, params)])
+    gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(gen, body, ctx, raw, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(gen, body, ctx, raw, include_usage), media_type="text/event-stream",
+                                 headers=prediction_header(predicted))
     try:
         await gen.wait(ctx.deadline(), raw.is_disconnected)
     except TimeoutError:
@@ -61,14 +77,16 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         )
         for i, s in enumerate(gen.states)
     ]
-    return ChatCompletionResponse(model=ctx.served_model_name, choices=choices, usage=gen.usage())
+    return ChatCompletionResponse(model=ctx.served_model_name, choices=choices, usage=gen.usage(),
+                                  service_tier=tier.name)
 
 
 async def _stream(gen: Generation, body: ChatCompletionRequest, ctx: ServerContext, raw: Request,
                   include_usage: bool) -> AsyncIterator[str]:
     tokenizer = ctx.holder.inputs.tokenizer
     chunk = ChatCompletionChunk(id=f"chatcmpl-{gen.request_id}", created=int(time.time()),
-                                model=ctx.served_model_name, choices=[])
+                                model=ctx.served_model_name, choices=[],
+                                service_tier=None if gen.tier is None else gen.tier.name)
 
     def emit(choices: list[ChatChunkChoice]) -> str:
         chunk.choices = choices

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mm_serve.api.admission_gate import admit_call, check_call_work, counted, prediction_header
 from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import bad_request, unavailable
@@ -23,6 +24,7 @@ from mm_serve.api.schemas import (
     dump,
 )
 from mm_serve.api.sse import DONE, error_event, event
+from mm_serve.api.tier_param import request_tier
 
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:
@@ -45,6 +47,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     """Validate, submit ``n`` requests per prompt, answer as JSON or SSE."""
     arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
+    tier = request_tier(body.service_tier, ctx.config.slo)
     prompts = _prompts(body.prompt)
     if len(prompts) > 64:
         raise bad_request(f"{len(prompts)} prompts in one request; the limit is 64", "prompt")
@@ -55,18 +58,22 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         inputs = await process_inputs(ctx.holder.inputs, request, ctx.config.api.max_request_length)
         prepared.append((inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
                                                         ctx.holder.model_config.text.vocab_size)))
+    with counted(ctx, tier):
+        check_call_work(ctx.config, prepared)
     client = ctx.client_or_503()
+    predicted = admit_call(ctx, client, tier, prepared)
     gens: list[Generation] = []
     try:
         for inputs, params in prepared:
-            gens.append(Generation(client, inputs, params, arrival))
+            gens.append(Generation(client, inputs, params, arrival, tier, predicted))
     except BaseException:
         for gen in gens:
             gen.abort()
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(gens[0], body, ctx, raw, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(gens[0], body, ctx, raw, include_usage), media_type="text/event-stream",
+                                 headers=prediction_header(predicted))
     try:
         for gen in gens:
             await gen.wait(ctx.deadline(), raw.is_disconnected)
@@ -92,13 +99,13 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
                                             finish_reason=_finish(s.finish_reason)))
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                   total_tokens=prompt_tokens + completion_tokens)
-    return CompletionResponse(model=ctx.served_model_name, choices=choices, usage=usage)
+    return CompletionResponse(model=ctx.served_model_name, choices=choices, usage=usage, service_tier=tier.name)
 
 
 async def _stream(gen: Generation, body: CompletionRequest, ctx: ServerContext, raw: Request,
                   include_usage: bool) -> AsyncIterator[str]:
     base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(time.time()),
-            "model": ctx.served_model_name}
+            "model": ctx.served_model_name, "service_tier": None if gen.tier is None else gen.tier.name}
     closed = [False] * len(gen.states)
     try:
         async for i in gen.changes(ctx.deadline(), raw.is_disconnected):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mm_serve.admission.byte_budget import ByteBudget
+from mm_serve.admission.controller import AdmissionController
 from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.errors import unavailable
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.worker_specs import engine_sizing
+from mm_serve.tier_metrics import TierMetrics
 
 
 @dataclass
@@ -20,6 +23,13 @@ class ServerContext:
     config: ServiceConfig
     served_model_name: str
     created: int = int(time.time())
+    image_budget: ByteBudget = field(init=False)  # bytes of images being decoded at once
+    admission: AdmissionController = field(init=False)  # the latency predictor and the admission rule
+    tier_metrics: TierMetrics | None = None  # set by build_app
+
+    def __post_init__(self) -> None:
+        self.image_budget = ByteBudget(self.config.admission.max_image_bytes_in_flight)
+        self.admission = AdmissionController(self.config)
 
     @property
     def context_len(self) -> int:

@@ -1,7 +1,8 @@
 """OpenAI-format errors (``{"error": {"message", "type", "param", "code"}}``) and their handlers.
 
 Status codes: 400 bad input, 401 missing/wrong key, 404 unknown model or path,
-413 body too large, 503 the service cannot take the request now. A failure is
+413 body too large, 429 refused by admission control (a queue cap or a predicted SLO
+miss; with ``Retry-After``), 503 the service cannot take the request now. A failure is
 never a 200 with error text, and never an unformatted 500.
 """
 
@@ -15,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mm_serve.admission.rejection import Rejection
 from mm_serve.api.schemas import ErrorDetail, ErrorResponse
 
 
@@ -22,7 +24,7 @@ class APIError(Exception):
     """An error to send to the client with ``status`` and OpenAI ``type``/``param``/``code``."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         # a lone UTF-16 surrogate echoed from the request (e.g. a model name) cannot be
         # encoded as UTF-8: escape it so the error itself can always be sent
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -32,11 +34,12 @@ class APIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer", **self.headers} if self.status == 401 else self.headers
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -51,6 +54,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     """The 400 that the API answers for a body failing its schema (same message and ``param``)."""
     message, param = _validation_message(exc)
     return bad_request(message, param)
+
+
+def from_rejection(rejection: Rejection) -> APIError:
+    """The OpenAI error of an admission refusal: 400 ``invalid_request_error``, 429
+    ``rate_limit_error`` or 503 ``service_unavailable``, ``code`` the reason, ``Retry-After``
+    in whole seconds when the refusal gives one."""
+    kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(rejection.status, "service_unavailable")
+    headers = {} if rejection.retry_after_s is None else {"Retry-After": str(rejection.retry_after_s)}
+    return APIError(rejection.status, rejection.message, kind, rejection.param, rejection.reason, headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -86,6 +98,10 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return respond(exc)
+
+    @app.exception_handler(Rejection)
+    async def _rejection(_: Request, exc: Rejection) -> JSONResponse:
+        return respond(from_rejection(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
+from mm_serve.admission.tiers import Tier
 from mm_serve.api.errors import bad_request, unavailable
 from mm_serve.api.schemas import Usage
 from mm_serve.engine.engine_client import EngineClient
@@ -27,9 +28,11 @@ class Generation:
     """Submits ``params.n`` requests (seeds ``seed + i``) and reports their progress."""
 
     def __init__(
-        self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None
+        self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
+        tier: Tier | None = None, predicted_ttft_s: float | None = None,
     ) -> None:
         self.client = client
+        self.tier = tier
         self.request_id = uuid.uuid4().hex
         self.num_prompt_tokens = len(inputs.prompt_token_ids)
         self.states: list[RequestState] = []
@@ -38,7 +41,12 @@ class Generation:
         try:
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
-                state = client.submit(f"{self.request_id}-{i}", inputs, replace(params, n=1, seed=seed), arrival_time)
+                one = replace(params, n=1, seed=seed)
+                if tier is None:
+                    state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time)
+                else:
+                    state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time, tier.rank,
+                                          tier.max_wait_s, tier.name, predicted_ttft_s)
                 state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set

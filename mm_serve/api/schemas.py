@@ -121,6 +121,9 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, strict=True)
     user: str | None = None
+    service_tier: str | None = Field(
+        None, description="SLO tier: priority -> interactive, default -> standard, flex -> batch, auto or absent -> "
+        "slo.default_tier; interactive, standard, batch name ours directly (mm_serve/admission/tiers.py)")
 
     @model_validator(mode="after")
     def _consistent(self) -> _SamplingFields:
@@ -208,6 +211,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    service_tier: str | None = None  # the SLO tier served (interactive | standard | batch)
     choices: list[ChatChoice]
     usage: Usage
 
@@ -239,6 +243,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
+    service_tier: str | None = None  # the SLO tier served
     usage: Usage | None = None
 
 
@@ -261,6 +266,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    service_tier: str | None = None  # the SLO tier served (interactive | standard | batch)
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -296,6 +302,7 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "degraded", "warming", "stopping", "down"]
     workers: dict[str, str]  # worker name (prefill0, decode0, colocated0) -> ready | warming | restarting | down
     faults: dict[str, str] = {}  # worker name -> its last failure (exit code, hang), for workers that had one
+    admission: dict[str, Any] | None = None  # the latency predictor's coefficients, observations and their age
 
 
 class VersionResponse(BaseModel):

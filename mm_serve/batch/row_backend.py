@@ -108,7 +108,10 @@ class RowBackend(CaptionBackend):
             await asyncio.sleep(SPARE_POLL_S)
 
     async def _answer(self, item: CaptionInput) -> BaseModel:
-        body: dict[str, Any] = {"model": self.ctx.served_model_name, **(item.body or {}), "stream": False}
+        # rows run in the batch SLO tier (lowest priority, preempted first, never refused for
+        # latency) unless the row names another service_tier
+        body: dict[str, Any] = {"model": self.ctx.served_model_name, "service_tier": "batch", **(item.body or {}),
+                                "stream": False}
         body.pop("stream_options", None)
         raw = cast(Request, _RowRequest())
         try:

@@ -122,7 +122,7 @@ def allowed_misses(num_requests: int, target: float) -> int:
 async def run_load(endpoint: Endpoint, plan: Sequence[PlannedRequest], slo: SLO | None = None,
                    target: float | None = None, poll_s: float = 0.2) -> LoadResult:
     """Send ``plan`` open-loop at its arrival times; stop early when ``slo``/``target`` fail for sure."""
-    records = [RequestRecord(p.index, p.max_tokens) for p in plan]
+    records = [RequestRecord(p.index, p.max_tokens, tier=p.tier) for p in plan]
     budget = allowed_misses(len(plan), target) if slo is not None and target is not None else None
     t0 = time.perf_counter()
 
@@ -158,7 +158,7 @@ async def run_load(endpoint: Endpoint, plan: Sequence[PlannedRequest], slo: SLO 
 
 async def run_sequential(endpoint: Endpoint, plan: Sequence[PlannedRequest]) -> list[RequestRecord]:
     """Send ``plan`` one request at a time, ignoring arrival times: the unloaded latencies."""
-    records = [RequestRecord(p.index, p.max_tokens) for p in plan]
+    records = [RequestRecord(p.index, p.max_tokens, tier=p.tier) for p in plan]
     t0 = time.perf_counter()
 
     def clock() -> float:

@@ -24,6 +24,7 @@ class RequestRecord:
     output_tokens: int = 0  # from the server's usage, else the number of content chunks
     prompt_tokens: int | None = None  # from the server's usage, when reported
     error: str | None = None  # HTTP status / error event / "cancelled" / "not sent"
+    tier: str | None = None  # the SLO tier it asked for (--tier-mix)
 
     @property
     def ok(self) -> bool:
@@ -61,7 +62,8 @@ class RequestRecord:
         """The record as a flat JSON-ready dict (derived latencies in seconds, no chunk list)."""
         return {"index": self.index, "sent_s": self.sent_s, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
                 "e2e_s": self.e2e_s, "output_tokens": self.output_tokens, "max_tokens": self.max_tokens,
-                "prompt_tokens": self.prompt_tokens, "num_chunks": len(self.chunk_s), "error": self.error}
+                "prompt_tokens": self.prompt_tokens, "num_chunks": len(self.chunk_s), "error": self.error,
+                "tier": self.tier}
 
     def certainly_misses(self, now_s: float, slo: SLO) -> bool:
         """True when, at ``now_s``, this request can no longer meet both SLOs.

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mm_serve.bench.tier_report import draw_tier
 from mm_serve.bench.workloads import RequestSpec
 
 Api = Literal["chat", "completions"]
@@ -39,6 +40,7 @@ class PlannedRequest:
     arrival_s: float  # seconds after the run start
     max_tokens: int  # output tokens asked for
     body: bytes  # JSON body, ready to POST
+    tier: str | None = None  # the service_tier it asks for (--tier-mix), our tier name
 
 
 class _TextSource:
@@ -89,13 +91,14 @@ class RequestFactory:
     """Builds streaming OpenAI bodies (chat or completions) for sampled request specs."""
 
     def __init__(self, model_name: str, api: Api = "chat", tokenizer_dir: Path | None = None,
-                 image_size: int = 336, ignore_eos: bool = True) -> None:
+                 image_size: int = 336, ignore_eos: bool = True, tier_mix: dict[str, float] | None = None) -> None:
         if image_size < 1:
             raise ValueError(f"image size must be >= 1 pixel, got {image_size}")
         self.model_name = model_name
         self.api = api
         self.image_size = image_size
         self.ignore_eos = ignore_eos
+        self.tier_mix = tier_mix  # tier -> share: each body asks for a drawn service_tier
         self._text = _TextSource(tokenizer_dir)
 
     @property
@@ -117,6 +120,8 @@ class RequestFactory:
         }
         if self.ignore_eos:
             payload["ignore_eos"] = True
+        if self.tier_mix:
+            payload["service_tier"] = draw_tier(self.tier_mix, index, salt)
         if self.api == "completions":
             if spec.num_images:
                 raise ValueError("image workloads need the chat API (--api chat)")
@@ -135,7 +140,8 @@ class RequestFactory:
         """Pair specs with arrival times (seconds) into a run plan, bodies built up front."""
         if len(specs) != len(arrivals_s):
             raise ValueError(f"{len(specs)} specs but {len(arrivals_s)} arrival times")
-        return [PlannedRequest(i, t, spec.output_tokens, self.body(spec, i, salt))
+        return [PlannedRequest(i, t, spec.output_tokens, self.body(spec, i, salt),
+                               draw_tier(self.tier_mix, i, salt) if self.tier_mix else None)
                 for i, (spec, t) in enumerate(zip(specs, arrivals_s, strict=True))]
 
     @property

@@ -73,7 +73,8 @@ class LoadRunner:
     def __init__(self, endpoint: Endpoint, factory: RequestFactory, load: LoadSpec, slo: SLO | None,
                  target: float, early_stop: bool = True,
                  on_run: Callable[[RunSummary], None] | None = None,
-                 records_path: Path | None = None) -> None:
+                 records_path: Path | None = None,
+                 on_records: Callable[[float, list[RequestRecord]], None] | None = None) -> None:
         self.endpoint = endpoint
         self.factory = factory
         self.load = load
@@ -82,6 +83,7 @@ class LoadRunner:
         self.early_stop = early_stop
         self.on_run = on_run
         self.records_path = records_path
+        self.on_records = on_records  # (rate, records) of every loaded run, after on_run
         self._specs: list[RequestSpec] = []
 
     def _specs_for(self, n: int) -> list[RequestSpec]:
@@ -113,6 +115,8 @@ class LoadRunner:
         self._save(rate, result.records)
         if self.on_run is not None:
             self.on_run(summary)
+        if self.on_records is not None:
+            self.on_records(rate, result.records)
         return summary
 
     def unloaded(self, num_requests: int = 8) -> RunSummary:

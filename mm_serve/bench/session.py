@@ -18,10 +18,12 @@ import httpx
 
 from mm_serve.bench.client import Endpoint
 from mm_serve.bench.metrics import RunSummary
+from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.report import SystemResult
 from mm_serve.bench.requests import Api, RequestFactory
 from mm_serve.bench.runner import LoadRunner, LoadSpec
 from mm_serve.bench.sweep import find_goodput
+from mm_serve.config import SLOConfig
 from mm_serve.planner.slo import SLO
 
 TTFT_SLO_SCALE = 5.0  # default TTFT SLO over the unloaded p90 TTFT
@@ -47,6 +49,8 @@ class BenchSettings:
     early_stop: bool = True
     timeout_s: float = 300.0  # per read, seconds
     records_dir: Path | None = None  # write records-<system>.jsonl (every request) here
+    tier_mix: dict[str, float] | None = None  # --tier-mix: tier -> share of the requests
+    tier_slo: SLOConfig = SLOConfig()  # the tiers' SLOs the per-tier figures are judged by
 
 
 def served_model_id(url: str, api_key: str | None = None) -> str:
@@ -93,11 +97,12 @@ def measure(name: str, url: str, settings: BenchSettings, slo: SLO | None,
 
     model = model_id or served_model_id(url, settings.api_key)
     factory = RequestFactory(model, settings.api, settings.tokenizer_dir, settings.image_size,
-                             settings.ignore_eos)
+                             settings.ignore_eos, settings.tier_mix)
     endpoint = Endpoint(url, factory.path, settings.api_key, settings.timeout_s)
     runner = LoadRunner(endpoint, factory, settings.load, slo, settings.target, settings.early_stop,
                         on_run=lambda run: log(format_run(name, run)),
-                        records_path=settings.records_dir / f"records-{name}.jsonl" if settings.records_dir else None)
+                        records_path=settings.records_dir / f"records-{name}.jsonl" if settings.records_dir else None,
+                        on_records=_tier_logger(name, settings, log) if settings.tier_mix else None)
     log(f"[{name}] {url} (model {model}): {settings.unloaded_requests} unloaded requests ...")
     unloaded = runner.unloaded(settings.unloaded_requests)
     for message, count in unloaded.errors.items():
@@ -121,3 +126,17 @@ def _guess_rate(unloaded: RunSummary) -> float:
     """A first sweep rate (requests/s): two requests per mean unloaded e2e latency."""
     e2e = unloaded.e2e.mean
     return 2.0 / e2e if e2e > 0 and math.isfinite(e2e) else 1.0
+
+
+def _tier_logger(name: str, settings: BenchSettings,
+                 log: Callable[[str], None]) -> Callable[[float, list[RequestRecord]], None]:
+    """Logs a run's per-tier figures (:func:`mm_serve.bench.tier_report.tier_lines`)."""
+    from mm_serve.bench.tier_report import tier_lines
+
+    def report(rate: float, records: list[RequestRecord]) -> None:
+        span = max((r.sent_s for r in records if r.sent_s is not None), default=0.0)
+        log(f"[{name}] per tier at {rate:.3f} req/s:")
+        for line in tier_lines(records, settings.tier_slo, span):
+            log(line)
+
+    return report

@@ -24,6 +24,7 @@ from mm_serve.cli.main import CLIError
 if TYPE_CHECKING:
     from mm_serve.bench.report import SystemResult
     from mm_serve.bench.session import BenchSettings
+    from mm_serve.config import SLOConfig
     from mm_serve.planner.slo import SLO
 
 
@@ -62,6 +63,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--label", help="name of the --server system in reports (default: server)")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
     p.add_argument("--no-early-stop", action="store_true", help="finish every run even when it has failed")
+    p.add_argument("--tier-mix", metavar="MIX",
+                   help="send service_tier per request, e.g. interactive=0.3,standard=0.5,batch=0.2, and report "
+                        "per tier the refusals, the attainment of the admitted (tiers' SLOs from --config, else "
+                        "the defaults) and their goodput")
     p.add_argument("--out", metavar="DIR", help="write bench.json, attainment.png, records-*.jsonl and server logs here")
     p.set_defaults(func=run)
 
@@ -125,12 +130,28 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
         raise CLIError(str(exc)) from None
     if args.api == "completions" and args.workload in ("llava", "caption"):
         raise CLIError("image workloads need --api chat")
+    tier_mix, tier_slo = _tier_settings(args)
     return BenchSettings(
         load=load, target=args.attainment, rate=args.rate, sweep=args.sweep, start_rate=args.start_rate,
         rel_tol=args.rate_tolerance, api=args.api, api_key=args.api_key, tokenizer_dir=model_dir,
         image_size=image_size, ignore_eos=not args.no_ignore_eos, early_stop=not args.no_early_stop,
-        records_dir=Path(args.out) if args.out else None,
+        records_dir=Path(args.out) if args.out else None, tier_mix=tier_mix, tier_slo=tier_slo,
     )
+
+
+def _tier_settings(args: argparse.Namespace) -> tuple[dict[str, float] | None, SLOConfig]:
+    """``--tier-mix`` parsed, and the tiers' SLOs (of ``--config``, else the defaults)."""
+    from mm_serve.bench.tier_report import parse_tier_mix
+    from mm_serve.config import ConfigError, SLOConfig, load_config
+
+    if not args.tier_mix:
+        return None, SLOConfig()
+    try:
+        mix = parse_tier_mix(args.tier_mix)
+        slo = load_config(args.config).slo if getattr(args, "config", None) else SLOConfig()
+    except (ValueError, ConfigError) as exc:
+        raise CLIError(str(exc)) from None
+    return mix, slo
 
 
 def _log(line: str) -> None:

@@ -36,6 +36,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch-data-dir", default=None, metavar="DIR",
                    help="where the Batch API keeps its database and files (batch.data_dir; "
                         "default $XDG_STATE_HOME/mm-serve/batches)")
+    p.add_argument("--no-admission", action="store_true",
+                   help="no latency prediction at admission (admission.predict false); the hard bounds stay")
     p.set_defaults(func=run)
 
 
@@ -47,6 +49,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "api.allowed_local_media_path": args.allowed_local_media_path,
         "api.allowed_media_domains": args.allowed_media_domains, "api.shutdown_grace_s": args.shutdown_grace_s,
         "batch.data_dir": args.batch_data_dir,
+        "admission.predict": False if args.no_admission else None,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 

@@ -35,7 +35,7 @@ from mm_serve.engine.request_state import RequestState
 from mm_serve.engine.worker_pool import WorkerFailure, WorkerKey, WorkerPool, WorkerStartError
 from mm_serve.engine.worker_specs import check_supported, engine_sizing
 from mm_serve.models.model_config import load_model_config
-from mm_serve.router import Router
+from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.sampling_params import SamplingParams
@@ -74,6 +74,7 @@ class EngineClient:
         self.requests: dict[str, RequestState] = {}
         self.fault_counts: Counter[tuple[str, str]] = Counter()
         self.finish_listeners: list[Callable[[RequestState], None]] = []  # called on the receiver thread
+        self.step_listeners: list[Callable[[str, messages.StepTiming], None]] = []  # (role, timing), same thread
         self.router: Router | None = None
         self._flights: dict[str, Flight] = {}  # request id -> flight
         self._wire: dict[str, Flight] = {}  # wire id of the current attempt -> flight
@@ -112,6 +113,30 @@ class EngineClient:
         """Whether a path serves now (one prefill and one decode worker, or the colocated one, ready)."""
         return self.pool.is_ready
 
+    def load_view(self, rank: int, num_tokens: int, max_tokens: int) -> LoadView | None:
+        """What a request of tier ``rank`` with ``num_tokens`` prompt tokens would find on the
+        workers the router would pick now; None while a role has no ready worker."""
+        with self._lock:
+            if self.router is None:
+                return None
+            prefill_role = "colocated" if self.colocated else "prefill"
+            prefills = self.pool.ready_indices(prefill_role)
+            decodes = prefills if self.colocated else self.pool.ready_indices("decode")
+            if not prefills or not decodes:
+                return None
+            pages = pages_for(num_tokens + max_tokens, self.config.kv_cache.page_size)
+            return self.router.view(rank, pages, prefills, decodes)
+
+    def queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) waiting for their first token: dispatched to a prefill
+        worker and not yet prefilled, or parked while their worker restarts."""
+        with self._lock:
+            if self.router is None:
+                return 0, 0
+            requests, tokens = self.router.queued()
+            parked = [f for f in self._flights.values() if f.parked]
+            return requests + len(parked), tokens + sum(len(f.first.prompt_token_ids) for f in parked)
+
     def health(self) -> dict[str, Any]:
         """Service and per-worker status (:meth:`WorkerPool.health`)."""
         return self.pool.health()
@@ -142,10 +167,15 @@ class EngineClient:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(
-        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 1, max_wait_s: float = 0.0, tier: str | None = None, predicted_ttft_s: float | None = None,
     ) -> RequestState:
         """Route a processed request to a ready prefill (or colocated) worker; while its role
         has none ready but one restarting, the request waits for it.
+
+        ``priority`` is its SLO tier rank (0 interactive, 1 standard, 2 batch) and
+        ``max_wait_s`` the prefill wait (seconds) after which it is served as rank 0 (0: never);
+        ``tier`` (its name) and ``predicted_ttft_s`` are kept on the state for the metrics.
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` over the context length.
@@ -158,6 +188,7 @@ class EngineClient:
         self.inputs.check_context(n, params.max_tokens, self.context_limit)
         state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop))
         state.num_images = inputs.num_images
+        state.tier, state.predicted_ttft_s = tier, predicted_ttft_s
         if arrival_time is not None:
             state.arrival_time = arrival_time
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -166,7 +197,7 @@ class EngineClient:
             sampling=to_wire(params, self.eos_token_ids), generator_seed=seed, decode_index=0,
             num_images=inputs.num_images,
             pixel_values=None if inputs.pixel_values is None else messages.TensorBlob.from_tensor(inputs.pixel_values),
-            arrival_time=time.time(),
+            arrival_time=time.time(), priority=priority, max_wait_s=max_wait_s,
         )
         flight = Flight(state, first)
         with self._lock:
@@ -201,7 +232,8 @@ class EngineClient:
         flight.parked = False
         flight.prefill, flight.decode = prefill, decode
         self._wire[flight.wire_id] = flight
-        self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size))
+        self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
+                               flight.first.priority, flight.first.num_images)
         if not self.pool.send((prefill_role, prefill), flight.message(decode, time.time())):
             # it died a moment ago: supervision finds it and migrates this flight with the rest
             pass
@@ -334,6 +366,9 @@ class EngineClient:
         if isinstance(msg, messages.TokenBatch):
             for update in msg.updates:
                 self._on_update(msg.role, update)
+            if msg.step is not None:
+                for listener in self.step_listeners:
+                    listener(msg.role, msg.step)
         elif isinstance(msg, messages.WorkerStats):
             self._on_stats(msg)
         elif isinstance(msg, messages.WorkerReady):

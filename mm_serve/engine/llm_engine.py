@@ -53,10 +53,11 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, generator_seed: int | None = None,
-        output_offset: int = 0,
+        output_offset: int = 0, priority: int = 1,
     ) -> Request:
         """Queue a processed request (``output_offset``: outputs it had before a migration; its
-        random stream continues at that position).
+        random stream continues at that position; ``priority``: its SLO tier rank, 0 interactive,
+        1 standard, 2 batch).
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` exceeds the
@@ -73,6 +74,7 @@ class LLMEngine:
             num_images=inputs.num_images, pixel_values=inputs.pixel_values,
             generator=None if params.greedy else make_generator(seed), seed=None if params.greedy else seed,
             output_offset=output_offset, stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
+            priority=priority,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)

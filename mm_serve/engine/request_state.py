@@ -34,6 +34,8 @@ class RequestState:
         self.first_token_time: float | None = None  # monotonic, first output token received here
         self.token_times: list[float] = []  # monotonic receipt time of each output token
         self.finish_time: float | None = None
+        self.tier: str | None = None  # the SLO tier it is served in (set by the API)
+        self.predicted_ttft_s: float | None = None  # the admission controller's prediction, seconds
         self._pending_text: list[str] = []
         self._early: dict[int, messages.TokenUpdate] = {}
         self._done = threading.Event()

@@ -69,6 +69,8 @@ class PrefillRequest(msgspec.Struct, tag=True):
     pixel_values: TensorBlob | None = None
     arrival_time: float = 0.0
     output_offset: int = 0
+    priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch (lower runs first)
+    max_wait_s: float = 0.0  # queued longer than this (its TTFT SLO), it moves up to rank 0; 0 = never
 
 
 # ---- front end -> any worker -----------------------------------------------------------------
@@ -145,12 +147,23 @@ class TokenUpdate(msgspec.Struct):
     events: dict[str, float] | None = None  # lifetime events, time.time() seconds
 
 
+class StepTiming(msgspec.Struct):
+    """How long one worker step took, for the front end's latency predictor."""
+
+    kind: str  # "prefill" (encode + LLM prefill of a batch) | "decode" (one decode step)
+    seconds: float  # wall-clock time of the step
+    requests: int  # requests in the batch
+    tokens: int  # prefill: prompt tokens of the batch (image tokens included); decode: context tokens
+    images: int = 0  # prefill: images encoded
+
+
 class TokenBatch(msgspec.Struct, tag=True):
-    """All token updates of one worker step."""
+    """All token updates of one worker step (and, when it ran a timed step, its timing)."""
 
     role: str
     index: int
     updates: list[TokenUpdate]
+    step: StepTiming | None = None
 
 
 class RequestFailed(msgspec.Struct, tag=True):
@@ -199,6 +212,7 @@ class HandoffMeta(msgspec.Struct):
     num_images: int = 0
     first_logprobs: dict[int, float] | None = None
     events: dict[str, float] = {}
+    priority: int = 1  # SLO tier rank (decode preempts the highest rank first)
     checksum: int | None = None  # CRC-32 of the hand-off's ring pages and features (None: not checked)
 
 

@@ -92,10 +92,10 @@ class WorkerShell(ABC):
 
     # ---- the shell ----------------------------------------------------------------------------
 
-    def send(self, updates: list[messages.TokenUpdate]) -> None:
-        """Report token updates of one step to the front end (nothing when empty)."""
+    def send(self, updates: list[messages.TokenUpdate], step: messages.StepTiming | None = None) -> None:
+        """Report token updates of one step (and its timing) to the front end (nothing when empty)."""
         if updates:
-            self.channel.send(messages.TokenBatch(self.role, self.spec.index, updates))
+            self.channel.send(messages.TokenBatch(self.role, self.spec.index, updates, step))
 
     def send_stats(self) -> None:
         pool = self.kv_cache.pool

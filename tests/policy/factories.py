@@ -34,6 +34,7 @@ def make_request(
     request_id: str, num_prompt_tokens: int, max_tokens: int = 16, *, temperature: float = 0.0,
     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
     seed: int | None = None, first_id: int = 10, outputs: Sequence[int] = (), decode_index: int = 0,
+    priority: int = 1, max_wait_s: float = 0.0,
 ) -> Request:
     """A request with prompt ids ``first_id, first_id + 1, ...`` and ``outputs`` already generated."""
     params = SamplingParams(
@@ -41,7 +42,8 @@ def make_request(
         ignore_eos=ignore_eos, logprobs=logprobs, seed=seed,
     )
     request = Request(
-        request_id, list(range(first_id, first_id + num_prompt_tokens)), params, decode_index=decode_index
+        request_id, list(range(first_id, first_id + num_prompt_tokens)), params, decode_index=decode_index,
+        priority=priority, max_wait_s=max_wait_s,
     )
     for token in outputs:
         request.append_output(token, None)

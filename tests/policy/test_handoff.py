@@ -10,7 +10,7 @@ import torch
 from kernels.ring_buffer import CrossModalRing
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.lifetime import LifetimeEvent
-from mm_serve.runtime.request import Request
+from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import make_generator
 from mm_serve.runtime.sampling_params import SamplingParams
 from tests.policy.factories import (
@@ -20,6 +20,7 @@ from tests.policy.factories import (
     RING_TAG,
     RingFactory,
     make_kv_cache,
+    make_request,
     prefilled_request,
     shm_entries,
 )
@@ -268,3 +269,27 @@ def test_claimed_handoffs_are_not_preempted_by_the_next_decode_step(rings: RingF
     assert scheduler.pool.num_free == 0
     out = scheduler.schedule()
     assert out.preempted == [] and [r.request_id for r in out.decode] == ["a"]
+
+
+def test_a_higher_tier_handoff_displaces_a_running_lower_tier_request(rings: RingFactory) -> None:
+    """No room for an interactive hand-off: the running batch request is preempted (recompute later)
+    and the hand-off is claimed; without make_room nothing is claimed."""
+    producer, consumer = rings.create()
+    send_cache, recv_cache = make_kv_cache(), make_kv_cache(4)
+    scheduler = ContinuousBatchingScheduler(recv_cache.pool, PAGE_SIZE, 4, 64, 8)
+    running = make_request("batch", 12, priority=2)
+    running.block_table = recv_cache.pool.allocate(4)  # every page
+    scheduler.add_running(running)
+    sender, _ = sender_for(producer, send_cache)
+    sender.add(prefilled_request(send_cache, "inter", 6, 40, priority=0))
+    sender.add(prefilled_request(send_cache, "std", 6, 41, priority=1))
+    sender.pump()
+    receiver = HandoffReceiver([consumer], recv_cache)
+    assert receiver.claim_ready(scheduler.can_admit, set(), scheduler.add_running) == []  # without make_room
+    claimed = receiver.claim_ready(scheduler.can_admit, set(), scheduler.add_running, scheduler.displace)
+    # the batch request's 4 pages made room for both (2 pages each); "std" needed no displacement
+    assert [(r.request_id, r.priority) for r in claimed] == [("inter", 0), ("std", 1)]
+    assert running.status is RequestStatus.PREEMPTED and list(scheduler.waiting) == [running]
+    assert scheduler.num_displaced == 1 and [r.request_id for r in scheduler.running] == ["inter", "std"]
+    assert scheduler.pool.num_free == 0
+    recv_cache.pool.check_integrity()

@@ -1,0 +1,95 @@
+"""Admission by prediction: refuse at once what would miss its tier's SLO.
+
+For each API call, :meth:`AdmissionController.admit` predicts the TTFT and TPOT of its
+first request (:class:`~mm_serve.admission.predictor.LatencyPredictor`) on the workers the
+router would pick now, and refuses the call (429, ``Retry-After``) when a prediction
+exceeds its tier's SLO by more than ``admission.margin``. The ``batch`` tier is never
+refused for latency (only the hard bounds apply to it), nor is anything with
+``admission.predict`` false. The predictor learns from every timed worker step
+(:meth:`on_step`) and every finished request (:meth:`on_finished`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
+from mm_serve.admission.rejection import Rejection
+from mm_serve.admission.tiers import Tier
+from mm_serve.config import ServiceConfig
+from mm_serve.engine.engine_client import EngineClient
+from mm_serve.engine.request_state import RequestState
+from mm_serve.planner.profile_file import load_profile
+from mm_serve.runtime import messages
+from mm_serve.runtime.lifetime import LifetimeEvent
+
+NEVER_REFUSED = "batch"
+
+
+class AdmissionController:
+    """The predictor and the admission rule of one service (one per API app)."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        """Raises:
+            ProfileError: ``admission.profile`` cannot be read or is not a valid profile.
+        """
+        self.config = config
+        self.predictor = LatencyPredictor(config.scheduler.prefill_batch_size, config.scheduler.prefill_token_budget)
+        if config.admission.profile is not None:
+            self.predictor.warm_start(load_profile(config.admission.profile))
+        self._lock = threading.Lock()
+
+    def predict(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int) -> Prediction | None:
+        """The prediction for one request of ``tokens`` prompt tokens in ``tier``; None while a role has no
+        ready worker (the request then waits for one, bounded by ``api.timeout_ms``)."""
+        view = client.load_view(tier.rank, tokens, max_tokens)
+        if view is None:
+            return None
+        ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
+        context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
+        with self._lock:
+            return self.predictor.predict(ahead, tokens, images, view.decode_batch + 1, context)
+
+    def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int) -> Prediction | None:
+        """Predict, and refuse a request that would miss its tier's SLO by more than the margin.
+
+        Raises:
+            Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
+                the excess; ``Retry-After`` is the excess of the queue wait, at least a second.
+        """
+        prediction = self.predict(client, tier, tokens, images, max_tokens)
+        if prediction is None or not self.config.admission.predict or tier.name == NEVER_REFUSED:
+            return prediction
+        margin = self.config.admission.margin
+        ttft_slo, tpot_slo = tier.slo.ttft_ms / 1000.0, tier.slo.tpot_ms / 1000.0
+        if prediction.ttft_s > ttft_slo * (1 + margin):
+            excess = prediction.ttft_s - ttft_slo
+            raise Rejection(429, "ttft_slo", _message("TTFT", tier, prediction.ttft_s, ttft_slo, margin), excess)
+        if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin):
+            raise Rejection(429, "tpot_slo", _message("TPOT", tier, prediction.tpot_s, tpot_slo, margin), 1.0)
+        return prediction
+
+    def on_step(self, role: str, step: messages.StepTiming) -> None:
+        """Refit from one timed worker step (the engine client's step listener)."""
+        with self._lock:
+            if step.kind == "prefill":
+                self.predictor.observe_prefill(step.tokens, step.images, step.seconds)
+            elif step.kind == "decode":
+                self.predictor.observe_decode(step.requests, step.tokens, step.seconds)
+
+    def on_finished(self, state: RequestState) -> None:
+        """Refit the front-end overhead from a finished request's TTFT and lifetime events."""
+        events = state.events
+        begin, end = LifetimeEvent.PREFILL_QUEUED.value, LifetimeEvent.PREFILL_END.value
+        if state.first_token_time is None or begin not in events or end not in events:
+            return
+        ttft = state.first_token_time - state.arrival_time
+        with self._lock:
+            self.predictor.observe_overhead(ttft - (events[end] - events[begin]))
+
+
+def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float) -> str:
+    excess = predicted - slo
+    return (f"the service is overloaded for the {tier.name} tier: the predicted {what} is {predicted:.3f} s, "
+            f"over its {what} SLO of {slo:.3f} s by {excess:.3f} s ({100 * excess / slo:.0f} %; the margin is "
+            f"{100 * margin:.0f} %); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")

@@ -1,0 +1,132 @@
+"""TTFT and TPOT prediction of a new request from the queues ahead of it, fitted online.
+
+Three affine models (the planner's latency model in miniature, :mod:`mm_serve.planner.latency_model`):
+
+* **prefill batch**: ``seconds = c + a·tokens + b·images`` (image tokens count in ``tokens``;
+  ``b`` is the vision tower per image), refitted from each prefill step the workers report;
+* **decode step**: ``seconds = c + a·batch + b·context_tokens``, refitted from each decode step;
+* **overhead**: the front end's share of TTFT (dispatch, messages), an average of
+  measured TTFT minus the measured queue wait and prefill.
+
+Predicted TTFT = wait for the work queued (or prefilling) on the chosen prefill worker at
+the request's tier and tighter ones (its batches' constants plus per-token and per-image
+terms) + its own prefill + overhead. The first token comes from the prefill worker, so
+the KV hand-off is not on the TTFT path here: it delays the second token (ITL), which
+the TPOT over the whole output absorbs. Predicted TPOT = one decode step at the chosen
+decode worker's batch (its running and dispatched requests plus this one) and context.
+
+Defaults fit the embedded model on a CPU core, or :meth:`LatencyPredictor.warm_start` fits
+them to an ``mm-serve profile`` file (``admission.profile``); the fits move to the
+measured times within a few dozen steps (about a minute of light traffic).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from mm_serve.admission.online_fit import OnlineLinearFit
+from mm_serve.planner.profile_file import Profile
+
+DEFAULT_PREFILL = (0.004, 2e-5, 0.004)  # s per batch, s per token, s per image
+DEFAULT_DECODE = (0.004, 2e-4, 2e-7)  # s per step, s per running request, s per context token
+DEFAULT_OVERHEAD_S = 0.003
+OVERHEAD_WEIGHT = 0.1  # weight of a new TTFT residual in the overhead average
+
+
+@dataclass(frozen=True)
+class QueueAhead:
+    """Work ahead of a new request on its prefill worker (its tier and tighter)."""
+
+    requests: int
+    tokens: int
+    images: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds for one request."""
+
+    ttft_s: float
+    tpot_s: float
+    queue_s: float  # of ttft_s: the wait for the work ahead
+
+
+class LatencyPredictor:
+    """The three fits and the prediction; observe methods are called from the receiver thread."""
+
+    def __init__(self, prefill_batch_size: int, prefill_token_budget: int) -> None:
+        self.batch_size = max(1, prefill_batch_size)
+        self.token_budget = max(1, prefill_token_budget)
+        self.prefill = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
+        self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0))
+        self.overhead_s = DEFAULT_OVERHEAD_S
+        self.started = time.monotonic()
+
+    def prefill_seconds(self, tokens: int, images: int) -> float:
+        """Predicted seconds of one prefill batch of ``tokens`` tokens and ``images`` images."""
+        return self.prefill.predict((1.0, tokens, images))
+
+    def queue_seconds(self, ahead: QueueAhead) -> float:
+        """Predicted seconds to prefill the work ``ahead`` (packed into full batches)."""
+        if ahead.requests <= 0:
+            return 0.0
+        batches = max(math.ceil(ahead.requests / self.batch_size), math.ceil(ahead.tokens / self.token_budget))
+        per_batch = self.prefill.coefficients[0]
+        return max(0.0, self.prefill_seconds(ahead.tokens, ahead.images) + (batches - 1) * per_batch)
+
+    def predict(self, ahead: QueueAhead, tokens: int, images: int, decode_batch: int,
+                decode_context: int) -> Prediction:
+        """TTFT and TPOT of a request of ``tokens`` prompt tokens and ``images`` images.
+
+        Args:
+            ahead: work queued on its prefill worker at its tier and tighter ones.
+            decode_batch: requests its decode worker will run with it (it included).
+            decode_context: context tokens of that batch (prompt and outputs, it included).
+        """
+        queue = self.queue_seconds(ahead)
+        ttft = queue + self.prefill_seconds(tokens, images) + self.overhead_s
+        tpot = self.decode.predict((1.0, decode_batch, decode_context))
+        return Prediction(ttft, tpot, queue)
+
+    def observe_prefill(self, tokens: int, images: int, seconds: float) -> None:
+        """One measured prefill batch (encode + prefill), in seconds."""
+        self.prefill.observe((1.0, tokens, images), seconds)
+
+    def observe_decode(self, batch: int, context: int, seconds: float) -> None:
+        """One measured decode step of ``batch`` requests over ``context`` tokens, in seconds."""
+        self.decode.observe((1.0, batch, context), seconds)
+
+    def observe_overhead(self, residual_s: float) -> None:
+        """Measured TTFT minus its measured queue wait and prefill, in seconds."""
+        if residual_s >= 0:
+            self.overhead_s += OVERHEAD_WEIGHT * (residual_s - self.overhead_s)
+
+    def warm_start(self, profile: Profile) -> None:
+        """Fit the starting coefficients to an ``mm-serve profile`` file's points (prefill batches,
+        encode batches, decode steps); the online refit goes on from there."""
+        for _ in range(3):  # a few passes: the fit weighs recent points most
+            for p in profile.prefill:
+                self.prefill.observe((1.0, p.tokens * p.batch, 0), p.seconds)
+            for e in profile.encode:
+                self.prefill.observe((1.0, 0, e.images), e.seconds)
+            for d in profile.decode:
+                self.decode.observe((1.0, d.batch, d.batch * d.context), d.seconds)
+
+    def report(self) -> dict[str, object]:
+        """Coefficients, observation counts and their age in seconds (for /health)."""
+        now = time.monotonic()
+
+        def age(fit: OnlineLinearFit) -> float | None:
+            return None if fit.updated_at is None else round(now - fit.updated_at, 3)
+
+        return {
+            "prefill": {"s_per_batch": self.prefill.coefficients[0], "s_per_token": self.prefill.coefficients[1],
+                        "s_per_image": self.prefill.coefficients[2], "observations": self.prefill.num_observations,
+                        "age_s": age(self.prefill)},
+            "decode": {"s_per_step": self.decode.coefficients[0], "s_per_request": self.decode.coefficients[1],
+                       "s_per_context_token": self.decode.coefficients[2],
+                       "observations": self.decode.num_observations, "age_s": age(self.decode)},
+            "overhead_s": self.overhead_s,
+        }

@@ -1,0 +1,88 @@
+"""SLO tiers and the mapping of OpenAI's ``service_tier`` values onto them.
+
+Tiers, tightest first: ``interactive`` (rank 0), ``standard`` (1), ``batch`` (2). A
+lower rank is served first by the prefill queue and preempted last by decode.
+
+OpenAI ``service_tier`` → tier:
+
+====================  ==============================================
+``priority``          interactive
+``default``           standard
+``flex``              batch
+``auto`` or absent    ``slo.default_tier``
+``interactive``, ``standard``, ``batch``   themselves (our names)
+====================  ==============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from mm_serve.config import SLOConfig, TierName, TierSLO
+
+TIERS: Final[tuple[TierName, ...]] = ("interactive", "standard", "batch")
+OPENAI_TIERS: Final[dict[str, TierName]] = {"priority": "interactive", "default": "standard", "flex": "batch"}
+ALLOWED_VALUES: Final[tuple[str, ...]] = ("auto", *OPENAI_TIERS, *TIERS)
+
+
+def tier_rank(tier: str) -> int:
+    """0 for ``interactive``, 1 for ``standard``, 2 for ``batch``.
+
+    Raises:
+        ValueError: ``tier`` is not one of :data:`TIERS`.
+    """
+    try:
+        return TIERS.index(tier)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}") from None
+
+
+def resolve_tier(service_tier: str | None, slo: SLOConfig) -> TierName:
+    """The tier a request's ``service_tier`` asks for (see the module table).
+
+    Raises:
+        ValueError: an unknown value; the message lists the allowed ones.
+    """
+    if service_tier is None or service_tier == "auto":
+        return slo.default_tier
+    if service_tier in OPENAI_TIERS:
+        return OPENAI_TIERS[service_tier]
+    if service_tier in TIERS:
+        return service_tier  # type: ignore[return-value]
+    raise ValueError(f"service_tier {service_tier!r} is not supported; allowed: {', '.join(ALLOWED_VALUES)}")
+
+
+def tier_slo(tier: str, slo: SLOConfig) -> TierSLO:
+    """The SLO of ``tier``.
+
+    Raises:
+        ValueError: ``tier`` is not one of :data:`TIERS`.
+    """
+    tier_rank(tier)
+    slo_of: TierSLO = getattr(slo.tiers, tier)
+    return slo_of
+
+
+@dataclass(frozen=True)
+class Tier:
+    """The tier a call is served in: its name, rank and SLO."""
+
+    name: TierName
+    rank: int
+    slo: TierSLO
+
+    @property
+    def max_wait_s(self) -> float:
+        """Prefill ageing: after this long in a prefill queue (its TTFT SLO) it is served as rank 0."""
+        return self.slo.ttft_ms / 1000.0 if self.rank > 0 else 0.0
+
+
+def tier_of(service_tier: str | None, slo: SLOConfig) -> Tier:
+    """The :class:`Tier` of a request's ``service_tier`` value (see the module table).
+
+    Raises:
+        ValueError: an unknown value; the message lists the allowed ones.
+    """
+    name = resolve_tier(service_tier, slo)
+    return Tier(name, tier_rank(name), tier_slo(name, slo))

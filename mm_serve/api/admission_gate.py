@@ -1,0 +1,118 @@
+"""The API's admission checks per call: image bytes before decoding, then work and queues.
+
+Every refusal is a :class:`~mm_serve.admission.rejection.Rejection`, answered by the
+error handlers (:func:`mm_serve.api.errors.from_rejection`) in OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
+
+from mm_serve.admission.bounds import check_queues, check_work
+from mm_serve.admission.byte_budget import ByteBudget
+from mm_serve.admission.rejection import Rejection
+from mm_serve.admission.tiers import Tier
+from mm_serve.api.schemas import ChatMessage
+from mm_serve.config import ServiceConfig
+from mm_serve.engine.engine_client import EngineClient
+from mm_serve.engine.input_processor import ProcessedInputs
+from mm_serve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from mm_serve.api.context import ServerContext
+
+
+def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) -> tuple[int, int]:
+    """(images, bytes to reserve) for the images of a chat call before any is fetched.
+
+    Each image reserves its encoded size (a data URI's length; ``api.max_image_fetch_bytes``
+    for an http(s) or file URL) plus ``admission.image_decode_reserve_bytes``.
+    """
+    images, total = 0, 0
+    for message in messages:
+        if not isinstance(message.content, list):
+            continue
+        for part in message.content:
+            if part.type != "image_url":
+                continue
+            url = part.image_url.url
+            encoded = len(url) if url.lstrip()[:5].lower() == "data:" else config.api.max_image_fetch_bytes
+            images += 1
+            total += encoded + config.admission.image_decode_reserve_bytes
+    return images, total
+
+
+def hold_images(budget: ByteBudget, messages: Sequence[ChatMessage], config: ServiceConfig) -> AbstractContextManager[None]:
+    """A context manager holding the call's image bytes (see :func:`image_reservation`).
+
+    Raises (on entry):
+        Rejection: 503 ``image_bytes`` when they do not fit the budget.
+    """
+    images, nbytes = image_reservation(messages, config)
+    return budget.hold(nbytes, f"{images} image(s)")
+
+
+def check_call_work(config: ServiceConfig, prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> None:
+    """The work limit for a call of ``prepared`` prompts (each run ``params.n`` times).
+
+    Raises:
+        Rejection: 400 ``work_limit``.
+    """
+    if prepared:
+        prompt_tokens = [len(inputs.prompt_token_ids) for inputs, _ in prepared]
+        check_work(prompt_tokens, [params.max_tokens for _, params in prepared], prepared[0][1].n, config.admission)
+
+
+def check_call_queues(client: EngineClient, config: ServiceConfig,
+                      prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> None:
+    """The queue caps for a call of ``prepared`` prompts (each run ``params.n`` times).
+
+    Raises:
+        Rejection: 429 ``queued_requests`` or ``queued_tokens`` when a cap would be passed.
+    """
+    if not prepared:
+        return
+    prompt_tokens = [len(inputs.prompt_token_ids) for inputs, _ in prepared]
+    n = prepared[0][1].n
+    queued_requests, queued_tokens = client.queued()
+    check_queues(queued_requests, queued_tokens, n * len(prepared), n * sum(prompt_tokens), config.admission)
+
+
+def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
+               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> float | None:
+    """The queue caps, then the latency prediction, for a call of ``prepared`` prompts; counts
+    the admission in the tier metrics. Returns the predicted TTFT in seconds (None when no
+    prediction could be made).
+
+    Raises:
+        Rejection: 429 from a queue cap or a predicted SLO miss.
+    """
+    with counted(ctx, tier):
+        check_call_queues(client, ctx.config, prepared)
+        inputs, params = prepared[0]
+        prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
+                                         params.max_tokens)
+    if ctx.tier_metrics is not None:
+        ctx.tier_metrics.observe_admission(tier.name, None)
+    return None if prediction is None else prediction.ttft_s
+
+
+@contextmanager
+def counted(ctx: ServerContext, tier: Tier) -> Iterator[None]:
+    """Count a :class:`Rejection` raised in the body in the tier metrics (and re-raise it)."""
+    try:
+        yield
+    except Rejection as rejection:
+        if ctx.tier_metrics is not None:
+            ctx.tier_metrics.observe_admission(tier.name, rejection.reason)
+        raise
+
+
+PREDICTION_HEADER = "x-mm-serve-predicted-ttft-ms"
+
+
+def prediction_header(predicted_ttft_s: float | None) -> dict[str, str]:
+    """``{PREDICTION_HEADER: milliseconds}`` for a stream's response headers (none without a prediction)."""
+    return {} if predicted_ttft_s is None else {PREDICTION_HEADER: f"{1000 * predicted_ttft_s:.1f}"}

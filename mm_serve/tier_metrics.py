@@ -1,0 +1,69 @@
+"""Per-tier admission and SLO metrics (prometheus-client), all named ``mm_serve_tier_*``.
+
+* ``mm_serve_tier_admitted{tier}``: API calls admitted;
+* ``mm_serve_tier_rejected{tier, reason}``: calls refused at admission, by reason
+  (``work_limit``, ``queued_requests``, ``queued_tokens``, ``image_bytes``, ``ttft_slo``, ``tpot_slo``);
+* ``mm_serve_tier_finished{tier}``, ``mm_serve_tier_slo_met{tier}``: engine requests that
+  finished with output, and those that met both their tier's TTFT and TPOT SLOs;
+* ``mm_serve_tier_attainment{tier}``: the fraction of the two, since start;
+* ``mm_serve_tier_ttft_prediction_error_seconds{tier}``: predicted minus measured TTFT.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mm_serve.config import SLOConfig
+from mm_serve.engine.request_state import RequestState
+
+# Seconds, symmetric around 0: predicted minus measured TTFT.
+ERROR_BUCKETS = tuple(sorted({s * b for b in (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+                              for s in (-1, 1)}))
+
+
+class TierMetrics:
+    """The per-tier series above, in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry, slo: SLOConfig) -> None:
+        self.slo = slo
+        self.admitted = Counter("mm_serve_tier_admitted", "API calls admitted, by SLO tier.", ("tier",),
+                                registry=registry)
+        self.rejected = Counter("mm_serve_tier_rejected", "API calls refused at admission, by SLO tier and reason.",
+                                ("tier", "reason"), registry=registry)
+        self.finished = Counter("mm_serve_tier_finished", "Engine requests finished with output, by SLO tier.",
+                                ("tier",), registry=registry)
+        self.met = Counter("mm_serve_tier_slo_met", "Engine requests that met their tier's TTFT and TPOT SLOs.",
+                           ("tier",), registry=registry)
+        self.attainment = Gauge("mm_serve_tier_attainment", "SLO attainment since start (met / finished), by tier.",
+                                ("tier",), registry=registry)
+        self.prediction_error = Histogram(
+            "mm_serve_tier_ttft_prediction_error_seconds", "Predicted minus measured TTFT of admitted requests.",
+            ("tier",), registry=registry, buckets=ERROR_BUCKETS)
+        self._counts: dict[str, list[int]] = {}
+
+    def observe_admission(self, tier: str, reason: str | None) -> None:
+        """One call admitted (``reason`` None) or refused for ``reason``."""
+        if reason is None:
+            self.admitted.labels(tier=tier).inc()
+        else:
+            self.rejected.labels(tier=tier, reason=reason).inc()
+
+    def observe_finished(self, state: RequestState) -> None:
+        """One finished engine request (receiver thread): attainment and prediction error."""
+        tier = state.tier
+        if tier is None or state.first_token_time is None:
+            return
+        slo = getattr(self.slo.tiers, tier)
+        ttft = state.first_token_time - state.arrival_time
+        times = state.token_times
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        met = ttft <= slo.ttft_ms / 1000.0 and tpot <= slo.tpot_ms / 1000.0
+        counts = self._counts.setdefault(tier, [0, 0])
+        counts[0] += 1
+        counts[1] += int(met)
+        self.finished.labels(tier=tier).inc()
+        if met:
+            self.met.labels(tier=tier).inc()
+        self.attainment.labels(tier=tier).set(counts[1] / counts[0])
+        if state.predicted_ttft_s is not None:
+            self.prediction_error.labels(tier=tier).observe(state.predicted_ttft_s - ttft)

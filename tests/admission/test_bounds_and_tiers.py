@@ -1,0 +1,83 @@
+"""Tiers and service_tier mapping, the work limit, the queue caps, the image byte budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from mm_serve.admission.bounds import call_work, check_queues, check_work
+from mm_serve.admission.byte_budget import ByteBudget
+from mm_serve.admission.rejection import Rejection
+from mm_serve.admission.tiers import ALLOWED_VALUES, tier_of, tier_rank
+from mm_serve.config import AdmissionConfig, ConfigError, SLOConfig, load_config
+
+
+@pytest.mark.parametrize(("value", "tier"), [
+    (None, "standard"), ("auto", "standard"), ("default", "standard"), ("priority", "interactive"),
+    ("flex", "batch"), ("interactive", "interactive"), ("standard", "standard"), ("batch", "batch"),
+])
+def test_service_tier_values_map_onto_our_tiers(value: str | None, tier: str) -> None:
+    assert tier_of(value, SLOConfig()).name == tier
+
+
+def test_auto_follows_the_default_tier_key() -> None:
+    slo = load_config(None, {"slo.default_tier": "batch"}).slo
+    chosen = tier_of("auto", slo)
+    assert (chosen.name, chosen.rank, chosen.slo.ttft_ms) == ("batch", 2, 60_000)
+    assert chosen.max_wait_s == 60.0 and tier_of("priority", slo).max_wait_s == 0.0
+
+
+def test_an_unknown_service_tier_names_the_allowed_values() -> None:
+    with pytest.raises(ValueError, match="'scale' is not supported; allowed: auto, priority, default, flex, "
+                                         "interactive, standard, batch"):
+        tier_of("scale", SLOConfig())
+    assert ALLOWED_VALUES == ("auto", "priority", "default", "flex", "interactive", "standard", "batch")
+    with pytest.raises(ValueError, match="unknown tier 'gold'"):
+        tier_rank("gold")
+
+
+def test_tiers_must_be_ordered_tight_to_loose() -> None:
+    with pytest.raises(ConfigError, match="interactive must be at least as tight as slo.tiers.standard"):
+        load_config(None, {"slo.tiers.interactive": {"ttft_ms": 9000, "tpot_ms": 100}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(None, {"admission.max_queue": 3})
+
+
+def test_work_is_prompts_times_n_times_prompt_plus_max_tokens() -> None:
+    assert call_work([10, 20], [5, 5], n=3) == 3 * 15 + 3 * 25
+    cfg = AdmissionConfig(max_request_work_tokens=120)
+    check_work([10, 20], [5, 5], 3, cfg)  # 120 tokens: at the limit
+    with pytest.raises(Rejection) as info:
+        check_work([10, 20], [5, 5], 4, cfg)
+    r = info.value
+    assert (r.status, r.reason, r.retry_after_s, r.param) == (400, "work_limit", None, "max_tokens")
+    assert "asks for 160 tokens of work" in r.message and "n=4" in r.message
+    assert "admission.max_request_work_tokens" in r.message
+
+
+def test_queue_caps_refuse_with_429_and_retry_after() -> None:
+    cfg = AdmissionConfig(max_queued_requests=4, max_queued_prompt_tokens=100)
+    check_queues(3, 90, 1, 10, cfg)  # exactly at both caps
+    with pytest.raises(Rejection) as info:
+        check_queues(4, 0, 1, 1, cfg)
+    assert (info.value.status, info.value.reason, info.value.retry_after_s) == (429, "queued_requests", 1)
+    with pytest.raises(Rejection) as info:
+        check_queues(0, 95, 1, 10, cfg)
+    assert info.value.reason == "queued_tokens" and "admission.max_queued_prompt_tokens" in info.value.message
+
+
+def test_byte_budget_refuses_what_does_not_fit_and_releases_on_exit() -> None:
+    budget = ByteBudget(1000)
+    with budget.hold(600, "1 image(s)"):
+        assert budget.reserved == 600
+        with pytest.raises(Rejection) as info:
+            with budget.hold(500, "2 image(s)"):
+                pass
+        assert (info.value.status, info.value.reason, info.value.retry_after_s) == (503, "image_bytes", 1)
+        assert "2 image(s) need 500 bytes and 600 of 1000" in info.value.message
+        assert budget.reserved == 600
+    assert budget.reserved == 0
+    with pytest.raises(RuntimeError), budget.hold(1000, "x"):
+        raise RuntimeError("decode failed")
+    assert budget.reserved == 0
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        ByteBudget(0)

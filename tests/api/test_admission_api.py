@@ -1,0 +1,68 @@
+"""Admission at the API: service_tier values, the work limit, the image byte budget, 429s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from mm_serve.api.app import build_app
+from mm_serve.api.context import ServerContext
+from mm_serve.api.engine_holder import EngineHolder
+from mm_serve.config import load_config
+from tests.api.server_process import data_uri
+from tests.factories import gradient_image
+
+
+def _chat(**overrides: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **overrides}
+
+
+@pytest.fixture(scope="module")
+def unstarted(tiny_llava: Path) -> TestClient:
+    """No workers: every check before the engine answers; what passes them gets 503."""
+    cfg = load_config(None, {"model": str(tiny_llava), "admission.max_request_work_tokens": 1000,
+                             "admission.max_image_bytes_in_flight": 1 << 20,
+                             "admission.image_decode_reserve_bytes": 600 << 10})
+    ctx = ServerContext(holder=EngineHolder(tiny_llava, cfg), config=cfg, served_model_name="tiny")
+    return TestClient(build_app(ctx, start_engine=False))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_an_unknown_service_tier_is_a_400_naming_the_allowed_values(unstarted: TestClient, path: str) -> None:
+    body = _chat(service_tier="scale") if "chat" in path else {"model": "tiny", "prompt": "hi", "service_tier": "scale"}
+    r = unstarted.post(path, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "service_tier" and error["code"] == "invalid_service_tier"
+    assert "allowed: auto, priority, default, flex, interactive, standard, batch" in error["message"]
+
+
+@pytest.mark.parametrize("tier", ["auto", "default", "priority", "flex", "batch"])
+def test_valid_service_tiers_pass_validation(unstarted: TestClient, tier: str) -> None:
+    r = unstarted.post("/v1/chat/completions", json=_chat(service_tier=tier))
+    assert r.status_code == 503, r.text  # validated; no worker in this app
+
+
+def test_a_call_over_the_work_limit_is_a_400_naming_the_limit(unstarted: TestClient) -> None:
+    r = unstarted.post("/v1/completions", json={"model": "tiny", "prompt": ["hi", "there"], "n": 8, "max_tokens": 100})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "work_limit" and error["type"] == "invalid_request_error"
+    assert "admission.max_request_work_tokens" in error["message"] and "limit is 1000" in error["message"]
+    r = unstarted.post("/v1/chat/completions", json=_chat(n=16, max_tokens=100))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "work_limit"
+    assert unstarted.post("/v1/chat/completions", json=_chat(n=2)).status_code == 503  # under it
+
+
+def test_images_over_the_byte_budget_get_503_with_retry_after(unstarted: TestClient) -> None:
+    image = {"type": "image_url", "image_url": {"url": data_uri(gradient_image(32, 32))}}
+    two = [{"role": "user", "content": [image, image, {"type": "text", "text": "hi"}]}]
+    r = unstarted.post("/v1/chat/completions", json=_chat(messages=two))
+    error = r.json()["error"]
+    assert r.status_code == 503 and error["code"] == "image_bytes" and r.headers["retry-after"] == "1"
+    assert "admission.max_image_bytes_in_flight" in error["message"]
+    one = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
+    r = unstarted.post("/v1/chat/completions", json=_chat(messages=one))
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert "retry-after" not in r.headers  # fits the budget; refused only for want of a worker

@@ -1,0 +1,99 @@
+"""Admission on a real server: the predictor's 429, tiers in responses, a burst of large images."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.api.server_process import ServerProcess, data_uri
+from tests.factories import gradient_image
+
+CONFIG = {
+    "slo": {"tiers": {"interactive": {"ttft_ms": 0.01, "tpot_ms": 0.01}}},  # nothing can meet it: always refused
+    "admission": {"max_image_bytes_in_flight": 64 << 20, "image_decode_reserve_bytes": 16 << 20},
+}
+
+
+@pytest.fixture(scope="module")
+def admission_server(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("admission")
+    (folder / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    proc = ServerProcess(tiny_llava, "--config", str(folder / "config.yaml"), log_dir=folder)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _chat(**overrides: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0, **overrides}
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_responses_report_the_tier_served(admission_server: ServerProcess) -> None:
+    url = admission_server.url
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=60)
+    assert r.status_code == 200 and r.json()["service_tier"] == "standard"
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                  "service_tier": "flex"}, timeout=60)
+    assert r.status_code == 200 and r.json()["service_tier"] == "batch"
+
+
+def test_a_predicted_slo_miss_is_a_fast_429_with_retry_after(admission_server: ServerProcess) -> None:
+    url = admission_server.url
+    started = time.monotonic()
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(service_tier="priority"), timeout=60)
+    elapsed = time.monotonic() - started
+    error = r.json()["error"]
+    assert r.status_code == 429 and error["type"] == "rate_limit_error" and error["code"] == "ttft_slo"
+    assert int(r.headers["retry-after"]) >= 1
+    assert "interactive tier" in error["message"] and "TTFT SLO of 0.000 s" in error["message"]
+    assert elapsed < 2.0
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'mm_serve_tier_rejected_total{reason="ttft_slo",tier="interactive"} 1.0' in metrics
+    assert 'mm_serve_tier_admitted_total{tier="standard"}' in metrics
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    assert health["admission"]["predict"] is True and health["admission"]["prefill"]["observations"] >= 1
+    assert health["admission"]["prefill"]["age_s"] is not None
+
+
+def test_a_burst_of_large_images_is_refused_fast_and_memory_stays_bounded(admission_server: ServerProcess) -> None:
+    """16 calls of 2 images at once: those past the 64 MiB budget get 503 + Retry-After at once;
+    the API process grows by less than the budget plus the bodies; a normal request then passes."""
+    url = admission_server.url
+    big = data_uri(gradient_image(1200, 1200))  # ~4 MB PNG, 4.3 MB decoded
+    body = _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": big}}, {"type": "image_url", "image_url": {"url": big}},
+        {"type": "text", "text": "what is it?"}]}])
+    rss_before = _rss_bytes(admission_server.proc.pid)
+
+    def send(_: int) -> tuple[int, float, str | None]:
+        started = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        return r.status_code, time.monotonic() - started, r.headers.get("retry-after")
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(send, range(16)))
+    refused = [(t, retry) for status, t, retry in results if status == 503]
+    assert refused and all(retry == "1" for _, retry in refused)
+    assert {status for status, _, _ in results} <= {200, 503}
+    assert min(t for t, _ in refused) < 5.0
+    growth = _rss_bytes(admission_server.proc.pid) - rss_before
+    assert growth < (64 << 20) + 16 * 12 * (1 << 20), growth  # budget + the bodies held by the server
+    r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=30)
+    assert r.status_code == 200
