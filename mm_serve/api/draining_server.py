@@ -5,7 +5,7 @@ both) stops admitting, with the listener still open so that new requests get a c
 503 rather than a refused connection; in-flight requests have ``api.shutdown_grace_s``
 seconds to finish; then the server exits as uvicorn does and the lifespan shutdown
 stops every worker and unlinks every segment. A second signal exits at once. Before
-the workers are ready there is nothing to drain, and the first signal exits.
+the workers have started (first start) there is nothing to drain, and the first signal exits.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             super().handle_exit(sig, frame)
             return
-        if not self._holder.ready or self._grace_s <= 0:
+        if not self._holder.started or self._grace_s <= 0:  # started: a restarting worker still drains
             super().handle_exit(sig, frame)
             return
         self._draining = True

@@ -14,5 +14,6 @@ def event(payload: dict[str, Any]) -> str:
 
 
 def error_event(message: str, type_: str = "service_unavailable", code: str | None = None) -> str:
-    """An OpenAI-style error object sent inside a stream (headers are already out)."""
-    return event({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    """An OpenAI-style error object sent inside a stream (headers are already out); ``code``
+    defaults to ``type_``, as the same failure's non-streamed 503 body has it."""
+    return event({"error": {"message": message, "type": type_, "param": None, "code": code or type_}})

@@ -81,5 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m mm_serve.cli.main`: run the package's module, so that
+    # sub-commands raise the same CLIError class this catches (not a __main__ copy of it)
+    from mm_serve.cli.main import main as _main
+
+    sys.exit(_main())

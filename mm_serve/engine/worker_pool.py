@@ -330,8 +330,10 @@ class WorkerPool:
         self._release_retired(key)  # its next start uses the current rings
         role, index = key
         if worker.status is WorkerStatus.DOWN:
+            rest = ("the service runs on the other workers" if self.may_recover(role)
+                    else f"no {role} worker is left: requests get 503")
             plan = (f"it stays down ({len(worker.restarts)} restarts within fault.restart_window_s = "
-                    f"{cfg.restart_window_s:g} s); the service runs on the other workers")
+                    f"{cfg.restart_window_s:g} s); {rest}")
         else:
             plan = (f"restarting it in {worker.restart_at - now if worker.restart_at else 0:.1f} s "
                     f"(restart {len(worker.restarts) + 1} of {cfg.max_restarts} allowed in {cfg.restart_window_s:g} s)")

@@ -108,3 +108,30 @@ def test_past_max_migrations_the_stream_ends_with_an_error_event_and_done(server
         os.kill(pid, signal.SIGKILL)
         r = answer.result()
     assert r.status_code == 503 and "fault.max_migrations = 0" in r.json()["error"]["message"]
+
+
+def test_sigterm_while_the_only_decode_restarts_still_drains(tiny_llava: Path, tmp_path: Path) -> None:
+    """No path serves at the signal (decode restarting): the drain still lets the parked stream finish."""
+    config = tmp_path / "fault.yaml"
+    config.write_text("fault:\n  restart_backoff_s: 3.0\n")
+    server = ServerProcess(tiny_llava, "--config", str(config), log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        os.kill(decode_pid(server), signal.SIGKILL)
+        time.sleep(0.5)
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "down"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            def streamed() -> list[str]:
+                with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat_body(True),
+                                  timeout=120) as r:
+                    return [ln for ln in r.iter_lines() if ln]
+
+            lines = pool.submit(streamed)
+            time.sleep(0.5)
+            server.proc.send_signal(signal.SIGTERM)
+            got = lines.result()
+        assert got[-1] == "data: [DONE]" and not [ln for ln in got if '"error"' in ln]
+        assert server.proc.wait(60) in (0, -signal.SIGTERM)  # stopped by its own drain
+        assert "stopping: new requests get 503" in server.output()
+    finally:
+        server.stop()
