@@ -113,15 +113,16 @@ class APIConfig(_Frozen):
 
 
 class FaultConfig(_Frozen):
-    """Supervision of the workers and migration of the requests a failed worker held."""
+    """Supervision of the workers and migration of the requests a failed worker held (strict types:
+    ``true`` is no count, ``"0.5"`` no number, ``"no"`` no boolean)."""
 
-    heartbeat_timeout_s: float = Field(10.0, ge=0.5, le=3600, description="A ready worker that sends nothing (stats come every 0.5 s between steps) for this long is hung: it is killed and restarted. Longer than the slowest single step.")
-    max_restarts: int = Field(3, ge=0, le=1000, description="Restarts of one worker allowed within restart_window_s; past it the worker stays down and the service runs on the others.")
-    restart_window_s: float = Field(300.0, gt=0, le=86400, description="The window max_restarts counts in, in seconds.")
-    restart_backoff_s: float = Field(0.5, ge=0, le=600, description="Wait before restarting a failed worker, doubled for each restart already in the window.")
-    start_timeout_s: float = Field(300.0, gt=0, le=7200, description="A restarted worker not ready within this long counts as failed again.")
-    max_migrations: int = Field(3, ge=0, le=100, description="Times one request may be moved to another worker after a fault (re-prefilled from its prompt plus the tokens already streamed); past it the request ends with a 503 / an SSE error event.")
-    handoff_checksum: bool = Field(True, description="CRC-32 of each hand-off's KV pages and features, checked by decode before it uses them; a mismatch is re-prefilled.")
+    heartbeat_timeout_s: float = Field(strict=True, default=10.0, ge=0.5, le=3600, description="A ready worker that sends nothing (stats come every 0.5 s between steps) for this long is hung: it is killed and restarted. Longer than the slowest single step.")
+    max_restarts: int = Field(strict=True, default=3, ge=0, le=1000, description="Restarts of one worker allowed within restart_window_s; past it the worker stays down and the service runs on the others.")
+    restart_window_s: float = Field(strict=True, default=300.0, gt=0, le=86400, description="The window max_restarts counts in, in seconds.")
+    restart_backoff_s: float = Field(strict=True, default=0.5, ge=0, le=600, description="Wait before restarting a failed worker, doubled for each restart already in the window.")
+    start_timeout_s: float = Field(strict=True, default=300.0, gt=0, le=7200, description="A restarted worker not ready within this long counts as failed again.")
+    max_migrations: int = Field(strict=True, default=3, ge=0, le=100, description="Times one request may be moved to another worker after a fault (re-prefilled from its prompt plus the tokens already streamed); past it the request ends with a 503 / an SSE error event.")
+    handoff_checksum: bool = Field(strict=True, default=True, description="CRC-32 of each hand-off's KV pages and features, checked by decode before it uses them; a mismatch is re-prefilled.")
 
 
 class BatchConfig(_Frozen):

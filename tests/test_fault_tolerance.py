@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from mm_serve.config import config_from_dict
+from mm_serve.config import ConfigError, config_from_dict
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
 from mm_serve.runtime.sampling_params import SamplingParams
@@ -248,3 +248,11 @@ def test_colocated_worker_killed_mid_stream(tiny_llava: Path) -> None:
         wait_for(lambda: client.health()["status"] == "ok")
     finally:
         client.shutdown()
+
+
+@pytest.mark.parametrize("bad", [{"max_restarts": True}, {"restart_backoff_s": "0.5"}, {"handoff_checksum": "no"},
+                                 {"heartbeat_timeout_s": 0.1}, {"max_migrations": -1}])
+def test_fault_keys_are_strict(bad: dict[str, Any]) -> None:
+    (key,) = bad
+    with pytest.raises(ConfigError, match=f"fault.{key} = "):
+        config_from_dict({"fault": bad})
