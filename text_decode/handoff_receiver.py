@@ -42,7 +42,6 @@ class HandoffReceiver:
     ) -> None:
         self.rings = rings
         self.kv_cache = kv_cache
-        self.num_failed = 0
         self._on_failed = on_failed
         self._start = 0
 
@@ -57,7 +56,6 @@ class HandoffReceiver:
         self.rings[prefill_index] = CrossModalRing.attach(spec)
 
     def _fail(self, request_id: str, reason: str) -> None:
-        self.num_failed += 1
         if self._on_failed is not None:
             self._on_failed(request_id, reason)
 

@@ -234,9 +234,8 @@ class EngineClient:
         self._wire[flight.wire_id] = flight
         self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
                                flight.first.priority, flight.first.num_images)
-        if not self.pool.send((prefill_role, prefill), flight.message(decode, time.time())):
-            # it died a moment ago: supervision finds it and migrates this flight with the rest
-            pass
+        # not delivered when the worker died a moment ago: supervision finds it and migrates this flight
+        self.pool.send((prefill_role, prefill), flight.message(decode, time.time()))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; its pages are freed by the workers."""

@@ -65,16 +65,11 @@ class Flight:
     def message(self, decode_index: int, arrival_time: float) -> messages.PrefillRequest:
         """The :class:`~mm_serve.runtime.messages.PrefillRequest` of the current attempt."""
         if self.attempt == 0:
-            return replace_struct(self.first, decode_index=decode_index)
+            return msgspec.structs.replace(self.first, decode_index=decode_index)
         received = self.state.token_ids[: self.base]
         sampling = msgspec.structs.replace(self.first.sampling, max_tokens=self.remaining_tokens())
-        return replace_struct(
+        return msgspec.structs.replace(
             self.first, request_id=self.wire_id, prompt_token_ids=list(self.first.prompt_token_ids) + received,
             sampling=sampling, decode_index=decode_index, arrival_time=arrival_time, output_offset=self.base,
         )
-
-
-def replace_struct(msg: messages.PrefillRequest, **changes: object) -> messages.PrefillRequest:
-    """A copy of ``msg`` with ``changes`` (msgspec structs are not dataclasses)."""
-    return msgspec.structs.replace(msg, **changes)
 
