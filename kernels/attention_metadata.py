@@ -14,7 +14,10 @@ class AttentionMetadata:
 
     Prefill (``is_prefill=True``): ``seq_lens[i]`` new tokens of sequence ``i``
     are laid out back to back; each sequence attends causally to its own new
-    tokens only (no earlier cached context).
+    tokens, and, when ``prefix_lens[i] > 0`` (a prefix-cache hit), first to the
+    ``prefix_lens[i]`` tokens already in its pages (``block_tables`` row ``i``):
+    new token ``j`` sits at position ``prefix_lens[i] + j`` and sees positions
+    ``0 .. prefix_lens[i] + j``.
 
     Decode (``is_prefill=False``): one new token per sequence (``T == B``); it
     attends to the first ``context_lens[i]`` tokens of the sequence in the
@@ -24,10 +27,16 @@ class AttentionMetadata:
     is_prefill: bool
     seq_lens: list[int]  # new tokens per sequence in this pass; sum == T
     slot_mapping: torch.Tensor  # [T] int64: page_id * page_size + offset for each new token
-    block_tables: torch.Tensor | None = None  # decode: [B, max_pages] int64, padded with 0
+    block_tables: torch.Tensor | None = None  # decode, prefill over a prefix: [B, max_pages] int64, padded with 0
+    prefix_lens: list[int] | None = None  # prefill: tokens of each sequence already in the cache (None: all 0)
     context_lens: torch.Tensor | None = None  # decode: [B] int64, tokens in cache incl. the new one
     graph_safe: bool = False  # decode: static shapes, no host reads (the pass is captured in a CUDA graph)
     plan: dict[str, Any] = field(default_factory=dict)  # what a backend derives once per pass, reused by every layer
+
+    @property
+    def has_prefix(self) -> bool:
+        """A prefill pass in which some sequence attends to cached KV before its new tokens."""
+        return self.is_prefill and self.prefix_lens is not None and any(self.prefix_lens)
 
     @property
     def num_tokens(self) -> int:

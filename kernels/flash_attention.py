@@ -1,7 +1,7 @@
 """flash-attn backend (CUDA, extra ``[gpu]``): varlen prefill, paged decode where the kernel allows.
 
 Prefill uses ``flash_attn_varlen_func`` over the flattened batch (Dao 2023,
-FlashAttention-2). Decode uses ``flash_attn_with_kvcache`` with a block table
+FlashAttention-2); a prefill pass over a cached prefix takes the torch reference. Decode uses ``flash_attn_with_kvcache`` with a block table
 when the page size is a multiple of 256 (upstream flash-attn's paged-KV
 constraint); with smaller pages it falls back to the torch reference, which
 also runs on CUDA. Selected by :func:`kernels.backend_select.select_attention_backend`
@@ -14,7 +14,12 @@ import torch
 
 from kernels.attention_backend import AttentionBackend
 from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention_ref import decode_attention_padded, decode_attention_ref, write_kv_ref
+from kernels.paged_attention_ref import (
+    TorchRefAttention,
+    decode_attention_padded,
+    decode_attention_ref,
+    write_kv_ref,
+)
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -33,6 +38,8 @@ class FlashAttention(AttentionBackend):
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):  # type: ignore[no-untyped-def]
         write_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
+        if meta.has_prefix:  # a prefix-cache hit: the reference (runs on CUDA) reads the cached pages
+            return TorchRefAttention.prefill_with_prefix(query, key, value, k_cache, v_cache, meta, scale)
         if meta.is_prefill:
             lens = torch.tensor(meta.seq_lens, device=query.device, dtype=torch.int32)
             cu = torch.zeros(len(meta.seq_lens) + 1, device=query.device, dtype=torch.int32)

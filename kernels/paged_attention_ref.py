@@ -69,6 +69,49 @@ def prefill_attention_ref(
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
+def prefill_attention_prefix_ref(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: list[int], prefix_lens: list[int], scale: float,
+) -> torch.Tensor:
+    """Causal prefill attention of sequences whose first ``prefix_lens[i]`` tokens are cached.
+
+    Sequence ``i``'s ``seq_lens[i]`` new queries sit at positions ``prefix_lens[i] ..``; each
+    attends to the cached keys of its pages (``block_tables`` row ``i``) and to the new keys
+    up to its own position. Sequences with no prefix go through
+    :func:`prefill_attention_ref`. The new K/V must already be in the cache.
+
+    Args:
+        query: ``[T, Hq, D]``; key, value: ``[T, Hkv, D]`` (this pass's, back to back).
+        k_cache, v_cache: ``[P, S, Hkv, D]``, any page stride.
+        block_tables: ``[B, max_pages]`` page ids. seq_lens, prefix_lens: ``[B]`` tokens.
+    Returns:
+        ``[T, Hq, D]``.
+    """
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    out = torch.empty_like(query)
+    start = 0
+    for i, (n, cached) in enumerate(zip(seq_lens, prefix_lens, strict=True)):
+        end = start + n
+        if not cached:
+            out[start:end] = prefill_attention_ref(query[start:end], key[start:end], value[start:end], [n], scale)
+            start = end
+            continue
+        total = cached + n
+        pages = block_tables[i, : -(-total // page_size)]
+        keys = torch.index_select(k_cache, 0, pages).reshape(-1, num_kv_heads, head_dim)[:total]
+        values = torch.index_select(v_cache, 0, pages).reshape(-1, num_kv_heads, head_dim)[:total]
+        rows = torch.arange(cached, total, device=query.device)
+        visible = torch.arange(total, device=query.device)[None, :] <= rows[:, None]  # [n, total]
+        attended = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=visible[None, None], scale=scale, enable_gqa=num_heads != num_kv_heads,
+        )  # [1, Hq, n, D]
+        out[start:end] = attended[0].transpose(0, 1)
+        start = end
+    return out
+
+
 MIN_GROUP_FILL = 0.5  # a decode group pads no sequence to more than twice its context ...
 MIN_SPLIT_CONTEXT = 256  # ... once the group's longest context reaches this many tokens
 
@@ -229,11 +272,29 @@ class TorchRefAttention(AttentionBackend):
         if "slots" not in meta.plan:  # the first layer of the pass derives what every layer reuses
             meta.plan["slots"] = (meta.slot_mapping // page_size, meta.slot_mapping % page_size)
         scatter_kv(key, value, k_cache, v_cache, *meta.plan["slots"])
+        if meta.has_prefix:
+            return self.prefill_with_prefix(query, key, value, k_cache, v_cache, meta, scale)
         if meta.is_prefill:
             return prefill_attention_ref(query, key, value, meta.seq_lens, scale)
         if meta.block_tables is None or meta.context_lens is None:
             raise ValueError("decode attention needs block_tables and context_lens")
         return self.decode(query, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def prefill_with_prefix(  # type: ignore[no-untyped-def]
+        query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale,
+    ) -> torch.Tensor:
+        """Prefill attention of a pass with cached prefixes (:func:`prefill_attention_prefix_ref`),
+        once the pass's K/V are in the cache.
+
+        Raises:
+            ValueError: ``meta`` lacks the block tables or prefix lengths.
+        """
+        if meta.block_tables is None or meta.prefix_lens is None:
+            raise ValueError("prefill over a cached prefix needs block_tables and prefix_lens")
+        return prefill_attention_prefix_ref(
+            query, key, value, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.prefix_lens, scale,
+        )
 
     def decode(  # type: ignore[no-untyped-def]
         self, query, k_cache, v_cache, meta: AttentionMetadata, scale,

@@ -75,6 +75,8 @@ class SchedulerConfig(_Frozen):
     prefill_token_budget: int = Field(_E.prefill_token_budget, ge=16, le=1 << 20, description="Max prompt tokens (image tokens included) in one prefill batch.")
     decode_max_concurrent: int = Field(_E.max_running, ge=1, le=4096, description="Max running requests per decode worker.")
     ring_buffer_size: int = Field(16, ge=2, le=1 << 16, description="Hand-off ring slots per (prefill, decode) pair; a power of two.")
+    prefill_routing: Literal["cache_aware", "least_queued"] = Field("cache_aware", description="How the router picks a prefill worker: 'cache_aware' prefers the worker holding the longest cached prefix of the request (SGLang's cache_aware policy) unless it is much busier; 'least_queued' takes the one with the fewest queued prompt tokens.")
+    cache_aware_balance_tokens: int = Field(2048, ge=0, le=1 << 24, description="cache_aware routing: the worker with the longest cached prefix is passed over when its queued prompt tokens exceed the least-queued worker's by more than this.")
 
     @field_validator("ring_buffer_size")
     @classmethod
@@ -90,8 +92,14 @@ class KVCacheConfig(_Frozen):
     page_size: int = Field(_E.page_size, ge=1, le=1024, description="Tokens per KV page (block).")
     max_pages_per_gpu: int = Field(_E.num_pages, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
     ring_pages: int = Field(0, ge=0, le=1 << 24, description="Pages in each ring's shared page pool; 0 = max_pages_per_gpu // 4.")
-    eviction_policy: Literal["lru", "fifo"] = Field("lru", description="Order in which cached free pages are reused.")
-    enable_prefix_caching: bool = Field(False, description="Reuse KV pages of identical prompt prefixes.")
+    eviction_policy: Literal["lru"] = Field("lru", description="Which cached free page is reused (evicted) first: 'lru', the one freed longest ago (the only policy implemented).")
+    enable_prefix_caching: bool = Field(_E.enable_prefix_caching, description="Reuse the KV of full pages whose chained hash (tokens, images, model) matches a cached page; false: every prompt is computed from scratch.")
+
+
+class CacheConfig(_Frozen):
+    """Caches of the prefill domain besides the KV pages."""
+
+    encoder_cache_bytes: int = Field(_E.encoder_cache_bytes, ge=0, le=1 << 40, description="Bytes of projected image embeddings each prefill (or colocated) worker keeps by image content hash, LRU; a repeated image skips the vision tower. 0 turns the cache off.")
 
 
 class APIConfig(_Frozen):
@@ -199,6 +207,7 @@ class ServiceConfig(_Frozen):
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()
+    cache: CacheConfig = CacheConfig()
     api: APIConfig = APIConfig()
     fault: FaultConfig = FaultConfig()
     slo: SLOConfig = SLOConfig()

@@ -45,7 +45,7 @@ def test_default_yaml_lists_every_key_with_its_default() -> None:
     ("scheduler.ring_buffer_size", 12, "power of two"),
     ("kv_cache.page_size", 0, "greater than or equal to 1"),
     ("mode", "sideways", "'disaggregated' or 'colocated'"),
-    ("kv_cache.eviction_policy", "random", "'lru' or 'fifo'"),
+    ("kv_cache.eviction_policy", "random", "'lru'"),
     ("api.port", 70000, "less than or equal to 65535"),
     ("compute.prefill_cpus", [0, 0], "distinct"),
 ])

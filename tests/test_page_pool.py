@@ -65,8 +65,17 @@ def test_double_free_and_bad_ids_are_refused() -> None:
 def test_check_integrity_catches_corruption() -> None:
     pool = PagePool(3)
     pool.allocate(1)
-    pool._free.append(1)  # corrupt on purpose: page 1 twice in the free list
-    with pytest.raises(AssertionError, match="twice"):
+    pool._free[0] = None  # corrupt on purpose: page 0 in use and in the free list
+    with pytest.raises(AssertionError, match="free page 0 has ref count 1"):
+        pool.check_integrity()
+
+
+def test_check_integrity_catches_a_broken_cache_map() -> None:
+    pool = PagePool(3)
+    page = pool.allocate(1)[0]
+    assert pool.register(page, b"a" * 32)
+    pool._hash_of[page] = b"b" * 32  # corrupt on purpose: the page carries another hash
+    with pytest.raises(AssertionError, match="carries another"):
         pool.check_integrity()
 
 

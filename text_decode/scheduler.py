@@ -8,6 +8,12 @@ the lowest SLO tier (highest ``Request.priority``) is preempted by recompute:
 its pages are freed and it goes back to the waiting queue, ahead of every
 waiting request of its tier or a lower one; its prompt plus the tokens generated so far are prefilled
 again later (its image embeddings are kept, so nothing is re-encoded).
+
+With a :class:`~mm_serve.runtime.prefix_cache.PrefixCache` (the colocated engine's), a
+request admitted for prefill first takes the cached pages of its longest matching prefix
+and only the rest is prefilled; a preempted or finished request's computed full pages are
+registered before its pages are freed, so its recompute, and later requests that share
+its prefix, reuse them while they stay cached.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from kernels.page_pool import PagePool
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import pages_for
+from mm_serve.runtime.prefix_cache import PrefixCache
 from mm_serve.runtime.request import Request, RequestStatus
 
 
@@ -42,9 +49,10 @@ class ContinuousBatchingScheduler:
 
     def __init__(
         self, pool: PagePool, page_size: int, max_running: int, prefill_token_budget: int,
-        prefill_batch_size: int,
+        prefill_batch_size: int, prefix: PrefixCache | None = None,
     ) -> None:
         self.pool = pool
+        self.prefix = prefix
         self.page_size = page_size
         self.max_running = max_running
         self.prefill_token_budget = prefill_token_budget
@@ -55,9 +63,12 @@ class ContinuousBatchingScheduler:
         self.num_displaced = 0  # running requests preempted for a waiting one of a higher tier
 
     @classmethod
-    def from_config(cls, pool: PagePool, cfg: EngineConfig) -> ContinuousBatchingScheduler:
-        """A scheduler over ``pool`` with ``cfg``'s page size, running cap and prefill budget."""
-        return cls(pool, cfg.page_size, cfg.max_running, cfg.prefill_token_budget, cfg.prefill_batch_size)
+    def from_config(
+        cls, pool: PagePool, cfg: EngineConfig, prefix: PrefixCache | None = None,
+    ) -> ContinuousBatchingScheduler:
+        """A scheduler over ``pool`` with ``cfg``'s page size, running cap and prefill budget
+        (and ``prefix``, a prefix cache over the same pool)."""
+        return cls(pool, cfg.page_size, cfg.max_running, cfg.prefill_token_budget, cfg.prefill_batch_size, prefix)
 
     @property
     def num_unfinished(self) -> int:
@@ -98,10 +109,13 @@ class ContinuousBatchingScheduler:
             n = request.num_tokens
             if batch and tokens + n > self.prefill_token_budget:
                 break
-            need = pages_for(n, self.page_size)
+            need = self.prefix.pages_needed(request) if self.prefix else pages_for(n, self.page_size)
             if not self.pool.can_allocate(need) and not self.displace(need, request.priority):
                 break
-            request.block_table = self.pool.allocate(need)
+            if self.prefix is not None:
+                self.prefix.allocate(request)
+            else:
+                request.block_table = self.pool.allocate(need)
             request.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(request)
@@ -153,8 +167,7 @@ class ContinuousBatchingScheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.pool.free(request.block_table)
-        request.block_table = []
+        self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -175,6 +188,14 @@ class ContinuousBatchingScheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         if request.block_table:
+            self._free(request)
+        request.status = status
+
+    def _free(self, request: Request) -> None:
+        """Return a running request's pages; with a prefix cache, its full pages with computed KV
+        (every token but the last sampled one, once it has outputs) are registered first."""
+        if self.prefix is None:
             self.pool.free(request.block_table)
             request.block_table = []
-        request.status = status
+            return
+        self.prefix.release(request, request.num_tokens - 1 if request.output_token_ids else 0)

@@ -41,12 +41,16 @@ class HandoffSender:
     def __init__(
         self, rings: list[CrossModalRing], kv_cache: PagedKVCache,
         on_publish: Callable[[int], None] | None = None, checksum: bool = True,
+        release: Callable[[Request], None] | None = None,
     ) -> None:
         """``on_publish(d)`` runs after each publish to decode worker ``d``'s ring
         (the prefill worker rings that worker's doorbell); with ``checksum`` each hand-off's
-        meta carries the CRC-32 of its ring pages and features (:mod:`kernels.handoff_checksum`)."""
+        meta carries the CRC-32 of its ring pages and features (:mod:`kernels.handoff_checksum`);
+        ``release(request)`` frees a request's local pages and empties its block table
+        (default: straight back to the pool; the prefill worker's keeps cached pages cached)."""
         self.rings = rings
         self.kv_cache = kv_cache
+        self._release = release or self._free_pages
         self.pending: list[PendingHandoff] = []
         self._on_publish = on_publish
         self._checksum = checksum
@@ -79,8 +83,7 @@ class HandoffSender:
                 if self._on_publish is not None:
                     self._on_publish(item.decode_index)
                 published.append(item.request)
-                self.kv_cache.pool.free(item.request.block_table)
-                item.request.block_table = []
+                self._release(item.request)
             else:
                 still.append(item)
         self.pending = still
@@ -125,8 +128,7 @@ class HandoffSender:
                 if item.ring_pages is not None:
                     rows = 0 if item.request.image_embeds is None else int(item.request.image_embeds.shape[0])
                     self.rings[item.decode_index].free_unpublished(item.ring_pages, item.feature_offset, rows)
-                self.kv_cache.pool.free(item.request.block_table)
-                item.request.block_table = []
+                self._release(item.request)
                 return item.request
         return None
 
@@ -141,11 +143,14 @@ class HandoffSender:
         dropped = [item for item in self.pending if item.decode_index == decode_index]
         self.pending = [item for item in self.pending if item.decode_index != decode_index]
         for item in dropped:
-            self.kv_cache.pool.free(item.request.block_table)
-            item.request.block_table = []
+            self._release(item.request)
         self.rings[decode_index].close()
         self.rings[decode_index] = CrossModalRing.attach(spec)
         return [item.request.request_id for item in dropped]
+
+    def _free_pages(self, request: Request) -> None:
+        self.kv_cache.pool.free(request.block_table)
+        request.block_table = []
 
     @property
     def num_pending(self) -> int:

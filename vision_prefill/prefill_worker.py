@@ -12,14 +12,14 @@ import time
 from kernels.ring_buffer import CrossModalRing
 from mm_serve.runtime import messages
 from mm_serve.runtime.doorbell import DoorbellRingers
-from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
+from mm_serve.runtime.page_hashes import image_content_hashes
 from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
 from mm_serve.runtime.sampling_wire import from_wire
-from mm_serve.runtime.worker_setup import load_for_worker
+from mm_serve.runtime.worker_setup import cache_report, load_for_worker, make_caches
 from mm_serve.runtime.worker_shell import WorkerShell
 from vision_prefill.handoff_sender import HandoffSender
 from vision_prefill.prefill_scheduler import PrefillScheduler
@@ -36,11 +36,12 @@ class PrefillWorker(WorkerShell):
     def load(self) -> None:
         spec, cfg = self.spec, self.spec.sizing
         self.model_config, self.model, self.kv_cache = load_for_worker(spec)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.prefix, self.encoder_cache = make_caches(spec.model_dir, self.model_config, cfg, self.kv_cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, encoder_cache=self.encoder_cache)
         self.rings = [CrossModalRing.attach(r) for r in spec.rings]
         self.doorbells = DoorbellRingers(spec.doorbells)
         self.sender = HandoffSender(self.rings, self.kv_cache, self.doorbells.ring if spec.doorbells else None,
-                                    checksum=spec.handoff_checksum)
+                                    checksum=spec.handoff_checksum, release=self.prefix.release)
         self.scheduler = PrefillScheduler(cfg.prefill_token_budget, cfg.prefill_batch_size)
         self.sampler = Sampler()
         # EOS is folded into each request's stop tokens by the front end (sampling_wire)
@@ -50,9 +51,10 @@ class PrefillWorker(WorkerShell):
 
     def accept(self, msg: messages.PrefillRequest) -> None:
         params = from_wire(msg.sampling)
+        pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
         request = Request(
-            msg.request_id, list(msg.prompt_token_ids), params, num_images=msg.num_images,
-            pixel_values=None if msg.pixel_values is None else msg.pixel_values.to_tensor(),
+            msg.request_id, list(msg.prompt_token_ids), params, num_images=msg.num_images, pixel_values=pixels,
+            image_hashes=list(msg.image_hashes) or image_content_hashes(pixels),
             generator=None if params.greedy else make_generator(msg.generator_seed),
             seed=None if params.greedy else msg.generator_seed, output_offset=msg.output_offset,
             decode_index=msg.decode_index, priority=msg.priority, max_wait_s=msg.max_wait_s,
@@ -71,8 +73,7 @@ class PrefillWorker(WorkerShell):
     def _release(self, request: Request, status: RequestStatus) -> None:
         """Finish a request that ended at its first token: its pages go back to the pool."""
         request.status = status
-        self.kv_cache.pool.free(request.block_table)
-        request.block_table = []
+        self.prefix.release(request)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -90,8 +91,7 @@ class PrefillWorker(WorkerShell):
             time.sleep(BACKPRESSURE_SLEEP_S)
 
     def _fits(self, batch: list[Request]) -> bool:
-        need = sum(pages_for(r.num_tokens, self.kv_cache.page_size) for r in batch)
-        return self.kv_cache.pool.can_allocate(need)
+        return self.kv_cache.pool.can_allocate(sum(self.prefix.pages_needed(r) for r in batch))
 
     def _run_batch(self, batch: list[Request]) -> None:
         """Run one prefill batch; an exception fails the batch's requests, not the worker."""
@@ -108,7 +108,7 @@ class PrefillWorker(WorkerShell):
     def _prefill(self, batch: list[Request]) -> None:
         started = time.monotonic()
         for request in batch:
-            request.block_table = self.kv_cache.pool.allocate(pages_for(request.num_tokens, self.kv_cache.page_size))
+            self.prefix.allocate(request)  # cached prefix pages shared, fresh pages for the rest
             request.status = RequestStatus.RUNNING
             request.stamp(LifetimeEvent.ENCODE_BEGIN)
         self.runner.encode_images(batch)
@@ -117,6 +117,8 @@ class PrefillWorker(WorkerShell):
             request.stamp(LifetimeEvent.ENCODE_END, now)
             request.stamp(LifetimeEvent.PREFILL_BEGIN, now)
         logits = self.runner.prefill(batch)
+        for request in batch:
+            self.prefix.commit(request, request.num_tokens)  # its KV is in place: later requests may share it
         tokens, logprobs = sample_requests(self.sampler, logits, batch)
         now = time.time()
         for request in batch:
@@ -137,6 +139,7 @@ class PrefillWorker(WorkerShell):
             "running": self.sender.num_pending, "waiting": len(self.scheduler),
             "ring_slots_used": self.sender.slots_used(), "queued_tokens": self.scheduler.queued_tokens,
             "num_preemptions": 0, "num_encoded_images": 0 if vision is None else vision.num_encoded_images,
+            **cache_report(self.prefix, self.encoder_cache),
         }
 
     def release_resources(self) -> None:

@@ -20,6 +20,7 @@ from mm_serve.api.schemas import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     Usage,
     dump,
 )
@@ -84,12 +85,13 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
             gen.abort()
         return JSONResponse({}, status_code=499)
     tokenizer = ctx.holder.inputs.tokenizer
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
     for p, gen in enumerate(gens):
         failure = gen.failure()
         if failure:
             raise unavailable(f"the request failed: {failure}")
         prompt_tokens += gen.num_prompt_tokens
+        cached_tokens += gen.cached_tokens
         for i, s in enumerate(gen.states):
             completion_tokens += len(s.token_ids)
             logprobs = None
@@ -98,7 +100,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
             choices.append(CompletionChoice(index=p * body.n + i, text=s.text, logprobs=logprobs,
                                             finish_reason=_finish(s.finish_reason)))
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                  total_tokens=prompt_tokens + completion_tokens)
+                  total_tokens=prompt_tokens + completion_tokens,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
     return CompletionResponse(model=ctx.served_model_name, choices=choices, usage=usage, service_tier=tier.name)
 
 

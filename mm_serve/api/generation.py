@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from mm_serve.admission.tiers import Tier
 from mm_serve.api.errors import bad_request, unavailable
-from mm_serve.api.schemas import Usage
+from mm_serve.api.schemas import PromptTokensDetails, Usage
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
@@ -113,7 +113,13 @@ class Generation:
         """Token counts: the prompt once, the completion tokens of every choice."""
         completion = sum(len(s.token_ids) for s in self.states)
         return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
-                     total_tokens=self.num_prompt_tokens + completion)
+                     total_tokens=self.num_prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was reused, as counted for the prompt once (its first choice)."""
+        return min(self.states[0].cached_tokens, self.num_prompt_tokens) if self.states else 0
 
     def failure(self) -> str | None:
         """The first error message among the requests, if any failed."""

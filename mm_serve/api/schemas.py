@@ -170,10 +170,15 @@ class CompletionRequest(_SamplingFields):
         return _refuse(data, UNSUPPORTED_COMPLETIONS)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (never more than prompt_tokens)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

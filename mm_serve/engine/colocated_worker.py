@@ -15,6 +15,7 @@ from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.post_step import token_update
 from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.runtime.worker_setup import cache_report
 from mm_serve.runtime.worker_shell import WorkerShell
 
 
@@ -30,9 +31,9 @@ class ColocatedWorker(WorkerShell):
 
     def accept(self, msg: messages.PrefillRequest) -> None:
         pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
-        inputs = ProcessedInputs(list(msg.prompt_token_ids), pixels, msg.num_images)
+        inputs = ProcessedInputs(list(msg.prompt_token_ids), pixels, msg.num_images, list(msg.image_hashes))
         request = self.engine.add_request(msg.request_id, inputs, from_wire(msg.sampling), msg.generator_seed,
-                                          msg.output_offset)
+                                          msg.output_offset, priority=msg.priority)
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)
         request.stamp(LifetimeEvent.PREFILL_QUEUED)
 
@@ -64,4 +65,5 @@ class ColocatedWorker(WorkerShell):
             "running": len(sched.running), "waiting": len(sched.waiting), "ring_slots_used": 0,
             "queued_tokens": sum(r.num_tokens for r in sched.waiting), "num_preemptions": sched.num_preemptions,
             "num_encoded_images": 0 if vision is None else vision.num_encoded_images,
+            **cache_report(self.engine.prefix, self.engine.encoder_cache),
         }

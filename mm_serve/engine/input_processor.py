@@ -7,7 +7,7 @@ processor does; images are converted and normalised by :class:`ImageProcessor`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ class ProcessedInputs:
     prompt_token_ids: list[int]  # image placeholders expanded
     pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32
     num_images: int
+    image_hashes: list[bytes] = field(default_factory=list)  # per image, runtime.page_hashes; [] = not hashed yet
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:

@@ -16,11 +16,12 @@ from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
 from mm_serve.runtime.model_runner import ModelRunner
+from mm_serve.runtime.page_hashes import image_content_hashes
 from mm_serve.runtime.post_step import StopCriteria, process_step
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
 from mm_serve.runtime.sampling_params import SamplingParams
-from mm_serve.runtime.worker_setup import load_model_for, make_kv_cache
+from mm_serve.runtime.worker_setup import load_model_for, make_caches, make_kv_cache
 from text_decode.scheduler import ContinuousBatchingScheduler
 
 
@@ -40,10 +41,12 @@ class LLMEngine:
         self.inputs = InputProcessor(self.model_dir, self.model_config)
         self.tokenizer = self.inputs.tokenizer
         self.kv_cache = make_kv_cache(self.model_config, self.config)
+        self.prefix, self.encoder_cache = make_caches(str(self.model_dir), self.model_config, self.config, self.kv_cache)
         self.runner = ModelRunner(
             self.model, self.kv_cache, cuda_graphs=self.config.use_cuda_graphs, max_running=self.config.max_running,
+            encoder_cache=self.encoder_cache,
         )
-        self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, self.config)
+        self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, self.config, self.prefix)
         self.sampler = Sampler()
         self.max_model_len = self.config.context_limit(self.model_config.text)
         self.eos_token_ids = self.inputs.eos_token_ids
@@ -75,6 +78,7 @@ class LLMEngine:
             generator=None if params.greedy else make_generator(seed), seed=None if params.greedy else seed,
             output_offset=output_offset, stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
             priority=priority,
+            image_hashes=list(inputs.image_hashes) or image_content_hashes(inputs.pixel_values),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -95,6 +99,8 @@ class LLMEngine:
         if plan.prefill:
             self.runner.encode_images(plan.prefill)
             batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
+            for request in batch:
+                self.prefix.commit(request, request.num_tokens)  # KV in place: shareable from now on
         else:
             batch, logits = plan.decode, self.runner.decode(plan.decode)
         tokens, logprobs = sample_requests(self.sampler, logits, batch)

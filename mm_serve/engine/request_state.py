@@ -36,6 +36,8 @@ class RequestState:
         self.finish_time: float | None = None
         self.tier: str | None = None  # the SLO tier it is served in (set by the API)
         self.predicted_ttft_s: float | None = None  # the admission controller's prediction, seconds
+        self.cached_tokens = 0  # prompt tokens whose KV the prefill reused (prefix cache), <= num_prompt_tokens
+        self._cached_reported = False
         self._pending_text: list[str] = []
         self._early: dict[int, messages.TokenUpdate] = {}
         self._done = threading.Event()
@@ -73,6 +75,9 @@ class RequestState:
             self.logprobs.extend(update.logprobs)
         if update.events:
             self.events.update(update.events)
+        if update.cached_tokens is not None and not self._cached_reported:  # the first prefill's figure
+            self._cached_reported = True
+            self.cached_tokens = min(update.cached_tokens, self.num_prompt_tokens)
         delta = self.detokenizer.add(update.token_ids)
         if delta:
             self._pending_text.append(delta)

@@ -40,6 +40,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
     cpu_gemm: Literal["onednn", "torch"] = "onednn"  # float32 on a CPU: "onednn" (packed weights, kernels/cpu_linear.py) or "torch" (F.linear)
     cpu_kernels: Literal["compiled", "torch"] = "compiled"  # float32 CPU: "compiled" (decode attention + RMSNorm from kernels/csrc) or "torch"
+    enable_prefix_caching: bool = True  # reuse the KV of cached full pages (kv_cache.enable_prefix_caching)
+    encoder_cache_bytes: int = 256 * 1024 * 1024  # image embeddings kept by content hash; 0 = off (cache.encoder_cache_bytes)
 
     def __post_init__(self) -> None:
         for name in (*_POSITIVE, "max_model_len", "seed"):
@@ -48,8 +50,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             if name in _POSITIVE and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.encoder_cache_bytes, int) or isinstance(self.encoder_cache_bytes, bool) \
+                or self.encoder_cache_bytes < 0:
+            raise ValueError(f"encoder_cache_bytes must be an integer >= 0, got {self.encoder_cache_bytes!r}")
         if not isinstance(self.device, str):
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
         if self.max_model_len < 0:

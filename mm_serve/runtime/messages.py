@@ -71,6 +71,7 @@ class PrefillRequest(msgspec.Struct, tag=True):
     output_offset: int = 0
     priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch (lower runs first)
     max_wait_s: float = 0.0  # queued longer than this (its TTFT SLO), it moves up to rank 0; 0 = never
+    image_hashes: list[bytes] = []  # content hash of each image's pixels (runtime.page_hashes); [] = not hashed
 
 
 # ---- front end -> any worker -----------------------------------------------------------------
@@ -129,6 +130,14 @@ class WorkerStats(msgspec.Struct, tag=True):
     num_preemptions: int
     num_encoded_images: int
     pages_integrity_ok: bool
+    prefix_queried_tokens: int = 0  # prompt tokens of requests admitted with prefix caching on (since start)
+    prefix_hit_tokens: int = 0  # of them, tokens whose cached KV was reused
+    kv_cached_pages: int = 0  # pages carrying a prefix-cache hash now (in use or free)
+    kv_evictions: int = 0  # cached pages reused for other content (since start)
+    encoder_cache_hits: int = 0  # images served from the encoder cache (since start)
+    encoder_cache_misses: int = 0  # images looked up and not found
+    encoder_cache_bytes: int = 0  # bytes of embeddings cached now
+    encoder_cache_evictions: int = 0  # entries dropped for room (since start)
 
 
 class TokenUpdate(msgspec.Struct):
@@ -145,6 +154,7 @@ class TokenUpdate(msgspec.Struct):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None
     events: dict[str, float] | None = None  # lifetime events, time.time() seconds
+    cached_tokens: int | None = None  # on the first update: prompt tokens whose KV came from the prefix cache
 
 
 class StepTiming(msgspec.Struct):

@@ -8,6 +8,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.llava import MultimodalLM
+from mm_serve.runtime.encoder_cache import EncoderCache
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.step_inputs import decode_inputs, slots_for
@@ -25,8 +26,10 @@ class ModelRunner:
 
     def __init__(
         self, model: MultimodalLM, kv_cache: PagedKVCache, cuda_graphs: bool = False, max_running: int = 64,
+        encoder_cache: EncoderCache | None = None,
     ) -> None:
         self.model = model
+        self.encoder_cache = encoder_cache
         self.kv_cache = kv_cache
         self.page_size = kv_cache.page_size
         self.device = kv_cache.data.device
@@ -38,26 +41,57 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode_images(self, requests: list[Request]) -> None:
-        """Run the vision tower + projector once for all pending images of ``requests``.
+        """Run the vision tower + projector once for each distinct pending image of ``requests``.
 
         Sets each request's ``image_embeds`` ``[num_images * num_image_tokens, hidden]``
-        and drops its ``pixel_values``.
+        and drops its ``pixel_values``. With an encoder cache, images whose content hash
+        (``Request.image_hashes``) is cached skip the tower, an image repeated within the
+        batch is encoded once, and what was encoded is cached.
         """
         pending = [r for r in requests if r.needs_encoding]
         if not pending:
             return
-        pixels = torch.cat([r.pixel_values for r in pending if r.pixel_values is not None], dim=0)
-        embeds = self.model.encode_images(pixels.to(self.device))  # [N, tokens, hidden]
-        start = 0
+        cache = self.encoder_cache
+        found: dict[bytes, torch.Tensor] = {}  # this batch's images by content hash
+        to_encode: list[torch.Tensor] = []  # [3, H, W] each
+        keys: list[bytes | None] = []
         for request in pending:
-            n = request.num_images
-            request.image_embeds = embeds[start : start + n].reshape(-1, embeds.shape[-1])
+            assert request.pixel_values is not None
+            hashes = request.image_hashes if len(request.image_hashes) == request.num_images else []
+            for i in range(request.num_images):
+                digest = hashes[i] if hashes else None
+                if digest is not None and digest in found:
+                    continue
+                cached = None if cache is None or digest is None else cache.get(digest)
+                if cached is not None:
+                    found[digest] = cached  # type: ignore[index]
+                    continue
+                to_encode.append(request.pixel_values[i])
+                keys.append(digest)
+                if digest is not None:
+                    found[digest] = to_encode[-1]  # placeholder until encoded
+        encoded: list[torch.Tensor] = []
+        if to_encode:
+            batch = self.model.encode_images(torch.stack(to_encode).to(self.device))  # [N, tokens, hidden]
+            # cached entries get their own storage: they outlive the batch tensor
+            encoded = [batch[j].clone() if cache is not None else batch[j] for j in range(len(to_encode))]
+            for digest, embeds in zip(keys, encoded, strict=True):
+                if digest is not None:
+                    found[digest] = embeds
+                    if cache is not None:
+                        cache.put(digest, embeds)
+        fresh = iter([encoded[j] for j, digest in enumerate(keys) if digest is None])
+        for request in pending:
+            hashes = request.image_hashes if len(request.image_hashes) == request.num_images else []
+            rows = [found[hashes[i]] if hashes else next(fresh) for i in range(request.num_images)]
+            request.image_embeds = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
             request.pixel_values = None
-            start += n
 
     @torch.inference_mode()
     def prefill(self, requests: list[Request]) -> torch.Tensor:
-        """Prefill every token of each request (prompt plus any recomputed outputs).
+        """Prefill each request's tokens (prompt plus any recomputed outputs) from its
+        ``num_cached_tokens`` on: the KV of the tokens before is already in the first pages of
+        its block table (a prefix-cache hit) and is attended to, not recomputed.
 
         Returns:
             Logits ``[B, vocab]`` (float32) at each request's last position.
@@ -66,45 +100,60 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
-        embeds = []
+        prefix_lens: list[int] = []
+        embeds: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
         for request in requests:
             tokens = request.all_token_ids
-            n = len(tokens)
-            ids.extend(tokens)
-            positions.extend(range(n))
-            slots.extend(slots_for(request.block_table, 0, n, self.page_size))
-            seq_lens.append(n)
-            if request.image_embeds is not None:
-                embeds.append(request.image_embeds)
+            cached, n = request.num_cached_tokens, len(tokens)
+            ids.extend(tokens[cached:])
+            positions.extend(range(cached, n))
+            slots.extend(slots_for(request.block_table, cached, n, self.page_size))
+            seq_lens.append(n - cached)
+            prefix_lens.append(cached)
+            mask, rows = self._image_rows(request, tokens, cached)
+            masks.append(mask)
+            if rows is not None:
+                embeds.append(rows)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         image_embeds = torch.cat(embeds, dim=0) if embeds else None
+        image_mask = torch.cat(masks).to(self.device) if getattr(self.model, "image_token_index", None) is not None else None
         meta = AttentionMetadata(
             is_prefill=True, seq_lens=seq_lens,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
         )
+        if any(prefix_lens):
+            width = max(len(r.block_table) for r in requests)
+            meta.prefix_lens = prefix_lens
+            meta.block_tables = torch.tensor(
+                [r.block_table + [0] * (width - len(r.block_table)) for r in requests], dtype=torch.long,
+                device=self.device,
+            )
         hidden = self.model.language_model(
-            self.model.embed(input_ids, image_embeds, self._image_mask(requests, input_ids, seq_lens)),
+            self.model.embed(input_ids, image_embeds, image_mask),
             torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_cache.layer_caches,
         )
         last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
         return self.model.language_model.compute_logits(hidden[last])
 
-    def _image_mask(self, requests: list[Request], input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor | None:
-        """Image positions of a prefill batch: in each request, the first ``len(image_embeds)``
-        image-token positions (its prompt's placeholders); later ones are outputs that happen to
-        equal the image token id (a recompute after preemption or a migration) and stay text."""
+    def _image_rows(self, request: Request, tokens: list[int], cached: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Image positions among a request's computed tokens ``tokens[cached:]`` (bool ``[n - cached]``)
+        and the rows of its ``image_embeds`` they take.
+
+        A request's image positions are the first ``len(image_embeds)`` image-token positions
+        (its prompt's placeholders); later ones are outputs that happen to equal the image
+        token id (a recompute after preemption or a migration) and stay text. Rows of
+        placeholders inside the cached prefix are skipped: their KV is reused.
+        """
+        mask = torch.zeros(len(tokens) - cached, dtype=torch.bool)
         token = getattr(self.model, "image_token_index", None)
-        if token is None:
-            return None
-        mask = input_ids == token
-        start = 0
-        for request, n in zip(requests, seq_lens, strict=True):
-            rows = 0 if request.image_embeds is None else int(request.image_embeds.shape[0])
-            hits = mask[start : start + n].nonzero().flatten()
-            if hits.numel() > rows:
-                mask[start + hits[rows:]] = False
-            start += n
-        return mask
+        if token is None or request.image_embeds is None:
+            return mask, None
+        total = int(request.image_embeds.shape[0])
+        image_positions = (torch.tensor(tokens) == token).nonzero().flatten()[:total]
+        skip = int((image_positions < cached).sum())
+        mask[image_positions[skip:] - cached] = True
+        return mask, request.image_embeds[skip:] if skip < total else None
 
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> torch.Tensor:

@@ -92,6 +92,9 @@ class Request:
     stop_matcher: StopStringMatcher | None = None
     priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch; lower is served first, preempted last
     max_wait_s: float = 0.0  # prefill ageing: waiting longer than this (seconds) it counts as rank 0; 0 = never
+    image_hashes: list[bytes] = field(default_factory=list)  # content hash per image (runtime.page_hashes)
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far (prefix cache)
+    num_cached_tokens: int = 0  # tokens at the head of block_table whose KV was reused at its last prefill
 
     @property
     def num_prompt_tokens(self) -> int:

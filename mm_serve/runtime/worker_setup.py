@@ -9,8 +9,11 @@ import torch
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.models.loader import load_model
 from mm_serve.models.model_config import ModelConfig, load_model_config
+from mm_serve.runtime.encoder_cache import EncoderCache
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.page_hashes import cache_salt
+from mm_serve.runtime.prefix_cache import PrefixCache, PrefixKey
 from mm_serve.runtime.worker_spec import WorkerSpec
 
 
@@ -48,3 +51,38 @@ def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedK
     """Load the checkpoint and allocate this worker's paged KV cache."""
     model_config = load_model_config(spec.model_dir)
     return model_config, load_model_for(spec.model_dir, spec.sizing), make_kv_cache(model_config, spec.sizing)
+
+
+def prefix_key(model_dir: str, model_config: ModelConfig, cfg: EngineConfig) -> PrefixKey:
+    """How pages of this checkpoint are hashed: salted with the model directory and the dtype
+    (KV computed in another dtype or by another model never matches); image spans from the
+    checkpoint's image token and tokens per image."""
+    vision = model_config.vision
+    return PrefixKey(
+        cache_salt(os.path.realpath(model_dir), cfg.dtype),
+        None if vision is None else vision.image_token_index,
+        0 if vision is None else vision.num_image_tokens,
+    )
+
+
+def make_caches(
+    model_dir: str, model_config: ModelConfig, cfg: EngineConfig, kv_cache: PagedKVCache,
+) -> tuple[PrefixCache, EncoderCache | None]:
+    """The prefix cache over ``kv_cache``'s pool (inactive when ``cfg.enable_prefix_caching`` is
+    off) and the encoder cache (None for a text-only model or ``encoder_cache_bytes`` 0)."""
+    prefix = PrefixCache(kv_cache.pool, cfg.page_size, prefix_key(model_dir, model_config, cfg),
+                         enabled=cfg.enable_prefix_caching)
+    encoder = None if model_config.vision is None or not cfg.encoder_cache_bytes else EncoderCache(cfg.encoder_cache_bytes)
+    return prefix, encoder
+
+
+def cache_report(prefix: PrefixCache, encoder: EncoderCache | None) -> dict[str, int]:
+    """The prefix- and encoder-cache fields of :class:`~mm_serve.runtime.messages.WorkerStats`."""
+    return {
+        "prefix_queried_tokens": prefix.queried_tokens, "prefix_hit_tokens": prefix.hit_tokens,
+        "kv_cached_pages": prefix.pool.num_cached, "kv_evictions": prefix.pool.num_evictions,
+        "encoder_cache_hits": 0 if encoder is None else encoder.hits,
+        "encoder_cache_misses": 0 if encoder is None else encoder.misses,
+        "encoder_cache_bytes": 0 if encoder is None else encoder.bytes_used,
+        "encoder_cache_evictions": 0 if encoder is None else encoder.evictions,
+    }

@@ -76,7 +76,8 @@ class WorkerShell(ABC):
     @abstractmethod
     def load_report(self) -> dict[str, int]:
         """``running``, ``waiting``, ``ring_slots_used``, ``queued_tokens``, ``num_preemptions``
-        and ``num_encoded_images`` of :class:`~mm_serve.runtime.messages.WorkerStats`."""
+        and ``num_encoded_images`` of :class:`~mm_serve.runtime.messages.WorkerStats` (and, for
+        roles with caches, their counters: ``worker_setup.cache_report``)."""
 
     def replace_ring(self, msg: messages.ReplaceRing) -> None:
         """A peer was restarted with a fresh ring (roles with rings; default: nothing to do)."""

@@ -1,0 +1,96 @@
+"""Content hashes of images and of full KV pages, for prefix caching and the encoder cache.
+
+A full page's hash chains (vLLM's automatic prefix caching; STYLE.md pattern 11):
+
+    h_p = BLAKE2b-256(h_{p-1} || token ids of page p || content hash of every image whose
+                      image tokens overlap page p)
+
+with ``h_{-1}`` = BLAKE2b-256 of a salt naming whatever else changes KV (the model and
+its dtype). Two prompts share page ``p`` only if every token *and every image* up to and
+including page ``p`` is the same, so identical text around different images never shares
+KV. Every hash is the full 256-bit digest (a hash folded to 30 bits collides after ~46 k
+images; 256 bits never in practice).
+
+An image's content hash covers what reaches the vision tower: the preprocessed pixel
+tensor (its shape, dtype and bytes), so the same picture sent as PNG or as JPEG of other
+pixels never matches, and the same pixels sent twice always do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+HASH_BYTES = 32  # BLAKE2b digest size: 256 bits
+
+
+def _blake(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def image_content_hash(pixels: torch.Tensor) -> bytes:
+    """Hash of one preprocessed image ``[3, H, W]`` (any dtype): shape, dtype and bytes."""
+    t = pixels.detach().contiguous().cpu()
+    head = f"{tuple(t.shape)}|{t.dtype}".encode()
+    return _blake(head, t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def image_content_hashes(pixel_values: torch.Tensor | None) -> list[bytes]:
+    """:func:`image_content_hash` of each image of ``pixel_values`` ``[N, 3, H, W]`` (None: ``[]``)."""
+    return [] if pixel_values is None else [image_content_hash(p) for p in pixel_values]
+
+
+def cache_salt(*parts: str) -> bytes:
+    """The root of every chain: a hash of what else changes KV (e.g. model path, dtype)."""
+    return _blake("|".join(parts).encode())
+
+
+def image_spans(
+    token_ids: Sequence[int], image_token_id: int | None, num_images: int, tokens_per_image: int,
+) -> list[tuple[int, int]]:
+    """Each image's token positions ``[first, last + 1)`` in ``token_ids``.
+
+    Image ``i`` owns placeholders ``i * tokens_per_image .. (i + 1) * tokens_per_image - 1``
+    in order of position; later placeholders (a generated token equal to the image token id,
+    in a recompute) are text, as in ``ModelRunner._image_rows``.
+    """
+    if not num_images or image_token_id is None or tokens_per_image < 1:
+        return []
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id][: num_images * tokens_per_image]
+    spans = []
+    for i in range(num_images):
+        own = positions[i * tokens_per_image : (i + 1) * tokens_per_image]
+        if own:
+            spans.append((own[0], own[-1] + 1))
+    return spans
+
+
+def page_hash_chain(
+    token_ids: Sequence[int], page_size: int, salt: bytes, image_hashes: Sequence[bytes] = (),
+    spans: Sequence[tuple[int, int]] = (), start: Sequence[bytes] = (),
+) -> list[bytes]:
+    """The chained hashes of every *full* page of ``token_ids`` (``len // page_size`` of them).
+
+    ``spans[i]`` are image ``i``'s positions (:func:`image_spans`) and ``image_hashes[i]`` its
+    content hash. ``start``: hashes already computed for the first pages of the same
+    sequence (they are kept, and the chain continues from the last of them).
+
+    Raises:
+        ValueError: ``spans`` and ``image_hashes`` differ in length.
+    """
+    if len(spans) != len(image_hashes):
+        raise ValueError(f"{len(spans)} image spans but {len(image_hashes)} image hashes")
+    chain = list(start)
+    parent = chain[-1] if chain else salt
+    for page in range(len(chain), len(token_ids) // page_size):
+        lo, hi = page * page_size, (page + 1) * page_size
+        tokens = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[lo:hi])
+        images = b"".join(h for (a, b), h in zip(spans, image_hashes, strict=True) if a < hi and b > lo)
+        parent = _blake(parent, tokens, images)
+        chain.append(parent)
+    return chain
