@@ -203,7 +203,8 @@ class LLM:
         if failed:
             raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [
-            RequestOutput(request_id=rid, num_prompt_tokens=states[0].num_prompt_tokens, outputs=[
+            RequestOutput(request_id=rid, num_prompt_tokens=states[0].num_prompt_tokens,
+                          num_cached_tokens=states[0].cached_tokens, outputs=[
                 CompletionOutput(index=i, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
                                  stop_reason=s.stop_reason, logprobs=s.logprobs or None)
                 for i, s in enumerate(states)
@@ -222,7 +223,8 @@ class LLM:
                 logprobs=request.output_logprobs if request.sampling_params.logprobs is not None else None,
             ))
             self.engine.release(sub_id)
-        return RequestOutput(request_id=rid, num_prompt_tokens=n_prompt, outputs=outputs)
+        cached = min(done[sub_ids[0]].num_prompt_cached_tokens, n_prompt)
+        return RequestOutput(request_id=rid, num_prompt_tokens=n_prompt, outputs=outputs, num_cached_tokens=cached)
 
     @staticmethod
     def _params_for(batch: list[dict[str, Any]], sampling_params: Any) -> list[SamplingParams]:

@@ -121,6 +121,60 @@ class WorkerStatsCollector(Collector):
         for (role, index), s in sorted(stats.items()):
             preempt.add_metric([f"{role}{index}"], float(s.num_preemptions))
         yield preempt
+        yield from _cache_families({k: s for k, s in stats.items() if k[0] != "decode"})
+
+
+_CACHE_GAUGES = {
+    "kv_cached_pages": ("kv_cached_pages", "KV pages carrying a prefix-cache hash (in use or free, reusable)."),
+    "encoder_cache_bytes": ("encoder_cache_bytes", "Bytes of image embeddings in the encoder cache."),
+}
+_CACHE_COUNTERS = {
+    "prefix_cache_queried_tokens": ("prefix_queried_tokens", "Prompt tokens of requests looked up in the prefix cache."),
+    "prefix_cache_hit_tokens": ("prefix_hit_tokens", "Prompt tokens whose KV was reused from the prefix cache."),
+    "kv_cache_evictions": ("kv_evictions", "Cached KV pages evicted (reused for other content)."),
+    "encoder_cache_hits": ("encoder_cache_hits", "Images whose embeddings came from the encoder cache."),
+    "encoder_cache_misses": ("encoder_cache_misses", "Images looked up in the encoder cache and encoded."),
+    "encoder_cache_evictions": ("encoder_cache_evictions", "Encoder-cache entries dropped for room."),
+}
+
+
+def _cache_families(stats: dict[tuple[str, int], Any]) -> Iterator[Any]:
+    """Prefix- and encoder-cache gauges and counters of the workers that have the caches
+    (prefill and colocated), plus the prefix hit rate (hit / queried tokens)."""
+    rows = sorted(stats.items())
+    for name, (field, doc) in _CACHE_GAUGES.items():
+        gauge = GaugeMetricFamily(f"mm_serve_{name}", doc, labels=["worker"])
+        for (role, index), s in rows:
+            gauge.add_metric([f"{role}{index}"], float(getattr(s, field)))
+        yield gauge
+    for name, (field, doc) in _CACHE_COUNTERS.items():
+        counter = CounterMetricFamily(f"mm_serve_{name}", doc, labels=["worker"])
+        for (role, index), s in rows:
+            counter.add_metric([f"{role}{index}"], float(getattr(s, field)))
+        yield counter
+    rate = GaugeMetricFamily("mm_serve_prefix_cache_hit_rate", "Prefix-cache hit rate in prompt tokens since the "
+                             "worker started (hit / queried).", labels=["worker"])
+    for (role, index), s in rows:
+        rate.add_metric([f"{role}{index}"], s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0)
+    yield rate
+
+
+def cache_health(stats: dict[tuple[str, int], Any]) -> dict[str, dict[str, float]]:
+    """``/health``'s ``caches``: per prefill (or colocated) worker, ``kv_cache_hit_rate`` (prompt
+    tokens whose KV was reused / prompt tokens, since it started), ``kv_cached_pages``,
+    ``encoder_cache_hit_rate`` (images) and ``encoder_cache_bytes``, from its latest stats."""
+    out = {}
+    for (role, index), s in sorted(stats.items()):
+        if role == "decode":
+            continue
+        looked_up = s.encoder_cache_hits + s.encoder_cache_misses
+        out[f"{role}{index}"] = {
+            "kv_cache_hit_rate": round(s.prefix_hit_tokens / s.prefix_queried_tokens, 4) if s.prefix_queried_tokens else 0.0,
+            "kv_cached_pages": s.kv_cached_pages,
+            "encoder_cache_hit_rate": round(s.encoder_cache_hits / looked_up, 4) if looked_up else 0.0,
+            "encoder_cache_bytes": s.encoder_cache_bytes,
+        }
+    return out
 
 
 _FAULT_COUNTERS = (

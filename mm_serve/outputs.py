@@ -24,6 +24,7 @@ class RequestOutput:
     request_id: str
     num_prompt_tokens: int  # image tokens included
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first completion's prefill)
 
     @property
     def text(self) -> str:

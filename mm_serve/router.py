@@ -1,7 +1,11 @@
 """Request dispatch across prefill and decode workers (xPyD).
 
-* Prefill: the worker with the least queued work, in prompt tokens (image tokens
-  included), counted from dispatch until its first token comes back. The queued
+* Prefill: with ``cache_aware`` routing (the default; SGLang's ``cache_aware`` policy is
+  the reference), the worker believed to hold the longest cached prefix of the request
+  (:class:`~mm_serve.prefix_index.PrefixIndex`), unless its queued prompt tokens exceed the
+  least-queued worker's by more than ``balance_tokens``; otherwise, and with
+  ``least_queued`` routing, the worker with the least queued work, in prompt tokens
+  (image tokens included), counted from dispatch until its first token comes back. The queued
   work is also kept per SLO tier rank (:class:`PrefillWork`), for the admission
   controller's prediction of the wait ahead of a new request.
 * Decode: the worker with room, judged from its latest :class:`WorkerStats`
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from mm_serve.prefix_index import PrefixIndex
 
 NUM_RANKS = 3  # SLO tier ranks: 0 interactive, 1 standard, 2 batch
 
@@ -63,7 +69,16 @@ class LoadView:
 class Router:
     """Chooses workers; the caller reports dispatches, first tokens, finishes and stats."""
 
-    def __init__(self, num_prefill: int, num_decode: int, decode_pages_total: int, max_running: int) -> None:
+    def __init__(
+        self, num_prefill: int, num_decode: int, decode_pages_total: int, max_running: int,
+        cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 2048,
+    ) -> None:
+        """``cache_aware``: route by cached prefix (``balance_tokens`` queued tokens of slack),
+        remembering up to ``prefill_pages`` page hashes per prefill worker."""
+        self.cache_aware = cache_aware
+        self.balance_tokens = balance_tokens
+        self.prefixes = PrefixIndex(num_prefill, prefill_pages)
+        self.num_prefix_routed = 0  # requests sent to a worker for its cached prefix over a less-queued one
         self.prefill_tokens = [0] * num_prefill
         self._prefill_of: dict[str, tuple[int, int, int, int]] = {}  # id -> (worker, tokens, rank, images)
         self.prefill_work = [[PrefillWork() for _ in range(NUM_RANKS)] for _ in range(num_prefill)]
@@ -71,15 +86,26 @@ class Router:
         self._decode_of: dict[str, int] = {}
         self.max_running = max_running
 
-    def pick_prefill(self, candidates: Sequence[int] | None = None) -> int:
-        """Index of the prefill worker with the fewest queued tokens (lowest index on ties),
-        among ``candidates`` (default: all).
+    def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
+        """Index of the prefill worker for a request whose full pages hash to ``page_hashes``,
+        among ``candidates`` (default: all): see the module docstring; the fewest queued
+        tokens, lowest index on ties, when no candidate holds a prefix or routing is not
+        cache-aware.
 
         Raises:
             ValueError: ``candidates`` is empty.
         """
         pool = range(len(self.prefill_tokens)) if candidates is None else candidates
-        return min(pool, key=lambda i: (self.prefill_tokens[i], i))
+        least = min(pool, key=lambda i: (self.prefill_tokens[i], i))
+        if not self.cache_aware or not page_hashes:
+            return least
+        best = max(pool, key=lambda i: (self.prefixes.match(i, page_hashes), -self.prefill_tokens[i], -i))
+        if best == least or self.prefixes.match(best, page_hashes) == 0:
+            return least
+        if self.prefill_tokens[best] - self.prefill_tokens[least] > self.balance_tokens:
+            return least
+        self.num_prefix_routed += 1
+        return best
 
     def pick_decode(self, pages_needed: int, candidates: Sequence[int] | None = None) -> int:
         """Index of the decode worker with the most room for ``pages_needed`` more pages, among
@@ -98,10 +124,13 @@ class Router:
         return max(range(len(self.decode)) if candidates is None else candidates, key=room)
 
     def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int,
-                   rank: int = 1, images: int = 0) -> None:
+                   rank: int = 1, images: int = 0, page_hashes: Sequence[bytes] = ()) -> None:
         """Count a request sent to ``prefill`` (``tokens`` prompt tokens, ``images`` images, tier
-        ``rank``) whose KV goes to ``decode`` (``pages`` pages for the prompt and first token)."""
+        ``rank``, full pages hashing to ``page_hashes``) whose KV goes to ``decode`` (``pages``
+        pages for the prompt and first token)."""
         rank = min(max(rank, 0), NUM_RANKS - 1)
+        if self.cache_aware and page_hashes:
+            self.prefixes.record(prefill, page_hashes)
         self.prefill_tokens[prefill] += tokens
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
         self.prefill_work[prefill][rank].add(1, tokens, images)
@@ -154,6 +183,10 @@ class Router:
     def prefill_of(self, request_id: str) -> int | None:
         entry = self._prefill_of.get(request_id)
         return None if entry is None else entry[0]
+
+    def reset_prefill(self, index: int) -> None:
+        """Prefill worker ``index`` failed: its prefix cache is gone with it."""
+        self.prefixes.forget(index)
 
     def reset_decode(self, index: int) -> None:
         """Decode worker ``index`` failed: forget its last stats (its restart reports afresh)."""

@@ -32,7 +32,13 @@ from mm_serve.api.schemas import (
     VersionResponse,
 )
 from mm_serve.batch.service import BatchService
-from mm_serve.metrics import FaultCollector, ServiceMetrics, WorkerStatsCollector, render
+from mm_serve.metrics import (
+    FaultCollector,
+    ServiceMetrics,
+    WorkerStatsCollector,
+    cache_health,
+    render,
+)
 from mm_serve.tier_metrics import TierMetrics
 
 UPLOAD_OVERHEAD_BYTES = 1 << 20
@@ -131,7 +137,8 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         status, workers, faults = ctx.holder.health()
         body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]
                               admission={"predict": ctx.config.admission.predict,
-                                         **ctx.admission.predictor.report()}).model_dump()
+                                         **ctx.admission.predictor.report()},
+                              caches=cache_health(dict(ctx.holder.client.stats))).model_dump()
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)")

@@ -308,6 +308,7 @@ class HealthResponse(BaseModel):
     workers: dict[str, str]  # worker name (prefill0, decode0, colocated0) -> ready | warming | restarting | down
     faults: dict[str, str] = {}  # worker name -> its last failure (exit code, hang), for workers that had one
     admission: dict[str, Any] | None = None  # the latency predictor's coefficients, observations and their age
+    caches: dict[str, dict[str, float]] = {}  # prefill/colocated worker -> kv_cache_hit_rate, encoder cache figures
 
 
 class VersionResponse(BaseModel):

@@ -38,8 +38,10 @@ from mm_serve.models.model_config import load_model_config
 from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
 from mm_serve.runtime.kv_cache import pages_for
+from mm_serve.runtime.page_hashes import image_content_hashes, image_spans, page_hash_chain
 from mm_serve.runtime.sampling_params import SamplingParams
 from mm_serve.runtime.sampling_wire import to_wire
+from mm_serve.runtime.worker_setup import prefix_key
 
 __all__ = ["EngineClient", "WorkerStartError"]
 
@@ -68,7 +70,9 @@ class EngineClient:
         self.inputs = inputs or InputProcessor(self.model_dir, self.model_config)
         self.pool = WorkerPool(self.model_dir, config, self.model_config)
         self.colocated = self.pool.colocated
-        self.context_limit = engine_sizing(config, "cpu").context_limit(self.model_config.text)
+        sizing = engine_sizing(config, "cpu")
+        self.context_limit = sizing.context_limit(self.model_config.text)
+        self.prefix_key = prefix_key(str(self.model_dir), self.model_config, sizing)
         self.eos_token_ids = self.inputs.eos_token_ids
         self.stats: dict[WorkerKey, messages.WorkerStats] = {}
         self.requests: dict[str, RequestState] = {}
@@ -100,6 +104,8 @@ class EngineClient:
         self.router = Router(
             self.pool.num_workers("prefill", "colocated"), self.pool.num_workers("decode", "colocated"),
             cfg.kv_cache.max_pages_per_gpu, cfg.scheduler.decode_max_concurrent,
+            cache_aware=cfg.scheduler.prefill_routing == "cache_aware" and cfg.kv_cache.enable_prefix_caching,
+            balance_tokens=cfg.scheduler.cache_aware_balance_tokens, prefill_pages=cfg.kv_cache.max_pages_per_gpu,
         )
         self._receiver = threading.Thread(target=self._receive_loop, name="mm-serve-receiver", daemon=True)
         self._receiver.start()
@@ -192,14 +198,15 @@ class EngineClient:
         if arrival_time is not None:
             state.arrival_time = arrival_time
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        image_hashes = list(inputs.image_hashes) or image_content_hashes(inputs.pixel_values)
         first = messages.PrefillRequest(
             request_id=request_id, prompt_token_ids=inputs.prompt_token_ids,
             sampling=to_wire(params, self.eos_token_ids), generator_seed=seed, decode_index=0,
             num_images=inputs.num_images,
             pixel_values=None if inputs.pixel_values is None else messages.TensorBlob.from_tensor(inputs.pixel_values),
-            arrival_time=time.time(), priority=priority, max_wait_s=max_wait_s,
+            arrival_time=time.time(), priority=priority, max_wait_s=max_wait_s, image_hashes=image_hashes,
         )
-        flight = Flight(state, first)
+        flight = Flight(state, first, page_hashes=self._page_hashes(inputs.prompt_token_ids, image_hashes))
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -207,6 +214,15 @@ class EngineClient:
             self._flights[request_id] = flight
             self._dispatch(flight)
         return state
+
+    def _page_hashes(self, token_ids: list[int], image_hashes: list[bytes]) -> list[bytes]:
+        """The prompt's full-page hashes as its prefill worker computes them (for cache-aware
+        routing; [] when routing is not cache-aware)."""
+        if self.router is None or not self.router.cache_aware:
+            return []
+        key = self.prefix_key
+        spans = image_spans(token_ids, key.image_token_id, len(image_hashes), key.tokens_per_image)
+        return page_hash_chain(token_ids, self.config.kv_cache.page_size, key.salt, image_hashes[: len(spans)], spans)
 
     def _check_recoverable(self) -> None:
         roles = [("colocated",)] if self.colocated else [("prefill",), ("decode",)]
@@ -226,14 +242,14 @@ class EngineClient:
             return
         page_size = self.config.kv_cache.page_size
         n = len(flight.first.prompt_token_ids) + flight.base
-        prefill = self.router.pick_prefill(prefills)
+        prefill = self.router.pick_prefill(prefills, flight.page_hashes)
         decode = prefill if self.colocated else self.router.pick_decode(
             pages_for(n + flight.remaining_tokens(), page_size), decodes)
         flight.parked = False
         flight.prefill, flight.decode = prefill, decode
         self._wire[flight.wire_id] = flight
         self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
-                               flight.first.priority, flight.first.num_images)
+                               flight.first.priority, flight.first.num_images, flight.page_hashes)
         # not delivered when the worker died a moment ago: supervision finds it and migrates this flight
         self.pool.send((prefill_role, prefill), flight.message(decode, time.time()))
 
@@ -290,6 +306,8 @@ class EngineClient:
             self._stats_time.pop(failure.key, None)
             if self.router is not None and role in ("decode", "colocated"):
                 self.router.reset_decode(index)
+            if self.router is not None and role in ("prefill", "colocated"):
+                self.router.reset_prefill(index)
             if role == "decode":
                 hit = [f for f in self._flights.values() if not f.parked and f.decode == index]
             else:

@@ -16,7 +16,7 @@ checks greedy and seeded streams token for token on the tiny models).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -36,6 +36,7 @@ class Flight:
     decode: int | None = None
     claimed: bool = False  # the current attempt's decode worker reported it (its hand-off was taken)
     parked: bool = False  # waiting for a worker of a role that is restarting
+    page_hashes: list[bytes] = field(default_factory=list)  # the prompt's full-page hashes (cache-aware routing)
 
     @property
     def request_id(self) -> str:

@@ -97,7 +97,7 @@ def token_update(request: Request, with_events: bool = False) -> messages.TokenU
         request.output_logprobs[start:] if asked_logprobs else None, reason,
         request.stop_reason if reason == "stop" and isinstance(request.stop_reason, int) else None,
         events_to_wire(request.events) if with_events or reason is not None else None,
-        request.num_cached_tokens if start == 0 and request.output_token_ids else None,
+        request.num_prompt_cached_tokens if start == 0 and request.output_token_ids else None,
     )
     request.num_sent_tokens = len(request.output_token_ids)
     return update

@@ -102,6 +102,7 @@ class PrefixCache:
         request.block_table = hits + self.pool.allocate(total - len(hits))
         request.num_cached_tokens = len(hits) * self.page_size
         if request.output_offset == 0 and not request.output_token_ids:  # a first prefill, not a recompute
+            request.num_prompt_cached_tokens = request.num_cached_tokens
             self.queried_tokens += request.num_prompt_tokens
             self.hit_tokens += request.num_cached_tokens
 

@@ -95,6 +95,7 @@ class Request:
     image_hashes: list[bytes] = field(default_factory=list)  # content hash per image (runtime.page_hashes)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far (prefix cache)
     num_cached_tokens: int = 0  # tokens at the head of block_table whose KV was reused at its last prefill
+    num_prompt_cached_tokens: int = 0  # of its prompt, tokens whose KV was reused at its first prefill (usage)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,8 @@ from kernels.ring_buffer import CrossModalRing
 from kernels.ring_spec import RingSpec, unique_ring_name
 from mm_serve.router import Router
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
+from mm_serve.runtime.page_hashes import cache_salt
+from mm_serve.runtime.prefix_cache import PrefixCache, PrefixKey
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_params import SamplingParams
 from text_decode.scheduler import ContinuousBatchingScheduler
@@ -57,12 +59,37 @@ def create_requests(num_requests: int, num_tokens: int, max_tokens: int = 16) ->
 
 def make_scheduler(
     num_pages: int = 16, page_size: int = PAGE_SIZE, max_running: int = 8, prefill_token_budget: int = 64,
-    prefill_batch_size: int = 8,
+    prefill_batch_size: int = 8, prefix_caching: bool = False,
 ) -> ContinuousBatchingScheduler:
-    """A continuous-batching scheduler over a fresh ``PagePool(num_pages)``."""
-    return ContinuousBatchingScheduler(
-        PagePool(num_pages), page_size, max_running, prefill_token_budget, prefill_batch_size
-    )
+    """A continuous-batching scheduler over a fresh ``PagePool(num_pages)`` (with a prefix cache
+    over it when ``prefix_caching``)."""
+    pool = PagePool(num_pages)
+    prefix = None
+    if prefix_caching:
+        prefix = make_prefix_cache(page_size=page_size)
+        prefix.pool = pool
+    return ContinuousBatchingScheduler(pool, page_size, max_running, prefill_token_budget, prefill_batch_size, prefix)
+
+
+IMAGE_TOKEN = 99  # the image placeholder id of the prefix-cache factories' requests
+
+
+def make_prefix_cache(num_pages: int = 16, page_size: int = PAGE_SIZE, tokens_per_image: int = 3,
+                      enabled: bool = True) -> PrefixCache:
+    """A prefix cache over a fresh ``PagePool(num_pages)``; images take ``tokens_per_image``
+    placeholders of id :data:`IMAGE_TOKEN`."""
+    key = PrefixKey(cache_salt("policy-model", "float32"), IMAGE_TOKEN, tokens_per_image)
+    return PrefixCache(PagePool(num_pages), page_size, key, enabled=enabled)
+
+
+def make_prompt_request(request_id: str, prompt: Sequence[int], image_hashes: Sequence[bytes] = (),
+                        outputs: Sequence[int] = ()) -> Request:
+    """A greedy request with exactly ``prompt`` (placeholders :data:`IMAGE_TOKEN` for its images)."""
+    request = Request(request_id, list(prompt), SamplingParams(max_tokens=16, temperature=0.0),
+                      num_images=len(image_hashes), image_hashes=list(image_hashes))
+    for token in outputs:
+        request.append_output(token, None)
+    return request
 
 
 def make_prefill_scheduler(token_budget: int = 512, batch_size: int = 8, lookahead: int = 32) -> PrefillScheduler:
@@ -71,10 +98,12 @@ def make_prefill_scheduler(token_budget: int = 512, batch_size: int = 8, lookahe
 
 
 def make_router(
-    num_prefill: int = 2, num_decode: int = 2, decode_pages_total: int = 100, max_running: int = 4
+    num_prefill: int = 2, num_decode: int = 2, decode_pages_total: int = 100, max_running: int = 4,
+    cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 64,
 ) -> Router:
     """A router with fresh load counters."""
-    return Router(num_prefill, num_decode, decode_pages_total, max_running)
+    return Router(num_prefill, num_decode, decode_pages_total, max_running, cache_aware=cache_aware,
+                  balance_tokens=balance_tokens, prefill_pages=prefill_pages)
 
 
 def make_kv_cache(num_pages: int = 8) -> PagedKVCache:

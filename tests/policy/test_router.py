@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mm_serve.prefix_index import PrefixIndex
 from mm_serve.router import Router
 from tests.policy.factories import make_router
 
@@ -115,3 +116,41 @@ def test_update_decode_stats_replaces_the_pool_size() -> None:
     load = router.decode[0]
     assert (load.pages_used, load.pages_total, load.running) == (5, 200, 1)
     assert free_pages(router) == [175, 100] and router.pick_decode(1) == 0
+
+
+def test_cache_aware_routing_prefers_the_worker_holding_the_prefix() -> None:
+    router = make_router(num_prefill=3, cache_aware=True, balance_tokens=100)
+    chain = [b"p0", b"p1", b"p2"]
+    router.dispatched("a", prefill=2, decode=0, tokens=50, pages=4, page_hashes=chain)
+    router.prefilled("a")
+    assert router.pick_prefill(page_hashes=chain) == 2  # holds all three pages
+    assert router.pick_prefill(page_hashes=[b"x"] + chain) == 0  # no prefix match: least queued
+    assert router.pick_prefill() == 0
+
+
+def test_cache_aware_routing_yields_to_load_past_the_balance_margin() -> None:
+    router = make_router(num_prefill=2, cache_aware=True, balance_tokens=100)
+    chain = [b"p0", b"p1"]
+    router.dispatched("a", prefill=1, decode=0, tokens=100, pages=2, page_hashes=chain)
+    assert router.pick_prefill(page_hashes=chain) == 1  # 100 queued tokens more: within the margin
+    router.dispatched("b", prefill=1, decode=0, tokens=1, pages=1)
+    assert router.pick_prefill(page_hashes=chain) == 0  # 101 more: the idle worker wins
+    router.reset_prefill(1)
+    router.prefilled("a")
+    router.prefilled("b")
+    assert router.pick_prefill(page_hashes=chain) == 0  # a restarted worker holds nothing
+
+
+def test_least_queued_routing_ignores_prefixes() -> None:
+    router = make_router(num_prefill=2, cache_aware=False)
+    router.dispatched("a", prefill=1, decode=0, tokens=10, pages=1, page_hashes=[b"p0"])
+    router.prefilled("a")
+    router.dispatched("b", prefill=0, decode=0, tokens=5, pages=1)
+    assert router.pick_prefill(page_hashes=[b"p0"]) == 1  # fewest queued tokens, prefix unknown
+
+
+def test_prefix_index_forgets_the_oldest_pages_past_its_capacity() -> None:
+    index = PrefixIndex(num_workers=1, capacity=3)
+    index.record(0, [b"a", b"b", b"c"])
+    index.record(0, [b"d"])
+    assert index.size(0) == 3 and index.match(0, [b"a"]) == 0 and index.match(0, [b"b", b"c", b"d"]) == 3
