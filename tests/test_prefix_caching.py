@@ -59,6 +59,7 @@ def test_golden_cases_from_a_warm_cache_equal_caching_off(cached: LLM, uncached:
 def test_a_conversation_reuses_each_earlier_turn(cached: LLM, uncached: LLM) -> None:
     image = gradient_image(72, 56, 21)
     prompt = SYSTEM + " USER: <image>\nWhat is in this picture? ASSISTANT:"
+    previous_prompt = 0
     for turn, question in enumerate(("Is it bright?", "Which colour is most common?", "Describe it again.")):
         request = {"prompt": prompt, "images": [image]}
         expected = uncached.generate(request, GREEDY)[0]

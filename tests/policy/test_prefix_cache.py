@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 from kernels.page_pool import PagePool, PagePoolExhaustedError
 from mm_serve.runtime.page_hashes import HASH_BYTES, cache_salt, image_spans, page_hash_chain
 from mm_serve.runtime.request import RequestStatus
-from tests.policy.factories import IMAGE_TOKEN, PAGE_SIZE, make_prefix_cache, make_prompt_request, make_scheduler
+from tests.policy.factories import (
+    IMAGE_TOKEN,
+    PAGE_SIZE,
+    make_prefix_cache,
+    make_prompt_request,
+    make_scheduler,
+)
 
 IMG_A, IMG_B = b"A" * HASH_BYTES, b"B" * HASH_BYTES
 
