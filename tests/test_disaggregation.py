@@ -100,14 +100,25 @@ def test_1p1d_equals_transformers(one_p_one_d: LLM, reference_tokens: list[list[
     assert [o.finish_reason for o in outputs] == ["length"] * len(CASES)
 
 
-def test_2p1d_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
+def test_2p1d_equals_transformers_and_repeats_go_where_their_prefix_is(
+    tiny_llava: Path, reference_tokens: list[list[int]],
+) -> None:
+    """Two prefill workers share the first round; in the second every request goes back to the
+    worker that holds its prefix (cache-aware routing), so each reuses every full page but the
+    last token's and no image is encoded again; outputs equal transformers both times."""
     with LLM(model=tiny_llava, mode="disaggregated", prefill_workers=2, decode_workers=1, num_pages=512) as llm:
         outputs = llm.generate(CASES, GREEDY)
         stats = llm.client.query_stats() if llm.client else {}
+        repeat = llm.generate(CASES, GREEDY)
+        after = llm.client.query_stats() if llm.client else {}
     assert [o.token_ids for o in outputs] == reference_tokens
+    assert [o.token_ids for o in repeat] == reference_tokens
     encoded = [stats[("prefill", i)].num_encoded_images for i in range(2)]
     assert sum(encoded) == sum(len(c.get("images", [])) + (1 if "messages" in c else 0) for c in CASES)
     assert all(n > 0 for n in encoded), f"router used one prefill worker only: {encoded}"
+    assert [after[("prefill", i)].num_encoded_images for i in range(2)] == encoded  # every image from the cache
+    assert [o.num_cached_tokens for o in repeat] == [(o.num_prompt_tokens - 1) // 16 * 16 for o in repeat]
+    assert all(o.num_cached_tokens == 0 for o in outputs)
 
 
 def test_colocated_worker_process_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
