@@ -96,34 +96,14 @@ class ServiceMetrics:
         self.requests.labels(finish_reason="error", status_code=str(status_code)).inc()
 
 
-class WorkerStatsCollector(Collector):
-    """Per-worker gauges (and the preemption counter) from the latest worker stats, at scrape time."""
-
-    def __init__(self, stats_source: Any) -> None:
-        self._source = stats_source  # callable returning {(role, index): WorkerStats}
-
-    def collect(self) -> Iterator[Any]:
-        stats = self._source()
-        labels = ["worker"]
-        gauges = {
-            "requests_running": ("running", "Requests running (decoding, or pending hand-off on prefill)."),
-            "requests_waiting": ("waiting", "Requests queued."),
-            "kv_pages_used": ("kv_pages_used", "KV pages in use."),
-            "kv_pages_total": ("kv_pages_total", "KV pages in the worker's pool."),
-            "ring_slots_used": ("ring_slots_used", "Hand-off ring slots published and not yet released by decode."),
-        }
-        for name, (field, doc) in gauges.items():
-            family = GaugeMetricFamily(f"mm_serve_{name}", doc, labels=labels)
-            for (role, index), s in sorted(stats.items()):
-                family.add_metric([f"{role}{index}"], float(getattr(s, field)))
-            yield family
-        preempt = CounterMetricFamily("mm_serve_preemptions", "Requests preempted (KV recomputed).", labels=labels)
-        for (role, index), s in sorted(stats.items()):
-            preempt.add_metric([f"{role}{index}"], float(s.num_preemptions))
-        yield preempt
-        yield from _cache_families({k: s for k, s in stats.items() if k[0] != "decode"})
-
-
+_WORKER_GAUGES = {
+    "requests_running": ("running", "Requests running (decoding, or pending hand-off on prefill)."),
+    "requests_waiting": ("waiting", "Requests queued."),
+    "kv_pages_used": ("kv_pages_used", "KV pages in use."),
+    "kv_pages_total": ("kv_pages_total", "KV pages in the worker's pool."),
+    "ring_slots_used": ("ring_slots_used", "Hand-off ring slots published and not yet released by decode."),
+}
+_WORKER_COUNTERS = {"preemptions": ("num_preemptions", "Requests preempted (KV recomputed).")}
 _CACHE_GAUGES = {
     "kv_cached_pages": ("kv_cached_pages", "KV pages carrying a prefix-cache hash (in use or free, reusable)."),
     "encoder_cache_bytes": ("encoder_cache_bytes", "Bytes of image embeddings in the encoder cache."),
@@ -138,25 +118,35 @@ _CACHE_COUNTERS = {
 }
 
 
-def _cache_families(stats: dict[tuple[str, int], Any]) -> Iterator[Any]:
-    """Prefix- and encoder-cache gauges and counters of the workers that have the caches
-    (prefill and colocated), plus the prefix hit rate (hit / queried tokens)."""
+def _per_worker(stats: dict[tuple[str, int], Any], gauges: dict[str, tuple[str, str]],
+                counters: dict[str, tuple[str, str]]) -> Iterator[Any]:
+    """One family per entry (``name -> (WorkerStats field, doc)``), one sample per worker."""
     rows = sorted(stats.items())
-    for name, (field, doc) in _CACHE_GAUGES.items():
-        gauge = GaugeMetricFamily(f"mm_serve_{name}", doc, labels=["worker"])
-        for (role, index), s in rows:
-            gauge.add_metric([f"{role}{index}"], float(getattr(s, field)))
-        yield gauge
-    for name, (field, doc) in _CACHE_COUNTERS.items():
-        counter = CounterMetricFamily(f"mm_serve_{name}", doc, labels=["worker"])
-        for (role, index), s in rows:
-            counter.add_metric([f"{role}{index}"], float(getattr(s, field)))
-        yield counter
-    rate = GaugeMetricFamily("mm_serve_prefix_cache_hit_rate", "Prefix-cache hit rate in prompt tokens since the "
-                             "worker started (hit / queried).", labels=["worker"])
-    for (role, index), s in rows:
-        rate.add_metric([f"{role}{index}"], s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0)
-    yield rate
+    for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, (field, doc) in table.items():
+            family = kind(f"mm_serve_{name}", doc, labels=["worker"])
+            for (role, index), s in rows:
+                family.add_metric([f"{role}{index}"], float(getattr(s, field)))
+            yield family
+
+
+class WorkerStatsCollector(Collector):
+    """Per-worker gauges and counters from the latest worker stats, at scrape time; the prefix-
+    and encoder-cache figures of the workers that have the caches (prefill and colocated)."""
+
+    def __init__(self, stats_source: Any) -> None:
+        self._source = stats_source  # callable returning {(role, index): WorkerStats}
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._source()
+        yield from _per_worker(stats, _WORKER_GAUGES, _WORKER_COUNTERS)
+        caching = {k: s for k, s in stats.items() if k[0] != "decode"}
+        yield from _per_worker(caching, _CACHE_GAUGES, _CACHE_COUNTERS)
+        rate = GaugeMetricFamily("mm_serve_prefix_cache_hit_rate", "Prefix-cache hit rate in prompt tokens since "
+                                 "the worker started (hit / queried).", labels=["worker"])
+        for (role, index), s in sorted(caching.items()):
+            rate.add_metric([f"{role}{index}"], s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0)
+        yield rate
 
 
 def cache_health(stats: dict[tuple[str, int], Any]) -> dict[str, dict[str, float]]:

@@ -64,6 +64,9 @@ class LoadView:
     decode: int  # the decode worker it would go to
     decode_batch: int  # requests running on or dispatched to that decode worker
     decode_pages_used: int  # KV pages used there (last stats)
+    cached_pages: int = 0  # full pages of the request believed cached on that prefill worker
+    cached_tokens: int = 0  # of its prompt, tokens that would not be prefilled (the caller fills these two
+    cached_images: int = 0  # ... from cached_pages: it knows the page size and where the images are)
 
 
 class Router:
@@ -78,7 +81,6 @@ class Router:
         self.cache_aware = cache_aware
         self.balance_tokens = balance_tokens
         self.prefixes = PrefixIndex(num_prefill, prefill_pages)
-        self.num_prefix_routed = 0  # requests sent to a worker for its cached prefix over a less-queued one
         self.prefill_tokens = [0] * num_prefill
         self._prefill_of: dict[str, tuple[int, int, int, int]] = {}  # id -> (worker, tokens, rank, images)
         self.prefill_work = [[PrefillWork() for _ in range(NUM_RANKS)] for _ in range(num_prefill)]
@@ -104,7 +106,6 @@ class Router:
             return least
         if self.prefill_tokens[best] - self.prefill_tokens[least] > self.balance_tokens:
             return least
-        self.num_prefix_routed += 1
         return best
 
     def pick_decode(self, pages_needed: int, candidates: Sequence[int] | None = None) -> int:
@@ -137,14 +138,16 @@ class Router:
         self.decode[decode].inflight[request_id] = pages
         self._decode_of[request_id] = decode
 
-    def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int]) -> LoadView:
-        """The :class:`LoadView` of a request of tier ``rank`` needing ``pages_needed`` decode pages,
-        among the ``prefills`` and ``decodes`` candidates (as :meth:`pick_prefill`, :meth:`pick_decode`).
+    def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int],
+             page_hashes: Sequence[bytes] = ()) -> LoadView:
+        """The :class:`LoadView` of a request of tier ``rank`` needing ``pages_needed`` decode pages
+        (full pages hashing to ``page_hashes``), among the ``prefills`` and ``decodes`` candidates
+        (as :meth:`pick_prefill`, :meth:`pick_decode`). Read-only.
 
         Raises:
             ValueError: a candidate list is empty.
         """
-        prefill = self.pick_prefill(prefills)
+        prefill = self.pick_prefill(prefills, page_hashes)
         ahead = PrefillWork()
         for work in self.prefill_work[prefill][: min(max(rank, 0), NUM_RANKS - 1) + 1]:
             ahead.add(work.requests, 0, 0)
@@ -152,7 +155,8 @@ class Router:
             ahead.images += work.images
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
-        return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used)
+        cached = self.prefixes.match(prefill, page_hashes) if self.cache_aware and page_hashes else 0
+        return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used, cached)
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) dispatched to prefill workers and not yet prefilled."""

@@ -107,6 +107,8 @@ class PrefillWorker(WorkerShell):
 
     def _prefill(self, batch: list[Request]) -> None:
         started = time.monotonic()
+        vision = self.model.vision
+        encoded_before = 0 if vision is None else vision.num_encoded_images
         for request in batch:
             self.prefix.allocate(request)  # cached prefix pages shared, fresh pages for the rest
             request.status = RequestStatus.RUNNING
@@ -127,8 +129,10 @@ class PrefillWorker(WorkerShell):
         for request in batch:
             if request not in finished:
                 self.sender.add(request)
+        # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
+        encoded = 0 if vision is None else vision.num_encoded_images - encoded_before
         timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch),
-                                     sum(r.num_tokens for r in batch), sum(r.num_images for r in batch))
+                                     sum(r.num_tokens - 1 - r.num_cached_tokens for r in batch), encoded)
         self.send([token_update(request, with_events=True) for request in batch], timing)
 
     # ---- stats and close ---------------------------------------------------------------------

@@ -18,6 +18,7 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import Tier
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
+from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.request_state import RequestState
 from mm_serve.planner.profile_file import load_profile
 from mm_serve.runtime import messages
@@ -39,25 +40,31 @@ class AdmissionController:
             self.predictor.warm_start(load_profile(config.admission.profile))
         self._lock = threading.Lock()
 
-    def predict(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int) -> Prediction | None:
+    def predict(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
+                inputs: ProcessedInputs | None = None) -> Prediction | None:
         """The prediction for one request of ``tokens`` prompt tokens in ``tier``; None while a role has no
-        ready worker (the request then waits for one, bounded by ``api.timeout_ms``)."""
-        view = client.load_view(tier.rank, tokens, max_tokens)
+        ready worker (the request then waits for one, bounded by ``api.timeout_ms``). With its
+        ``inputs``, the tokens and images the chosen prefill worker is believed to hold in its
+        prefix cache are not counted in its own prefill."""
+        view = client.load_view(tier.rank, tokens, max_tokens) if inputs is None else \
+            client.load_view(tier.rank, tokens, max_tokens, inputs)
         if view is None:
             return None
+        computed, encoded = tokens - view.cached_tokens, images - view.cached_images
         ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
         context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
         with self._lock:
-            return self.predictor.predict(ahead, tokens, images, view.decode_batch + 1, context)
+            return self.predictor.predict(ahead, computed, encoded, view.decode_batch + 1, context)
 
-    def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int) -> Prediction | None:
+    def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
+              inputs: ProcessedInputs | None = None) -> Prediction | None:
         """Predict, and refuse a request that would miss its tier's SLO by more than the margin.
 
         Raises:
             Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
                 the excess; ``Retry-After`` is the excess of the queue wait, at least a second.
         """
-        prediction = self.predict(client, tier, tokens, images, max_tokens)
+        prediction = self.predict(client, tier, tokens, images, max_tokens, inputs)
         if prediction is None or not self.config.admission.predict or tier.name == NEVER_REFUSED:
             return prediction
         margin = self.config.admission.margin

@@ -93,7 +93,7 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
         check_call_queues(client, ctx.config, prepared)
         inputs, params = prepared[0]
         prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
-                                         params.max_tokens)
+                                         params.max_tokens, inputs)
     if ctx.tier_metrics is not None:
         ctx.tier_metrics.observe_admission(tier.name, None)
     return None if prediction is None else prediction.ttft_s

@@ -18,6 +18,7 @@ restarting; past ``fault.max_migrations`` it fails with a message naming the fau
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -119,9 +120,15 @@ class EngineClient:
         """Whether a path serves now (one prefill and one decode worker, or the colocated one, ready)."""
         return self.pool.is_ready
 
-    def load_view(self, rank: int, num_tokens: int, max_tokens: int) -> LoadView | None:
+    def load_view(self, rank: int, num_tokens: int, max_tokens: int,
+                  inputs: ProcessedInputs | None = None) -> LoadView | None:
         """What a request of tier ``rank`` with ``num_tokens`` prompt tokens would find on the
-        workers the router would pick now; None while a role has no ready worker."""
+        workers the router would pick now; None while a role has no ready worker. Given the
+        request's ``inputs`` (its image hashes are filled in here, once), the view also says how
+        much of its prompt the chosen prefill worker is believed to hold cached."""
+        hashes: list[bytes] = []
+        if inputs is not None:
+            hashes = self._page_hashes(inputs.prompt_token_ids, self.hash_images(inputs))
         with self._lock:
             if self.router is None:
                 return None
@@ -130,8 +137,21 @@ class EngineClient:
             decodes = prefills if self.colocated else self.pool.ready_indices("decode")
             if not prefills or not decodes:
                 return None
-            pages = pages_for(num_tokens + max_tokens, self.config.kv_cache.page_size)
-            return self.router.view(rank, pages, prefills, decodes)
+            page_size = self.config.kv_cache.page_size
+            view = self.router.view(rank, pages_for(num_tokens + max_tokens, page_size), prefills, decodes, hashes)
+        if not view.cached_pages or inputs is None:
+            return view
+        tokens = min(view.cached_pages * page_size, num_tokens - 1)  # the last token is always computed
+        key = self.prefix_key
+        spans = image_spans(inputs.prompt_token_ids, key.image_token_id, inputs.num_images, key.tokens_per_image)
+        return dataclasses.replace(view, cached_tokens=tokens, cached_images=sum(1 for _, end in spans if end <= tokens))
+
+    @staticmethod
+    def hash_images(inputs: ProcessedInputs) -> list[bytes]:
+        """The content hash of each of the request's images, computed once and kept on ``inputs``."""
+        if not inputs.image_hashes and inputs.pixel_values is not None:
+            inputs.image_hashes = image_content_hashes(inputs.pixel_values)
+        return inputs.image_hashes
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) waiting for their first token: dispatched to a prefill
@@ -198,7 +218,7 @@ class EngineClient:
         if arrival_time is not None:
             state.arrival_time = arrival_time
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        image_hashes = list(inputs.image_hashes) or image_content_hashes(inputs.pixel_values)
+        image_hashes = self.hash_images(inputs)
         first = messages.PrefillRequest(
             request_id=request_id, prompt_token_ids=inputs.prompt_token_ids,
             sampling=to_wire(params, self.eos_token_ids), generator_seed=seed, decode_index=0,

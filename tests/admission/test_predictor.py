@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -129,3 +130,29 @@ def test_a_profile_file_sets_the_starting_coefficients(tiny_llava: Path, tmp_pat
     assert predictor.decode.predict((1.0, 8, 8 * 256)) == pytest.approx(0.013, rel=0.15)
     with pytest.raises(ProfileError, match="cannot read profile"):
         AdmissionController(load_config(None, {"admission.profile": str(tmp_path / "missing.json")}))
+
+
+class _CachedClient(_Client):
+    """A client whose chosen prefill worker holds ``cached`` tokens (and one image) of the prompt."""
+
+    def __init__(self, router: Router, cached: int) -> None:
+        super().__init__(router)
+        self.cached = cached
+
+    def load_view(self, rank: int, num_tokens: int, max_tokens: int, inputs: object = None) -> LoadView:
+        view = self.router.view(rank, 1, [0], [0])
+        return view if inputs is None else dataclasses.replace(view, cached_tokens=self.cached, cached_images=1)
+
+
+def test_a_prompt_the_prefill_worker_holds_is_predicted_without_its_cached_part() -> None:
+    cfg = load_config(None)
+    controller = AdmissionController(cfg)
+    client = _CachedClient(_queued_router({}), cached=592)
+    tier = tier_of("default", cfg.slo)
+    whole = controller.predict(client, tier, 600, 1, 16)  # type: ignore[arg-type]
+    cached = controller.predict(client, tier, 600, 1, 16, inputs=object())  # type: ignore[arg-type]
+    assert whole is not None and cached is not None
+    predictor = controller.predictor
+    assert cached.ttft_s == pytest.approx(predictor.prefill_seconds(8, 0) + predictor.overhead_s)  # 8 tokens, no image
+    assert whole.ttft_s == pytest.approx(predictor.prefill_seconds(600, 1) + predictor.overhead_s)
+    assert cached.ttft_s < whole.ttft_s

@@ -154,3 +154,12 @@ def test_prefix_index_forgets_the_oldest_pages_past_its_capacity() -> None:
     index.record(0, [b"a", b"b", b"c"])
     index.record(0, [b"d"])
     assert index.size(0) == 3 and index.match(0, [b"a"]) == 0 and index.match(0, [b"b", b"c", b"d"]) == 3
+
+
+def test_the_load_view_picks_the_prefix_holder_and_counts_its_cached_pages() -> None:
+    router = make_router(num_prefill=2, cache_aware=True)
+    router.dispatched("a", prefill=1, decode=0, tokens=40, pages=3, page_hashes=[b"p0", b"p1"])
+    router.prefilled("a")
+    view = router.view(1, 3, [0, 1], [0, 1], page_hashes=[b"p0", b"p1", b"p2"])
+    assert (view.prefill, view.cached_pages) == (1, 2)
+    assert router.view(1, 3, [0, 1], [0, 1]).cached_pages == 0  # no hashes: nothing known cached
