@@ -220,3 +220,39 @@ def test_worker_processes_reject_bad_mode(tiny_llava: Path) -> None:
     with pytest.raises(ValueError, match="unknown LLM arguments"):
         LLM(model=tiny_llava, mode="disaggregated", bogus=1)
     assert torch.get_num_threads() >= 1
+
+
+def test_chunked_prefill_equals_transformers(tiny_llava: Path, reference_tokens: list[list[int]]) -> None:
+    """Chunks of 24 tokens: images (16 tokens each) and the ~300-token prompt straddle chunk ends;
+    each later chunk attends to the KV of the earlier ones. Run twice, so the second round's
+    chunks start after a prefix-cache hit."""
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, prefill_chunk_tokens=24) as llm:
+        first = llm.generate(CASES, GREEDY)
+        again = llm.generate(CASES, GREEDY)
+        assert llm.client is not None
+        stats = llm.client.query_stats()
+    assert [o.token_ids for o in first] == reference_tokens
+    assert [o.token_ids for o in again] == reference_tokens
+    assert any(o.num_cached_tokens >= 48 for o in again)
+    assert stats[("prefill", 0)].kv_pages_used == 0 and stats[("prefill", 0)].pages_integrity_ok
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_a_short_request_behind_a_long_prompt_waits_for_one_chunk(tiny_llava: Path, chunk: int) -> None:
+    """A 2000-token prompt, then at once a 10-token one (same tier). Unsplit, the short one's first
+    token comes after the long one's (it runs alone, a bucket of its own); in chunks of 64 the short
+    one joins the first chunks and is answered long before the long prompt is prefilled."""
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, prefill_chunk_tokens=chunk) as llm:
+        assert llm.client is not None
+        long_inputs = llm.inputs.process({"prompt_token_ids": [(i * 7) % 400 + 5 for i in range(2000)]})
+        short_inputs = llm.inputs.process({"prompt_token_ids": list(range(5, 15))})
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        long_state = llm.client.submit(f"long-{chunk}", long_inputs, params)
+        short_state = llm.client.submit(f"short-{chunk}", short_inputs, params)
+        for state in (long_state, short_state):
+            state.wait()
+    assert long_state.first_token_time is not None and short_state.first_token_time is not None
+    if chunk:
+        assert short_state.first_token_time < long_state.first_token_time
+    else:
+        assert short_state.first_token_time > long_state.first_token_time

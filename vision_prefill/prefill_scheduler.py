@@ -33,23 +33,42 @@ def length_bucket(num_tokens: int) -> int:
 
 
 class PrefillScheduler:
-    """The prefill queue of one prefill worker."""
+    """The prefill queue of one prefill worker.
 
-    def __init__(self, token_budget: int, batch_size: int, lookahead: int = 32) -> None:
+    With ``chunk_tokens`` > 0 a request with more tokens left to prefill than that is
+    prefilled in chunks of ``chunk_tokens`` (chunked prefill: Agrawal et al., Sarathi-Serve,
+    OSDI 2024): the scheduler sets its ``Request.prefill_end`` for the pass, the worker puts it
+    back with :meth:`add_front` until its last chunk, and later chunks attend to the KV of the
+    earlier ones. A batch whose head is a chunk takes mates from any length bucket, so short
+    requests behind a very long one wait for one chunk, not for the whole prompt.
+    """
+
+    def __init__(self, token_budget: int, batch_size: int, lookahead: int = 32, chunk_tokens: int = 0) -> None:
         self.token_budget = token_budget
         self.batch_size = batch_size
         self.lookahead = lookahead  # queued requests scanned for bucket-mates
+        self.chunk_tokens = chunk_tokens  # tokens per prefill pass of one long request; 0 = never split
         self.queue: deque[Request] = deque()
+
+    @staticmethod
+    def remaining(request: Request) -> int:
+        """Tokens of ``request`` still to prefill (all of them, less the chunks already done)."""
+        return request.num_tokens - request.num_cached_tokens
 
     @property
     def queued_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.queue)
+        return sum(self.remaining(r) for r in self.queue)
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def add(self, request: Request) -> None:
         self.queue.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """Put back a request whose prefill is under way (a chunk is left): it runs before every
+        other request of its rank."""
+        self.queue.appendleft(request)
 
     def remove(self, request_id: str) -> Request | None:
         """Drop a queued request (abort); returns it, or None if it is not queued."""
@@ -58,6 +77,14 @@ class PrefillScheduler:
                 self.queue.remove(request)
                 return request
         return None
+
+    def set_chunk(self, request: Request) -> bool:
+        """Set ``request.prefill_end`` for its next pass from where its KV ends now
+        (``num_cached_tokens``: call again after a prefix-cache hit moved it); returns whether
+        the pass is a chunk (0: it runs to the last token)."""
+        chunked = 0 < self.chunk_tokens < self.remaining(request)
+        request.prefill_end = request.num_cached_tokens + self.chunk_tokens if chunked else 0
+        return chunked
 
     def ordered(self, now: float | None = None) -> list[Request]:
         """The queue in service order at ``now`` (``time.monotonic()`` seconds; see the module docstring)."""
@@ -71,6 +98,7 @@ class PrefillScheduler:
 
     def next_batch(self, can_fit: Callable[[list[Request]], bool], now: float | None = None) -> list[Request]:
         """Pop the next batch; ``can_fit(batch)`` says whether memory allows a candidate batch.
+        Sets each chosen request's ``prefill_end`` (a chunk's end, or 0: to the last token).
 
         Returns an empty list when even the first request in service order does not fit
         (backpressure: nothing overtakes it, so it cannot starve).
@@ -79,16 +107,20 @@ class PrefillScheduler:
         if not order or not can_fit([order[0]]):
             return []
         head = order[0]
+        chunked = self.set_chunk(head)
         batch = [head]
-        tokens = head.num_tokens
-        bucket = length_bucket(head.num_tokens)
+        tokens = self.chunk_tokens if chunked else self.remaining(head)
+        bucket = length_bucket(tokens)
         for request in order[1 : self.lookahead]:
             if len(batch) >= self.batch_size:
                 break
-            n = request.num_tokens
-            if length_bucket(n) != bucket or tokens + n > self.token_budget:
+            n = self.remaining(request)
+            if (not chunked and length_bucket(n) != bucket) or tokens + n > self.token_budget:
                 continue
+            if self.chunk_tokens and n > self.chunk_tokens:
+                continue  # a long mate waits to be the head of its own chunked passes
             if can_fit([*batch, request]):
+                request.prefill_end = 0
                 batch.append(request)
                 tokens += n
         for request in batch:

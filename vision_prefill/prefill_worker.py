@@ -2,7 +2,9 @@
 
 Runs in the :class:`~mm_serve.runtime.worker_shell.WorkerShell`. Each step: publish
 pending hand-offs, then, when none is left waiting for ring room, run one prefill
-batch that fits the KV cache.
+batch that fits the KV cache. A request longer than ``prefill_chunk_tokens`` is
+prefilled one chunk per step (its pages are allocated at the first chunk); only its
+last chunk samples the first token and hands it off.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class PrefillWorker(WorkerShell):
         self.doorbells = DoorbellRingers(spec.doorbells)
         self.sender = HandoffSender(self.rings, self.kv_cache, self.doorbells.ring if spec.doorbells else None,
                                     checksum=spec.handoff_checksum, release=self.prefix.release)
-        self.scheduler = PrefillScheduler(cfg.prefill_token_budget, cfg.prefill_batch_size)
+        self.scheduler = PrefillScheduler(cfg.prefill_token_budget, cfg.prefill_batch_size,
+                                          chunk_tokens=cfg.prefill_chunk_tokens)
         self.sampler = Sampler()
         # EOS is folded into each request's stop tokens by the front end (sampling_wire)
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
@@ -64,8 +67,11 @@ class PrefillWorker(WorkerShell):
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:
-        if self.scheduler.remove(request_id) is None:
+        queued = self.scheduler.remove(request_id)
+        if queued is None:
             self.sender.abort(request_id)
+        elif queued.block_table:  # a chunked prefill under way holds its pages
+            self._release(queued, RequestStatus.FINISHED_ABORTED)
 
     def replace_ring(self, msg: messages.ReplaceRing) -> None:
         self.sender.replace_ring(msg.peer_index, msg.ring)
@@ -91,7 +97,9 @@ class PrefillWorker(WorkerShell):
             time.sleep(BACKPRESSURE_SLEEP_S)
 
     def _fits(self, batch: list[Request]) -> bool:
-        return self.kv_cache.pool.can_allocate(sum(self.prefix.pages_needed(r) for r in batch))
+        """Whether the pool holds the pages of the batch's requests that have none yet (a chunked
+        prefill under way has all of its pages)."""
+        return self.kv_cache.pool.can_allocate(sum(self.prefix.pages_needed(r) for r in batch if not r.block_table))
 
     def _run_batch(self, batch: list[Request]) -> None:
         """Run one prefill batch; an exception fails the batch's requests, not the worker."""
@@ -101,6 +109,7 @@ class PrefillWorker(WorkerShell):
             print(f"[prefill {self.spec.index}] batch of {len(batch)} failed: {exc!r}", flush=True)
             for request in batch:
                 self.sender.abort(request.request_id)
+                self.scheduler.remove(request.request_id)
                 if request.block_table:
                     self._release(request, RequestStatus.FINISHED_ABORTED)
                 self.channel.send(messages.RequestFailed(request.request_id, f"prefill failed: {exc}"))
@@ -110,30 +119,39 @@ class PrefillWorker(WorkerShell):
         vision = self.model.vision
         encoded_before = 0 if vision is None else vision.num_encoded_images
         for request in batch:
-            self.prefix.allocate(request)  # cached prefix pages shared, fresh pages for the rest
-            request.status = RequestStatus.RUNNING
-            request.stamp(LifetimeEvent.ENCODE_BEGIN)
+            if not request.block_table:  # its first pass: cached prefix pages shared, fresh pages for the rest
+                self.prefix.allocate(request)
+                if request.prefill_end:
+                    self.scheduler.set_chunk(request)  # the chunk starts after the cached prefix
+                request.status = RequestStatus.RUNNING
+                request.stamp(LifetimeEvent.ENCODE_BEGIN)
         self.runner.encode_images(batch)
         now = time.time()
         for request in batch:
             request.stamp(LifetimeEvent.ENCODE_END, now)
             request.stamp(LifetimeEvent.PREFILL_BEGIN, now)
+        computed = sum((r.prefill_end or r.num_tokens) - r.num_cached_tokens for r in batch)
         logits = self.runner.prefill(batch)
-        for request in batch:
-            self.prefix.commit(request, request.num_tokens)  # its KV is in place: later requests may share it
-        tokens, logprobs = sample_requests(self.sampler, logits, batch)
+        done = [i for i, r in enumerate(batch) if r.prefill_done]
+        partial = [r for r in batch if not r.prefill_done]
+        for request in batch:  # the KV computed is in place: later requests (and chunks) may share it
+            self.prefix.commit(request, request.prefill_end or request.num_tokens)
+        ready = [batch[i] for i in done]
+        tokens, logprobs = sample_requests(self.sampler, logits[done], ready) if ready else ([], [])
         now = time.time()
-        for request in batch:
+        for request in ready:
             request.stamp(LifetimeEvent.PREFILL_END, now)
-        finished = process_step(batch, tokens, logprobs, self.stops, self._release)
-        for request in batch:
+        finished = process_step(ready, tokens, logprobs, self.stops, self._release)
+        for request in ready:
             if request not in finished:
                 self.sender.add(request)
+        for request in reversed(partial):  # the next chunk starts where this one ended
+            request.num_cached_tokens, request.prefill_end = request.prefill_end, 0
+            self.scheduler.add_front(request)
         # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
         encoded = 0 if vision is None else vision.num_encoded_images - encoded_before
-        timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch),
-                                     sum(r.num_tokens - 1 - r.num_cached_tokens for r in batch), encoded)
-        self.send([token_update(request, with_events=True) for request in batch], timing)
+        timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch), computed, encoded)
+        self.send([token_update(request, with_events=True) for request in ready], timing)
 
     # ---- stats and close ---------------------------------------------------------------------
 

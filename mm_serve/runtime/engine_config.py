@@ -33,6 +33,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_running: int = 64  # running requests at most (scheduler.decode_max_concurrent)
     prefill_token_budget: int = 4096  # tokens per prefill batch (scheduler.prefill_token_budget)
     prefill_batch_size: int = 8  # requests per prefill batch (scheduler.prefill_batch_size)
+    prefill_chunk_tokens: int = 2048  # prefill worker: longer prompts are prefilled in chunks of this many tokens; 0 = never
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
@@ -44,7 +45,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     encoder_cache_bytes: int = 256 * 1024 * 1024  # image embeddings kept by content hash; 0 = off (cache.encoder_cache_bytes)
 
     def __post_init__(self) -> None:
-        for name in (*_POSITIVE, "max_model_len", "seed"):
+        for name in (*_POSITIVE, "max_model_len", "seed", "prefill_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -58,6 +59,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"encoder_cache_bytes must be an integer >= 0, got {self.encoder_cache_bytes!r}")
         if not isinstance(self.device, str):
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: never split), got {self.prefill_chunk_tokens}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0 (0: the checkpoint's), got {self.max_model_len}")
         if not isinstance(self.cpu_gemm, str) or self.cpu_gemm not in ("onednn", "torch"):

@@ -90,11 +90,13 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, requests: list[Request]) -> torch.Tensor:
         """Prefill each request's tokens (prompt plus any recomputed outputs) from its
-        ``num_cached_tokens`` on: the KV of the tokens before is already in the first pages of
-        its block table (a prefix-cache hit) and is attended to, not recomputed.
+        ``num_cached_tokens`` on, up to its ``prefill_end`` (a chunk; 0: the last token): the KV of
+        the tokens before is already in the first pages of its block table (a prefix-cache hit, or
+        earlier chunks) and is attended to, not recomputed.
 
         Returns:
-            Logits ``[B, vocab]`` (float32) at each request's last position.
+            Logits ``[B, vocab]`` (float32) at each request's last computed position (only those of
+            requests whose pass reaches their last token mean anything to a sampler).
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -105,13 +107,14 @@ class ModelRunner:
         masks: list[torch.Tensor] = []
         for request in requests:
             tokens = request.all_token_ids
-            cached, n = request.num_cached_tokens, len(tokens)
-            ids.extend(tokens[cached:])
+            cached = request.num_cached_tokens
+            n = min(request.prefill_end, len(tokens)) if request.prefill_end else len(tokens)
+            ids.extend(tokens[cached:n])
             positions.extend(range(cached, n))
             slots.extend(slots_for(request.block_table, cached, n, self.page_size))
             seq_lens.append(n - cached)
             prefix_lens.append(cached)
-            mask, rows = self._image_rows(request, tokens, cached)
+            mask, rows = self._image_rows(request, tokens, cached, n)
             masks.append(mask)
             if rows is not None:
                 embeds.append(rows)
@@ -136,24 +139,28 @@ class ModelRunner:
         last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
         return self.model.language_model.compute_logits(hidden[last])
 
-    def _image_rows(self, request: Request, tokens: list[int], cached: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Image positions among a request's computed tokens ``tokens[cached:]`` (bool ``[n - cached]``)
-        and the rows of its ``image_embeds`` they take.
+    def _image_rows(
+        self, request: Request, tokens: list[int], cached: int, end: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Image positions among a request's computed tokens ``tokens[cached:end]`` (bool
+        ``[end - cached]``) and the rows of its ``image_embeds`` they take.
 
         A request's image positions are the first ``len(image_embeds)`` image-token positions
         (its prompt's placeholders); later ones are outputs that happen to equal the image
         token id (a recompute after preemption or a migration) and stay text. Rows of
-        placeholders inside the cached prefix are skipped: their KV is reused.
+        placeholders inside the cached prefix are skipped (their KV is reused), and so are those
+        at or after ``end`` (a later chunk computes them).
         """
-        mask = torch.zeros(len(tokens) - cached, dtype=torch.bool)
+        mask = torch.zeros(end - cached, dtype=torch.bool)
         token = getattr(self.model, "image_token_index", None)
         if token is None or request.image_embeds is None:
             return mask, None
         total = int(request.image_embeds.shape[0])
         image_positions = (torch.tensor(tokens) == token).nonzero().flatten()[:total]
         skip = int((image_positions < cached).sum())
-        mask[image_positions[skip:] - cached] = True
-        return mask, request.image_embeds[skip:] if skip < total else None
+        stop = int((image_positions < end).sum())
+        mask[image_positions[skip:stop] - cached] = True
+        return mask, request.image_embeds[skip:stop] if skip < stop else None
 
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> torch.Tensor:

@@ -94,7 +94,9 @@ class Request:
     max_wait_s: float = 0.0  # prefill ageing: waiting longer than this (seconds) it counts as rank 0; 0 = never
     image_hashes: list[bytes] = field(default_factory=list)  # content hash per image (runtime.page_hashes)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far (prefix cache)
-    num_cached_tokens: int = 0  # tokens at the head of block_table whose KV was reused at its last prefill
+    num_cached_tokens: int = 0  # tokens at the head of block_table whose KV is in place before this prefill pass
+    #   (a prefix-cache hit, then the chunks already prefilled)
+    prefill_end: int = 0  # a chunked prefill pass computes tokens [num_cached_tokens, prefill_end); 0 = to the end
     num_prompt_cached_tokens: int = 0  # of its prompt, tokens whose KV was reused at its first prefill (usage)
 
     @property
@@ -109,6 +111,11 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prefill_done(self) -> bool:
+        """This prefill pass reaches the last token (no chunk of the prompt is left after it)."""
+        return self.prefill_end == 0 or self.prefill_end >= self.num_tokens
 
     @property
     def needs_encoding(self) -> bool:

@@ -151,3 +151,41 @@ def test_remove_drops_a_queued_request() -> None:
     assert scheduler.remove("q1") is None and scheduler.remove("nope") is None
     assert list(scheduler.queue) == [q0, q2] and scheduler.queued_tokens == 8
     assert scheduler.next_batch(always) == [q0, q2] and scheduler.queued_tokens == 0
+
+
+def test_a_long_request_is_split_into_chunks_and_short_ones_join_each_chunk() -> None:
+    """Chunked prefill: the head gets a chunk's end; mates from any bucket join within the budget;
+    put back with add_front, the rest of the long request runs next, from where its KV ends."""
+    scheduler = PrefillScheduler(token_budget=320, batch_size=8, chunk_tokens=256)
+    long, short, mid = queue(scheduler, 600, 10, 40)
+    batch = scheduler.next_batch(always)
+    assert ids(batch) == ["q0", "q1", "q2"] and long.prefill_end == 256
+    assert short.prefill_end == 0 and mid.prefill_end == 0  # mates run whole
+    long.num_cached_tokens, long.prefill_end = 256, 0  # what the worker does after the pass
+    scheduler.add_front(long)
+    late = make_request("q3", 30)
+    scheduler.add(late)
+    assert scheduler.queued_tokens == 600 - 256 + 30
+    assert ids(scheduler.next_batch(always)) == ["q0", "q3"] and long.prefill_end == 512
+    long.num_cached_tokens, long.prefill_end = 512, 0
+    scheduler.add_front(long)
+    assert ids(scheduler.next_batch(always)) == ["q0"] and long.prefill_end == 0  # the last 88 tokens: to the end
+
+
+def test_a_long_request_is_never_a_chunked_mate_and_no_chunking_keeps_buckets() -> None:
+    scheduler = PrefillScheduler(token_budget=2000, batch_size=8, chunk_tokens=256)
+    queue(scheduler, 100, 300, 120)
+    assert ids(scheduler.next_batch(always)) == ["q0", "q2"]  # q1 needs chunks: it will head its own
+    plain = PrefillScheduler(token_budget=2000, batch_size=8)
+    long, short = queue(plain, 600, 10)
+    assert ids(plain.next_batch(always)) == ["q0"] and long.prefill_end == 0  # not split, buckets kept
+
+
+def test_set_chunk_restarts_the_chunk_after_a_prefix_hit() -> None:
+    scheduler = PrefillScheduler(token_budget=4096, batch_size=8, chunk_tokens=256)
+    (request,) = queue(scheduler, 1000)
+    assert scheduler.set_chunk(request) and request.prefill_end == 256
+    request.num_cached_tokens = 512  # the prefix cache held its first 512 tokens
+    assert scheduler.set_chunk(request) and request.prefill_end == 768
+    request.num_cached_tokens = 800
+    assert not scheduler.set_chunk(request) and request.prefill_end == 0
