@@ -113,7 +113,12 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
     from mm_serve.bench.runner import LoadSpec
     from mm_serve.bench.session import BenchSettings
-    from mm_serve.bench.workloads import IMAGE_WORKLOADS, WorkloadError, is_conversational, make_workload
+    from mm_serve.bench.workloads import (
+        IMAGE_WORKLOADS,
+        WorkloadError,
+        is_conversational,
+        make_workload,
+    )
     from mm_serve.models.model_config import CheckpointError, load_model_config
 
     image_tokens, image_size, max_context = 0, 336, 4096
