@@ -9,8 +9,13 @@ for every request; ``caption-repeat``: every image captioned 3 times) the script
 (:func:`mm_serve.bench.session.measure`), same requests, same seed:
 
 * ``multiturn-llava`` and ``caption-repeat``: unloaded requests, then one run at a fixed
-  rate (``--rate-multiturn``, ``--rate-caption``, requests/s);
+  rate (``--rate-multiturn``, ``--rate-caption``, requests/s), never stopped early, so
+  every turn's TTFT is measured;
 * ``shared-prompt``: a goodput sweep (``--start-rate``, ``--rate-tolerance``).
+
+Admission control's predictor is off in both servers (``admission.predict: false``;
+``--admission`` keeps the config's): it predicts TTFT without knowing about cached
+prefixes, so its refusals would blur the comparison.
 
 It prints side by side TTFT p50/p90 (per turn for the conversations), goodput or SLO
 attainment, and the hit rates (``usage.prompt_tokens_details.cached_tokens`` over
@@ -41,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--off-override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra dotted config key for the 'off' server only (YAML value), e.g. "
                         "cache.encoder_cache_bytes=0; repeatable")
+    p.add_argument("--admission", action="store_true",
+                   help="keep the config's admission.predict (default: off in both servers)")
     p.add_argument("--out", default="bench_out/kv_sharing", help="folder for kv_sharing.json and bench-*.json")
     args = p.parse_args(argv)
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
@@ -107,10 +115,13 @@ def set_dotted(doc: dict[str, Any], key: str, value: Any) -> None:
     doc[last] = value
 
 
-def write_config(base: str, setting: str, overrides: list[str], folder: Path) -> Path:
-    """The base config with ``kv_cache.enable_prefix_caching`` (and, for off, the overrides), as a temp YAML."""
+def write_config(base: str, setting: str, overrides: list[str], folder: Path, admission: bool) -> Path:
+    """The base config with ``kv_cache.enable_prefix_caching`` (and, for off, the overrides;
+    without ``admission``, ``admission.predict: false``), as a temp YAML."""
     doc = yaml.safe_load(Path(base).read_text()) or {}
     set_dotted(doc, "kv_cache.enable_prefix_caching", setting == "on")
+    if not admission:
+        set_dotted(doc, "admission.predict", False)
     for item in overrides if setting == "off" else ():
         key, sep, text = item.partition("=")
         if not sep or not key:
@@ -143,14 +154,15 @@ def settings_for(workload: str, args: argparse.Namespace, model: Path, out: Path
     rate = args.rate_multiturn if workload == "multiturn-llava" else args.rate_caption
     return BenchSettings(load=LoadSpec(wl, args.seed, num_requests=args.num_requests), sweep=sweep,
                          rate=None if sweep else rate, start_rate=args.start_rate, rel_tol=args.rate_tolerance,
-                         tokenizer_dir=model, image_size=vision.image_size, records_dir=out)
+                         tokenizer_dir=model, image_size=vision.image_size, records_dir=out, early_stop=sweep)
 
 
 def measure_setting(workload: str, setting: str, args: argparse.Namespace, model: Path, tmp: Path,
                     out: Path) -> SystemResult:
     """Start a server with prefix caching ``setting`` on or off, measure ``workload``, stop it."""
-    config = write_config(args.config, setting, args.off_override, tmp)
+    config = write_config(args.config, setting, args.off_override, tmp, args.admission)
     settings = settings_for(workload, args, model, out)
+    (out / f"records-{workload}-{setting}.jsonl").unlink(missing_ok=True)  # records append; start afresh
     os.environ["TMPDIR"] = str(tmp)  # the server's run directory, hence its instance id, lands here
     server = LocalServer(out / f"server-{workload}-{setting}.log", str(config), str(model))
     try:
@@ -264,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):  # both unwind through the finally blocks below
         signal.signal(sig, _interrupt)
+    started = time.monotonic()
     model = ensure_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -287,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}, "settings": vars(args),
            "workloads": table, "goals": checks}
     (out / "kv_sharing.json").write_text(json.dumps(strict(doc), indent=1) + "\n")
-    print(f"\nwrote {out / 'kv_sharing.json'}")
+    print(f"\nwrote {out / 'kv_sharing.json'} ({(time.monotonic() - started) / 60:.1f} min)")
     return 0
 
 
