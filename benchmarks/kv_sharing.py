@@ -152,7 +152,8 @@ def settings_for(workload: str, args: argparse.Namespace, model: Path, out: Path
     wl = make_workload(workload, vision.num_image_tokens, shape.text.max_position_embeddings)
     sweep = workload == "shared-prompt"
     rate = args.rate_multiturn if workload == "multiturn-llava" else args.rate_caption
-    return BenchSettings(load=LoadSpec(wl, args.seed, num_requests=args.num_requests), sweep=sweep,
+    load = LoadSpec(wl, args.seed, duration_s=20.0, num_requests=args.num_requests)  # <= 60 s of arrivals a run
+    return BenchSettings(load=load, sweep=sweep,
                          rate=None if sweep else rate, start_rate=args.start_rate, rel_tol=args.rate_tolerance,
                          tokenizer_dir=model, image_size=vision.image_size, records_dir=out, early_stop=sweep)
 
