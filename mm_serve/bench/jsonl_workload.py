@@ -82,11 +82,12 @@ class JsonlWorkload:
         """Whole conversations, copies renamed ``<id>@<copy>``, until at least ``n`` rows."""
         units = _units(self.rows)
         rng = random.Random(f"jsonl:{seed}")
+        span = self._span() if self.is_trace else 0.0
         out: list[RequestSpec] = []
         copy = 0
         while len(out) < n:
             if self.is_trace:
-                unit, offset = units[copy % len(units)], self._span() * (copy // len(units))
+                unit, offset = units[copy % len(units)], span * (copy // len(units))
             else:
                 unit, offset = rng.choice(units), 0.0
             for row in unit:

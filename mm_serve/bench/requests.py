@@ -121,7 +121,7 @@ class RequestFactory:
         """The JSON body for ``spec`` (request ``index`` of a plan salted with ``salt``).
 
         Raises:
-            ValueError: images asked for on the completions API.
+            ValueError: images or a conversation turn asked for on the completions API.
         """
         if spec.image_seed is None:
             rng = random.Random(f"request:{salt}:{index}")
