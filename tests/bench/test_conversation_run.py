@@ -3,13 +3,14 @@ history, TTFT per turn, the cached-token hit rate and the server's /metrics coun
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from mm_serve.bench.client import Endpoint
+from mm_serve.bench.client import EARLIER_TURN_FAILED, Endpoint, run_load
 from mm_serve.bench.kv_workloads import MultiturnLlavaWorkload
 from mm_serve.bench.requests import RequestFactory
 from mm_serve.bench.runner import LoadRunner, LoadSpec
@@ -79,6 +80,24 @@ def test_cli_prints_per_turn_ttft_and_hit_rates(tmp_path: Path, capsys: pytest.C
     assert single["ttft_by_turn"]["2+"]["count"] == 8
     rows = [json.loads(line) for line in (tmp_path / "records-server.jsonl").read_text().splitlines()]
     assert sorted(r["turn"] for r in rows if r["rate"] == 5.0) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_turns_wait_for_the_previous_answer_and_stop_after_a_failure() -> None:
+    factory = RequestFactory("fake-model", image_size=16)
+    specs = MultiturnLlavaWorkload(image_tokens=16).sample(10, seed=0)
+    plan = factory.plan(specs, [0.0] * 10)  # both conversations start at once
+    with FakeServer(service_s=0.05) as server:
+        ok = asyncio.run(run_load(Endpoint(server.url), plan)).records
+    for conversation in (ok[:5], ok[5:]):
+        for before, after in zip(conversation, conversation[1:], strict=False):
+            assert before.end_s is not None and after.sent_s is not None and after.sent_s >= before.end_s
+    with FakeServer(service_s=0.0, status=503) as server:
+        failed = asyncio.run(run_load(Endpoint(server.url), plan)).records
+        assert len(server.app.state.bodies) == 2  # one first turn per conversation, nothing after it
+    assert [r.error is not None and r.error.startswith("HTTP 503") for r in failed] == [True, False, False, False,
+                                                                                         False] * 2
+    assert [r.error for r in failed if r.turn] == [EARLIER_TURN_FAILED] * 8
+    assert all(r.sent_s is None for r in failed if r.turn)
 
 
 def test_a_plain_server_has_no_cache_figures() -> None:
