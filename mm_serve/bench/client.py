@@ -4,7 +4,14 @@ Each request is a streaming POST (server-sent events) sent at its planned arriva
 time, open-loop: a slow server does not slow the arrivals down. For every
 non-empty content chunk the client stamps the monotonic clock; the final usage
 chunk (``stream_options.include_usage``) gives the output token count used for
-TPOT. Any OpenAI-compatible server works (mm-serve, vLLM, ``transformers serve``).
+TPOT, and the cached prompt tokens (``prompt_tokens_details.cached_tokens``) when
+the server reports them. Any OpenAI-compatible server works (mm-serve, vLLM,
+``transformers serve``).
+
+The turns of a conversation are the exception to open loop: each is sent once the
+previous turn has been answered, with the whole history
+(:mod:`mm_serve.bench.conversations`); a turn after a failed one is not sent and
+counts as failed ("an earlier turn failed").
 
 With an SLO and an attainment target, a run stops early once enough requests are
 *certain* to miss (:meth:`RequestRecord.certainly_misses`) that the target can no
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from mm_serve.bench.conversations import History, request_chains
 from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.requests import PlannedRequest
 from mm_serve.planner.slo import SLO
@@ -80,20 +88,26 @@ def _take_chunk(line: str, rec: RequestRecord, now: float) -> bool:
     if usage:
         rec.output_tokens = int(usage.get("completion_tokens") or 0)
         rec.prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        rec.cached_tokens = cached if isinstance(cached, int) and not isinstance(cached, bool) else None
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
         text = delta.get("content") if delta is not None else choice.get("text")
         if text:
             rec.chunk_s.append(now)
+            rec.content.append(text)
     return True
 
 
 async def stream_one(http: httpx.AsyncClient, endpoint: Endpoint, req: PlannedRequest,
-                     rec: RequestRecord, clock: Clock) -> None:
-    """Send ``req`` now and fill ``rec`` from its event stream; never raises but on cancel."""
+                     rec: RequestRecord, clock: Clock, body: bytes | None = None) -> None:
+    """Send ``req`` now (``body`` instead of ``req.body`` if given) and fill ``rec`` from its
+    event stream; never raises but on cancel."""
     rec.sent_s = clock()
     try:
-        async with http.stream("POST", endpoint.url, content=req.body, headers=endpoint.headers()) as resp:
+        async with http.stream("POST", endpoint.url, content=req.body if body is None else body,
+                               headers=endpoint.headers()) as resp:
             if resp.status_code != 200:
                 detail = (await resp.aread())[:300].decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {detail}"
@@ -119,10 +133,38 @@ def allowed_misses(num_requests: int, target: float) -> int:
     return num_requests - math.ceil(target * num_requests - 1e-9)
 
 
+EARLIER_TURN_FAILED = "an earlier turn failed"
+
+
+def _records(plan: Sequence[PlannedRequest]) -> list[RequestRecord]:
+    return [RequestRecord(p.index, p.max_tokens, tier=p.tier, turn=p.turn) for p in plan]
+
+
+async def _send_chain(http: httpx.AsyncClient, endpoint: Endpoint, plan: Sequence[PlannedRequest],
+                      records: Sequence[RequestRecord], chain: Sequence[int], clock: Clock,
+                      wait: bool = True) -> None:
+    """Send the requests of ``chain`` one after the other, each at its arrival time (``wait``)
+    or when the one before it has finished, whichever is later; a conversation's history
+    grows with every answer, and a failure ends the chain."""
+    history = History()
+    for pos, i in enumerate(chain):
+        req, rec = plan[i], records[i]
+        delay = req.arrival_s - clock()
+        if wait and delay > 0:
+            await asyncio.sleep(delay)
+        await stream_one(http, endpoint, req, rec, clock, history.body(req))
+        if not rec.ok:
+            for j in chain[pos + 1:]:
+                records[j].error = EARLIER_TURN_FAILED
+            return
+        history.answered(req, rec.answer)
+
+
 async def run_load(endpoint: Endpoint, plan: Sequence[PlannedRequest], slo: SLO | None = None,
                    target: float | None = None, poll_s: float = 0.2) -> LoadResult:
-    """Send ``plan`` open-loop at its arrival times; stop early when ``slo``/``target`` fail for sure."""
-    records = [RequestRecord(p.index, p.max_tokens, tier=p.tier) for p in plan]
+    """Send ``plan`` open-loop at its arrival times (conversations closed-loop, turn after turn);
+    stop early when ``slo``/``target`` fail for sure."""
+    records = _records(plan)
     budget = allowed_misses(len(plan), target) if slo is not None and target is not None else None
     t0 = time.perf_counter()
 
@@ -130,14 +172,8 @@ async def run_load(endpoint: Endpoint, plan: Sequence[PlannedRequest], slo: SLO 
         return time.perf_counter() - t0
 
     async with _http_client(endpoint) as http:
-
-        async def fire(req: PlannedRequest, rec: RequestRecord) -> None:
-            delay = req.arrival_s - clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await stream_one(http, endpoint, req, rec, clock)
-
-        tasks = [asyncio.create_task(fire(p, r)) for p, r in zip(plan, records, strict=True)]
+        tasks = [asyncio.create_task(_send_chain(http, endpoint, plan, records, chain, clock))
+                 for chain in request_chains(plan)]
         stopped = False
         pending = set(tasks)
         while pending:
@@ -152,19 +188,20 @@ async def run_load(endpoint: Endpoint, plan: Sequence[PlannedRequest], slo: SLO 
         await asyncio.gather(*pending, return_exceptions=True)
     for rec in records:
         if rec.sent_s is None:
-            rec.error = "not sent"
+            rec.error = rec.error or "not sent"
     return LoadResult(records, stopped)
 
 
 async def run_sequential(endpoint: Endpoint, plan: Sequence[PlannedRequest]) -> list[RequestRecord]:
-    """Send ``plan`` one request at a time, ignoring arrival times: the unloaded latencies."""
-    records = [RequestRecord(p.index, p.max_tokens, tier=p.tier) for p in plan]
+    """Send ``plan`` one request at a time, ignoring arrival times: the unloaded latencies
+    (a conversation's turns in a row, with their history)."""
+    records = _records(plan)
     t0 = time.perf_counter()
 
     def clock() -> float:
         return time.perf_counter() - t0
 
     async with _http_client(endpoint) as http:
-        for req, rec in zip(plan, records, strict=True):
-            await stream_one(http, endpoint, req, rec, clock)
+        for chain in request_chains(plan):
+            await _send_chain(http, endpoint, plan, records, chain, clock, wait=False)
     return records

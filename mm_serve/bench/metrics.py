@@ -9,6 +9,7 @@ Definitions (DistServe, arXiv:2401.09670, §2; the same as vLLM's ``benchmark_se
 * **SLO attainment**: the fraction of *all* requests of the run that finished without
   error and met both the TTFT and the TPOT SLO; failed, cancelled and unsent requests
   count as misses.
+* **TTFT per turn** and the **prompt-cache hit rate**: :mod:`mm_serve.bench.cache_stats`.
 
 Percentiles interpolate linearly between order statistics (numpy's default method),
 so they are exact, reproducible numbers on known inputs.
@@ -19,8 +20,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mm_serve.bench.cache_stats import CacheTokens, ttfts_by_turn
 from mm_serve.bench.records import RequestRecord
 from mm_serve.planner.slo import SLO
 
@@ -89,6 +91,9 @@ class RunSummary:
     mean_output_tokens: float  # output tokens per finished request
     stopped_early: bool  # the run was cut short once attainment < target was certain
     errors: dict[str, int]  # failed requests by error message (first 120 characters)
+    ttft_by_turn: dict[str, Distribution] = field(default_factory=dict)  # "1", "2", ..., "2+"; {} if no turns
+    cache: CacheTokens = CacheTokens(0, 0, 0)  # usage.prompt_tokens_details.cached_tokens, summed
+    server_counters: dict[str, float] = field(default_factory=dict)  # /metrics cache counters, run delta
 
 
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
@@ -122,4 +127,6 @@ def summarize(records: Sequence[RequestRecord], rate: float, slo: SLO | None,
         mean_output_tokens=_mean([float(r.output_tokens) for r in done]),
         stopped_early=stopped_early,
         errors=dict(Counter((r.error or "")[:120] for r in records if r.error is not None)),
+        ttft_by_turn={turn: Distribution.of(v) for turn, v in ttfts_by_turn(records).items()},
+        cache=CacheTokens.of(records),
     )

@@ -25,6 +25,9 @@ class RequestRecord:
     prompt_tokens: int | None = None  # from the server's usage, when reported
     error: str | None = None  # HTTP status / error event / "cancelled" / "not sent"
     tier: str | None = None  # the SLO tier it asked for (--tier-mix)
+    turn: int | None = None  # 0-based turn of its conversation; None outside a conversation
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
+    content: list[str] = field(default_factory=list)  # the streamed content pieces, in order
 
     @property
     def ok(self) -> bool:
@@ -37,6 +40,11 @@ class RequestRecord:
         if self.sent_s is None or not self.chunk_s:
             return None
         return self.chunk_s[0] - self.sent_s
+
+    @property
+    def answer(self) -> str:
+        """The streamed content joined: what a multi-turn client sends back as the assistant message."""
+        return "".join(self.content)
 
     @property
     def e2e_s(self) -> float | None:
@@ -63,7 +71,7 @@ class RequestRecord:
         return {"index": self.index, "sent_s": self.sent_s, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
                 "e2e_s": self.e2e_s, "output_tokens": self.output_tokens, "max_tokens": self.max_tokens,
                 "prompt_tokens": self.prompt_tokens, "num_chunks": len(self.chunk_s), "error": self.error,
-                "tier": self.tier}
+                "tier": self.tier, "turn": self.turn, "cached_tokens": self.cached_tokens}
 
     def certainly_misses(self, now_s: float, slo: SLO) -> bool:
         """True when, at ``now_s``, this request can no longer meet both SLOs.

@@ -1,7 +1,10 @@
 """Text tables and the JSON file of a benchmark: per-run latencies, goodput per system, the ratio.
 
 Times are printed in seconds (TTFT, e2e) or milliseconds (TPOT, ITL); rates in
-requests/s; throughput in requests/s and output tokens/s. In the JSON every time is
+requests/s; throughput in requests/s and output tokens/s; hit rates in percent. For
+conversational workloads the TTFT percentiles are also given per turn, and whenever
+the server reports them, the prompt-cache hit rate (``cached_tokens``) and its
+``/metrics`` cache counters. In the JSON every time is
 in seconds and a missing value (no finished request) is ``null``.
 """
 
@@ -14,7 +17,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mm_serve.bench.cache_stats import FOLLOW_UPS
 from mm_serve.bench.metrics import Distribution, RunSummary
+from mm_serve.bench.server_metrics import (
+    ENCODER_HITS,
+    ENCODER_MISSES,
+    encoder_hit_rate,
+    prefix_hit_rate,
+)
 from mm_serve.bench.sweep import SweepResult
 from mm_serve.planner.slo import SLO
 
@@ -45,16 +55,45 @@ def _s(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.3f}"
 
 
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.1f}"
+
+
 def format_run(name: str, run: RunSummary) -> str:
-    """One progress line for a finished run."""
+    """One progress line for a finished run (with the per-turn TTFT and cache lines, if any)."""
     flag = " (stopped early)" if run.stopped_early else ""
     errors = {k: v for k, v in run.errors.items() if k not in ("cancelled", "not sent")}
     if errors:
         message, count = max(errors.items(), key=lambda kv: kv[1])
         flag += f"; {sum(errors.values())} failed, e.g. {message!r} x{count}"
-    return (f"[{name}] {run.rate:.3f} req/s: {run.num_requests} requests, {run.num_ok} ok, "
+    line = (f"[{name}] {run.rate:.3f} req/s: {run.num_requests} requests, {run.num_ok} ok, "
             f"attainment {100 * run.attainment:.1f} %{flag}; TTFT p90 {_s(run.ttft.p90)} s, "
             f"TPOT p90 {_ms(run.tpot.p90)} ms, {run.output_throughput:.0f} tok/s")
+    return "\n".join([line, *(f"[{name}]   {extra}" for extra in cache_lines(run))])
+
+
+def turn_line(run: RunSummary) -> str | None:
+    """TTFT p50/p90 (s) per turn: turn 1, turns 2+, then each turn; None without turns."""
+    if not run.ttft_by_turn:
+        return None
+    keys = ["1", FOLLOW_UPS, *sorted((k for k in run.ttft_by_turn if k not in ("1", FOLLOW_UPS)), key=int)]
+    parts = [f"{'turns' if k == FOLLOW_UPS else 'turn'} {k} {_s(run.ttft_by_turn[k].p50)} / "
+             f"{_s(run.ttft_by_turn[k].p90)}" for k in keys if k in run.ttft_by_turn]
+    return "TTFT p50 / p90 (s) by turn: " + ", ".join(parts)
+
+
+def cache_lines(run: RunSummary) -> list[str]:
+    """Per-turn TTFT and the cache figures of ``run``, each only when there is something to say."""
+    lines = [line] if (line := turn_line(run)) is not None else []
+    if run.cache.requests:
+        lines.append(f"prompt-cache hit rate {_pct(run.cache.hit_rate)} % (cached_tokens {run.cache.cached_tokens} "
+                     f"of {run.cache.prompt_tokens} prompt tokens, {run.cache.requests} responses)")
+    counters = run.server_counters
+    if counters:
+        images = counters.get(ENCODER_HITS, 0.0) + counters.get(ENCODER_MISSES, 0.0)
+        lines.append(f"server /metrics: prefix-cache hit rate {_pct(prefix_hit_rate(counters))} % (tokens), "
+                     f"encoder-cache hit rate {_pct(encoder_hit_rate(counters))} % of {images:.0f} images")
+    return lines
 
 
 def _latency_line(label: str, d: Distribution, to_ms: bool) -> str:
@@ -69,7 +108,8 @@ def format_unloaded(result: SystemResult) -> str:
     u = result.unloaded
     return "\n".join([f"{result.name}: unloaded ({u.num_ok} requests, one at a time)",
                       _latency_line("TTFT", u.ttft, False), _latency_line("TPOT", u.tpot, True),
-                      _latency_line("ITL", u.itl, True), _latency_line("e2e", u.e2e, False)])
+                      _latency_line("ITL", u.itl, True), _latency_line("e2e", u.e2e, False),
+                      *(f"  {line}" for line in cache_lines(u))])
 
 
 def format_runs(result: SystemResult) -> str:
@@ -85,6 +125,8 @@ def format_runs(result: SystemResult) -> str:
             f"{_ms(r.tpot.p99):>6} {_ms(r.itl.p99):>7} {_s(r.e2e.p90):>7} "
             f"{r.request_throughput:>6.2f} {r.output_throughput:>6.0f}"
         )
+    for r in result.runs:
+        lines += [f"  at {r.rate:.3f} req/s: {extra}" for extra in cache_lines(r)]
     if any(r.stopped_early for r in result.runs):
         lines.append("  * stopped early once the target was out of reach; unfinished requests count as misses")
     return "\n".join(lines)

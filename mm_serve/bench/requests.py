@@ -13,6 +13,12 @@ Every body asks for exactly ``output_tokens`` tokens (``max_tokens`` plus
 TPOT then uses the token count the server reports). Text and images depend on a
 ``salt`` as well as the request index, so repeated runs of the same plan (a rate
 sweep) never hit a prefix cache or an image-feature cache.
+
+Within one plan, content is shared where the spec says so: a shared system prompt
+(``shared_prefix_tokens``) is one text per salt; specs with the same ``image_seed``
+send the same image bytes and the same text. A turn of a conversation gets a body
+with only its own new user message; the client puts the history in front of it at
+send time (:class:`mm_serve.bench.conversations.History`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +48,8 @@ class PlannedRequest:
     max_tokens: int  # output tokens asked for
     body: bytes  # JSON body, ready to POST
     tier: str | None = None  # the service_tier it asks for (--tier-mix), our tier name
+    conversation: str | None = None  # conversation id: sent after the previous turn, with its history
+    turn: int | None = None  # 0-based turn in its conversation; None outside a conversation
 
 
 class _TextSource:
@@ -76,6 +85,7 @@ class _TextSource:
         return doubled[start : start + num_chars].strip() or "Hello"
 
 
+@lru_cache(maxsize=64)
 def noise_image_uri(size: int, seed: int) -> str:
     """A ``size`` x ``size`` RGB noise image (seeded) as a JPEG ``data:`` URI."""
     import numpy as np
@@ -100,6 +110,7 @@ class RequestFactory:
         self.ignore_eos = ignore_eos
         self.tier_mix = tier_mix  # tier -> share: each body asks for a drawn service_tier
         self._text = _TextSource(tokenizer_dir)
+        self._shared: dict[tuple[int, int], str] = {}  # (tokens, salt) -> shared system prompt
 
     @property
     def exact_lengths(self) -> bool:
@@ -110,10 +121,15 @@ class RequestFactory:
         """The JSON body for ``spec`` (request ``index`` of a plan salted with ``salt``).
 
         Raises:
-            ValueError: images asked for on the completions API.
+            ValueError: images or a conversation turn asked for on the completions API.
         """
-        rng = random.Random(f"request:{salt}:{index}")
-        text = self._text.window(max(1, spec.prompt_tokens), rng)
+        if spec.image_seed is None:
+            rng = random.Random(f"request:{salt}:{index}")
+        else:  # the same image comes with the same text, so the whole request repeats
+            rng = random.Random(f"image:{salt}:{spec.image_seed}")
+        shared = min(spec.shared_prefix_tokens, spec.prompt_tokens)
+        system = self._shared_text(shared, salt) if shared else None
+        text = self._text.window(max(1, spec.prompt_tokens - shared), rng)
         payload: dict[str, Any] = {
             "model": self.model_name, "max_tokens": spec.output_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True},
@@ -123,9 +139,9 @@ class RequestFactory:
         if self.tier_mix:
             payload["service_tier"] = draw_tier(self.tier_mix, index, salt)
         if self.api == "completions":
-            if spec.num_images:
-                raise ValueError("image workloads need the chat API (--api chat)")
-            payload["prompt"] = text
+            if spec.num_images or spec.conversation_id is not None:
+                raise ValueError("image and conversation workloads need the chat API (--api chat)")
+            payload["prompt"] = text if system is None else f"{system}\n\n{text}"
         else:
             parts: list[dict[str, Any]] = [
                 {"type": "image_url", "image_url": {"url": noise_image_uri(self.image_size, rng.getrandbits(32))}}
@@ -133,7 +149,16 @@ class RequestFactory:
             ]
             content: str | list[dict[str, Any]] = [*parts, {"type": "text", "text": text}] if parts else text
             payload["messages"] = [{"role": "user", "content": content}]
+            if system is not None:
+                payload["messages"].insert(0, {"role": "system", "content": system})
         return json.dumps(payload).encode()
+
+    def _shared_text(self, num_tokens: int, salt: int) -> str:
+        """The system prompt shared by every request of a plan salted ``salt`` (about ``num_tokens`` tokens)."""
+        key = (num_tokens, salt)
+        if key not in self._shared:
+            self._shared[key] = self._text.window(num_tokens, random.Random(f"shared:{salt}"))
+        return self._shared[key]
 
     def plan(self, specs: Sequence[RequestSpec], arrivals_s: Sequence[float],
              salt: int = 0) -> list[PlannedRequest]:
@@ -141,7 +166,9 @@ class RequestFactory:
         if len(specs) != len(arrivals_s):
             raise ValueError(f"{len(specs)} specs but {len(arrivals_s)} arrival times")
         return [PlannedRequest(i, t, spec.output_tokens, self.body(spec, i, salt),
-                               draw_tier(self.tier_mix, i, salt) if self.tier_mix else None)
+                               draw_tier(self.tier_mix, i, salt) if self.tier_mix else None,
+                               spec.conversation_id,
+                               None if spec.conversation_id is None else spec.turn)
                 for i, (spec, t) in enumerate(zip(specs, arrivals_s, strict=True))]
 
     @property

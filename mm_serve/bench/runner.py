@@ -4,7 +4,10 @@
 ``n`` requests on the seeded arrival path scaled to that rate), sends it with the
 client, and summarises the records against the SLO. Every rate replays the same
 requests and the same arrival path (common random numbers), with text and images
-salted by the rate so that no cache carries over between runs.
+salted by the rate so that no cache carries over between runs. A conversational
+workload's runs hold whole conversations, started on the arrival path
+(:mod:`mm_serve.bench.conversations`). Around every run the server's cache counters
+are read from ``/metrics`` (:mod:`mm_serve.bench.server_metrics`), when it has them.
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ import asyncio
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mm_serve.bench.client import Endpoint, run_load, run_sequential
+from mm_serve.bench.conversations import conversation_arrivals, whole_conversations
 from mm_serve.bench.metrics import RunSummary, summarize
 from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.requests import PlannedRequest, RequestFactory
+from mm_serve.bench.server_metrics import counter_delta, scrape
+from mm_serve.bench.spec import conversation_groups
 from mm_serve.bench.workloads import (
     JsonlWorkload,
     RequestSpec,
@@ -87,10 +93,11 @@ class LoadRunner:
         self._specs: list[RequestSpec] = []
 
     def _specs_for(self, n: int) -> list[RequestSpec]:
-        """The workload's first ``n`` requests (the same prefix for every ``n``)."""
+        """The workload's first ``n`` requests (the same prefix for every ``n``), completed to
+        a whole conversation for a conversational workload."""
         if len(self._specs) < n:
             self._specs = self.load.workload.sample(max(n, 2 * len(self._specs)), self.load.seed)
-        return self._specs[:n]
+        return whole_conversations(self._specs, n)
 
     def plan_at(self, rate: float) -> list[PlannedRequest]:
         """The run plan at ``rate`` requests/s (bodies built now, before any clock starts)."""
@@ -100,9 +107,10 @@ class LoadRunner:
         workload = self.load.workload
         if isinstance(workload, JsonlWorkload) and workload.is_trace:
             arrivals = trace_arrivals(specs, rate)
-        else:
-            unit = unit_rate_arrivals(len(specs), self.load.seed, self.load.burstiness)
-            arrivals = [t / rate for t in unit]
+        else:  # one start per conversation (per request outside conversations)
+            starts = len(conversation_groups([s.conversation_id for s in specs]))
+            unit = unit_rate_arrivals(starts, self.load.seed, self.load.burstiness)
+            arrivals = conversation_arrivals(specs, unit, rate)
         return self.factory.plan(specs, arrivals, salt=round(rate * 1e6))
 
     def run_at(self, rate: float) -> RunSummary:
@@ -110,8 +118,10 @@ class LoadRunner:
         if self.slo is None:
             raise ValueError("set the runner's SLO before a loaded run")
         plan = self.plan_at(rate)
+        before = scrape(self.endpoint.base_url, self.endpoint.api_key)
         result = asyncio.run(run_load(self.endpoint, plan, self.slo if self.early_stop else None, self.target))
-        summary = summarize(result.records, rate, self.slo, result.stopped_early)
+        counters = counter_delta(before, scrape(self.endpoint.base_url, self.endpoint.api_key))
+        summary = replace(summarize(result.records, rate, self.slo, result.stopped_early), server_counters=counters)
         self._save(rate, result.records)
         if self.on_run is not None:
             self.on_run(summary)
@@ -122,13 +132,19 @@ class LoadRunner:
     def unloaded(self, num_requests: int = 8) -> RunSummary:
         """Latencies of ``num_requests`` workload requests sent one at a time (rate reported as 0).
 
-        The first request is sent twice and its first copy dropped, as a warm-up.
+        The first request is sent twice and its first copy dropped, as a warm-up (alone:
+        outside its conversation, with an image of its own). A conversational workload
+        sends whole conversations, so a few more requests than asked. The server's counter
+        deltas include the warm-up.
         """
         specs = self._specs_for(num_requests)
-        plan = self.factory.plan([specs[0], *specs], [0.0] * (len(specs) + 1), salt=-1)
+        warm = replace(specs[0], conversation_id=None, turn=0, image_seed=None)
+        plan = self.factory.plan([warm, *specs], [0.0] * (len(specs) + 1), salt=-1)
+        before = scrape(self.endpoint.base_url, self.endpoint.api_key)
         records = asyncio.run(run_sequential(self.endpoint, plan))[1:]
+        counters = counter_delta(before, scrape(self.endpoint.base_url, self.endpoint.api_key))
         self._save(0.0, records)
-        return summarize(records, 0.0, self.slo)
+        return replace(summarize(records, 0.0, self.slo), server_counters=counters)
 
     def _save(self, rate: float, records: list[RequestRecord]) -> None:
         if self.records_path is None:

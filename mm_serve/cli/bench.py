@@ -41,7 +41,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", metavar="DIR", help="checkpoint: served with --config; with --server, read "
                    "locally for the tokenizer (exact prompt lengths) and the image size")
     p.add_argument("--model-name", help="model id to send (default: the first of GET /v1/models)")
-    p.add_argument("--workload", default="chatbot", help="chatbot, llava, caption, or a JSONL file")
+    p.add_argument("--workload", default="chatbot",
+                   help="chatbot, llava, caption, multiturn-llava (5-turn image chat, each turn sent after "
+                   "the previous answer with the whole history), shared-prompt (one 400-token system prompt), "
+                   "caption-repeat (each image 3 times), or a JSONL file (conversation_id/turn for "
+                   "multi-turn traffic); rates are requests/s for every workload")
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", type=float, metavar="R", help="one run at R requests/s")
     load.add_argument("--sweep", action="store_true", help="find the goodput by searching the rate")
@@ -109,7 +113,12 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
     from mm_serve.bench.runner import LoadSpec
     from mm_serve.bench.session import BenchSettings
-    from mm_serve.bench.workloads import WorkloadError, make_workload
+    from mm_serve.bench.workloads import (
+        IMAGE_WORKLOADS,
+        WorkloadError,
+        is_conversational,
+        make_workload,
+    )
     from mm_serve.models.model_config import CheckpointError, load_model_config
 
     image_tokens, image_size, max_context = 0, 336, 4096
@@ -122,14 +131,14 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
         if shape.vision is not None:
             image_tokens, image_size = shape.vision.num_image_tokens, shape.vision.image_size
     try:
-        if args.workload in ("llava", "caption") and model_dir is None:
+        if args.workload in IMAGE_WORKLOADS and model_dir is None:
             raise WorkloadError(f"workload '{args.workload}' with --server needs --model DIR (image size)")
         workload = make_workload(args.workload, image_tokens, max_context)
         load = LoadSpec(workload, args.seed, args.duration, args.num_requests, burstiness=args.burstiness)
     except WorkloadError as exc:
         raise CLIError(str(exc)) from None
-    if args.api == "completions" and args.workload in ("llava", "caption"):
-        raise CLIError("image workloads need --api chat")
+    if args.api == "completions" and (args.workload in IMAGE_WORKLOADS or is_conversational(workload)):
+        raise CLIError("image and conversation workloads need --api chat")
     tier_mix, tier_slo = _tier_settings(args)
     return BenchSettings(
         load=load, target=args.attainment, rate=args.rate, sweep=args.sweep, start_rate=args.start_rate,

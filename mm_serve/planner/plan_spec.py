@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mm_serve.bench.workloads import JsonlWorkload, Workload, WorkloadError, check_burstiness
+from mm_serve.bench.workloads import (
+    JsonlWorkload,
+    Workload,
+    WorkloadError,
+    check_burstiness,
+    is_conversational,
+)
 from mm_serve.planner.errors import PlannerError
 from mm_serve.planner.hardware import Hardware
 from mm_serve.planner.model_shape import ModelShape
@@ -65,7 +71,15 @@ class PlanSpec:
 
     def _check_workload(self) -> None:
         """A trace or JSONL file must fit the model: context length, images only for a
-        multimodal model (the built-in workloads are drawn within the context)."""
+        multimodal model (the built-in workloads are drawn within the context). A
+        conversational workload is refused: a turn waits for the previous answer and
+        resends the history, which the simulator does not model."""
+        if is_conversational(self.workload):
+            raise PlannerError(
+                f"workload {self.workload.name} is conversational (each turn is sent after the previous "
+                "answer, with the whole history): the planner's open-loop simulator cannot replay it; "
+                "plan with a single-turn workload (llava, chatbot, shared-prompt, caption-repeat) or "
+                "measure it with mm-serve bench")
         if not isinstance(self.workload, JsonlWorkload):
             return
         name, ctx = self.shape.name, self.shape.max_context

@@ -1,0 +1,132 @@
+"""The KV-sharing workloads: turn structure, the history each turn sends, shared prompts, repeated images."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from mm_serve.bench.conversations import (
+    History,
+    conversation_arrivals,
+    request_chains,
+    whole_conversations,
+)
+from mm_serve.bench.requests import RequestFactory
+from mm_serve.bench.spec import RequestSpec
+from mm_serve.bench.workloads import (
+    BUILTIN_WORKLOADS,
+    CaptionRepeatWorkload,
+    MultiturnLlavaWorkload,
+    SharedPromptWorkload,
+    WorkloadError,
+    is_conversational,
+    make_workload,
+)
+
+
+def test_multiturn_sample_is_whole_conversations_of_five_turns() -> None:
+    wl = make_workload("multiturn-llava", image_tokens=16, max_context=4096)
+    assert isinstance(wl, MultiturnLlavaWorkload) and is_conversational(wl)
+    rows = wl.sample(7, seed=0)
+    assert [(r.conversation_id, r.turn) for r in rows] == [(f"c{c}", t) for c in range(2) for t in range(5)]
+    assert [r.num_images for r in rows] == [1, 0, 0, 0, 0] * 2
+    assert [r.image_tokens for r in rows] == [16, 0, 0, 0, 0] * 2
+    assert all(4 <= r.prompt_tokens <= 128 and 4 <= r.output_tokens <= 256 for r in rows)
+    assert wl.sample(3, seed=0) == rows[:5]  # prefix-consistent, whole conversation
+    assert wl.sample(7, seed=1) != rows
+
+
+def test_multiturn_conversation_fits_the_context() -> None:
+    rows = MultiturnLlavaWorkload(image_tokens=300, max_context=400).sample(5, seed=3)
+    history = 300 + sum(r.prompt_tokens + r.output_tokens + 16 for r in rows)
+    assert history <= 400 and rows[0].turn == 0 and len(rows) >= 1
+
+
+def test_image_workloads_need_a_vision_tower_and_other_workloads_are_not_conversational() -> None:
+    for name in ("multiturn-llava", "caption-repeat"):
+        with pytest.raises(WorkloadError, match="vision tower"):
+            make_workload(name, image_tokens=0)
+    assert {"multiturn-llava", "shared-prompt", "caption-repeat"} <= set(BUILTIN_WORKLOADS)
+    assert not is_conversational(make_workload("shared-prompt"))
+    assert not is_conversational(make_workload("caption-repeat", image_tokens=16))
+
+
+def _body(factory: RequestFactory, spec: RequestSpec, index: int, salt: int = 0) -> dict[str, Any]:
+    return dict(json.loads(factory.body(spec, index, salt)))
+
+
+def test_each_turn_sends_the_whole_history() -> None:
+    factory = RequestFactory("m", image_size=16)
+    specs = MultiturnLlavaWorkload(image_tokens=16).sample(5, seed=0)
+    plan = factory.plan(specs, [0.0] * 5)
+    assert [(p.conversation, p.turn) for p in plan] == [("c0", t) for t in range(5)]
+    history, sent = History(), []
+    for p in plan:
+        sent.append(json.loads(history.body(p)))
+        history.answered(p, f"answer {p.turn}")
+    first_user = sent[0]["messages"][0]
+    assert [part["type"] for part in first_user["content"]] == ["image_url", "text"]
+    for k, body in enumerate(sent):
+        messages = body["messages"]
+        assert len(messages) == 2 * k + 1
+        assert messages[0] == first_user  # the same image_url part, byte for byte, every turn
+        assert [m["role"] for m in messages] == ["user", "assistant"] * k + ["user"]
+        assert [m["content"] for m in messages[1::2]] == [f"answer {t}" for t in range(k)]
+        if k:  # the previous turn's messages, then its answer
+            assert messages[:-1] == [*sent[k - 1]["messages"], {"role": "assistant", "content": f"answer {k - 1}"}]
+        assert messages[-1] == json.loads(plan[k].body)["messages"][0]  # the turn's own question
+        assert body["max_tokens"] == specs[k].output_tokens
+    assert all(isinstance(m["content"], str) for s in sent[1:] for m in s["messages"][1:])
+
+
+def test_chains_and_start_times_of_conversations() -> None:
+    specs = [RequestSpec(4, 2, conversation_id="a", turn=0), RequestSpec(4, 2, conversation_id="a", turn=1),
+             RequestSpec(4, 2), RequestSpec(4, 2, conversation_id="b", turn=0)]
+    # 3 starts for 4 requests: 4/3 requests per start; at 2 req/s a unit time t becomes t * 4/3 / 2
+    assert conversation_arrivals(specs, [1.0, 3.0, 6.0], rate=2.0) == pytest.approx([2 / 3, 2 / 3, 2.0, 4.0])
+    with pytest.raises(ValueError, match="3 conversations but 2"):
+        conversation_arrivals(specs, [1.0, 2.0], rate=1.0)
+    plan = RequestFactory("m").plan(specs, [0.0] * 4)
+    assert request_chains(plan) == [[0, 1], [2], [3]]
+    assert whole_conversations(specs, 1) == specs[:2]
+    assert whole_conversations(specs, 3) == specs[:3] and whole_conversations(specs, 9) == specs
+
+
+def test_shared_prompt_is_identical_within_a_run_and_salted_across_runs() -> None:
+    wl = make_workload("shared-prompt")
+    assert isinstance(wl, SharedPromptWorkload)
+    specs = wl.sample(6, seed=0)
+    assert all(s.shared_prefix_tokens == 400 and 404 <= s.prompt_tokens <= 464 for s in specs)
+    factory = RequestFactory("m")
+    bodies = [_body(factory, s, i, salt=5) for i, s in enumerate(specs)]
+    systems = [b["messages"][0] for b in bodies]
+    assert all(m == {"role": "system", "content": systems[0]["content"]} for m in systems)
+    assert 1500 <= len(systems[0]["content"]) <= 1600  # ~4 characters per token without a tokenizer
+    questions = [b["messages"][1]["content"] for b in bodies]
+    assert len(set(questions)) == 6 and [b["messages"][1]["role"] for b in bodies] == ["user"] * 6
+    assert _body(factory, specs[0], 0, salt=6)["messages"][0] != systems[0]
+    completion = json.loads(RequestFactory("m", api="completions").body(specs[0], 0, 5))
+    assert completion["prompt"].startswith(systems[0]["content"] + "\n\n")
+
+
+def test_caption_repeat_sends_each_image_three_times_shuffled() -> None:
+    wl = make_workload("caption-repeat", image_tokens=16)
+    assert isinstance(wl, CaptionRepeatWorkload)
+    rows = wl.sample(24, seed=0)
+    assert Counter(r.image_seed for r in rows) == {i: 3 for i in range(8)}
+    assert {r.image_seed for r in rows[:12]} == {0, 1, 2, 3}  # blocks of 4 images
+    assert [r.image_seed for r in rows] != sorted(r.image_seed or 0 for r in rows)
+    assert wl.sample(12, seed=0) == rows[:12] and wl.sample(30, seed=0)[:24] == rows
+    assert all(r.num_images == 1 and r.prompt_tokens == 12 and 20 <= r.output_tokens <= 40 for r in rows)
+    factory = RequestFactory("m", image_size=16)
+    bodies = [_body(factory, r, i, salt=1)["messages"][0]["content"] for i, r in enumerate(rows)]
+    by_image: dict[int, list[Any]] = {}
+    for r, content in zip(rows, bodies, strict=True):
+        by_image.setdefault(r.image_seed or 0, []).append(content)
+    assert all(c == contents[0] for contents in by_image.values() for c in contents)  # same bytes, same text
+    urls = {contents[0][0]["image_url"]["url"] for contents in by_image.values()}
+    assert len(urls) == 8
+    assert _body(factory, rows[0], 0, salt=2)["messages"][0]["content"] != bodies[0]
