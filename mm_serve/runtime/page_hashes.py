@@ -19,6 +19,8 @@ pixels never matches, and the same pixels sent twice always do.
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +33,14 @@ def _blake(*parts: bytes) -> bytes:
     for part in parts:
         h.update(part)
     return h.digest()
+
+
+def _int64_le(values: Sequence[int]) -> bytes:
+    """``values`` as little-endian int64 bytes (the same on every node of a cluster)."""
+    packed = array("q", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def image_content_hash(pixels: torch.Tensor) -> bytes:
@@ -89,7 +99,7 @@ def page_hash_chain(
     parent = chain[-1] if chain else salt
     for page in range(len(chain), len(token_ids) // page_size):
         lo, hi = page * page_size, (page + 1) * page_size
-        tokens = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[lo:hi])
+        tokens = _int64_le(token_ids[lo:hi])
         images = b"".join(h for (a, b), h in zip(spans, image_hashes, strict=True) if a < hi and b > lo)
         parent = _blake(parent, tokens, images)
         chain.append(parent)
