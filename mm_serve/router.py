@@ -1,11 +1,13 @@
 """Request dispatch across prefill and decode workers (xPyD).
 
-* Prefill: with ``cache_aware`` routing (the default; SGLang's ``cache_aware`` policy is
-  the reference), the worker believed to hold the longest cached prefix of the request
-  (:class:`~mm_serve.prefix_index.PrefixIndex`), unless its queued prompt tokens exceed the
-  least-queued worker's by more than ``balance_tokens``; otherwise, and with
-  ``least_queued`` routing, the worker with the least queued work, in prompt tokens
-  (image tokens included), counted from dispatch until its first token comes back. The queued
+* Prefill: the worker with the least queued work, in prompt tokens to compute (image tokens
+  included), counted from dispatch until its first token comes back. With ``cache_aware``
+  routing (the default; SGLang's ``cache_aware`` policy is the reference) the request's own
+  work counts too: its prompt less the prefix a worker is believed to hold
+  (:class:`~mm_serve.prefix_index.PrefixIndex`), so it goes where its prefill would finish
+  first, which is the holder of its longest prefix unless that worker is busier by more
+  than the prefix saves; and never to a worker whose queue exceeds the least-queued one's
+  by more than ``balance_tokens``. A cached prefix is not counted in the queued work. The queued
   work is also kept per SLO tier rank (:class:`PrefillWork`), for the admission
   controller's prediction of the wait ahead of a new request.
 * Decode: the worker with room, judged from its latest :class:`WorkerStats`
@@ -74,11 +76,12 @@ class Router:
 
     def __init__(
         self, num_prefill: int, num_decode: int, decode_pages_total: int, max_running: int,
-        cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 2048,
+        cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 2048, page_size: int = 16,
     ) -> None:
         """``cache_aware``: route by cached prefix (``balance_tokens`` queued tokens of slack),
-        remembering up to ``prefill_pages`` page hashes per prefill worker."""
+        remembering up to ``prefill_pages`` page hashes (of ``page_size`` tokens) per prefill worker."""
         self.cache_aware = cache_aware
+        self.page_size = page_size
         self.balance_tokens = balance_tokens
         self.prefixes = PrefixIndex(num_prefill, prefill_pages)
         self.prefill_tokens = [0] * num_prefill
@@ -101,12 +104,15 @@ class Router:
         least = min(pool, key=lambda i: (self.prefill_tokens[i], i))
         if not self.cache_aware or not page_hashes:
             return least
-        best = max(pool, key=lambda i: (self.prefixes.match(i, page_hashes), -self.prefill_tokens[i], -i))
-        if best == least or self.prefixes.match(best, page_hashes) == 0:
-            return least
+        saved = {i: self.cached_tokens(i, page_hashes) for i in pool}
+        best = min(pool, key=lambda i: (self.prefill_tokens[i] - saved[i], -saved[i], i))
         if self.prefill_tokens[best] - self.prefill_tokens[least] > self.balance_tokens:
             return least
         return best
+
+    def cached_tokens(self, worker: int, page_hashes: Sequence[bytes]) -> int:
+        """Tokens of a request (full pages hashing to ``page_hashes``) believed cached on ``worker``."""
+        return self.prefixes.match(worker, page_hashes) * self.page_size if self.cache_aware else 0
 
     def pick_decode(self, pages_needed: int, candidates: Sequence[int] | None = None) -> int:
         """Index of the decode worker with the most room for ``pages_needed`` more pages, among
@@ -131,6 +137,7 @@ class Router:
         pages for the prompt and first token)."""
         rank = min(max(rank, 0), NUM_RANKS - 1)
         if self.cache_aware and page_hashes:
+            tokens -= min(self.cached_tokens(prefill, page_hashes), tokens - 1)  # the work left to compute
             self.prefixes.record(prefill, page_hashes)
         self.prefill_tokens[prefill] += tokens
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
@@ -155,7 +162,7 @@ class Router:
             ahead.images += work.images
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
-        cached = self.prefixes.match(prefill, page_hashes) if self.cache_aware and page_hashes else 0
+        cached = self.cached_tokens(prefill, page_hashes) // self.page_size if page_hashes else 0
         return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used, cached)
 
     def queued(self) -> tuple[int, int]:

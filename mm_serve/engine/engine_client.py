@@ -107,6 +107,7 @@ class EngineClient:
             cfg.kv_cache.max_pages_per_gpu, cfg.scheduler.decode_max_concurrent,
             cache_aware=cfg.scheduler.prefill_routing == "cache_aware" and cfg.kv_cache.enable_prefix_caching,
             balance_tokens=cfg.scheduler.cache_aware_balance_tokens, prefill_pages=cfg.kv_cache.max_pages_per_gpu,
+            page_size=cfg.kv_cache.page_size,
         )
         self._receiver = threading.Thread(target=self._receive_loop, name="mm-serve-receiver", daemon=True)
         self._receiver.start()

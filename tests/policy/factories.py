@@ -103,7 +103,7 @@ def make_router(
 ) -> Router:
     """A router with fresh load counters."""
     return Router(num_prefill, num_decode, decode_pages_total, max_running, cache_aware=cache_aware,
-                  balance_tokens=balance_tokens, prefill_pages=prefill_pages)
+                  balance_tokens=balance_tokens, prefill_pages=prefill_pages, page_size=PAGE_SIZE)
 
 
 def make_kv_cache(num_pages: int = 8) -> PagedKVCache:
