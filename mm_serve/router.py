@@ -1,13 +1,13 @@
 """Request dispatch across prefill and decode workers (xPyD).
 
-* Prefill: the worker with the least queued work, in prompt tokens to compute (image tokens
-  included), counted from dispatch until its first token comes back. With ``cache_aware``
-  routing (the default; SGLang's ``cache_aware`` policy is the reference) the request's own
-  work counts too: its prompt less the prefix a worker is believed to hold
-  (:class:`~mm_serve.prefix_index.PrefixIndex`), so it goes where its prefill would finish
-  first, which is the holder of its longest prefix unless that worker is busier by more
-  than the prefix saves; and never to a worker whose queue exceeds the least-queued one's
-  by more than ``balance_tokens``. A cached prefix is not counted in the queued work. The queued
+* Prefill: with ``cache_aware`` routing (the default; SGLang's ``cache_aware`` policy is the
+  reference), the worker believed to hold the longest cached prefix of the request
+  (:class:`~mm_serve.prefix_index.PrefixIndex`: its hits on the images of that prefix too),
+  unless its queued tokens exceed the least-queued worker's by more than ``balance_tokens``;
+  otherwise, and with ``least_queued`` routing, the worker with the least queued work. Queued
+  work is in prompt tokens left to compute (image tokens included, a cached prefix not),
+  counted from dispatch until the first token comes back. Keeping a conversation on one
+  worker keeps its later turns' hits there too. The queued
   work is also kept per SLO tier rank (:class:`PrefillWork`), for the admission
   controller's prediction of the wait ahead of a new request.
 * Decode: the worker with room, judged from its latest :class:`WorkerStats`
@@ -104,8 +104,9 @@ class Router:
         least = min(pool, key=lambda i: (self.prefill_tokens[i], i))
         if not self.cache_aware or not page_hashes:
             return least
-        saved = {i: self.cached_tokens(i, page_hashes) for i in pool}
-        best = min(pool, key=lambda i: (self.prefill_tokens[i] - saved[i], -saved[i], i))
+        best = max(pool, key=lambda i: (self.prefixes.match(i, page_hashes), -self.prefill_tokens[i], -i))
+        if self.prefixes.match(best, page_hashes) == 0:
+            return least
         if self.prefill_tokens[best] - self.prefill_tokens[least] > self.balance_tokens:
             return least
         return best

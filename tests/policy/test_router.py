@@ -128,24 +128,19 @@ def test_cache_aware_routing_prefers_the_worker_holding_the_prefix() -> None:
     assert router.pick_prefill() == 0
 
 
-def test_cache_aware_routing_weighs_the_queue_against_what_the_prefix_saves() -> None:
-    """A prefix holder is chosen while its extra queue is less than the tokens its prefix saves
-    (PAGE_SIZE 4 tokens a page), and never past the balance margin."""
+def test_cache_aware_routing_yields_to_load_past_the_balance_margin() -> None:
     router = make_router(num_prefill=2, cache_aware=True, balance_tokens=100)
-    short, long = [b"s0", b"s1"], [f"l{i}".encode() for i in range(40)]
-    router.dispatched("warm-s", prefill=1, decode=0, tokens=9, pages=3, page_hashes=short)
-    router.dispatched("warm-l", prefill=1, decode=0, tokens=161, pages=41, page_hashes=long)
-    router.prefilled("warm-s")
-    router.prefilled("warm-l")
-    router.dispatched("a", prefill=1, decode=0, tokens=90, pages=23)
-    assert router.pick_prefill(page_hashes=short) == 0  # 90 queued tokens more, 8 saved: elsewhere
-    assert router.pick_prefill(page_hashes=long) == 1  # 160 saved outweigh the 90 queued
-    router.dispatched("b", prefill=1, decode=0, tokens=20, pages=5)
-    assert router.pick_prefill(page_hashes=long) == 0  # 110 more queued: past the margin of 100
+    chain = [b"p0", b"p1"]
+    router.dispatched("warm", prefill=1, decode=0, tokens=9, pages=3, page_hashes=chain)
+    router.prefilled("warm")
+    router.dispatched("a", prefill=1, decode=0, tokens=100, pages=25)
+    assert router.pick_prefill(page_hashes=chain) == 1  # 100 queued tokens more: within the margin
+    router.dispatched("b", prefill=1, decode=0, tokens=1, pages=1)
+    assert router.pick_prefill(page_hashes=chain) == 0  # 101 more: the idle worker wins
     router.reset_prefill(1)
-    for rid in ("a", "b"):
-        router.prefilled(rid)
-    assert router.pick_prefill(page_hashes=long) == 0  # a restarted worker holds nothing
+    router.prefilled("a")
+    router.prefilled("b")
+    assert router.pick_prefill(page_hashes=chain) == 0  # a restarted worker holds nothing
 
 
 def test_a_dispatched_prefix_hit_counts_only_the_tokens_left_to_compute() -> None:
