@@ -129,6 +129,8 @@ class WorkerStats(msgspec.Struct, tag=True):
     num_preemptions: int
     num_encoded_images: int
     pages_integrity_ok: bool
+    ray_handoffs: int = 0  # decode: hand-offs fetched through Ray's object store (other nodes)
+    ring_pages_held: int = 0  # ring pages (over all its rings) held by hand-offs not yet given back
 
 
 class TokenUpdate(msgspec.Struct):
