@@ -12,6 +12,7 @@ planner's node indices map onto them one to one.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,10 @@ class RayCluster:
         Raises:
             ConfigError: ``ray`` is not installed, or the cluster cannot be reached.
         """
+        # Ray's crash-signal handler in a driver re-raises SIGTERM after our handler ran, which
+        # would kill the front end instead of letting it drain (README "Graceful stop"); it is
+        # read when ray is first imported.
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         try:
             import ray
         except ImportError:
