@@ -13,10 +13,12 @@ manager over TCP as between two machines; loopback only, no dashboard), then, in
    throughput with up to ``--in-flight`` hand-offs outstanding (bytes/s at the consumer) and
    the latency of one hand-off alone (from the producer's first copy to the consumer's
    last, median of ``--latency-runs``).
-2. **Goodput.** ``mm-serve bench --sweep`` (llava workload, the embedded model) against
+2. **Goodput.** ``mm-serve bench --sweep`` (llava workload, ``--model``: the bench llava
+   checkpoint of ``make bench-models`` by default) against
    ``mm-serve serve`` with ``cluster.backend: ray``, 1 prefill + 1 decode worker: both on
    node 0 (same node: the shared-memory ring), then prefill on node 0 and decode on node 1
-   (the Ray transport).
+   (the Ray transport). Admission prediction is off (``admission.predict: false``): its
+   refusals early in a short run would count as misses and hide the transport.
 
 Default hand-off shape: a 600-token LLaVA prompt (576 image rows) on a TinyLlama-1.1B-like
 decoder (22 layers, 4 KV heads, head dim 64, hidden 2048, bf16, page size 16: 15.6 MiB per
@@ -172,8 +174,10 @@ def goodput(args: argparse.Namespace, address: str, nodes: tuple[int, int], out:
     config = out / "config.yaml"
     config.write_text(yaml.safe_dump({"cluster": {
         "backend": "ray", "address": address, "prefill_nodes": [nodes[0]], "decode_nodes": [nodes[1]]},
-        "compute": {"threads_per_worker": 1}}))
-    cmd = [sys.executable, "-m", "mm_serve.cli.main", "bench", "--config", str(config), "--workload", "llava",
+        "compute": {"threads_per_worker": 1},
+        "admission": {"predict": False}}))  # the transport, not the admission predictor's early guesses
+    cmd = [sys.executable, "-m", "mm_serve.cli.main", "bench", "--config", str(config), "--model", args.model,
+           "--workload", "llava",
            "--sweep", "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
            "--num-requests", str(args.num_requests), "--seed", "0", "--out", str(out / "bench")]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -198,7 +202,9 @@ def main() -> None:
     parser.add_argument("--skip-goodput", action="store_true")
     parser.add_argument("--slo-ttft", type=float, default=1.0)
     parser.add_argument("--slo-tpot", type=float, default=0.05)
-    parser.add_argument("--num-requests", type=int, default=60, help="requests per goodput probe")
+    parser.add_argument("--num-requests", type=int, default=80, help="requests per goodput probe")
+    parser.add_argument("--model", default="out/bench-llava", help="checkpoint for the goodput runs "
+                        "(make bench-models builds out/bench-llava)")
     args = parser.parse_args()
     node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": args.object_store_mib << 20}
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -219,7 +225,8 @@ def main() -> None:
                     out = Path(tmp) / f"p{nodes[0]}d{nodes[1]}"
                     out.mkdir()
                     print(f"{label:32s}: goodput {goodput(args, cluster.address, nodes, out):.2f} req/s "
-                          f"(llava, embedded model, TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s, 90 %)", flush=True)
+                          f"(llava workload, {args.model}, TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s, 90 %)",
+                          flush=True)
     finally:
         if ray.is_initialized():
             ray.shutdown()

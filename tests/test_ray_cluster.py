@@ -5,8 +5,11 @@ machine, each with its own object store, so a hand-off between them goes through
 object manager as between two machines), bound to 127.0.0.1 only: every node's address,
 the driver's, the GCS and the object managers (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
 makes Ray resolve "this node" to the loopback address instead of the outward interface);
-no dashboard, no usage reporting, 128 MiB object stores. The cluster is stopped at the end
-and no Ray process may be left.
+no dashboard, no usage reporting, 128 MiB object stores. Ray's head still starts a minimal
+API server that asks the cloud metadata address (169.254.169.254) which cloud it runs on and
+posts a "usage stats disabled" note to Ray's server; both go through ``requests``, so the
+cluster's processes get a proxy on a closed loopback port (:data:`LOOPBACK_ONLY_ENV`) and those
+calls fail at once on 127.0.0.1. The cluster is stopped at the end and no Ray process may be left.
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ ray = pytest.importorskip("ray")
 
 OBJECT_STORE_BYTES = 128 << 20
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+DEAD_PORT = "http://127.0.0.1:9"  # discard port, nothing listens: a request there fails at once
+LOOPBACK_ONLY_ENV = {
+    "http_proxy": DEAD_PORT, "https_proxy": DEAD_PORT, "HTTP_PROXY": DEAD_PORT, "HTTPS_PROXY": DEAD_PORT,
+    "no_proxy": "127.0.0.1,localhost", "NO_PROXY": "127.0.0.1,localhost",
+    "RAY_USAGE_STATS_REPORT_URL": f"{DEAD_PORT}/",
+}
 RAY_PROCESS_NAMES = ("raylet", "gcs_server", "plasma_store", "ray::", "dashboard", "runtime_env")
 
 
@@ -72,6 +81,8 @@ def cluster() -> Iterator[str]:
     from ray.cluster_utils import Cluster
 
     assert ray_processes() == [], "a Ray process was running before the test"
+    saved = {key: os.environ.get(key) for key in LOOPBACK_ONLY_ENV}
+    os.environ.update(LOOPBACK_ONLY_ENV)  # inherited by every Ray process the cluster starts
     node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
     c = Cluster(initialize_head=True, head_node_args={
         **node, "resources": {"mm_serve_node_0": 100}, "include_dashboard": False})
@@ -82,6 +93,11 @@ def cluster() -> Iterator[str]:
         if ray.is_initialized():
             ray.shutdown()
         c.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         deadline = time.monotonic() + 20
         while ray_processes() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -170,6 +186,26 @@ def test_prefill_and_decode_on_different_nodes_equal_transformers(
     assert "mm_serve_node_0" in nodes[workers[("prefill", 0)].node_id]
     assert "mm_serve_node_1" in nodes[workers[("decode", 0)].node_id]
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+
+
+def test_pairs_on_the_front_end_node_keep_the_shared_memory_ring(
+        cluster: str, tiny_llava: Path, client: EngineClient, reference_tokens: list[list[int]]) -> None:
+    """2P1D with prefill 0 and the decode worker on node 0, the front end's (a driver joins the
+    head node), and prefill 1 on node 1: one decode worker claims from a shared-memory ring and
+    from a Ray one, and the outputs are the same."""
+    cfg = ray_config(cluster, compute={"prefill_workers": 2}, cluster={"prefill_nodes": [0, 1], "decode_nodes": [0]})
+    other = EngineClient(tiny_llava, config_from_dict(cfg))
+    other.start()
+    try:
+        assert other.pool.ring_transports() == ["shm", "ray"] and len(other.pool.rings) == 1
+        states = run(other, "mixed-transports", CASES, [GREEDY] * len(CASES))
+        assert [s.token_ids for s in states] == reference_tokens
+        stats = other.query_stats()
+        assert 0 < stats[("decode", 0)].ray_handoffs < len(CASES), "both rings carried hand-offs"
+        assert_all_free(other)
+    finally:
+        other.shutdown()
+    assert ray.is_initialized(), "a pool that found the connection open leaves it open"
 
 
 def test_100_mixed_requests_leave_every_page_free_on_both_nodes(client: EngineClient) -> None:
