@@ -35,6 +35,13 @@ import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on the loopback address only
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray's head asks the cloud metadata address which cloud it is on and posts a "usage disabled" note,
+# both through `requests`: a proxy on a closed loopback port makes them fail here (as in the tests).
+for _key in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+    os.environ.setdefault(_key, "http://127.0.0.1:9")
+os.environ.setdefault("no_proxy", "127.0.0.1,localhost")
+os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
+os.environ.setdefault("RAY_USAGE_STATS_REPORT_URL", "http://127.0.0.1:9/")
 
 import argparse  # noqa: E402
 import json  # noqa: E402

@@ -71,8 +71,9 @@ def ray_processes() -> list[str]:
 
 
 def worker_actors() -> list[str]:
-    """The worker actors' processes on this machine."""
-    return [p for p in ray_processes() if p.split(": ", 1)[1].startswith("ray::RayWorker")]
+    """The worker actors' processes on this machine (Ray titles them ``ray::<actor name>``,
+    ``ray::RayWorker`` while the actor starts)."""
+    return [p for p in ray_processes() if p.split(": ", 1)[1].startswith(("ray::mmsrv-", "ray::RayWorker"))]
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +309,7 @@ def test_planned_two_node_config_serves_on_the_cluster(cluster: str, tiny_llava:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        assert len(worker_actors()) == actors_before + 2, "its prefill and decode actors"
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "model": str(tiny_llava), "prompt": "Serving a language model means", "max_tokens": 8,
             "temperature": 0})
