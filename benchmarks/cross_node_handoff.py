@@ -93,7 +93,8 @@ class HandoffActor:
     def produce(self, total: int, tokens: int, rows: int, one_at_a_time: bool) -> list[float]:
         """Publish ``total`` hand-offs; the wall time each one's copy started. ``one_at_a_time``:
         wait for each to be released before the next (latency)."""
-        ring, starts = self.ring, []
+        ring = self.ring
+        starts: list[float] = []
         n_pages = -(-tokens // ring.spec.page_size)
         features = torch.ones(rows, ring.spec.feature_dim, dtype=self.kv.dtype)
         for index in range(total):
@@ -116,7 +117,8 @@ class HandoffActor:
 
     def consume(self, total: int) -> list[float]:
         """Claim, copy out and release ``total`` hand-offs; the wall time each copy ended."""
-        ring, ends = self.ring, []
+        ring = self.ring
+        ends: list[float] = []
         features = torch.ones(ring.spec.feature_rows, ring.spec.feature_dim, dtype=self.kv.dtype)
         while len(ends) < total:
             if ring.peek() is None or (handoff := ring.claim()) is None:
@@ -152,7 +154,7 @@ def run_transport(args: argparse.Namespace, transport: str) -> tuple[float, floa
     actor_class = ray.remote(HandoffActor)
     consumer_node = "mm_serve_node_1" if transport == "ray" else "mm_serve_node_0"
     try:
-        actors = [actor_class.options(  # type: ignore[attr-defined]
+        actors: list[Any] = [actor_class.options(  # type: ignore[attr-defined]
             name=f"{NAMESPACE}-{transport}-{tag}", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
             resources={node: 1}).remote(msgspec.msgpack.encode(spec), side)
             for tag, side, node in (("p", "producer", "mm_serve_node_0"), ("d", "consumer", consumer_node))]
@@ -210,6 +212,7 @@ def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=1.0)
     parser.add_argument("--slo-tpot", type=float, default=0.05)
     parser.add_argument("--num-requests", type=int, default=80, help="requests per goodput probe")
+    parser.add_argument("--rounds", type=int, default=3, help="goodput sweeps per layout, alternating")
     parser.add_argument("--model", default="out/bench-llava", help="checkpoint for the goodput runs "
                         "(make bench-models builds out/bench-llava)")
     args = parser.parse_args()
@@ -227,13 +230,20 @@ def main() -> None:
             print(f"{label:32s}: {rate / 1e9:6.2f} GB/s   {latency * 1e3:7.1f} ms per hand-off")
         ray.shutdown()
         if not args.skip_goodput:
+            print(f"goodput, 1P1D: llava workload, {args.model}, TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s, "
+                  f"90 %, {args.num_requests} requests per probe; {args.rounds} alternating round(s)", flush=True)
+            layouts = (((0, 0), "P and D on one node (shm ring)"), ((0, 1), "P and D on 2 nodes (Ray)"))
+            results: dict[tuple[int, int], list[float]] = {nodes: [] for nodes, _ in layouts}
             with tempfile.TemporaryDirectory(prefix="mmsrv-goodput-") as tmp:
-                for nodes, label in (((0, 0), "1P1D, P and D on one node"), ((0, 1), "1P1D, P and D on 2 nodes")):
-                    out = Path(tmp) / f"p{nodes[0]}d{nodes[1]}"
-                    out.mkdir()
-                    print(f"{label:32s}: goodput {goodput(args, cluster.address, nodes, out):.2f} req/s "
-                          f"(llava workload, {args.model}, TTFT {args.slo_ttft} s, TPOT {args.slo_tpot} s, 90 %)",
-                          flush=True)
+                for round_index in range(args.rounds):
+                    for nodes, label in layouts:
+                        out = Path(tmp) / f"r{round_index}-p{nodes[0]}d{nodes[1]}"
+                        out.mkdir()
+                        results[nodes].append(goodput(args, cluster.address, nodes, out))
+                        print(f"  round {round_index + 1} {label:30s}: {results[nodes][-1]:.2f} req/s", flush=True)
+            for nodes, label in layouts:
+                print(f"{label:32s}: goodput median {statistics.median(results[nodes]):.2f} req/s "
+                      f"(rounds: {', '.join(f'{g:.2f}' for g in results[nodes])})")
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -33,7 +33,7 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 from mm_serve.cli.main import main as cli_main  # noqa: E402
-from mm_serve.config import config_from_dict, load_config  # noqa: E402
+from mm_serve.config import ConfigError, config_from_dict, load_config  # noqa: E402
 from mm_serve.engine.engine_client import EngineClient  # noqa: E402
 from mm_serve.engine.ray_worker import RayWorkerHandle  # noqa: E402
 from mm_serve.runtime.sampling_params import SamplingParams  # noqa: E402
@@ -259,6 +259,15 @@ def test_decode_actor_killed_mid_stream_is_survived(client: EngineClient) -> Non
     assert new.node_id == old.node_id, "the restarted actor is on the node its placement names"
     (after,) = run(client, "after", [request], [LONG])
     assert after.token_ids == reference.token_ids
+
+
+def test_a_node_no_ray_node_offers_fails_the_start_naming_the_key(cluster: str, tiny_llava: Path) -> None:
+    cfg = ray_config(cluster, cluster={"decode_nodes": [3]})
+    other = EngineClient(tiny_llava, config_from_dict(cfg))
+    with pytest.raises(ConfigError, match=r"cluster.decode_nodes names node 3, but no node of the Ray cluster "
+                                          r"offers the resource 'mm_serve_node_3'"):
+        other.start()
+    assert not other.pool.run_dir.exists()
 
 
 def free_port() -> int:
