@@ -46,6 +46,7 @@ os.environ.setdefault("RAY_USAGE_STATS_REPORT_URL", "http://127.0.0.1:9/")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -216,7 +217,9 @@ def main() -> None:
     parser.add_argument("--model", default="out/bench-llava", help="checkpoint for the goodput runs "
                         "(make bench-models builds out/bench-llava)")
     args = parser.parse_args()
-    node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": args.object_store_mib << 20}
+    temp_dir = tempfile.mkdtemp(prefix="mmray-")  # Ray's sessions and logs, removed at the end
+    node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": args.object_store_mib << 20,
+            "temp_dir": temp_dir}
     cluster = Cluster(initialize_head=True, head_node_args={
         **node, "resources": {"mm_serve_node_0": 100}, "include_dashboard": False})
     try:
@@ -248,6 +251,7 @@ def main() -> None:
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported:
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -84,7 +86,9 @@ def cluster() -> Iterator[str]:
     assert ray_processes() == [], "a Ray process was running before the test"
     saved = {key: os.environ.get(key) for key in LOOPBACK_ONLY_ENV}
     os.environ.update(LOOPBACK_ONLY_ENV)  # inherited by every Ray process the cluster starts
-    node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
+    temp_dir = tempfile.mkdtemp(prefix="mmray-")  # short: Ray's unix socket paths live under it
+    node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES,
+            "temp_dir": temp_dir}
     c = Cluster(initialize_head=True, head_node_args={
         **node, "resources": {"mm_serve_node_0": 100}, "include_dashboard": False})
     try:
@@ -103,6 +107,7 @@ def cluster() -> Iterator[str]:
         while ray_processes() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert ray_processes() == [], "the cluster left Ray processes behind"
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def ray_config(address: str, **extra: Any) -> dict[str, Any]:
