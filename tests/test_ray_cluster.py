@@ -28,6 +28,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -78,22 +79,31 @@ def worker_actors() -> list[str]:
     return [p for p in ray_processes() if p.split(": ", 1)[1].startswith(("ray::mmsrv-", "ray::RayWorker"))]
 
 
+@dataclass
+class TwoNodes:
+    """The test cluster and what its second node was started with (to start it again)."""
+
+    cluster: Any  # ray.cluster_utils.Cluster
+    second_node_args: dict[str, Any]
+
+
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
-    """Two Ray nodes on 127.0.0.1 offering mm_serve_node_0 and mm_serve_node_1; yields the address."""
+def ray_cluster() -> Iterator[TwoNodes]:
+    """Two Ray nodes on 127.0.0.1 offering mm_serve_node_0 and mm_serve_node_1."""
     from ray.cluster_utils import Cluster
 
     assert ray_processes() == [], "a Ray process was running before the test"
     saved = {key: os.environ.get(key) for key in LOOPBACK_ONLY_ENV}
     os.environ.update(LOOPBACK_ONLY_ENV)  # inherited by every Ray process the cluster starts
     temp_dir = tempfile.mkdtemp(prefix="mmray-")  # short: Ray's unix socket paths live under it
-    node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES,
+    node: dict[str, Any] = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES,
             "temp_dir": temp_dir}
     c = Cluster(initialize_head=True, head_node_args={
         **node, "resources": {"mm_serve_node_0": 100}, "include_dashboard": False})
     try:
-        c.add_node(**node, resources={"mm_serve_node_1": 100})
-        yield c.address
+        second: dict[str, Any] = {**node, "resources": {"mm_serve_node_1": 100}}
+        c.add_node(**second)
+        yield TwoNodes(c, second)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -108,6 +118,12 @@ def cluster() -> Iterator[str]:
             time.sleep(0.2)
         assert ray_processes() == [], "the cluster left Ray processes behind"
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: TwoNodes) -> str:
+    """The cluster's address."""
+    return str(ray_cluster.cluster.address)
 
 
 def ray_config(address: str, **extra: Any) -> dict[str, Any]:
@@ -340,3 +356,19 @@ def test_planned_two_node_config_serves_on_the_cluster(cluster: str, tiny_llava:
     assert proc.returncode in (0, -signal.SIGTERM), output  # uvicorn re-raises the signal it drained on
     assert "stopping: new requests get 503" in output
     wait_for(lambda: len(worker_actors()) == actors_before, 30)  # its actors went with it
+
+
+def test_a_lost_node_takes_only_its_workers_with_it(ray_cluster: TwoNodes, client: EngineClient) -> None:
+    """Node 1 (the decode worker's) goes away: the prefill worker on node 0 stays ready, the
+    decode worker waits for a node with its resource, and serves again once one joins.
+    Last in the module: it replaces the cluster's second node."""
+    request = {"prompt": Q, "images": [gradient_image(44, 52, 9)]}
+    (reference,) = run(client, "node-ref", [request], [LONG])
+    (lost,) = ray_cluster.cluster.worker_nodes
+    ray_cluster.cluster.remove_node(lost, allow_graceful=False)
+    wait_for(lambda: client.health()["workers"]["decode0"] != "ready", 60)
+    assert client.health()["workers"]["prefill0"] == "ready"
+    state = client.submit("after-node-loss", client.inputs.process(request), LONG)  # waits for a decode worker
+    ray_cluster.cluster.add_node(**ray_cluster.second_node_args)
+    assert state.wait(120) and state.error is None and state.token_ids == reference.token_ids
+    assert_all_free(client)
