@@ -29,6 +29,9 @@ REQUEST_ID_BYTES = 64
 CACHE_LINE = 64
 """Bytes; hot counters written by different processes sit on different lines."""
 
+TRANSPORTS = ("shm", "ray")
+"""How a ring moves hand-offs: a shared-memory segment (same node) or Ray's object store (across nodes)."""
+
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
@@ -96,6 +99,9 @@ class RingSpec(msgspec.Struct, frozen=True):
     capacity: int  # hand-off slots, power of two
     max_pages_per_handoff: int  # page-id array length of a slot
     meta_bytes: int  # per-slot opaque payload size (msgpack of token ids + sampling params)
+    transport: str = "shm"  # "shm": this ring in shared memory; "ray": the same protocol over Ray (other nodes)
+    producer: str = ""  # transport "ray": Ray actor name of the prefill end
+    consumer: str = ""  # transport "ray": Ray actor name of the decode end
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_shape, tuple):  # a list from Python callers: normalise
@@ -124,6 +130,10 @@ class RingSpec(msgspec.Struct, frozen=True):
             )
         if self.meta_bytes < 0:
             raise ValueError(f"meta_bytes must be >= 0, got {self.meta_bytes}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "ray" and not (self.producer and self.consumer):
+            raise ValueError("a ring over Ray needs the actor names of both ends (producer, consumer)")
 
     @property
     def page_size(self) -> int:

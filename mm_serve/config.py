@@ -194,6 +194,25 @@ class AdmissionConfig(_Frozen):
     image_decode_reserve_bytes: int = Field(48 << 20, ge=1 << 16, description="Bytes reserved per image for its decode and preprocessing (on top of its encoded size); 48 MiB holds a 4000x4000 RGB image.")
 
 
+class ClusterConfig(_Frozen):
+    """Where the workers run: local processes on this machine, or Ray actors on the nodes of a
+    Ray cluster (README "Beyond one machine")."""
+
+    backend: Literal["local", "ray"] = Field("local", description="'local': worker processes on this machine; 'ray': workers as Ray actors on the cluster's nodes (the front end runs where mm-serve serve runs).")
+    address: str = Field("auto", min_length=1, description="Ray cluster to join (ray.init address): 'auto' = the cluster started on this machine with `ray start`, or host:port of its head.")
+    node_resource: str = Field("mm_serve_node", pattern=r"^[A-Za-z][A-Za-z0-9_]{0,63}$", description="Node i of prefill_nodes / decode_nodes is the Ray node started with the custom resource '<node_resource>_<i>' (e.g. ray start --resources '{\"mm_serve_node_0\": 1000}'); each worker takes one unit.")
+    prefill_nodes: list[int] = Field(default_factory=list, description="Node index of each prefill worker, in worker order; empty = wherever Ray places it.")
+    decode_nodes: list[int] = Field(default_factory=list, description="Node index of each decode worker, in worker order; empty = wherever Ray places it.")
+    advertise_host: str = Field("auto", min_length=1, description="Address the front end binds its worker sockets to (ZeroMQ over TCP; the workers connect to it): 'auto' = this node's address in the Ray cluster.")
+
+    @field_validator("prefill_nodes", "decode_nodes")
+    @classmethod
+    def _non_negative(cls, value: list[int]) -> list[int]:
+        if any(v < 0 for v in value):
+            raise ValueError(f"node indices must be >= 0, got {value}")
+        return value
+
+
 class ServiceConfig(_Frozen):
     """The whole service: model, mode and the sections above."""
 
@@ -214,6 +233,23 @@ class ServiceConfig(_Frozen):
     slo: SLOConfig = SLOConfig()
     admission: AdmissionConfig = AdmissionConfig()
     batch: BatchConfig = BatchConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _placement_matches_workers(self) -> ServiceConfig:
+        cluster = self.cluster
+        for role in ("prefill", "decode"):
+            nodes = getattr(cluster, f"{role}_nodes")
+            if not nodes:
+                continue
+            if cluster.backend != "ray":
+                raise ValueError(f"cluster.{role}_nodes places workers on nodes: it needs cluster.backend: ray")
+            workers = getattr(self.compute, f"{role}_workers")
+            if len(nodes) != workers:
+                raise ValueError(f"cluster.{role}_nodes lists {len(nodes)} nodes but compute.{role}_workers is {workers}")
+        if cluster.backend == "ray" and self.mode == "colocated":
+            raise ValueError("cluster.backend: ray runs disaggregated workers only (mode: colocated runs on one machine)")
+        return self
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -1,4 +1,5 @@
-"""Start and stop worker processes on this node; assign CPU cores.
+"""Start and stop worker processes on this node; assign CPU cores (Ray actors on other
+nodes: :mod:`mm_serve.engine.ray_launch`).
 
 Workers are separate OS processes (``python -m mm_serve.engine.worker_main``),
 each given a :class:`WorkerSpec` on its command line. They exit on
@@ -12,8 +13,23 @@ import os
 import subprocess
 import sys
 import time
+from typing import Protocol
 
 from mm_serve.runtime.worker_spec import WorkerSpec, encode_spec
+
+
+class WorkerProcess(Protocol):
+    """What the worker pool uses of a worker: a ``subprocess.Popen`` here, or a Ray actor's
+    handle (:class:`mm_serve.engine.ray_worker.RayWorkerHandle`) on a cluster."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def available_cpus() -> list[int]:
@@ -59,7 +75,7 @@ def start_worker(spec: WorkerSpec, log_path: str | None = None) -> subprocess.Po
             out.close()
 
 
-def stop_workers(processes: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+def stop_workers(processes: list[WorkerProcess], timeout_s: float = 10.0) -> None:
     """Wait up to ``timeout_s`` seconds for workers to exit (after a Shutdown message), then kill
     the stragglers (workers ignore SIGTERM and SIGINT: the front end decides when they stop)."""
     deadline = time.monotonic() + timeout_s

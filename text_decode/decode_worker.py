@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from kernels.ring_buffer import CrossModalRing
 from mm_serve.runtime import messages
 from mm_serve.runtime.doorbell import DoorbellListener
+from mm_serve.runtime.handoff_transport import ring_opener
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
 from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
@@ -37,14 +37,17 @@ class DecodeWorker(WorkerShell):
         spec, cfg = self.spec, self.spec.sizing
         self.model_config, self.model, self.kv_cache = load_for_worker(spec)
         self.runner = ModelRunner(self.model, self.kv_cache, cuda_graphs=cfg.use_cuda_graphs, max_running=cfg.max_running)
-        self.rings = [CrossModalRing.attach(r) for r in spec.rings]
-        self.receiver = HandoffReceiver(self.rings, self.kv_cache, self._handoff_failed)
+        open_ring = ring_opener(self.link, "consumer")
+        self.rings = [open_ring(r) for r in spec.rings]
+        self.receiver = HandoffReceiver(self.rings, self.kv_cache, self._handoff_failed, open_ring)
         self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, cfg)
         self.sampler = Sampler()
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
         self.requests: dict[str, Request] = {}
         self._aborted_at: dict[str, float] = {}  # aborts of hand-offs not seen yet: id -> monotonic time
         self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
+        if self.link is not None and self.doorbell is not None:
+            self.link.wake_with(spec.doorbell_address)  # a delivery over Ray rings it too
         self.wake_on = self.doorbell
         self.idle_wait_ms = self.idle_wait_ms if self.doorbell is not None else POLL_WAIT_MS
 
@@ -121,12 +124,16 @@ class DecodeWorker(WorkerShell):
     def load_report(self) -> dict[str, int]:
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "ring_slots_used": sum(r.slots_used() for r in self.rings), "queued_tokens": 0,
+            "ring_slots_used": sum(r.slots_used() for r in self.receiver.rings), "queued_tokens": 0,
             "num_preemptions": self.scheduler.num_preemptions, "num_encoded_images": 0,
+            "ray_handoffs": sum(getattr(r, "num_pulled", 0) for r in self.receiver.rings),
+            "ring_pages_held": sum(r.spec.num_pages - r.pages_free() for r in self.receiver.rings),
         }
 
     def release_resources(self) -> None:
-        for ring in self.rings:
+        for ring in self.receiver.rings:
             ring.close()
+        if self.link is not None:
+            self.link.shutdown()
         if self.doorbell is not None:
             self.doorbell.close()

@@ -16,6 +16,7 @@ from kernels.kv_transfer import copy_kv_from_ring
 from kernels.ring_buffer import CrossModalRing, Handoff
 from kernels.ring_spec import RingSpec
 from mm_serve.runtime import messages
+from mm_serve.runtime.handoff_transport import HandoffRing, RingOpener
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
 from mm_serve.runtime.lifetime import LifetimeEvent, events_from_wire
 from mm_serve.runtime.request import Request
@@ -37,12 +38,16 @@ class HandoffReceiver:
     """
 
     def __init__(
-        self, rings: list[CrossModalRing], kv_cache: PagedKVCache,
-        on_failed: Callable[[str, str], None] | None = None,
+        self, rings: list[HandoffRing], kv_cache: PagedKVCache,
+        on_failed: Callable[[str, str], None] | None = None, open_ring: RingOpener = CrossModalRing.attach,
     ) -> None:
+        """``rings[p]`` joins prefill worker ``p`` (shared memory or Ray:
+        :mod:`mm_serve.runtime.handoff_transport`); ``open_ring`` opens the ring of a restarted
+        prefill worker (:meth:`replace_ring`)."""
         self.rings = rings
         self.kv_cache = kv_cache
         self._on_failed = on_failed
+        self._open_ring = open_ring
         self._start = 0
 
     def replace_ring(self, prefill_index: int, spec: RingSpec) -> None:
@@ -53,7 +58,7 @@ class HandoffReceiver:
             FileNotFoundError, ValueError: as :meth:`CrossModalRing.attach`.
         """
         self.rings[prefill_index].close()
-        self.rings[prefill_index] = CrossModalRing.attach(spec)
+        self.rings[prefill_index] = self._open_ring(spec)
 
     def _fail(self, request_id: str, reason: str) -> None:
         if self._on_failed is not None:
@@ -89,7 +94,7 @@ class HandoffReceiver:
                     bad = ring.discard_corrupt()
                     if bad is None:
                         break
-                    self._fail(bad.request_id, f"hand-off seq {bad.seq} is READY at the wrong version")
+                    self._fail(bad.request_id, f"hand-off seq {bad.seq} failed the ring's version check")
                     continue
                 if head.request_id in aborted:
                     handoff = ring.claim()
@@ -115,7 +120,7 @@ class HandoffReceiver:
         self._start = (self._start + 1) % max(n, 1)
         return claimed
 
-    def _adopt(self, ring: CrossModalRing, handoff: Handoff) -> Request:
+    def _adopt(self, ring: HandoffRing, handoff: Handoff) -> Request:
         """Copy a claimed hand-off into the local cache and release it; raise :class:`BadHandoff`
         (after releasing it and freeing the local pages) when a check fails."""
         pages: list[int] = []

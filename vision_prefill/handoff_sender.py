@@ -16,6 +16,7 @@ from kernels.kv_transfer import copy_kv_to_ring
 from kernels.ring_buffer import CrossModalRing, Handoff
 from kernels.ring_spec import RingSpec
 from mm_serve.runtime import messages
+from mm_serve.runtime.handoff_transport import HandoffRing, RingOpener
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.lifetime import LifetimeEvent, events_to_wire
 from mm_serve.runtime.request import Request
@@ -36,24 +37,28 @@ class PendingHandoff:
 
 
 class HandoffSender:
-    """Owns the pending list; one ring per decode worker (``rings[d]``)."""
+    """Owns the pending list; one ring per decode worker (``rings[d]``), each a shared-memory
+    ring or a Ray one (:mod:`mm_serve.runtime.handoff_transport`): the logic is the same."""
 
     def __init__(
-        self, rings: list[CrossModalRing], kv_cache: PagedKVCache,
+        self, rings: list[HandoffRing], kv_cache: PagedKVCache,
         on_publish: Callable[[int], None] | None = None, checksum: bool = True,
         release: Callable[[Request], None] | None = None,
+        open_ring: RingOpener = CrossModalRing.attach,
     ) -> None:
         """``on_publish(d)`` runs after each publish to decode worker ``d``'s ring
         (the prefill worker rings that worker's doorbell); with ``checksum`` each hand-off's
         meta carries the CRC-32 of its ring pages and features (:mod:`kernels.handoff_checksum`);
         ``release(request)`` frees a request's local pages and empties its block table
-        (default: straight back to the pool; the prefill worker's keeps cached pages cached)."""
+        (default: straight back to the pool; the prefill worker's keeps cached pages cached);
+        ``open_ring`` opens the ring of a restarted decode worker (:meth:`replace_ring`)."""
         self.rings = rings
         self.kv_cache = kv_cache
         self._release = release or self._free_pages
         self.pending: list[PendingHandoff] = []
         self._on_publish = on_publish
         self._checksum = checksum
+        self._open_ring = open_ring
 
     def add(self, request: Request) -> None:
         """Queue a prefilled request (first token sampled, KV in its ``block_table``) for
@@ -145,7 +150,7 @@ class HandoffSender:
         for item in dropped:
             self._release(item.request)
         self.rings[decode_index].close()
-        self.rings[decode_index] = CrossModalRing.attach(spec)
+        self.rings[decode_index] = self._open_ring(spec)
         return [item.request.request_id for item in dropped]
 
     def _free_pages(self, request: Request) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 
-from kernels.ring_buffer import CrossModalRing
 from mm_serve.runtime import messages
 from mm_serve.runtime.doorbell import DoorbellRingers
+from mm_serve.runtime.handoff_transport import ring_opener
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
 from mm_serve.runtime.page_hashes import image_content_hashes
@@ -40,10 +40,11 @@ class PrefillWorker(WorkerShell):
         self.model_config, self.model, self.kv_cache = load_for_worker(spec)
         self.prefix, self.encoder_cache = make_caches(spec.model_dir, self.model_config, cfg, self.kv_cache)
         self.runner = ModelRunner(self.model, self.kv_cache, encoder_cache=self.encoder_cache)
-        self.rings = [CrossModalRing.attach(r) for r in spec.rings]
+        open_ring = ring_opener(self.link, "producer")
+        self.rings = [open_ring(r) for r in spec.rings]
         self.doorbells = DoorbellRingers(spec.doorbells)
         self.sender = HandoffSender(self.rings, self.kv_cache, self.doorbells.ring if spec.doorbells else None,
-                                    checksum=spec.handoff_checksum, release=self.prefix.release)
+                                    checksum=spec.handoff_checksum, release=self.prefix.release, open_ring=open_ring)
         self.scheduler = PrefillScheduler(cfg.prefill_token_budget, cfg.prefill_batch_size,
                                           chunk_tokens=cfg.prefill_chunk_tokens)
         self.sampler = Sampler()
@@ -161,6 +162,7 @@ class PrefillWorker(WorkerShell):
             "running": self.sender.num_pending, "waiting": len(self.scheduler),
             "ring_slots_used": self.sender.slots_used(), "queued_tokens": self.scheduler.queued_tokens,
             "num_preemptions": 0, "num_encoded_images": 0 if vision is None else vision.num_encoded_images,
+            "ring_pages_held": sum(r.spec.num_pages - r.pages_free() for r in self.sender.rings),
             **cache_report(self.prefix, self.encoder_cache),
         }
 

@@ -42,7 +42,12 @@ def register(subparsers: Any) -> None:
                    "stays on its node (default high)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--write-config", metavar="PATH",
-                   help="write the placement as an mm-serve config YAML")
+                   help="write the placement as an mm-serve config YAML (with --nodes > 1: for "
+                   "cluster.backend ray, each instance on its node)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="what the written config runs the workers on: cuda (the planned GPU ids) or "
+                   "cpu (the planned devices are CPU worker slots, e.g. with a CPU profile as "
+                   "--hardware; default cuda)")
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     p.add_argument("--num-requests", type=int, default=400,
                    help="minimum simulated requests per probe (default 400)")
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if args.write_config is not None:
             from mm_serve.planner.plan_config import write_placement_config
 
-            write_placement_config(result, _model_dir(args.model), args.write_config)
+            write_placement_config(result, _model_dir(args.model), args.write_config, args.device)
             written = args.write_config
     except (PlannerError, WorkloadError) as exc:
         raise CLIError(str(exc)) from None

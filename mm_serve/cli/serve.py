@@ -36,6 +36,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch-data-dir", default=None, metavar="DIR",
                    help="where the Batch API keeps its database and files (batch.data_dir; "
                         "default $XDG_STATE_HOME/mm-serve/batches)")
+    p.add_argument("--cluster-backend", choices=["local", "ray"], default=None,
+                   help="local: worker processes on this machine; ray: Ray actors on the nodes of a Ray "
+                        "cluster (cluster.backend; README \"Beyond one machine\")")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="Ray cluster to join with cluster.backend ray (cluster.address; default auto: "
+                        "the cluster `ray start` made on this machine)")
     p.add_argument("--no-admission", action="store_true",
                    help="no latency prediction at admission (admission.predict false); the hard bounds stay")
     p.set_defaults(func=run)
@@ -48,7 +54,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "compute.decode_workers": args.decode_workers, "api.api_key": args.api_key,
         "api.allowed_local_media_path": args.allowed_local_media_path,
         "api.allowed_media_domains": args.allowed_media_domains, "api.shutdown_grace_s": args.shutdown_grace_s,
-        "batch.data_dir": args.batch_data_dir,
+        "batch.data_dir": args.batch_data_dir, "cluster.backend": args.cluster_backend,
+        "cluster.address": args.ray_address,
         "admission.predict": False if args.no_admission else None,
     }
     return {k: v for k, v in pairs.items() if v is not None}

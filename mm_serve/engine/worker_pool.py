@@ -20,6 +20,10 @@ unless a peer that is still loading may attach it from its start-up spec: then i
 kept until that peer is ready (and has been told to switch) or has failed. Past
 ``fault.max_restarts`` restarts in the window a worker stays down and the service runs
 on the others.
+
+With ``cluster.backend: ray`` the workers are Ray actors on the nodes the config names
+and the sockets are TCP; :class:`~mm_serve.engine.ray_launch.RayLaunch` supplies what
+differs (addresses, which pairs hand off over Ray, the actors), the rest is the same.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import enum
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,6 +41,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -49,10 +53,13 @@ from mm_serve.engine.kernel_prebuild import BuildStopped, prebuild_cpu_kernels
 from mm_serve.engine.ring_sizing import ring_specs
 from mm_serve.engine.stale_instances import remove_stale_instances, write_owner
 from mm_serve.engine.worker_specs import build_worker_specs
-from mm_serve.launcher import start_worker, stop_workers
+from mm_serve.launcher import WorkerProcess, start_worker, stop_workers
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime import messages
 from mm_serve.runtime.worker_spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from mm_serve.engine.ray_launch import RayLaunch
 
 WorkerKey = tuple[str, int]  # (role, index)
 
@@ -85,7 +92,7 @@ class WorkerFailure:
 @dataclass
 class _Worker:
     spec: WorkerSpec
-    process: subprocess.Popen[bytes] | None = None
+    process: WorkerProcess | None = None
     status: WorkerStatus = WorkerStatus.WARMING
     pid: int = 0
     last_seen: float = 0.0  # monotonic time of its last message
@@ -110,7 +117,9 @@ class WorkerPool:
         # removed by shutdown(); also when a pool that never started is dropped, or at exit
         weakref.finalize(self, shutil.rmtree, str(self.run_dir), True)
         self.colocated = config.mode == "colocated"
-        self.rings: list[CrossModalRing] = []
+        self.ring_specs: list[RingSpec] = []  # every pair's ring, prefill-major (p * M + d)
+        self._shm: dict[int, CrossModalRing] = {}  # the pairs that hand off through shared memory
+        self._ray: RayLaunch | None = None  # set with cluster.backend: ray
         self.workers: dict[WorkerKey, _Worker] = {}
         self.restart_counts: Counter[str] = Counter()  # role -> restarts so far
         self.stopping = threading.Event()
@@ -140,37 +149,52 @@ class WorkerPool:
             print(f"mm-serve: removed the run directories and shared memory of {len(stale)} stopped "
                   f"instance(s) whose process is gone: {', '.join(stale)}", file=sys.stderr, flush=True)
         ring_list = [] if self.colocated else ring_specs(self.instance, cfg, self.model_config)
-        self.rings = [CrossModalRing.create(s) for s in ring_list]
+        if cfg.cluster.backend == "ray":
+            from mm_serve.engine.ray_launch import RayLaunch
+
+            self._ray = RayLaunch(cfg, f"mmsrv-{self.instance}")
+            m = cfg.compute.decode_workers
+            ring_list = [self._ray.ring(r, *divmod(i, m), (0, 0)) for i, r in enumerate(ring_list)]
+        self.ring_specs = ring_list
+        self._shm = {i: CrossModalRing.create(r) for i, r in enumerate(ring_list) if r.transport == "shm"}
         self._out = self._ctx.socket(zmq.PULL)
-        output_address = f"ipc://{self.run_dir}/out"
-        self._out.bind(output_address)
+        self._out.bind(self._ray.bind_address() if self._ray else f"ipc://{self.run_dir}/out")
+        output_address = self._out.getsockopt_string(zmq.LAST_ENDPOINT)
         specs = build_worker_specs(self.model_dir, cfg, self.model_config, ring_list, self.run_dir, output_address)
+        if self._ray is not None:
+            specs = [self._ray.worker_spec(s, ring_list) for s in specs]
         try:
             specs = prebuild_cpu_kernels(specs, self.stopping)
         except BuildStopped as exc:
             raise WorkerStartError(str(exc)) from None
         self.workers = {(s.role, s.index): _Worker(s) for s in specs}
         for key, worker in self.workers.items():
-            self._bind_control(key, worker.spec.control_address)
+            worker.spec = self._bind_control(key, worker.spec)
         for key in self.workers:
             self._spawn(key)
         self._wait_ready(timeout_s, on_stats)
 
-    def _bind_control(self, key: WorkerKey, address: str) -> None:
+    def _bind_control(self, key: WorkerKey, spec: WorkerSpec) -> WorkerSpec:
+        """Bind worker ``key``'s control socket at ``spec.control_address`` (with Ray: a free
+        TCP port); returns the spec with the address as bound."""
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # never mute while the worker is connected: sends do not block
-        sock.bind(address)
+        sock.bind(self._ray.bind_address() if self._ray else spec.control_address)
         old = self._controls.pop(key, None)
         if old is not None:
             old.close(linger=0)
         self._controls[key] = sock
+        return msgspec.structs.replace(spec, control_address=sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     def _spawn(self, key: WorkerKey) -> None:
         worker = self.workers[key]
         spec = worker.spec
-        worker.process = start_worker(spec, str(self.run_dir / f"{spec.role}{spec.index}.log"))
-        worker.pid = worker.process.pid
+        if self._ray is not None:
+            worker.process = self._ray.spawn(spec, worker.generation)
+        else:
+            worker.process = start_worker(spec, str(self.run_dir / f"{spec.role}{spec.index}.log"))
+        worker.pid = worker.process.pid  # 0 for an actor until it has started (see observe)
         worker.started_at = worker.last_seen = time.monotonic()
         worker.restart_at = None
 
@@ -201,7 +225,17 @@ class WorkerPool:
         return [w.spec for w in self.workers.values()]
 
     @property
-    def processes(self) -> list[subprocess.Popen[bytes]]:
+    def rings(self) -> list[CrossModalRing]:
+        """The shared-memory rings (every pair's on one machine; with Ray, those of pairs on the
+        front end's node), in pair order."""
+        return [self._shm[i] for i in sorted(self._shm)]
+
+    def ring_transports(self) -> list[str]:
+        """Each pair's transport (``shm`` or ``ray``), prefill-major."""
+        return [r.transport for r in self.ring_specs]
+
+    @property
+    def processes(self) -> list[WorkerProcess]:
         """The current process of every worker that has one."""
         return [w.process for w in self.workers.values() if w.process is not None]
 
@@ -256,8 +290,10 @@ class WorkerPool:
         worker = self.workers.get((role, index))
         if worker is None:
             return False
+        if not worker.pid and worker.process is not None:
+            worker.pid = worker.process.pid  # an actor's pid, once it has started
         pid = getattr(msg, "pid", None)
-        if pid is not None and pid != worker.pid:
+        if pid is not None and worker.pid and pid != worker.pid:
             return False
         worker.last_seen = time.monotonic()
         if isinstance(msg, messages.WorkerReady) and worker.status is not WorkerStatus.READY:
@@ -351,9 +387,8 @@ class WorkerPool:
         spec = msgspec.structs.replace(worker.spec, control_address=f"ipc://{self.run_dir}/ctl-{tag}")
         if role in ("prefill", "decode"):
             spec = msgspec.structs.replace(spec, rings=self._replace_rings(role, index))
-        worker.spec = spec
+        worker.spec = self._bind_control(key, spec)
         worker.pending = []  # its spec has the current rings
-        self._bind_control(key, spec.control_address)
         self._spawn(key)
 
     def _replace_rings(self, role: str, index: int) -> list[RingSpec]:
@@ -361,23 +396,29 @@ class WorkerPool:
         each peer is told to switch. Returns the worker's rings in its order."""
         m = self._num_decode
         pairs = ([index * m + d for d in range(m)] if role == "prefill"
-                 else [p * m + index for p in range(len(self.rings) // m)])
+                 else [p * m + index for p in range(len(self.ring_specs) // m)])
         self._ring_generation += 1
         out = []
         for ring_index in pairs:
-            old = self.rings[ring_index]
-            base = _GENERATION_SUFFIX.sub("", old.spec.name)
-            new_spec = msgspec.structs.replace(old.spec, name=f"{base}-r{self._ring_generation}")
-            self.rings[ring_index] = CrossModalRing.create(new_spec)
-            out.append(new_spec)
             p, d = divmod(ring_index, m)
+            base = _GENERATION_SUFFIX.sub("", self.ring_specs[ring_index].name)
+            new_spec = msgspec.structs.replace(self.ring_specs[ring_index], name=f"{base}-r{self._ring_generation}")
+            if self._ray is not None:  # over Ray: the actor names of this generation
+                gens = (self.workers[("prefill", p)].generation, self.workers[("decode", d)].generation)
+                new_spec = self._ray.ring(new_spec, p, d, gens)
+            self.ring_specs[ring_index] = new_spec
+            old = self._shm.pop(ring_index, None)
+            if new_spec.transport == "shm":
+                self._shm[ring_index] = CrossModalRing.create(new_spec)
+            out.append(new_spec)
             peer_key, peer_index = (("decode", d), p) if role == "prefill" else (("prefill", p), d)
             peer = self.workers[peer_key]
-            old.close()
-            if peer.status is not WorkerStatus.READY and peer.process is not None:
-                self._retired.append((old, {peer_key}))  # it may attach the old ring while it loads
-            else:
-                old.unlink()
+            if old is not None:
+                old.close()
+                if peer.status is not WorkerStatus.READY and peer.process is not None:
+                    self._retired.append((old, {peer_key}))  # it may attach the old ring while it loads
+                else:
+                    old.unlink()
             self._tell_peer(peer_key, messages.ReplaceRing(peer_index, new_spec))
         return out
 
@@ -453,6 +494,8 @@ class WorkerPool:
                 except zmq.ZMQError:
                     pass
         stop_workers(self.processes)
+        if self._ray is not None:
+            self._ray.close()
         for ring in self.rings:
             ring.close()
             ring.unlink()

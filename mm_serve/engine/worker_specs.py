@@ -32,7 +32,7 @@ def check_supported(cfg: ServiceConfig) -> None:
     """Refuse configs the runtime cannot run (the planner may still model them).
 
     Raises:
-        ConfigError: TP or PP above 1, or GPUs configured where CUDA is unavailable.
+        ConfigError: TP or PP above 1, or (local backend) GPUs configured where CUDA is unavailable.
     """
     compute = cfg.compute
     for role in ("prefill", "decode"):
@@ -41,8 +41,8 @@ def check_supported(cfg: ServiceConfig) -> None:
                 f"compute.{role}_tensor_parallel / {role}_pipeline_parallel > 1 is not supported by the runtime "
                 "yet (the planner models it); run more instances with TP = PP = 1 instead"
             )
-    if compute.prefill_gpus or compute.decode_gpus:
-        import torch
+    if (compute.prefill_gpus or compute.decode_gpus) and cfg.cluster.backend == "local":
+        import torch  # with Ray, each worker's node has the GPU Ray gives it
 
         if not torch.cuda.is_available():
             raise ConfigError("compute.prefill_gpus / decode_gpus are set but CUDA is not available here")

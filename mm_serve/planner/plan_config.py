@@ -4,9 +4,13 @@ The file is built as a plain dict, validated by :func:`mm_serve.config.config_fr
 rendered by :func:`mm_serve.config.dump_config` and read back with
 :func:`mm_serve.config.load_config` before this module reports success.
 
-The config schema has no node or host key yet, so GPU ids are written node-major
-and global (``node * gpus_per_node + local id``); a header comment says so. On a
-single node they are the CUDA device ids.
+GPU ids are written node-major and global (``node * gpus_per_node + local id``); a
+header comment says so. On a single node they are the CUDA device ids. A plan over more
+than one node also writes the ``cluster`` section: ``backend: ray`` and the node index of
+every instance (``cluster.prefill_nodes`` / ``decode_nodes``, its first node when it
+spans several), which the Ray backend maps to nodes by custom resource; there each worker
+gets one GPU from Ray. ``device="cpu"`` writes no GPU ids: the planned devices are CPU
+worker slots (a plan from an ``mm-serve profile`` of a CPU machine).
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ _MAX_WORKERS = 64  # compute.*_workers limit of mm_serve.config
 _MAX_PAGES = 1 << 24
 
 
-def placement_dict(result: PlanResult, model: str) -> dict[str, Any]:
-    """The config tree of ``result``'s disaggregated placement (not yet validated)."""
+def placement_dict(result: PlanResult, model: str, device: str = "cuda") -> dict[str, Any]:
+    """The config tree of ``result``'s disaggregated placement (not yet validated); ``device``
+    ``cpu`` lists no GPUs."""
     spec = result.spec
     pre = [i for i in result.placement if i.role == "prefill"]
     dec = [i for i in result.placement if i.role == "decode"]
@@ -35,7 +40,8 @@ def placement_dict(result: PlanResult, model: str) -> dict[str, Any]:
                                f"{_MAX_WORKERS} (compute.{role}_workers)")
     kv = memory_plan(spec.shape, spec.hardware, result.unit.decode, vision=False)
     pages = max(4, min(_MAX_PAGES, kv.kv_capacity_tokens // PAGE_SIZE))
-    return {
+    gpus = device != "cpu"
+    tree: dict[str, Any] = {
         "model": model,
         "mode": "disaggregated",
         "dtype": spec.shape.dtype,
@@ -47,8 +53,8 @@ def placement_dict(result: PlanResult, model: str) -> dict[str, Any]:
             "prefill_pipeline_parallel": result.unit.prefill.pp,
             "decode_tensor_parallel": result.unit.decode.tp,
             "decode_pipeline_parallel": result.unit.decode.pp,
-            "prefill_gpus": [g for i in pre for g in i.gpus],
-            "decode_gpus": [g for i in dec for g in i.gpus],
+            "prefill_gpus": [g for i in pre for g in i.gpus] if gpus else [],
+            "decode_gpus": [g for i in dec for g in i.gpus] if gpus else [],
         },
         "scheduler": {
             "prefill_batch_size": spec.prefill_max_batch,
@@ -57,23 +63,27 @@ def placement_dict(result: PlanResult, model: str) -> dict[str, Any]:
         },
         "kv_cache": {"page_size": PAGE_SIZE, "max_pages_per_gpu": pages},
     }
+    if spec.nodes > 1:
+        tree["cluster"] = {"backend": "ray", "prefill_nodes": [i.nodes[0] for i in pre],
+                           "decode_nodes": [i.nodes[0] for i in dec]}
+    return tree
 
 
-def placement_config(result: PlanResult, model: str) -> ServiceConfig:
+def placement_config(result: PlanResult, model: str, device: str = "cuda") -> ServiceConfig:
     """The validated :class:`ServiceConfig` of ``result``.
 
     Raises:
         PlannerError: the placement cannot be expressed in the config schema.
     """
     try:
-        return config_from_dict(placement_dict(result, model))
+        return config_from_dict(placement_dict(result, model, device))
     except ConfigError as exc:
         raise PlannerError(f"placement does not fit the config schema: {exc}") from None
 
 
-def write_placement_config(result: PlanResult, model: str, path: str | Path) -> ServiceConfig:
+def write_placement_config(result: PlanResult, model: str, path: str | Path, device: str = "cuda") -> ServiceConfig:
     """Write the placement YAML to ``path`` and return it as read back by ``load_config``."""
-    cfg = placement_config(result, model)
+    cfg = placement_config(result, model, device)
     spec = result.spec
     header = (
         f"# Written by `mm-serve plan`: {spec.shape.name} on {spec.hardware.name}, "
@@ -81,7 +91,12 @@ def write_placement_config(result: PlanResult, model: str, path: str | Path) -> 
         f"# Goodput {result.per_gpu_goodput:.3f} req/s/GPU at TTFT {spec.slo.ttft_s} s, "
         f"TPOT {spec.slo.tpot_s} s, {spec.attainment:.0%} attainment.\n"
         f"# GPU ids are global and node-major: node = id // {spec.gpus_per_node}, "
-        f"CUDA device = id % {spec.gpus_per_node}.\n"
+        f"CUDA device = id % {spec.gpus_per_node}"
+        + (" (with cluster.backend ray each worker uses the GPU Ray gives it).\n" if spec.nodes > 1 else ".\n")
+        + ("# --device cpu: the planned devices are CPU worker slots; no GPU ids are written.\n"
+           if device == "cpu" else "")
+        + ("# Start the Ray cluster with node i offering the custom resource mm_serve_node_<i> "
+           "(README \"Beyond one machine\").\n" if spec.nodes > 1 else "")
     )
     p = Path(path)
     try:

@@ -45,12 +45,16 @@ class DoorbellListener:
 
 
 class DoorbellRingers:
-    """Prefill side: one PUSH socket per decode worker, in decode order."""
+    """Prefill side: one PUSH socket per decode worker, in decode order (none where the
+    address is empty: a decode worker on another node, woken by its Ray deliveries instead)."""
 
     def __init__(self, addresses: list[str]) -> None:
         ctx: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
-        self._sockets = []
+        self._sockets: list[zmq.Socket | None] = []  # type: ignore[type-arg]
         for address in addresses:
+            if not address:
+                self._sockets.append(None)
+                continue
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 2)  # one queued ring wakes the worker; more add nothing
             sock.setsockopt(zmq.LINGER, 0)
@@ -63,11 +67,15 @@ class DoorbellRingers:
         Raises:
             IndexError: no doorbell for that index.
         """
+        sock = self._sockets[decode_index]
+        if sock is None:
+            return
         try:
-            self._sockets[decode_index].send(b"", zmq.NOBLOCK)
+            sock.send(b"", zmq.NOBLOCK)
         except zmq.Again:
             pass
 
     def close(self) -> None:
         for sock in self._sockets:
-            sock.close()
+            if sock is not None:
+                sock.close()

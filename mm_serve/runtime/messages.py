@@ -138,6 +138,8 @@ class WorkerStats(msgspec.Struct, tag=True):
     encoder_cache_misses: int = 0  # images looked up and not found
     encoder_cache_bytes: int = 0  # bytes of embeddings cached now
     encoder_cache_evictions: int = 0  # entries dropped for room (since start)
+    ray_handoffs: int = 0  # decode: hand-offs fetched through Ray's object store (other nodes)
+    ring_pages_held: int = 0  # ring pages (over all its rings) held by hand-offs not yet given back
 
 
 class TokenUpdate(msgspec.Struct):

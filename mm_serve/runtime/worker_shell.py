@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mm_serve.runtime import messages
 from mm_serve.runtime.doorbell import DoorbellListener
@@ -26,6 +26,9 @@ from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.runtime.worker_setup import pin_and_set_threads
 from mm_serve.runtime.worker_spec import WorkerSpec
+
+if TYPE_CHECKING:
+    from mm_serve.runtime.ray_link import RayLink
 
 
 class WorkerShell(ABC):
@@ -42,8 +45,11 @@ class WorkerShell(ABC):
     kv_cache: PagedKVCache
     wake_on: DoorbellListener | None = None  # a doorbell whose ring also ends the idle wait
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, link: RayLink | None = None) -> None:
+        """``link``: set when the worker runs as a Ray actor (its rings over Ray meet the
+        actor's methods there, :mod:`mm_serve.runtime.ray_link`); None in a plain process."""
         self.spec = spec
+        self.link = link
         pin_and_set_threads(spec)
         self.load()
         self.channel = WorkerChannel(spec.control_address, spec.output_address, self.accepts, spec.parent_pid)
