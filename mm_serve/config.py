@@ -75,9 +75,9 @@ class SchedulerConfig(_Frozen):
     prefill_token_budget: int = Field(_E.prefill_token_budget, ge=16, le=1 << 20, description="Max prompt tokens (image tokens included) in one prefill batch.")
     decode_max_concurrent: int = Field(_E.max_running, ge=1, le=4096, description="Max running requests per decode worker.")
     ring_buffer_size: int = Field(16, ge=2, le=1 << 16, description="Hand-off ring slots per (prefill, decode) pair; a power of two.")
-    prefill_chunk_tokens: int = Field(_E.prefill_chunk_tokens, ge=0, le=1 << 20, description="A prompt with more tokens than this is prefilled in chunks of this size, one per prefill step, so shorter requests behind it wait for one chunk, not the whole prompt (chunked prefill; prefill workers). 0 never splits.")
+    prefill_chunk_tokens: int = Field(_E.prefill_chunk_tokens, strict=True, ge=0, le=1 << 20, description="A prompt with more tokens than this is prefilled in chunks of this size, one per prefill step, so shorter requests behind it wait for one chunk, not the whole prompt (chunked prefill; prefill workers). 0 never splits.")
     prefill_routing: Literal["cache_aware", "least_queued"] = Field("cache_aware", description="How the router picks a prefill worker: 'cache_aware' prefers the worker holding the longest cached prefix of the request (SGLang's cache_aware policy) unless it is much busier; 'least_queued' takes the one with the fewest queued prompt tokens.")
-    cache_aware_balance_tokens: int = Field(2048, ge=0, le=1 << 24, description="cache_aware routing: the worker with the longest cached prefix is passed over when its queued prompt tokens exceed the least-queued worker's by more than this.")
+    cache_aware_balance_tokens: int = Field(2048, strict=True, ge=0, le=1 << 24, description="cache_aware routing: the worker with the longest cached prefix is passed over when its queued prompt tokens exceed the least-queued worker's by more than this.")
 
     @field_validator("ring_buffer_size")
     @classmethod
@@ -94,13 +94,13 @@ class KVCacheConfig(_Frozen):
     max_pages_per_gpu: int = Field(_E.num_pages, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
     ring_pages: int = Field(0, ge=0, le=1 << 24, description="Pages in each ring's shared page pool; 0 = max_pages_per_gpu // 4.")
     eviction_policy: Literal["lru"] = Field("lru", description="Which cached free page is reused (evicted) first: 'lru', the one freed longest ago (the only policy implemented).")
-    enable_prefix_caching: bool = Field(_E.enable_prefix_caching, description="Reuse the KV of full pages whose chained hash (tokens, images, model) matches a cached page; false: every prompt is computed from scratch.")
+    enable_prefix_caching: bool = Field(_E.enable_prefix_caching, strict=True, description="Reuse the KV of full pages whose chained hash (tokens, images, model) matches a cached page; false: every prompt is computed from scratch.")
 
 
 class CacheConfig(_Frozen):
     """Caches of the prefill domain besides the KV pages."""
 
-    encoder_cache_bytes: int = Field(_E.encoder_cache_bytes, ge=0, le=1 << 40, description="Bytes of projected image embeddings each prefill (or colocated) worker keeps by image content hash, LRU; a repeated image skips the vision tower. 0 turns the cache off.")
+    encoder_cache_bytes: int = Field(_E.encoder_cache_bytes, strict=True, ge=0, le=1 << 40, description="Bytes of projected image embeddings each prefill (or colocated) worker keeps by image content hash, LRU; a repeated image skips the vision tower. 0 turns the cache off.")
 
 
 class APIConfig(_Frozen):

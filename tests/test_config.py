@@ -48,6 +48,13 @@ def test_default_yaml_lists_every_key_with_its_default() -> None:
     ("kv_cache.eviction_policy", "random", "'lru'"),
     ("api.port", 70000, "less than or equal to 65535"),
     ("compute.prefill_cpus", [0, 0], "distinct"),
+    ("kv_cache.enable_prefix_caching", 1, "valid boolean"),
+    ("kv_cache.enable_prefix_caching", "no", "valid boolean"),
+    ("cache.encoder_cache_bytes", True, "valid integer"),
+    ("cache.encoder_cache_bytes", -1, "greater than or equal to 0"),
+    ("scheduler.prefill_chunk_tokens", 2.5, "valid integer"),
+    ("scheduler.cache_aware_balance_tokens", "lots", "valid integer"),
+    ("scheduler.prefill_routing", "round_robin", "'cache_aware' or 'least_queued'"),
 ])
 def test_bad_values_name_key_value_and_rule(key: str, value: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -39,8 +39,9 @@ class PrefillScheduler:
     prefilled in chunks of ``chunk_tokens`` (chunked prefill: Agrawal et al., Sarathi-Serve,
     OSDI 2024): the scheduler sets its ``Request.prefill_end`` for the pass, the worker puts it
     back with :meth:`add_front` until its last chunk, and later chunks attend to the KV of the
-    earlier ones. A batch whose head is a chunk takes mates from any length bucket, so short
-    requests behind a very long one wait for one chunk, not for the whole prompt.
+    earlier ones. A batch whose head is a chunk takes mates from any length bucket (a long
+    mate as a chunk of its own) within the token budget, so requests behind a very long one
+    wait for one chunk, not for the whole prompt.
     """
 
     def __init__(self, token_budget: int, batch_size: int, lookahead: int = 32, chunk_tokens: int = 0) -> None:
@@ -114,13 +115,11 @@ class PrefillScheduler:
         for request in order[1 : self.lookahead]:
             if len(batch) >= self.batch_size:
                 break
-            n = self.remaining(request)
+            n = min(self.remaining(request), self.chunk_tokens or self.remaining(request))  # its pass
             if (not chunked and length_bucket(n) != bucket) or tokens + n > self.token_budget:
                 continue
-            if self.chunk_tokens and n > self.chunk_tokens:
-                continue  # a long mate waits to be the head of its own chunked passes
             if can_fit([*batch, request]):
-                request.prefill_end = 0
+                chunked |= self.set_chunk(request)  # a long mate runs a chunk of its own
                 batch.append(request)
                 tokens += n
         for request in batch:

@@ -24,7 +24,7 @@ from mm_serve.bench.conversations import conversation_arrivals, whole_conversati
 from mm_serve.bench.metrics import RunSummary, summarize
 from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.requests import PlannedRequest, RequestFactory
-from mm_serve.bench.server_metrics import counter_delta, scrape
+from mm_serve.bench.server_metrics import counter_delta, scrape, scrape_after
 from mm_serve.bench.spec import conversation_groups
 from mm_serve.bench.workloads import (
     JsonlWorkload,
@@ -120,7 +120,7 @@ class LoadRunner:
         plan = self.plan_at(rate)
         before = scrape(self.endpoint.base_url, self.endpoint.api_key)
         result = asyncio.run(run_load(self.endpoint, plan, self.slo if self.early_stop else None, self.target))
-        counters = counter_delta(before, scrape(self.endpoint.base_url, self.endpoint.api_key))
+        counters = counter_delta(before, scrape_after(self.endpoint.base_url, self.endpoint.api_key, before))
         summary = replace(summarize(result.records, rate, self.slo, result.stopped_early), server_counters=counters)
         self._save(rate, result.records)
         if self.on_run is not None:
@@ -142,7 +142,7 @@ class LoadRunner:
         plan = self.factory.plan([warm, *specs], [0.0] * (len(specs) + 1), salt=-1)
         before = scrape(self.endpoint.base_url, self.endpoint.api_key)
         records = asyncio.run(run_sequential(self.endpoint, plan))[1:]
-        counters = counter_delta(before, scrape(self.endpoint.base_url, self.endpoint.api_key))
+        counters = counter_delta(before, scrape_after(self.endpoint.base_url, self.endpoint.api_key, before))
         self._save(0.0, records)
         return replace(summarize(records, 0.0, self.slo), server_counters=counters)
 

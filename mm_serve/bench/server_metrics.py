@@ -14,6 +14,7 @@ report shows only what the responses say: any OpenAI server stays measurable.
 from __future__ import annotations
 
 import math
+import time
 
 import httpx
 
@@ -54,6 +55,18 @@ def scrape(base_url: str, api_key: str | None = None, timeout_s: float = 5.0) ->
     except httpx.HTTPError:
         return {}
     return parse_counters(resp.text) if resp.status_code == 200 else {}
+
+
+SETTLE_S = 1.0  # mm-serve workers report their counters every 0.5 s: wait that long, twice, after a run
+
+
+def scrape_after(base_url: str, api_key: str | None, before: dict[str, float]) -> dict[str, float]:
+    """:func:`scrape` once a run is over: when the server has the counters (``before`` is not
+    empty), first wait :data:`SETTLE_S` so the workers' last reports reach ``/metrics`` and
+    the run's last requests are counted in it, not in the next run."""
+    if before:
+        time.sleep(SETTLE_S)
+    return scrape(base_url, api_key)
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

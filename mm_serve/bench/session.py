@@ -103,7 +103,7 @@ def measure(name: str, url: str, settings: BenchSettings, slo: SLO | None,
                         on_run=lambda run: log(format_run(name, run)),
                         records_path=settings.records_dir / f"records-{name}.jsonl" if settings.records_dir else None,
                         on_records=_tier_logger(name, settings, log) if settings.tier_mix else None)
-    log(f"[{name}] {url} (model {model}): {settings.unloaded_requests} unloaded requests ...")
+    log(f"[{name}] {url} (model {model}): about {settings.unloaded_requests} unloaded requests (whole conversations) ...")
     unloaded = runner.unloaded(settings.unloaded_requests)
     for message, count in unloaded.errors.items():
         log(f"[{name}] {count} unloaded request(s) failed: {message}")

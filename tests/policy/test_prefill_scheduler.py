@@ -172,10 +172,15 @@ def test_a_long_request_is_split_into_chunks_and_short_ones_join_each_chunk() ->
     assert ids(scheduler.next_batch(always)) == ["q0"] and long.prefill_end == 0  # the last 88 tokens: to the end
 
 
-def test_a_long_request_is_never_a_chunked_mate_and_no_chunking_keeps_buckets() -> None:
-    scheduler = PrefillScheduler(token_budget=2000, batch_size=8, chunk_tokens=256)
-    queue(scheduler, 100, 300, 120)
-    assert ids(scheduler.next_batch(always)) == ["q0", "q2"]  # q1 needs chunks: it will head its own
+def test_a_long_mate_joins_as_a_chunk_and_no_chunking_keeps_buckets() -> None:
+    scheduler = PrefillScheduler(token_budget=700, batch_size=8, chunk_tokens=256)
+    first, second, short, third = queue(scheduler, 1000, 300, 20, 900)
+    assert ids(scheduler.next_batch(always)) == ["q0", "q1", "q2"]  # 256 + 256 + 20; a third chunk is over budget
+    assert (first.prefill_end, second.prefill_end, short.prefill_end) == (256, 256, 0)
+    assert third.prefill_end == 0 and ids(list(scheduler.queue)) == ["q3"]
+    bucketed = PrefillScheduler(token_budget=2000, batch_size=8, chunk_tokens=256)
+    queue(bucketed, 100, 300, 120)
+    assert ids(bucketed.next_batch(always)) == ["q0", "q2"]  # no chunk at the head: buckets hold (q1's chunk is 256)
     plain = PrefillScheduler(token_budget=2000, batch_size=8)
     long, short = queue(plain, 600, 10)
     assert ids(plain.next_batch(always)) == ["q0"] and long.prefill_end == 0  # not split, buckets kept
