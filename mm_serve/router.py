@@ -69,6 +69,7 @@ class LoadView:
     cached_pages: int = 0  # full pages of the request believed cached on that prefill worker
     cached_tokens: int = 0  # of its prompt, tokens that would not be prefilled (the caller fills these two
     cached_images: int = 0  # ... from cached_pages: it knows the page size and where the images are)
+    in_flight: int = 0  # requests unfinished on the whole service (the caller fills it)
 
 
 class Router:

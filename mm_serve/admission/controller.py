@@ -3,7 +3,9 @@
 For each API call, :meth:`AdmissionController.admit` predicts the TTFT and TPOT of its
 first request (:class:`~mm_serve.admission.predictor.LatencyPredictor`) on the workers the
 router would pick now, and refuses the call (429, ``Retry-After``) when a prediction
-exceeds its tier's SLO by more than ``admission.margin``. The ``batch`` tier is never
+exceeds its tier's SLO by more than ``admission.margin``, unless the workers it would go to
+are idle: a request alone is never refused (refusing it protects no one, and a predictor
+that had drifted pessimistic would otherwise refuse everything and never see a step again). The ``batch`` tier is never
 refused for latency (only the hard bounds apply to it), nor is anything with
 ``admission.predict`` false. The predictor learns from every timed worker step
 (:meth:`on_step`) and every finished request (:meth:`on_finished`).
@@ -11,6 +13,7 @@ refused for latency (only the hard bounds apply to it), nor is anything with
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
@@ -54,7 +57,9 @@ class AdmissionController:
         ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
         context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
         with self._lock:
-            return self.predictor.predict(ahead, computed, encoded, view.decode_batch + 1, context)
+            prediction = self.predictor.predict(ahead, computed, encoded, view.decode_batch + 1, context)
+        idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
+        return dataclasses.replace(prediction, idle=idle)
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
               inputs: ProcessedInputs | None = None) -> Prediction | None:
@@ -66,6 +71,8 @@ class AdmissionController:
         """
         prediction = self.predict(client, tier, tokens, images, max_tokens, inputs)
         if prediction is None or not self.config.admission.predict or tier.name == NEVER_REFUSED:
+            return prediction
+        if prediction.idle:  # alone, refusing protects no one; and an idle service must keep learning
             return prediction
         margin = self.config.admission.margin
         ttft_slo, tpot_slo = tier.slo.ttft_ms / 1000.0, tier.slo.tpot_ms / 1000.0

@@ -51,6 +51,7 @@ class Prediction:
     ttft_s: float
     tpot_s: float
     queue_s: float  # of ttft_s: the wait for the work ahead
+    idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
 
 
 class LatencyPredictor:

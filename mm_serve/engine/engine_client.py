@@ -140,6 +140,7 @@ class EngineClient:
                 return None
             page_size = self.config.kv_cache.page_size
             view = self.router.view(rank, pages_for(num_tokens + max_tokens, page_size), prefills, decodes, hashes)
+            view = dataclasses.replace(view, in_flight=len(self.requests))
         if not view.cached_pages or inputs is None:
             return view
         tokens = min(view.cached_pages * page_size, num_tokens - 1)  # the last token is always computed

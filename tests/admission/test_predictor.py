@@ -156,3 +156,17 @@ def test_a_prompt_the_prefill_worker_holds_is_predicted_without_its_cached_part(
     assert cached.ttft_s == pytest.approx(predictor.prefill_seconds(8, 0) + predictor.overhead_s)  # 8 tokens, no image
     assert whole.ttft_s == pytest.approx(predictor.prefill_seconds(600, 1) + predictor.overhead_s)
     assert cached.ttft_s < whole.ttft_s
+
+
+def test_a_request_alone_is_admitted_whatever_a_drifted_predictor_says() -> None:
+    """A fit gone pessimistic (slow steps seen under load) must not refuse an idle service
+    forever: alone, a request is admitted, and its steps correct the fit."""
+    cfg = load_config(None)
+    controller = AdmissionController(cfg)
+    for _ in range(50):
+        controller.predictor.observe_decode(1, 100, 2.0)  # 2 s decode steps
+    idle = _Client(_queued_router({}))
+    prediction = controller.admit(idle, tier_of("default", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+    assert prediction is not None and prediction.idle and prediction.tpot_s > 1.0
+    with pytest.raises(Rejection, match="TPOT"):
+        controller.admit(_Client(_queued_router({1: 100})), tier_of("default", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,10 +56,17 @@ def test_responses_report_the_tier_served(admission_server: ServerProcess) -> No
 
 
 def test_a_predicted_slo_miss_is_a_fast_429_with_retry_after(admission_server: ServerProcess) -> None:
+    """Under load (a long request running), a call whose tier's SLO cannot be met is refused at
+    once; a request alone on idle workers is never refused (the controller's rule)."""
     url = admission_server.url
+    busy = threading.Thread(target=lambda: httpx.post(
+        f"{url}/v1/chat/completions", json=_chat(max_tokens=2000, ignore_eos=True), timeout=120))
+    busy.start()
+    time.sleep(0.3)
     started = time.monotonic()
     r = httpx.post(f"{url}/v1/chat/completions", json=_chat(service_tier="priority"), timeout=60)
     elapsed = time.monotonic() - started
+    busy.join()
     error = r.json()["error"]
     assert r.status_code == 429 and error["type"] == "rate_limit_error" and error["code"] == "ttft_slo"
     assert int(r.headers["retry-after"]) >= 1
