@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import traceback
 from typing import Any
 
 from mm_serve.runtime.ray_link import RayLink
@@ -44,23 +43,14 @@ class RayWorker:
     def serve(self) -> int:
         """Build the role's worker and serve until Shutdown: 0; 1 on a crash (traceback printed:
         Ray forwards it to the front end's stderr)."""
-        from mm_serve.engine.worker_main import worker_class
-        from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
+        from mm_serve.engine.worker_main import run_worker
 
         spec = self._spec
         if not spec.threads and not spec.cpus:
             import torch
 
             torch.set_num_threads(len(os.sched_getaffinity(0)))  # Ray sets 1 for a 0-CPU actor
-        tune_malloc_for_inference()
-        try:
-            worker = worker_class(spec.role)(spec, self._link)
-            worker.serve()
-            worker.close()
-            return 0
-        except Exception:
-            traceback.print_exc()
-            return 1
+        return run_worker(spec, self._link)
 
     def deliver(self, ring: str, record: bytes, refs: list[Any]) -> None:
         """A hand-off published to this (decode) actor: see :meth:`RayLink.deliver`."""

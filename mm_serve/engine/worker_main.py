@@ -36,16 +36,23 @@ def main(argv: list[str]) -> int:
     # the whole process group (Ctrl-C, systemd, a container runtime) drains the service first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
     from mm_serve.runtime.worker_spec import decode_spec
 
     spec = decode_spec(argv[1])
     if spec.role not in ROLES:
         print(f"unknown worker role {spec.role!r}", file=sys.stderr)
         return 2
+    return run_worker(spec)
+
+
+def run_worker(spec: Any, *args: Any) -> int:
+    """Build ``spec``'s role worker (``args`` after the spec: a Ray actor's link), serve until
+    Shutdown and close: 0; 1 on a crash (its traceback printed to the worker's log)."""
+    from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
+
     tune_malloc_for_inference()
     try:
-        worker = worker_class(spec.role)(spec)
+        worker = worker_class(spec.role)(spec, *args)
         worker.serve()
         worker.close()
         return 0
