@@ -1,22 +1,31 @@
-"""Mixed-tier llava load at 1x, 2x and 4x a base rate, with admission on and off.
+"""Mixed-tier llava load at 1x, 2x and 4x the service's goodput, with admission on and off, in one run.
 
-Starts ``mm-serve serve`` (a real subprocess) twice, with ``admission.predict`` true and
-false, and sends each the same open-loop Poisson arrivals: image chat requests (one
-noise image, a short question, ``max_tokens`` 8-48, ``ignore_eos``), streamed, with
-``service_tier`` drawn from ``--tier-mix``. For each (admission, load) it reports, per
-tier, the attainment of the admitted requests (TTFT and TPOT within the tier's SLO of
-the server's config), the rejection rate and the slowest rejection, the rate of
-SLO-meeting requests (goodput of the admitted), and the median relative error of the
-predicted TTFT (``x-mm-serve-predicted-ttft-ms``) against the measured one. Writes
-``admission.json`` and, with matplotlib, ``admission.png`` (attainment vs offered load).
+Starts ``mm-serve serve`` (a real subprocess; ``--config``, ``--model``) with
+``admission.predict`` false, searches the goodput of the mixed-tier llava workload on it
+(``--goodput auto``: ``mm-serve bench``'s search, :func:`mm_serve.bench.sweep.find_goodput`,
+each probe ``--sweep-requests`` requests on one arrival path scaled by the rate; a request
+meets its SLO when its TTFT and TPOT are within its tier's), then sends the loads
+``--loads`` x that rate for ``--duration`` seconds of Poisson arrivals each; then the same
+on a fresh server with ``admission.predict`` true. Requests are ``mm-serve bench``'s llava
+workload (one image, a log-normal question and answer, ``ignore_eos``), streamed, each with
+a ``service_tier`` drawn from ``--tier-mix``; on and off get the same requests at the same
+times.
 
-``--base-rate`` is the 1x rate in requests/s: the service's goodput rate, e.g. from
-``mm-serve bench --workload llava --sweep``; without it, a rough stand-in is measured
-first (the inverse of the mean e2e latency of 8 requests sent one at a time, on the
-admission-on server). Not part of ``make test``. Usage::
+For each (admission, load) it prints, per tier, the share refused and the attainment of
+the admitted requests; the rate of SLO-meeting requests (all tiers) against the 1x
+goodput; the refusal latency (median / p99 / max); and the median relative error
+``|predicted - measured| / measured`` of the TTFT of admitted requests (the prediction
+is the server's ``x-mm-serve-predicted-ttft-ms`` header, the measurement the client's
+first content chunk). Writes ``admission.json`` (figures and every request) and, with
+matplotlib, ``admission.png`` (attainment of admitted requests vs offered load, on and off).
 
-    python benchmarks/admission_load.py [--model embedded|DIR] [--base-rate 2] [--duration 40]
-        [--tier-mix interactive=0.3,standard=0.5,batch=0.2] [--out DIR]
+Tier SLOs: the config's ``slo.tiers`` when it sets them, else ``--slo-interactive``,
+``--slo-standard`` (TTFT seconds, TPOT seconds) and the default batch tier. Not part of
+``make test``. Usage::
+
+    make bench-models
+    python benchmarks/admission_load.py --config configs/image_chat.yaml --model out/bench-llava \\
+        [--goodput auto|R] [--duration 30] [--tier-mix interactive=0.3,standard=0.5,batch=0.2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,13 +33,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
-import random
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,134 +50,184 @@ import httpx  # noqa: E402
 import yaml  # noqa: E402
 
 from mm_serve.bench.launch import LocalServer  # noqa: E402
-from mm_serve.bench.requests import noise_image_uri  # noqa: E402
+from mm_serve.bench.requests import PlannedRequest, RequestFactory  # noqa: E402
+from mm_serve.bench.sweep import find_goodput  # noqa: E402
+from mm_serve.bench.tier_report import parse_tier_mix  # noqa: E402
+from mm_serve.bench.workloads import make_workload, unit_rate_arrivals  # noqa: E402
 from mm_serve.config import load_config  # noqa: E402
+from mm_serve.models.model_config import load_model_config  # noqa: E402
 
-LOADS = (1.0, 2.0, 4.0)
 TIERS = ("interactive", "standard", "batch")
+TARGET = 0.9  # attainment that defines the goodput
 
 
 @dataclass
 class Outcome:
-    """One request as the client saw it."""
+    """One request as the client saw it (seconds from its send)."""
 
     tier: str
-    status: int = 0
-    elapsed_s: float = 0.0  # to the response (a rejection) or to the last chunk
+    status: int = 0  # HTTP status; -1 when the connection failed
+    elapsed_s: float = 0.0  # to the response (a refusal) or to the last chunk
     ttft_s: float | None = None
     tpot_s: float | None = None
     predicted_ttft_s: float | None = None
-    token_times: list[float] = field(default_factory=list)
 
 
-def parse_mix(text: str) -> dict[str, float]:
-    mix = {}
-    for part in text.split(","):
-        name, _, share = part.partition("=")
-        if name not in TIERS:
-            raise SystemExit(f"--tier-mix: unknown tier {name!r} (tiers: {', '.join(TIERS)})")
-        mix[name] = float(share)
-    total = sum(mix.values())
-    return {k: v / total for k, v in mix.items()}
+@dataclass(frozen=True)
+class Probe:
+    """One goodput-search run: what :func:`find_goodput` reads."""
+
+    rate: float
+    attainment: float
 
 
-async def one(http: httpx.AsyncClient, url: str, tier: str, index: int) -> Outcome:
-    body = {"model": "bench", "stream": True, "ignore_eos": True, "temperature": 0,
-            "max_tokens": 8 + index % 41, "service_tier": tier,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": noise_image_uri(64 + index % 64, index)}},
-                {"type": "text", "text": f"What is in picture {index}?"}]}]}
-    out = Outcome(tier)
+async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome:
+    out = Outcome(req.tier or "standard")
+    times: list[float] = []
     start = time.monotonic()
     try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        async with http.stream("POST", f"{url}/v1/chat/completions", content=req.body,
+                               headers={"content-type": "application/json"}) as r:
             out.status = r.status_code
             header = r.headers.get("x-mm-serve-predicted-ttft-ms")
             out.predicted_ttft_s = None if header is None else float(header) / 1000
             async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if choices[0].get("delta", {}).get("content"):
-                    out.token_times.append(time.monotonic())
+                if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                    times.append(time.monotonic())
     except httpx.HTTPError:
         out.status = -1
     out.elapsed_s = time.monotonic() - start
-    if out.token_times:
-        out.ttft_s = out.token_times[0] - start
-        n = len(out.token_times)
-        out.tpot_s = (out.token_times[-1] - out.token_times[0]) / (n - 1) if n > 1 else 0.0
+    if times and out.status == 200:
+        out.ttft_s = times[0] - start
+        out.tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
     return out
 
 
-async def run_load(url: str, rate: float, duration_s: float, mix: dict[str, float], seed: int) -> list[Outcome]:
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while t < duration_s:
-        t += rng.expovariate(rate)
-        arrivals.append((t, rng.choices(list(mix), weights=list(mix.values()))[0]))
-    async with httpx.AsyncClient(trust_env=False, timeout=300.0,
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)) as http:
+async def send_plan(url: str, plan: list[PlannedRequest]) -> list[Outcome]:
+    """Send every planned request at its arrival time; wait for all to finish."""
+    async with httpx.AsyncClient(trust_env=False, timeout=600.0,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=128)) as http:
         start = time.monotonic()
 
-        async def fire(at: float, tier: str, index: int) -> Outcome:
-            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-            return await one(http, url, tier, index)
+        async def fire(req: PlannedRequest) -> Outcome:
+            await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+            return await one(http, url, req)
 
-        return list(await asyncio.gather(*(fire(at, tier, i) for i, (at, tier) in enumerate(arrivals))))
+        return list(await asyncio.gather(*(fire(r) for r in plan)))
 
 
-async def probe_rate(url: str, num_requests: int = 8) -> float:
-    """1 / mean e2e seconds of ``num_requests`` standard requests sent one at a time (after one warm-up)."""
-    async with httpx.AsyncClient(trust_env=False, timeout=300.0) as http:
-        await one(http, url, "standard", 10_000)
-        times = [(await one(http, url, "standard", 10_001 + i)).elapsed_s for i in range(num_requests)]
-    return 1.0 / statistics.mean(times)
+def met(o: Outcome, slo: dict[str, tuple[float, float]]) -> bool:
+    ttft, tpot = slo[o.tier]
+    return o.status == 200 and o.ttft_s is not None and o.ttft_s <= ttft and (o.tpot_s or 0.0) <= tpot
 
 
 def summarize(outcomes: list[Outcome], slo: dict[str, tuple[float, float]], duration_s: float) -> dict[str, Any]:
     per_tier: dict[str, Any] = {}
-    met_total = 0
     for tier in TIERS:
         mine = [o for o in outcomes if o.tier == tier]
         admitted = [o for o in mine if o.status == 200 and o.ttft_s is not None]
-        rejected = [o for o in mine if o.status in (429, 503)]
-        ttft_slo, tpot_slo = slo[tier]
-        met = [o for o in admitted if o.ttft_s <= ttft_slo and (o.tpot_s or 0.0) <= tpot_slo]  # type: ignore[operator]
-        met_total += len(met)
+        refused = [o for o in mine if o.status in (429, 503)]
         per_tier[tier] = {
-            "sent": len(mine), "admitted": len(admitted), "rejected": len(rejected),
-            "attainment_of_admitted": len(met) / len(admitted) if admitted else None,
-            "rejection_rate": len(rejected) / len(mine) if mine else None,
-            "slowest_rejection_ms": 1000 * max((o.elapsed_s for o in rejected), default=0.0),
+            "sent": len(mine), "admitted": len(admitted), "refused": len(refused),
+            "attainment_of_admitted": sum(met(o, slo) for o in admitted) / len(admitted) if admitted else None,
+            "refusal_rate": len(refused) / len(mine) if mine else None,
         }
+    refusal_ms = sorted(1000 * o.elapsed_s for o in outcomes if o.status in (429, 503))
     errors = [abs(o.predicted_ttft_s - o.ttft_s) / o.ttft_s for o in outcomes
               if o.status == 200 and o.ttft_s and o.predicted_ttft_s is not None]
-    return {"tiers": per_tier, "slo_meeting_rate": met_total / duration_s,
-            "median_ttft_prediction_error": statistics.median(errors) if errors else None,
-            "other_failures": sum(1 for o in outcomes if o.status not in (200, 429, 503))}
+    return {
+        "tiers": per_tier,
+        "slo_meeting_rate": sum(met(o, slo) for o in outcomes) / duration_s,
+        "refusal_ms": {"p50": _pct(refusal_ms, 0.5), "p99": _pct(refusal_ms, 0.99),
+                       "max": refusal_ms[-1] if refusal_ms else None},
+        "median_ttft_prediction_error": statistics.median(errors) if errors else None,
+        "other_failures": sum(1 for o in outcomes if o.status not in (200, 429, 503)),
+    }
 
 
-def serve_and_load(args: argparse.Namespace, predict: bool, folder: Path) -> dict[str, Any]:
-    base = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    base.setdefault("admission", {})["predict"] = predict
-    config = folder / f"config-{'on' if predict else 'off'}.yaml"
-    config.write_text(yaml.safe_dump(base))
-    cfg = load_config(config)
-    slo = {t: (getattr(cfg.slo.tiers, t).ttft_ms / 1000, getattr(cfg.slo.tiers, t).tpot_ms / 1000) for t in TIERS}
-    results: dict[str, Any] = {}
-    with LocalServer(folder / f"server-{'on' if predict else 'off'}.log", str(config), args.model) as server:
-        if args.base_rate is None:
-            args.base_rate = asyncio.run(probe_rate(server.url))
-            print(f"base rate (1 / mean unloaded e2e): {args.base_rate:.2f} req/s", flush=True)
-        asyncio.run(run_load(server.url, args.base_rate / 2, 10.0, parse_mix(args.tier_mix), args.seed + 99))  # warm-up
-        for load in LOADS:
-            outcomes = asyncio.run(run_load(server.url, args.base_rate * load, args.duration,
-                                            parse_mix(args.tier_mix), args.seed))
-            results[f"{load:g}x"] = summarize(outcomes, slo, args.duration)
-            print(f"admission {'on ' if predict else 'off'} {load:g}x: {json.dumps(results[f'{load:g}x'])}", flush=True)
-            time.sleep(5.0)  # let the queues drain before the next load
-    return results
+def _pct(xs: list[float], q: float) -> float | None:
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+class Bench:
+    """The workload, the tier SLOs and the plans, shared by both servers."""
+
+    def __init__(self, args: argparse.Namespace, folder: Path) -> None:
+        self.args = args
+        self.folder = folder
+        model = load_model_config(Path(args.model)) if args.model != "embedded" else None
+        image_tokens = model.vision.num_image_tokens if model and model.vision else 576
+        image_size = model.vision.image_size if model and model.vision else 336
+        context = model.text.max_position_embeddings if model else 4096
+        self.workload = make_workload("llava", image_tokens, context)
+        mix = parse_tier_mix(args.tier_mix)
+        self.factory = RequestFactory("bench", "chat", Path(args.model) if model else None, image_size, tier_mix=mix)
+        self.config = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+        if not (self.config.get("slo") or {}).get("tiers"):
+            (ti, pi), (ts, ps) = (map(float, v.split(",")) for v in (args.slo_interactive, args.slo_standard))
+            self.config.setdefault("slo", {})["tiers"] = {
+                "interactive": {"ttft_ms": ti * 1000, "tpot_ms": pi * 1000},
+                "standard": {"ttft_ms": ts * 1000, "tpot_ms": ps * 1000}}
+        self.config.setdefault("admission", {})["predict"] = False
+        cfg = load_config(self._write("probe"))
+        self.slo = {t: (getattr(cfg.slo.tiers, t).ttft_ms / 1000, getattr(cfg.slo.tiers, t).tpot_ms / 1000)
+                    for t in TIERS}
+
+    def _write(self, name: str) -> Path:
+        path = self.folder / f"config-{name}.yaml"
+        path.write_text(yaml.safe_dump(self.config))
+        return path
+
+    def plan(self, n: int, rate: float, seed: int) -> list[PlannedRequest]:
+        arrivals = [t / rate for t in unit_rate_arrivals(n, seed)]
+        return self.factory.plan(self.workload.sample(n, seed), arrivals, salt=seed)
+
+    def server(self, predict: bool) -> LocalServer:
+        self.config["admission"]["predict"] = predict
+        name = "on" if predict else "off"
+        return LocalServer(self.folder / f"server-{name}.log", str(self._write(name)), self.args.model)
+
+    def warm_up(self, url: str, rate: float) -> None:
+        asyncio.run(send_plan(url, self.plan(max(8, int(rate * 10)), rate, self.args.seed + 99)))
+
+    def search(self, url: str) -> float:
+        def probe(rate: float) -> Probe:
+            outcomes = asyncio.run(send_plan(url, self.plan(self.args.sweep_requests, rate, self.args.seed + 1)))
+            attained = sum(met(o, self.slo) for o in outcomes) / len(outcomes)
+            print(f"  goodput search: {rate:.2f} req/s -> {attained * 100:.1f} % meet their tier's SLO", flush=True)
+            time.sleep(2.0)
+            return Probe(rate, attained)
+
+        found = find_goodput(probe, TARGET, self.args.start_rate, rel_tol=0.15)  # type: ignore[arg-type]
+        if found.goodput <= 0:
+            raise SystemExit("no rate meets the SLOs on this machine now")
+        return found.goodput
+
+    def loads(self, url: str, goodput: float, name: str) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+        results, raw = {}, {}
+        for load in self.args.loads:
+            rate = load * goodput
+            plan = self.plan(max(1, math.ceil(rate * self.args.duration)), rate, self.args.seed)
+            outcomes = asyncio.run(send_plan(url, plan))
+            key = f"{load:g}x"
+            results[key] = summarize(outcomes, self.slo, plan[-1].arrival_s)
+            raw[key] = [asdict(o) for o in outcomes]
+            print(f"admission {name:<3} {key}: {_line(results[key], goodput)}", flush=True)
+            time.sleep(3.0)
+        return results, raw
+
+
+def _line(r: dict[str, Any], goodput: float) -> str:
+    parts = []
+    for tier in TIERS:
+        t = r["tiers"][tier]
+        att = "-" if t["attainment_of_admitted"] is None else f"{100 * t['attainment_of_admitted']:.0f}%"
+        parts.append(f"{tier[:5]} refused {100 * (t['refusal_rate'] or 0):.0f}% att {att}")
+    err, refusal = r["median_ttft_prediction_error"], r["refusal_ms"]
+    refusals = "-" if refusal["max"] is None else f"{refusal['p50']:.0f}/{refusal['p99']:.0f}/{refusal['max']:.0f} ms"
+    return (" | ".join(parts) + f" | SLO-meeting {r['slo_meeting_rate']:.2f} req/s "
+            f"({100 * r['slo_meeting_rate'] / goodput:.0f}% of goodput) | TTFT error "
+            f"{'-' if err is None else f'{100 * err:.0f}%'} | refusals p50/p99/max {refusals}")
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -180,15 +239,19 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    loads = doc["loads"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode in ("on", "off"):
-        for tier in ("interactive", "standard"):
-            ys = [doc[mode][f"{x:g}x"]["tiers"][tier]["attainment_of_admitted"] or 0.0 for x in LOADS]
-            ax.plot(LOADS, ys, marker="o", linestyle="-" if mode == "on" else "--", label=f"{tier}, admission {mode}")
-    ax.set_xlabel("offered load (x base rate)")
+        for tier, color in (("interactive", "tab:red"), ("standard", "tab:blue")):
+            ys = [doc[mode][f"{x:g}x"]["tiers"][tier]["attainment_of_admitted"] or 0.0 for x in loads]
+            ax.plot(loads, ys, marker="o", color=color, linestyle="-" if mode == "on" else "--",
+                    label=f"{tier}, admission {mode}")
+    ax.axhline(TARGET, color="grey", linewidth=0.8)
+    ax.set_xticks(loads)
+    ax.set_xlabel(f"offered load (x goodput, {doc['goodput']:.2f} req/s)")
     ax.set_ylabel("SLO attainment of admitted requests")
     ax.set_ylim(0, 1.05)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     print(f"wrote {path}")
@@ -196,20 +259,37 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="embedded")
-    p.add_argument("--config", default=None, help="server config YAML (default: the defaults)")
-    p.add_argument("--base-rate", type=float, default=None, help="the 1x rate, requests/s (default: probed)")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per load")
+    p.add_argument("--model", default="out/bench-llava")
+    p.add_argument("--config", default="configs/image_chat.yaml", help="server config YAML")
+    p.add_argument("--goodput", default="auto", help="the 1x rate, requests/s, or 'auto' to search it")
+    p.add_argument("--start-rate", type=float, default=6.0, help="first rate of the goodput search, requests/s")
+    p.add_argument("--sweep-requests", type=int, default=120, help="requests per goodput-search probe")
+    p.add_argument("--loads", default="1,2,4", help="multiples of the goodput")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per load")
     p.add_argument("--tier-mix", default="interactive=0.3,standard=0.5,batch=0.2")
+    p.add_argument("--slo-interactive", default="1,0.05", help="TTFT,TPOT seconds (unless the config sets tiers)")
+    p.add_argument("--slo-standard", default="2,0.1", help="TTFT,TPOT seconds (unless the config sets tiers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.loads = [float(x) for x in args.loads.split(",")]
     folder = Path(args.out or tempfile.mkdtemp(prefix="admission-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
-    on = serve_and_load(args, True, folder)
-    off = serve_and_load(args, False, folder)
-    doc = {"base_rate": args.base_rate, "tier_mix": args.tier_mix, "duration_s": args.duration, "on": on, "off": off}
-    (folder / "admission.json").write_text(json.dumps(doc, indent=2))
+    bench = Bench(args, folder)
+    print(f"tier SLOs (TTFT s, TPOT s): {bench.slo}; mix {args.tier_mix}; work dir {folder}", flush=True)
+    doc: dict[str, Any] = {"tier_mix": args.tier_mix, "duration_s": args.duration, "loads": args.loads,
+                           "slo": bench.slo, "raw": {}}
+    with bench.server(predict=False) as server:
+        bench.warm_up(server.url, 2.0)
+        goodput = bench.search(server.url) if args.goodput == "auto" else float(args.goodput)
+        print(f"goodput (admission off, {TARGET:.0%} of requests within their tier's SLOs): {goodput:.2f} req/s",
+              flush=True)
+        doc["goodput"] = goodput
+        doc["off"], doc["raw"]["off"] = bench.loads(server.url, goodput, "off")
+    with bench.server(predict=True) as server:
+        bench.warm_up(server.url, goodput / 2)
+        doc["on"], doc["raw"]["on"] = bench.loads(server.url, goodput, "on")
+    (folder / "admission.json").write_text(json.dumps(doc, indent=1))
     print(f"wrote {folder / 'admission.json'}")
     plot(doc, folder / "admission.png")
     return 0

@@ -8,7 +8,7 @@ data directory), then:
    ``--goodput`` requests/s, alone;
 2. a batch of ``--batch-images`` caption rows (one noise image each, 20-40 output
    tokens, as the caption workload) is created, and once it is in progress the same
-   interactive run is sent again;
+   interactive run is sent again (batch rows run in the ``batch`` SLO tier);
 3. the batch then runs alone for ``--alone-s`` seconds (its images/s alone) and is
    cancelled, and the interactive run is sent once more alone (so a drift of the
    machine between runs shows).
@@ -16,8 +16,8 @@ data directory), then:
 It prints both attainments (TTFT and TPOT SLOs, over all planned requests), their
 difference in points, the TTFT/TPOT percentiles, and the batch's images/s during the
 interactive run and over its whole life. The batch runs at most
-``batch.max_in_flight_rows`` rows at once (``--max-in-flight`` overrides it): there
-are no SLO tiers yet (issue #20), so that cap is what protects interactive traffic.
+``batch.max_in_flight_rows`` rows at once (``--max-in-flight`` overrides it), each in
+the ``batch`` SLO tier: prefilled after interactive work, preempted first.
 
 Usage::
 
@@ -49,6 +49,7 @@ from mm_serve.bench.launch import LocalServer  # noqa: E402
 from mm_serve.bench.metrics import RunSummary  # noqa: E402
 from mm_serve.bench.requests import RequestFactory, noise_image_uri  # noqa: E402
 from mm_serve.bench.runner import LoadRunner, LoadSpec  # noqa: E402
+from mm_serve.bench.sweep import find_goodput  # noqa: E402
 from mm_serve.bench.workloads import make_workload  # noqa: E402
 from mm_serve.models.model_config import load_model_config  # noqa: E402
 from mm_serve.planner.slo import SLO  # noqa: E402
@@ -72,25 +73,6 @@ def _counts(http: httpx.Client, batch_id: str) -> dict[str, Any]:
     return http.get(f"/v1/batches/{batch_id}").json()
 
 
-def _search_goodput(runner: LoadRunner, start: float, target: float) -> float:
-    """The highest rate (requests/s) found to meet ``target`` attainment: halve from ``start``, then bisect."""
-    low, high = 0.0, start
-    while runner.run_at(high).attainment < target:
-        low, high = 0.0, high / 2
-        if high < 0.05:
-            raise SystemExit("no rate meets the SLO on this machine now")
-    low, high = high, high * 2 if high < start else high
-    if low == high:
-        return low
-    for _ in range(3):
-        mid = (low + high) / 2
-        if runner.run_at(mid).attainment >= target:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
 def _line(name: str, run: RunSummary) -> str:
     return (f"{name:<22} attainment {run.attainment * 100:5.1f} %   TTFT p50/p90/p99 {run.ttft.p50 * 1e3:6.0f} / "
             f"{run.ttft.p90 * 1e3:6.0f} / {run.ttft.p99 * 1e3:6.0f} ms   TPOT p50/p90/p99 {run.tpot.p50 * 1e3:5.1f} / "
@@ -103,7 +85,8 @@ def main() -> int:
     p.add_argument("--model", default="out/bench-llava")
     p.add_argument("--goodput", default="6.43",
                    help="the config's llava goodput, requests/s (README: 6.43 on a quiet machine), or 'auto': "
-                        "search it first on this server (halving from 6.43, then 3 bisection steps, 40 requests each)")
+                        "search it first on this server (mm-serve bench's search: doubling or halving from 6.43, then "
+                        "bisecting to within 15 %%, 40 requests each)")
     p.add_argument("--fraction", type=float, default=0.7, help="interactive rate as a fraction of --goodput")
     p.add_argument("--requests", type=int, default=120, help="interactive requests per run")
     p.add_argument("--batch-images", type=int, default=1000)
@@ -139,7 +122,9 @@ def main() -> int:
             search = LoadRunner(Endpoint(url), factory, LoadSpec(workload, args.seed + 1, num_requests=40), slo, 0.9,
                                 on_run=lambda r: print(f"  goodput search: {r.rate:.2f} req/s -> "
                                                        f"{r.attainment * 100:.1f} %", flush=True))
-            goodput = _search_goodput(search, 6.43, 0.9)
+            goodput = find_goodput(search.run_at, 0.9, 6.43, rel_tol=0.15).goodput
+            if goodput <= 0:
+                raise SystemExit("no rate meets the SLO on this machine now")
         else:
             goodput = float(args.goodput)
         rate = args.fraction * goodput

@@ -32,6 +32,7 @@ from mm_serve.planner.profile_file import Profile
 DEFAULT_PREFILL = (0.004, 2e-5, 0.004)  # s per batch, s per token, s per image
 DEFAULT_DECODE = (0.004, 2e-4, 2e-7)  # s per step, s per running request, s per context token
 DEFAULT_OVERHEAD_S = 0.003
+DECODE_FORGETTING = 0.99  # decode steps come 10-100x as often as prefill batches: a longer memory
 OVERHEAD_WEIGHT = 0.1  # weight of a new TTFT residual in the overhead average
 
 
@@ -61,7 +62,7 @@ class LatencyPredictor:
         self.batch_size = max(1, prefill_batch_size)
         self.token_budget = max(1, prefill_token_budget)
         self.prefill = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
-        self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0))
+        self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0), forgetting=DECODE_FORGETTING)
         self.overhead_s = DEFAULT_OVERHEAD_S
         self.started = time.monotonic()
 

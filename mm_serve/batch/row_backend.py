@@ -12,10 +12,9 @@ Batch rows use spare capacity only, as far as the front end can tell: a row star
 only while the engine has fewer than ``batch.max_in_flight_rows`` requests in flight,
 interactive ones included, and at most that many rows of all batches are in flight
 (a semaphore shared by every batch). Interactive requests are never held back; while
-they alone fill the engine to the cap, no batch row starts. There are no SLO tiers
-or priority queues yet (issue #20), so a batch row already in the engine is scheduled
-like any other request (it is not preempted first); rows are short, so that lasts
-one row's latency.
+they alone fill the engine to the cap, no batch row starts. A row in the engine runs in
+the ``batch`` SLO tier unless its body names another ``service_tier``: prefilled after
+interactive and standard work, preempted (and displaced) first, never refused for latency.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 
@@ -31,11 +32,45 @@ def test_a_wrong_start_corrects_itself_within_a_few_dozen_steps() -> None:
     assert fit.num_observations == 40 and fit.updated_at is not None
 
 
+def test_the_fit_stays_bounded_on_thousands_of_collinear_noisy_steps() -> None:
+    """Decode steps under load: batch size and context tokens grow together, times are noisy
+    with rare stalls. The first fit (recursive least squares) diverged on such a stream
+    (coefficients of 1e13 after 20,000 steps, so admission refused everything); this one
+    stays non-negative and predicts the mean step within 15 %."""
+    fit = OnlineLinearFit([0.004, 2e-4, 2e-7], [1.0, 16.0, 4096.0], forgetting=0.99)
+    rng = random.Random(1)
+    for _ in range(20_000):
+        batch = rng.randint(1, 24)
+        context = batch * rng.randint(250, 300)
+        stall = 0.05 if rng.random() < 0.01 else 0.0
+        fit.observe([1.0, batch, context], (0.004 + 3e-4 * batch + 1e-7 * context) * rng.lognormvariate(0, 0.3) + stall)
+    assert all(c >= 0 for c in fit.coefficients)
+    true_mean = (0.004 + 3e-4 * 12 + 1e-7 * 12 * 275) * math.exp(0.3**2 / 2) + 0.01 * 0.05
+    assert fit.predict([1.0, 12, 12 * 275]) == pytest.approx(true_mean, rel=0.15)
+    fit.observe([1.0, 1, float("nan")], 1.0)  # a broken measurement is ignored
+    assert fit.num_observations == 20_000
+
+
+def test_the_fit_keeps_coefficients_non_negative_and_the_prior_where_data_says_nothing() -> None:
+    """Every llava prompt has one image and about the same tokens: the data fix their sum, not
+    the split; the prior decides the split, and no coefficient goes negative."""
+    fit = OnlineLinearFit([0.004, 2e-5, 0.004], [1.0, 1000.0, 1.0])
+    for i in range(200):
+        fit.observe([1.0, 250 + i % 3, 1], 0.02)
+    c, per_token, per_image = fit.coefficients
+    assert min(c, per_token, per_image) >= 0
+    assert fit.predict([1.0, 251, 1]) == pytest.approx(0.02, rel=0.02)
+    fresh = OnlineLinearFit([0.004, 2e-5, 0.004], [1.0, 1000.0, 1.0])
+    assert fresh.coefficients == pytest.approx([0.004, 2e-5, 0.004])  # no data: the start
+
+
 def test_the_fit_refuses_inconsistent_shapes() -> None:
     with pytest.raises(ValueError, match="one entry per feature"):
         OnlineLinearFit([1.0], [1.0, 2.0])
     with pytest.raises(ValueError, match="forgetting must be in"):
         OnlineLinearFit([1.0], [1.0], forgetting=0.0)
+    with pytest.raises(ValueError, match="prior_weight must be"):
+        OnlineLinearFit([1.0], [1.0], prior_weight=0.0)
 
 
 def test_ttft_is_queue_ahead_plus_own_prefill_plus_overhead() -> None:
