@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -178,9 +179,12 @@ class Bench:
         path.write_text(yaml.safe_dump(self.config))
         return path
 
-    def plan(self, n: int, rate: float, seed: int) -> list[PlannedRequest]:
+    def plan(self, n: int, rate: float, seed: int, run: str) -> list[PlannedRequest]:
+        """``n`` requests at ``rate`` requests/s; their content (images, text) is drawn for ``run``,
+        so no run is served from another's prefix or encoder cache, and both servers get the same."""
         arrivals = [t / rate for t in unit_rate_arrivals(n, seed)]
-        return self.factory.plan(self.workload.sample(n, seed), arrivals, salt=seed)
+        salt = int.from_bytes(hashlib.blake2b(f"{seed}:{run}".encode(), digest_size=4).digest(), "little")
+        return self.factory.plan(self.workload.sample(n, seed), arrivals, salt=salt)
 
     def server(self, predict: bool) -> LocalServer:
         self.config["admission"]["predict"] = predict
@@ -188,11 +192,11 @@ class Bench:
         return LocalServer(self.folder / f"server-{name}.log", str(self._write(name)), self.args.model)
 
     def warm_up(self, url: str, rate: float) -> None:
-        asyncio.run(send_plan(url, self.plan(max(8, int(rate * 10)), rate, self.args.seed + 99)))
+        asyncio.run(send_plan(url, self.plan(max(8, int(rate * 10)), rate, self.args.seed + 99, f"warm-up {rate}")))
 
     def search(self, url: str) -> float:
         def probe(rate: float) -> Probe:
-            outcomes = asyncio.run(send_plan(url, self.plan(self.args.sweep_requests, rate, self.args.seed + 1)))
+            outcomes = asyncio.run(send_plan(url, self.plan(self.args.sweep_requests, rate, self.args.seed + 1, f"search {rate}")))
             attained = sum(met(o, self.slo) for o in outcomes) / len(outcomes)
             print(f"  goodput search: {rate:.2f} req/s -> {attained * 100:.1f} % meet their tier's SLO", flush=True)
             time.sleep(2.0)
@@ -207,7 +211,7 @@ class Bench:
         results, raw = {}, {}
         for load in self.args.loads:
             rate = load * goodput
-            plan = self.plan(max(1, math.ceil(rate * self.args.duration)), rate, self.args.seed)
+            plan = self.plan(max(1, math.ceil(rate * self.args.duration)), rate, self.args.seed, f"load {load}")
             outcomes = asyncio.run(send_plan(url, plan))
             key = f"{load:g}x"
             results[key] = summarize(outcomes, self.slo, plan[-1].arrival_s)

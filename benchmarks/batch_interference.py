@@ -8,9 +8,10 @@ data directory), then:
    ``--goodput`` requests/s, alone;
 2. a batch of ``--batch-images`` caption rows (one noise image each, 20-40 output
    tokens, as the caption workload) is created, and once it is in progress the same
-   interactive run is sent again (batch rows run in the ``batch`` SLO tier);
+   interactive run (same shapes and times, other images and text: nothing served from
+   the caches of the first) is sent again (batch rows run in the ``batch`` SLO tier);
 3. the batch then runs alone for ``--alone-s`` seconds (its images/s alone) and is
-   cancelled, and the interactive run is sent once more alone (so a drift of the
+   cancelled, and an interactive run (other content again) is sent once more alone (so a drift of the
    machine between runs shows).
 
 It prints both attainments (TTFT and TPOT SLOs, over all planned requests), their
@@ -115,8 +116,12 @@ def main() -> int:
     try:
         workload = make_workload("llava", shape.vision.num_image_tokens, shape.text.max_position_embeddings)
         factory = RequestFactory("bench", "chat", model_dir, shape.vision.image_size)
-        runner = LoadRunner(Endpoint(url), factory, LoadSpec(workload, args.seed, num_requests=args.requests),
-                            slo, 0.9, early_stop=False)
+
+        def runner_for(run: int) -> LoadRunner:  # each run its own content: no prefix or encoder cache hits
+            spec = LoadSpec(workload, args.seed, num_requests=args.requests, content_salt=run)
+            return LoadRunner(Endpoint(url), factory, spec, slo, 0.9, early_stop=False)
+
+        runner = runner_for(0)
         runner.unloaded(4)
         if args.goodput == "auto":
             search = LoadRunner(Endpoint(url), factory, LoadSpec(workload, args.seed + 1, num_requests=40), slo, 0.9,
@@ -131,7 +136,7 @@ def main() -> int:
         print(f"interactive llava at {rate:.2f} requests/s ({args.fraction:.0%} of {goodput:.2f} req/s), "
               f"{args.requests} requests per run; batch of {args.batch_images} images; SLO TTFT {slo.ttft_s:g} s, "
               f"TPOT {slo.tpot_s * 1e3:g} ms; work dir {work}", flush=True)
-        alone = runner.run_at(rate)
+        alone = runner_for(1).run_at(rate)
         print(_line("interactive alone", alone), flush=True)
 
         with httpx.Client(base_url=url, timeout=300) as http:
@@ -142,7 +147,7 @@ def main() -> int:
             while _counts(http, batch["id"])["request_counts"]["completed"] < 1:
                 time.sleep(0.05)
             t0, c0 = time.monotonic(), _counts(http, batch["id"])["request_counts"]["completed"]
-            together = runner.run_at(rate)
+            together = runner_for(2).run_at(rate)
             t1, state = time.monotonic(), _counts(http, batch["id"])
             c1 = state["request_counts"]["completed"]
             print(_line("with the batch running", together), flush=True)
@@ -154,7 +159,7 @@ def main() -> int:
             while state["status"] not in ("completed", "failed", "expired", "cancelled"):
                 time.sleep(0.2)
                 state = _counts(http, batch["id"])
-        after = runner.run_at(rate)
+        after = runner_for(3).run_at(rate)
         print(_line("alone again, after", after), flush=True)
         base = (alone.attainment + after.attainment) / 2
         print(f"attainment difference: {(base - together.attainment) * 100:+.1f} points against the mean of the "

@@ -47,6 +47,7 @@ class LoadSpec:
     num_requests: int | None = None  # requests per run; overrides duration_s (see count_at)
     min_requests: int = 10  # floor on n at low rates (see count_at)
     burstiness: float = 1.0  # coefficient of variation of the gaps; 1 = Poisson
+    content_salt: int = 0  # runs at one rate with different salts send the same shapes and times, other content
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0:
@@ -111,7 +112,8 @@ class LoadRunner:
             starts = len(conversation_groups([s.conversation_id for s in specs]))
             unit = unit_rate_arrivals(starts, self.load.seed, self.load.burstiness)
             arrivals = conversation_arrivals(specs, unit, rate)
-        return self.factory.plan(specs, arrivals, salt=round(rate * 1e6))
+        # content differs between rates (and salts), so no run is served from another's prefix or encoder cache
+        return self.factory.plan(specs, arrivals, salt=round(rate * 1e6) + 1_000_003 * self.load.content_salt)
 
     def run_at(self, rate: float) -> RunSummary:
         """Send the run at ``rate`` requests/s and summarise it."""

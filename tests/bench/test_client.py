@@ -9,7 +9,8 @@ import pytest
 
 from mm_serve.bench.client import Endpoint, run_load, run_sequential
 from mm_serve.bench.requests import PlannedRequest, RequestFactory
-from mm_serve.bench.workloads import RequestSpec
+from mm_serve.bench.runner import LoadRunner, LoadSpec
+from mm_serve.bench.workloads import RequestSpec, make_workload
 from mm_serve.planner.slo import SLO
 from tests.bench.fake_server import FakeServer
 
@@ -49,6 +50,22 @@ def test_image_requests_carry_data_uris_and_differ_by_salt() -> None:
     assert a != b and json.loads(factory.body(spec, 0, 1)) == a
     with pytest.raises(ValueError, match="chat"):
         RequestFactory("m", api="completions").body(spec, 0)
+
+
+def test_runs_at_one_rate_with_other_content_salts_share_shapes_and_times_not_content() -> None:
+    """Repeated runs at one rate (batch_interference.py) must not be served from each other's caches."""
+    workload = make_workload("llava", image_tokens=16, max_context=512)
+    factory = RequestFactory("m", image_size=32)
+
+    def planned(salt: int) -> list[PlannedRequest]:
+        spec = LoadSpec(workload, seed=3, num_requests=5, content_salt=salt)
+        return LoadRunner(Endpoint("http://127.0.0.1:9"), factory, spec, None, 0.9).plan_at(2.0)
+
+    a, a_again, b = planned(0), planned(0), planned(1)
+    assert [r.body for r in a] == [r.body for r in a_again]
+    assert [(r.arrival_s, r.max_tokens) for r in a] == [(r.arrival_s, r.max_tokens) for r in b]
+    images = [[json.loads(r.body)["messages"][0]["content"][0]["image_url"]["url"] for r in run] for run in (a, b)]
+    assert not set(images[0]) & set(images[1])
 
 
 def test_http_errors_are_recorded() -> None:
