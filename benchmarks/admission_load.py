@@ -3,7 +3,7 @@
 Starts ``mm-serve serve`` (a real subprocess; ``--config``, ``--model``) with
 ``admission.predict`` false, searches the goodput of the mixed-tier llava workload on it
 (``--goodput auto``: ``mm-serve bench``'s search, :func:`mm_serve.bench.sweep.find_goodput`,
-each probe ``--sweep-requests`` requests on one arrival path scaled by the rate; a request
+each probe ``--duration`` seconds of arrivals on one arrival path scaled by the rate; a request
 meets its SLO when its TTFT and TPOT are within its tier's), then sends the loads
 ``--loads`` x that rate for ``--duration`` seconds of Poisson arrivals each; then the same
 on a fresh server with ``admission.predict`` true. Requests are ``mm-serve bench``'s llava
@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,8 +51,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from mm_serve.bench.client import take_chunk  # noqa: E402
 from mm_serve.bench.launch import LocalServer  # noqa: E402
+from mm_serve.bench.records import RequestRecord  # noqa: E402
 from mm_serve.bench.requests import PlannedRequest, RequestFactory  # noqa: E402
+from mm_serve.bench.server_metrics import parse_counters  # noqa: E402
 from mm_serve.bench.sweep import find_goodput  # noqa: E402
 from mm_serve.bench.tier_report import parse_tier_mix  # noqa: E402
 from mm_serve.bench.workloads import make_workload, unit_rate_arrivals  # noqa: E402
@@ -60,6 +64,7 @@ from mm_serve.models.model_config import load_model_config  # noqa: E402
 
 TIERS = ("interactive", "standard", "batch")
 TARGET = 0.9  # attainment that defines the goodput
+SERVER_COUNTS = ("mm_serve_tier_finished_total", "mm_serve_tier_slo_met_total")  # summed over tiers
 
 
 @dataclass
@@ -72,6 +77,8 @@ class Outcome:
     ttft_s: float | None = None
     tpot_s: float | None = None
     predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    first_gap_s: float | None = None  # first to second token: the hand-off and the wait for a decode slot
 
 
 @dataclass(frozen=True)
@@ -83,24 +90,28 @@ class Probe:
 
 
 async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome:
+    """Send one planned request and time it as ``mm-serve bench`` does (TPOT over the usage's
+    completion tokens, not over chunks: a loaded server may put several tokens in one chunk)."""
     out = Outcome(req.tier or "standard")
-    times: list[float] = []
-    start = time.monotonic()
+    rec = RequestRecord(req.index, req.max_tokens, sent_s=time.monotonic())
     try:
         async with http.stream("POST", f"{url}/v1/chat/completions", content=req.body,
                                headers={"content-type": "application/json"}) as r:
             out.status = r.status_code
             header = r.headers.get("x-mm-serve-predicted-ttft-ms")
             out.predicted_ttft_s = None if header is None else float(header) / 1000
+            header = r.headers.get("x-mm-serve-predicted-tpot-ms")
+            out.predicted_tpot_s = None if header is None else float(header) / 1000
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                    times.append(time.monotonic())
+                if r.status_code == 200 and not take_chunk(line, rec, time.monotonic()):
+                    break
     except httpx.HTTPError:
         out.status = -1
-    out.elapsed_s = time.monotonic() - start
-    if times and out.status == 200:
-        out.ttft_s = times[0] - start
-        out.tpot_s = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    rec.end_s = time.monotonic()
+    out.elapsed_s = rec.end_s - (rec.sent_s or 0.0)
+    if out.status == 200 and rec.error is None and rec.chunk_s:
+        out.ttft_s, out.tpot_s = rec.ttft_s, rec.tpot_s
+        out.first_gap_s = rec.itls_s[0] if len(rec.chunk_s) > 1 else None
     return out
 
 
@@ -150,12 +161,41 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
+class HealthLog(threading.Thread):
+    """``/health``'s admission report (the predictor's fits and corrections) once a second, in a thread."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.samples: list[dict[str, Any]] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        start = time.monotonic()
+        with httpx.Client(trust_env=False, timeout=5.0) as http:
+            while not self._stop_event.wait(1.0):
+                try:
+                    report = http.get(f"{self.url}/health").json().get("admission")
+                except (httpx.HTTPError, ValueError):
+                    continue
+                self.samples.append({"t": round(time.monotonic() - start, 2), **(report or {})})
+
+    def __enter__(self) -> HealthLog:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop_event.set()
+        self.join()
+
+
 class Bench:
     """The workload, the tier SLOs and the plans, shared by both servers."""
 
     def __init__(self, args: argparse.Namespace, folder: Path) -> None:
         self.args = args
         self.folder = folder
+        self.health: dict[str, list[dict[str, Any]]] = {}  # "on 2x" -> /health admission samples
         model = load_model_config(Path(args.model)) if args.model != "embedded" else None
         image_tokens = model.vision.num_image_tokens if model and model.vision else 576
         image_size = model.vision.image_size if model and model.vision else 336
@@ -196,7 +236,8 @@ class Bench:
 
     def search(self, url: str) -> float:
         def probe(rate: float) -> Probe:
-            outcomes = asyncio.run(send_plan(url, self.plan(self.args.sweep_requests, rate, self.args.seed + 1, f"search {rate}")))
+            n = max(self.args.sweep_requests, math.ceil(rate * self.args.duration))  # as long as a load run
+            outcomes = asyncio.run(send_plan(url, self.plan(n, rate, self.args.seed + 1, f"search {rate}")))
             attained = sum(met(o, self.slo) for o in outcomes) / len(outcomes)
             print(f"  goodput search: {rate:.2f} req/s -> {attained * 100:.1f} % meet their tier's SLO", flush=True)
             time.sleep(2.0)
@@ -212,9 +253,17 @@ class Bench:
         for load in self.args.loads:
             rate = load * goodput
             plan = self.plan(max(1, math.ceil(rate * self.args.duration)), rate, self.args.seed, f"load {load}")
-            outcomes = asyncio.run(send_plan(url, plan))
+            before = httpx.get(f"{url}/metrics", timeout=10).text
+            with HealthLog(url) as health:
+                outcomes = asyncio.run(send_plan(url, plan))
+            after = httpx.get(f"{url}/metrics", timeout=10).text
             key = f"{load:g}x"
+            self.health[f"{name} {key}"] = health.samples
             results[key] = summarize(outcomes, self.slo, plan[-1].arrival_s)
+            counts = [parse_counters(after, SERVER_COUNTS)[k] - parse_counters(before, SERVER_COUNTS).get(k, 0.0)
+                      for k in SERVER_COUNTS]
+            # the server's own view (first token and every token as the front end received them)
+            results[key]["server_attainment"] = counts[1] / counts[0] if counts[0] else None
             raw[key] = [asdict(o) for o in outcomes]
             print(f"admission {name:<3} {key}: {_line(results[key], goodput)}", flush=True)
             time.sleep(3.0)
@@ -229,6 +278,8 @@ def _line(r: dict[str, Any], goodput: float) -> str:
         parts.append(f"{tier[:5]} refused {100 * (t['refusal_rate'] or 0):.0f}% att {att}")
     err, refusal = r["median_ttft_prediction_error"], r["refusal_ms"]
     refusals = "-" if refusal["max"] is None else f"{refusal['p50']:.0f}/{refusal['p99']:.0f}/{refusal['max']:.0f} ms"
+    server = r.get("server_attainment")
+    parts.append(f"server-side att {'-' if server is None else f'{100 * server:.0f}%'}")
     return (" | ".join(parts) + f" | SLO-meeting {r['slo_meeting_rate']:.2f} req/s "
             f"({100 * r['slo_meeting_rate'] / goodput:.0f}% of goodput) | TTFT error "
             f"{'-' if err is None else f'{100 * err:.0f}%'} | refusals p50/p99/max {refusals}")
@@ -245,7 +296,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         return
     loads = doc["loads"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for mode in ("on", "off"):
+    for mode in [m for m in ("on", "off") if m in doc]:
         for tier, color in (("interactive", "tab:red"), ("standard", "tab:blue")):
             ys = [doc[mode][f"{x:g}x"]["tiers"][tier]["attainment_of_admitted"] or 0.0 for x in loads]
             ax.plot(loads, ys, marker="o", color=color, linestyle="-" if mode == "on" else "--",
@@ -267,32 +318,44 @@ def main() -> int:
     p.add_argument("--config", default="configs/image_chat.yaml", help="server config YAML")
     p.add_argument("--goodput", default="auto", help="the 1x rate, requests/s, or 'auto' to search it")
     p.add_argument("--start-rate", type=float, default=6.0, help="first rate of the goodput search, requests/s")
-    p.add_argument("--sweep-requests", type=int, default=120, help="requests per goodput-search probe")
+    p.add_argument("--sweep-requests", type=int, default=120,
+                   help="least requests per goodput-search probe; a probe lasts --duration at least (shorter "
+                        "probes overstate the goodput: 120 requests passed at 12 req/s, 30 s at 12 req/s met 61 %%)")
     p.add_argument("--loads", default="1,2,4", help="multiples of the goodput")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per load")
     p.add_argument("--tier-mix", default="interactive=0.3,standard=0.5,batch=0.2")
     p.add_argument("--slo-interactive", default="1,0.05", help="TTFT,TPOT seconds (unless the config sets tiers)")
     p.add_argument("--slo-standard", default="2,0.1", help="TTFT,TPOT seconds (unless the config sets tiers)")
+    p.add_argument("--modes", default="off,on", help="admission modes to run (off, on or both)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.loads = [float(x) for x in args.loads.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    if not args.modes or set(args.modes) - {"on", "off"}:
+        p.error(f"--modes takes on, off or both, got {','.join(args.modes)!r}")
     folder = Path(args.out or tempfile.mkdtemp(prefix="admission-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, folder)
     print(f"tier SLOs (TTFT s, TPOT s): {bench.slo}; mix {args.tier_mix}; work dir {folder}", flush=True)
     doc: dict[str, Any] = {"tier_mix": args.tier_mix, "duration_s": args.duration, "loads": args.loads,
                            "slo": bench.slo, "raw": {}}
-    with bench.server(predict=False) as server:
-        bench.warm_up(server.url, 2.0)
-        goodput = bench.search(server.url) if args.goodput == "auto" else float(args.goodput)
-        print(f"goodput (admission off, {TARGET:.0%} of requests within their tier's SLOs): {goodput:.2f} req/s",
-              flush=True)
-        doc["goodput"] = goodput
-        doc["off"], doc["raw"]["off"] = bench.loads(server.url, goodput, "off")
-    with bench.server(predict=True) as server:
-        bench.warm_up(server.url, goodput / 2)
-        doc["on"], doc["raw"]["on"] = bench.loads(server.url, goodput, "on")
+    goodput = None if args.goodput == "auto" else float(args.goodput)
+    if goodput is None or "off" in args.modes:
+        with bench.server(predict=False) as server:
+            bench.warm_up(server.url, 2.0)
+            if goodput is None:
+                goodput = bench.search(server.url)
+            print(f"goodput (admission off, {TARGET:.0%} of requests within their tier's SLOs): {goodput:.2f} req/s",
+                  flush=True)
+            if "off" in args.modes:
+                doc["off"], doc["raw"]["off"] = bench.loads(server.url, goodput, "off")
+    doc["goodput"] = goodput
+    if "on" in args.modes:
+        with bench.server(predict=True) as server:
+            bench.warm_up(server.url, goodput / 2)
+            doc["on"], doc["raw"]["on"] = bench.loads(server.url, goodput, "on")
+    doc["health"] = bench.health
     (folder / "admission.json").write_text(json.dumps(doc, indent=1))
     print(f"wrote {folder / 'admission.json'}")
     plot(doc, folder / "admission.png")

@@ -43,6 +43,7 @@ class ComputeConfig(_Frozen):
     prefill_cpus: list[int] = Field(default_factory=list, description="CPU cores the prefill workers are pinned to; empty (with decode_cpus empty) = first half of the cores.")
     decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to; empty (with prefill_cpus empty) = the other half.")
     threads_per_worker: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = number of pinned cores, else torch's default.")
+    worker_nice: int = Field(5, ge=0, le=19, description="Niceness added to every worker process, so the front end (HTTP, tokenizing, streaming) gets a core when it needs one although the workers keep the cores busy; 0 = same priority.")
 
     @field_validator("prefill_gpus", "decode_gpus", "prefill_cpus", "decode_cpus")
     @classmethod
@@ -185,7 +186,7 @@ class AdmissionConfig(_Frozen):
     """Admission control in the API front end: hard bounds (always on) and the latency predictor."""
 
     predict: bool = Field(True, description="Reject (429) a request whose predicted TTFT or TPOT misses its tier's SLO by more than margin; false (--no-admission) keeps only the bounds.")
-    margin: float = Field(0.25, ge=0, le=100, description="Allowed excess of the prediction over the SLO before rejecting, as a fraction (0.25 = 25 %).")
+    margin: float = Field(-0.2, ge=-0.9, le=100, description="Refuse when a prediction exceeds the SLO x (1 + margin): negative = headroom for the prediction's spread (-0.2: refuse above 80 % of the SLO), positive = tolerance.")
     max_request_work_tokens: int = Field(262_144, ge=1, description="One API call's work, prompts x n x (prompt tokens + max_tokens); more is a 400.")
     max_queued_requests: int = Field(1_024, ge=1, description="Engine requests waiting for their first token (all callers); more gets 429.")
     max_queued_prompt_tokens: int = Field(524_288, ge=1, description="Prompt tokens (image tokens included) of the requests waiting for their first token; more gets 429.")

@@ -52,9 +52,14 @@ class DecodeLoad:
     pages_used: int = 0  # from the last stats report
     running: int = 0  # from the last stats report
     inflight: dict[str, int] = field(default_factory=dict)  # request id -> pages it will need
+    ranks: list[int] = field(default_factory=lambda: [0] * NUM_RANKS)  # live requests sent here, per tier rank
 
     def free_after_inflight(self) -> int:
         return self.pages_total - self.pages_used - sum(self.inflight.values())
+
+    def tightest_rank(self) -> int | None:
+        """The tightest tier rank among the requests sent here and not finished (None: none)."""
+        return next((rank for rank, count in enumerate(self.ranks) if count > 0), None)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class LoadView:
     decode: int  # the decode worker it would go to
     decode_batch: int  # requests running on or dispatched to that decode worker
     decode_pages_used: int  # KV pages used there (last stats)
+    decode_tightest_rank: int | None = None  # tightest tier rank among the requests live there
     cached_pages: int = 0  # full pages of the request believed cached on that prefill worker
     cached_tokens: int = 0  # of its prompt, tokens that would not be prefilled (the caller fills these two
     cached_images: int = 0  # ... from cached_pages: it knows the page size and where the images are)
@@ -90,6 +96,7 @@ class Router:
         self.prefill_work = [[PrefillWork() for _ in range(NUM_RANKS)] for _ in range(num_prefill)]
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
         self._decode_of: dict[str, int] = {}
+        self._rank_of: dict[str, int] = {}  # tier rank of each request sent to a decode worker
         self.max_running = max_running
 
     def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
@@ -144,8 +151,11 @@ class Router:
         self.prefill_tokens[prefill] += tokens
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
         self.prefill_work[prefill][rank].add(1, tokens, images)
+        self._forget_rank(request_id)  # a re-dispatch (migration) moves it
         self.decode[decode].inflight[request_id] = pages
+        self.decode[decode].ranks[rank] += 1
         self._decode_of[request_id] = decode
+        self._rank_of[request_id] = rank
 
     def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int],
              page_hashes: Sequence[bytes] = ()) -> LoadView:
@@ -165,7 +175,8 @@ class Router:
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
         cached = self.cached_tokens(prefill, page_hashes) // self.page_size if page_hashes else 0
-        return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used, cached)
+        return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used,
+                        load.tightest_rank(), cached)
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) dispatched to prefill workers and not yet prefilled."""
@@ -188,7 +199,13 @@ class Router:
     def finished(self, request_id: str) -> None:
         self.prefilled(request_id)
         self.claimed(request_id)
+        self._forget_rank(request_id)
         self._decode_of.pop(request_id, None)
+
+    def _forget_rank(self, request_id: str) -> None:
+        decode, rank = self._decode_of.get(request_id), self._rank_of.pop(request_id, None)
+        if decode is not None and rank is not None:
+            self.decode[decode].ranks[rank] -= 1
 
     def decode_of(self, request_id: str) -> int | None:
         return self._decode_of.get(request_id)

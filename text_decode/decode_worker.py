@@ -25,6 +25,7 @@ from text_decode.scheduler import ContinuousBatchingScheduler
 
 ABORT_MEMORY_S = 600.0  # how long an abort for a not-yet-seen hand-off is remembered
 POLL_WAIT_MS = 1  # idle wait with no doorbell: the ring is polled
+BACK_TO_BACK_S = 0.05  # a step that began this soon after the previous one ended ran back to back
 
 
 class DecodeWorker(WorkerShell):
@@ -45,6 +46,7 @@ class DecodeWorker(WorkerShell):
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
         self.requests: dict[str, Request] = {}
         self._aborted_at: dict[str, float] = {}  # aborts of hand-offs not seen yet: id -> monotonic time
+        self._last_step_end: float | None = None  # monotonic end of the last decode or recompute step
         self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
         if self.link is not None and self.doorbell is not None:
             self.link.wake_with(spec.doorbell_address)  # a delivery over Ray rings it too
@@ -88,6 +90,7 @@ class DecodeWorker(WorkerShell):
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> None:
+        begun = time.monotonic()
         aborted = set(self._aborted_at)
         self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt, self.scheduler.displace)
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
@@ -115,9 +118,17 @@ class DecodeWorker(WorkerShell):
         for request in batch:
             request.stamp(LifetimeEvent.FIRST_DECODE, now)
         timing = None if plan.prefill else messages.StepTiming(
-            "decode", time.monotonic() - started, len(batch), sum(r.num_tokens for r in batch))
+            "decode", self._step_period(begun), len(batch), sum(r.num_tokens for r in batch))
         process_step(batch, tokens, logprobs, self.stops, self._finish)
         self.send([token_update(request) for request in batch], timing)
+        self._last_step_end = time.monotonic()
+
+    def _step_period(self, begun: float) -> float:
+        """Seconds a running request waited for this step's token: since the previous step ended
+        when the steps ran back to back (claims, recomputes, messages and the OS's time slices
+        included), else since this step began (the admission predictor's TPOT, :mod:`mm_serve.admission`)."""
+        now, last = time.monotonic(), self._last_step_end
+        return now - last if last is not None and begun - last < BACK_TO_BACK_S else now - begun
 
     # ---- stats and close ---------------------------------------------------------------------
 

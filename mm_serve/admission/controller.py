@@ -18,7 +18,7 @@ import threading
 
 from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
 from mm_serve.admission.rejection import Rejection
-from mm_serve.admission.tiers import Tier
+from mm_serve.admission.tiers import TIERS, Tier, tier_slo
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import ProcessedInputs
@@ -59,7 +59,7 @@ class AdmissionController:
         with self._lock:
             prediction = self.predictor.predict(ahead, computed, encoded, view.decode_batch + 1, context)
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
-        return dataclasses.replace(prediction, idle=idle)
+        return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
               inputs: ProcessedInputs | None = None) -> Prediction | None:
@@ -81,6 +81,14 @@ class AdmissionController:
             raise Rejection(429, "ttft_slo", _message("TTFT", tier, prediction.ttft_s, ttft_slo, margin), excess)
         if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin):
             raise Rejection(429, "tpot_slo", _message("TPOT", tier, prediction.tpot_s, tpot_slo, margin), 1.0)
+        tighter = prediction.decode_tightest_rank
+        if max_tokens > 1 and tighter is not None and tighter < tier.rank:
+            # every request on a decode worker gets the same step: joining must not push the ones
+            # of a tighter tier already there past their TPOT SLO
+            name = TIERS[tighter]
+            protect = tier_slo(name, self.config.slo).tpot_ms / 1000.0
+            if prediction.tpot_s > protect * (1 + margin):
+                raise Rejection(429, "tpot_slo", _protect_message(tier, name, prediction.tpot_s, protect, margin), 1.0)
         return prediction
 
     def on_step(self, role: str, step: messages.StepTiming) -> None:
@@ -92,18 +100,38 @@ class AdmissionController:
                 self.predictor.observe_decode(step.requests, step.tokens, step.seconds)
 
     def on_finished(self, state: RequestState) -> None:
-        """Refit the front-end overhead from a finished request's TTFT and lifetime events."""
+        """Refit the front-end overhead from a finished request's TTFT and lifetime events, and
+        the corrections from its measured prefill span and TPOT against its prediction."""
         events = state.events
         begin, end = LifetimeEvent.PREFILL_QUEUED.value, LifetimeEvent.PREFILL_END.value
         if state.first_token_time is None or begin not in events or end not in events:
             return
-        ttft = state.first_token_time - state.arrival_time
+        ttft, span = state.first_token_time - state.arrival_time, events[end] - events[begin]
+        times = state.token_times
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 3 and state.error is None else None
         with self._lock:
-            self.predictor.observe_overhead(ttft - (events[end] - events[begin]))
+            self.predictor.observe_overhead(ttft - span)
+            if state.prediction is not None:
+                self.predictor.observe_finished(state.prediction, span, tpot)
+
+
+def _limit(slo: float, margin: float) -> str:
+    """How the refusal threshold relates to the SLO, in words."""
+    if margin < 0:
+        return f"admission refuses above {100 * (1 + margin):.0f} % of the SLO, admission.margin {margin:g}"
+    return f"admission refuses above the SLO + {100 * margin:.0f} %, admission.margin {margin:g}"
+
+
+def _protect_message(tier: Tier, tighter: str, predicted: float, slo: float, margin: float) -> str:
+    return (f"the service is overloaded for the {tier.name} tier: its decode worker is serving {tighter} requests, "
+            f"whose TPOT SLO is {slo:.3f} s, and with this request the predicted TPOT is {predicted:.3f} s "
+            f"({_limit(slo, margin)}); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
 
 
 def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float) -> str:
     excess = predicted - slo
+    relation = (f"over its {what} SLO of {slo:.3f} s by {excess:.3f} s ({100 * excess / slo:.0f} %" if excess > 0
+                else f"within {-100 * excess / slo:.0f} % of its {what} SLO of {slo:.3f} s (")
     return (f"the service is overloaded for the {tier.name} tier: the predicted {what} is {predicted:.3f} s, "
-            f"over its {what} SLO of {slo:.3f} s by {excess:.3f} s ({100 * excess / slo:.0f} %; the margin is "
-            f"{100 * margin:.0f} %); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
+            f"{relation}; {_limit(slo, margin)}); retry later, or send service_tier 'flex' (batch tier, never "
+            f"refused for latency)")

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 from mm_serve.admission.online_fit import OnlineLinearFit
+from mm_serve.admission.ratio_correction import RatioCorrection
 from mm_serve.planner.profile_file import Profile
 
 DEFAULT_PREFILL = (0.004, 2e-5, 0.004)  # s per batch, s per token, s per image
@@ -51,8 +52,11 @@ class Prediction:
 
     ttft_s: float
     tpot_s: float
-    queue_s: float  # of ttft_s: the wait for the work ahead
+    queue_s: float  # the wait for the work ahead, as the fit prices it (before the correction)
+    ttft_base_s: float = 0.0  # queue + own prefill as the fit prices them (before the correction)
+    tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it (before the correction)
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
+    decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
 
 
 class LatencyPredictor:
@@ -64,6 +68,8 @@ class LatencyPredictor:
         self.prefill = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
         self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0), forgetting=DECODE_FORGETTING)
         self.overhead_s = DEFAULT_OVERHEAD_S
+        self.ttft_correction = RatioCorrection()  # measured queue + prefill / the fit's
+        self.tpot_correction = RatioCorrection()  # measured TPOT / the fit's decode step
         self.started = time.monotonic()
 
     def prefill_seconds(self, tokens: int, images: int) -> float:
@@ -88,9 +94,10 @@ class LatencyPredictor:
             decode_context: context tokens of that batch (prompt and outputs, it included).
         """
         queue = self.queue_seconds(ahead)
-        ttft = queue + self.prefill_seconds(tokens, images) + self.overhead_s
-        tpot = self.decode.predict((1.0, decode_batch, decode_context))
-        return Prediction(ttft, tpot, queue)
+        base = queue + self.prefill_seconds(tokens, images)
+        step = self.decode.predict((1.0, decode_batch, decode_context))
+        return Prediction(base * self.ttft_correction.value + self.overhead_s, step * self.tpot_correction.value,
+                          queue, base, step)
 
     def observe_prefill(self, tokens: int, images: int, seconds: float) -> None:
         """One measured prefill batch (encode + prefill), in seconds."""
@@ -104,6 +111,14 @@ class LatencyPredictor:
         """Measured TTFT minus its measured queue wait and prefill, in seconds."""
         if residual_s >= 0:
             self.overhead_s += OVERHEAD_WEIGHT * (residual_s - self.overhead_s)
+
+    def observe_finished(self, prediction: Prediction, prefill_span_s: float | None, tpot_s: float | None) -> None:
+        """A finished request's measured queue + prefill span and TPOT (seconds; None when not
+        measured) against its prediction: refits the two corrections."""
+        if prefill_span_s is not None:
+            self.ttft_correction.observe(prefill_span_s, prediction.ttft_base_s)
+        if tpot_s is not None:
+            self.tpot_correction.observe(tpot_s, prediction.tpot_step_s)
 
     def warm_start(self, profile: Profile) -> None:
         """Fit the starting coefficients to an ``mm-serve profile`` file's points (prefill batches,
@@ -131,4 +146,6 @@ class LatencyPredictor:
                        "s_per_context_token": self.decode.coefficients[2],
                        "observations": self.decode.num_observations, "age_s": age(self.decode)},
             "overhead_s": self.overhead_s,
+            "ttft_correction": round(self.ttft_correction.value, 4),
+            "tpot_correction": round(self.tpot_correction.value, 4),
         }

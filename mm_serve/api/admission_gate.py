@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from mm_serve.admission.bounds import check_queues, check_work
 from mm_serve.admission.byte_budget import ByteBudget
+from mm_serve.admission.predictor import Prediction
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import Tier
 from mm_serve.api.schemas import ChatMessage
@@ -81,10 +82,10 @@ def check_call_queues(client: EngineClient, config: ServiceConfig,
 
 
 def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
-               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> float | None:
+               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> Prediction | None:
     """The queue caps, then the latency prediction, for a call of ``prepared`` prompts; counts
-    the admission in the tier metrics. Returns the predicted TTFT in seconds (None when no
-    prediction could be made).
+    the admission in the tier metrics. Returns the prediction of its first request (None when
+    none could be made: a role has no ready worker).
 
     Raises:
         Rejection: 429 from a queue cap or a predicted SLO miss.
@@ -96,7 +97,7 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
                                          params.max_tokens, inputs)
     if ctx.tier_metrics is not None:
         ctx.tier_metrics.observe_admission(tier.name, None)
-    return None if prediction is None else prediction.ttft_s
+    return prediction
 
 
 @contextmanager
@@ -111,8 +112,12 @@ def counted(ctx: ServerContext, tier: Tier) -> Iterator[None]:
 
 
 PREDICTION_HEADER = "x-mm-serve-predicted-ttft-ms"
+TPOT_PREDICTION_HEADER = "x-mm-serve-predicted-tpot-ms"
 
 
-def prediction_header(predicted_ttft_s: float | None) -> dict[str, str]:
-    """``{PREDICTION_HEADER: milliseconds}`` for a stream's response headers (none without a prediction)."""
-    return {} if predicted_ttft_s is None else {PREDICTION_HEADER: f"{1000 * predicted_ttft_s:.1f}"}
+def prediction_header(prediction: Prediction | None) -> dict[str, str]:
+    """The predicted TTFT and TPOT in milliseconds, for a stream's response headers (none
+    without a prediction)."""
+    if prediction is None:
+        return {}
+    return {PREDICTION_HEADER: f"{1000 * prediction.ttft_s:.1f}", TPOT_PREDICTION_HEADER: f"{1000 * prediction.tpot_s:.2f}"}

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
+from mm_serve.admission.predictor import Prediction
 from mm_serve.admission.tiers import Tier
 from mm_serve.api.errors import bad_request, unavailable
 from mm_serve.api.schemas import PromptTokensDetails, Usage
@@ -29,7 +30,7 @@ class Generation:
 
     def __init__(
         self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
-        tier: Tier | None = None, predicted_ttft_s: float | None = None,
+        tier: Tier | None = None, prediction: Prediction | None = None,
     ) -> None:
         self.client = client
         self.tier = tier
@@ -46,7 +47,7 @@ class Generation:
                     state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time)
                 else:
                     state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time, tier.rank,
-                                          tier.max_wait_s, tier.name, predicted_ttft_s)
+                                          tier.max_wait_s, tier.name, prediction)
                 state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set

@@ -72,7 +72,7 @@ def _http_client(endpoint: Endpoint) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
 
-def _take_chunk(line: str, rec: RequestRecord, now: float) -> bool:
+def take_chunk(line: str, rec: RequestRecord, now: float) -> bool:
     """Apply one SSE line to ``rec``; returns False at the end of the stream."""
     if not line.startswith("data:"):
         return True
@@ -113,7 +113,7 @@ async def stream_one(http: httpx.AsyncClient, endpoint: Endpoint, req: PlannedRe
                 rec.error = f"HTTP {resp.status_code}: {detail}"
                 return
             async for line in resp.aiter_lines():
-                if not _take_chunk(line, rec, clock()):
+                if not take_chunk(line, rec, clock()):
                     break
     except asyncio.CancelledError:
         rec.error = rec.error or "cancelled"

@@ -2,7 +2,8 @@
 
 :class:`LocalServer` runs ``mm-serve serve`` as a child process on a free port of
 127.0.0.1 with a given config and mode, waits until ``/health`` answers 200 (the
-workers are loaded and warmed up), and stops it with SIGINT (then SIGKILL) on exit.
+workers are loaded and warmed up), and stops it with SIGINT (then SIGKILL) on exit, also
+when the benchmark itself is stopped with SIGTERM.
 Both modes of a comparison are started from the same config file, so they get the
 same model, dtype and cores: disaggregated mode pins prefill and decode workers to
 ``compute.prefill_cpus`` / ``decode_cpus``, colocated mode gives its single worker
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +34,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _unwind_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, a CI timeout) unwind the benchmark like Ctrl-C does, so every
+    ``with LocalServer(...)`` stops its server instead of leaving it running, orphaned. Only
+    from the main thread and only where SIGTERM still has its default action."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 class LocalServer:
@@ -64,6 +74,7 @@ class LocalServer:
         Raises:
             LaunchError: the process exited, or was not healthy within ``timeout_s`` seconds.
         """
+        _unwind_on_sigterm()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         with open(self.log_path, "wb") as log:

@@ -26,7 +26,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.detokenizer import IncrementalDetokenizer
@@ -43,6 +43,9 @@ from mm_serve.runtime.page_hashes import image_content_hashes, image_spans, page
 from mm_serve.runtime.sampling_params import SamplingParams
 from mm_serve.runtime.sampling_wire import to_wire
 from mm_serve.runtime.worker_setup import prefix_key
+
+if TYPE_CHECKING:
+    from mm_serve.admission.predictor import Prediction
 
 __all__ = ["EngineClient", "WorkerStartError"]
 
@@ -196,14 +199,15 @@ class EngineClient:
 
     def submit(
         self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
-        priority: int = 1, max_wait_s: float = 0.0, tier: str | None = None, predicted_ttft_s: float | None = None,
+        priority: int = 1, max_wait_s: float = 0.0, tier: str | None = None, prediction: Prediction | None = None,
     ) -> RequestState:
         """Route a processed request to a ready prefill (or colocated) worker; while its role
         has none ready but one restarting, the request waits for it.
 
         ``priority`` is its SLO tier rank (0 interactive, 1 standard, 2 batch) and
         ``max_wait_s`` the prefill wait (seconds) after which it is served as rank 0 (0: never);
-        ``tier`` (its name) and ``predicted_ttft_s`` are kept on the state for the metrics.
+        ``tier`` (its name) and the admission's ``prediction`` are kept on the state for the metrics
+        and the predictor's feedback.
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` over the context length.
@@ -216,7 +220,8 @@ class EngineClient:
         self.inputs.check_context(n, params.max_tokens, self.context_limit)
         state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop))
         state.num_images = inputs.num_images
-        state.tier, state.predicted_ttft_s = tier, predicted_ttft_s
+        state.tier, state.prediction = tier, prediction
+        state.predicted_ttft_s = None if prediction is None else prediction.ttft_s
         if arrival_time is not None:
             state.arrival_time = arrival_time
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)

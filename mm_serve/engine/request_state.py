@@ -5,10 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mm_serve.engine.detokenizer import IncrementalDetokenizer
 from mm_serve.runtime import messages
+
+if TYPE_CHECKING:
+    from mm_serve.admission.predictor import Prediction
 
 
 class RequestState:
@@ -36,6 +39,7 @@ class RequestState:
         self.finish_time: float | None = None
         self.tier: str | None = None  # the SLO tier it is served in (set by the API)
         self.predicted_ttft_s: float | None = None  # the admission controller's prediction, seconds
+        self.prediction: Prediction | None = None  # all of it (the predictor learns from its errors)
         self.cached_tokens = 0  # prompt tokens whose KV the prefill reused (prefix cache), <= num_prompt_tokens
         self._cached_reported = False
         self._pending_text: list[str] = []

@@ -18,7 +18,10 @@ from mm_serve.runtime.worker_spec import WorkerSpec
 
 
 def pin_and_set_threads(spec: WorkerSpec) -> None:
-    """Pin this process to ``spec.cpus`` (if any) and set torch's intra-op thread count."""
+    """Pin this process to ``spec.cpus`` (if any), lower its priority by ``spec.nice`` and set
+    torch's intra-op thread count."""
+    if spec.nice > 0 and hasattr(os, "nice"):
+        os.nice(spec.nice)
     if spec.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(spec.cpus))
     threads = spec.threads or len(spec.cpus)

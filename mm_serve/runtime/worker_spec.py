@@ -26,6 +26,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     doorbells: list[str] = []  # prefill: each decode worker's doorbell, in decode order
     cpus: list[int] = []  # cores to pin to; empty = no pinning
     threads: int = 0  # torch intra-op threads; 0 = len(cpus) or torch's default
+    nice: int = 0  # niceness added to the worker process (compute.worker_nice)
     parent_pid: int = 0  # exit if this process disappears (no orphans)
     stats_interval_s: float = 0.5  # also the heartbeat: the pool replaces a worker silent for fault.heartbeat_timeout_s
     handoff_checksum: bool = True  # fault.handoff_checksum: CRC-32 of each hand-off's pages and features

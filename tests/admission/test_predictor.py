@@ -13,6 +13,7 @@ import pytest
 from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.online_fit import OnlineLinearFit
 from mm_serve.admission.predictor import LatencyPredictor, QueueAhead
+from mm_serve.admission.ratio_correction import RatioCorrection
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
@@ -85,6 +86,37 @@ def test_ttft_is_queue_ahead_plus_own_prefill_plus_overhead() -> None:
     d0, per_request, per_context = predictor.decode.coefficients
     assert p.tpot_s == pytest.approx(d0 + per_request * 4 + per_context * 2000)
     assert predictor.predict(QueueAhead(0, 0, 0), 600, 1, 1, 600).queue_s == 0.0
+
+
+def test_finished_requests_correct_a_systematic_underestimate() -> None:
+    """The fits price one step; requests that live through longer (a decode batch that grows, a
+    wait for a decode slot) teach the corrections, so predictions come out that much longer."""
+    predictor = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096)
+    first = predictor.predict(QueueAhead(2, 500, 2), 250, 1, 10, 3000)
+    for _ in range(60):
+        p = predictor.predict(QueueAhead(2, 500, 2), 250, 1, 10, 3000)
+        predictor.observe_finished(p, prefill_span_s=1.5 * p.ttft_base_s, tpot_s=2.0 * p.tpot_step_s)
+    after = predictor.predict(QueueAhead(2, 500, 2), 250, 1, 10, 3000)
+    assert after.tpot_step_s == pytest.approx(first.tpot_step_s)  # the fit itself is unchanged
+    assert after.tpot_s == pytest.approx(2.0 * first.tpot_s, rel=0.01)
+    assert after.ttft_s - predictor.overhead_s == pytest.approx(1.5 * first.ttft_base_s, rel=0.01)
+    assert predictor.report()["tpot_correction"] == pytest.approx(2.0, rel=0.01)
+    predictor.observe_finished(after, None, -1.0)  # nothing measured: nothing learned
+    assert predictor.tpot_correction.num_observations == 60
+
+
+def test_the_ratio_correction_is_bounded_and_validated() -> None:
+    correction = RatioCorrection(weight=0.5, low=0.5, high=4.0)
+    for _ in range(40):
+        correction.observe(100.0, 1.0)
+    assert correction.value == pytest.approx(4.0)
+    correction.observe(0.0, 1.0)
+    correction.observe(float("nan"), 1.0)
+    assert correction.num_observations == 40
+    with pytest.raises(ValueError, match="weight"):
+        RatioCorrection(weight=0.0)
+    with pytest.raises(ValueError, match="low"):
+        RatioCorrection(low=2.0)
 
 
 class _Client:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,3 +47,32 @@ def test_a_server_that_cannot_start_raises(tmp_path: Path) -> None:
     bad.write_text("mode: sideways\n")
     with pytest.raises(LaunchError, match="mode"):
         LocalServer(tmp_path / "server.log", config=str(bad)).start(timeout_s=60)
+
+
+def test_a_benchmark_stopped_with_sigterm_stops_its_server(tiny_llava: Path, tmp_path: Path) -> None:
+    """``kill`` of a benchmark script must not leave its ``mm-serve serve`` running, orphaned."""
+    script = (f"import time\nfrom pathlib import Path\nfrom mm_serve.bench.launch import LocalServer\n"
+              f"with LocalServer(Path({str(tmp_path / 'server.log')!r}), model={str(tiny_llava)!r}) as s:\n"
+              f"    print(s._proc.pid, flush=True)\n    time.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout is not None
+        server_pid = int(bench.stdout.readline())
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(server_pid):
+            time.sleep(0.2)
+        assert not _alive(server_pid), "the server outlived its benchmark"
+    finally:
+        bench.kill()
+        bench.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) counts as gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
