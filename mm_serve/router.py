@@ -76,6 +76,7 @@ class LoadView:
     cached_tokens: int = 0  # of its prompt, tokens that would not be prefilled (the caller fills these two
     cached_images: int = 0  # ... from cached_pages: it knows the page size and where the images are)
     in_flight: int = 0  # requests unfinished on the whole service (the caller fills it)
+    looser: PrefillWork = field(default_factory=PrefillWork)  # queued or prefilling there at looser ranks
 
 
 class Router:
@@ -167,16 +168,18 @@ class Router:
             ValueError: a candidate list is empty.
         """
         prefill = self.pick_prefill(prefills, page_hashes)
-        ahead = PrefillWork()
-        for work in self.prefill_work[prefill][: min(max(rank, 0), NUM_RANKS - 1) + 1]:
-            ahead.add(work.requests, 0, 0)
-            ahead.tokens += work.tokens
-            ahead.images += work.images
+        ahead, looser = PrefillWork(), PrefillWork()
+        cut = min(max(rank, 0), NUM_RANKS - 1) + 1
+        for i, work in enumerate(self.prefill_work[prefill]):
+            into = ahead if i < cut else looser
+            into.requests += work.requests
+            into.tokens += work.tokens
+            into.images += work.images
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
         cached = self.cached_tokens(prefill, page_hashes) // self.page_size if page_hashes else 0
         return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used,
-                        load.tightest_rank(), cached)
+                        load.tightest_rank(), cached, looser=looser)
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) dispatched to prefill workers and not yet prefilled."""

@@ -134,6 +134,13 @@ def test_prefill_and_decode_run_in_different_processes(one_p_one_d: LLM) -> None
     prefill, decode = stats[("prefill", 0)], stats[("decode", 0)]
     assert len({prefill.pid, decode.pid, os.getpid()}) == 3
     assert prefill.num_encoded_images >= 1 and decode.num_encoded_images == 0
+    # compute.worker_nice (5): the workers yield the cores to the front end when both want them
+    assert [niceness(p) for p in (prefill.pid, decode.pid)] == [niceness(os.getpid()) + 5] * 2
+
+
+def niceness(pid: int) -> int:
+    """The nice value of process ``pid`` (Linux /proc)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
 def cpu_seconds(pid: int) -> float:

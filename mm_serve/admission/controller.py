@@ -55,9 +55,11 @@ class AdmissionController:
             return None
         computed, encoded = tokens - view.cached_tokens, images - view.cached_images
         ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
+        looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
         context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
         with self._lock:
-            prediction = self.predictor.predict(ahead, computed, encoded, view.decode_batch + 1, context)
+            prediction = self.predictor.predict(ahead, computed, encoded, view.decode_batch + 1, context, looser,
+                                                tier.rank)
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 
@@ -91,6 +93,17 @@ class AdmissionController:
                 raise Rejection(429, "tpot_slo", _protect_message(tier, name, prediction.tpot_s, protect, margin), 1.0)
         return prediction
 
+    def precheck(self, client: EngineClient, tier: Tier, max_tokens: int) -> None:
+        """:meth:`admit` for a one-token prompt: what the queue ahead and the decode batch alone
+        already rule out, refused before the call's images are fetched and decoded (cheap refusals
+        under overload). Its own prompt only adds to a prediction, so a call refused here would be
+        refused after its images too.
+
+        Raises:
+            Rejection: as :meth:`admit`.
+        """
+        self.admit(client, tier, 1, 0, max_tokens)
+
     def on_step(self, role: str, step: messages.StepTiming) -> None:
         """Refit from one timed worker step (the engine client's step listener)."""
         with self._lock:
@@ -115,7 +128,7 @@ class AdmissionController:
                 self.predictor.observe_finished(state.prediction, span, tpot)
 
 
-def _limit(slo: float, margin: float) -> str:
+def _limit(margin: float) -> str:
     """How the refusal threshold relates to the SLO, in words."""
     if margin < 0:
         return f"admission refuses above {100 * (1 + margin):.0f} % of the SLO, admission.margin {margin:g}"
@@ -125,13 +138,13 @@ def _limit(slo: float, margin: float) -> str:
 def _protect_message(tier: Tier, tighter: str, predicted: float, slo: float, margin: float) -> str:
     return (f"the service is overloaded for the {tier.name} tier: its decode worker is serving {tighter} requests, "
             f"whose TPOT SLO is {slo:.3f} s, and with this request the predicted TPOT is {predicted:.3f} s "
-            f"({_limit(slo, margin)}); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
+            f"({_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
 
 
 def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float) -> str:
     excess = predicted - slo
     relation = (f"over its {what} SLO of {slo:.3f} s by {excess:.3f} s ({100 * excess / slo:.0f} %" if excess > 0
-                else f"within {-100 * excess / slo:.0f} % of its {what} SLO of {slo:.3f} s (")
+                else f"{-100 * excess / slo:.0f} % under its {what} SLO of {slo:.3f} s (")
     return (f"the service is overloaded for the {tier.name} tier: the predicted {what} is {predicted:.3f} s, "
-            f"{relation}; {_limit(slo, margin)}); retry later, or send service_tier 'flex' (batch tier, never "
+            f"{relation}; {_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never "
             f"refused for latency)")

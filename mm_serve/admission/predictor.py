@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from mm_serve.admission.online_fit import OnlineLinearFit
 from mm_serve.admission.ratio_correction import RatioCorrection
+from mm_serve.admission.tiers import TIERS
 from mm_serve.planner.profile_file import Profile
 
 DEFAULT_PREFILL = (0.004, 2e-5, 0.004)  # s per batch, s per token, s per image
@@ -55,6 +56,7 @@ class Prediction:
     queue_s: float  # the wait for the work ahead, as the fit prices it (before the correction)
     ttft_base_s: float = 0.0  # queue + own prefill as the fit prices them (before the correction)
     tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it (before the correction)
+    rank: int = 1  # the tier rank it was predicted for
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
     decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
 
@@ -68,7 +70,8 @@ class LatencyPredictor:
         self.prefill = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
         self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0), forgetting=DECODE_FORGETTING)
         self.overhead_s = DEFAULT_OVERHEAD_S
-        self.ttft_correction = RatioCorrection()  # measured queue + prefill / the fit's
+        # measured queue + prefill / the fit's, one per tier rank (interactive waits for looser batches in progress)
+        self.ttft_corrections = [RatioCorrection() for _ in TIERS]
         self.tpot_correction = RatioCorrection()  # measured TPOT / the fit's decode step
         self.started = time.monotonic()
 
@@ -84,20 +87,32 @@ class LatencyPredictor:
         per_batch = self.prefill.coefficients[0]
         return max(0.0, self.prefill_seconds(ahead.tokens, ahead.images) + (batches - 1) * per_batch)
 
+    def in_progress_seconds(self, looser: QueueAhead) -> float:
+        """Expected rest of a batch of looser work that may be prefilling when the request arrives:
+        a batch is not preempted, so it waits for it; half of one batch (at most the batch size
+        and token budget) of the looser work queued there, on average."""
+        if looser.requests <= 0:
+            return 0.0
+        share = min(1.0, self.batch_size / looser.requests, self.token_budget / max(1, looser.tokens))
+        return 0.5 * self.prefill_seconds(round(share * looser.tokens), round(share * looser.images))
+
     def predict(self, ahead: QueueAhead, tokens: int, images: int, decode_batch: int,
-                decode_context: int) -> Prediction:
-        """TTFT and TPOT of a request of ``tokens`` prompt tokens and ``images`` images.
+                decode_context: int, looser: QueueAhead | None = None, rank: int = 1) -> Prediction:
+        """TTFT and TPOT of a request of tier ``rank`` with ``tokens`` prompt tokens and ``images`` images.
 
         Args:
             ahead: work queued on its prefill worker at its tier and tighter ones.
             decode_batch: requests its decode worker will run with it (it included).
             decode_context: context tokens of that batch (prompt and outputs, it included).
+            looser: work queued there at looser tiers (a batch of it may be in progress).
+            rank: its tier rank (0 interactive, 1 standard, 2 batch): each has its own TTFT correction.
         """
-        queue = self.queue_seconds(ahead)
+        queue = self.queue_seconds(ahead) + (self.in_progress_seconds(looser) if looser is not None else 0.0)
         base = queue + self.prefill_seconds(tokens, images)
         step = self.decode.predict((1.0, decode_batch, decode_context))
-        return Prediction(base * self.ttft_correction.value + self.overhead_s, step * self.tpot_correction.value,
-                          queue, base, step)
+        rank = min(max(rank, 0), len(self.ttft_corrections) - 1)
+        return Prediction(base * self.ttft_corrections[rank].value + self.overhead_s,
+                          step * self.tpot_correction.value, queue, base, step, rank=rank)
 
     def observe_prefill(self, tokens: int, images: int, seconds: float) -> None:
         """One measured prefill batch (encode + prefill), in seconds."""
@@ -116,7 +131,7 @@ class LatencyPredictor:
         """A finished request's measured queue + prefill span and TPOT (seconds; None when not
         measured) against its prediction: refits the two corrections."""
         if prefill_span_s is not None:
-            self.ttft_correction.observe(prefill_span_s, prediction.ttft_base_s)
+            self.ttft_corrections[prediction.rank].observe(prefill_span_s, prediction.ttft_base_s)
         if tpot_s is not None:
             self.tpot_correction.observe(tpot_s, prediction.tpot_step_s)
 
@@ -146,6 +161,7 @@ class LatencyPredictor:
                        "s_per_context_token": self.decode.coefficients[2],
                        "observations": self.decode.num_observations, "age_s": age(self.decode)},
             "overhead_s": self.overhead_s,
-            "ttft_correction": round(self.ttft_correction.value, 4),
+            "ttft_correction": {name: round(c.value, 4) for name, c in zip(TIERS, self.ttft_corrections,
+                                                                              strict=True)},
             "tpot_correction": round(self.tpot_correction.value, 4),
         }

@@ -100,6 +100,20 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
     return prediction
 
 
+def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int) -> None:
+    """Refuse a call on its tier and ``max_tokens`` alone, before its images are fetched or
+    decoded, when the queues already rule it out (:meth:`AdmissionController.precheck`); nothing
+    while the engine is not up (the later checks answer that).
+
+    Raises:
+        Rejection: 429 from a predicted SLO miss.
+    """
+    if not ctx.holder.started or ctx.holder.draining.is_set():
+        return
+    with counted(ctx, tier):
+        ctx.admission.precheck(ctx.holder.client, tier, max_tokens)
+
+
 @contextmanager
 def counted(ctx: ServerContext, tier: Tier) -> Iterator[None]:
     """Count a :class:`Rejection` raised in the body in the tier metrics (and re-raise it)."""

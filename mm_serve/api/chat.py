@@ -13,6 +13,7 @@ from mm_serve.api.admission_gate import (
     check_call_work,
     counted,
     hold_images,
+    precheck_call,
     prediction_header,
 )
 from mm_serve.api.body_limit import arrival_time
@@ -34,6 +35,8 @@ from mm_serve.api.schemas import (
 from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.api.tier_param import request_tier
 
+DEFAULT_PRECHECK_TOKENS = 16  # max_tokens assumed by the early admission check when the call sets none
+
 
 def _finish(reason: str | None) -> str | None:
     return reason if reason in ("stop", "length") else None
@@ -44,6 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
+    precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS)
     with counted(ctx, tier), hold_images(ctx.image_budget, body.messages, ctx.config):
         messages = await chat_messages(body.messages, ctx.config.api)
         inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,38 @@ def test_a_request_alone_is_admitted_whatever_a_drifted_predictor_says() -> None
     assert prediction is not None and prediction.idle and prediction.tpot_s > 1.0
     with pytest.raises(Rejection, match="TPOT"):
         controller.admit(_Client(_queued_router({1: 100})), tier_of("default", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+
+
+def test_a_looser_tier_is_refused_when_it_would_slow_a_tighter_one_past_its_tpot_slo() -> None:
+    """Every request on a decode worker gets the same step: a standard request that would make
+    the step slower than the interactive TPOT SLO is refused while interactive requests run
+    there, and admitted once they are gone."""
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 20},
+                             "slo.tiers.standard": {"ttft_ms": 4000, "tpot_ms": 200}, "admission.margin": 0.0})
+    controller = AdmissionController(cfg)
+    for _ in range(50):  # 30 ms decode steps: within standard's 200 ms, over interactive's 20 ms
+        controller.predictor.observe_decode(4, 1000, 0.03)
+    router = _queued_router({})
+    router.dispatched("running-interactive", 0, 0, 100, 1, rank=0)
+    router.prefilled("running-interactive")
+    client = _Client(router)
+    with pytest.raises(Rejection, match="serving interactive requests") as info:
+        controller.admit(client, tier_of("default", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+    assert info.value.reason == "tpot_slo"
+    # a one-token answer has no TPOT; batch is never refused for latency
+    assert controller.admit(client, tier_of("default", cfg.slo), 100, 0, 1) is not None  # type: ignore[arg-type]
+    assert controller.admit(client, tier_of("flex", cfg.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+    router.finished("running-interactive")
+    router.dispatched("other", 0, 0, 100, 1, rank=1)  # not idle, but no interactive request there now
+    assert controller.admit(client, tier_of("default", cfg.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+
+
+def test_a_negative_margin_refuses_below_the_slo_and_says_so() -> None:
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 100}, "admission.margin": -0.5})
+    controller = AdmissionController(cfg)
+    for _ in range(50):
+        controller.predictor.observe_decode(4, 1000, 0.07)  # 70 ms steps: under the SLO, over half of it
+    with pytest.raises(Rejection) as info:
+        controller.admit(_Client(_queued_router({1: 10})), tier_of("priority", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+    assert re.search(r"the predicted TPOT is 0\.0\d\d s, \d\d % under its TPOT SLO of 0\.100 s", info.value.message)
+    assert "refuses above 50 % of the SLO" in info.value.message

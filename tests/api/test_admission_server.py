@@ -66,14 +66,19 @@ def test_a_predicted_slo_miss_is_a_fast_429_with_retry_after(admission_server: S
     started = time.monotonic()
     r = httpx.post(f"{url}/v1/chat/completions", json=_chat(service_tier="priority"), timeout=60)
     elapsed = time.monotonic() - started
+    # refused before its images are decoded: an undecodable one gets the 429, not the 400 it would get after
+    broken = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                           {"type": "text", "text": "hi"}]}]
+    early = httpx.post(f"{url}/v1/chat/completions", json=_chat(service_tier="priority", messages=broken), timeout=60)
     busy.join()
+    assert early.status_code == 429 and early.json()["error"]["code"] == "ttft_slo"
     error = r.json()["error"]
     assert r.status_code == 429 and error["type"] == "rate_limit_error" and error["code"] == "ttft_slo"
     assert int(r.headers["retry-after"]) >= 1
     assert "interactive tier" in error["message"] and "TTFT SLO of 0.000 s" in error["message"]
     assert elapsed < 2.0
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    assert 'mm_serve_tier_rejected_total{reason="ttft_slo",tier="interactive"} 1.0' in metrics
+    assert 'mm_serve_tier_rejected_total{reason="ttft_slo",tier="interactive"} 2.0' in metrics
     assert 'mm_serve_tier_admitted_total{tier="standard"}' in metrics
     health = httpx.get(f"{url}/health", timeout=10).json()
     assert health["admission"]["predict"] is True and health["admission"]["prefill"]["observations"] >= 1

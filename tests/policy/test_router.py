@@ -177,3 +177,22 @@ def test_the_load_view_picks_the_prefix_holder_and_counts_its_cached_pages() -> 
     view = router.view(1, 3, [0, 1], [0, 1], page_hashes=[b"p0", b"p1", b"p2"])
     assert (view.prefill, view.cached_pages) == (1, 2)
     assert router.view(1, 3, [0, 1], [0, 1]).cached_pages == 0  # no hashes: nothing known cached
+
+
+def test_the_load_view_names_the_tightest_tier_live_on_the_decode_worker() -> None:
+    """Each decode worker counts its live requests per tier rank until they finish; a re-dispatch
+    (migration) moves the count; the view reports the tightest rank there."""
+    router = make_router(num_prefill=1, num_decode=2, decode_pages_total=50)
+    router.dispatched("s", prefill=0, decode=0, tokens=8, pages=1, rank=1)
+    router.dispatched("i", prefill=0, decode=0, tokens=8, pages=1, rank=0)
+    assert router.view(2, 1, [0], [0]).decode_tightest_rank == 0
+    router.prefilled("i")
+    router.claimed("i")  # still decoding there: it still counts
+    assert router.decode[0].tightest_rank() == 0
+    router.dispatched("i", prefill=0, decode=1, tokens=8, pages=1, rank=0)  # migrated to decode 1
+    assert router.decode[0].ranks == [0, 1, 0] and router.decode[1].ranks == [1, 0, 0]
+    router.finished("i")
+    router.finished("i")  # twice: counted once
+    assert router.decode[1].tightest_rank() is None and router.view(2, 1, [0], [0]).decode_tightest_rank == 1
+    router.finished("s")
+    assert [load.ranks for load in router.decode] == [[0, 0, 0], [0, 0, 0]]
