@@ -101,7 +101,6 @@ class DecodeWorker(WorkerShell):
         if plan.empty:
             return
         batch = plan.prefill or plan.decode
-        started = time.monotonic()
         try:
             if plan.prefill:  # recompute of preempted requests: token ids + kept image embeddings
                 logits = self.runner.prefill(plan.prefill)
