@@ -6,22 +6,29 @@ while it runs, the wait between its first token and a decode slot, higher-tier w
 arrives after it and is prefilled first. Those effects are systematic for a given load, so
 each prediction is scaled by the exponentially weighted geometric mean of the ratio
 measured / predicted over the last requests that finished (the same idea as the
-front-end overhead, which is an average of measured residuals).
+front-end overhead, which is an average of measured residuals). Without new observations
+the correction decays back toward 1 (half-life ``half_life_s``): a tier whose every request is
+refused teaches nothing, and a stale pessimistic factor must not lock it out for good.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 
 class RatioCorrection:
     """``value`` = exp(EWMA of log(measured / predicted)), clamped to ``[low, high]``.
 
     Raises (constructor):
-        ValueError: ``weight`` not in (0, 1], or not ``0 < low <= 1 <= high``.
+        ValueError: ``weight`` not in (0, 1], not ``0 < low <= 1 <= high``, or ``half_life_s <= 0``.
     """
 
-    def __init__(self, weight: float = 0.1, low: float = 0.2, high: float = 10.0) -> None:
+    def __init__(self, weight: float = 0.1, low: float = 0.2, high: float = 10.0, half_life_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         if not 0 < low <= 1 <= high:
@@ -29,17 +36,25 @@ class RatioCorrection:
         self.weight = weight
         self._bounds = (math.log(low), math.log(high))
         self._log = 0.0
+        self.half_life_s = half_life_s
+        self._clock = clock
+        self._at = clock()  # when _log was last set
         self.num_observations = 0
 
     @property
     def value(self) -> float:
         """The factor to multiply a prediction by (1.0 before any observation)."""
-        return math.exp(self._log)
+        return math.exp(self._decayed())
+
+    def _decayed(self) -> float:
+        return self._log * 0.5 ** ((self._clock() - self._at) / self.half_life_s)
 
     def observe(self, measured: float, predicted: float) -> None:
         """One finished request's measured and predicted value (same unit); ignored unless both > 0."""
         if not (measured > 0 and predicted > 0 and math.isfinite(measured) and math.isfinite(predicted)):
             return
-        self._log += self.weight * (math.log(measured / predicted) - self._log)
+        current = self._decayed()
+        self._log = current + self.weight * (math.log(measured / predicted) - current)
         self._log = min(max(self._log, self._bounds[0]), self._bounds[1])
+        self._at = self._clock()
         self.num_observations += 1

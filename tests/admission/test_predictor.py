@@ -120,6 +120,21 @@ def test_the_ratio_correction_is_bounded_and_validated() -> None:
         RatioCorrection(low=2.0)
 
 
+def test_a_correction_without_new_observations_decays_back_to_one() -> None:
+    """A tier whose requests are all refused teaches nothing: its stale factor must fade, or it
+    would stay locked out."""
+    now = [0.0]
+    correction = RatioCorrection(weight=1.0, half_life_s=10.0, clock=lambda: now[0])
+    correction.observe(4.0, 1.0)
+    assert correction.value == pytest.approx(4.0)
+    now[0] = 10.0
+    assert correction.value == pytest.approx(2.0)
+    now[0] = 100.0
+    assert correction.value == pytest.approx(1.0, abs=0.01)
+    correction.observe(3.0, 1.0)  # weight 1: the new ratio replaces the decayed one
+    assert correction.value == pytest.approx(3.0)
+
+
 class _Client:
     """The one method of EngineClient the controller uses, over a real Router."""
 
