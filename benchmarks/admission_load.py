@@ -260,7 +260,7 @@ class Bench:
             key = f"{load:g}x"
             self.health[f"{name} {key}"] = health.samples
             results[key] = summarize(outcomes, self.slo, plan[-1].arrival_s)
-            counts = [parse_counters(after, SERVER_COUNTS)[k] - parse_counters(before, SERVER_COUNTS).get(k, 0.0)
+            counts = [parse_counters(after, SERVER_COUNTS).get(k, 0.0) - parse_counters(before, SERVER_COUNTS).get(k, 0.0)
                       for k in SERVER_COUNTS]
             # the server's own view (first token and every token as the front end received them)
             results[key]["server_attainment"] = counts[1] / counts[0] if counts[0] else None

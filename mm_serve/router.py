@@ -144,7 +144,9 @@ class Router:
                    rank: int = 1, images: int = 0, page_hashes: Sequence[bytes] = ()) -> None:
         """Count a request sent to ``prefill`` (``tokens`` prompt tokens, ``images`` images, tier
         ``rank``, full pages hashing to ``page_hashes``) whose KV goes to ``decode`` (``pages``
-        pages for the prompt and first token)."""
+        pages for the prompt and first token). An id already counted is forgotten first."""
+        if request_id in self._decode_of or request_id in self._prefill_of:
+            self.finished(request_id)
         rank = min(max(rank, 0), NUM_RANKS - 1)
         if self.cache_aware and page_hashes:
             tokens -= min(self.cached_tokens(prefill, page_hashes), tokens - 1)  # the work left to compute
@@ -152,7 +154,6 @@ class Router:
         self.prefill_tokens[prefill] += tokens
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
         self.prefill_work[prefill][rank].add(1, tokens, images)
-        self._forget_rank(request_id)  # a re-dispatch (migration) moves it
         self.decode[decode].inflight[request_id] = pages
         self.decode[decode].ranks[rank] += 1
         self._decode_of[request_id] = decode

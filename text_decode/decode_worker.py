@@ -25,7 +25,6 @@ from text_decode.scheduler import ContinuousBatchingScheduler
 
 ABORT_MEMORY_S = 600.0  # how long an abort for a not-yet-seen hand-off is remembered
 POLL_WAIT_MS = 1  # idle wait with no doorbell: the ring is polled
-BACK_TO_BACK_S = 0.05  # a step that began this soon after the previous one ended ran back to back
 
 
 class DecodeWorker(WorkerShell):
@@ -46,7 +45,7 @@ class DecodeWorker(WorkerShell):
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
         self.requests: dict[str, Request] = {}
         self._aborted_at: dict[str, float] = {}  # aborts of hand-offs not seen yet: id -> monotonic time
-        self._last_step_end: float | None = None  # monotonic end of the last decode or recompute step
+        self._last_step_end: float | None = None  # monotonic time the last decode step was timed; None after idle
         self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
         if self.link is not None and self.doorbell is not None:
             self.link.wake_with(spec.doorbell_address)  # a delivery over Ray rings it too
@@ -96,9 +95,11 @@ class DecodeWorker(WorkerShell):
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
             del self._aborted_at[request_id]
         if not self.scheduler.num_unfinished:
+            self._last_step_end = None  # idle: the next period starts afresh
             return
         plan = self.scheduler.schedule()
         if plan.empty:
+            self._last_step_end = None
             return
         batch = plan.prefill or plan.decode
         try:
@@ -112,6 +113,7 @@ class DecodeWorker(WorkerShell):
             for request in batch:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
                 self.channel.send(messages.RequestFailed(request.request_id, f"decode failed: {exc}"))
+            self._last_step_end = None
             return
         now = time.time()
         for request in batch:
@@ -120,14 +122,15 @@ class DecodeWorker(WorkerShell):
             "decode", self._step_period(begun), len(batch), sum(r.num_tokens for r in batch))
         process_step(batch, tokens, logprobs, self.stops, self._finish)
         self.send([token_update(request) for request in batch], timing)
-        self._last_step_end = time.monotonic()
 
     def _step_period(self, begun: float) -> float:
-        """Seconds a running request waited for this step's token: since the previous step ended
-        when the steps ran back to back (claims, recomputes, messages and the OS's time slices
-        included), else since this step began (the admission predictor's TPOT, :mod:`mm_serve.admission`)."""
+        """Seconds a running request waited for this decode step's token (the admission predictor's
+        TPOT, :mod:`mm_serve.admission`): since the previous decode step was timed, when every step
+        in between did work (claims, recompute steps, sending, messages and the OS's time slices
+        included), else since this step began. Consecutive periods tile the busy time exactly."""
         now, last = time.monotonic(), self._last_step_end
-        return now - last if last is not None and begun - last < BACK_TO_BACK_S else now - begun
+        self._last_step_end = now
+        return now - (last if last is not None else begun)
 
     # ---- stats and close ---------------------------------------------------------------------
 

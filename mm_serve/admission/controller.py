@@ -65,11 +65,12 @@ class AdmissionController:
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
               inputs: ProcessedInputs | None = None) -> Prediction | None:
-        """Predict, and refuse a request that would miss its tier's SLO by more than the margin.
+        """Predict, and refuse a request whose prediction exceeds its tier's SLO × (1 + margin), or
+        that would push running requests of a tighter tier on its decode worker past their TPOT SLO.
 
         Raises:
             Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
-                the excess; ``Retry-After`` is the excess of the queue wait, at least a second.
+                the excess; ``Retry-After`` is the TTFT excess in seconds (1 s for TPOT), at least a second.
         """
         prediction = self.predict(client, tier, tokens, images, max_tokens, inputs)
         if prediction is None or not self.config.admission.predict or tier.name == NEVER_REFUSED:
@@ -93,16 +94,41 @@ class AdmissionController:
                 raise Rejection(429, "tpot_slo", _protect_message(tier, name, prediction.tpot_s, protect, margin), 1.0)
         return prediction
 
+    def report(self) -> dict[str, object]:
+        """The predictor's coefficients, corrections and their age (for /health), read under the lock
+        (reading a fit may re-solve it)."""
+        with self._lock:
+            return self.predictor.report()
+
     def precheck(self, client: EngineClient, tier: Tier, max_tokens: int) -> None:
-        """:meth:`admit` for a one-token prompt: what the queue ahead and the decode batch alone
-        already rule out, refused before the call's images are fetched and decoded (cheap refusals
-        under overload). Its own prompt only adds to a prediction, so a call refused here would be
-        refused after its images too.
+        """Refuse, before the call's images are fetched and decoded (cheap refusals under
+        overload), what the TTFT rule of :meth:`admit` rules out whatever the call holds: the
+        prediction for a one-token prompt on *each* ready prefill worker (no prefix believed
+        cached) exceeds the threshold. Its own prompt only adds to a prediction and the router
+        picks one of those workers, so such a call would be refused after its images too. TPOT
+        is left to :meth:`admit` (the decode worker picked depends on the prompt's pages).
 
         Raises:
-            Rejection: as :meth:`admit`.
+            Rejection: 429 ``ttft_slo``, as :meth:`admit`.
         """
-        self.admit(client, tier, 1, 0, max_tokens)
+        if not self.config.admission.predict or tier.name == NEVER_REFUSED:
+            return
+        views = client.load_views(tier.rank, 1, max_tokens)
+        threshold = tier.slo.ttft_ms / 1000.0 * (1 + self.config.admission.margin)
+        best: Prediction | None = None
+        for view in views:
+            if view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0:
+                return  # idle: admit() never refuses it
+            ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
+            looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
+            with self._lock:
+                prediction = self.predictor.predict(ahead, 1, 0, view.decode_batch + 1, 1, looser, tier.rank)
+            if prediction.ttft_s <= threshold:
+                return
+            best = prediction if best is None or prediction.ttft_s < best.ttft_s else best
+        if best is not None:
+            slo, margin = tier.slo.ttft_ms / 1000.0, self.config.admission.margin
+            raise Rejection(429, "ttft_slo", _message("TTFT", tier, best.ttft_s, slo, margin), best.ttft_s - slo)
 
     def on_step(self, role: str, step: messages.StepTiming) -> None:
         """Refit from one timed worker step (the engine client's step listener)."""
@@ -145,6 +171,7 @@ def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float)
     excess = predicted - slo
     relation = (f"over its {what} SLO of {slo:.3f} s by {excess:.3f} s ({100 * excess / slo:.0f} %" if excess > 0
                 else f"{-100 * excess / slo:.0f} % under its {what} SLO of {slo:.3f} s (")
+    sep = "; " if excess > 0 else ""
     return (f"the service is overloaded for the {tier.name} tier: the predicted {what} is {predicted:.3f} s, "
-            f"{relation}; {_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never "
+            f"{relation}{sep}{_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never "
             f"refused for latency)")

@@ -7,8 +7,10 @@ arrives after it and is prefilled first. Those effects are systematic for a give
 each prediction is scaled by the exponentially weighted geometric mean of the ratio
 measured / predicted over the last requests that finished (the same idea as the
 front-end overhead, which is an average of measured residuals). Without new observations
-the correction decays back toward 1 (half-life ``half_life_s``): a tier whose every request is
-refused teaches nothing, and a stale pessimistic factor must not lock it out for good.
+the correction decays back toward 1 (half-life ``half_life_s``, once ``grace_s`` has passed
+since the last one): a tier whose every request is refused teaches nothing, and a stale
+pessimistic factor must not lock it out for good; requests finishing less than ``grace_s``
+apart keep the plain geometric mean.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ class RatioCorrection:
     """``value`` = exp(EWMA of log(measured / predicted)), clamped to ``[low, high]``.
 
     Raises (constructor):
-        ValueError: ``weight`` not in (0, 1], not ``0 < low <= 1 <= high``, or ``half_life_s <= 0``.
+        ValueError: ``weight`` not in (0, 1], not ``0 < low <= 1 <= high``, ``half_life_s <= 0`` or ``grace_s < 0``.
     """
 
     def __init__(self, weight: float = 0.1, low: float = 0.2, high: float = 10.0, half_life_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if not half_life_s > 0:
-            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+                 grace_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if not half_life_s > 0 or grace_s < 0:
+            raise ValueError(f"need half_life_s > 0 and grace_s >= 0, got {half_life_s}, {grace_s}")
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         if not 0 < low <= 1 <= high:
@@ -36,7 +38,7 @@ class RatioCorrection:
         self.weight = weight
         self._bounds = (math.log(low), math.log(high))
         self._log = 0.0
-        self.half_life_s = half_life_s
+        self.half_life_s, self.grace_s = half_life_s, grace_s
         self._clock = clock
         self._at = clock()  # when _log was last set
         self.num_observations = 0
@@ -47,7 +49,8 @@ class RatioCorrection:
         return math.exp(self._decayed())
 
     def _decayed(self) -> float:
-        return self._log * 0.5 ** ((self._clock() - self._at) / self.half_life_s)
+        idle = max(0.0, self._clock() - self._at - self.grace_s)
+        return self._log * 0.5 ** (idle / self.half_life_s)
 
     def observe(self, measured: float, predicted: float) -> None:
         """One finished request's measured and predicted value (same unit); ignored unless both > 0."""

@@ -137,7 +137,7 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         status, workers, faults = ctx.holder.health()
         body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]
                               admission={"predict": ctx.config.admission.predict,
-                                         **ctx.admission.predictor.report()},
+                                         **ctx.admission.report()},
                               caches=cache_health(dict(ctx.holder.client.stats))).model_dump()
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 

@@ -65,8 +65,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     predicted = admit_call(ctx, client, tier, prepared)
     gens: list[Generation] = []
     try:
-        for inputs, params in prepared:
-            gens.append(Generation(client, inputs, params, arrival, tier, predicted))
+        for k, (inputs, params) in enumerate(prepared):  # the prediction is of the first prompt's first copy
+            gens.append(Generation(client, inputs, params, arrival, tier, predicted if k == 0 else None))
     except BaseException:
         for gen in gens:
             gen.abort()

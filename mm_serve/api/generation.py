@@ -47,7 +47,7 @@ class Generation:
                     state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time)
                 else:
                     state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time, tier.rank,
-                                          tier.max_wait_s, tier.name, prediction)
+                                          tier.max_wait_s, tier.name, prediction if i == 0 else None)
                 state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set

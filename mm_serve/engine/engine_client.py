@@ -151,6 +151,21 @@ class EngineClient:
         spans = image_spans(inputs.prompt_token_ids, key.image_token_id, inputs.num_images, key.tokens_per_image)
         return dataclasses.replace(view, cached_tokens=tokens, cached_images=sum(1 for _, end in spans if end <= tokens))
 
+    def load_views(self, rank: int, num_tokens: int, max_tokens: int) -> list[LoadView]:
+        """:meth:`load_view` as if each ready prefill worker were the one picked (no cache
+        believed), for a bound that holds whichever the router picks later; empty while a role
+        has no ready worker."""
+        with self._lock:
+            if self.router is None:
+                return []
+            prefills = self.pool.ready_indices("colocated" if self.colocated else "prefill")
+            decodes = prefills if self.colocated else self.pool.ready_indices("decode")
+            if not prefills or not decodes:
+                return []
+            pages = pages_for(num_tokens + max_tokens, self.config.kv_cache.page_size)
+            return [dataclasses.replace(self.router.view(rank, pages, [p], decodes), in_flight=len(self.requests))
+                    for p in prefills]
+
     @staticmethod
     def hash_images(inputs: ProcessedInputs) -> list[bytes]:
         """The content hash of each of the request's images, computed once and kept on ``inputs``."""

@@ -124,12 +124,13 @@ def test_a_correction_without_new_observations_decays_back_to_one() -> None:
     """A tier whose requests are all refused teaches nothing: its stale factor must fade, or it
     would stay locked out."""
     now = [0.0]
-    correction = RatioCorrection(weight=1.0, half_life_s=10.0, clock=lambda: now[0])
+    correction = RatioCorrection(weight=1.0, half_life_s=10.0, grace_s=5.0, clock=lambda: now[0])
     correction.observe(4.0, 1.0)
+    now[0] = 5.0  # within the grace: requests finishing seconds apart keep the full factor
     assert correction.value == pytest.approx(4.0)
-    now[0] = 10.0
+    now[0] = 15.0
     assert correction.value == pytest.approx(2.0)
-    now[0] = 100.0
+    now[0] = 105.0
     assert correction.value == pytest.approx(1.0, abs=0.01)
     correction.observe(3.0, 1.0)  # weight 1: the new ratio replaces the decayed one
     assert correction.value == pytest.approx(3.0)
@@ -288,3 +289,31 @@ def test_a_negative_margin_refuses_below_the_slo_and_says_so() -> None:
         controller.admit(_Client(_queued_router({1: 10})), tier_of("priority", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
     assert re.search(r"the predicted TPOT is 0\.0\d\d s, \d\d % under its TPOT SLO of 0\.100 s", info.value.message)
     assert "refuses above 50 % of the SLO" in info.value.message
+
+
+class _TwoPrefillClient:
+    """load_views over a real Router with two prefill workers and one decode worker."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def load_views(self, rank: int, num_tokens: int, max_tokens: int) -> list[LoadView]:
+        return [self.router.view(rank, 1, [p], [0]) for p in (0, 1)]
+
+
+def test_the_early_check_refuses_only_what_every_prefill_worker_rules_out() -> None:
+    """Before a call's images are decoded: refused only when the queue on *each* prefill worker
+    already puts a one-token prompt over the threshold, since the router may pick either."""
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 50, "tpot_ms": 100}})
+    controller = AdmissionController(cfg)
+    router = Router(2, 1, 1000, 64)
+    router.dispatched("a", 0, 0, 8000, 1, rank=0)  # interactive work ahead on prefill 0 only
+    router.dispatched("b", 1, 0, 50, 1, rank=2)  # a little batch-tier work on prefill 1
+    client = _TwoPrefillClient(router)
+    interactive = tier_of("priority", cfg.slo)
+    controller.precheck(client, interactive, 16)  # type: ignore[arg-type]  # prefill 1 could still make it
+    router.dispatched("c", 1, 0, 8000, 1, rank=0)
+    with pytest.raises(Rejection) as info:
+        controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
+    assert info.value.reason == "ttft_slo" and info.value.retry_after_s is not None
+    controller.precheck(client, tier_of("flex", cfg.slo), 16)  # type: ignore[arg-type]  # batch: never

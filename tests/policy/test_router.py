@@ -180,8 +180,8 @@ def test_the_load_view_picks_the_prefix_holder_and_counts_its_cached_pages() -> 
 
 
 def test_the_load_view_names_the_tightest_tier_live_on_the_decode_worker() -> None:
-    """Each decode worker counts its live requests per tier rank until they finish; a re-dispatch
-    (migration) moves the count; the view reports the tightest rank there."""
+    """Each decode worker counts its live requests per tier rank until they finish; dispatching an
+    id again forgets its first dispatch (tokens, pages, rank); the view reports the tightest rank."""
     router = make_router(num_prefill=1, num_decode=2, decode_pages_total=50)
     router.dispatched("s", prefill=0, decode=0, tokens=8, pages=1, rank=1)
     router.dispatched("i", prefill=0, decode=0, tokens=8, pages=1, rank=0)
@@ -189,8 +189,9 @@ def test_the_load_view_names_the_tightest_tier_live_on_the_decode_worker() -> No
     router.prefilled("i")
     router.claimed("i")  # still decoding there: it still counts
     assert router.decode[0].tightest_rank() == 0
-    router.dispatched("i", prefill=0, decode=1, tokens=8, pages=1, rank=0)  # migrated to decode 1
+    router.dispatched("i", prefill=0, decode=1, tokens=8, pages=1, rank=0)  # the same id again, to decode 1
     assert router.decode[0].ranks == [0, 1, 0] and router.decode[1].ranks == [1, 0, 0]
+    assert router.queued() == (2, 16) and router.decode[0].inflight == {"s": 1}
     router.finished("i")
     router.finished("i")  # twice: counted once
     assert router.decode[1].tightest_rank() is None and router.view(2, 1, [0], [0]).decode_tightest_rank == 1
