@@ -19,17 +19,25 @@ from mm_serve.api.schemas import ChatMessage
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import ProcessedInputs
+from mm_serve.media.image_loading import declared_size
 from mm_serve.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from mm_serve.api.context import ServerContext
 
 
+BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
+PREPROCESS_BYTES = 4 << 20  # the resized, normalised tensor and its intermediates, per image
+
+
 def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) -> tuple[int, int]:
     """(images, bytes to reserve) for the images of a chat call before any is fetched.
 
     Each image reserves its encoded size (a data URI's length; ``api.max_image_fetch_bytes``
-    for an http(s) or file URL) plus ``admission.image_decode_reserve_bytes``.
+    for an http(s) or file URL) plus what decoding and preprocessing it may take:
+    ``admission.image_decode_reserve_bytes``, or less for a data URI whose header declares a
+    small image (:data:`BYTES_PER_DECLARED_PIXEL` per pixel plus :data:`PREPROCESS_BYTES`), so
+    small images do not each hold the reserve sized for large ones.
     """
     images, total = 0, 0
     for message in messages:
@@ -39,9 +47,15 @@ def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) ->
             if part.type != "image_url":
                 continue
             url = part.image_url.url
-            encoded = len(url) if url.lstrip()[:5].lower() == "data:" else config.api.max_image_fetch_bytes
+            decode = config.admission.image_decode_reserve_bytes
+            if url.lstrip()[:5].lower() == "data:":
+                encoded, size = len(url), declared_size(url)
+                if size is not None:
+                    decode = min(decode, BYTES_PER_DECLARED_PIXEL * size[0] * size[1] + PREPROCESS_BYTES)
+            else:
+                encoded = config.api.max_image_fetch_bytes
             images += 1
-            total += encoded + config.admission.image_decode_reserve_bytes
+            total += encoded + decode
     return images, total
 
 

@@ -227,6 +227,29 @@ def decode_data_uri(uri: str, *, max_pixels: int) -> Image.Image:
     return load_image_bytes(data, max_pixels=max_pixels)
 
 
+def declared_size(uri: str, head_chars: int = 88_000) -> tuple[int, int] | None:
+    """(width, height) that a ``data:`` URI's image header declares, read from at most the first
+    ``head_chars`` characters of its payload (88,000 base64 characters = 64 KiB, room for EXIF
+    before a JPEG's frame header) without decoding any pixel; None for anything else (a URL, a
+    malformed URI, an unidentified or oversized header): callers then assume the worst."""
+    text = uri.strip()
+    if text[:5].lower() != "data:":
+        return None
+    _, separator, payload = text[5:].partition(",")
+    head = "".join(payload[:head_chars].split())
+    head = head[: len(head) - len(head) % 4]
+    if not separator or not head:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(base64.b64decode(head)), formats=SUPPORTED_FORMATS)
+        width, height = image.size
+    except Exception:  # anything unreadable: unknown, the caller reserves the most
+        return None
+    return (width, height) if width > 0 and height > 0 else None
+
+
 def load_image_file(path: str | os.PathLike[str], *, max_pixels: int) -> Image.Image:
     """Read a file and decode it with :func:`load_image_bytes`.
 

@@ -8,10 +8,17 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from mm_serve.api.admission_gate import (
+    BYTES_PER_DECLARED_PIXEL,
+    PREPROCESS_BYTES,
+    image_reservation,
+)
 from mm_serve.api.app import build_app
 from mm_serve.api.context import ServerContext
 from mm_serve.api.engine_holder import EngineHolder
+from mm_serve.api.schemas import ChatMessage
 from mm_serve.config import load_config
+from mm_serve.media.image_loading import declared_size
 from tests.api.server_process import data_uri
 from tests.factories import gradient_image
 
@@ -66,3 +73,23 @@ def test_images_over_the_byte_budget_get_503_with_retry_after(unstarted: TestCli
     r = unstarted.post("/v1/chat/completions", json=_chat(messages=one))
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     assert "retry-after" not in r.headers  # fits the budget; refused only for want of a worker
+
+
+def test_small_data_uri_images_reserve_by_their_declared_size() -> None:
+    """A small image's header lets it reserve far less than admission.image_decode_reserve_bytes;
+    a large one, a URL, or a header that cannot be read reserves the whole reserve."""
+    cfg = load_config(None)
+    reserve = cfg.admission.image_decode_reserve_bytes
+
+    def reserved(url: str) -> int:
+        message = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": url}}])
+        return image_reservation([message], cfg)[1]
+
+    small = data_uri(gradient_image(64, 48))
+    assert reserved(small) == len(small) + BYTES_PER_DECLARED_PIXEL * 64 * 48 + PREPROCESS_BYTES
+    assert reserved(small) < reserve / 8
+    large = data_uri(gradient_image(2000, 1800))
+    assert reserved(large) == len(large) + reserve  # 16 B x 3.6 M pixels is more than the reserve
+    assert reserved("data:image/png;base64,AAAA") == len("data:image/png;base64,AAAA") + reserve
+    assert reserved("http://127.0.0.1/x.png") == cfg.api.max_image_fetch_bytes + reserve
+    assert declared_size(small) == (64, 48) and declared_size("data:image/png,notbase64") is None
