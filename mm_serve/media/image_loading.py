@@ -200,6 +200,22 @@ def decode_data_uri(uri: str, *, max_pixels: int) -> Image.Image:
             an empty payload, or a payload that is not valid base64.
         ImageTooLargeError, ImageDecodeError: as :func:`load_image_bytes`.
     """
+    payload = "".join(_data_uri_payload(uri).split())
+    if not payload:
+        raise InvalidImageURLError("data URI contains no image data")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidImageURLError("data URI payload is not valid base64") from exc
+    return load_image_bytes(data, max_pixels=max_pixels)
+
+
+def _data_uri_payload(uri: str) -> str:
+    """The base64 payload of a ``data:image/<format>;base64,`` URI, as sent (whitespace kept).
+
+    Raises:
+        InvalidImageURLError: not a data URI, no ',', a non-image media type, or not base64.
+    """
     text = uri.strip()
     if text[:5].lower() != "data:":
         raise InvalidImageURLError(
@@ -217,14 +233,7 @@ def decode_data_uri(uri: str, *, max_pixels: int) -> Image.Image:
         raise InvalidImageURLError(
             "data URI must be base64-encoded (data:image/<format>;base64,...)"
         )
-    payload = "".join(payload.split())
-    if not payload:
-        raise InvalidImageURLError("data URI contains no image data")
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise InvalidImageURLError("data URI payload is not valid base64") from exc
-    return load_image_bytes(data, max_pixels=max_pixels)
+    return payload
 
 
 def declared_size(uri: str, head_chars: int = 88_000) -> tuple[int, int] | None:
@@ -232,13 +241,12 @@ def declared_size(uri: str, head_chars: int = 88_000) -> tuple[int, int] | None:
     ``head_chars`` characters of its payload (88,000 base64 characters = 64 KiB, room for EXIF
     before a JPEG's frame header) without decoding any pixel; None for anything else (a URL, a
     malformed URI, an unidentified or oversized header): callers then assume the worst."""
-    text = uri.strip()
-    if text[:5].lower() != "data:":
+    try:
+        head = "".join(_data_uri_payload(uri)[:head_chars].split())
+    except InvalidImageURLError:
         return None
-    _, separator, payload = text[5:].partition(",")
-    head = "".join(payload[:head_chars].split())
     head = head[: len(head) - len(head) % 4]
-    if not separator or not head:
+    if not head:
         return None
     try:
         with warnings.catch_warnings():
