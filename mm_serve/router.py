@@ -96,8 +96,7 @@ class Router:
         self._prefill_of: dict[str, tuple[int, int, int, int]] = {}  # id -> (worker, tokens, rank, images)
         self.prefill_work = [[PrefillWork() for _ in range(NUM_RANKS)] for _ in range(num_prefill)]
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
-        self._decode_of: dict[str, int] = {}
-        self._rank_of: dict[str, int] = {}  # tier rank of each request sent to a decode worker
+        self._decode_of: dict[str, tuple[int, int]] = {}  # id -> (decode worker, tier rank) until finished
         self.max_running = max_running
 
     def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
@@ -156,8 +155,7 @@ class Router:
         self.prefill_work[prefill][rank].add(1, tokens, images)
         self.decode[decode].inflight[request_id] = pages
         self.decode[decode].ranks[rank] += 1
-        self._decode_of[request_id] = decode
-        self._rank_of[request_id] = rank
+        self._decode_of[request_id] = (decode, rank)
 
     def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int],
              page_hashes: Sequence[bytes] = ()) -> LoadView:
@@ -196,23 +194,21 @@ class Router:
 
     def claimed(self, request_id: str) -> None:
         """The decode worker reported the request (its pages now count in the worker's stats)."""
-        decode = self._decode_of.get(request_id)
-        if decode is not None:
-            self.decode[decode].inflight.pop(request_id, None)
+        entry = self._decode_of.get(request_id)
+        if entry is not None:
+            self.decode[entry[0]].inflight.pop(request_id, None)
 
     def finished(self, request_id: str) -> None:
         self.prefilled(request_id)
         self.claimed(request_id)
-        self._forget_rank(request_id)
-        self._decode_of.pop(request_id, None)
-
-    def _forget_rank(self, request_id: str) -> None:
-        decode, rank = self._decode_of.get(request_id), self._rank_of.pop(request_id, None)
-        if decode is not None and rank is not None:
+        entry = self._decode_of.pop(request_id, None)
+        if entry is not None:
+            decode, rank = entry
             self.decode[decode].ranks[rank] -= 1
 
     def decode_of(self, request_id: str) -> int | None:
-        return self._decode_of.get(request_id)
+        entry = self._decode_of.get(request_id)
+        return None if entry is None else entry[0]
 
     def prefill_of(self, request_id: str) -> int | None:
         entry = self._prefill_of.get(request_id)

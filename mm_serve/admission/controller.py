@@ -24,6 +24,7 @@ from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.request_state import RequestState
 from mm_serve.planner.profile_file import load_profile
+from mm_serve.router import LoadView
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 
@@ -53,12 +54,15 @@ class AdmissionController:
             client.load_view(tier.rank, tokens, max_tokens, inputs)
         if view is None:
             return None
-        computed, encoded = tokens - view.cached_tokens, images - view.cached_images
+        context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
+        return self._predict_on(view, tier, tokens - view.cached_tokens, images - view.cached_images, context)
+
+    def _predict_on(self, view: LoadView, tier: Tier, tokens: int, images: int, context: int) -> Prediction:
+        """The prediction for ``tokens`` and ``images`` left to compute on the workers of ``view``."""
         ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
         looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
-        context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
         with self._lock:
-            prediction = self.predictor.predict(ahead, computed, encoded, view.decode_batch + 1, context, looser,
+            prediction = self.predictor.predict(ahead, tokens, images, view.decode_batch + 1, context, looser,
                                                 tier.rank)
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
@@ -117,14 +121,9 @@ class AdmissionController:
         threshold = tier.slo.ttft_ms / 1000.0 * (1 + self.config.admission.margin)
         best: Prediction | None = None
         for view in views:
-            if view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0:
-                return  # idle: admit() never refuses it
-            ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
-            looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
-            with self._lock:
-                prediction = self.predictor.predict(ahead, 1, 0, view.decode_batch + 1, 1, looser, tier.rank)
-            if prediction.ttft_s <= threshold:
-                return
+            prediction = self._predict_on(view, tier, 1, 0, 1)
+            if prediction.idle or prediction.ttft_s <= threshold:
+                return  # idle (admit() never refuses it), or this worker could still make it
             best = prediction if best is None or prediction.ttft_s < best.ttft_s else best
         if best is not None:
             slo, margin = tier.slo.ttft_ms / 1000.0, self.config.admission.margin

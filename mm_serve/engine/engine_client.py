@@ -133,15 +133,11 @@ class EngineClient:
         hashes: list[bytes] = []
         if inputs is not None:
             hashes = self._page_hashes(inputs.prompt_token_ids, self.hash_images(inputs))
+        page_size = self.config.kv_cache.page_size
         with self._lock:
-            if self.router is None:
+            prefills, decodes = self._ready_candidates()
+            if self.router is None or not prefills or not decodes:
                 return None
-            prefill_role = "colocated" if self.colocated else "prefill"
-            prefills = self.pool.ready_indices(prefill_role)
-            decodes = prefills if self.colocated else self.pool.ready_indices("decode")
-            if not prefills or not decodes:
-                return None
-            page_size = self.config.kv_cache.page_size
             view = self.router.view(rank, pages_for(num_tokens + max_tokens, page_size), prefills, decodes, hashes)
             view = dataclasses.replace(view, in_flight=len(self.requests))
         if not view.cached_pages or inputs is None:
@@ -156,15 +152,17 @@ class EngineClient:
         believed), for a bound that holds whichever the router picks later; empty while a role
         has no ready worker."""
         with self._lock:
-            if self.router is None:
-                return []
-            prefills = self.pool.ready_indices("colocated" if self.colocated else "prefill")
-            decodes = prefills if self.colocated else self.pool.ready_indices("decode")
-            if not prefills or not decodes:
+            prefills, decodes = self._ready_candidates()
+            if self.router is None or not prefills or not decodes:
                 return []
             pages = pages_for(num_tokens + max_tokens, self.config.kv_cache.page_size)
             return [dataclasses.replace(self.router.view(rank, pages, [p], decodes), in_flight=len(self.requests))
                     for p in prefills]
+
+    def _ready_candidates(self) -> tuple[list[int], list[int]]:
+        """(prefill-side, decode-side) indices of the ready workers (the colocated worker is both)."""
+        prefills = self.pool.ready_indices("colocated" if self.colocated else "prefill")
+        return prefills, prefills if self.colocated else self.pool.ready_indices("decode")
 
     @staticmethod
     def hash_images(inputs: ProcessedInputs) -> list[bytes]:
@@ -276,9 +274,7 @@ class EngineClient:
     def _dispatch(self, flight: Flight) -> None:
         """Send the flight's current attempt to ready workers, or park it. Call under the lock."""
         assert self.router is not None
-        prefill_role = "colocated" if self.colocated else "prefill"
-        prefills = self.pool.ready_indices(prefill_role)
-        decodes = prefills if self.colocated else self.pool.ready_indices("decode")
+        prefills, decodes = self._ready_candidates()
         if not prefills or not decodes:
             flight.parked = True
             return
@@ -293,7 +289,7 @@ class EngineClient:
         self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
                                flight.first.priority, flight.first.num_images, flight.page_hashes)
         # not delivered when the worker died a moment ago: supervision finds it and migrates this flight
-        self.pool.send((prefill_role, prefill), flight.message(decode, time.time()))
+        self.pool.send(("colocated" if self.colocated else "prefill", prefill), flight.message(decode, time.time()))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; its pages are freed by the workers."""
