@@ -34,6 +34,7 @@ class Curve:
 def curves_from_json(doc: dict[str, Any], label_prefix: str = "") -> list[Curve]:
     """The curves of one benchmark JSON document (the ``systems`` that have loaded runs)."""
     curves = []
+    repeated = any(int(system.get("round", 1)) > 1 for system in doc.get("systems", []))
     for system in doc.get("systems", []):
         runs = system.get("sweep", {}).get("runs") if system.get("sweep") else None
         if runs is None:
@@ -42,7 +43,7 @@ def curves_from_json(doc: dict[str, Any], label_prefix: str = "") -> list[Curve]
         if not runs:
             continue
         curves.append(Curve(
-            label=label_prefix + str(system["name"]),
+            label=label_prefix + str(system["name"]) + (f" #{system['round']}" if repeated else ""),
             rates=tuple(float(r["rate"]) for r in runs),
             attainments=tuple(float(r["attainment"]) for r in runs),
             stopped_early=tuple(bool(r.get("stopped_early")) for r in runs),

@@ -19,6 +19,7 @@ from typing import Any
 
 from mm_serve.bench.cache_stats import FOLLOW_UPS
 from mm_serve.bench.metrics import Distribution, RunSummary
+from mm_serve.bench.repeats import RepeatedGoodput, format_repeated, group_goodputs, median_ratio
 from mm_serve.bench.server_metrics import (
     ENCODER_HITS,
     ENCODER_MISSES,
@@ -38,6 +39,7 @@ class SystemResult:
     unloaded: RunSummary  # requests sent one at a time
     sweep: SweepResult | None = None  # with --sweep
     single: RunSummary | None = None  # with --rate
+    round: int = 1  # 1-based round of --repeat
 
     @property
     def runs(self) -> tuple[RunSummary, ...]:
@@ -132,24 +134,22 @@ def format_runs(result: SystemResult) -> str:
     return "\n".join(lines)
 
 
+def repeated_goodputs(results: Sequence[SystemResult]) -> list[RepeatedGoodput]:
+    """The swept systems' goodputs grouped by system (one per ``--repeat`` round), first-measured first."""
+    return group_goodputs([(r.name, r.sweep.goodput) for r in results if r.sweep is not None])
+
+
 def format_goodput(results: Sequence[SystemResult], slo: SLO, target: float) -> str:
-    """The goodput table, and the ratio of the first system to each other one."""
+    """The goodput table (median and range when repeated), and the ratio of the first system to each other one."""
     lines = [f"goodput: highest rate with >= {100 * target:.0f} % of requests within "
              f"TTFT {slo.ttft_s:g} s and TPOT {slo.tpot_s * 1e3:g} ms"]
-    swept = [(r.name, r.sweep.goodput) for r in results if r.sweep is not None]
-    lines += [f"  {name:<16} {good:8.3f} req/s" for name, good in swept]
-    for name, good in swept[1:]:
-        ratio = swept[0][1] / good if good > 0 else math.inf
-        lines.append(f"  ratio {swept[0][0]} / {name}: {ratio:.2f}x")
-    return "\n".join(lines)
+    return "\n".join(lines + format_repeated(repeated_goodputs(results)))
 
 
 def goodput_ratio(results: Sequence[SystemResult]) -> float | None:
-    """First system's goodput over the second's (None unless both were swept; inf over 0)."""
-    swept = [r.sweep for r in results if r.sweep is not None]
-    if len(swept) < 2:
-        return None
-    return swept[0].goodput / swept[1].goodput if swept[1].goodput > 0 else math.inf
+    """First system's (median) goodput over the second's (None unless both were swept; inf over 0)."""
+    groups = repeated_goodputs(results)
+    return median_ratio(groups[0], groups[1]) if len(groups) >= 2 else None
 
 
 def _clean(value: Any) -> Any:
@@ -172,6 +172,7 @@ def write_json(path: Path, results: Sequence[SystemResult], slo: SLO, target: fl
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment_target": target},
         "systems": [asdict(r) | {"goodput": r.sweep.goodput if r.sweep else None} for r in results],
         "goodput_ratio": goodput_ratio(results),
+        "repeats": [g.as_dict() for g in repeated_goodputs(results)],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_clean(doc), indent=1) + "\n")

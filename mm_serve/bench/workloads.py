@@ -9,20 +9,42 @@ Length distributions (tokens; log-normal = ``exp(N(ln median, sigma))``, rounded
 then clipped to ``[min, cap]``; a pair whose prompt + output exceeds the model's
 context is clipped output-first):
 
-=========  ===========================================  ================================
-workload   prompt                                       output
-=========  ===========================================  ================================
-chatbot    text, log-normal median 100, sigma 1.0,      log-normal median 250, sigma 0.9,
-           in [4, 1024] (mean ~160)                     in [4, 1024] (mean ~340)
-llava      1 image (``image_tokens``) + question,       log-normal median 48, sigma 0.6,
-           log-normal median 24, sigma 0.5, in [4, 128]  in [4, 256]
-caption    1 image + a fixed 12-token instruction        uniform integer in [20, 40]
-=========  ===========================================  ================================
+===============  ==========================================  =================================
+workload         prompt                                      output
+===============  ==========================================  =================================
+chatbot          text, log-normal median 100, sigma 1.0,     log-normal median 250, sigma 0.9,
+                 in [4, 1024] (mean ~160)                    in [4, 1024] (mean ~340)
+code             text, log-normal median 124, sigma 0.52,    log-normal median 46, sigma 0.72,
+                 in [36, 425]                                in [5, 270]
+summarization    text, log-normal median 1600, sigma 0.35,   log-normal median 96, sigma 0.5,
+                 in [768, context - 512]                     in [16, 400]
+llava            1 image (``image_tokens``) + question,      log-normal median 48, sigma 0.6,
+                 log-normal median 24, sigma 0.5, in [4, 128] in [4, 256]
+long-multimodal  2-4 images (uniform) + a document,          log-normal median 64, sigma 0.6,
+                 log-normal median 900, sigma 0.5, in        in [8, 256]
+                 [200, 2048], + a question as in llava
+caption          1 image + a fixed 12-token instruction      uniform integer in [20, 40]
+===============  ==========================================  =================================
 
 The chatbot mix matches the ShareGPT statistics reported by Kwon et al. (vLLM,
 SOSP 2023, Fig. 11a: mean input 161, mean output 338 tokens), the dataset of
 DistServe's chatbot workload (arXiv:2401.09670, §6.1); the log-normal shape gives
 ShareGPT's long tail of long prompts and long answers.
+
+``code`` and ``summarization`` are DistServe's other two applications (§6.1): code
+completion on HumanEval and summarization on LongBench. ``code`` is fitted to the 164
+HumanEval problems (openai/human-eval): the prompt (signature and docstring) has a
+median of 396 characters and a p90 of 775, the canonical solution 148 and 373; at
+3.2 characters per token (code with a Llama-family BPE) that is the median and
+p90 of the table's log-normals, clipped at the dataset's shortest and longest.
+``summarization`` is shaped on LongBench's summarization tasks, whose documents
+(thousands of words) are longer than any context here: as DistServe had to keep
+them within OPT's 2,048-token window, the prompt is a long document cut to fit
+the model's context (median 1,600 tokens, 80 % between 1,000 and 2,500, so that
+prefill is the bulk of the work) and the summary is short (median 96 tokens). Its
+lengths are our shape, not a fit: the data set cannot be downloaded here.
+``long-multimodal`` is ours: several images plus a long document and a question
+(a report with figures, a slide deck), for prefill-heavy multimodal traffic.
 
 The workloads whose requests share content (``multiturn-llava``, ``shared-prompt``,
 ``caption-repeat``) are in :mod:`mm_serve.bench.kv_workloads`; JSONL workload files
@@ -53,7 +75,8 @@ from mm_serve.bench.spec import (
 
 __all__ = [
     "BUILTIN_WORKLOADS", "IMAGE_WORKLOADS", "CaptionRepeatWorkload", "CaptionWorkload", "ChatbotWorkload",
-    "JsonlWorkload", "LlavaWorkload", "MultiturnLlavaWorkload", "RequestSpec", "SharedPromptWorkload",
+    "CodeWorkload", "JsonlWorkload", "LlavaWorkload", "LongMultimodalWorkload", "MultiturnLlavaWorkload",
+    "RequestSpec", "SharedPromptWorkload", "SummarizationWorkload",
     "Workload", "WorkloadError", "check_burstiness", "gamma_arrivals", "is_conversational",
     "load_jsonl_workload", "make_workload", "poisson_arrivals", "trace_arrivals", "unit_rate_arrivals",
 ]
@@ -108,8 +131,71 @@ class CaptionWorkload:
         return [RequestSpec(12, rng.randint(20, 40), 1, self.image_tokens) for _ in range(n)]
 
 
-BUILTIN_WORKLOADS = ("chatbot", "llava", "caption", "multiturn-llava", "shared-prompt", "caption-repeat")
-IMAGE_WORKLOADS = ("llava", "caption", "multiturn-llava", "caption-repeat")  # need a vision tower
+@dataclass(frozen=True)
+class CodeWorkload:
+    """HumanEval-like code completion: short prompts, short answers (see the module table)."""
+
+    max_context: int = 4096
+    name: str = "code"
+
+    def sample(self, n: int, seed: int) -> list[RequestSpec]:
+        rng = random.Random(f"code:{seed}")
+        rows = []
+        for _ in range(n):
+            prompt = lognormal_int(rng, 124, 0.52, 36, 425)
+            output = lognormal_int(rng, 46, 0.72, 5, 270)
+            rows.append(RequestSpec(*fit_context(prompt, output, self.max_context)))
+        return rows
+
+
+@dataclass(frozen=True)
+class SummarizationWorkload:
+    """LongBench-like summarization: a long document, a short summary (see the module table).
+
+    Needs a context of at least 1,296 tokens (the shortest document and its summary).
+    """
+
+    max_context: int = 4096
+    name: str = "summarization"
+
+    def sample(self, n: int, seed: int) -> list[RequestSpec]:
+        rng = random.Random(f"summarization:{seed}")
+        longest = max(768, self.max_context - 512)
+        rows = []
+        for _ in range(n):
+            prompt = lognormal_int(rng, 1600, 0.35, 768, longest)
+            output = lognormal_int(rng, 96, 0.5, 16, 400)
+            rows.append(RequestSpec(*fit_context(prompt, output, self.max_context)))
+        return rows
+
+
+@dataclass(frozen=True)
+class LongMultimodalWorkload:
+    """2-4 images, a long document and a question; short answers (see the module table)."""
+
+    image_tokens: int
+    max_context: int = 4096
+    max_images: int = 4  # the server's api.max_images_per_request
+    name: str = "long-multimodal"
+
+    def sample(self, n: int, seed: int) -> list[RequestSpec]:
+        rng = random.Random(f"long-multimodal:{seed}")
+        rows = []
+        for _ in range(n):
+            images = rng.randint(min(2, self.max_images), self.max_images)
+            document = lognormal_int(rng, 900, 0.5, 200, 2048) + lognormal_int(rng, 24, 0.5, 4, 128)
+            output = lognormal_int(rng, 64, 0.6, 8, 256)
+            while images > 1 and images * self.image_tokens + 200 + 8 > self.max_context:
+                images -= 1  # a large image for this context: fewer of them
+            text, output = fit_context(document, output, self.max_context - images * self.image_tokens)
+            rows.append(RequestSpec(text, output, images, self.image_tokens))
+        return rows
+
+
+BUILTIN_WORKLOADS = ("chatbot", "code", "summarization", "llava", "long-multimodal", "caption",
+                     "multiturn-llava", "shared-prompt", "caption-repeat")
+IMAGE_WORKLOADS = ("llava", "long-multimodal", "caption", "multiturn-llava", "caption-repeat")  # need a vision tower
+SUMMARIZATION_MIN_CONTEXT = 768 + 16 + 512  # shortest document, shortest summary, room for the tail
 MAX_BURSTINESS = 100.0  # CV of the gaps; beyond it a gamma draw underflows to all-at-once
 MIN_BURSTINESS = 0.001  # below it the gamma shape 1 / CV^2 overflows; 0.001 is already periodic
 
@@ -122,6 +208,13 @@ def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4
     """
     if name_or_path == "chatbot":
         return ChatbotWorkload(max_context=max_context)
+    if name_or_path == "code":
+        return CodeWorkload(max_context=max_context)
+    if name_or_path == "summarization":
+        if max_context < SUMMARIZATION_MIN_CONTEXT:
+            raise WorkloadError(f"workload 'summarization' needs a context of at least "
+                                f"{SUMMARIZATION_MIN_CONTEXT} tokens (long documents); the model has {max_context}")
+        return SummarizationWorkload(max_context=max_context)
     if name_or_path == "shared-prompt":
         return SharedPromptWorkload(max_context=max_context)
     if name_or_path in IMAGE_WORKLOADS:
@@ -135,6 +228,8 @@ def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4
                 f"{max_context}-token context")
         if name_or_path == "llava":
             return LlavaWorkload(image_tokens, max_context=max_context)
+        if name_or_path == "long-multimodal":
+            return LongMultimodalWorkload(image_tokens, max_context=max_context)
         if name_or_path == "multiturn-llava":
             return MultiturnLlavaWorkload(image_tokens, max_context=max_context)
         if name_or_path == "caption-repeat":

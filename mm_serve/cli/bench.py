@@ -7,6 +7,9 @@ Examples::
         --slo-ttft 1 --slo-tpot 0.05 --compare colocated --out bench_out/llava
     # any running server (vLLM, transformers serve, mm-serve), one rate
     mm-serve bench --server http://127.0.0.1:8000 --model DIR --workload llava --rate 2 --slo-ttft 1 --slo-tpot 0.05
+    # three alternating sweeps of each mode: median goodput and range
+    mm-serve bench --config configs/default.yaml --model out/bench-llama --workload summarization --sweep \
+        --compare colocated --repeat 3 --out bench_out/summarization
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import signal
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +46,9 @@ def register(subparsers: Any) -> None:
                    "locally for the tokenizer (exact prompt lengths) and the image size")
     p.add_argument("--model-name", help="model id to send (default: the first of GET /v1/models)")
     p.add_argument("--workload", default="chatbot",
-                   help="chatbot, llava, caption, multiturn-llava (5-turn image chat, each turn sent after "
+                   help="chatbot (ShareGPT-like), code (HumanEval-like), summarization (LongBench-like: "
+                   "long documents, short summaries), llava, long-multimodal (2-4 images and a long document), "
+                   "caption, multiturn-llava (5-turn image chat, each turn sent after "
                    "the previous answer with the whole history), shared-prompt (one 400-token system prompt), "
                    "caption-repeat (each image 3 times), or a JSONL file (conversation_id/turn for "
                    "multi-turn traffic); rates are requests/s for every workload")
@@ -61,6 +67,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     p.add_argument("--compare", choices=["colocated"], help="also run our colocated mode on the same cores")
     p.add_argument("--start-rate", type=float, metavar="R", help="first sweep rate (default from unloaded e2e)")
+    p.add_argument("--repeat", type=int, default=1, metavar="K",
+                   help="with --sweep: run every system's sweep K times, alternating systems, each round on "
+                   "fresh servers, and report the median goodput with its range (default 1)")
     p.add_argument("--rate-tolerance", type=float, default=0.1, help="sweep precision, relative (default 0.1)")
     p.add_argument("--api", choices=["chat", "completions"], default="chat")
     p.add_argument("--api-key", help="bearer key for the server")
@@ -82,6 +91,10 @@ def _check(args: argparse.Namespace) -> None:
             raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if not 0 < args.attainment <= 1:
         raise CLIError(f"--attainment must be in (0, 1], got {args.attainment}")
+    if args.repeat < 1:
+        raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.repeat > 1 and not args.sweep:
+        raise CLIError("--repeat repeats goodput searches: use it with --sweep")
     if args.num_requests is not None and args.num_requests < 1:
         raise CLIError(f"--num-requests must be >= 1, got {args.num_requests}")
     if (args.slo_ttft is None) != (args.slo_tpot is None):
@@ -195,6 +208,15 @@ def _write(out: Path, results: list[SystemResult], slo: SLO, settings: BenchSett
                     f"{args.workload}: TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
 
 
+def _start_rate(results: list[SystemResult], name: str) -> float | None:
+    """First sweep rate, requests/s: the system's own last goodput, else the first system's; None at first."""
+    own = [r.sweep.goodput for r in results if r.name == name and r.sweep is not None and r.sweep.goodput > 0]
+    if own:
+        return own[-1]
+    first = results[0].sweep.goodput if results and results[0].sweep else None
+    return first or None
+
+
 def _run(args: argparse.Namespace) -> int:
     """Measure each system in turn (starting our servers when asked), print and write the results."""
     from mm_serve.bench.launch import LaunchError, LocalServer
@@ -213,27 +235,34 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError("the config already runs colocated; --compare colocated needs a disaggregated config")
         systems.append(("colocated", "colocated"))
     results: list[SystemResult] = []
-    for name, mode_override in systems:
-        server = None if args.server else LocalServer(out / f"server-{name}.log", args.config,
-                                                      args.model, mode_override)
-        try:
-            url = args.server or (server.start() if server else "")
-            prev = results[0].sweep.goodput if results and results[0].sweep else None
-            result, slo = measure(name, url, settings, slo, args.model_name, prev or None, _log)
-        except LaunchError as exc:
-            print(f"mm-serve: error: {exc}", file=sys.stderr)
-            return 1
-        except (ConnectionError, ValueError) as exc:
-            raise CLIError(str(exc)) from None
-        finally:
-            if server is not None:
-                server.stop()
-        results.append(result)
-        if args.out:
-            _write(out, results, slo, settings, args)
+    for round_ in range(1, args.repeat + 1):
+        round_settings = settings if args.repeat == 1 else replace(  # other content each round: no cache carries over
+            settings, load=replace(settings.load, content_salt=round_ - 1),
+            records_dir=settings.records_dir / f"round-{round_}" if settings.records_dir else None)
+        for name, mode_override in systems:
+            label = name if args.repeat == 1 else f"{name}-{round_}"
+            server = None if args.server else LocalServer(out / f"server-{label}.log", args.config,
+                                                          args.model, mode_override)
+            if args.repeat > 1:
+                _log(f"[{name}] round {round_} of {args.repeat}")
+            try:
+                url = args.server or (server.start() if server else "")
+                result, slo = measure(name, url, round_settings, slo, args.model_name,
+                                      _start_rate(results, name), _log)
+            except LaunchError as exc:
+                print(f"mm-serve: error: {exc}", file=sys.stderr)
+                return 1
+            except (ConnectionError, ValueError) as exc:
+                raise CLIError(str(exc)) from None
+            finally:
+                if server is not None:
+                    server.stop()
+            results.append(replace(result, round=round_))
+            if args.out:
+                _write(out, results, slo, settings, args)
     print()
     for result in results:
-        print(format_runs(result) + "\n")
+        print((f"round {result.round}: " if args.repeat > 1 else "") + format_runs(result) + "\n")
     if slo is not None and settings.sweep:
         print(format_goodput(results, slo, settings.target))
     if args.out:

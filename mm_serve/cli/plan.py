@@ -28,7 +28,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", required=True, help="model directory or a bare config.json "
                    "(OPT, Llama-family, LLaVA / llava-hf)")
     p.add_argument("--workload", default="chatbot",
-                   help="chatbot, llava, caption, or a JSONL workload file (default: chatbot)")
+                   help="chatbot, code, summarization, llava, long-multimodal, caption, or a JSONL "
+                   "workload file (default: chatbot)")
     p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO, seconds")
     p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO, seconds")
     p.add_argument("--attainment", type=float, default=0.9,

@@ -16,6 +16,8 @@ from tests.bench.fake_server import FakeServer
     (["--sweep", "--attainment", "1.5"], "--attainment"),
     (["--sweep", "--slo-ttft", "1"], "both --slo-ttft and --slo-tpot"),
     (["--sweep", "--num-requests", "0"], "--num-requests"),
+    (["--sweep", "--repeat", "0"], "--repeat must be >= 1"),
+    (["--rate", "1", "--repeat", "3"], "use it with --sweep"),
     (["--sweep", "--server", "http://127.0.0.1:9", "--compare", "colocated"], "--compare"),
     (["--sweep", "--server", "http://127.0.0.1:9", "--workload", "llava"], "needs --model"),
     (["--sweep", "--server", "http://127.0.0.1:9", "--workload", "nope"], "unknown workload"),
@@ -52,3 +54,24 @@ def test_sweep_finds_the_capacity_of_a_fake_server(tmp_path: Path, capsys: pytes
     out = capsys.readouterr().out
     assert "goodput" in out and "fake" in out
 
+
+
+def test_repeat_runs_the_sweep_k_times_with_other_content(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeServer(service_s=0.05) as server:
+        status = main(["bench", "--server", server.url, "--workload", "code", "--sweep", "--repeat", "2",
+                       "--slo-ttft", "0.15", "--slo-tpot", "1", "--num-requests", "30",
+                       "--burstiness", "0.05", "--start-rate", "10", "--label", "fake",
+                       "--out", str(tmp_path)])
+    assert status == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert [(s["name"], s["round"]) for s in doc["systems"]] == [("fake", 1), ("fake", 2)]
+    (rep,) = doc["repeats"]
+    goodputs = [s["goodput"] for s in doc["systems"]]
+    assert rep["goodputs"] == goodputs and rep["low"] == min(goodputs) and rep["high"] == max(goodputs)
+    assert all(13.0 <= g <= 23.0 for g in goodputs)
+    # each round wrote its own records (its content is salted by the round: LoadSpec.content_salt)
+    first = [json.loads(line) for line in (tmp_path / "round-1" / "records-fake.jsonl").read_text().splitlines()]
+    second = [json.loads(line) for line in (tmp_path / "round-2" / "records-fake.jsonl").read_text().splitlines()]
+    assert first and second
+    out = capsys.readouterr().out
+    assert "round 2 of 2" in out and "over 2 rounds" in out

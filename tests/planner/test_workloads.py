@@ -51,8 +51,55 @@ def test_image_workloads_take_image_tokens_from_model() -> None:
         make_workload("llava", image_tokens=0)
 
 
+def _quantile(values: list[int], q: float) -> float:
+    return statistics.quantiles(values, n=100)[round(q * 100) - 1]
+
+
+def test_code_workload_matches_humaneval_lengths() -> None:
+    """Medians and p90s of HumanEval's prompts (396 / 775 chars) and solutions (148 / 373 chars) at 3.2 chars/token."""
+    rows = make_workload("code").sample(20_000, seed=0)
+    assert rows == make_workload("code").sample(20_000, seed=0)
+    prompts = [r.prompt_tokens for r in rows]
+    outputs = [r.output_tokens for r in rows]
+    assert statistics.median(prompts) == pytest.approx(396 / 3.2, rel=0.03)
+    assert _quantile(prompts, 0.9) == pytest.approx(775 / 3.2, rel=0.05)
+    assert statistics.median(outputs) == pytest.approx(148 / 3.2, rel=0.05)
+    assert _quantile(outputs, 0.9) == pytest.approx(373 / 3.2, rel=0.06)
+    assert min(prompts) >= 36 and max(prompts) <= 425 and min(outputs) >= 5 and max(outputs) <= 270
+    assert all(r.num_images == 0 for r in rows)
+
+
+def test_summarization_is_long_prompts_short_outputs_within_context() -> None:
+    rows = make_workload("summarization", max_context=4096).sample(20_000, seed=1)
+    prompts = [r.prompt_tokens for r in rows]
+    outputs = [r.output_tokens for r in rows]
+    assert statistics.median(prompts) == pytest.approx(1600, rel=0.03)
+    assert 0.75 <= sum(1000 <= p <= 2500 for p in prompts) / len(prompts) <= 0.85
+    assert statistics.median(outputs) == pytest.approx(96, rel=0.05)
+    assert min(prompts) >= 768 and max(p + o for p, o in zip(prompts, outputs, strict=True)) <= 4096
+    assert sum(prompts) > 10 * sum(outputs)  # prefill is the bulk of the work
+    short = make_workload("summarization", max_context=2048).sample(5000, seed=1)
+    assert max(r.prompt_tokens for r in short) <= 2048 - 512
+    assert max(r.prompt_tokens + r.output_tokens for r in short) <= 2048
+    with pytest.raises(WorkloadError, match="at least 1296 tokens"):
+        make_workload("summarization", max_context=1024)
+
+
+def test_long_multimodal_sends_two_to_four_images_and_a_document() -> None:
+    rows = make_workload("long-multimodal", image_tokens=196).sample(5000, seed=2)
+    assert {r.num_images for r in rows} == {2, 3, 4}
+    assert all(r.image_tokens == 196 for r in rows)
+    assert 850 <= statistics.median(r.prompt_tokens for r in rows) <= 1000  # document + question
+    assert max(r.total_prompt_tokens + r.output_tokens for r in rows) <= 4096
+    # 576-token images in a 2,048-token context: fewer images, the document cut to fit
+    big = make_workload("long-multimodal", image_tokens=576, max_context=2048).sample(2000, seed=2)
+    assert max(r.num_images for r in big) == 3
+    assert max(r.total_prompt_tokens + r.output_tokens for r in big) <= 2048
+    assert min(r.prompt_tokens for r in big) >= 1 and min(r.output_tokens for r in big) >= 1
+
+
 def test_unknown_workload_names_the_choices() -> None:
-    with pytest.raises(WorkloadError, match="chatbot, llava, caption"):
+    with pytest.raises(WorkloadError, match="chatbot, code, summarization, llava, long-multimodal, caption"):
         make_workload("sharegpt")
 
 
