@@ -107,6 +107,11 @@ class LocalServer:
                 proc.wait()
         return proc.returncode
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's pid (the API process; its workers are children), None before start."""
+        return self._proc.pid if self._proc is not None else None
+
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of the server log."""
         if not self.log_path.is_file():
