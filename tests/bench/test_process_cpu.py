@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from mm_serve.bench.process_cpu import cpu_seconds, cpu_table, descendants, format_cpu_table, top_functions
+from mm_serve.bench.process_cpu import (
+    cpu_seconds,
+    cpu_table,
+    descendants,
+    format_cpu_table,
+    top_functions,
+)
 
 RAW = """\
 <module> (serve.py:3);run (loop.py:10);step (engine.py:20);forward (llama.py:5) 60
