@@ -9,7 +9,9 @@
   counted from dispatch until the first token comes back. Keeping a conversation on one
   worker keeps its later turns' hits there too. The queued
   work is also kept per SLO tier rank (:class:`PrefillWork`), for the admission
-  controller's prediction of the wait ahead of a new request.
+  controller's prediction of the wait ahead of a new request; a looser request that has
+  waited past its ``max_wait_s`` is served as rank 0 by the prefill scheduler, so from
+  then on the view counts it ahead of every tier.
 * Decode: the worker with room, judged from its latest :class:`WorkerStats`
   (free pages, running count) minus what was dispatched to it since: the one
   with the most free pages after its in-flight requests, among those under
@@ -22,6 +24,7 @@ that is restarting or down gets nothing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -97,6 +100,7 @@ class Router:
         self.prefill_work = [[PrefillWork() for _ in range(NUM_RANKS)] for _ in range(num_prefill)]
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
         self._decode_of: dict[str, tuple[int, int]] = {}  # id -> (decode worker, tier rank) until finished
+        self._ages_at: list[dict[str, float]] = [{} for _ in range(num_prefill)]  # looser id -> when it ages (monotonic s)
         self.max_running = max_running
 
     def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
@@ -140,10 +144,13 @@ class Router:
         return max(range(len(self.decode)) if candidates is None else candidates, key=room)
 
     def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int,
-                   rank: int = 1, images: int = 0, page_hashes: Sequence[bytes] = ()) -> None:
+                   rank: int = 1, images: int = 0, page_hashes: Sequence[bytes] = (),
+                   max_wait_s: float = 0.0, now: float | None = None) -> None:
         """Count a request sent to ``prefill`` (``tokens`` prompt tokens, ``images`` images, tier
         ``rank``, full pages hashing to ``page_hashes``) whose KV goes to ``decode`` (``pages``
-        pages for the prompt and first token). An id already counted is forgotten first."""
+        pages for the prompt and first token). A request of rank > 0 with ``max_wait_s`` > 0
+        counts as rank 0 in :meth:`view` once it has waited that long after ``now``
+        (``time.monotonic()`` seconds, default the present). An id already counted is forgotten first."""
         if request_id in self._decode_of or request_id in self._prefill_of:
             self.finished(request_id)
         rank = min(max(rank, 0), NUM_RANKS - 1)
@@ -153,15 +160,18 @@ class Router:
         self.prefill_tokens[prefill] += tokens
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
         self.prefill_work[prefill][rank].add(1, tokens, images)
+        if rank > 0 and max_wait_s > 0:
+            self._ages_at[prefill][request_id] = (time.monotonic() if now is None else now) + max_wait_s
         self.decode[decode].inflight[request_id] = pages
         self.decode[decode].ranks[rank] += 1
         self._decode_of[request_id] = (decode, rank)
 
     def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int],
-             page_hashes: Sequence[bytes] = ()) -> LoadView:
+             page_hashes: Sequence[bytes] = (), now: float | None = None) -> LoadView:
         """The :class:`LoadView` of a request of tier ``rank`` needing ``pages_needed`` decode pages
         (full pages hashing to ``page_hashes``), among the ``prefills`` and ``decodes`` candidates
-        (as :meth:`pick_prefill`, :meth:`pick_decode`). Read-only.
+        (as :meth:`pick_prefill`, :meth:`pick_decode`), at ``now`` (``time.monotonic()`` seconds,
+        default the present): looser requests that have aged to rank 0 by then count as ahead. Read-only.
 
         Raises:
             ValueError: a candidate list is empty.
@@ -174,6 +184,12 @@ class Router:
             into.requests += work.requests
             into.tokens += work.tokens
             into.images += work.images
+        now = time.monotonic() if now is None else now
+        for request_id, ages_at in self._ages_at[prefill].items():
+            _, tokens, its_rank, images = self._prefill_of[request_id]
+            if its_rank >= cut and ages_at <= now:  # served as rank 0 now: ahead of any new request
+                looser.add(-1, tokens, images)
+                ahead.add(1, tokens, images)
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
         cached = self.cached_tokens(prefill, page_hashes) // self.page_size if page_hashes else 0
@@ -189,6 +205,7 @@ class Router:
         entry = self._prefill_of.pop(request_id, None)
         if entry is not None:
             worker, tokens, rank, images = entry
+            self._ages_at[worker].pop(request_id, None)
             self.prefill_tokens[worker] -= tokens
             self.prefill_work[worker][rank].add(-1, tokens, images)
 

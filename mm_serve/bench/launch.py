@@ -53,10 +53,12 @@ class LocalServer:
         model: checkpoint directory overriding the config's ``model``.
         mode: ``"disaggregated"`` or ``"colocated"``, overriding the config's ``mode``.
         served_model_name: the model id clients send.
+        extra_args: more ``mm-serve serve`` options (e.g. ``["--no-admission"]``).
     """
 
     def __init__(self, log_path: Path, config: str | None = None, model: str | None = None,
-                 mode: str | None = None, served_model_name: str = "bench") -> None:
+                 mode: str | None = None, served_model_name: str = "bench",
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.log_path = log_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -66,6 +68,7 @@ class LocalServer:
         for flag, value in (("--config", config), ("--model", model), ("--mode", mode)):
             if value is not None:
                 self._cmd += [flag, value]
+        self._cmd += list(extra_args)
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 600.0) -> str:

@@ -67,6 +67,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     p.add_argument("--compare", choices=["colocated"], help="also run our colocated mode on the same cores")
     p.add_argument("--start-rate", type=float, metavar="R", help="first sweep rate (default from unloaded e2e)")
+    p.add_argument("--no-admission", action="store_true",
+                   help="start our servers with --no-admission: no refusals by latency prediction (a refusal "
+                   "counts as a miss), for goodput comparisons of placements and modes")
     p.add_argument("--repeat", type=int, default=1, metavar="K",
                    help="with --sweep: run every system's sweep K times, alternating systems, each round on "
                    "fresh servers, and report the median goodput with its range (default 1)")
@@ -99,6 +102,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError(f"--num-requests must be >= 1, got {args.num_requests}")
     if (args.slo_ttft is None) != (args.slo_tpot is None):
         raise CLIError("give both --slo-ttft and --slo-tpot, or neither (then 5x the unloaded p90s)")
+    if args.server and args.no_admission:
+        raise CLIError("--no-admission applies to the servers mm-serve bench starts; start yours with it instead")
     if args.server and args.compare:
         raise CLIError("--compare starts our own servers; use --config (or neither), not --server")
     if args.model and not args.server:
@@ -241,8 +246,9 @@ def _run(args: argparse.Namespace) -> int:
             records_dir=settings.records_dir / f"round-{round_}" if settings.records_dir else None)
         for name, mode_override in systems:
             label = name if args.repeat == 1 else f"{name}-{round_}"
-            server = None if args.server else LocalServer(out / f"server-{label}.log", args.config,
-                                                          args.model, mode_override)
+            server = None if args.server else LocalServer(
+                out / f"server-{label}.log", args.config, args.model, mode_override,
+                extra_args=("--no-admission",) if args.no_admission else ())
             if args.repeat > 1:
                 _log(f"[{name}] round {round_} of {args.repeat}")
             try:

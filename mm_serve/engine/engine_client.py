@@ -287,7 +287,8 @@ class EngineClient:
         flight.prefill, flight.decode = prefill, decode
         self._wire[flight.wire_id] = flight
         self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
-                               flight.first.priority, flight.first.num_images, flight.page_hashes)
+                               flight.first.priority, flight.first.num_images, flight.page_hashes,
+                               flight.first.max_wait_s)
         # not delivered when the worker died a moment ago: supervision finds it and migrates this flight
         self.pool.send(("colocated" if self.colocated else "prefill", prefill), flight.message(decode, time.time()))
 

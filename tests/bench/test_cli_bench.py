@@ -18,6 +18,7 @@ from tests.bench.fake_server import FakeServer
     (["--sweep", "--num-requests", "0"], "--num-requests"),
     (["--sweep", "--repeat", "0"], "--repeat must be >= 1"),
     (["--rate", "1", "--repeat", "3"], "use it with --sweep"),
+    (["--rate", "1", "--server", "http://127.0.0.1:9", "--no-admission"], "start yours with it instead"),
     (["--sweep", "--server", "http://127.0.0.1:9", "--compare", "colocated"], "--compare"),
     (["--sweep", "--server", "http://127.0.0.1:9", "--workload", "llava"], "needs --model"),
     (["--sweep", "--server", "http://127.0.0.1:9", "--workload", "nope"], "unknown workload"),

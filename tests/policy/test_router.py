@@ -197,3 +197,23 @@ def test_the_load_view_names_the_tightest_tier_live_on_the_decode_worker() -> No
     assert router.decode[1].tightest_rank() is None and router.view(2, 1, [0], [0]).decode_tightest_rank == 1
     router.finished("s")
     assert [load.ranks for load in router.decode] == [[0, 0, 0], [0, 0, 0]]
+
+
+def test_looser_requests_past_their_max_wait_count_ahead_in_the_view() -> None:
+    """The prefill scheduler serves a looser request that waited past its max_wait_s as rank 0,
+    so from then on the view counts it ahead of a new interactive request, not behind it."""
+    router = make_router(num_prefill=1, num_decode=1)
+    router.dispatched("batch", prefill=0, decode=0, tokens=300, pages=1, rank=2, images=1, max_wait_s=60.0, now=100.0)
+    router.dispatched("std", prefill=0, decode=0, tokens=50, pages=1, rank=1, max_wait_s=2.0, now=100.0)
+    router.dispatched("never", prefill=0, decode=0, tokens=7, pages=1, rank=2, now=100.0)  # no max_wait: never ages
+    fresh = router.view(0, 1, [0], [0], now=101.0)
+    assert (fresh.ahead.requests, fresh.ahead.tokens) == (0, 0)
+    assert (fresh.looser.requests, fresh.looser.tokens, fresh.looser.images) == (3, 357, 1)
+    aged = router.view(0, 1, [0], [0], now=102.5)  # "std" waited 2.5 s > 2 s
+    assert (aged.ahead.requests, aged.ahead.tokens) == (1, 50) and aged.looser.tokens == 307
+    late = router.view(1, 1, [0], [0], now=200.0)  # for a standard request: "std" is its own rank anyway
+    assert (late.ahead.requests, late.ahead.tokens, late.ahead.images) == (2, 350, 1) and late.looser.tokens == 7
+    router.prefilled("batch")
+    assert router.view(0, 1, [0], [0], now=200.0).ahead.tokens == 50
+    router.dispatched("std", prefill=0, decode=0, tokens=50, pages=1, rank=1, max_wait_s=2.0, now=300.0)  # again
+    assert router.view(0, 1, [0], [0], now=301.0).ahead.tokens == 0  # its wait starts over with the new dispatch
