@@ -13,7 +13,9 @@ loses under load what the engine gains" can be put in numbers.
 With ``--py-spy`` each server process is also sampled by py-spy (``--py-spy-rate``
 samples/s, non-blocking, Python frames only) for the length of the run and the top
 functions by self time are printed per process (the raw stacks are kept in ``--out``;
-``py-spy``'s own CPU is counted in a row of its own). Not part of ``make test``. Usage::
+``py-spy``'s own CPU is counted in a row of its own). ``server total`` leaves out the
+client and the profilers. A worker that restarts during the run makes it fail (its CPU
+would be lost): run again. Not part of ``make test``. Usage::
 
     make bench-models
     python benchmarks/cpu_profile.py --config configs/default.yaml --model out/bench-llama \\
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -90,16 +94,19 @@ def _server_processes(server: LocalServer) -> dict[str, int]:
     return procs
 
 
-def _start_py_spy(procs: dict[str, int], seconds: float, rate: int, out: Path) -> dict[str, subprocess.Popen[bytes]]:
-    exe = Path(sys.executable).with_name("py-spy")
+def _start_py_spy(procs: dict[str, int], rate: int, out: Path) -> dict[str, subprocess.Popen[bytes]]:
+    """One ``py-spy record`` per server process, until SIGINT (then it writes its stacks)."""
+    beside = Path(sys.executable).with_name("py-spy")
+    exe = str(beside) if beside.is_file() else shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("py-spy is not installed (pip install py-spy, or `make install` for the dev extra)")
     spies = {}
     for name, pid in procs.items():
         if name.startswith(("child", "resource")):
             continue
         path = out / f"py-spy-{name}.txt"
         spies[name] = subprocess.Popen(
-            [str(exe), "record", "--pid", str(pid), "--rate", str(rate), "--duration", str(int(seconds) + 1),
-             "--format", "raw", "--nonblocking", "-o", str(path)],
+            [exe, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw", "--nonblocking", "-o", str(path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return spies
 
@@ -120,22 +127,26 @@ def main(argv: list[str] | None = None) -> int:
         runner.unloaded(4)  # warm-up: first requests pay one-time costs
         procs = _server_processes(server)
         plan = runner.plan_at(args.rate)  # bodies built before the clock starts
-        span_s = plan[-1].arrival_s + 5.0
-        spies = _start_py_spy(procs, span_s, args.py_spy_rate, out) if args.py_spy else {}
-        watched = procs | {CLIENT: os.getpid()} | {f"py-spy {k}": p.pid for k, p in spies.items()}
-        before = cpu_seconds(watched)
+        spies = _start_py_spy(procs, args.py_spy_rate, out) if args.py_spy else {}
+        measuring = {CLIENT: os.getpid()} | {f"py-spy {k}": p.pid for k, p in spies.items()}
+        before = cpu_seconds(procs | measuring)
         t0 = time.perf_counter()
         result = asyncio.run(run_load(endpoint, plan))
         wall_s = time.perf_counter() - t0
-        after = cpu_seconds(watched)
+        after = cpu_seconds(procs | measuring)
         for spy in spies.values():
-            spy.wait(timeout=span_s + 60)
+            spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+            spy.wait(timeout=60)
     run = summarize(result.records, args.rate, slo)
     tokens = sum(r.output_tokens for r in result.records if r.ok)
     print(f"{args.workload} at {args.rate:g} req/s, {len(plan)} requests ({run.num_ok} ok), {tokens} output "
           f"tokens in {wall_s:.1f} s; attainment {100 * run.attainment:.1f} % (TTFT {args.slo_ttft:g} s, "
           f"TPOT {1e3 * args.slo_tpot:g} ms); TTFT p90 {run.ttft.p90:.3f} s, TPOT p90 {1e3 * run.tpot.p90:.1f} ms")
-    print(format_cpu_table(cpu_table(before, after, tokens), wall_s))
+    try:
+        print(format_cpu_table(cpu_table(before, after, tokens, frozenset(measuring)), wall_s))
+    except ValueError as exc:
+        print(f"cpu_profile: {exc}", file=sys.stderr)
+        return 1
     for name in spies:
         path = out / f"py-spy-{name}.txt"
         if not path.is_file():

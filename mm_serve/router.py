@@ -10,8 +10,10 @@
   worker keeps its later turns' hits there too. The queued
   work is also kept per SLO tier rank (:class:`PrefillWork`), for the admission
   controller's prediction of the wait ahead of a new request; a looser request that has
-  waited past its ``max_wait_s`` is served as rank 0 by the prefill scheduler, so from
-  then on the view counts it ahead of every tier.
+  waited past its ``max_wait_s`` is served as rank 0 by the disaggregated prefill
+  scheduler, so from then on the view counts it ahead of every tier (the colocated
+  engine does not age requests: the caller passes no ``max_wait_s`` there). Looser
+  requests that will age while the new one waits are not counted: ``ahead`` is a lower bound.
 * Decode: the worker with room, judged from its latest :class:`WorkerStats`
   (free pages, running count) minus what was dispatched to it since: the one
   with the most free pages after its in-flight requests, among those under

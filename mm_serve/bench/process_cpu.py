@@ -22,16 +22,17 @@ _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 
 def cpu_seconds(pids: Mapping[str, int]) -> dict[str, float]:
-    """User + system CPU seconds so far of each named process; a process that is gone reads 0."""
+    """User + system CPU seconds so far of each named process; a process that is gone (a worker
+    restarted under another pid, say) is left out, so that :func:`cpu_table` can say so."""
     import psutil
 
     out: dict[str, float] = {}
     for name, pid in pids.items():
         try:
             times = psutil.Process(pid).cpu_times()
-            out[name] = times.user + times.system
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            out[name] = 0.0
+            continue
+        out[name] = times.user + times.system
     return out
 
 
@@ -62,19 +63,29 @@ class CpuRow:
     share: float
 
 
-def cpu_table(before: Mapping[str, float], after: Mapping[str, float], tokens: int) -> list[CpuRow]:
-    """Rows for the processes read at both ends (largest first) plus a ``total`` row.
+def cpu_table(before: Mapping[str, float], after: Mapping[str, float], tokens: int,
+              measuring: frozenset[str] = frozenset()) -> list[CpuRow]:
+    """Rows for the processes read at both ends (largest first), then ``server total`` (all but
+    the ``measuring`` ones: the benchmark client, profilers) and ``total``.
 
     Raises:
-        ValueError: ``tokens`` < 1 (nothing delivered: no per-token figure).
+        ValueError: ``tokens`` < 1 (nothing delivered: no per-token figure), or a process read
+            before is missing after (it exited during the run: its CPU would be lost).
     """
     if tokens < 1:
         raise ValueError(f"no output tokens were delivered ({tokens}); nothing to divide by")
-    spent = {name: max(0.0, after[name] - before.get(name, 0.0)) for name in after}
+    gone = sorted(set(before) - set(after))
+    if gone:
+        raise ValueError(f"{', '.join(gone)} exited during the run (restarted?): its CPU time is lost; run again")
+    spent = {name: max(0.0, after[name] - before[name]) for name in before}
     total = sum(spent.values())
-    rows = [CpuRow(name, s, 1e3 * s / tokens, s / total if total > 0 else 0.0)
-            for name, s in sorted(spent.items(), key=lambda kv: -kv[1])]
-    return [*rows, CpuRow("total", total, 1e3 * total / tokens, 1.0 if total > 0 else 0.0)]
+    server = sum(s for name, s in spent.items() if name not in measuring)
+
+    def row(name: str, s: float) -> CpuRow:
+        return CpuRow(name, s, 1e3 * s / tokens, s / total if total > 0 else 0.0)
+
+    rows = [row(name, s) for name, s in sorted(spent.items(), key=lambda kv: -kv[1])]
+    return [*rows, row("server total", server), row("total", total)]
 
 
 def format_cpu_table(rows: list[CpuRow], wall_s: float) -> str:

@@ -141,7 +141,7 @@ class LoadRunner:
         """
         specs = self._specs_for(num_requests)
         warm = replace(specs[0], conversation_id=None, turn=0, image_seed=None)
-        plan = self.factory.plan([warm, *specs], [0.0] * (len(specs) + 1), salt=-1)
+        plan = self.factory.plan([warm, *specs], [0.0] * (len(specs) + 1), salt=-1 - self.load.content_salt)
         before = scrape(self.endpoint.base_url, self.endpoint.api_key)
         records = asyncio.run(run_sequential(self.endpoint, plan))[1:]
         counters = counter_delta(before, scrape_after(self.endpoint.base_url, self.endpoint.api_key, before))

@@ -34,14 +34,14 @@ ShareGPT's long tail of long prompts and long answers.
 ``code`` and ``summarization`` are DistServe's other two applications (§6.1): code
 completion on HumanEval and summarization on LongBench. ``code`` is fitted to the 164
 HumanEval problems (openai/human-eval): the prompt (signature and docstring) has a
-median of 396 characters and a p90 of 775, the canonical solution 148 and 373; at
+median of 396 characters and a p90 of 775, the canonical solution 148.5 and 373; at
 3.2 characters per token (code with a Llama-family BPE) that is the median and
 p90 of the table's log-normals, clipped at the dataset's shortest and longest.
 ``summarization`` is shaped on LongBench's summarization tasks, whose documents
 (thousands of words) are longer than any context here: as DistServe had to keep
 them within OPT's 2,048-token window, the prompt is a long document cut to fit
-the model's context (median 1,600 tokens, 80 % between 1,000 and 2,500, so that
-prefill is the bulk of the work) and the summary is short (median 96 tokens). Its
+the model's context (median 1,600 tokens, 80 % between 1,000 and 2,500 with a 4K
+context, so that prefill is the bulk of the work) and the summary is short (median 96 tokens). Its
 lengths are our shape, not a fit: the data set cannot be downloaded here.
 ``long-multimodal`` is ours: several images plus a long document and a question
 (a report with figures, a slide deck), for prefill-heavy multimodal traffic.
@@ -152,7 +152,9 @@ class CodeWorkload:
 class SummarizationWorkload:
     """LongBench-like summarization: a long document, a short summary (see the module table).
 
-    Needs a context of at least 1,296 tokens (the shortest document and its summary).
+    Needs a context of at least 1,296 tokens (the shortest document and summary, 784, plus
+    512 of room). The module's median and spread hold for contexts of 4K and more; below,
+    documents are capped at ``context - 512`` (at 2,048 about half of them sit at 1,536).
     """
 
     max_context: int = 4096
@@ -187,7 +189,9 @@ class LongMultimodalWorkload:
             output = lognormal_int(rng, 64, 0.6, 8, 256)
             while images > 1 and images * self.image_tokens + 200 + 8 > self.max_context:
                 images -= 1  # a large image for this context: fewer of them
-            text, output = fit_context(document, output, self.max_context - images * self.image_tokens)
+            room = self.max_context - images * self.image_tokens
+            output = max(1, min(output, room - 200))  # the document keeps its first 200 tokens at least
+            text = max(1, min(document, room - output))  # then is cut to what is left
             rows.append(RequestSpec(text, output, images, self.image_tokens))
         return rows
 

@@ -71,8 +71,9 @@ def register(subparsers: Any) -> None:
                    help="start our servers with --no-admission: no refusals by latency prediction (a refusal "
                    "counts as a miss), for goodput comparisons of placements and modes")
     p.add_argument("--repeat", type=int, default=1, metavar="K",
-                   help="with --sweep: run every system's sweep K times, alternating systems, each round on "
-                   "fresh servers, and report the median goodput with its range (default 1)")
+                   help="with --sweep: run every system's sweep K times, alternating systems (our servers "
+                   "restarted each round; other text and images each round), and report the median goodput "
+                   "with its range (default 1)")
     p.add_argument("--rate-tolerance", type=float, default=0.1, help="sweep precision, relative (default 0.1)")
     p.add_argument("--api", choices=["chat", "completions"], default="chat")
     p.add_argument("--api-key", help="bearer key for the server")
@@ -214,10 +215,11 @@ def _write(out: Path, results: list[SystemResult], slo: SLO, settings: BenchSett
 
 
 def _start_rate(results: list[SystemResult], name: str) -> float | None:
-    """First sweep rate, requests/s: the system's own last goodput, else the first system's; None at first."""
-    own = [r.sweep.goodput for r in results if r.name == name and r.sweep is not None and r.sweep.goodput > 0]
-    if own:
-        return own[-1]
+    """First sweep rate, requests/s: the system's round-1 goodput (every later round searches from
+    the same rate, so one round's result does not steer the next), else the first system's; None at first."""
+    own = [r.sweep.goodput for r in results if r.name == name and r.round == 1 and r.sweep is not None]
+    if own and own[0] > 0:
+        return own[0]
     first = results[0].sweep.goodput if results and results[0].sweep else None
     return first or None
 

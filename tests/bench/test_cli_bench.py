@@ -59,6 +59,7 @@ def test_sweep_finds_the_capacity_of_a_fake_server(tmp_path: Path, capsys: pytes
 
 def test_repeat_runs_the_sweep_k_times_with_other_content(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with FakeServer(service_s=0.05) as server:
+        bodies = server.app.state.bodies
         status = main(["bench", "--server", server.url, "--workload", "code", "--sweep", "--repeat", "2",
                        "--slo-ttft", "0.15", "--slo-tpot", "1", "--num-requests", "30",
                        "--burstiness", "0.05", "--start-rate", "10", "--label", "fake",
@@ -70,7 +71,11 @@ def test_repeat_runs_the_sweep_k_times_with_other_content(tmp_path: Path, capsys
     goodputs = [s["goodput"] for s in doc["systems"]]
     assert rep["goodputs"] == goodputs and rep["low"] == min(goodputs) and rep["high"] == max(goodputs)
     assert all(13.0 <= g <= 23.0 for g in goodputs)
-    # each round wrote its own records (its content is salted by the round: LoadSpec.content_salt)
+    # each round wrote its own records, and the rounds' content differs (LoadSpec.content_salt), so a
+    # server's prefix cache cannot serve one round from another: were round 2 a replay, half the prompts
+    # would repeat (a corpus window may repeat by chance, rarely)
+    texts = [b["messages"][-1]["content"] for b in bodies]
+    assert len(bodies) > 60 and len(set(texts)) >= 0.98 * len(texts)
     first = [json.loads(line) for line in (tmp_path / "round-1" / "records-fake.jsonl").read_text().splitlines()]
     second = [json.loads(line) for line in (tmp_path / "round-2" / "records-fake.jsonl").read_text().splitlines()]
     assert first and second

@@ -40,10 +40,15 @@ def test_top_functions_gives_self_and_inclusive_shares_per_function() -> None:
 
 
 def test_cpu_table_per_token_and_shares() -> None:
-    rows = cpu_table({"api": 1.0, "decode0": 10.0}, {"api": 3.0, "decode0": 16.0, "client": 2.0}, tokens=4000)
-    assert [(r.name, r.cpu_s) for r in rows] == [("decode0", 6.0), ("api", 2.0), ("client", 2.0), ("total", 10.0)]
+    rows = cpu_table({"api": 1.0, "decode0": 10.0, "client": 0.0}, {"api": 3.0, "decode0": 16.0, "client": 2.0},
+                     tokens=4000, measuring=frozenset({"client"}))
+    assert [(r.name, r.cpu_s) for r in rows] == [
+        ("decode0", 6.0), ("api", 2.0), ("client", 2.0), ("server total", 8.0), ("total", 10.0)]
     assert rows[0].ms_per_token == pytest.approx(1.5) and rows[0].share == pytest.approx(0.6)
+    assert rows[-2].ms_per_token == pytest.approx(2.0) and rows[-2].share == pytest.approx(0.8)
     assert rows[-1].ms_per_token == pytest.approx(2.5) and rows[-1].share == 1.0
+    with pytest.raises(ValueError, match="decode0 exited during the run"):
+        cpu_table({"api": 1.0, "decode0": 2.0}, {"api": 2.0}, tokens=10)
     text = format_cpu_table(rows, wall_s=5.0)
     assert "decode0" in text.splitlines()[1] and text.splitlines()[1].endswith("1.20")  # 6 CPU s over 5 s
     with pytest.raises(ValueError, match="no output tokens"):
@@ -65,4 +70,4 @@ def test_cpu_seconds_reads_real_processes_and_descendants() -> None:
     finally:
         child.kill()
         child.wait()
-    assert cpu_seconds({"gone": child.pid}) == {"gone": 0.0}
+    assert cpu_seconds({"gone": child.pid}) == {}

@@ -42,6 +42,11 @@ def test_llava_workload_at_a_low_rate(tiny_llava: Path, tmp_path: Path) -> None:
     assert 0 < run.attainment <= 1 and run.request_throughput > 0
 
 
+def test_extra_server_arguments_reach_the_command(tmp_path: Path) -> None:
+    server = LocalServer(tmp_path / "server.log", model="embedded", mode="colocated", extra_args=("--no-admission",))
+    assert server._cmd[-3:] == ["--mode", "colocated", "--no-admission"] and server.pid is None
+
+
 def test_a_server_that_cannot_start_raises(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("mode: sideways\n")

@@ -217,3 +217,6 @@ def test_looser_requests_past_their_max_wait_count_ahead_in_the_view() -> None:
     assert router.view(0, 1, [0], [0], now=200.0).ahead.tokens == 50
     router.dispatched("std", prefill=0, decode=0, tokens=50, pages=1, rank=1, max_wait_s=2.0, now=300.0)  # again
     assert router.view(0, 1, [0], [0], now=301.0).ahead.tokens == 0  # its wait starts over with the new dispatch
+    for request_id in ("std", "never"):
+        router.finished(request_id)
+    assert router._ages_at == [{}] and router.queued() == (0, 0)
