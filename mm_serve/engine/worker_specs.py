@@ -72,7 +72,9 @@ def build_worker_specs(
             control_address=f"ipc://{run_dir}/ctl-{tag}", output_address=output_address, rings=rings_of,
             doorbell_address=doorbell_address(str(run_dir), index) if role == "decode" else "",
             doorbells=bells if role == "prefill" else [],
-            cpus=cpus, threads=compute.threads_per_worker, nice=compute.worker_nice, parent_pid=os.getpid(),
+            cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
+            nice=compute.prefill_worker_nice if role == "prefill" and compute.prefill_worker_nice is not None
+            else compute.worker_nice,
             handoff_checksum=cfg.fault.handoff_checksum,
         )
 
