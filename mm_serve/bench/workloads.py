@@ -75,29 +75,68 @@ from mm_serve.bench.spec import (
 
 __all__ = [
     "BUILTIN_WORKLOADS", "IMAGE_WORKLOADS", "CaptionRepeatWorkload", "CaptionWorkload", "ChatbotWorkload",
-    "CodeWorkload", "JsonlWorkload", "LlavaWorkload", "LongMultimodalWorkload", "MultiturnLlavaWorkload",
-    "RequestSpec", "SharedPromptWorkload", "SummarizationWorkload",
+    "CodeWorkload", "JsonlWorkload", "LlavaWorkload", "LogNormalLength", "LongMultimodalWorkload",
+    "MultiturnLlavaWorkload", "RequestSpec", "SharedPromptWorkload", "SummarizationWorkload", "TextWorkload",
     "Workload", "WorkloadError", "check_burstiness", "gamma_arrivals", "is_conversational",
     "load_jsonl_workload", "make_workload", "poisson_arrivals", "trace_arrivals", "unit_rate_arrivals",
 ]
 
 
 @dataclass(frozen=True)
-class ChatbotWorkload:
-    """ShareGPT-like text chat (see the module table); lengths in tokens."""
+class LogNormalLength:
+    """A length in tokens: ``exp(N(ln median, sigma))`` rounded, clipped to ``[lo, hi]``."""
 
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def draw(self, rng: random.Random, hi: int | None = None) -> int:
+        """One length; ``hi`` (if given) lowers the cap."""
+        return lognormal_int(rng, self.median, self.sigma, self.lo, self.hi if hi is None else min(hi, self.hi))
+
+
+@dataclass(frozen=True)
+class TextWorkload:
+    """Text requests: a prompt and an output length, each log-normal (the module table), fitted
+    to ``max_context`` output-first; the prompt is also capped at ``max_context - prompt_room``."""
+
+    name: str
+    prompt: LogNormalLength
+    output: LogNormalLength
     max_context: int = 4096
-    name: str = "chatbot"
+    prompt_room: int = 0  # tokens of context the prompt leaves free (summaries need room)
 
     def sample(self, n: int, seed: int) -> list[RequestSpec]:
-        rng = random.Random(f"chatbot:{seed}")
+        rng = random.Random(f"{self.name}:{seed}")
+        cap = max(self.prompt.lo, self.max_context - self.prompt_room) if self.prompt_room else None
         rows = []
         for _ in range(n):
-            prompt = lognormal_int(rng, 100, 1.0, 4, 1024)
-            output = lognormal_int(rng, 250, 0.9, 4, 1024)
-            prompt, output = fit_context(prompt, output, self.max_context)
-            rows.append(RequestSpec(prompt, output))
+            prompt = self.prompt.draw(rng, cap)
+            output = self.output.draw(rng)
+            rows.append(RequestSpec(*fit_context(prompt, output, self.max_context)))
         return rows
+
+
+def ChatbotWorkload(max_context: int = 4096) -> TextWorkload:  # noqa: N802 (a workload, named like the others)
+    """ShareGPT-like text chat (see the module table); lengths in tokens."""
+    return TextWorkload("chatbot", LogNormalLength(100, 1.0, 4, 1024), LogNormalLength(250, 0.9, 4, 1024), max_context)
+
+
+def CodeWorkload(max_context: int = 4096) -> TextWorkload:  # noqa: N802
+    """HumanEval-like code completion: short prompts, short answers (see the module table)."""
+    return TextWorkload("code", LogNormalLength(124, 0.52, 36, 425), LogNormalLength(46, 0.72, 5, 270), max_context)
+
+
+def SummarizationWorkload(max_context: int = 4096) -> TextWorkload:  # noqa: N802
+    """LongBench-like summarization: a long document, a short summary (see the module table).
+
+    Needs a context of at least 1,296 tokens (the shortest document and summary, 784, plus
+    512 of room). The module's median and spread hold for contexts of 4K and more; below,
+    documents are capped at ``context - 512`` (at 2,048 about half of them sit at 1,536).
+    """
+    return TextWorkload("summarization", LogNormalLength(1600, 0.35, 768, 1 << 30),
+                        LogNormalLength(96, 0.5, 16, 400), max_context, prompt_room=512)
 
 
 @dataclass(frozen=True)
@@ -129,46 +168,6 @@ class CaptionWorkload:
     def sample(self, n: int, seed: int) -> list[RequestSpec]:
         rng = random.Random(f"caption:{seed}")
         return [RequestSpec(12, rng.randint(20, 40), 1, self.image_tokens) for _ in range(n)]
-
-
-@dataclass(frozen=True)
-class CodeWorkload:
-    """HumanEval-like code completion: short prompts, short answers (see the module table)."""
-
-    max_context: int = 4096
-    name: str = "code"
-
-    def sample(self, n: int, seed: int) -> list[RequestSpec]:
-        rng = random.Random(f"code:{seed}")
-        rows = []
-        for _ in range(n):
-            prompt = lognormal_int(rng, 124, 0.52, 36, 425)
-            output = lognormal_int(rng, 46, 0.72, 5, 270)
-            rows.append(RequestSpec(*fit_context(prompt, output, self.max_context)))
-        return rows
-
-
-@dataclass(frozen=True)
-class SummarizationWorkload:
-    """LongBench-like summarization: a long document, a short summary (see the module table).
-
-    Needs a context of at least 1,296 tokens (the shortest document and summary, 784, plus
-    512 of room). The module's median and spread hold for contexts of 4K and more; below,
-    documents are capped at ``context - 512`` (at 2,048 about half of them sit at 1,536).
-    """
-
-    max_context: int = 4096
-    name: str = "summarization"
-
-    def sample(self, n: int, seed: int) -> list[RequestSpec]:
-        rng = random.Random(f"summarization:{seed}")
-        longest = max(768, self.max_context - 512)
-        rows = []
-        for _ in range(n):
-            prompt = lognormal_int(rng, 1600, 0.35, 768, longest)
-            output = lognormal_int(rng, 96, 0.5, 16, 400)
-            rows.append(RequestSpec(*fit_context(prompt, output, self.max_context)))
-        return rows
 
 
 @dataclass(frozen=True)
