@@ -218,6 +218,8 @@ def main() -> None:
                         "(make bench-models builds out/bench-llava)")
     args = parser.parse_args()
     temp_dir = tempfile.mkdtemp(prefix="mmray-")  # Ray's sessions and logs, removed at the end
+    os.environ["RAY_TMPDIR"] = temp_dir  # the cluster's address file too (default /tmp/ray, maybe absent)
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     node = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": args.object_store_mib << 20,
             "temp_dir": temp_dir}
     cluster = Cluster(initialize_head=True, head_node_args={

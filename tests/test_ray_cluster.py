@@ -93,9 +93,13 @@ def ray_cluster() -> Iterator[TwoNodes]:
     from ray.cluster_utils import Cluster
 
     before = set(ray_processes())  # another Ray on the machine is not ours to judge
-    saved = {key: os.environ.get(key) for key in LOOPBACK_ONLY_ENV}
-    os.environ.update(LOOPBACK_ONLY_ENV)  # inherited by every Ray process the cluster starts
     temp_dir = tempfile.mkdtemp(prefix="mmray-")  # short: Ray's unix socket paths live under it
+    # Ray writes the cluster's address to $RAY_TMPDIR/ray/ray_current_cluster (default /tmp/ray, which a
+    # fresh machine lacks and which would outlive the test): point it into our temp dir
+    env = {**LOOPBACK_ONLY_ENV, "RAY_TMPDIR": temp_dir}
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)  # inherited by every Ray process the cluster starts
     node: dict[str, Any] = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES,
             "temp_dir": temp_dir}
     c = Cluster(initialize_head=True, head_node_args={
