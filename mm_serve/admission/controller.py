@@ -98,30 +98,73 @@ class AdmissionController:
                 raise Rejection(429, "tpot_slo", _protect_message(tier, name, prediction.tpot_s, protect, margin), 1.0)
         return prediction
 
+    def holds(self, tier: Tier) -> bool:
+        """Whether calls of ``tier`` wait for spare capacity before dispatch (:meth:`hold_reason`):
+        the tier that is never refused, while prediction is on."""
+        return self.config.admission.predict and tier.name == NEVER_REFUSED
+
+    def hold_reason(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
+                    inputs: ProcessedInputs | None = None) -> str | None:
+        """Why a request of the never-refused tier should not be dispatched yet, or None to go now
+        (it is queued instead of refused: :mod:`mm_serve.admission.dispatch_hold`). It waits while,
+        on the workers the router would pick now,
+
+        * requests of a tighter tier are queued or prefilling on its prefill worker (they go first,
+          and a batch of its prefill in progress would delay the ones that arrive during it);
+        * a full prefill batch (``scheduler.prefill_batch_size`` requests) of its own or a looser
+          tier is already queued there (what it would add is work no tighter request may wait for);
+        * a tighter tier runs on its decode worker and the predicted decode step with it exceeds
+          that tier's TPOT SLO × (1 + ``admission.margin``).
+
+        None as well when a role has no ready worker (the engine client then waits for one).
+        """
+        rank = tier.rank
+        if rank == 0:
+            return None
+        view = client.load_view(rank - 1, tokens, max_tokens) if inputs is None else \
+            client.load_view(rank - 1, tokens, max_tokens, inputs)
+        if view is None:
+            return None
+        if view.ahead.requests > 0:
+            return f"{view.ahead.requests} tighter request(s) queued on prefill worker {view.prefill}"
+        if view.looser.requests >= self.config.scheduler.prefill_batch_size:
+            return f"a prefill batch of looser requests already queued on prefill worker {view.prefill}"
+        tighter = view.decode_tightest_rank
+        if max_tokens > 1 and tighter is not None and tighter < rank:
+            context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
+            prediction = self._predict_on(view, tier, tokens - view.cached_tokens, images - view.cached_images, context)
+            protect = tier_slo(TIERS[tighter], self.config.slo).tpot_ms / 1000.0
+            if prediction.tpot_s > protect * (1 + self.config.admission.margin):
+                return (f"decode worker {view.decode} serves {TIERS[tighter]} requests; with this one its predicted "
+                        f"step is {1000 * prediction.tpot_s:.1f} ms")
+        return None
+
     def report(self) -> dict[str, object]:
         """The predictor's coefficients, corrections and their age (for /health), read under the lock
         (reading a fit may re-solve it)."""
         with self._lock:
             return self.predictor.report()
 
-    def precheck(self, client: EngineClient, tier: Tier, max_tokens: int) -> None:
+    def precheck(self, client: EngineClient, tier: Tier, max_tokens: int, tokens: int = 1, images: int = 0) -> None:
         """Refuse, before the call's images are fetched and decoded (cheap refusals under
-        overload), what the TTFT rule of :meth:`admit` rules out whatever the call holds: the
-        prediction for a one-token prompt on *each* ready prefill worker (no prefix believed
-        cached) exceeds the threshold. Its own prompt only adds to a prediction and the router
-        picks one of those workers, so such a call would be refused after its images too. TPOT
-        is left to :meth:`admit` (the decode worker picked depends on the prompt's pages).
+        overload), what the TTFT rule of :meth:`admit` rules out whatever else the call holds:
+        the prediction for a prompt of ``tokens`` tokens and ``images`` images (the work it is
+        certain to bring: images no cache can hold, :mod:`mm_serve.admission.seen_images`) on
+        *each* ready prefill worker exceeds the threshold. The rest of its prompt only adds to a
+        prediction and the router picks one of those workers, so such a call would be refused
+        after its images too. TPOT is left to :meth:`admit` (the decode worker picked depends on
+        the prompt's pages).
 
         Raises:
             Rejection: 429 ``ttft_slo``, as :meth:`admit`.
         """
         if not self.config.admission.predict or tier.name == NEVER_REFUSED:
             return
-        views = client.load_views(tier.rank, 1, max_tokens)
+        views = client.load_views(tier.rank, max(1, tokens), max_tokens)
         threshold = tier.slo.ttft_ms / 1000.0 * (1 + self.config.admission.margin)
         best: Prediction | None = None
         for view in views:
-            prediction = self._predict_on(view, tier, 1, 0, 1)
+            prediction = self._predict_on(view, tier, max(1, tokens), images, max(1, tokens))
             if prediction.idle or prediction.ttft_s <= threshold:
                 return  # idle (admit() never refuses it), or this worker could still make it
             best = prediction if best is None or prediction.ttft_s < best.ttft_s else best

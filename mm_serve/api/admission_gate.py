@@ -30,6 +30,13 @@ BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making
 PREPROCESS_BYTES = 4 << 20  # the resized, normalised tensor and its intermediates, per image
 
 
+def image_urls(messages: Sequence[ChatMessage]) -> Iterator[str]:
+    """The URL of each ``image_url`` part of the messages, in order."""
+    for message in messages:
+        if isinstance(message.content, list):
+            yield from (part.image_url.url for part in message.content if part.type == "image_url")
+
+
 def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) -> tuple[int, int]:
     """(images, bytes to reserve) for the images of a chat call before any is fetched.
 
@@ -40,22 +47,16 @@ def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) ->
     small images do not each hold the reserve sized for large ones.
     """
     images, total = 0, 0
-    for message in messages:
-        if not isinstance(message.content, list):
-            continue
-        for part in message.content:
-            if part.type != "image_url":
-                continue
-            url = part.image_url.url
-            decode = config.admission.image_decode_reserve_bytes
-            if url.lstrip()[:5].lower() == "data:":
-                encoded, size = len(url), declared_size(url)
-                if size is not None:
-                    decode = min(decode, BYTES_PER_DECLARED_PIXEL * size[0] * size[1] + PREPROCESS_BYTES)
-            else:
-                encoded = config.api.max_image_fetch_bytes
-            images += 1
-            total += encoded + decode
+    for url in image_urls(messages):
+        decode = config.admission.image_decode_reserve_bytes
+        if url.lstrip()[:5].lower() == "data:":
+            encoded, size = len(url), declared_size(url)
+            if size is not None:
+                decode = min(decode, BYTES_PER_DECLARED_PIXEL * size[0] * size[1] + PREPROCESS_BYTES)
+        else:
+            encoded = config.api.max_image_fetch_bytes
+        images += 1
+        total += encoded + decode
     return images, total
 
 
@@ -81,8 +82,10 @@ def check_call_work(config: ServiceConfig, prepared: Sequence[tuple[ProcessedInp
 
 
 def check_call_queues(client: EngineClient, config: ServiceConfig,
-                      prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> None:
-    """The queue caps for a call of ``prepared`` prompts (each run ``params.n`` times).
+                      prepared: Sequence[tuple[ProcessedInputs, SamplingParams]],
+                      held: tuple[int, int] = (0, 0)) -> None:
+    """The queue caps for a call of ``prepared`` prompts (each run ``params.n`` times), with
+    ``held`` (requests, prompt tokens) waiting in the dispatch hold counted as queued.
 
     Raises:
         Rejection: 429 ``queued_requests`` or ``queued_tokens`` when a cap would be passed.
@@ -92,7 +95,7 @@ def check_call_queues(client: EngineClient, config: ServiceConfig,
     prompt_tokens = [len(inputs.prompt_token_ids) for inputs, _ in prepared]
     n = prepared[0][1].n
     queued_requests, queued_tokens = client.queued()
-    check_queues(queued_requests, queued_tokens, n * len(prepared), n * sum(prompt_tokens), config.admission)
+    check_queues(queued_requests + held[0], queued_tokens + held[1], n * len(prepared), n * sum(prompt_tokens), config.admission)
 
 
 def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
@@ -105,7 +108,7 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
         Rejection: 429 from a queue cap or a predicted SLO miss.
     """
     with counted(ctx, tier):
-        check_call_queues(client, ctx.config, prepared)
+        check_call_queues(client, ctx.config, prepared, ctx.dispatch_hold.queued())
         inputs, params = prepared[0]
         prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
                                          params.max_tokens, inputs)
@@ -114,18 +117,51 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
     return prediction
 
 
-def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int) -> None:
-    """Refuse a call on its tier and ``max_tokens`` alone, before its images are fetched or
+async def hold_call(ctx: ServerContext, client: EngineClient, tier: Tier,
+                    prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> float:
+    """Let a call of the never-refused tier wait, in arrival order, until dispatching it hurts no
+    tighter request (:meth:`AdmissionController.hold_reason` on its first prompt) or it has waited
+    half its TTFT SLO (then it goes, to still meet that SLO); at once for other tiers, with
+    prediction off, or with nothing to wait for. The queue caps count it while it waits.
+    Returns the seconds it waited.
+
+    Raises:
+        Rejection: 429 from a queue cap (checked before it waits).
+    """
+    if not prepared or not ctx.admission.holds(tier):
+        return 0.0
+    with counted(ctx, tier):  # a call past the caps is refused, not held
+        check_call_queues(client, ctx.config, prepared, ctx.dispatch_hold.queued())
+    inputs, params = prepared[0]
+    n = params.n
+    requests, tokens = n * len(prepared), n * sum(len(i.prompt_token_ids) for i, _ in prepared)
+
+    def ready() -> bool:
+        return ctx.admission.hold_reason(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
+                                         params.max_tokens, inputs) is None
+
+    longest = min(tier.slo.ttft_ms / 2000.0, ctx.config.api.timeout_ms / 2000.0)
+    return await ctx.dispatch_hold.wait(ready, requests, tokens, longest)
+
+
+def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Sequence[ChatMessage] = ()) -> None:
+    """Refuse a call on its tier, ``max_tokens`` and the image tokens of its images that no
+    cache can hold (data URIs this process has not been sent before,
+    :class:`~mm_serve.admission.seen_images.SeenImages`), before its images are fetched or
     decoded, when the queues already rule it out (:meth:`AdmissionController.precheck`); nothing
-    while the engine is not up (the later checks answer that).
+    while the engine is not up (the later checks answer that). The call's image URLs are
+    remembered as seen either way.
 
     Raises:
         Rejection: 429 from a predicted SLO miss.
     """
+    unseen = ctx.seen_images.count_unseen(url for url in image_urls(messages) if url.lstrip()[:5].lower() == "data:")
     if not ctx.holder.started or ctx.holder.draining.is_set():
         return
+    vision = ctx.holder.model_config.vision
+    per_image = 0 if vision is None else vision.num_image_tokens
     with counted(ctx, tier):
-        ctx.admission.precheck(ctx.holder.client, tier, max_tokens)
+        ctx.admission.precheck(ctx.holder.client, tier, max_tokens, unseen * per_image, unseen if per_image else 0)
 
 
 @contextmanager

@@ -137,7 +137,7 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         status, workers, faults = ctx.holder.health()
         body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]
                               admission={"predict": ctx.config.admission.predict,
-                                         **ctx.admission.report()},
+                                         **ctx.admission.report(), "held": _held(ctx)},
                               caches=cache_health(dict(ctx.holder.client.stats))).model_dump()
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
@@ -156,3 +156,10 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         return {f"{role}{index}": {f: getattr(s, f) for f in s.__struct_fields__} for (role, index), s in fresh.items()}
 
     return app
+
+
+def _held(ctx: ServerContext) -> dict[str, int]:
+    """The dispatch hold for /health: calls waiting now (and their engine requests), and counts since start."""
+    requests, tokens = ctx.dispatch_hold.queued()
+    return {"requests_waiting": requests, "prompt_tokens_waiting": tokens, "calls_held": ctx.dispatch_hold.num_held,
+            "released_by_time": ctx.dispatch_hold.num_released_by_time}

@@ -12,6 +12,7 @@ from mm_serve.api.admission_gate import (
     admit_call,
     check_call_work,
     counted,
+    hold_call,
     hold_images,
     precheck_call,
     prediction_header,
@@ -47,7 +48,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
-    precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS)
+    precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS, body.messages)
     with counted(ctx, tier), hold_images(ctx.image_budget, body.messages, ctx.config):
         messages = await chat_messages(body.messages, ctx.config.api)
         inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
@@ -58,6 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     with counted(ctx, tier):
         check_call_work(ctx.config, [(inputs, params)])
     client = ctx.client_or_503()
+    await hold_call(ctx, client, tier, [(inputs, params)])
     predicted = admit_call(ctx, client, tier, [(inputs, params)])
     gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:

@@ -9,7 +9,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from mm_serve.api.admission_gate import admit_call, check_call_work, counted, prediction_header
+from mm_serve.api.admission_gate import (
+    admit_call,
+    check_call_work,
+    counted,
+    hold_call,
+    prediction_header,
+)
 from mm_serve.api.body_limit import arrival_time
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import bad_request, unavailable
@@ -62,6 +68,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     with counted(ctx, tier):
         check_call_work(ctx.config, prepared)
     client = ctx.client_or_503()
+    await hold_call(ctx, client, tier, prepared)
     predicted = admit_call(ctx, client, tier, prepared)
     gens: list[Generation] = []
     try:

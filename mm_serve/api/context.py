@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from mm_serve.admission.byte_budget import ByteBudget
 from mm_serve.admission.controller import AdmissionController
+from mm_serve.admission.dispatch_hold import DispatchHold
+from mm_serve.admission.seen_images import SeenImages
 from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.errors import unavailable
 from mm_serve.config import ServiceConfig
@@ -25,11 +27,15 @@ class ServerContext:
     created: int = int(time.time())
     image_budget: ByteBudget = field(init=False)  # bytes of images being decoded at once
     admission: AdmissionController = field(init=False)  # the latency predictor and the admission rule
+    dispatch_hold: DispatchHold = field(init=False)  # never-refused calls waiting for spare capacity
+    seen_images: SeenImages = field(init=False)  # image URLs sent lately (the early check counts the others)
     tier_metrics: TierMetrics | None = None  # set by build_app
 
     def __post_init__(self) -> None:
         self.image_budget = ByteBudget(self.config.admission.max_image_bytes_in_flight)
         self.admission = AdmissionController(self.config)
+        self.dispatch_hold = DispatchHold()
+        self.seen_images = SeenImages()
 
     @property
     def context_len(self) -> int:

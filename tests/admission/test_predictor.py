@@ -317,3 +317,31 @@ def test_the_early_check_refuses_only_what_every_prefill_worker_rules_out() -> N
         controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
     assert info.value.reason == "ttft_slo" and info.value.retry_after_s is not None
     controller.precheck(client, tier_of("flex", cfg.slo), 16)  # type: ignore[arg-type]  # batch: never
+
+
+def test_the_early_check_counts_the_images_no_cache_can_hold() -> None:
+    """A little interactive work queued on each prefill worker: a text call passes the early
+    check, a call bringing two unseen images of 2,000 tokens each (certain work) is refused."""
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 50, "tpot_ms": 100}})
+    controller = AdmissionController(cfg)
+    router = Router(2, 1, 1000, 64)
+    router.dispatched("a", 0, 0, 500, 1, rank=0)
+    router.dispatched("b", 1, 0, 500, 1, rank=0)
+    client = _TwoPrefillClient(router)
+    interactive = tier_of("priority", cfg.slo)
+    controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
+    assert controller.predictor.prefill_seconds(500 + 4000, 2) > 0.04  # over the 40 ms threshold
+    with pytest.raises(Rejection, match="interactive tier"):
+        controller.precheck(client, interactive, 16, tokens=4000, images=2)  # type: ignore[arg-type]
+
+
+def test_seen_images_counts_each_url_once_and_forgets_the_oldest() -> None:
+    from mm_serve.admission.seen_images import SeenImages
+
+    seen = SeenImages(capacity=2)
+    assert seen.count_unseen(["data:a", "data:b", "data:a"]) == 2
+    assert seen.count_unseen(["data:a"]) == 0  # a is now the most recent
+    assert seen.count_unseen(["data:c"]) == 1  # evicts b
+    assert seen.count_unseen(["data:b", "data:c"]) == 1  # b was forgotten, c was not
+    with pytest.raises(ValueError, match="capacity"):
+        SeenImages(capacity=0)

@@ -1,0 +1,131 @@
+"""The batch tier is queued, not refused: the dispatch hold and the rule that lets a call go."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mm_serve.admission.controller import AdmissionController
+from mm_serve.admission.dispatch_hold import DispatchHold
+from mm_serve.admission.tiers import tier_of
+from mm_serve.config import load_config
+from mm_serve.router import LoadView, Router
+
+
+class _Client:
+    """The one method of EngineClient the controller uses here, over a real Router."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def load_view(self, rank: int, num_tokens: int, max_tokens: int) -> LoadView:
+        return self.router.view(rank, 1, [0], [0])
+
+
+def _cfg(**overrides: object):  # type: ignore[no-untyped-def]
+    return load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 20},
+                              "slo.tiers.standard": {"ttft_ms": 4000, "tpot_ms": 200}, "admission.margin": 0.0,
+                              "scheduler.prefill_batch_size": 2, **overrides})
+
+
+def test_a_batch_request_waits_while_tighter_work_is_queued_on_its_prefill_worker() -> None:
+    cfg = _cfg()
+    controller = AdmissionController(cfg)
+    router = Router(1, 1, 1000, 64)
+    client = _Client(router)
+    batch, standard = tier_of("flex", cfg.slo), tier_of("default", cfg.slo)
+    assert controller.holds(batch) and not controller.holds(standard)
+    assert controller.hold_reason(client, batch, 100, 0, 16) is None  # type: ignore[arg-type]
+    router.dispatched("s", 0, 0, 500, 1, rank=1)
+    reason = controller.hold_reason(client, batch, 100, 0, 16)  # type: ignore[arg-type]
+    assert reason is not None and "1 tighter request(s) queued on prefill worker 0" in reason
+    router.prefilled("s")  # its first token came back: the prefill queue is empty again
+    router.finished("s")
+    assert controller.hold_reason(client, batch, 100, 0, 16) is None  # type: ignore[arg-type]
+
+
+def test_a_batch_request_waits_while_a_prefill_batch_of_its_tier_is_already_queued() -> None:
+    cfg = _cfg()  # prefill_batch_size 2
+    controller = AdmissionController(cfg)
+    router = Router(1, 1, 1000, 64)
+    client = _Client(router)
+    batch = tier_of("flex", cfg.slo)
+    router.dispatched("b1", 0, 0, 100, 1, rank=2)
+    assert controller.hold_reason(client, batch, 100, 0, 16) is None  # type: ignore[arg-type]
+    router.dispatched("b2", 0, 0, 100, 1, rank=2)
+    assert "prefill batch of looser requests" in (controller.hold_reason(client, batch, 100, 0, 16) or "")  # type: ignore[arg-type]
+
+
+def test_a_batch_request_waits_while_it_would_slow_a_tighter_decode_past_its_tpot_slo() -> None:
+    cfg = _cfg()
+    controller = AdmissionController(cfg)
+    for _ in range(50):  # 30 ms decode steps: over interactive's 20 ms TPOT SLO
+        controller.predictor.observe_decode(4, 1000, 0.03)
+    router = Router(1, 1, 1000, 64)
+    client = _Client(router)
+    router.dispatched("i", 0, 0, 100, 1, rank=0)
+    router.prefilled("i")  # decoding now
+    batch = tier_of("flex", cfg.slo)
+    assert "serves interactive requests" in (controller.hold_reason(client, batch, 100, 0, 16) or "")  # type: ignore[arg-type]
+    assert controller.hold_reason(client, batch, 100, 0, 1) is None  # type: ignore[arg-type]  # no TPOT
+    router.finished("i")
+    assert controller.hold_reason(client, batch, 100, 0, 16) is None  # type: ignore[arg-type]
+
+
+def test_with_prediction_off_nothing_is_held() -> None:
+    cfg = _cfg(**{"admission.predict": False})
+    assert not AdmissionController(cfg).holds(tier_of("flex", cfg.slo))
+
+
+def test_the_hold_lets_calls_go_in_arrival_order_one_at_a_time_when_ready() -> None:
+    """Three calls wait while the service is busy; each is let go only when the check passes for
+    it at the head of the line (the check sees the ones let go before it), in arrival order."""
+
+    async def scenario() -> tuple[list[str], list[tuple[int, int]], float]:
+        hold = DispatchHold(poll_s=0.005)
+        busy = [True]
+        dispatched: list[str] = []
+        queued: list[tuple[int, int]] = []
+
+        def ready() -> bool:
+            return not busy[0] and len(dispatched) < 2  # room for two only
+
+        async def call(name: str) -> None:
+            await hold.wait(ready, 1, 100, longest_s=0.5)
+            dispatched.append(name)
+
+        tasks = [asyncio.create_task(call(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0.03)
+        queued.append(hold.queued())
+        busy[0] = False
+        await asyncio.sleep(0.05)
+        queued.append(hold.queued())
+        begun = asyncio.get_running_loop().time()
+        await asyncio.gather(*tasks)  # "c" goes when its longest hold has passed
+        return dispatched, queued, asyncio.get_running_loop().time() - begun
+
+    dispatched, queued, waited = asyncio.run(scenario())
+    assert dispatched == ["a", "b", "c"]
+    assert queued == [(3, 300), (1, 100)]
+    assert 0.2 < waited < 0.6
+
+
+def test_a_call_finds_the_line_empty_and_ready_goes_at_once_and_a_cancelled_one_leaves_the_line() -> None:
+    async def scenario() -> tuple[float, tuple[int, int], int]:
+        hold = DispatchHold(poll_s=0.005)
+        waited = await hold.wait(lambda: True, 1, 10, longest_s=5.0)
+        task = asyncio.create_task(hold.wait(lambda: False, 2, 20, longest_s=5.0))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return waited, hold.queued(), hold.num_held
+
+    waited, queued, held = asyncio.run(scenario())
+    assert waited == 0.0 and queued == (0, 0) and held == 1
+
+
+def test_poll_s_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="poll_s"):
+        DispatchHold(poll_s=0)
