@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
 from mm_serve.admission.rejection import Rejection
@@ -29,6 +30,8 @@ from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 
 NEVER_REFUSED = "batch"
+DEMAND_WINDOW_S = 5.0  # a tier whose last call came this recently keeps its room on the decode workers
+DECODE_RESERVE = 2  # requests of a tighter tier the decode step is kept room for (see _protect_excess)
 
 
 class AdmissionController:
@@ -43,6 +46,7 @@ class AdmissionController:
         if config.admission.profile is not None:
             self.predictor.warm_start(load_profile(config.admission.profile))
         self._lock = threading.Lock()
+        self._last_call: list[float | None] = [None] * len(TIERS)  # monotonic time of each tier's last call
 
     def predict(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
                 inputs: ProcessedInputs | None = None) -> Prediction | None:
@@ -63,7 +67,7 @@ class AdmissionController:
         looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
         with self._lock:
             prediction = self.predictor.predict(ahead, tokens, images, view.decode_batch + 1, context, looser,
-                                                tier.rank)
+                                                tier.rank, DECODE_RESERVE)
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 
@@ -76,6 +80,7 @@ class AdmissionController:
             Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
                 the excess; ``Retry-After`` is the TTFT excess in seconds (1 s for TPOT), at least a second.
         """
+        self.note_call(tier)
         prediction = self.predict(client, tier, tokens, images, max_tokens, inputs)
         if prediction is None or not self.config.admission.predict or tier.name == NEVER_REFUSED:
             return prediction
@@ -88,15 +93,51 @@ class AdmissionController:
             raise Rejection(429, "ttft_slo", _message("TTFT", tier, prediction.ttft_s, ttft_slo, margin), excess)
         if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin):
             raise Rejection(429, "tpot_slo", _message("TPOT", tier, prediction.tpot_s, tpot_slo, margin), 1.0)
-        tighter = prediction.decode_tightest_rank
-        if max_tokens > 1 and tighter is not None and tighter < tier.rank:
-            # every request on a decode worker gets the same step: joining must not push the ones
-            # of a tighter tier already there past their TPOT SLO
-            name = TIERS[tighter]
-            protect = tier_slo(name, self.config.slo).tpot_ms / 1000.0
-            if prediction.tpot_s > protect * (1 + margin):
-                raise Rejection(429, "tpot_slo", _protect_message(tier, name, prediction.tpot_s, protect, margin), 1.0)
+        protect = self._protect_excess(tier, prediction, max_tokens)
+        if protect is not None:
+            raise Rejection(429, "tpot_slo", protect, 1.0)
         return prediction
+
+    def _protected(self, tier: Tier, prediction: Prediction) -> tuple[int, bool] | None:
+        """(rank, live) of the tightest tier, tighter than ``tier``, whose TPOT a request joining the
+        decode worker of ``prediction`` must not break: live there (``live``), or only sent
+        lately (a call of it arrived within :data:`DEMAND_WINDOW_S`: room is kept for the next
+        one, which a decode batch filled to a looser tier's limit would refuse); None: none."""
+        now = time.monotonic()
+        recent = next((rank for rank, at in enumerate(self._last_call)
+                       if rank < tier.rank and at is not None and now - at <= DEMAND_WINDOW_S), None)
+        live = prediction.decode_tightest_rank
+        live = live if live is not None and live < tier.rank else None
+        if live is None and recent is None:
+            return None
+        if recent is not None and (live is None or recent < live):
+            return recent, False
+        return live, True  # type: ignore[return-value]
+
+    def _protect_excess(self, tier: Tier, prediction: Prediction, max_tokens: int) -> str | None:
+        """Why a request of ``tier`` with ``prediction`` must not join its decode worker now: every
+        request there gets the same step, and with it (and :data:`DECODE_RESERVE` more) the step
+        would pass the TPOT SLO × (1 + margin) of a tighter tier there or sent lately (the
+        message), else None. A one-token answer never decodes; a tier only sent lately whose
+        SLO :data:`DECODE_RESERVE` requests alone would miss is not kept room for."""
+        protected = self._protected(tier, prediction) if max_tokens > 1 else None
+        if protected is None:
+            return None
+        name = TIERS[protected[0]]
+        slo = tier_slo(name, self.config.slo).tpot_ms / 1000.0
+        margin = self.config.admission.margin
+        if prediction.tpot_reserved_s <= slo * (1 + margin):
+            return None
+        if not protected[1]:  # room kept for calls to come: only if their SLO can be met at all
+            with self._lock:
+                alone = self.predictor.decode.predict((1.0, DECODE_RESERVE, 0)) * self.predictor.tpot_correction.value
+            if alone > slo * (1 + margin):
+                return None
+        return _protect_message(tier, name, protected[1], prediction.tpot_reserved_s, slo, margin)
+
+    def note_call(self, tier: Tier) -> None:
+        """A call of ``tier`` arrived (admitted or not): its tier is in demand (:meth:`_protected`)."""
+        self._last_call[min(max(tier.rank, 0), len(TIERS) - 1)] = time.monotonic()
 
     def holds(self, tier: Tier) -> bool:
         """Whether calls of ``tier`` wait for spare capacity before dispatch (:meth:`hold_reason`):
@@ -113,8 +154,8 @@ class AdmissionController:
           and a batch of its prefill in progress would delay the ones that arrive during it);
         * a full prefill batch (``scheduler.prefill_batch_size`` requests) of its own or a looser
           tier is already queued there (what it would add is work no tighter request may wait for);
-        * a tighter tier runs on its decode worker and the predicted decode step with it exceeds
-          that tier's TPOT SLO × (1 + ``admission.margin``).
+        * a tighter tier runs on its decode worker, or was sent lately, and the predicted decode
+          step with it exceeds that tier's TPOT SLO × (1 + ``admission.margin``), as in :meth:`admit`.
 
         None as well when a role has no ready worker (the engine client then waits for one).
         """
@@ -129,14 +170,10 @@ class AdmissionController:
             return f"{view.ahead.requests} tighter request(s) queued on prefill worker {view.prefill}"
         if view.looser.requests >= self.config.scheduler.prefill_batch_size:
             return f"a prefill batch of looser requests already queued on prefill worker {view.prefill}"
-        tighter = view.decode_tightest_rank
-        if max_tokens > 1 and tighter is not None and tighter < rank:
+        if max_tokens > 1:
             context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
             prediction = self._predict_on(view, tier, tokens - view.cached_tokens, images - view.cached_images, context)
-            protect = tier_slo(TIERS[tighter], self.config.slo).tpot_ms / 1000.0
-            if prediction.tpot_s > protect * (1 + self.config.admission.margin):
-                return (f"decode worker {view.decode} serves {TIERS[tighter]} requests; with this one its predicted "
-                        f"step is {1000 * prediction.tpot_s:.1f} ms")
+            return self._protect_excess(tier, prediction, max_tokens)
         return None
 
     def report(self) -> dict[str, object]:
@@ -158,6 +195,7 @@ class AdmissionController:
         Raises:
             Rejection: 429 ``ttft_slo``, as :meth:`admit`.
         """
+        self.note_call(tier)
         if not self.config.admission.predict or tier.name == NEVER_REFUSED:
             return
         views = client.load_views(tier.rank, max(1, tokens), max_tokens)
@@ -203,8 +241,9 @@ def _limit(margin: float) -> str:
     return f"admission refuses above the SLO + {100 * margin:.0f} %, admission.margin {margin:g}"
 
 
-def _protect_message(tier: Tier, tighter: str, predicted: float, slo: float, margin: float) -> str:
-    return (f"the service is overloaded for the {tier.name} tier: its decode worker is serving {tighter} requests, "
+def _protect_message(tier: Tier, tighter: str, live: bool, predicted: float, slo: float, margin: float) -> str:
+    serving = f"serving {tighter} requests" if live else f"keeping room for {tighter} requests"
+    return (f"the service is overloaded for the {tier.name} tier: its decode worker is {serving}, "
             f"whose TPOT SLO is {slo:.3f} s, and with this request the predicted TPOT is {predicted:.3f} s "
             f"({_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
 

@@ -59,6 +59,7 @@ class Prediction:
     rank: int = 1  # the tier rank it was predicted for
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
     decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
+    tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker
 
 
 class LatencyPredictor:
@@ -97,7 +98,7 @@ class LatencyPredictor:
         return 0.5 * self.prefill_seconds(round(share * looser.tokens), round(share * looser.images))
 
     def predict(self, ahead: QueueAhead, tokens: int, images: int, decode_batch: int,
-                decode_context: int, looser: QueueAhead | None = None, rank: int = 1) -> Prediction:
+                decode_context: int, looser: QueueAhead | None = None, rank: int = 1, reserve: int = 0) -> Prediction:
         """TTFT and TPOT of a request of tier ``rank`` with ``tokens`` prompt tokens and ``images`` images.
 
         Args:
@@ -106,13 +107,17 @@ class LatencyPredictor:
             decode_context: context tokens of that batch (prompt and outputs, it included).
             looser: work queued there at looser tiers (a batch of it may be in progress).
             rank: its tier rank (0 interactive, 1 standard, 2 batch): each has its own TTFT correction.
+            reserve: requests to keep room for on the decode worker (``tpot_reserved_s``).
         """
         queue = self.queue_seconds(ahead) + (self.in_progress_seconds(looser) if looser is not None else 0.0)
         base = queue + self.prefill_seconds(tokens, images)
         step = self.decode.predict((1.0, decode_batch, decode_context))
+        batch = max(1, decode_batch)
+        reserved = self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
         rank = min(max(rank, 0), len(self.ttft_corrections) - 1)
         return Prediction(base * self.ttft_corrections[rank].value + self.overhead_s,
-                          step * self.tpot_correction.value, queue, base, step, rank=rank)
+                          step * self.tpot_correction.value, queue, base, step, rank=rank,
+                          tpot_reserved_s=reserved * self.tpot_correction.value)
 
     def observe_prefill(self, tokens: int, images: int, seconds: float) -> None:
         """One measured prefill batch (encode + prefill), in seconds."""

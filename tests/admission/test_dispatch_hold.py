@@ -67,7 +67,7 @@ def test_a_batch_request_waits_while_it_would_slow_a_tighter_decode_past_its_tpo
     router.dispatched("i", 0, 0, 100, 1, rank=0)
     router.prefilled("i")  # decoding now
     batch = tier_of("flex", cfg.slo)
-    assert "serves interactive requests" in (controller.hold_reason(client, batch, 100, 0, 16) or "")  # type: ignore[arg-type]
+    assert "serving interactive requests" in (controller.hold_reason(client, batch, 100, 0, 16) or "")  # type: ignore[arg-type]
     assert controller.hold_reason(client, batch, 100, 0, 1) is None  # type: ignore[arg-type]  # no TPOT
     router.finished("i")
     assert controller.hold_reason(client, batch, 100, 0, 16) is None  # type: ignore[arg-type]
@@ -129,3 +129,36 @@ def test_a_call_finds_the_line_empty_and_ready_goes_at_once_and_a_cancelled_one_
 def test_poll_s_must_be_positive() -> None:
     with pytest.raises(ValueError, match="poll_s"):
         DispatchHold(poll_s=0)
+
+
+def test_decode_room_is_kept_for_a_tighter_tier_sent_lately() -> None:
+    """No interactive request runs, but one was sent a moment ago: a standard request that would
+    make the decode step (with room for two more) slower than interactive's TPOT SLO is refused,
+    so the next interactive call finds room; once interactive calls stop coming, it is admitted."""
+    from mm_serve.admission import controller as controller_module
+    from mm_serve.admission.rejection import Rejection
+
+    cfg = _cfg()
+    controller = AdmissionController(cfg)
+    for i in range(200):  # 5 ms + 4 ms per request: 2 alone make 13 ms, 4 make 21 (interactive's SLO is 20)
+        batch = 1 + i % 8
+        controller.predictor.observe_decode(batch, 0, 0.005 + 0.004 * batch)
+    router = Router(1, 1, 1000, 64)
+    router.dispatched("s", 0, 0, 100, 1, rank=1)
+    router.prefilled("s")  # a standard request decoding: not idle
+    client = _Client(router)
+    standard, interactive = tier_of("default", cfg.slo), tier_of("priority", cfg.slo)
+    assert controller.admit(client, standard, 100, 0, 16) is not None  # type: ignore[arg-type]
+    controller.note_call(interactive)
+    with pytest.raises(Rejection, match="keeping room for interactive requests"):
+        controller.admit(client, standard, 100, 0, 16)  # type: ignore[arg-type]
+    assert "keeping room" in (controller.hold_reason(client, tier_of("flex", cfg.slo), 100, 0, 16) or "")  # type: ignore[arg-type]
+    controller._last_call[0] -= controller_module.DEMAND_WINDOW_S + 1  # that call is no longer recent
+    assert controller.admit(client, standard, 100, 0, 16) is not None  # type: ignore[arg-type]
+    # a tighter tier whose TPOT SLO two requests alone would miss gets no room kept (it is refused anyway)
+    tight = AdmissionController(_cfg(**{"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 5}}))
+    for i in range(200):
+        batch = 1 + i % 8
+        tight.predictor.observe_decode(batch, 0, 0.005 + 0.004 * batch)
+    tight.note_call(interactive)
+    assert tight.admit(client, standard, 100, 0, 16) is not None  # type: ignore[arg-type]
