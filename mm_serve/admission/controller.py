@@ -87,16 +87,22 @@ class AdmissionController:
         if prediction.idle:  # alone, refusing protects no one; and an idle service must keep learning
             return prediction
         margin = self.config.admission.margin
-        ttft_slo, tpot_slo = tier.slo.ttft_ms / 1000.0, tier.slo.tpot_ms / 1000.0
+        ttft_slo = tier.slo.ttft_ms / 1000.0
         if prediction.ttft_s > ttft_slo * (1 + margin):
             excess = prediction.ttft_s - ttft_slo
             raise Rejection(429, "ttft_slo", _message("TTFT", tier, prediction.ttft_s, ttft_slo, margin), excess)
-        if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin):
-            raise Rejection(429, "tpot_slo", _message("TPOT", tier, prediction.tpot_s, tpot_slo, margin), 1.0)
-        protect = self._protect_excess(tier, prediction, max_tokens)
-        if protect is not None:
-            raise Rejection(429, "tpot_slo", protect, 1.0)
+        why = self._tpot_refusal(tier, prediction, max_tokens)
+        if why is not None:
+            raise Rejection(429, "tpot_slo", why, 1.0)
         return prediction
+
+    def _tpot_refusal(self, tier: Tier, prediction: Prediction, max_tokens: int) -> str | None:
+        """Why :meth:`admit`'s TPOT rules refuse ``prediction`` (the message), else None: its own
+        TPOT over its tier's SLO × (1 + margin), or a tighter tier's TPOT it would break."""
+        margin, tpot_slo = self.config.admission.margin, tier.slo.tpot_ms / 1000.0
+        if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin):
+            return _message("TPOT", tier, prediction.tpot_s, tpot_slo, margin)
+        return self._protect_excess(tier, prediction, max_tokens)
 
     def _protected(self, tier: Tier, prediction: Prediction) -> tuple[int, bool] | None:
         """(rank, live) of the tightest tier, tighter than ``tier``, whose TPOT a request joining the
@@ -189,23 +195,35 @@ class AdmissionController:
         certain to bring: images no cache can hold, :mod:`mm_serve.admission.seen_images`) on
         *each* ready prefill worker exceeds the threshold. The rest of its prompt only adds to a
         prediction and the router picks one of those workers, so such a call would be refused
-        after its images too. TPOT is left to :meth:`admit` (the decode worker picked depends on
-        the prompt's pages).
+        after its images too. The TPOT rules of :meth:`admit` are checked the same way, on the
+        decode worker the router would pick for each (a longer prompt only adds context, so only
+        to the step); with several decode workers, the one picked later for the whole prompt may
+        differ when the first lacks room for it.
 
         Raises:
-            Rejection: 429 ``ttft_slo``, as :meth:`admit`.
+            Rejection: 429 ``ttft_slo`` or ``tpot_slo``, as :meth:`admit`.
         """
         self.note_call(tier)
         if not self.config.admission.predict or tier.name == NEVER_REFUSED:
             return
-        views = client.load_views(tier.rank, max(1, tokens), max_tokens)
+        tokens = max(1, tokens)
+        views = client.load_views(tier.rank, tokens, max_tokens)
         threshold = tier.slo.ttft_ms / 1000.0 * (1 + self.config.admission.margin)
         best: Prediction | None = None
+        tpot_refusal: str | None = None
         for view in views:
-            prediction = self._predict_on(view, tier, max(1, tokens), images, max(1, tokens))
-            if prediction.idle or prediction.ttft_s <= threshold:
-                return  # idle (admit() never refuses it), or this worker could still make it
-            best = prediction if best is None or prediction.ttft_s < best.ttft_s else best
+            context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
+            prediction = self._predict_on(view, tier, tokens, images, context)
+            if prediction.idle:
+                return  # admit() never refuses it
+            if prediction.ttft_s > threshold:
+                best = prediction if best is None or prediction.ttft_s < best.ttft_s else best
+                continue
+            tpot_refusal = self._tpot_refusal(tier, prediction, max_tokens)
+            if tpot_refusal is None:
+                return  # this worker could still make it
+        if tpot_refusal is not None:
+            raise Rejection(429, "tpot_slo", tpot_refusal, 1.0)
         if best is not None:
             slo, margin = tier.slo.ttft_ms / 1000.0, self.config.admission.margin
             raise Rejection(429, "ttft_slo", _message("TTFT", tier, best.ttft_s, slo, margin), best.ttft_s - slo)
@@ -228,10 +246,11 @@ class AdmissionController:
         ttft, span = state.first_token_time - state.arrival_time, events[end] - events[begin]
         times = state.token_times
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 3 and state.error is None else None
+        if state.prediction is None:  # the call's other requests: their wait in the dispatch hold is not known here
+            return
         with self._lock:
-            self.predictor.observe_overhead(ttft - span)
-            if state.prediction is not None:
-                self.predictor.observe_finished(state.prediction, span, tpot)
+            self.predictor.observe_overhead(ttft - span - state.prediction.held_s)
+            self.predictor.observe_finished(state.prediction, span, tpot)
 
 
 def _limit(margin: float) -> str:

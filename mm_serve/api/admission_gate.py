@@ -6,6 +6,7 @@ error handlers (:func:`mm_serve.api.errors.from_rejection`) in OpenAI's error JS
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
@@ -99,10 +100,11 @@ def check_call_queues(client: EngineClient, config: ServiceConfig,
 
 
 def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
-               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> Prediction | None:
-    """The queue caps, then the latency prediction, for a call of ``prepared`` prompts; counts
-    the admission in the tier metrics. Returns the prediction of its first request (None when
-    none could be made: a role has no ready worker).
+               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]], held_s: float = 0.0) -> Prediction | None:
+    """The queue caps, then the latency prediction, for a call of ``prepared`` prompts that waited
+    ``held_s`` seconds in the dispatch hold (:func:`hold_call`: added to the predicted TTFT, which
+    counts from its arrival); counts the admission in the tier metrics. Returns the prediction of
+    its first request (None when none could be made: a role has no ready worker).
 
     Raises:
         Rejection: 429 from a queue cap or a predicted SLO miss.
@@ -114,6 +116,8 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
                                          params.max_tokens, inputs)
     if ctx.tier_metrics is not None:
         ctx.tier_metrics.observe_admission(tier.name, None)
+    if prediction is not None and held_s > 0:
+        prediction = dataclasses.replace(prediction, ttft_s=prediction.ttft_s + held_s, held_s=held_s)
     return prediction
 
 

@@ -59,8 +59,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     with counted(ctx, tier):
         check_call_work(ctx.config, [(inputs, params)])
     client = ctx.client_or_503()
-    await hold_call(ctx, client, tier, [(inputs, params)])
-    predicted = admit_call(ctx, client, tier, [(inputs, params)])
+    held = await hold_call(ctx, client, tier, [(inputs, params)])
+    predicted = admit_call(ctx, client, tier, [(inputs, params)], held)
     gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

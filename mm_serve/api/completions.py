@@ -68,8 +68,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     with counted(ctx, tier):
         check_call_work(ctx.config, prepared)
     client = ctx.client_or_503()
-    await hold_call(ctx, client, tier, prepared)
-    predicted = admit_call(ctx, client, tier, prepared)
+    held = await hold_call(ctx, client, tier, prepared)
+    predicted = admit_call(ctx, client, tier, prepared, held)
     gens: list[Generation] = []
     try:
         for k, (inputs, params) in enumerate(prepared):  # the prediction is of the first prompt's first copy

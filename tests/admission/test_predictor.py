@@ -345,3 +345,20 @@ def test_seen_images_counts_each_url_once_and_forgets_the_oldest() -> None:
     assert seen.count_unseen(["data:b", "data:c"]) == 1  # b was forgotten, c was not
     with pytest.raises(ValueError, match="capacity"):
         SeenImages(capacity=0)
+
+
+def test_the_early_check_refuses_on_tpot_too() -> None:
+    """70 ms decode steps on a busy decode worker: an interactive call (TPOT SLO 50 ms) is refused
+    before its images are decoded, whichever prefill worker it would go to; a one-token one passes."""
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 4000, "tpot_ms": 50}})
+    controller = AdmissionController(cfg)
+    for _ in range(50):
+        controller.predictor.observe_decode(4, 1000, 0.07)
+    router = Router(2, 1, 1000, 64)
+    router.dispatched("a", 0, 0, 50, 1, rank=1)
+    client = _TwoPrefillClient(router)
+    interactive = tier_of("priority", cfg.slo)
+    with pytest.raises(Rejection) as info:
+        controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
+    assert info.value.reason == "tpot_slo" and "TPOT SLO of 0.050 s" in info.value.message
+    controller.precheck(client, interactive, 1)  # type: ignore[arg-type]
