@@ -82,7 +82,6 @@ class LoadView:
     cached_images: int = 0  # ... from cached_pages: it knows the page size and where the images are)
     in_flight: int = 0  # requests unfinished on the whole service (the caller fills it)
     looser: PrefillWork = field(default_factory=PrefillWork)  # queued or prefilling there at looser ranks
-    prefill_elapsed_s: float = 0.0  # how long the batch prefilling there now has run (0: none believed to)
 
 
 class Router:
@@ -104,9 +103,6 @@ class Router:
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
         self._decode_of: dict[str, tuple[int, int]] = {}  # id -> (decode worker, tier rank) until finished
         self._ages_at: list[dict[str, float]] = [{} for _ in range(num_prefill)]  # looser id -> when it ages (monotonic s)
-        # when each prefill worker's current batch began (monotonic s; None: idle): at a dispatch to an idle
-        # worker, or at the first tokens of its previous batch while work stays queued there
-        self._batch_began: list[float | None] = [None] * num_prefill
         self.max_running = max_running
 
     def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
@@ -163,14 +159,11 @@ class Router:
         if self.cache_aware and page_hashes:
             tokens -= min(self.cached_tokens(prefill, page_hashes), tokens - 1)  # the work left to compute
             self.prefixes.record(prefill, page_hashes)
-        at = time.monotonic() if now is None else now
-        if not any(work.requests for work in self.prefill_work[prefill]):
-            self._batch_began[prefill] = at  # it was idle: this request starts a batch now
         self.prefill_tokens[prefill] += tokens
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
         self.prefill_work[prefill][rank].add(1, tokens, images)
         if rank > 0 and max_wait_s > 0:
-            self._ages_at[prefill][request_id] = at + max_wait_s
+            self._ages_at[prefill][request_id] = (time.monotonic() if now is None else now) + max_wait_s
         self.decode[decode].inflight[request_id] = pages
         self.decode[decode].ranks[rank] += 1
         self._decode_of[request_id] = (decode, rank)
@@ -202,27 +195,21 @@ class Router:
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
         cached = self.cached_tokens(prefill, page_hashes) // self.page_size if page_hashes else 0
-        began = self._batch_began[prefill]
-        elapsed = max(0.0, now - began) if began is not None and (ahead.requests or looser.requests) else 0.0
         return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used,
-                        load.tightest_rank(), cached, looser=looser, prefill_elapsed_s=elapsed)
+                        load.tightest_rank(), cached, looser=looser)
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) dispatched to prefill workers and not yet prefilled."""
         return len(self._prefill_of), sum(self.prefill_tokens)
 
-    def prefilled(self, request_id: str, now: float | None = None) -> None:
-        """The first token came back (at ``now``, ``time.monotonic()`` seconds, default the present):
-        the request left its prefill queue, its batch ended, and the next one began there if work
-        is still queued."""
+    def prefilled(self, request_id: str) -> None:
+        """The first token came back: the request left its prefill queue."""
         entry = self._prefill_of.pop(request_id, None)
         if entry is not None:
             worker, tokens, rank, images = entry
             self._ages_at[worker].pop(request_id, None)
             self.prefill_tokens[worker] -= tokens
             self.prefill_work[worker][rank].add(-1, tokens, images)
-            busy = any(work.requests for work in self.prefill_work[worker])
-            self._batch_began[worker] = (time.monotonic() if now is None else now) if busy else None
 
     def claimed(self, request_id: str) -> None:
         """The decode worker reported the request (its pages now count in the worker's stats)."""

@@ -67,7 +67,7 @@ class AdmissionController:
         looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
         with self._lock:
             prediction = self.predictor.predict(ahead, tokens, images, view.decode_batch + 1, context, looser,
-                                                tier.rank, DECODE_RESERVE, view.prefill_elapsed_s)
+                                                tier.rank, DECODE_RESERVE)
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 

@@ -89,23 +89,17 @@ class LatencyPredictor:
         per_batch = self.prefill.coefficients[0]
         return max(0.0, self.prefill_seconds(ahead.tokens, ahead.images) + (batches - 1) * per_batch)
 
-    def first_batch_seconds(self, work: QueueAhead) -> float:
-        """Predicted seconds of the first batch of ``work`` (at most the batch size and token budget)."""
-        if work.requests <= 0:
-            return 0.0
-        share = min(1.0, self.batch_size / work.requests, self.token_budget / max(1, work.tokens))
-        return self.prefill_seconds(round(share * work.tokens), round(share * work.images))
-
-    def in_progress_seconds(self, looser: QueueAhead, elapsed_s: float | None = None) -> float:
+    def in_progress_seconds(self, looser: QueueAhead) -> float:
         """Expected rest of a batch of looser work that may be prefilling when the request arrives:
-        a batch is not preempted, so it waits for it: one batch of the looser work queued there
-        less the ``elapsed_s`` seconds it has run, or, not knowing that, half of one batch."""
-        batch = self.first_batch_seconds(looser)
-        return 0.5 * batch if elapsed_s is None else max(0.0, batch - elapsed_s)
+        a batch is not preempted, so it waits for it; half of one batch (at most the batch size
+        and token budget) of the looser work queued there, on average."""
+        if looser.requests <= 0:
+            return 0.0
+        share = min(1.0, self.batch_size / looser.requests, self.token_budget / max(1, looser.tokens))
+        return 0.5 * self.prefill_seconds(round(share * looser.tokens), round(share * looser.images))
 
     def predict(self, ahead: QueueAhead, tokens: int, images: int, decode_batch: int,
-                decode_context: int, looser: QueueAhead | None = None, rank: int = 1, reserve: int = 0,
-                elapsed_s: float | None = None) -> Prediction:
+                decode_context: int, looser: QueueAhead | None = None, rank: int = 1, reserve: int = 0) -> Prediction:
         """TTFT and TPOT of a request of tier ``rank`` with ``tokens`` prompt tokens and ``images`` images.
 
         Args:
@@ -115,16 +109,8 @@ class LatencyPredictor:
             looser: work queued there at looser tiers (a batch of it may be in progress).
             rank: its tier rank (0 interactive, 1 standard, 2 batch): each has its own TTFT correction.
             reserve: requests to keep room for on the decode worker (``tpot_reserved_s``).
-            elapsed_s: how long the batch prefilling there now has run (None: not known). With
-                work of its tier or tighter ahead, that batch is taken to be the first of it (those
-                seconds of it are done); with none, a batch of the looser work (its rest is waited for).
         """
-        if elapsed_s is not None and ahead.requests > 0:
-            queue = max(0.0, self.queue_seconds(ahead) - min(elapsed_s, self.first_batch_seconds(ahead)))
-        elif looser is not None:
-            queue = self.queue_seconds(ahead) + self.in_progress_seconds(looser, elapsed_s)
-        else:
-            queue = self.queue_seconds(ahead)
+        queue = self.queue_seconds(ahead) + (self.in_progress_seconds(looser) if looser is not None else 0.0)
         base = queue + self.prefill_seconds(tokens, images)
         step = self.decode.predict((1.0, decode_batch, decode_context))
         batch = max(1, decode_batch)

@@ -362,26 +362,3 @@ def test_the_early_check_refuses_on_tpot_too() -> None:
         controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
     assert info.value.reason == "tpot_slo" and "TPOT SLO of 0.050 s" in info.value.message
     controller.precheck(client, interactive, 1)  # type: ignore[arg-type]
-
-
-def test_the_view_knows_how_long_the_current_prefill_batch_has_run() -> None:
-    """A batch begins when work reaches an idle prefill worker, and again at the first tokens of
-    the previous one while work stays queued; the part of it that has run is not waited for."""
-    router = Router(1, 1, 1000, 64)
-    router.dispatched("a", 0, 0, 1000, 1, rank=1, now=100.0)  # idle worker: a batch begins
-    router.dispatched("b", 0, 0, 1000, 1, rank=1, now=100.2)
-    assert router.view(1, 1, [0], [0], now=100.3).prefill_elapsed_s == pytest.approx(0.3)
-    router.prefilled("a", now=100.5)  # a's batch ended; b's began
-    assert router.view(1, 1, [0], [0], now=100.6).prefill_elapsed_s == pytest.approx(0.1)
-    router.prefilled("b", now=101.0)
-    assert router.view(1, 1, [0], [0], now=101.1).prefill_elapsed_s == 0.0  # idle
-
-    predictor = LatencyPredictor(prefill_batch_size=1, prefill_token_budget=4096)
-    ahead = QueueAhead(2, 2000, 0)
-    whole = predictor.predict(ahead, 100, 0, 1, 100)
-    batch = predictor.first_batch_seconds(ahead)
-    assert predictor.predict(ahead, 100, 0, 1, 100, elapsed_s=0.5 * batch).queue_s == pytest.approx(whole.queue_s - 0.5 * batch)
-    assert predictor.predict(ahead, 100, 0, 1, 100, elapsed_s=10.0).queue_s == pytest.approx(whole.queue_s - batch)
-    looser = QueueAhead(1, 1000, 0)  # nothing ahead: the looser batch in progress is waited for, less what has run
-    rest = predictor.predict(QueueAhead(0, 0, 0), 100, 0, 1, 100, looser, elapsed_s=0.01).queue_s
-    assert rest == pytest.approx(predictor.first_batch_seconds(looser) - 0.01)
