@@ -86,15 +86,32 @@ class AdmissionController:
             return prediction
         if prediction.idle:  # alone, refusing protects no one; and an idle service must keep learning
             return prediction
-        margin = self.config.admission.margin
-        ttft_slo = tier.slo.ttft_ms / 1000.0
-        if prediction.ttft_s > ttft_slo * (1 + margin):
-            excess = prediction.ttft_s - ttft_slo
-            raise Rejection(429, "ttft_slo", _message("TTFT", tier, prediction.ttft_s, ttft_slo, margin), excess)
+        refused = self._ttft_refusal(tier, prediction)
+        if refused is not None:
+            raise Rejection(429, "ttft_slo", *refused)
         why = self._tpot_refusal(tier, prediction, max_tokens)
         if why is not None:
             raise Rejection(429, "tpot_slo", why, 1.0)
         return prediction
+
+    def _ttft_refusal(self, tier: Tier, prediction: Prediction) -> tuple[str, float] | None:
+        """(message, seconds over the SLO) when :meth:`admit`'s TTFT rules refuse ``prediction``,
+        else None. Two rules: the prediction over the tier's TTFT SLO × (1 + ``admission.margin``);
+        or its queue + prefill part, scaled by the spread of the tier's recent measured / predicted
+        ratios at the tier's attainment target (:meth:`RatioCorrection.spread`: 1.9× for the 90th
+        percentile in a typical llava run here), plus the overhead, over the SLO itself: a
+        prediction that is right on the median would still leave more than the target's share of
+        admitted requests late."""
+        margin, slo = self.config.admission.margin, tier.slo.ttft_ms / 1000.0
+        if prediction.ttft_s > slo * (1 + margin):
+            return _message("TTFT", tier, prediction.ttft_s, slo, margin), prediction.ttft_s - slo
+        with self._lock:
+            spread = self.predictor.ttft_corrections[prediction.rank].spread(tier.slo.attainment)
+            overhead = self.predictor.overhead_s
+        upper = (prediction.ttft_s - overhead) * spread + overhead
+        if upper > slo:
+            return _spread_message(tier, prediction.ttft_s, upper, spread, slo), upper - slo
+        return None
 
     def _tpot_refusal(self, tier: Tier, prediction: Prediction, max_tokens: int) -> str | None:
         """Why :meth:`admit`'s TPOT rules refuse ``prediction`` (the message), else None: its own
@@ -193,7 +210,7 @@ class AdmissionController:
         overload), what the TTFT rule of :meth:`admit` rules out whatever else the call holds:
         the prediction for a prompt of ``tokens`` tokens and ``images`` images (the work it is
         certain to bring: images no cache can hold, :mod:`mm_serve.admission.seen_images`) on
-        *each* ready prefill worker exceeds the threshold. The rest of its prompt only adds to a
+        *each* ready prefill worker is refused by the TTFT rules of :meth:`admit`. The rest of its prompt only adds to a
         prediction and the router picks one of those workers, so such a call would be refused
         after its images too. The TPOT rules of :meth:`admit` are checked the same way, on the
         decode worker the router would pick for each (a longer prompt only adds context, so only
@@ -208,7 +225,6 @@ class AdmissionController:
             return
         tokens = max(1, tokens)
         views = client.load_views(tier.rank, tokens, max_tokens)
-        threshold = tier.slo.ttft_ms / 1000.0 * (1 + self.config.admission.margin)
         best: Prediction | None = None
         tpot_refusal: str | None = None
         for view in views:
@@ -216,7 +232,7 @@ class AdmissionController:
             prediction = self._predict_on(view, tier, tokens, images, context)
             if prediction.idle:
                 return  # admit() never refuses it
-            if prediction.ttft_s > threshold:
+            if self._ttft_refusal(tier, prediction) is not None:
                 best = prediction if best is None or prediction.ttft_s < best.ttft_s else best
                 continue
             tpot_refusal = self._tpot_refusal(tier, prediction, max_tokens)
@@ -225,8 +241,9 @@ class AdmissionController:
         if tpot_refusal is not None:
             raise Rejection(429, "tpot_slo", tpot_refusal, 1.0)
         if best is not None:
-            slo, margin = tier.slo.ttft_ms / 1000.0, self.config.admission.margin
-            raise Rejection(429, "ttft_slo", _message("TTFT", tier, best.ttft_s, slo, margin), best.ttft_s - slo)
+            refused = self._ttft_refusal(tier, best)
+            assert refused is not None
+            raise Rejection(429, "ttft_slo", *refused)
 
     def on_step(self, role: str, step: messages.StepTiming) -> None:
         """Refit from one timed worker step (the engine client's step listener)."""
@@ -265,6 +282,14 @@ def _protect_message(tier: Tier, tighter: str, live: bool, predicted: float, slo
     return (f"the service is overloaded for the {tier.name} tier: its decode worker is {serving}, "
             f"whose TPOT SLO is {slo:.3f} s, and with this request the predicted TPOT is {predicted:.3f} s "
             f"({_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
+
+
+def _spread_message(tier: Tier, predicted: float, upper: float, spread: float, slo: float) -> str:
+    percent = round(100 * tier.slo.attainment)
+    return (f"the service is overloaded for the {tier.name} tier: the predicted TTFT is {predicted:.3f} s, and with "
+            f"the spread of recent measurements around predictions ({spread:.2f}x at the {percent}th percentile, "
+            f"its attainment target) {upper:.3f} s, over its TTFT SLO of {slo:.3f} s by {upper - slo:.3f} s; "
+            f"retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
 
 
 def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float) -> str:

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
+
+SPREAD_WINDOW = 64  # last ratios kept for the spread
+SPREAD_MIN_OBSERVATIONS = 20  # fewer: no spread (1.0)
+SPREAD_MAX = 4.0
 
 
 class RatioCorrection:
@@ -42,6 +47,7 @@ class RatioCorrection:
         self._clock = clock
         self._at = clock()  # when _log was last set
         self.num_observations = 0
+        self._recent: deque[float] = deque(maxlen=SPREAD_WINDOW)  # log(measured / predicted), newest last
 
     @property
     def value(self) -> float:
@@ -61,3 +67,21 @@ class RatioCorrection:
         self._log = min(max(self._log, self._bounds[0]), self._bounds[1])
         self._at = self._clock()
         self.num_observations += 1
+        self._recent.append(math.log(measured / predicted))
+
+    def spread(self, quantile: float) -> float:
+        """How far above the typical ratio the ``quantile`` of the last :data:`SPREAD_WINDOW`
+        ratios lies: exp(their ``quantile`` − their median), in [1, :data:`SPREAD_MAX`]; 1.0
+        with fewer than :data:`SPREAD_MIN_OBSERVATIONS`. A prediction scaled by :attr:`value`
+        and then by this is exceeded by about ``1 - quantile`` of what is measured.
+
+        Raises:
+            ValueError: ``quantile`` not in [0.5, 1].
+        """
+        if not 0.5 <= quantile <= 1:
+            raise ValueError(f"quantile must be in [0.5, 1], got {quantile}")
+        if len(self._recent) < SPREAD_MIN_OBSERVATIONS:
+            return 1.0
+        ordered = sorted(self._recent)
+        top = ordered[min(len(ordered) - 1, math.ceil(quantile * len(ordered)) - 1)]
+        return min(SPREAD_MAX, max(1.0, math.exp(top - ordered[len(ordered) // 2])))

@@ -13,7 +13,7 @@ import pytest
 
 from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.online_fit import OnlineLinearFit
-from mm_serve.admission.predictor import LatencyPredictor, QueueAhead
+from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
 from mm_serve.admission.ratio_correction import RatioCorrection
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import tier_of
@@ -362,3 +362,27 @@ def test_the_early_check_refuses_on_tpot_too() -> None:
         controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
     assert info.value.reason == "tpot_slo" and "TPOT SLO of 0.050 s" in info.value.message
     controller.precheck(client, interactive, 1)  # type: ignore[arg-type]
+
+
+def test_the_spread_of_recent_ratios_sets_a_stricter_ttft_rule() -> None:
+    """Measured TTFTs spread around the predictions (some 2-3x): a prediction at 60 % of
+    the SLO passes the margin rule but, scaled by the 90th-percentile spread, would be late:
+    refused, with a message that says why; with too few observations there is no spread."""
+    correction = RatioCorrection(clock=lambda: 0.0)
+    assert correction.spread(0.9) == 1.0
+    for i in range(40):
+        correction.observe(2.0 if i % 4 == 0 else 1.0, 1.0)  # a quarter of them 2x the rest
+    assert correction.spread(0.9) == pytest.approx(2.0)
+    assert correction.spread(0.5) == 1.0
+    with pytest.raises(ValueError, match="quantile"):
+        correction.spread(0.2)
+
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 100}})
+    controller = AdmissionController(cfg)
+    interactive = tier_of("priority", cfg.slo)
+    prediction = dataclasses.replace(Prediction(0.6, 0.01, 0.3), rank=0)
+    assert controller._ttft_refusal(interactive, prediction) is None  # no spread yet; 0.6 s < 0.8 s
+    for i in range(40):
+        controller.predictor.ttft_corrections[0].observe(0.5 if i % 3 else 1.5, 0.5)  # a third 3x late
+    refused = controller._ttft_refusal(interactive, prediction)
+    assert refused is not None and "at the 90th percentile" in refused[0] and refused[1] > 0
