@@ -5,9 +5,13 @@ first request (:class:`~mm_serve.admission.predictor.LatencyPredictor`) on the w
 router would pick now, and refuses the call (429, ``Retry-After``) when a prediction
 exceeds its tier's SLO by more than ``admission.margin``, unless the workers it would go to
 are idle: a request alone is never refused (refusing it protects no one, and a predictor
-that had drifted pessimistic would otherwise refuse everything and never see a step again). The ``batch`` tier is never
-refused for latency (only the hard bounds apply to it), nor is anything with
-``admission.predict`` false. The predictor learns from every timed worker step
+that had drifted pessimistic would otherwise refuse everything and never see a step again).
+TTFT has a second rule, from the measured spread of the tier's recent predictions
+(:meth:`AdmissionController._ttft_refusal`); TPOT also protects tighter tiers on the decode
+worker, running there or sent lately, with room kept for :data:`DECODE_RESERVE` more requests
+(:meth:`AdmissionController._protect_excess`). The ``batch`` tier is never
+refused for latency (only the hard bounds apply to it; it waits in the dispatch hold instead,
+:meth:`AdmissionController.hold_reason`), nor is anything with ``admission.predict`` false. The predictor learns from every timed worker step
 (:meth:`on_step`) and every finished request (:meth:`on_finished`).
 """
 
@@ -106,7 +110,7 @@ class AdmissionController:
         if prediction.ttft_s > slo * (1 + margin):
             return _message("TTFT", tier, prediction.ttft_s, slo, margin), prediction.ttft_s - slo
         with self._lock:
-            spread = self.predictor.ttft_corrections[prediction.rank].spread(tier.slo.attainment)
+            spread = self.predictor.ttft_corrections[prediction.rank].spread(max(0.5, tier.slo.attainment))
             overhead = self.predictor.overhead_s
         upper = (prediction.ttft_s - overhead) * spread + overhead
         if upper > slo:
@@ -225,15 +229,16 @@ class AdmissionController:
             return
         tokens = max(1, tokens)
         views = client.load_views(tier.rank, tokens, max_tokens)
-        best: Prediction | None = None
+        best: tuple[Prediction, tuple[str, float]] | None = None
         tpot_refusal: str | None = None
         for view in views:
             context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
             prediction = self._predict_on(view, tier, tokens, images, context)
             if prediction.idle:
                 return  # admit() never refuses it
-            if self._ttft_refusal(tier, prediction) is not None:
-                best = prediction if best is None or prediction.ttft_s < best.ttft_s else best
+            refused = self._ttft_refusal(tier, prediction)
+            if refused is not None:
+                best = (prediction, refused) if best is None or prediction.ttft_s < best[0].ttft_s else best
                 continue
             tpot_refusal = self._tpot_refusal(tier, prediction, max_tokens)
             if tpot_refusal is None:
@@ -241,9 +246,7 @@ class AdmissionController:
         if tpot_refusal is not None:
             raise Rejection(429, "tpot_slo", tpot_refusal, 1.0)
         if best is not None:
-            refused = self._ttft_refusal(tier, best)
-            assert refused is not None
-            raise Rejection(429, "ttft_slo", *refused)
+            raise Rejection(429, "ttft_slo", *best[1])
 
     def on_step(self, role: str, step: messages.StepTiming) -> None:
         """Refit from one timed worker step (the engine client's step listener)."""
@@ -263,8 +266,8 @@ class AdmissionController:
         ttft, span = state.first_token_time - state.arrival_time, events[end] - events[begin]
         times = state.token_times
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 3 and state.error is None else None
-        if state.prediction is None:  # the call's other requests: their wait in the dispatch hold is not known here
-            return
+        if state.prediction is None:  # a call's other requests (and calls with no worker ready at admission):
+            return  # their wait in the dispatch hold is not known here, and one request per call is enough
         with self._lock:
             self.predictor.observe_overhead(ttft - span - state.prediction.held_s)
             self.predictor.observe_finished(state.prediction, span, tpot)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 SPREAD_WINDOW = 64  # last ratios kept for the spread
 SPREAD_MIN_OBSERVATIONS = 20  # fewer: no spread (1.0)
 SPREAD_MAX = 4.0
+SPREAD_MAX_AGE_S = 60.0  # older ratios do not count in the spread (a passing disturbance must not stay)
 
 
 class RatioCorrection:
@@ -47,7 +48,7 @@ class RatioCorrection:
         self._clock = clock
         self._at = clock()  # when _log was last set
         self.num_observations = 0
-        self._recent: deque[float] = deque(maxlen=SPREAD_WINDOW)  # log(measured / predicted), newest last
+        self._recent: deque[tuple[float, float]] = deque(maxlen=SPREAD_WINDOW)  # (when, log(measured / predicted))
 
     @property
     def value(self) -> float:
@@ -67,21 +68,23 @@ class RatioCorrection:
         self._log = min(max(self._log, self._bounds[0]), self._bounds[1])
         self._at = self._clock()
         self.num_observations += 1
-        self._recent.append(math.log(measured / predicted))
+        self._recent.append((self._at, math.log(measured / predicted)))
 
     def spread(self, quantile: float) -> float:
         """How far above the typical ratio the ``quantile`` of the last :data:`SPREAD_WINDOW`
-        ratios lies: exp(their ``quantile`` − their median), in [1, :data:`SPREAD_MAX`]; 1.0
-        with fewer than :data:`SPREAD_MIN_OBSERVATIONS`. A prediction scaled by :attr:`value`
-        and then by this is exceeded by about ``1 - quantile`` of what is measured.
+        ratios (those of the last :data:`SPREAD_MAX_AGE_S` seconds) lies: exp(their ``quantile`` −
+        their median), in [1, :data:`SPREAD_MAX`]; 1.0 with fewer than
+        :data:`SPREAD_MIN_OBSERVATIONS`. A prediction scaled by :attr:`value` and then by this is
+        exceeded by about ``1 - quantile`` of what is measured.
 
         Raises:
             ValueError: ``quantile`` not in [0.5, 1].
         """
         if not 0.5 <= quantile <= 1:
             raise ValueError(f"quantile must be in [0.5, 1], got {quantile}")
-        if len(self._recent) < SPREAD_MIN_OBSERVATIONS:
+        cutoff = self._clock() - SPREAD_MAX_AGE_S
+        ordered = sorted(log for at, log in self._recent if at >= cutoff)
+        if len(ordered) < SPREAD_MIN_OBSERVATIONS:
             return 1.0
-        ordered = sorted(self._recent)
         top = ordered[min(len(ordered) - 1, math.ceil(quantile * len(ordered)) - 1)]
         return min(SPREAD_MAX, max(1.0, math.exp(top - ordered[len(ordered) // 2])))

@@ -7,7 +7,7 @@ error handlers (:func:`mm_serve.api.errors.from_rejection`) in OpenAI's error JS
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
@@ -110,7 +110,9 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
         Rejection: 429 from a queue cap or a predicted SLO miss.
     """
     with counted(ctx, tier):
-        check_call_queues(client, ctx.config, prepared, ctx.dispatch_hold.queued())
+        # calls held to give way to tighter tiers must not get those refused: they count for their own tier only
+        held = ctx.dispatch_hold.queued() if ctx.admission.holds(tier) else (0, 0)
+        check_call_queues(client, ctx.config, prepared, held)
         inputs, params = prepared[0]
         prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
                                          params.max_tokens, inputs)
@@ -122,15 +124,18 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
 
 
 async def hold_call(ctx: ServerContext, client: EngineClient, tier: Tier,
-                    prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> float:
+                    prepared: Sequence[tuple[ProcessedInputs, SamplingParams]],
+                    gone: Callable[[], Awaitable[bool]] | None = None) -> float:
     """Let a call of the never-refused tier wait, in arrival order, until dispatching it hurts no
     tighter request (:meth:`AdmissionController.hold_reason` on its first prompt) or it has waited
-    half its TTFT SLO (then it goes, to still meet that SLO); at once for other tiers, with
-    prediction off, or with nothing to wait for. The queue caps count it while it waits.
+    half its TTFT SLO or half ``api.timeout_ms``, whichever is less (then it goes, to still meet
+    that SLO and leave the request its time); at once for other tiers, with prediction off, or
+    with nothing to wait for. The queue caps of later calls of its tier count it while it waits.
     Returns the seconds it waited.
 
     Raises:
         Rejection: 429 from a queue cap (checked before it waits).
+        ConnectionAbortedError: ``gone()`` (its client's disconnect check) said the client left.
     """
     if not prepared or not ctx.admission.holds(tier):
         return 0.0
@@ -145,7 +150,7 @@ async def hold_call(ctx: ServerContext, client: EngineClient, tier: Tier,
                                          params.max_tokens, inputs) is None
 
     longest = min(tier.slo.ttft_ms / 2000.0, ctx.config.api.timeout_ms / 2000.0)
-    return await ctx.dispatch_hold.wait(ready, requests, tokens, longest)
+    return await ctx.dispatch_hold.wait(ready, requests, tokens, longest, gone)
 
 
 def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Sequence[ChatMessage] = ()) -> None:

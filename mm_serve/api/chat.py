@@ -59,7 +59,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     with counted(ctx, tier):
         check_call_work(ctx.config, [(inputs, params)])
     client = ctx.client_or_503()
-    held = await hold_call(ctx, client, tier, [(inputs, params)])
+    try:
+        held = await hold_call(ctx, client, tier, [(inputs, params)], raw.is_disconnected)
+    except ConnectionAbortedError:
+        return JSONResponse({}, status_code=499)
     predicted = admit_call(ctx, client, tier, [(inputs, params)], held)
     gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:

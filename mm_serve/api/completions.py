@@ -68,7 +68,10 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     with counted(ctx, tier):
         check_call_work(ctx.config, prepared)
     client = ctx.client_or_503()
-    held = await hold_call(ctx, client, tier, prepared)
+    try:
+        held = await hold_call(ctx, client, tier, prepared, raw.is_disconnected)
+    except ConnectionAbortedError:
+        return JSONResponse({}, status_code=499)
     predicted = admit_call(ctx, client, tier, prepared, held)
     gens: list[Generation] = []
     try:

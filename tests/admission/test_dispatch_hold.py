@@ -162,3 +162,41 @@ def test_decode_room_is_kept_for_a_tighter_tier_sent_lately() -> None:
         tight.predictor.observe_decode(batch, 0, 0.005 + 0.004 * batch)
     tight.note_call(interactive)
     assert tight.admit(client, standard, 100, 0, 16) is not None  # type: ignore[arg-type]
+
+
+def test_a_check_that_raises_lets_the_call_go_and_a_departed_client_leaves_the_line() -> None:
+    """A failing check must not strand the line (the call goes; its admission answers it), and a
+    call whose client went away leaves the line with ConnectionAbortedError."""
+
+    async def scenario() -> tuple[float, tuple[int, int], int]:
+        hold = DispatchHold(poll_s=0.005)
+
+        def broken() -> bool:
+            raise RuntimeError("no view")
+
+        blocker = asyncio.create_task(hold.wait(lambda: False, 1, 1, longest_s=0.05))  # the line is not empty
+        await asyncio.sleep(0.01)
+        waited = await hold.wait(broken, 1, 10, longest_s=5.0)  # goes once it reaches the head
+
+        async def gone() -> bool:
+            return True
+
+        with pytest.raises(ConnectionAbortedError):
+            await hold.wait(lambda: False, 3, 30, longest_s=5.0, gone=gone)
+        await blocker
+        return waited, hold.queued(), hold.num_released_by_time
+
+    waited, queued, by_time = asyncio.run(scenario())
+    assert waited < 1.0 and queued == (0, 0) and by_time == 1
+
+
+def test_each_waiter_keeps_its_own_time_when_the_poller_is_gone() -> None:
+    async def scenario() -> float:
+        hold = DispatchHold(poll_s=0.005)
+        task = asyncio.create_task(hold.wait(lambda: False, 1, 1, longest_s=0.1))
+        await asyncio.sleep(0.01)
+        assert hold._poller is not None
+        hold._poller.cancel()  # whatever stops the poller, the waiter still goes at its time
+        return await task
+
+    assert 0.09 < asyncio.run(scenario()) < 1.0
