@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import TypeVar
 
 from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
 from mm_serve.admission.rejection import Rejection
@@ -76,16 +77,19 @@ class AdmissionController:
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
-              inputs: ProcessedInputs | None = None) -> Prediction | None:
+              inputs: ProcessedInputs | None = None, waited_s: float = 0.0) -> Prediction | None:
         """Predict, and refuse a request whose prediction exceeds its tier's SLO × (1 + margin), or
         that would push running requests of a tighter tier on its decode worker past their TPOT SLO.
+
+        ``waited_s``, the seconds since the call arrived (decoding its images, the dispatch hold, a
+        front end too busy to get to it), is part of its TTFT: it is added to the prediction.
 
         Raises:
             Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
                 the excess; ``Retry-After`` is the TTFT excess in seconds (1 s for TPOT), at least a second.
         """
         self.note_call(tier)
-        prediction = self.predict(client, tier, tokens, images, max_tokens, inputs)
+        prediction = _waited(self.predict(client, tier, tokens, images, max_tokens, inputs), waited_s)
         if prediction is None or not self.config.admission.predict or tier.name == NEVER_REFUSED:
             return prediction
         if prediction.idle:  # alone, refusing protects no one; and an idle service must keep learning
@@ -112,7 +116,8 @@ class AdmissionController:
         with self._lock:
             spread = self.predictor.ttft_corrections[prediction.rank].spread(max(0.5, tier.slo.attainment))
             overhead = self.predictor.overhead_s
-        upper = (prediction.ttft_s - overhead) * spread + overhead
+        fixed = overhead + prediction.waited_s  # not part of the queue + prefill the spread was measured on
+        upper = (prediction.ttft_s - fixed) * spread + fixed
         if upper > slo:
             return _spread_message(tier, prediction.ttft_s, upper, spread, slo), upper - slo
         return None
@@ -209,7 +214,8 @@ class AdmissionController:
         with self._lock:
             return self.predictor.report()
 
-    def precheck(self, client: EngineClient, tier: Tier, max_tokens: int, tokens: int = 1, images: int = 0) -> None:
+    def precheck(self, client: EngineClient, tier: Tier, max_tokens: int, tokens: int = 1, images: int = 0,
+                 waited_s: float = 0.0) -> None:
         """Refuse, before the call's images are fetched and decoded (cheap refusals under
         overload), what the TTFT rule of :meth:`admit` rules out whatever else the call holds:
         the prediction for a prompt of ``tokens`` tokens and ``images`` images (the work it is
@@ -233,7 +239,7 @@ class AdmissionController:
         tpot_refusal: str | None = None
         for view in views:
             context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
-            prediction = self._predict_on(view, tier, tokens, images, context)
+            prediction = _waited(self._predict_on(view, tier, tokens, images, context), waited_s)
             if prediction.idle:
                 return  # admit() never refuses it
             refused = self._ttft_refusal(tier, prediction)
@@ -269,8 +275,18 @@ class AdmissionController:
         if state.prediction is None:  # a call's other requests (and calls with no worker ready at admission):
             return  # their wait in the dispatch hold is not known here, and one request per call is enough
         with self._lock:
-            self.predictor.observe_overhead(ttft - span - state.prediction.held_s)
+            self.predictor.observe_overhead(ttft - span - state.prediction.waited_s)
             self.predictor.observe_finished(state.prediction, span, tpot)
+
+
+P = TypeVar("P", Prediction, Prediction | None)
+
+
+def _waited(prediction: P, waited_s: float) -> P:
+    """``prediction`` with the ``waited_s`` seconds since its call arrived added to its TTFT."""
+    if prediction is None or waited_s <= 0:
+        return prediction
+    return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + waited_s, waited_s=waited_s)
 
 
 def _limit(margin: float) -> str:

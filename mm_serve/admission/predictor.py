@@ -59,7 +59,7 @@ class Prediction:
     rank: int = 1  # the tier rank it was predicted for
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
     decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
-    held_s: float = 0.0  # seconds the call waited in the dispatch hold before this prediction (in ``ttft_s``)
+    waited_s: float = 0.0  # seconds from the call's arrival to this prediction (images, hold, a busy front end; in ``ttft_s``)
     tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker
 
 

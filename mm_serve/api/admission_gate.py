@@ -6,7 +6,7 @@ error handlers (:func:`mm_serve.api.errors.from_rejection`) in OpenAI's error JS
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
@@ -100,26 +100,26 @@ def check_call_queues(client: EngineClient, config: ServiceConfig,
 
 
 def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
-               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]], held_s: float = 0.0) -> Prediction | None:
-    """The queue caps, then the latency prediction, for a call of ``prepared`` prompts that waited
-    ``held_s`` seconds in the dispatch hold (:func:`hold_call`: added to the predicted TTFT, which
-    counts from its arrival); counts the admission in the tier metrics. Returns the prediction of
-    its first request (None when none could be made: a role has no ready worker).
+               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]], arrival: float | None = None) -> Prediction | None:
+    """The queue caps, then the latency prediction, for a call of ``prepared`` prompts that arrived
+    at ``arrival`` (``time.monotonic()`` seconds: the time since then, decoding its images, waiting
+    in the dispatch hold or for a busy front end, is part of its TTFT and of the prediction); counts
+    the admission in the tier metrics. Returns the prediction of its first request (None when none
+    could be made: a role has no ready worker).
 
     Raises:
         Rejection: 429 from a queue cap or a predicted SLO miss.
     """
+    waited = 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)
     with counted(ctx, tier):
         # calls held to give way to tighter tiers must not get those refused: they count for their own tier only
         held = ctx.dispatch_hold.queued() if ctx.admission.holds(tier) else (0, 0)
         check_call_queues(client, ctx.config, prepared, held)
         inputs, params = prepared[0]
         prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
-                                         params.max_tokens, inputs)
+                                         params.max_tokens, inputs, waited)
     if ctx.tier_metrics is not None:
         ctx.tier_metrics.observe_admission(tier.name, None)
-    if prediction is not None and held_s > 0:
-        prediction = dataclasses.replace(prediction, ttft_s=prediction.ttft_s + held_s, held_s=held_s)
     return prediction
 
 
@@ -153,7 +153,8 @@ async def hold_call(ctx: ServerContext, client: EngineClient, tier: Tier,
     return await ctx.dispatch_hold.wait(ready, requests, tokens, longest, gone)
 
 
-def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Sequence[ChatMessage] = ()) -> None:
+def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Sequence[ChatMessage] = (),
+                  arrival: float | None = None) -> None:
     """Refuse a call on its tier, ``max_tokens`` and the image tokens of its images that no
     cache can hold (data URIs this process has not been sent before,
     :class:`~mm_serve.admission.seen_images.SeenImages`), before its images are fetched or
@@ -170,7 +171,9 @@ def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Seq
     vision = ctx.holder.model_config.vision
     per_image = 0 if vision is None else vision.num_image_tokens
     with counted(ctx, tier):
-        ctx.admission.precheck(ctx.holder.client, tier, max_tokens, unseen * per_image, unseen if per_image else 0)
+        waited = 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)
+        ctx.admission.precheck(ctx.holder.client, tier, max_tokens, unseen * per_image, unseen if per_image else 0,
+                               waited)
 
 
 @contextmanager

@@ -48,7 +48,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     arrival = arrival_time(raw)
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
-    precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS, body.messages)
+    precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS, body.messages,
+                  arrival)
     with counted(ctx, tier), hold_images(ctx.image_budget, body.messages, ctx.config):
         messages = await chat_messages(body.messages, ctx.config.api)
         inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
@@ -60,10 +61,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         check_call_work(ctx.config, [(inputs, params)])
     client = ctx.client_or_503()
     try:
-        held = await hold_call(ctx, client, tier, [(inputs, params)], raw.is_disconnected)
+        await hold_call(ctx, client, tier, [(inputs, params)], raw.is_disconnected)
     except ConnectionAbortedError:
         return JSONResponse({}, status_code=499)
-    predicted = admit_call(ctx, client, tier, [(inputs, params)], held)
+    predicted = admit_call(ctx, client, tier, [(inputs, params)], arrival)
     gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

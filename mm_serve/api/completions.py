@@ -69,10 +69,10 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         check_call_work(ctx.config, prepared)
     client = ctx.client_or_503()
     try:
-        held = await hold_call(ctx, client, tier, prepared, raw.is_disconnected)
+        await hold_call(ctx, client, tier, prepared, raw.is_disconnected)
     except ConnectionAbortedError:
         return JSONResponse({}, status_code=499)
-    predicted = admit_call(ctx, client, tier, prepared, held)
+    predicted = admit_call(ctx, client, tier, prepared, arrival)
     gens: list[Generation] = []
     try:
         for k, (inputs, params) in enumerate(prepared):  # the prediction is of the first prompt's first copy

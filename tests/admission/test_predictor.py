@@ -386,3 +386,21 @@ def test_the_spread_of_recent_ratios_sets_a_stricter_ttft_rule() -> None:
         controller.predictor.ttft_corrections[0].observe(0.5 if i % 3 else 1.5, 0.5)  # a third 3x late
     refused = controller._ttft_refusal(interactive, prediction)
     assert refused is not None and "at the 90th percentile" in refused[0] and refused[1] > 0
+
+
+def test_the_time_a_call_has_already_waited_counts_in_its_ttft() -> None:
+    """A call that waited 0.9 s in a busy front end before its admission cannot meet a 1 s TTFT
+    SLO however short the queue: refused, and the time is in the prediction and the message."""
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 100}})
+    controller = AdmissionController(cfg)
+    client = _Client(_queued_router({1: 10}))  # not idle
+    interactive = tier_of("priority", cfg.slo)
+    fresh = controller.admit(client, interactive, 20, 0, 16)  # type: ignore[arg-type]
+    assert fresh is not None and fresh.waited_s == 0.0
+    with pytest.raises(Rejection, match="the predicted TTFT is 0.9"):
+        controller.admit(client, interactive, 20, 0, 16, waited_s=0.9)  # type: ignore[arg-type]
+    two = Router(2, 1, 1000, 64)
+    two.dispatched("s", 0, 0, 10, 1, rank=1)
+    controller.precheck(_TwoPrefillClient(two), interactive, 16)  # type: ignore[arg-type]
+    with pytest.raises(Rejection):
+        controller.precheck(_TwoPrefillClient(two), interactive, 16, waited_s=0.9)  # type: ignore[arg-type]
