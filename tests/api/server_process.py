@@ -10,9 +10,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import yaml
 from PIL import Image
 
 
@@ -71,3 +74,15 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return int(self.proc.returncode)
+
+
+@contextmanager
+def configured_server(model_dir: Path, config: dict, folder: Path) -> Iterator[ServerProcess]:
+    """A ready server on ``model_dir`` with ``config`` (written to ``folder/config.yaml``), stopped after."""
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = ServerProcess(model_dir, "--config", str(folder / "config.yaml"), log_dir=folder)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

@@ -11,9 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
-from tests.api.server_process import ServerProcess, data_uri
+from tests.api.server_process import ServerProcess, configured_server, data_uri
 from tests.factories import gradient_image
 
 CONFIG = {
@@ -24,14 +23,8 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def admission_server(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("admission")
-    (folder / "config.yaml").write_text(yaml.safe_dump(CONFIG))
-    proc = ServerProcess(tiny_llava, "--config", str(folder / "config.yaml"), log_dir=folder)
-    try:
-        proc.wait_ready()
+    with configured_server(tiny_llava, CONFIG, tmp_path_factory.mktemp("admission")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _chat(**overrides: Any) -> dict[str, Any]:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from tests.api.server_process import ServerProcess
+from tests.api.server_process import ServerProcess, configured_server
 
 # a standard TPOT SLO no decode step meets: a batch request joining a running standard one is held
 CONFIG = {"slo": {"tiers": {"interactive": {"ttft_ms": 1000, "tpot_ms": 0.001},
@@ -20,14 +19,8 @@ CONFIG = {"slo": {"tiers": {"interactive": {"ttft_ms": 1000, "tpot_ms": 0.001},
 
 @pytest.fixture(scope="module")
 def hold_server(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    folder = tmp_path_factory.mktemp("hold")
-    (folder / "config.yaml").write_text(yaml.safe_dump(CONFIG))
-    proc = ServerProcess(tiny_llava, "--config", str(folder / "config.yaml"), log_dir=folder)
-    try:
-        proc.wait_ready()
+    with configured_server(tiny_llava, CONFIG, tmp_path_factory.mktemp("hold")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def _body(tier: str, max_tokens: int) -> dict[str, object]:
