@@ -61,8 +61,12 @@ class AdmissionController:
         prefix cache are not counted in its own prefill."""
         view = client.load_view(tier.rank, tokens, max_tokens) if inputs is None else \
             client.load_view(tier.rank, tokens, max_tokens, inputs)
-        if view is None:
-            return None
+        return None if view is None else self._predict_in(view, tier, tokens, images)
+
+    def _predict_in(self, view: LoadView, tier: Tier, tokens: int, images: int) -> Prediction:
+        """The prediction for a prompt of ``tokens`` tokens and ``images`` images on the workers of
+        ``view``: its cached part (as the view believes) left out of its prefill, the decode context
+        that worker's pages in use plus the prompt."""
         context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
         return self._predict_on(view, tier, tokens - view.cached_tokens, images - view.cached_images, context)
 
@@ -203,9 +207,7 @@ class AdmissionController:
         if view.looser.requests >= self.config.scheduler.prefill_batch_size:
             return f"a prefill batch of looser requests already queued on prefill worker {view.prefill}"
         if max_tokens > 1:
-            context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
-            prediction = self._predict_on(view, tier, tokens - view.cached_tokens, images - view.cached_images, context)
-            return self._protect_excess(tier, prediction, max_tokens)
+            return self._protect_excess(tier, self._predict_in(view, tier, tokens, images), max_tokens)
         return None
 
     def report(self) -> dict[str, object]:
@@ -237,9 +239,8 @@ class AdmissionController:
         views = client.load_views(tier.rank, tokens, max_tokens)
         best: tuple[Prediction, tuple[str, float]] | None = None
         tpot_refusal: str | None = None
-        for view in views:
-            context = view.decode_pages_used * self.config.kv_cache.page_size + tokens
-            prediction = _waited(self._predict_on(view, tier, tokens, images, context), waited_s)
+        for view in views:  # no cache believed (the views carry no page hashes)
+            prediction = _waited(self._predict_in(view, tier, tokens, images), waited_s)
             if prediction.idle:
                 return  # admit() never refuses it
             refused = self._ttft_refusal(tier, prediction)

@@ -99,6 +99,14 @@ def check_call_queues(client: EngineClient, config: ServiceConfig,
     check_queues(queued_requests + held[0], queued_tokens + held[1], n * len(prepared), n * sum(prompt_tokens), config.admission)
 
 
+def _check_caps(ctx: ServerContext, client: EngineClient, tier: Tier,
+                prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> None:
+    """:func:`check_call_queues` for a call of ``tier``: calls waiting in the dispatch hold count
+    for their own tier only (held to give way to tighter tiers, they must not get those refused)."""
+    held = ctx.dispatch_hold.queued() if ctx.admission.holds(tier) else (0, 0)
+    check_call_queues(client, ctx.config, prepared, held)
+
+
 def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
                prepared: Sequence[tuple[ProcessedInputs, SamplingParams]], arrival: float | None = None) -> Prediction | None:
     """The queue caps, then the latency prediction, for a call of ``prepared`` prompts that arrived
@@ -112,9 +120,7 @@ def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
     """
     waited = 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)
     with counted(ctx, tier):
-        # calls held to give way to tighter tiers must not get those refused: they count for their own tier only
-        held = ctx.dispatch_hold.queued() if ctx.admission.holds(tier) else (0, 0)
-        check_call_queues(client, ctx.config, prepared, held)
+        _check_caps(ctx, client, tier, prepared)
         inputs, params = prepared[0]
         prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
                                          params.max_tokens, inputs, waited)
@@ -140,7 +146,7 @@ async def hold_call(ctx: ServerContext, client: EngineClient, tier: Tier,
     if not prepared or not ctx.admission.holds(tier):
         return 0.0
     with counted(ctx, tier):  # a call past the caps is refused, not held
-        check_call_queues(client, ctx.config, prepared, ctx.dispatch_hold.queued())
+        _check_caps(ctx, client, tier, prepared)
     inputs, params = prepared[0]
     n = params.n
     requests, tokens = n * len(prepared), n * sum(len(i.prompt_token_ids) for i, _ in prepared)
