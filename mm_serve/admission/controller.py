@@ -290,6 +290,13 @@ def _waited(prediction: P, waited_s: float) -> P:
     return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + waited_s, waited_s=waited_s)
 
 
+def _amount(seconds: float) -> str:
+    """A small excess in words: ``0.0004`` -> "under 1 ms", ``0.0123`` -> "12 ms", ``1.5`` -> "1.500 s"."""
+    if seconds >= 1.0:
+        return f"{seconds:.3f} s"
+    return "under 1 ms" if seconds < 0.0005 else f"{1000 * seconds:.0f} ms"
+
+
 def _limit(margin: float) -> str:
     """How the refusal threshold relates to the SLO, in words."""
     if margin < 0:
@@ -308,13 +315,13 @@ def _spread_message(tier: Tier, predicted: float, upper: float, spread: float, s
     percent = round(100 * tier.slo.attainment)
     return (f"the service is overloaded for the {tier.name} tier: the predicted TTFT is {predicted:.3f} s, and with "
             f"the spread of recent measurements around predictions ({spread:.2f}x at the {percent}th percentile, "
-            f"its attainment target) {upper:.3f} s, over its TTFT SLO of {slo:.3f} s by {upper - slo:.3f} s; "
+            f"its attainment target) {upper:.3f} s, over its TTFT SLO of {slo:.3f} s by {_amount(upper - slo)}; "
             f"retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
 
 
 def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float) -> str:
     excess = predicted - slo
-    relation = (f"over its {what} SLO of {slo:.3f} s by {excess:.3f} s ({100 * excess / slo:.0f} %" if excess > 0
+    relation = (f"over its {what} SLO of {slo:.3f} s by {_amount(excess)} ({100 * excess / slo:.0f} %" if excess > 0
                 else f"{-100 * excess / slo:.0f} % under its {what} SLO of {slo:.3f} s (")
     sep = "; " if excess > 0 else ""
     return (f"the service is overloaded for the {tier.name} tier: the predicted {what} is {predicted:.3f} s, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.worker_specs import engine_sizing
 from mm_serve.tier_metrics import TierMetrics
+
+WARMING_RETRY_S = 5  # Retry-After while the workers load the model (seconds; a start takes ~5-30 s)
 
 
 @dataclass
@@ -50,11 +53,15 @@ class ServerContext:
         role has no worker left.
         """
         if self.holder.draining.is_set():
-            raise unavailable("the service is shutting down; in-flight requests are finishing")
+            # a restarted service (or another replica behind the same address) can answer
+            # once this one has stopped: at most the grace period from now
+            grace = max(1, math.ceil(self.config.api.shutdown_grace_s))
+            raise unavailable("the service is shutting down; in-flight requests are finishing", grace)
         if not self.holder.started:
             status = self.holder.health()[0]
-            raise unavailable(f"the service is {status}; try again shortly" if status == "warming"
-                              else "the service is unavailable (it failed to start; see /health)")
+            if status == "warming":
+                raise unavailable("the service is warming; try again shortly", WARMING_RETRY_S)
+            raise unavailable("the service is unavailable (it failed to start; see /health)")
         return self.holder.client
 
     def deadline(self) -> float:

@@ -46,14 +46,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, "service_unavailable", None, "service_unavailable")
+def unavailable(message: str, retry_after_s: int | None = None) -> APIError:
+    """503 ``service_unavailable``, with ``Retry-After`` (whole seconds) when a retry can be timed."""
+    headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+    return APIError(503, message, "service_unavailable", None, "service_unavailable", headers)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
     """The 400 that the API answers for a body failing its schema (same message and ``param``)."""
-    message, param = _validation_message(exc)
-    return bad_request(message, param)
+    return bad_request(*_validation_message(exc))
 
 
 def from_rejection(rejection: Rejection) -> APIError:
@@ -65,10 +66,11 @@ def from_rejection(rejection: Rejection) -> APIError:
     return APIError(rejection.status, rejection.message, kind, rejection.param, rejection.reason, headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
+    """The message, ``param`` and ``code`` of a schema failure's 400."""
     errors: list[Any] = list(exc.errors())
     if not errors:
-        return "invalid request", None
+        return "invalid request", None, None
     # For a union such as ``content: str | list[part]``, report the most specific branch
     # (the part's own error), not "should be a valid string".
     specific = [e for e in errors if str(e.get("loc", ("",))[-1]) not in ("str",) and "str" not in map(str, e.get("loc", ()))]
@@ -77,14 +79,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p) and p != "str"]
     loc = [p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1]]
     if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('msg')}", None
+        return f"request body is not valid JSON: {first.get('msg')}", None, None
     if first.get("type") in ("unsupported_parameter", "invalid_parameter"):
-        return str(first.get("msg")), str(first.get("ctx", {}).get("name")) or None
+        ctx = first.get("ctx", {})
+        return str(first.get("msg")), str(ctx.get("name")) or None, ctx.get("code")
     if first.get("type") == "missing" and not loc:
-        return "request body is missing: send a JSON object", None
+        return "request body is missing: send a JSON object", None, None
     param = ".".join(loc) or None
     where = f" at '{param}'" if param else ""
-    return f"{first.get('msg', 'invalid value')}{where}", param
+    return f"{first.get('msg', 'invalid value')}{where}", param, None
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
@@ -105,8 +108,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return respond(bad_request(message, param))
+        return respond(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

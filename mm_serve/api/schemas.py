@@ -8,8 +8,10 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
+
+from mm_serve.admission.tiers import ALLOWED_VALUES
 
 
 class _Lenient(BaseModel):
@@ -36,9 +38,10 @@ class ImagePart(_Lenient):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-def invalid(name: str, message: str) -> PydanticCustomError:
-    """A validation error that names its parameter (400 with ``param`` = ``name``)."""
-    return PydanticCustomError("invalid_parameter", message, {"name": name})
+def invalid(name: str, message: str, code: str | None = None) -> PydanticCustomError:
+    """A validation error that names its parameter (400 with ``param`` = ``name`` and, when given,
+    OpenAI's ``code``)."""
+    return PydanticCustomError("invalid_parameter", message, {"name": name, "code": code})
 
 
 class ChatMessage(_Lenient):
@@ -124,6 +127,15 @@ class _SamplingFields(_Lenient):
     service_tier: str | None = Field(
         None, description="SLO tier: priority -> interactive, default -> standard, flex -> batch, auto or absent -> "
         "slo.default_tier; interactive, standard, batch name ours directly (mm_serve/admission/tiers.py)")
+
+    @field_validator("service_tier", mode="before")
+    @classmethod
+    def _tier_is_text(cls, value: Any) -> Any:
+        """A non-string tier gets the same 400 (and code) as an unknown name."""
+        if value is not None and not isinstance(value, str):
+            raise invalid("service_tier", f"service_tier must be a string or null, got {type(value).__name__}; "
+                          f"allowed: {', '.join(ALLOWED_VALUES)}", "invalid_service_tier")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> _SamplingFields:

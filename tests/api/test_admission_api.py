@@ -46,6 +46,14 @@ def test_an_unknown_service_tier_is_a_400_naming_the_allowed_values(unstarted: T
     assert "allowed: auto, priority, default, flex, interactive, standard, batch" in error["message"]
 
 
+@pytest.mark.parametrize("value", [1, True, ["priority"], {"tier": "flex"}])
+def test_a_service_tier_that_is_not_a_string_is_the_same_400(unstarted: TestClient, value: object) -> None:
+    r = unstarted.post("/v1/chat/completions", json=_chat(service_tier=value))
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "service_tier" and error["code"] == "invalid_service_tier"
+    assert f"got {type(value).__name__}" in error["message"] and "allowed: auto, priority" in error["message"]
+
+
 @pytest.mark.parametrize("tier", ["auto", "default", "priority", "flex", "batch"])
 def test_valid_service_tiers_pass_validation(unstarted: TestClient, tier: str) -> None:
     r = unstarted.post("/v1/chat/completions", json=_chat(service_tier=tier))
@@ -72,7 +80,8 @@ def test_images_over_the_byte_budget_get_503_with_retry_after(unstarted: TestCli
     one = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
     r = unstarted.post("/v1/chat/completions", json=_chat(messages=one))
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    assert "retry-after" not in r.headers  # fits the budget; refused only for want of a worker
+    assert r.json()["error"]["code"] == "service_unavailable"  # fits the budget: refused only for want of a worker
+    assert r.headers["retry-after"] == "5"  # this app never starts its workers: "warming"
 
 
 def test_small_data_uri_images_reserve_by_their_declared_size() -> None:

@@ -192,6 +192,7 @@ def test_413_for_a_chunked_body_over_the_limit_and_small_chunked_bodies_pass(uns
 def test_503_when_no_worker_can_take_the_request(unstarted_app: TestClient) -> None:
     r = unstarted_app.post("/v1/chat/completions", json=_chat(), headers={"Authorization": "Bearer sekret"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert r.headers["retry-after"] == "5" and "warming" in r.json()["error"]["message"]  # WARMING_RETRY_S
     health = unstarted_app.get("/health")
     assert health.status_code == 503 and health.json()["status"] == "warming"
 
