@@ -76,6 +76,18 @@ def test_equals_reference_on_random_batches(
     torch.testing.assert_close(got, decode_attention_ref(query, k, v, tables, ctx, 0.3), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sharpness", [30.0, 1e4])  # scores ~100 apart, and so far apart that exp underflows
+def test_peaked_softmax_equals_reference(op, sharpness: float) -> None:  # type: ignore[no-untyped-def]
+    """The vector exp (AVX-512 builds) near its clamp: weights of 0 and ~1e-38 stay exact enough."""
+    lens = [1, 7, 16, 17, 100, 333]
+    query, k, v, tables, ctx = _case(lens, page=16, hkv=2, group=2, dim=64, seed=7)
+    query = query * sharpness
+    got = op(query, k, v, tables, ctx, 0.125)
+    want = decode_attention_ref(query, k, v, tables, ctx, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_result_does_not_depend_on_thread_count(op) -> None:  # type: ignore[no-untyped-def]
     query, k, v, tables, ctx = _case([37, 3, 150, 64, 1, 99] * 6, page=16, hkv=4, group=2, dim=64, seed=5)
     before = torch.get_num_threads()
