@@ -1,0 +1,110 @@
+"""CPU decode attention: the compiled paged kernel against the torch reference and a streaming read.
+
+One decode step's attention for every layer of the bench model's shape (8 layers, 8 query
+heads, 4 KV heads, head_dim 64, 16-token pages) over a page-major :class:`PagedKVCache`
+whose pages are handed out in a shuffled order, as a long-running pool's are. Prints, per
+context length, milliseconds per layer of
+
+- ``compiled``: ``torch.ops.mm_serve_cpu.paged_decode_attention`` (kernels/csrc);
+- ``compiled, cache-hot``: the same call with every block-table entry pointing at one page,
+  so that the K/V it reads stays in L1/L2: the kernel's arithmetic alone;
+- ``reference``: :func:`kernels.paged_attention_ref.decode_attention_ref` (gather + SDPA);
+- ``streaming read``: ``Tensor.sum`` over as many contiguous bytes, the memory bound;
+
+and the GB/s of K/V each reaches. Cycling over all layers keeps any one layer's pages
+out of the last-level cache, as in serving. One thread (as each worker runs), float32.
+
+Usage::
+
+    python benchmarks/decode_attention.py [--batch 32] [--contexts 100,400,1600] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels.cpu_extension import cpu_kernel_ops
+from kernels.paged_attention_ref import decode_attention_ref
+from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 4, 64, 16
+
+
+def _per_call_s(fn: Callable[[], object], calls: int, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure(batch: int, context: int, calls: int) -> dict[str, float]:
+    """Seconds per layer of each path (see the module docstring) at ``batch`` sequences of ~``context`` tokens."""
+    gen = torch.Generator().manual_seed(context)
+    per_seq = pages_for(context, PAGE)
+    cache = PagedKVCache(LAYERS, 2 * batch * per_seq, PAGE, KV_HEADS, HEAD_DIM)
+    cache.data.normal_(generator=gen)
+    order = torch.randperm(cache.num_pages, generator=gen)[: batch * per_seq]
+    tables = order.view(batch, per_seq).contiguous()
+    lens = torch.randint(max(1, context - context // 4), context + 1, (batch,), generator=gen)
+    query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+    scale = HEAD_DIM**-0.5
+    ops = cpu_kernel_ops()
+    out: dict[str, float] = {}
+    if ops is not None:
+        op = ops.paged_decode_attention
+
+        def compiled() -> None:
+            for k, v in cache.layer_caches:
+                op(query, k, v, tables, lens, scale)
+
+        hot_tables = torch.zeros_like(tables)
+        k0, v0 = cache.layer_caches[0]
+        out["compiled"] = _per_call_s(compiled, calls) / LAYERS
+        out["compiled, cache-hot"] = _per_call_s(lambda: op(query, k0, v0, hot_tables, lens, scale), calls * LAYERS)
+
+    def reference() -> None:
+        for k, v in cache.layer_caches:
+            decode_attention_ref(query, k, v, tables, lens, scale)
+
+    out["reference"] = _per_call_s(reference, max(1, calls // 4)) / LAYERS
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 4 * 2
+    flat = cache.data.view(-1)
+    span = kv_bytes // 4
+    chunks = [flat[i * span:(i + 1) * span] for i in range(LAYERS)]
+    out["streaming read"] = _per_call_s(lambda: [c.sum() for c in chunks], calls) / LAYERS
+    out["_bytes"] = kv_bytes
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--contexts", default="100,400,1600", help="comma-separated context lengths, tokens")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per repeat (best of 3 repeats)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_kernel_ops() is None:
+        print("the compiled CPU kernels are not available here: only the reference is timed")
+    print(f"decode attention, batch {args.batch}, {LAYERS} layers x ({HEADS} heads, {KV_HEADS} KV heads, "
+          f"head_dim {HEAD_DIM}), pages of {PAGE}, {args.threads} thread(s)")
+    print(f"{'context':>8} {'path':<22} {'ms/layer':>9} {'K/V GB/s':>9} {'vs compiled':>12}")
+    for context in (int(c) for c in args.contexts.split(",")):
+        figures = measure(args.batch, context, args.calls)
+        kv_bytes = figures.pop("_bytes")
+        base = figures.get("compiled")
+        for name, seconds in figures.items():
+            ratio = f"{seconds / base:.2f}x" if base else "-"
+            print(f"{context:>8} {name:<22} {seconds * 1e3:>9.3f} {kv_bytes / seconds / 1e9:>9.1f} {ratio:>12}")
+
+
+if __name__ == "__main__":
+    main()
