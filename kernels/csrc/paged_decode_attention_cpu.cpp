@@ -8,7 +8,8 @@
 // (max-subtracted, as in Milakov & Gimelshein 2018; exp on 16 lanes where AVX-512 is
 // there), then reads its V rows once.
 // The same computation as kernels/paged_attention_ref.py (decode_attention_ref);
-// results differ from it in float32 summation order only.
+// results differ from it in float32 summation order and, with AVX-512, by the vector exp
+// (~1 ulp; a weight that would underflow below FLT_MIN is FLT_MIN).
 //
 // rope_paged_decode_attention does a decode layer's whole attention after the fused QKV
 // projection: RoPE on the query and the new key, the new key and value written to their
@@ -58,11 +59,12 @@ inline __mmask16 lanes(int64_t n) {
 
 // exp(x) on 16 lanes, for x <= 0 (a score minus its row's maximum): Cody-Waite reduction
 // by ln 2 (n = round(x / ln 2), r = x - n ln 2 in two parts) and Cephes' degree-5 minimax
-// polynomial for expf (Moshier, Cephes Math Library, expf.c), scaled by 2^n. Within ~1 ulp
-// of std::exp; below -87.3 the result is clamped to exp(-87.3) ~ 1.2e-38. The scalar
-// std::exp it replaces took a fifth of a decode layer's attention on one core.
+// polynomial for expf (Moshier, Cephes Math Library, expf.c), scaled by 2^n. Within ~1.3 ulp
+// of std::exp; below -87.3365 the result is clamped to FLT_MIN (1.18e-38) instead of going
+// subnormal or to 0; a NaN stays NaN (max returns its second operand when one is NaN). The
+// scalar std::exp it replaces took a fifth of a decode layer's attention on one core.
 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3365447504f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);

@@ -291,10 +291,11 @@ def _waited(prediction: P, waited_s: float) -> P:
 
 
 def _amount(seconds: float) -> str:
-    """A small excess in words: ``0.0004`` -> "under 1 ms", ``0.0123`` -> "12 ms", ``1.5`` -> "1.500 s"."""
-    if seconds >= 1.0:
+    """An excess in words: ``0.0004`` -> "under 1 ms", ``0.0123`` -> "12 ms", ``1.5`` -> "1.500 s"."""
+    ms = round(1000 * seconds)
+    if ms >= 1000:
         return f"{seconds:.3f} s"
-    return "under 1 ms" if seconds < 0.0005 else f"{1000 * seconds:.0f} ms"
+    return "under 1 ms" if ms < 1 else f"{ms} ms"
 
 
 def _limit(margin: float) -> str:

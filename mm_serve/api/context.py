@@ -54,9 +54,9 @@ class ServerContext:
         """
         if self.holder.draining.is_set():
             # a restarted service (or another replica behind the same address) can answer
-            # once this one has stopped: at most the grace period from now
-            grace = max(1, math.ceil(self.config.api.shutdown_grace_s))
-            raise unavailable("the service is shutting down; in-flight requests are finishing", grace)
+            # once this one has stopped: at most what is left of the grace period
+            left = max(1, math.ceil(self.holder.drain_deadline - time.monotonic()))
+            raise unavailable("the service is shutting down; in-flight requests are finishing", left)
         if not self.holder.started:
             status = self.holder.health()[0]
             if status == "warming":

@@ -24,6 +24,7 @@ class EngineHolder:
         self.start_error: str | None = None
         self.ready_event = threading.Event()
         self.draining = threading.Event()  # set on SIGTERM/SIGINT: new requests get 503
+        self.drain_deadline = 0.0  # time.monotonic() by which a drain under way stops the workers
         self._thread: threading.Thread | None = None
 
     def start_background(self) -> None:
@@ -70,8 +71,9 @@ class EngineHolder:
     def drain(self, grace_s: float) -> int:
         """Stop admitting, then wait up to ``grace_s`` seconds for in-flight engine requests to
         finish; returns how many were still in flight at the deadline."""
-        self.draining.set()
         deadline = time.monotonic() + grace_s
+        self.drain_deadline = deadline
+        self.draining.set()
         while self.client.requests and time.monotonic() < deadline:
             time.sleep(0.05)
         return len(self.client.requests)

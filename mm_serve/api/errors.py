@@ -53,7 +53,7 @@ def unavailable(message: str, retry_after_s: int | None = None) -> APIError:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """The 400 that the API answers for a body failing its schema (same message and ``param``)."""
+    """The 400 that the API answers for a body failing its schema (same message, ``param`` and ``code``)."""
     return bad_request(*_validation_message(exc))
 
 

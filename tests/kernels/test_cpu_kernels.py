@@ -88,6 +88,18 @@ def test_peaked_softmax_equals_reference(op, sharpness: float) -> None:  # type:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_key_poisons_its_sequence_as_in_the_reference(op, bad: float) -> None:  # type: ignore[no-untyped-def]
+    """A NaN or inf score must not be clamped into a finite, plausible answer."""
+    lens = [20, 9]
+    query, k, v, tables, ctx = _case(lens, page=16, hkv=2, group=2, dim=64, seed=3)
+    k[int(tables[0, 0]), 5] = bad  # a K row of sequence 0 only
+    got = op(query, k, v, tables, ctx, 0.125)
+    want = decode_attention_ref(query, k, v, tables, ctx, 0.125)
+    assert not torch.isfinite(want[0]).any() and not torch.isfinite(got[0]).any()
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # the other sequence is untouched
+
+
 def test_result_does_not_depend_on_thread_count(op) -> None:  # type: ignore[no-untyped-def]
     query, k, v, tables, ctx = _case([37, 3, 150, 64, 1, 99] * 6, page=16, hkv=4, group=2, dim=64, seed=5)
     before = torch.get_num_threads()
