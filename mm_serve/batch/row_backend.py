@@ -108,9 +108,10 @@ class RowBackend(CaptionBackend):
 
     async def _answer(self, item: CaptionInput) -> BaseModel:
         # rows run in the batch SLO tier (lowest priority, preempted first, never refused for
-        # latency) unless the row names another service_tier
-        body: dict[str, Any] = {"model": self.ctx.served_model_name, "service_tier": "batch", **(item.body or {}),
-                                "stream": False}
+        # latency) unless the row names another service_tier (null, like absent, is the batch tier)
+        body: dict[str, Any] = {"model": self.ctx.served_model_name, **(item.body or {}), "stream": False}
+        if body.get("service_tier") is None:
+            body["service_tier"] = "batch"
         body.pop("stream_options", None)
         raw = cast(Request, _RowRequest())
         try:

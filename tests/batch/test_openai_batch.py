@@ -119,8 +119,9 @@ def test_files_list_retrieve_delete_and_the_key(client: openai.OpenAI, batch_ser
 
 def test_a_completions_batch_answers_as_v1_completions(client: openai.OpenAI) -> None:
     prompts = {"p-0": "USER: How many shapes? ASSISTANT:", "p-1": "The capital of France is", "p-2": "one two"}
-    rows = [row(cid, {"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0}, url="/v1/completions")
-            for cid, text in prompts.items()]
+    tiers = {"p-0": {}, "p-1": {"service_tier": None}, "p-2": {"service_tier": "default"}}  # absent, null, named
+    rows = [row(cid, {"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0, **tiers[cid]},
+                url="/v1/completions") for cid, text in prompts.items()]
     batch = client.batches.create(input_file_id=upload(client, jsonl(rows)), endpoint="/v1/completions",
                                   completion_window="24h")
     batch = wait_final(client, batch.id)
@@ -128,4 +129,5 @@ def test_a_completions_batch_answers_as_v1_completions(client: openai.OpenAI) ->
     for r in output_rows(client, batch.output_file_id):
         live = client.completions.create(model="tiny", prompt=prompts[r["custom_id"]], max_tokens=8, temperature=0)
         assert r["response"]["body"]["object"] == "text_completion"
+        assert r["response"]["body"]["service_tier"] == ("standard" if r["custom_id"] == "p-2" else "batch")
         assert r["response"]["body"]["choices"][0]["text"] == live.choices[0].text
