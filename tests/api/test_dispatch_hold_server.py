@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -54,3 +57,63 @@ def test_a_batch_call_waits_for_a_running_standard_request_then_is_answered(hold
     assert answered >= finished["standard"] - 0.05
     held = httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]
     assert held["calls_held"] >= 1 and held["released_by_time"] == 0 and held["requests_waiting"] == 0
+
+
+@pytest.fixture()
+def fresh_hold_server(tiny_llava: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server of its own: its predictor has not yet measured a decode step, so the standard
+    request (whose TPOT SLO no step meets) is admitted rather than refused."""
+    with configured_server(tiny_llava, CONFIG, tmp_path) as proc:
+        yield proc
+
+
+def test_a_held_call_survives_a_killed_decode_worker(fresh_hold_server: ServerProcess) -> None:
+    """SIGKILL of the decode worker while a batch call is held behind a decoding standard request:
+    the standard request is migrated and finishes whole, the held call is then answered, and the
+    worker comes back."""
+    url = fresh_hold_server.url
+    results: dict[str, httpx.Response] = {}
+    decoding = threading.Event()
+
+    def standard() -> None:
+        text, usage = [], {}
+        body = {**_body("default", 600), "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: "):])
+                    text += [c["text"] for c in chunk["choices"]]
+                    usage = chunk.get("usage") or usage
+                    decoding.set()
+        results["standard"] = ("".join(text), usage)  # type: ignore[assignment]
+
+    def flex() -> None:
+        results["flex"] = httpx.post(f"{url}/v1/completions", json=_body("flex", 4), timeout=180)
+
+    runner = threading.Thread(target=standard)
+    runner.start()
+    assert decoding.wait(60)
+    waiter = threading.Thread(target=flex)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
+        assert time.monotonic() < deadline, "the batch call was never held"
+        time.sleep(0.05)
+    decode_pid = int(httpx.get(f"{url}/internal/stats", timeout=30).json()["decode0"]["pid"])
+    os.kill(decode_pid, signal.SIGKILL)
+    runner.join(180)
+    waiter.join(180)
+    assert not runner.is_alive() and not waiter.is_alive()
+    streamed, usage = results["standard"]  # type: ignore[misc]
+    assert usage["completion_tokens"] == 600  # type: ignore[index]
+    flex_reply = results["flex"]
+    assert flex_reply.status_code == 200, flex_reply.text
+    assert flex_reply.json()["usage"]["completion_tokens"] == 4
+    deadline = time.monotonic() + 60
+    while (health := httpx.get(f"{url}/health", timeout=10).json())["status"] != "ok":
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    assert health["workers"]["decode0"] == "ready" and health["admission"]["held"]["requests_waiting"] == 0
+    again = httpx.post(f"{url}/v1/completions", json=_body("flex", 600), timeout=180).json()
+    assert again["choices"][0]["text"] == streamed  # greedy: the migrated stream lost and repeated nothing
