@@ -3,8 +3,9 @@
 * ``mm_serve_tier_admitted{tier}``: API calls admitted;
 * ``mm_serve_tier_rejected{tier, reason}``: calls refused at admission, by reason
   (``work_limit``, ``queued_requests``, ``queued_tokens``, ``image_bytes``, ``ttft_slo``, ``tpot_slo``);
-* ``mm_serve_tier_finished{tier}``, ``mm_serve_tier_slo_met{tier}``: engine requests that
-  finished with output, and those that met both their tier's TTFT and TPOT SLOs;
+* ``mm_serve_tier_finished{tier}``, ``mm_serve_tier_slo_met{tier}``: engine requests (one per
+  prompt and choice: a call with ``n`` 3 counts 3) that finished with output by a stop or the
+  length limit (not cancelled or failed), and those that met both their tier's TTFT and TPOT SLOs;
 * ``mm_serve_tier_attainment{tier}``: the fraction of the two, since start;
 * ``mm_serve_tier_ttft_prediction_error_seconds{tier}``: predicted minus measured TTFT.
 """
@@ -51,8 +52,8 @@ class TierMetrics:
     def observe_finished(self, state: RequestState) -> None:
         """One finished engine request (receiver thread): attainment and prediction error."""
         tier = state.tier
-        if tier is None or state.first_token_time is None:
-            return
+        if tier is None or state.first_token_time is None or state.finish_reason not in ("stop", "length"):
+            return  # cancelled (client gone: 499) or failed: not a served request, neither met nor missed
         slo = getattr(self.slo.tiers, tier)
         ttft = state.first_token_time - state.arrival_time
         times = state.token_times

@@ -108,9 +108,10 @@ class RowBackend(CaptionBackend):
 
     async def _answer(self, item: CaptionInput) -> BaseModel:
         # rows run in the batch SLO tier (lowest priority, preempted first, never refused for
-        # latency) unless the row names another service_tier (null, like absent, is the batch tier)
+        # latency) unless the row names another service_tier (null and "auto", like absent: the
+        # batch tier is the default of a batch row)
         body: dict[str, Any] = {"model": self.ctx.served_model_name, **(item.body or {}), "stream": False}
-        if body.get("service_tier") is None:
+        if body.get("service_tier") in (None, "auto"):
             body["service_tier"] = "batch"
         body.pop("stream_options", None)
         raw = cast(Request, _RowRequest())

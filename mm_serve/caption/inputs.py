@@ -146,17 +146,20 @@ def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
     return rows
 
 
-def _row_id(path: Path, number: int, row: dict[str, Any], key: str) -> str:
+def _row_id(path: Path, number: int, row: dict[str, Any], key: str, integers: bool = False) -> str:
+    """Row ``number``'s ``key``: a non-empty string (or, with ``integers``, an integer), as text."""
     value = row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
-        raise InputError(f"{path}:{number}: '{key}' must be a non-empty string, got {value!r}")
+    kinds = (str, int) if integers else (str,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value == "":
+        what = "a non-empty string or an integer" if integers else "a non-empty string"
+        raise InputError(f"{path}:{number}: '{key}' must be {what}, got {value!r}")
     return str(value)
 
 
 def _jsonl_item(path: Path, number: int, row: dict[str, Any], default_prompt: str) -> CaptionInput:
     if "custom_id" in row:
         raise InputError(f"{path}:{number}: an OpenAI batch row in a file whose first row is not one")
-    item_id = _row_id(path, number, row, "id")
+    item_id = _row_id(path, number, row, "id", integers=True)
     image = row.get("image")
     if not isinstance(image, str) or not image:
         raise InputError(f"{path}:{number}: 'image' must be a file path or a data: URI, got {image!r}")

@@ -118,14 +118,16 @@ def test_files_list_retrieve_delete_and_the_key(client: openai.OpenAI, batch_ser
 
 
 def test_a_completions_batch_answers_as_v1_completions(client: openai.OpenAI) -> None:
-    prompts = {"p-0": "USER: How many shapes? ASSISTANT:", "p-1": "The capital of France is", "p-2": "one two"}
-    tiers = {"p-0": {}, "p-1": {"service_tier": None}, "p-2": {"service_tier": "default"}}  # absent, null, named
+    prompts = {"p-0": "USER: How many shapes? ASSISTANT:", "p-1": "The capital of France is", "p-2": "one two",
+               "p-3": "three four"}
+    tiers = {"p-0": {}, "p-1": {"service_tier": None}, "p-2": {"service_tier": "default"},
+             "p-3": {"service_tier": "auto"}}  # absent, null, named, auto
     rows = [row(cid, {"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0, **tiers[cid]},
                 url="/v1/completions") for cid, text in prompts.items()]
     batch = client.batches.create(input_file_id=upload(client, jsonl(rows)), endpoint="/v1/completions",
                                   completion_window="24h")
     batch = wait_final(client, batch.id)
-    assert batch.status == "completed" and batch.request_counts.completed == 3
+    assert batch.status == "completed" and batch.request_counts.completed == 4
     for r in output_rows(client, batch.output_file_id):
         live = client.completions.create(model="tiny", prompt=prompts[r["custom_id"]], max_tokens=8, temperature=0)
         assert r["response"]["body"]["object"] == "text_completion"

@@ -50,7 +50,8 @@ def test_jsonl_rows_relative_paths_prompts_and_int_ids(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("rows", "message"), [
     ([{"id": "a", "image": "x.png"}, {"id": "a", "image": "y.png"}], "in.jsonl:2: duplicate id 'a' (first on line 1)"),
-    ([{"image": "x.png"}], "'id' must be a non-empty string"),
+    ([{"image": "x.png"}], "'id' must be a non-empty string or an integer"),
+    ([{**_batch_row("a"), "custom_id": 5}], "'custom_id' must be a non-empty string, got 5"),  # OpenAI: a string
     ([{"id": "a"}], "'image' must be a file path or a data: URI"),
     ([{"id": "a", "image": "x.png", "prompt": ""}], "'prompt' must be a non-empty string"),
     ([{"id": "a", "image": "x.png"}, _batch_row("b")], "an OpenAI batch row in a file"),
