@@ -38,19 +38,31 @@ def tier_rank(tier: str) -> int:
         raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}") from None
 
 
+def check_service_tier(value: object) -> None:
+    """Whether a request's ``service_tier`` value is one this table maps (null counts as absent).
+
+    Raises:
+        ValueError: not a string (or null), or an unknown name; the message lists the allowed ones.
+    """
+    allowed = ", ".join(ALLOWED_VALUES)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"service_tier must be a string or null, got {type(value).__name__}; allowed: {allowed}")
+    if value is not None and value not in ALLOWED_VALUES:
+        raise ValueError(f"service_tier {value!r} is not supported; allowed: {allowed}")
+
+
 def resolve_tier(service_tier: str | None, slo: SLOConfig) -> TierName:
     """The tier a request's ``service_tier`` asks for (see the module table).
 
     Raises:
-        ValueError: an unknown value; the message lists the allowed ones.
+        ValueError: a value :func:`check_service_tier` refuses.
     """
+    check_service_tier(service_tier)
     if service_tier is None or service_tier == "auto":
         return slo.default_tier
     if service_tier in OPENAI_TIERS:
         return OPENAI_TIERS[service_tier]
-    if service_tier in TIERS:
-        return service_tier  # type: ignore[return-value]
-    raise ValueError(f"service_tier {service_tier!r} is not supported; allowed: {', '.join(ALLOWED_VALUES)}")
+    return service_tier  # type: ignore[return-value]  # one of TIERS: checked above
 
 
 def tier_slo(tier: str, slo: SLOConfig) -> TierSLO:

@@ -46,10 +46,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
+def _retry_after(seconds: int | None) -> dict[str, str]:
+    """The ``Retry-After`` header (whole seconds), or none."""
+    return {} if seconds is None else {"Retry-After": str(seconds)}
+
+
 def unavailable(message: str, retry_after_s: int | None = None) -> APIError:
     """503 ``service_unavailable``, with ``Retry-After`` (whole seconds) when a retry can be timed."""
-    headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
-    return APIError(503, message, "service_unavailable", None, "service_unavailable", headers)
+    return APIError(503, message, "service_unavailable", None, "service_unavailable", _retry_after(retry_after_s))
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -62,8 +66,8 @@ def from_rejection(rejection: Rejection) -> APIError:
     ``rate_limit_error`` or 503 ``service_unavailable``, ``code`` the reason, ``Retry-After``
     in whole seconds when the refusal gives one."""
     kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(rejection.status, "service_unavailable")
-    headers = {} if rejection.retry_after_s is None else {"Retry-After": str(rejection.retry_after_s)}
-    return APIError(rejection.status, rejection.message, kind, rejection.param, rejection.reason, headers)
+    return APIError(rejection.status, rejection.message, kind, rejection.param, rejection.reason,
+                    _retry_after(rejection.retry_after_s))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:

@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mm_serve.admission.tiers import ALLOWED_VALUES
+from mm_serve.admission.tiers import check_service_tier
 
 
 class _Lenient(BaseModel):
@@ -137,11 +137,12 @@ class _SamplingFields(_Lenient):
 
     @field_validator("service_tier", mode="before")
     @classmethod
-    def _tier_is_text(cls, value: Any) -> Any:
-        """A non-string tier gets the same 400 (and code) as an unknown name."""
-        if value is not None and not isinstance(value, str):
-            raise invalid("service_tier", f"service_tier must be a string or null, got {type(value).__name__}; "
-                          f"allowed: {', '.join(ALLOWED_VALUES)}", "invalid_service_tier")
+    def _known_tier(cls, value: Any) -> Any:
+        """A non-string or unknown tier: 400 ``invalid_service_tier`` naming the allowed values."""
+        try:
+            check_service_tier(value)
+        except ValueError as exc:
+            raise invalid("service_tier", str(exc), "invalid_service_tier") from None
         return value
 
     @model_validator(mode="after")
