@@ -270,9 +270,13 @@ def test_decode_actor_killed_mid_stream_is_survived(client: EngineClient) -> Non
     request = {"prompt": Q, "images": [gradient_image(50, 40, 7)]}
     (reference,) = run(client, "ref", [request], [LONG])
     restarts = client.fault_report()[0].get(("worker_restarts", "decode"), 0)
+    old = handles(client)[("decode", 0)]
+    assert old.pid > 0  # its pid is a Ray call the first time: made before the request starts
     state = client.submit("killed", client.inputs.process(request), LONG)
     wait_for(lambda: len(state.token_ids) >= 20, 60)
-    old = handles(client)[("decode", 0)]
+    os.kill(old.pid, signal.SIGSTOP)  # frozen mid-stream first, so the request cannot finish before the kill
+    time.sleep(0.2)
+    assert len(state.token_ids) < LONG.max_tokens, "the request finished before the actor was frozen"
     os.kill(old.pid, signal.SIGKILL)  # the actor's process, at once (ray.kill is asynchronous)
     assert state.wait(120) and state.error is None
     assert state.token_ids == reference.token_ids and len(state.token_ids) == LONG.max_tokens
