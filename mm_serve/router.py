@@ -27,12 +27,14 @@ that is restarting or down gets nothing.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mm_serve.prefix_index import PrefixIndex
 
 NUM_RANKS = 3  # SLO tier ranks: 0 interactive, 1 standard, 2 batch
+ARRIVAL_WINDOW_S = 5.0  # the window over which a prefill worker's recent dispatches are counted (LoadView.recent)
 
 
 @dataclass
@@ -82,6 +84,12 @@ class LoadView:
     cached_images: int = 0  # ... from cached_pages: it knows the page size and where the images are)
     in_flight: int = 0  # requests unfinished on the whole service (the caller fills it)
     looser: PrefillWork = field(default_factory=PrefillWork)  # queued or prefilling there at looser ranks
+    # the batch prefilling there now, any rank, and seconds since it started; None when the worker
+    # does not report its batches (then ``ahead`` and ``looser`` include it)
+    running: PrefillWork | None = None
+    running_elapsed_s: float = 0.0
+    # work dispatched to that prefill worker in the last ARRIVAL_WINDOW_S seconds (its arrival rate)
+    recent: PrefillWork = field(default_factory=PrefillWork)
 
 
 class Router:
@@ -103,6 +111,10 @@ class Router:
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
         self._decode_of: dict[str, tuple[int, int]] = {}  # id -> (decode worker, tier rank) until finished
         self._ages_at: list[dict[str, float]] = [{} for _ in range(num_prefill)]  # looser id -> when it ages (monotonic s)
+        # per prefill worker: the ids of its batch in progress and when it started (monotonic s);
+        # None until the worker first reports a batch (colocated workers do not)
+        self._batch: list[tuple[set[str], float] | None] = [None] * num_prefill
+        self._dispatches: list[deque[tuple[float, int, int]]] = [deque() for _ in range(num_prefill)]  # (when, tokens, images)
         self.max_running = max_running
 
     def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
@@ -161,6 +173,9 @@ class Router:
             self.prefixes.record(prefill, page_hashes)
         self.prefill_tokens[prefill] += tokens
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
+        at = time.monotonic() if now is None else now
+        self._dispatches[prefill].append((at, tokens, images))
+        self._recent(prefill, at)  # drops what fell out of the window
         self.prefill_work[prefill][rank].add(1, tokens, images)
         if rank > 0 and max_wait_s > 0:
             self._ages_at[prefill][request_id] = (time.monotonic() if now is None else now) + max_wait_s
@@ -192,11 +207,49 @@ class Router:
             if its_rank >= cut and ages_at <= now:  # served as rank 0 now: ahead of any new request
                 looser.add(-1, tokens, images)
                 ahead.add(1, tokens, images)
+        running, elapsed = self._running(prefill, cut, ahead, looser, now)
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
         cached = self.cached_tokens(prefill, page_hashes) // self.page_size if page_hashes else 0
         return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used,
-                        load.tightest_rank(), cached, looser=looser)
+                        load.tightest_rank(), cached, looser=looser, running=running, running_elapsed_s=elapsed,
+                        recent=self._recent(prefill, now))
+
+    def _recent(self, prefill: int, now: float) -> PrefillWork:
+        """The work dispatched to ``prefill`` in the :data:`ARRIVAL_WINDOW_S` seconds before ``now``."""
+        log = self._dispatches[prefill]
+        while log and log[0][0] < now - ARRIVAL_WINDOW_S:
+            log.popleft()
+        recent = PrefillWork()
+        for _, tokens, images in log:
+            recent.add(1, tokens, images)
+        return recent
+
+    def _running(self, prefill: int, cut: int, ahead: PrefillWork, looser: PrefillWork,
+                 now: float) -> tuple[PrefillWork | None, float]:
+        """(work, seconds since it started) of the batch in progress on ``prefill``, moved out of
+        ``ahead`` and ``looser`` (ranks below ``cut`` and aged requests are in ``ahead``); (None, 0)
+        when the worker does not report its batches."""
+        batch = self._batch[prefill]
+        if batch is None:
+            return None, 0.0
+        running = PrefillWork()
+        for request_id in batch[0]:
+            entry = self._prefill_of.get(request_id)
+            if entry is None:
+                continue
+            _, tokens, its_rank, images = entry
+            aged = self._ages_at[prefill].get(request_id, now + 1.0) <= now
+            (ahead if its_rank < cut or aged else looser).add(-1, tokens, images)
+            running.add(1, tokens, images)
+        return running, (max(0.0, now - batch[1]) if running.requests else 0.0)
+
+    def batch_started(self, prefill: int, request_ids: Sequence[str], now: float | None = None) -> None:
+        """Prefill worker ``prefill`` started a batch of ``request_ids`` at ``now`` (``time.monotonic()``
+        seconds, default the present): until their first tokens come back, :meth:`view` counts
+        them as in progress there, not as queued."""
+        ids = {i for i in request_ids if i in self._prefill_of}
+        self._batch[prefill] = (ids, time.monotonic() if now is None else now)
 
     def queued(self) -> tuple[int, int]:
         """(requests, prompt tokens) dispatched to prefill workers and not yet prefilled."""
@@ -208,6 +261,9 @@ class Router:
         if entry is not None:
             worker, tokens, rank, images = entry
             self._ages_at[worker].pop(request_id, None)
+            batch = self._batch[worker]
+            if batch is not None:
+                batch[0].discard(request_id)
             self.prefill_tokens[worker] -= tokens
             self.prefill_work[worker][rank].add(-1, tokens, images)
 
@@ -234,8 +290,10 @@ class Router:
         return None if entry is None else entry[0]
 
     def reset_prefill(self, index: int) -> None:
-        """Prefill worker ``index`` failed: its prefix cache is gone with it."""
+        """Prefill worker ``index`` failed: its prefix cache is gone with it, and its batch in progress."""
         self.prefixes.forget(index)
+        if self._batch[index] is not None:
+            self._batch[index] = (set(), time.monotonic())
 
     def reset_decode(self, index: int) -> None:
         """Decode worker ``index`` failed: forget its last stats (its restart reports afresh)."""

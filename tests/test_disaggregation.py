@@ -100,6 +100,19 @@ def test_1p1d_equals_transformers(one_p_one_d: LLM, reference_tokens: list[list[
     assert [o.finish_reason for o in outputs] == ["length"] * len(CASES)
 
 
+def test_the_prefill_worker_reports_the_batches_it_starts(one_p_one_d: LLM) -> None:
+    """Each prefill batch's start reaches the front end (``PrefillStarted``): the load view then
+    counts the batch in progress apart from the queue (``running``; empty once its first tokens
+    came back), which only a worker that reports its batches has."""
+    client = one_p_one_d.client
+    assert client is not None
+    one_p_one_d.generate({"prompt": Q, "images": [gradient_image(40, 40)]}, GREEDY)
+    view = client.load_view(1, 10, 4)
+    assert view is not None and view.running is not None
+    assert (view.running.requests, view.running_elapsed_s) == (0, 0.0) and view.ahead.requests == 0
+    assert view.recent.requests >= 1  # the request just sent counts in the worker's arrival rate
+
+
 def test_2p1d_equals_transformers_and_repeats_go_where_their_prefix_is(
     tiny_llava: Path, reference_tokens: list[list[int]],
 ) -> None:

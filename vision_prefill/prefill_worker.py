@@ -117,6 +117,7 @@ class PrefillWorker(WorkerShell):
 
     def _prefill(self, batch: list[Request]) -> None:
         started = time.monotonic()
+        self.channel.send(messages.PrefillStarted(self.role, self.spec.index, [r.request_id for r in batch]))
         vision = self.model.vision
         encoded_before = 0 if vision is None else vision.num_encoded_images
         for request in batch:

@@ -30,7 +30,7 @@ from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.request_state import RequestState
 from mm_serve.planner.profile_file import load_profile
-from mm_serve.router import LoadView
+from mm_serve.router import ARRIVAL_WINDOW_S, LoadView
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 
@@ -74,9 +74,13 @@ class AdmissionController:
         """The prediction for ``tokens`` and ``images`` left to compute on the workers of ``view``."""
         ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
         looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
+        running = None if view.running is None else \
+            QueueAhead(view.running.requests, view.running.tokens, view.running.images)
         with self._lock:
             prediction = self.predictor.predict(ahead, tokens, images, view.decode_batch + 1, context, looser,
-                                                tier.rank, DECODE_RESERVE)
+                                                tier.rank, DECODE_RESERVE, running, view.running_elapsed_s,
+                                                QueueAhead(view.recent.requests, view.recent.tokens, view.recent.images),
+                                                ARRIVAL_WINDOW_S, view.prefill)
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 
@@ -255,22 +259,23 @@ class AdmissionController:
         if best is not None:
             raise Rejection(429, "ttft_slo", *best[1])
 
-    def on_step(self, role: str, step: messages.StepTiming) -> None:
-        """Refit from one timed worker step (the engine client's step listener)."""
+    def on_step(self, role: str, index: int, step: messages.StepTiming) -> None:
+        """Refit from one timed step of worker ``index`` of ``role`` (the engine client's step listener)."""
         with self._lock:
             if step.kind == "prefill":
-                self.predictor.observe_prefill(step.tokens, step.images, step.seconds)
+                self.predictor.observe_prefill(step.tokens, step.images, step.seconds, index)
             elif step.kind == "decode":
                 self.predictor.observe_decode(step.requests, step.tokens, step.seconds)
 
     def on_finished(self, state: RequestState) -> None:
-        """Refit the front-end overhead from a finished request's TTFT and lifetime events, and
-        the corrections from its measured prefill span and TPOT against its prediction."""
-        events = state.events
-        begin, end = LifetimeEvent.PREFILL_QUEUED.value, LifetimeEvent.PREFILL_END.value
-        if state.first_token_time is None or begin not in events or end not in events:
+        """Refit the front-end overhead and the corrections from a finished request that was
+        prefilled (its lifetime events say so) against its prediction: the measured span from its
+        dispatch to its first token here (the queue and batch in progress ahead of it, its own
+        batch, the messages both ways: what the prediction's queue + prefill part stands for), the
+        overhead from its TTFT less that span and the wait before its prediction, and its TPOT."""
+        if state.first_token_time is None or LifetimeEvent.PREFILL_END.value not in state.events:
             return
-        ttft, span = state.first_token_time - state.arrival_time, events[end] - events[begin]
+        ttft, span = state.first_token_time - state.arrival_time, state.first_token_time - state.submitted_at
         times = state.token_times
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 3 and state.error is None else None
         if state.prediction is None:  # a call's other requests (and calls with no worker ready at admission):

@@ -8,9 +8,14 @@ Three affine models (the planner's latency model in miniature, :mod:`mm_serve.pl
 * **overhead**: the front end's share of TTFT (dispatch, messages), an average of
   measured TTFT minus the measured queue wait and prefill.
 
-Predicted TTFT = wait for the work queued (or prefilling) on the chosen prefill worker at
-the request's tier and tighter ones (its batches' constants plus per-token and per-image
-terms) + its own prefill + overhead. The first token comes from the prefill worker, so
+Predicted TTFT, on the chosen prefill worker = the rest of the batch prefilling there now
+(workers report each batch's start) + the full batches of the work queued there at the
+request's tier and tighter ones + its own batch (the rest of that work, itself, and the
+looser work and new arrivals that fill it: :meth:`LatencyPredictor.through_own_batch`),
+each priced by the prefill fit times that worker's speed factor (measured / the fit's
+seconds of its batches) + overhead. Without batch reports (the colocated worker): the work
+queued or prefilling at its tier and tighter ones, half a batch of looser work, its own
+prefill, + overhead. The first token comes from the prefill worker, so
 the KV hand-off is not on the TTFT path here: it delays the second token (ITL), which
 the TPOT over the whole output absorbs. Predicted TPOT = one decode step at the chosen
 decode worker's batch (its running and dispatched requests plus this one) and context.
@@ -53,7 +58,7 @@ class Prediction:
 
     ttft_s: float
     tpot_s: float
-    queue_s: float  # the wait for the work ahead, as the fit prices it (before the correction)
+    queue_s: float  # TTFT base less its own prefill alone: the wait for the work ahead and its batch-mates (before the correction)
     ttft_base_s: float = 0.0  # queue + own prefill as the fit prices them (before the correction)
     tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it (before the correction)
     rank: int = 1  # the tier rank it was predicted for
@@ -70,6 +75,9 @@ class LatencyPredictor:
         self.batch_size = max(1, prefill_batch_size)
         self.token_budget = max(1, prefill_token_budget)
         self.prefill = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
+        # per prefill worker: its batches' measured / the shared fit's seconds (workers sharing a
+        # core with others run slower; the fit learns the shape, these the speed of each)
+        self.prefill_speed: dict[int, RatioCorrection] = {}
         self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0), forgetting=DECODE_FORGETTING)
         self.overhead_s = DEFAULT_OVERHEAD_S
         # measured queue + prefill / the fit's, one per tier rank (interactive waits for looser batches in progress)
@@ -77,9 +85,16 @@ class LatencyPredictor:
         self.tpot_correction = RatioCorrection()  # measured TPOT / the fit's decode step
         self.started = time.monotonic()
 
-    def prefill_seconds(self, tokens: int, images: int) -> float:
-        """Predicted seconds of one prefill batch of ``tokens`` tokens and ``images`` images."""
+    def prefill_seconds(self, tokens: float, images: float) -> float:
+        """Predicted seconds of one prefill batch of ``tokens`` tokens and ``images`` images
+        (expected counts may be fractional)."""
         return self.prefill.predict((1.0, tokens, images))
+
+    def prefill_scale(self, worker: int | None) -> float:
+        """How much slower than the shared fit prefill worker ``worker``'s batches run lately
+        (1.0 for None or a worker not measured yet)."""
+        speed = None if worker is None else self.prefill_speed.get(worker)
+        return 1.0 if speed is None else speed.value
 
     def queue_seconds(self, ahead: QueueAhead) -> float:
         """Predicted seconds to prefill the work ``ahead`` (packed into full batches)."""
@@ -98,20 +113,79 @@ class LatencyPredictor:
         share = min(1.0, self.batch_size / looser.requests, self.token_budget / max(1, looser.tokens))
         return 0.5 * self.prefill_seconds(round(share * looser.tokens), round(share * looser.images))
 
+    def remaining_seconds(self, running: QueueAhead, elapsed_s: float, scale: float = 1.0) -> float:
+        """Predicted seconds left of a prefill batch of the work ``running`` that started
+        ``elapsed_s`` seconds ago (at least 0), on a worker ``scale`` times slower than the fit."""
+        if running.requests <= 0:
+            return 0.0
+        return max(0.0, scale * self.prefill_seconds(running.tokens, running.images) - elapsed_s)
+
+    def through_own_batch(self, ahead: QueueAhead, looser: QueueAhead, tokens: int, images: int,
+                          before_s: float = 0.0, arrivals: QueueAhead | None = None, window_s: float = 1.0,
+                          scale: float = 1.0) -> float:
+        """Predicted seconds from ``before_s`` seconds before the next batch starts (the rest of
+        the batch in progress) to the end of the batch of a new request of ``tokens`` tokens and
+        ``images`` images, with the queued work ``ahead`` of it served first (full batches of it,
+        then what is left of it in its own batch), and in its own batch, up to the batch size and
+        token budget, the looser work queued and the work that arrives until that batch starts
+        (``arrivals``: what came in the last ``window_s`` seconds, at the same rate; any tier joins,
+        as in the prefill scheduler: :meth:`vision_prefill.prefill_scheduler.PrefillScheduler.next_batch`).
+        Batches take ``scale`` times the fit's seconds. Returns seconds, ``before_s`` included."""
+        per_batch = self.prefill.coefficients[0]
+        full, in_its_batch = divmod(ahead.requests, self.batch_size)
+        share = in_its_batch / ahead.requests if ahead.requests else 0.0
+        mine_tokens, mine_images = ahead.tokens * share, ahead.images * share  # ahead of it in its own batch
+        wait = before_s
+        if full:
+            wait += scale * max(0.0, self.prefill_seconds(ahead.tokens - mine_tokens, ahead.images - mine_images)
+                                + (full - 1) * per_batch)
+        slots = max(0, self.batch_size - 1 - in_its_batch)
+        joined: list[tuple[float, QueueAhead]] = [(min(looser.requests, slots), looser)]
+        if arrivals is not None and arrivals.requests > 0 and window_s > 0:
+            joined.append((min(slots - joined[0][0], arrivals.requests / window_s * wait), arrivals))
+        batch_tokens, batch_images = tokens + mine_tokens, images + mine_images
+        for count, work in joined:
+            if count > 0 and work.requests > 0:
+                add = min(work.tokens * count / work.requests, max(0.0, self.token_budget - batch_tokens))
+                batch_tokens += add
+                batch_images += work.images * add / work.tokens if work.tokens else 0.0
+        return wait + scale * self.prefill_seconds(batch_tokens, batch_images)
+
     def predict(self, ahead: QueueAhead, tokens: int, images: int, decode_batch: int,
-                decode_context: int, looser: QueueAhead | None = None, rank: int = 1, reserve: int = 0) -> Prediction:
+                decode_context: int, looser: QueueAhead | None = None, rank: int = 1, reserve: int = 0,
+                running: QueueAhead | None = None, running_elapsed_s: float = 0.0,
+                arrivals: QueueAhead | None = None, arrivals_window_s: float = 1.0,
+                prefill_worker: int | None = None) -> Prediction:
         """TTFT and TPOT of a request of tier ``rank`` with ``tokens`` prompt tokens and ``images`` images.
 
+        With the batch in progress on its prefill worker known (``running``), the TTFT's queue
+        + prefill part is the rest of that batch (:meth:`remaining_seconds`) and then the batches
+        up to and including its own (:meth:`through_own_batch`); without (a worker that does
+        not report its batches: colocated), the wait for ``ahead`` (:meth:`queue_seconds`) plus half
+        a batch of looser work (:meth:`in_progress_seconds`) plus its own prefill.
+
         Args:
-            ahead: work queued on its prefill worker at its tier and tighter ones.
+            ahead: work queued on its prefill worker at its tier and tighter ones (without the
+                batch in progress when ``running`` is given).
             decode_batch: requests its decode worker will run with it (it included).
             decode_context: context tokens of that batch (prompt and outputs, it included).
-            looser: work queued there at looser tiers (a batch of it may be in progress).
+            looser: work queued there at looser tiers (likewise).
             rank: its tier rank (0 interactive, 1 standard, 2 batch): each has its own TTFT correction.
             reserve: requests to keep room for on the decode worker (``tpot_reserved_s``).
+            running: the batch prefilling there now (any tier), started ``running_elapsed_s`` seconds ago.
+            arrivals: work dispatched to that prefill worker in the last ``arrivals_window_s`` seconds.
+            prefill_worker: its index, for the worker's speed (:meth:`prefill_scale`).
         """
-        queue = self.queue_seconds(ahead) + (self.in_progress_seconds(looser) if looser is not None else 0.0)
-        base = queue + self.prefill_seconds(tokens, images)
+        scale = self.prefill_scale(prefill_worker)
+        own = scale * self.prefill_seconds(tokens, images)
+        if running is None:
+            queue = scale * (self.queue_seconds(ahead) + (self.in_progress_seconds(looser) if looser is not None else 0.0))
+            base = queue + own
+        else:
+            base = self.through_own_batch(ahead, looser or QueueAhead(0, 0, 0), tokens, images,
+                                          self.remaining_seconds(running, running_elapsed_s, scale), arrivals,
+                                          arrivals_window_s, scale)
+            queue = max(0.0, base - own)
         step = self.decode.predict((1.0, decode_batch, decode_context))
         batch = max(1, decode_batch)
         reserved = self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
@@ -120,8 +194,11 @@ class LatencyPredictor:
                           step * self.tpot_correction.value, queue, base, step, rank=rank,
                           tpot_reserved_s=reserved * self.tpot_correction.value)
 
-    def observe_prefill(self, tokens: int, images: int, seconds: float) -> None:
-        """One measured prefill batch (encode + prefill), in seconds."""
+    def observe_prefill(self, tokens: int, images: int, seconds: float, worker: int | None = None) -> None:
+        """One measured prefill batch (encode + prefill) of prefill worker ``worker``, in seconds."""
+        if worker is not None:
+            speed = self.prefill_speed.setdefault(worker, RatioCorrection(half_life_s=60.0, grace_s=30.0))
+            speed.observe(seconds, self.prefill_seconds(tokens, images))
         self.prefill.observe((1.0, tokens, images), seconds)
 
     def observe_decode(self, batch: int, context: int, seconds: float) -> None:
@@ -162,7 +239,8 @@ class LatencyPredictor:
         return {
             "prefill": {"s_per_batch": self.prefill.coefficients[0], "s_per_token": self.prefill.coefficients[1],
                         "s_per_image": self.prefill.coefficients[2], "observations": self.prefill.num_observations,
-                        "age_s": age(self.prefill)},
+                        "age_s": age(self.prefill),
+                        "worker_speed": {str(i): round(c.value, 4) for i, c in sorted(self.prefill_speed.items())}},
             "decode": {"s_per_step": self.decode.coefficients[0], "s_per_request": self.decode.coefficients[1],
                        "s_per_context_token": self.decode.coefficients[2],
                        "observations": self.decode.num_observations, "age_s": age(self.decode)},

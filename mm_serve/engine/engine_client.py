@@ -82,7 +82,7 @@ class EngineClient:
         self.requests: dict[str, RequestState] = {}
         self.fault_counts: Counter[tuple[str, str]] = Counter()
         self.finish_listeners: list[Callable[[RequestState], None]] = []  # called on the receiver thread
-        self.step_listeners: list[Callable[[str, messages.StepTiming], None]] = []  # (role, timing), same thread
+        self.step_listeners: list[Callable[[str, int, messages.StepTiming], None]] = []  # (role, index, timing), same thread
         self.router: Router | None = None
         self._flights: dict[str, Flight] = {}  # request id -> flight
         self._wire: dict[str, Flight] = {}  # wire id of the current attempt -> flight
@@ -424,7 +424,11 @@ class EngineClient:
                 self._on_update(msg.role, update)
             if msg.step is not None:
                 for listener in self.step_listeners:
-                    listener(msg.role, msg.step)
+                    listener(msg.role, msg.index, msg.step)
+        elif isinstance(msg, messages.PrefillStarted):
+            with self._lock:
+                if self.router is not None:
+                    self.router.batch_started(msg.index, msg.request_ids)
         elif isinstance(msg, messages.WorkerStats):
             self._on_stats(msg)
         elif isinstance(msg, messages.WorkerReady):

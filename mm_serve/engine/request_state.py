@@ -34,6 +34,7 @@ class RequestState:
         self.events: dict[str, float] = {}
         self.listener: Callable[[RequestState], None] | None = None
         self.arrival_time = time.monotonic()  # the submitter may set an earlier time (HTTP receipt)
+        self.submitted_at = self.arrival_time  # monotonic, when the engine client took it (made just before dispatch)
         self.first_token_time: float | None = None  # monotonic, first output token received here
         self.token_times: list[float] = []  # monotonic receipt time of each output token
         self.finish_time: float | None = None

@@ -178,6 +178,15 @@ class TokenBatch(msgspec.Struct, tag=True):
     step: StepTiming | None = None
 
 
+class PrefillStarted(msgspec.Struct, tag=True):
+    """A prefill worker started a batch: the front end's latency predictor then knows how much
+    of it is left when a new request arrives (it is not preempted)."""
+
+    role: str
+    index: int
+    request_ids: list[str]  # the batch's requests (their prefill runs from now)
+
+
 class RequestFailed(msgspec.Struct, tag=True):
     """A worker could not serve a request (it is finished with an error)."""
 
@@ -195,7 +204,7 @@ class HandoffFailed(msgspec.Struct, tag=True):
 
 ToPrefill = PrefillRequest | AbortRequest | Shutdown | StatsQuery | ReplaceRing
 ToDecode = AbortRequest | Shutdown | StatsQuery | ReplaceRing
-FromWorker = WorkerReady | WorkerStats | TokenBatch | RequestFailed | HandoffFailed
+FromWorker = WorkerReady | WorkerStats | TokenBatch | PrefillStarted | RequestFailed | HandoffFailed
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -13,11 +13,18 @@ import pytest
 
 from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.online_fit import OnlineLinearFit
-from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
+from mm_serve.admission.predictor import (
+    DEFAULT_OVERHEAD_S,
+    OVERHEAD_WEIGHT,
+    LatencyPredictor,
+    Prediction,
+    QueueAhead,
+)
 from mm_serve.admission.ratio_correction import RatioCorrection
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
+from mm_serve.engine.request_state import RequestState
 from mm_serve.planner.errors import ProfileError
 from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
@@ -190,8 +197,8 @@ def test_measured_steps_refit_the_predictor() -> None:
     controller = AdmissionController(load_config(None))
     for i in range(40):
         tokens = 100 + 97 * i
-        controller.on_step("prefill", messages.StepTiming("prefill", 0.01 + 1e-4 * tokens, 2, tokens))
-        controller.on_step("decode", messages.StepTiming("decode", 0.02 + 0.001 * (i % 8), 1 + i % 8, 500 * (1 + i % 5)))
+        controller.on_step("prefill", 0, messages.StepTiming("prefill", 0.01 + 1e-4 * tokens, 2, tokens))
+        controller.on_step("decode", 0, messages.StepTiming("decode", 0.02 + 0.001 * (i % 8), 1 + i % 8, 500 * (1 + i % 5)))
     assert controller.predictor.prefill_seconds(2000, 0) == pytest.approx(0.21, rel=0.05)
     report = controller.predictor.report()
     assert report["prefill"]["observations"] == 40 and report["decode"]["observations"] == 40  # type: ignore[index]
@@ -405,3 +412,81 @@ def test_the_time_a_call_has_already_waited_counts_in_its_ttft() -> None:
     controller.precheck(_TwoPrefillClient(two), interactive, 16)  # type: ignore[arg-type]
     with pytest.raises(Rejection):
         controller.precheck(_TwoPrefillClient(two), interactive, 16, waited_s=0.9)  # type: ignore[arg-type]
+
+
+def test_with_the_batch_in_progress_known_ttft_is_its_rest_then_the_batches_up_to_its_own() -> None:
+    """A prefill worker that reports its batches: the new request waits for what is left of the
+    batch in progress (the fit's seconds for it less the time it has run), then for the full
+    batches of work ahead, then its own batch, which also takes the looser work queued and the
+    work expected to arrive until it starts, up to the batch size (the scheduler's mates)."""
+    predictor = LatencyPredictor(prefill_batch_size=4, prefill_token_budget=10_000)
+    c, per_token, per_image = predictor.prefill.coefficients
+
+    def seconds(tokens: float, images: float) -> float:
+        return c + per_token * tokens + per_image * images
+
+    running = QueueAhead(2, 400, 2)
+    rest = seconds(400, 2) - 0.001
+    assert predictor.remaining_seconds(running, 0.001) == pytest.approx(rest)
+    assert predictor.remaining_seconds(running, 10.0) == 0.0  # over its prediction: about to end
+    assert predictor.remaining_seconds(running, 0.001, scale=2.0) == pytest.approx(2 * seconds(400, 2) - 0.001)
+    # 5 ahead: one full batch of 4, then its own batch with the fifth, itself and 2 of the 3 looser
+    ahead, looser = QueueAhead(5, 1000, 5), QueueAhead(3, 300, 0)
+    p = predictor.predict(ahead, 250, 1, 1, 250, looser, rank=1, running=running, running_elapsed_s=0.001)
+    full_batch = seconds(800, 4)
+    own_batch = seconds(200 + 250 + 200, 1 + 1)
+    assert p.ttft_base_s == pytest.approx(rest + full_batch + own_batch)
+    assert p.ttft_s == pytest.approx(p.ttft_base_s + predictor.overhead_s)
+    assert p.queue_s == pytest.approx(p.ttft_base_s - seconds(250, 1))
+    # nothing ahead or running: its batch starts now, so nothing arrives to join it
+    alone = predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250, QueueAhead(0, 0, 0), running=QueueAhead(0, 0, 0),
+                              arrivals=QueueAhead(50, 12_500, 50), arrivals_window_s=5.0)
+    assert alone.ttft_base_s == pytest.approx(seconds(250, 1))
+    # 10 req/s arriving while the batch in progress ends: about rest * 10 of them join its batch
+    joined = predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250, QueueAhead(0, 0, 0), running=running,
+                               running_elapsed_s=0.001, arrivals=QueueAhead(50, 12_500, 50), arrivals_window_s=5.0)
+    expected = rest * 10
+    assert joined.ttft_base_s == pytest.approx(rest + seconds(250 + 250 * expected, 1 + expected))
+
+
+def test_each_prefill_worker_learns_its_own_speed() -> None:
+    """Prefill worker 1 shares its core with the decode worker and runs its batches 1.7x as long
+    as worker 0: the shared fit learns the shape, each worker's speed how much slower it is
+    than the fit, and its predictions scale with it (TTFT and the rest of its batch in progress)."""
+    predictor = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096)
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens = rng.choice((250, 500, 750))
+        worker = rng.randrange(2)
+        predictor.observe_prefill(tokens, tokens // 250, (0.005 + 4e-4 * tokens) * (1.7 if worker else 1.0), worker)
+    ratio = predictor.prefill_scale(1) / predictor.prefill_scale(0)
+    assert ratio == pytest.approx(1.7, rel=0.1)
+    assert predictor.prefill_scale(None) == 1.0 and predictor.prefill_scale(7) == 1.0  # not measured: the fit
+    on = {w: predictor.predict(QueueAhead(1, 250, 1), 250, 1, 1, 250, running=QueueAhead(0, 0, 0), prefill_worker=w)
+          for w in (0, 1)}
+    assert on[1].ttft_base_s / on[0].ttft_base_s == pytest.approx(ratio)
+    assert predictor.prefill_scale(0) * predictor.prefill_seconds(500, 2) == pytest.approx(0.205, rel=0.1)
+    speeds = predictor.report()["prefill"]["worker_speed"]  # type: ignore[index]
+    assert set(speeds) == {"0", "1"} and speeds["1"] > speeds["0"]  # type: ignore[operator]
+
+
+def test_a_finished_request_teaches_the_span_from_its_dispatch_to_its_first_token() -> None:
+    """What the prediction's queue + prefill part stands for is measured from the request's
+    dispatch to its first token here (the batch in progress ahead of it, its own batch, both
+    messages), not from when its worker read it: the correction learns that ratio and the
+    overhead learns the time between its arrival and its dispatch less the wait already counted."""
+    controller = AdmissionController(load_config(None))
+    prediction = dataclasses.replace(controller.predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250), waited_s=0.01)
+    state = RequestState("r", 10, None)  # type: ignore[arg-type]
+    state.prediction = prediction
+    state.arrival_time, state.submitted_at = 100.0, 100.03
+    state.first_token_time = 100.03 + 2.0 * prediction.ttft_base_s
+    state.events = {"prefill_queued": 5.0, "prefill_end": 5.001}  # the worker read it late: not what counts
+    controller.on_finished(state)
+    correction = controller.predictor.ttft_corrections[prediction.rank]
+    assert correction.num_observations == 1 and correction.value == pytest.approx(2.0 ** correction.weight)
+    overhead = DEFAULT_OVERHEAD_S + OVERHEAD_WEIGHT * (0.02 - DEFAULT_OVERHEAD_S)
+    assert controller.predictor.overhead_s == pytest.approx(overhead)
+    state.events = {}  # never prefilled (failed before): nothing learned
+    controller.on_finished(state)
+    assert correction.num_observations == 1

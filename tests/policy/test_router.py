@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mm_serve.prefix_index import PrefixIndex
-from mm_serve.router import Router
+from mm_serve.router import ARRIVAL_WINDOW_S, Router
 from tests.policy.factories import make_router
 
 
@@ -220,3 +222,38 @@ def test_looser_requests_past_their_max_wait_count_ahead_in_the_view() -> None:
     for request_id in ("std", "never"):
         router.finished(request_id)
     assert router._ages_at == [{}] and router.queued() == (0, 0)
+
+
+def test_a_reported_batch_in_progress_leaves_the_queue_and_counts_as_running() -> None:
+    """Once the prefill worker reports a batch started, the view moves its requests out of
+    ``ahead`` and ``looser`` into ``running``, with the seconds since it started; their first
+    tokens empty it. A worker that never reported a batch has ``running`` None."""
+    router = make_router(num_prefill=2, num_decode=1)
+    router.dispatched("i", prefill=0, decode=0, tokens=100, pages=1, rank=0, images=1, now=10.0)
+    router.dispatched("b", prefill=0, decode=0, tokens=40, pages=1, rank=2, now=10.0)
+    router.dispatched("s", prefill=0, decode=0, tokens=60, pages=1, rank=1, now=10.2)
+    assert router.view(1, 1, [0], [0], now=10.3).running is None  # nothing reported yet
+    router.batch_started(0, ["i", "b", "gone"], now=10.25)  # an id it does not know is ignored
+    view = router.view(1, 1, [0], [0], now=10.35)
+    assert view.running is not None and (view.running.requests, view.running.tokens, view.running.images) == (2, 140, 1)
+    assert view.running_elapsed_s == pytest.approx(0.1)
+    assert (view.ahead.requests, view.ahead.tokens) == (1, 60) and view.looser.requests == 0
+    assert router.view(1, 1, [1], [0], now=10.35).running is None  # the other worker reported nothing
+    router.prefilled("i")
+    router.prefilled("b")
+    after = router.view(1, 1, [0], [0], now=10.6)
+    assert after.running is not None and after.running.requests == 0 and after.running_elapsed_s == 0.0
+    assert (after.ahead.requests, after.ahead.tokens) == (1, 60)
+
+
+def test_recent_dispatches_to_the_worker_are_counted_over_the_arrival_window() -> None:
+    """``LoadView.recent`` is the work dispatched to that prefill worker in the last
+    ARRIVAL_WINDOW_S seconds (its arrival rate), whether or not it is still queued."""
+    router = make_router(num_prefill=1, num_decode=1)
+    router.dispatched("a", prefill=0, decode=0, tokens=100, pages=1, images=1, now=0.0)
+    router.dispatched("b", prefill=0, decode=0, tokens=50, pages=1, now=ARRIVAL_WINDOW_S - 1.0)
+    router.prefilled("a")
+    recent = router.view(1, 1, [0], [0], now=ARRIVAL_WINDOW_S - 0.5).recent
+    assert (recent.requests, recent.tokens, recent.images) == (2, 150, 1)
+    recent = router.view(1, 1, [0], [0], now=ARRIVAL_WINDOW_S + 0.5).recent  # "a" fell out of the window
+    assert (recent.requests, recent.tokens, recent.images) == (1, 50, 0)
