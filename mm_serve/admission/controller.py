@@ -123,7 +123,7 @@ class AdmissionController:
             return _message("TTFT", tier, prediction.ttft_s, slo, margin), prediction.ttft_s - slo
         with self._lock:
             spread = self.predictor.ttft_corrections[prediction.rank].spread(max(0.5, tier.slo.attainment))
-            overhead = self.predictor.overhead_s
+            overhead = self.predictor.overhead_s + self.predictor.transit_s
         fixed = overhead + prediction.waited_s  # not part of the queue + prefill the spread was measured on
         upper = (prediction.ttft_s - fixed) * spread + fixed
         if upper > slo:

@@ -41,6 +41,7 @@ DEFAULT_DECODE = (0.004, 2e-4, 2e-7)  # s per step, s per running request, s per
 DEFAULT_OVERHEAD_S = 0.003
 DECODE_FORGETTING = 0.99  # decode steps come 10-100x as often as prefill batches: a longer memory
 OVERHEAD_WEIGHT = 0.1  # weight of a new TTFT residual in the overhead average
+TRANSIT_WEIGHT = 0.1  # weight of a new idle request's span less its prefill in the transit average
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,10 @@ class LatencyPredictor:
         self.prefill_speed: dict[int, RatioCorrection] = {}
         self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0), forgetting=DECODE_FORGETTING)
         self.overhead_s = DEFAULT_OVERHEAD_S
+        # the messages from dispatch to first token and the worker's wake-up: a request that found
+        # its prefill worker idle measures it as its span less its own prefill (additive: scaling it
+        # with the corrections would make a small model's predictions explode under load)
+        self.transit_s = 0.0
         # measured queue + prefill / the fit's, one per tier rank (interactive waits for looser batches in progress)
         self.ttft_corrections = [RatioCorrection() for _ in TIERS]
         self.tpot_correction = RatioCorrection()  # measured TPOT / the fit's decode step
@@ -190,7 +195,7 @@ class LatencyPredictor:
         batch = max(1, decode_batch)
         reserved = self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
         rank = min(max(rank, 0), len(self.ttft_corrections) - 1)
-        return Prediction(base * self.ttft_corrections[rank].value + self.overhead_s,
+        return Prediction(base * self.ttft_corrections[rank].value + self.transit_s + self.overhead_s,
                           step * self.tpot_correction.value, queue, base, step, rank=rank,
                           tpot_reserved_s=reserved * self.tpot_correction.value)
 
@@ -211,10 +216,15 @@ class LatencyPredictor:
             self.overhead_s += OVERHEAD_WEIGHT * (residual_s - self.overhead_s)
 
     def observe_finished(self, prediction: Prediction, prefill_span_s: float | None, tpot_s: float | None) -> None:
-        """A finished request's measured queue + prefill span and TPOT (seconds; None when not
-        measured) against its prediction: refits the two corrections."""
+        """A finished request's measured span from dispatch to first token and TPOT (seconds; None
+        when not measured) against its prediction: refits the transit (from a request predicted
+        to wait for nothing: its span less its own prefill) and the two corrections (the span
+        less the transit against the queue + prefill part)."""
         if prefill_span_s is not None:
-            self.ttft_corrections[prediction.rank].observe(prefill_span_s, prediction.ttft_base_s)
+            if prediction.queue_s <= 0:
+                residual = max(0.0, prefill_span_s - prediction.ttft_base_s)
+                self.transit_s += TRANSIT_WEIGHT * (residual - self.transit_s)
+            self.ttft_corrections[prediction.rank].observe(prefill_span_s - self.transit_s, prediction.ttft_base_s)
         if tpot_s is not None:
             self.tpot_correction.observe(tpot_s, prediction.tpot_step_s)
 
@@ -245,6 +255,7 @@ class LatencyPredictor:
                        "s_per_context_token": self.decode.coefficients[2],
                        "observations": self.decode.num_observations, "age_s": age(self.decode)},
             "overhead_s": self.overhead_s,
+            "transit_s": self.transit_s,
             "ttft_correction": {name: round(c.value, 4) for name, c in zip(TIERS, self.ttft_corrections,
                                                                               strict=True)},
             "tpot_correction": round(self.tpot_correction.value, 4),

@@ -35,14 +35,19 @@ class SeenImages:
     def count_unseen(self, urls: Iterable[str]) -> int:
         """How many of ``urls`` were not seen before; all of them are remembered from now on
         (a URL repeated within ``urls`` counts once)."""
-        unseen = 0
+        return sum(self.unseen_flags(urls))
+
+    def unseen_flags(self, urls: Iterable[str]) -> list[bool]:
+        """For each of ``urls``, in order, whether it was not seen before (a repeat within
+        ``urls`` is seen); all of them are remembered from now on."""
+        flags = []
         for url in urls:
             digest = hashlib.blake2b(url.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-            if digest in self._digests:
+            flags.append(digest not in self._digests)
+            if not flags[-1]:
                 self._digests.move_to_end(digest)
                 continue
-            unseen += 1
             self._digests[digest] = None
             if len(self._digests) > self.capacity:
                 self._digests.popitem(last=False)
-        return unseen
+        return flags

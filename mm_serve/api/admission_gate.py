@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mm_serve.admission.bounds import check_queues, check_work
 from mm_serve.admission.byte_budget import ByteBudget
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mm_serve.api.context import ServerContext
 
 
+PRECHECK_TEXT_CHARS = 8192  # of each text part, tokenized by the early check (a lower bound: the front end's loop must not stall)
 BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
 PREPROCESS_BYTES = 4 << 20  # the resized, normalised tensor and its intermediates, per image
 
@@ -59,6 +60,26 @@ def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) ->
         images += 1
         total += encoded + decode
     return images, total
+
+
+def uncached_text_floor(messages: Sequence[ChatMessage], unseen: Sequence[bool], tokenizer: Any) -> int:
+    """A lower bound on the prompt tokens, without the chat template's own, that no prefix cache
+    can hold: those of the text after the first image whose ``unseen`` flag (one per
+    ``image_url`` part, in order) is set (a cached prefix ends before it), each text part's first
+    :data:`PRECHECK_TEXT_CHARS` characters tokenized alone, one token less per part (a merge
+    across a part's edge may save one). 0 when no image is unseen."""
+    total, images, after = 0, 0, False
+    for message in messages:
+        content = message.content
+        parts = [("text", content)] if isinstance(content, str) else [
+            ("text", p.text) if p.type == "text" else ("image", "") for p in content or ()]
+        for kind, text in parts:
+            if kind == "image":
+                after = after or unseen[images]
+                images += 1
+            elif after and text:
+                total += max(0, len(tokenizer.encode(text[:PRECHECK_TEXT_CHARS], add_special_tokens=False)) - 1)
+    return total
 
 
 def hold_images(budget: ByteBudget, messages: Sequence[ChatMessage], config: ServiceConfig) -> AbstractContextManager[None]:
@@ -161,25 +182,31 @@ async def hold_call(ctx: ServerContext, client: EngineClient, tier: Tier,
 
 def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Sequence[ChatMessage] = (),
                   arrival: float | None = None) -> None:
-    """Refuse a call on its tier, ``max_tokens`` and the image tokens of its images that no
+    """Refuse a call on its tier, ``max_tokens``, the image tokens of its images that no
     cache can hold (data URIs this process has not been sent before,
-    :class:`~mm_serve.admission.seen_images.SeenImages`), before its images are fetched or
-    decoded, when the queues already rule it out (:meth:`AdmissionController.precheck`); nothing
-    while the engine is not up (the later checks answer that). The call's image URLs are
-    remembered as seen either way.
+    :class:`~mm_serve.admission.seen_images.SeenImages`) and a lower bound on the tokens of its
+    text after the first of them (:func:`uncached_text_floor`), before its images are fetched or decoded, when the queues
+    already rule it out (:meth:`AdmissionController.precheck`); nothing while the engine is not
+    up (the later checks answer that). The call's image URLs are remembered as seen either way.
 
     Raises:
         Rejection: 429 from a predicted SLO miss.
     """
-    unseen = ctx.seen_images.count_unseen(url for url in image_urls(messages) if url.lstrip()[:5].lower() == "data:")
+    urls = list(image_urls(messages))
+    data = [url.lstrip()[:5].lower() == "data:" for url in urls]
+    fresh = iter(ctx.seen_images.unseen_flags(url for url, is_data in zip(urls, data, strict=True) if is_data))
+    flags = [is_data and next(fresh) for is_data in data]  # one per image: a data URI not sent before
+    unseen = sum(flags)
     if not ctx.holder.started or ctx.holder.draining.is_set():
         return
     vision = ctx.holder.model_config.vision
     per_image = 0 if vision is None else vision.num_image_tokens
+    tokens = unseen * per_image
+    if tokens:
+        tokens += uncached_text_floor(messages, flags, ctx.holder.inputs.tokenizer)
     with counted(ctx, tier):
         waited = 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)
-        ctx.admission.precheck(ctx.holder.client, tier, max_tokens, unseen * per_image, unseen if per_image else 0,
-                               waited)
+        ctx.admission.precheck(ctx.holder.client, tier, max_tokens, tokens, unseen if per_image else 0, waited)
 
 
 @contextmanager

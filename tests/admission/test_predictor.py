@@ -16,6 +16,7 @@ from mm_serve.admission.online_fit import OnlineLinearFit
 from mm_serve.admission.predictor import (
     DEFAULT_OVERHEAD_S,
     OVERHEAD_WEIGHT,
+    TRANSIT_WEIGHT,
     LatencyPredictor,
     Prediction,
     QueueAhead,
@@ -483,10 +484,47 @@ def test_a_finished_request_teaches_the_span_from_its_dispatch_to_its_first_toke
     state.first_token_time = 100.03 + 2.0 * prediction.ttft_base_s
     state.events = {"prefill_queued": 5.0, "prefill_end": 5.001}  # the worker read it late: not what counts
     controller.on_finished(state)
-    correction = controller.predictor.ttft_corrections[prediction.rank]
-    assert correction.num_observations == 1 and correction.value == pytest.approx(2.0 ** correction.weight)
+    predictor = controller.predictor
+    base = prediction.ttft_base_s
+    assert prediction.queue_s == 0  # it waited for nothing: its span less its prefill is transit
+    assert predictor.transit_s == pytest.approx(TRANSIT_WEIGHT * base)
+    correction = predictor.ttft_corrections[prediction.rank]
+    measured = (2.0 * base - predictor.transit_s) / base  # the span less the transit, against the base
+    assert correction.num_observations == 1 and correction.value == pytest.approx(measured ** correction.weight)
     overhead = DEFAULT_OVERHEAD_S + OVERHEAD_WEIGHT * (0.02 - DEFAULT_OVERHEAD_S)
-    assert controller.predictor.overhead_s == pytest.approx(overhead)
+    assert predictor.overhead_s == pytest.approx(overhead)
+    later = predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250)
+    assert later.ttft_s == pytest.approx(later.ttft_base_s * correction.value + predictor.transit_s + predictor.overhead_s)
+    queued = predictor.predict(QueueAhead(3, 750, 3), 250, 1, 1, 250)
+    assert queued.queue_s > 0
+    state.prediction, state.first_token_time = queued, 100.03 + queued.ttft_base_s
+    controller.on_finished(state)  # a request that waited: the transit stays, the correction learns
+    assert predictor.transit_s == pytest.approx(TRANSIT_WEIGHT * base) and correction.num_observations == 2
     state.events = {}  # never prefilled (failed before): nothing learned
     controller.on_finished(state)
-    assert correction.num_observations == 1
+    assert correction.num_observations == 2
+
+
+def test_the_early_check_counts_the_text_after_a_new_image_and_never_more_than_the_prompt(tiny_llava: Path) -> None:
+    """The early check's text tokens are a lower bound of what no cache can hold: only the text
+    after the first image never sent before (a cached prefix may hold what comes before it),
+    never more than that text's tokens in the templated prompt."""
+    from mm_serve.api.admission_gate import uncached_text_floor
+    from mm_serve.api.schemas import ChatMessage
+    from mm_serve.engine.input_processor import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llava)
+    question = "What colour is the large circle in the middle of this picture, and what is around it?"
+    messages = [
+        ChatMessage(role="system", content="You are a careful assistant who answers in one sentence."),
+        ChatMessage(role="user", content=[{"type": "text", "text": "Look:"},  # type: ignore[list-item]
+                                          {"type": "image_url", "image_url": {"url": "data:a"}},
+                                          {"type": "text", "text": question}]),
+    ]
+    after = len(tokenizer.encode(question, add_special_tokens=False))
+    assert after > 10
+    assert uncached_text_floor(messages, [True], tokenizer) == after - 1
+    assert uncached_text_floor(messages, [False], tokenizer) == 0  # a seen image: the cache may hold it all
+    rendered = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False),
+                                add_special_tokens=False)
+    assert uncached_text_floor(messages, [True], tokenizer) <= len(rendered)
