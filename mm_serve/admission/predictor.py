@@ -5,8 +5,10 @@ Three affine models (the planner's latency model in miniature, :mod:`mm_serve.pl
 * **prefill batch**: ``seconds = c + a·tokens + b·images`` (image tokens count in ``tokens``;
   ``b`` is the vision tower per image), refitted from each prefill step the workers report;
 * **decode step**: ``seconds = c + a·batch + b·context_tokens``, refitted from each decode step;
-* **overhead**: the front end's share of TTFT (dispatch, messages), an average of
-  measured TTFT minus the measured queue wait and prefill.
+* **overhead**: the front end's share of TTFT before dispatch, an average of measured TTFT
+  minus the span from dispatch to first token; and a **transit**: that span less its own
+  prefill for requests that waited for nothing (messages, the worker's wake-up), added to
+  every prediction unscaled.
 
 Predicted TTFT, on the chosen prefill worker = the rest of the batch prefilling there now
 (workers report each batch's start) + the full batches of the work queued there at the
