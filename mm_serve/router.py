@@ -115,6 +115,7 @@ class Router:
         # None until the worker first reports a batch (colocated workers do not)
         self._batch: list[tuple[set[str], float] | None] = [None] * num_prefill
         self._dispatches: list[deque[tuple[float, int, int]]] = [deque() for _ in range(num_prefill)]  # (when, tokens, images)
+        self._dispatched_work = [PrefillWork() for _ in range(num_prefill)]  # the sum of each deque's entries
         self.max_running = max_running
 
     def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
@@ -175,6 +176,7 @@ class Router:
         self._prefill_of[request_id] = (prefill, tokens, rank, images)
         at = time.monotonic() if now is None else now
         self._dispatches[prefill].append((at, tokens, images))
+        self._dispatched_work[prefill].add(1, tokens, images)
         self._recent(prefill, at)  # drops what fell out of the window
         self.prefill_work[prefill][rank].add(1, tokens, images)
         if rank > 0 and max_wait_s > 0:
@@ -217,13 +219,11 @@ class Router:
 
     def _recent(self, prefill: int, now: float) -> PrefillWork:
         """The work dispatched to ``prefill`` in the :data:`ARRIVAL_WINDOW_S` seconds before ``now``."""
-        log = self._dispatches[prefill]
+        log, work = self._dispatches[prefill], self._dispatched_work[prefill]
         while log and log[0][0] < now - ARRIVAL_WINDOW_S:
-            log.popleft()
-        recent = PrefillWork()
-        for _, tokens, images in log:
-            recent.add(1, tokens, images)
-        return recent
+            _, tokens, images = log.popleft()
+            work.add(-1, tokens, images)
+        return PrefillWork(work.requests, work.tokens, work.images)
 
     def _running(self, prefill: int, cut: int, ahead: PrefillWork, looser: PrefillWork,
                  now: float) -> tuple[PrefillWork | None, float]:

@@ -30,7 +30,7 @@ from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.request_state import RequestState
 from mm_serve.planner.profile_file import load_profile
-from mm_serve.router import ARRIVAL_WINDOW_S, LoadView
+from mm_serve.router import ARRIVAL_WINDOW_S, LoadView, PrefillWork
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 
@@ -72,15 +72,12 @@ class AdmissionController:
 
     def _predict_on(self, view: LoadView, tier: Tier, tokens: int, images: int, context: int) -> Prediction:
         """The prediction for ``tokens`` and ``images`` left to compute on the workers of ``view``."""
-        ahead = QueueAhead(view.ahead.requests, view.ahead.tokens, view.ahead.images)
-        looser = QueueAhead(view.looser.requests, view.looser.tokens, view.looser.images)
-        running = None if view.running is None else \
-            QueueAhead(view.running.requests, view.running.tokens, view.running.images)
+        running = None if view.running is None else _work(view.running)
         with self._lock:
-            prediction = self.predictor.predict(ahead, tokens, images, view.decode_batch + 1, context, looser,
-                                                tier.rank, DECODE_RESERVE, running, view.running_elapsed_s,
-                                                QueueAhead(view.recent.requests, view.recent.tokens, view.recent.images),
-                                                ARRIVAL_WINDOW_S, view.prefill)
+            prediction = self.predictor.predict(_work(view.ahead), tokens, images, view.decode_batch + 1, context,
+                                                _work(view.looser), tier.rank, DECODE_RESERVE, running,
+                                                view.running_elapsed_s, _work(view.recent), ARRIVAL_WINDOW_S,
+                                                view.prefill)
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 
@@ -286,6 +283,11 @@ class AdmissionController:
 
 
 P = TypeVar("P", Prediction, Prediction | None)
+
+
+def _work(work: PrefillWork) -> QueueAhead:
+    """The router's count of prefill work as the predictor takes it."""
+    return QueueAhead(work.requests, work.tokens, work.images)
 
 
 def _waited(prediction: P, waited_s: float) -> P:
