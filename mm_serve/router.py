@@ -3,10 +3,13 @@
 * Prefill: with ``cache_aware`` routing (the default; SGLang's ``cache_aware`` policy is the
   reference), the worker believed to hold the longest cached prefix of the request
   (:class:`~mm_serve.prefix_index.PrefixIndex`: its hits on the images of that prefix too),
-  unless its queued tokens exceed the least-queued worker's by more than ``balance_tokens``;
+  unless its queued work exceeds the least-queued worker's by more than ``balance_tokens``;
   otherwise, and with ``least_queued`` routing, the worker with the least queued work. Queued
   work is in prompt tokens left to compute (image tokens included, a cached prefix not),
-  counted from dispatch until the first token comes back. Keeping a conversation on one
+  counted from dispatch until the first token comes back, the request's own tokens added, and
+  weighed by each worker's speed (:meth:`Router.set_prefill_speed`: a worker that shares its
+  core with a decode worker runs its batches slower, and an equal share of tokens would make it
+  the bottleneck): the worker that would finish the request first. Keeping a conversation on one
   worker keeps its later turns' hits there too. The queued
   work is also kept per SLO tier rank (:class:`PrefillWork`), for the admission
   controller's prediction of the wait ahead of a new request; a looser request that has
@@ -26,6 +29,7 @@ that is restarting or down gets nothing.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -117,24 +121,39 @@ class Router:
         self._dispatches: list[deque[tuple[float, int, int]]] = [deque() for _ in range(num_prefill)]  # (when, tokens, images)
         self._dispatched_work = [PrefillWork() for _ in range(num_prefill)]  # the sum of each deque's entries
         self.max_running = max_running
+        # per prefill worker: seconds per token relative to the others (1.0 until measured)
+        self.prefill_speed = [1.0] * num_prefill
 
-    def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = ()) -> int:
-        """Index of the prefill worker for a request whose full pages hash to ``page_hashes``,
-        among ``candidates`` (default: all): see the module docstring; the fewest queued
-        tokens, lowest index on ties, when no candidate holds a prefix or routing is not
-        cache-aware.
+    def set_prefill_speed(self, index: int, factor: float) -> None:
+        """Tell the router that prefill worker ``index`` runs its batches ``factor`` times slower
+        than a reference (only the ratios between workers matter; the admission controller
+        passes its per-worker speed correction, refitted from every prefill batch). A factor
+        that is not a positive finite number is ignored."""
+        if factor > 0 and math.isfinite(factor):
+            self.prefill_speed[index] = factor
+
+    def _prefill_cost(self, worker: int, tokens: int) -> float:
+        """The work queued on ``worker`` plus ``tokens`` more, in reference-speed tokens."""
+        return (self.prefill_tokens[worker] + tokens) * self.prefill_speed[worker]
+
+    def pick_prefill(self, candidates: Sequence[int] | None = None, page_hashes: Sequence[bytes] = (),
+                     tokens: int = 0) -> int:
+        """Index of the prefill worker for a request of ``tokens`` prompt tokens whose full pages
+        hash to ``page_hashes``, among ``candidates`` (default: all): see the module docstring;
+        the least queued work plus its own at each worker's speed, lowest index on ties, when no
+        candidate holds a prefix or routing is not cache-aware.
 
         Raises:
             ValueError: ``candidates`` is empty.
         """
         pool = range(len(self.prefill_tokens)) if candidates is None else candidates
-        least = min(pool, key=lambda i: (self.prefill_tokens[i], i))
+        least = min(pool, key=lambda i: (self._prefill_cost(i, tokens), i))
         if not self.cache_aware or not page_hashes:
             return least
-        best = max(pool, key=lambda i: (self.prefixes.match(i, page_hashes), -self.prefill_tokens[i], -i))
+        best = max(pool, key=lambda i: (self.prefixes.match(i, page_hashes), -self._prefill_cost(i, tokens), -i))
         if self.prefixes.match(best, page_hashes) == 0:
             return least
-        if self.prefill_tokens[best] - self.prefill_tokens[least] > self.balance_tokens:
+        if self._prefill_cost(best, tokens) - self._prefill_cost(least, tokens) > self.balance_tokens:
             return least
         return best
 
@@ -186,16 +205,16 @@ class Router:
         self._decode_of[request_id] = (decode, rank)
 
     def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int],
-             page_hashes: Sequence[bytes] = (), now: float | None = None) -> LoadView:
-        """The :class:`LoadView` of a request of tier ``rank`` needing ``pages_needed`` decode pages
-        (full pages hashing to ``page_hashes``), among the ``prefills`` and ``decodes`` candidates
+             page_hashes: Sequence[bytes] = (), now: float | None = None, tokens: int = 0) -> LoadView:
+        """The :class:`LoadView` of a request of tier ``rank`` with ``tokens`` prompt tokens needing
+        ``pages_needed`` decode pages (full pages hashing to ``page_hashes``), among the ``prefills`` and ``decodes`` candidates
         (as :meth:`pick_prefill`, :meth:`pick_decode`), at ``now`` (``time.monotonic()`` seconds,
         default the present): looser requests that have aged to rank 0 by then count as ahead. Read-only.
 
         Raises:
             ValueError: a candidate list is empty.
         """
-        prefill = self.pick_prefill(prefills, page_hashes)
+        prefill = self.pick_prefill(prefills, page_hashes, tokens)
         ahead, looser = PrefillWork(), PrefillWork()
         cut = min(max(rank, 0), NUM_RANKS - 1) + 1
         for i, work in enumerate(self.prefill_work[prefill]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -39,6 +39,7 @@ from mm_serve.metrics import (
     cache_health,
     render,
 )
+from mm_serve.runtime import messages
 from mm_serve.tier_metrics import TierMetrics
 
 UPLOAD_OVERHEAD_BYTES = 1 << 20
@@ -88,7 +89,7 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     ctx.holder.client.finish_listeners.append(metrics.observe_finished)
     ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)
     ctx.holder.client.finish_listeners.extend([ctx.tier_metrics.observe_finished, ctx.admission.on_finished])
-    ctx.holder.client.step_listeners.append(ctx.admission.on_step)
+    ctx.holder.client.step_listeners.extend([ctx.admission.on_step, _route_by_speed(ctx)])
     install_error_handlers(app, metrics.observe_rejected)
     upload_limit = (ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_bytes, plus 1 MiB of form")
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes,
@@ -163,3 +164,15 @@ def _held(ctx: ServerContext) -> dict[str, int]:
     requests, tokens = ctx.dispatch_hold.queued()
     return {"requests_waiting": requests, "prompt_tokens_waiting": tokens, "calls_held": ctx.dispatch_hold.num_held,
             "released_by_time": ctx.dispatch_hold.num_released_by_time}
+
+
+def _route_by_speed(ctx: ServerContext) -> Callable[[str, int, messages.StepTiming], None]:
+    """A step listener that passes the predictor's refitted speed of each prefill worker to the
+    router after each of its batches (the router then weighs the work queued on each worker by it)."""
+
+    def listener(role: str, index: int, step: messages.StepTiming) -> None:
+        router = ctx.holder.client.router
+        if step.kind == "prefill" and role in ("prefill", "colocated") and router is not None:
+            router.set_prefill_speed(index, ctx.admission.predictor.prefill_scale(index))
+
+    return listener

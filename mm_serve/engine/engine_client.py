@@ -138,7 +138,8 @@ class EngineClient:
             prefills, decodes = self._ready_candidates()
             if self.router is None or not prefills or not decodes:
                 return None
-            view = self.router.view(rank, pages_for(num_tokens + max_tokens, page_size), prefills, decodes, hashes)
+            view = self.router.view(rank, pages_for(num_tokens + max_tokens, page_size), prefills, decodes, hashes,
+                                    tokens=num_tokens)
             view = dataclasses.replace(view, in_flight=len(self.requests))
         if not view.cached_pages or inputs is None:
             return view
@@ -280,7 +281,7 @@ class EngineClient:
             return
         page_size = self.config.kv_cache.page_size
         n = len(flight.first.prompt_token_ids) + flight.base
-        prefill = self.router.pick_prefill(prefills, flight.page_hashes)
+        prefill = self.router.pick_prefill(prefills, flight.page_hashes, n)
         decode = prefill if self.colocated else self.router.pick_decode(
             pages_for(n + flight.remaining_tokens(), page_size), decodes)
         flight.parked = False

@@ -19,6 +19,8 @@ from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.schemas import ChatMessage
 from mm_serve.config import load_config
 from mm_serve.media.image_loading import declared_size
+from mm_serve.router import Router
+from mm_serve.runtime import messages
 from tests.api.server_process import data_uri
 from tests.factories import gradient_image
 
@@ -102,3 +104,26 @@ def test_small_data_uri_images_reserve_by_their_declared_size() -> None:
     assert reserved("data:image/png;base64,AAAA") == len("data:image/png;base64,AAAA") + reserve
     assert reserved("http://127.0.0.1/x.png") == cfg.api.max_image_fetch_bytes + reserve
     assert declared_size(small) == (64, 48) and declared_size("data:image/png,notbase64") is None
+
+
+def test_the_router_weighs_prefill_workers_by_the_speed_the_predictor_measures(tiny_llava: Path) -> None:
+    """The app's step listeners pass each prefill worker's measured speed to the router: after
+    worker 1's batches take twice worker 0's time for the same work, an equal queue goes to 0."""
+    cfg = load_config(None, {"model": str(tiny_llava)})
+    ctx = ServerContext(holder=EngineHolder(tiny_llava, cfg), config=cfg, served_model_name="tiny")
+    build_app(ctx, start_engine=False)
+    client = ctx.holder.client
+    client.router = Router(2, 1, 64, 8)  # what start() builds once the workers are ready
+    client.router.dispatched("a", prefill=0, decode=0, tokens=100, pages=1)
+    client.router.dispatched("b", prefill=1, decode=0, tokens=60, pages=1)
+    assert client.router.pick_prefill(tokens=50) == 1  # not measured yet: 150 against 110 tokens
+    for _ in range(40):
+        for index, seconds in ((0, 0.1), (1, 0.2)):
+            step = messages.StepTiming("prefill", seconds, requests=1, tokens=200, images=0)
+            for listener in client.step_listeners:  # as the receiver thread calls them
+                listener("prefill", index, step)
+    predictor = ctx.admission.predictor
+    speeds = client.router.prefill_speed
+    assert speeds == [predictor.prefill_scale(0), predictor.prefill_scale(1)]
+    assert speeds[1] / speeds[0] == pytest.approx(2.0, rel=0.1)
+    assert client.router.pick_prefill(tokens=50) == 0  # 150 against 110 x 2 at worker 0's speed

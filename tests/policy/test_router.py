@@ -26,6 +26,34 @@ def test_pick_prefill_is_the_fewest_queued_tokens_lowest_index_on_ties() -> None
     assert router.pick_prefill() == 1  # 1 and 2 tie at 50
 
 
+def test_a_slower_prefill_worker_gets_work_in_proportion_to_its_speed() -> None:
+    """Queued work (plus the request's own) is weighed by each worker's speed: a worker twice
+    as slow is picked only while its queue is under half of the fast one's."""
+    router = make_router(num_prefill=2, num_decode=1)
+    router.set_prefill_speed(1, 2.0)
+    assert router.pick_prefill(tokens=100) == 0  # both idle: the fast one finishes first
+    router.dispatched("a", prefill=0, decode=0, tokens=100, pages=1)
+    assert router.pick_prefill(tokens=100) == 0  # (100 + 100) x 1 = 200 vs 100 x 2 = 200: the lower index
+    router.dispatched("b", prefill=0, decode=0, tokens=60, pages=1)
+    assert router.pick_prefill(tokens=100) == 1  # 260 vs 200
+    router.dispatched("c", prefill=1, decode=0, tokens=100, pages=1)
+    assert router.pick_prefill(tokens=100) == 0  # 260 vs 400
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        router.set_prefill_speed(1, bad)  # ignored
+    assert router.prefill_speed == [1.0, 2.0]
+    router.set_prefill_speed(1, 0.5)
+    assert router.pick_prefill(tokens=100) == 1  # 260 vs 100
+
+
+def test_the_load_view_is_of_the_worker_that_would_finish_the_request_first() -> None:
+    router = make_router(num_prefill=2, num_decode=1)
+    router.dispatched("a", prefill=0, decode=0, tokens=300, pages=1)
+    router.set_prefill_speed(1, 4.0)
+    assert router.view(0, 1, [0, 1], [0], tokens=50).prefill == 1  # 350 vs 50 x 4 = 200
+    assert router.view(0, 1, [0, 1], [0], tokens=200).prefill == 0  # a long prompt: 500 vs 800
+    assert router.view(0, 1, [1], [0], tokens=200).prefill == 1  # only the candidates
+
+
 def test_prefilled_releases_the_queued_tokens_once() -> None:
     """The first token back releases the request's queued tokens exactly once."""
     router = make_router(num_prefill=2, num_decode=1)
