@@ -89,7 +89,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     ctx.holder.client.finish_listeners.append(metrics.observe_finished)
     ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)
     ctx.holder.client.finish_listeners.extend([ctx.tier_metrics.observe_finished, ctx.admission.on_finished])
-    ctx.holder.client.step_listeners.extend([ctx.admission.on_step, _route_by_speed(ctx)])
+    ctx.holder.client.step_listeners.append(ctx.admission.on_step)
+    if ctx.config.scheduler.prefill_speed_routing:
+        ctx.holder.client.step_listeners.append(_route_by_speed(ctx))
     install_error_handlers(app, metrics.observe_rejected)
     upload_limit = (ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_bytes, plus 1 MiB of form")
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes,

@@ -106,10 +106,12 @@ def test_small_data_uri_images_reserve_by_their_declared_size() -> None:
     assert declared_size(small) == (64, 48) and declared_size("data:image/png,notbase64") is None
 
 
-def test_the_router_weighs_prefill_workers_by_the_speed_the_predictor_measures(tiny_llava: Path) -> None:
+@pytest.mark.parametrize("on", [True, False])
+def test_the_router_weighs_prefill_workers_by_the_speed_the_predictor_measures(tiny_llava: Path, on: bool) -> None:
     """The app's step listeners pass each prefill worker's measured speed to the router: after
-    worker 1's batches take twice worker 0's time for the same work, an equal queue goes to 0."""
-    cfg = load_config(None, {"model": str(tiny_llava)})
+    worker 1's batches take twice worker 0's time for the same work, a shorter queue there no
+    longer wins (unless ``scheduler.prefill_speed_routing`` is off)."""
+    cfg = load_config(None, {"model": str(tiny_llava), "scheduler.prefill_speed_routing": on})
     ctx = ServerContext(holder=EngineHolder(tiny_llava, cfg), config=cfg, served_model_name="tiny")
     build_app(ctx, start_engine=False)
     client = ctx.holder.client
@@ -124,6 +126,10 @@ def test_the_router_weighs_prefill_workers_by_the_speed_the_predictor_measures(t
                 listener("prefill", index, step)
     predictor = ctx.admission.predictor
     speeds = client.router.prefill_speed
+    assert predictor.prefill_scale(1) / predictor.prefill_scale(0) == pytest.approx(2.0, rel=0.1)  # measured either way
+    if not on:
+        assert speeds == [1.0, 1.0] and client.router.pick_prefill(tokens=50) == 1
+        return
     assert speeds == [predictor.prefill_scale(0), predictor.prefill_scale(1)]
     assert speeds[1] / speeds[0] == pytest.approx(2.0, rel=0.1)
     assert client.router.pick_prefill(tokens=50) == 0  # 150 against 110 x 2 at worker 0's speed
