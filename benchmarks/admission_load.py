@@ -13,7 +13,8 @@ times.
 
 For each (admission, load) it prints, per tier, the share refused and the attainment of
 the admitted requests; the rate of SLO-meeting requests (all tiers) against the 1x
-goodput; the refusal latency (median / p99 / max); and the median relative error
+goodput; the refusal latency (median / p99 / max) as the client measured it and as the server
+timed it (its ``Server-Timing: app;dur`` header); and the median relative error
 ``|predicted - measured| / measured`` of the TTFT of admitted requests (the prediction
 is the server's ``x-mm-serve-predicted-ttft-ms`` header, the measurement the client's
 first content chunk). Writes ``admission.json`` (figures and every request) and, with
@@ -79,6 +80,7 @@ class Outcome:
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
     first_gap_s: float | None = None  # first to second token: the hand-off and the wait for a decode slot
+    server_ms: float | None = None  # the server's Server-Timing app;dur: its arrival to the response's start
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome
             out.predicted_ttft_s = None if header is None else float(header) / 1000
             header = r.headers.get("x-mm-serve-predicted-tpot-ms")
             out.predicted_tpot_s = None if header is None else float(header) / 1000
+            out.server_ms = server_timing_ms(r.headers.get("server-timing"))
             async for line in r.aiter_lines():
                 if r.status_code == 200 and not take_chunk(line, rec, time.monotonic()):
                     break
@@ -113,6 +116,15 @@ async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome
         out.ttft_s, out.tpot_s = rec.ttft_s, rec.tpot_s
         out.first_gap_s = rec.itls_s[0] if len(rec.chunk_s) > 1 else None
     return out
+
+
+def server_timing_ms(header: str | None) -> float | None:
+    """The ``dur`` of the ``app`` entry of a ``Server-Timing`` header, in ms (None without one)."""
+    for entry in (header or "").split(","):
+        name, _, params = entry.strip().partition(";")
+        if name == "app" and params.startswith("dur="):
+            return float(params[4:])
+    return None
 
 
 async def send_plan(url: str, plan: list[PlannedRequest]) -> list[Outcome]:
@@ -148,12 +160,16 @@ def summarize(outcomes: list[Outcome], slo: dict[str, tuple[float, float]], dura
             "median_ttft_prediction_error": statistics.median(tier_errors) if tier_errors else None,
         }
     refusal_ms = sorted(1000 * o.elapsed_s for o in outcomes if o.status in (429, 503))
+    server_ms = sorted(o.server_ms for o in outcomes if o.status in (429, 503) and o.server_ms is not None)
     errors = _ttft_errors(outcomes)
     return {
         "tiers": per_tier,
         "slo_meeting_rate": sum(met(o, slo) for o in outcomes) / duration_s,
         "refusal_ms": {"p50": _pct(refusal_ms, 0.5), "p99": _pct(refusal_ms, 0.99),
-                       "max": refusal_ms[-1] if refusal_ms else None},
+                       "max": refusal_ms[-1] if refusal_ms else None, "over_50": sum(1 for x in refusal_ms if x > 50)},
+        # the same refusals as the server timed them (arrival at the application to the response's start)
+        "refusal_server_ms": {"p50": _pct(server_ms, 0.5), "p99": _pct(server_ms, 0.99),
+                              "max": server_ms[-1] if server_ms else None},
         "median_ttft_prediction_error": statistics.median(errors) if errors else None,
         "other_failures": sum(1 for o in outcomes if o.status not in (200, 429, 503)),
     }
@@ -292,6 +308,9 @@ def _line(r: dict[str, Any], goodput: float) -> str:
                      f"err {'-' if err is None else f'{100 * err:.0f}%'}")
     err, refusal = r["median_ttft_prediction_error"], r["refusal_ms"]
     refusals = "-" if refusal["max"] is None else f"{refusal['p50']:.0f}/{refusal['p99']:.0f}/{refusal['max']:.0f} ms"
+    inside = r.get("refusal_server_ms") or {}
+    if inside.get("max") is not None:
+        refusals += f" (server-side {inside['p50']:.0f}/{inside['p99']:.0f}/{inside['max']:.0f} ms)"
     server = r.get("server_attainment")
     parts.append(f"server-side att {'-' if server is None else f'{100 * server:.0f}%'}")
     return (" | ".join(parts) + f" | SLO-meeting {r['slo_meeting_rate']:.2f} req/s "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,17 @@ def test_the_router_weighs_prefill_workers_by_the_speed_the_predictor_measures(t
     assert speeds == [predictor.prefill_scale(0), predictor.prefill_scale(1)]
     assert speeds[1] / speeds[0] == pytest.approx(2.0, rel=0.1)
     assert client.router.pick_prefill(tokens=50) == 0  # 150 against 110 x 2 at worker 0's speed
+
+
+@pytest.mark.parametrize("body", [_chat(n=16, max_tokens=100), {"model": "tiny"}, _chat()])
+def test_every_response_says_how_long_the_application_took_in_server_timing(unstarted: TestClient,
+                                                                            body: dict[str, Any]) -> None:
+    """A refusal (400 over the work limit), a validation error and a 503 all carry
+    ``Server-Timing: app;dur=MS``: the milliseconds from arrival to the response's start,
+    no more than the client measured around the call."""
+    start = time.monotonic()
+    r = unstarted.post("/v1/chat/completions", json=body)
+    client_ms = 1000 * (time.monotonic() - start)
+    assert r.status_code in (400, 503)
+    name, _, dur = r.headers["server-timing"].partition(";dur=")
+    assert name == "app" and 0.0 <= float(dur) <= client_ms
