@@ -79,7 +79,7 @@ class SchedulerConfig(_Frozen):
     ring_buffer_size: int = Field(16, ge=2, le=1 << 16, description="Hand-off ring slots per (prefill, decode) pair; a power of two.")
     prefill_chunk_tokens: int = Field(_E.prefill_chunk_tokens, strict=True, ge=0, le=1 << 20, description="A prompt with more tokens than this is prefilled in chunks of this size, one per prefill step, so shorter requests behind it wait for one chunk, not the whole prompt (chunked prefill; prefill workers). 0 never splits.")
     prefill_routing: Literal["cache_aware", "least_queued"] = Field("cache_aware", description="How the router picks a prefill worker: 'cache_aware' prefers the worker holding the longest cached prefix of the request (SGLang's cache_aware policy) unless it is much busier; 'least_queued' takes the one with the fewest queued prompt tokens.")
-    prefill_speed_routing: bool = Field(True, description="Weigh each prefill worker's queued work by its measured speed (the admission predictor's per-worker factor), so the router picks the worker that would finish the request first; false: plain queued tokens.")
+    prefill_speed_routing: bool = Field(True, strict=True, description="Weigh each prefill worker's queued work by its measured speed (the admission predictor's per-worker factor), so the router picks the worker that would finish the request first; false: plain queued tokens.")
     cache_aware_balance_tokens: int = Field(2048, strict=True, ge=0, le=1 << 24, description="cache_aware routing: the worker with the longest cached prefix is passed over when its queued prompt tokens (plus the request's own, weighed by each worker's measured speed) exceed the least-queued worker's by more than this.")
 
     @field_validator("ring_buffer_size")
