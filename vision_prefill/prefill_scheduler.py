@@ -6,7 +6,7 @@ beyond that, batching adds latency without throughput. The budget
 
 Order: the queue is read by ``(rank, arrival)``, where ``rank`` is the request's tier
 (``Request.priority``: 0 interactive, 1 standard, 2 batch), except that a request
-waiting longer than its own ``max_wait_s`` (its tier's TTFT SLO) counts as rank 0
+waiting longer than its own ``max_wait_s`` (:func:`mm_serve.admission.tiers.ageing_seconds`) counts as rank 0
 (ageing: a batch request cannot starve behind a stream of interactive ones). Within a
 rank, arrival order (FCFS). The first request in that order always runs next; later
 ones join its batch only if they are in the same length bucket (similar lengths waste

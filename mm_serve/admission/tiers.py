@@ -83,11 +83,28 @@ class Tier:
     name: TierName
     rank: int
     slo: TierSLO
+    # prefill ageing: after this many seconds in a prefill queue it is served as rank 0 (0: never)
+    max_wait_s: float = 0.0
 
-    @property
-    def max_wait_s(self) -> float:
-        """Prefill ageing: after this long in a prefill queue (its TTFT SLO) it is served as rank 0."""
-        return self.slo.ttft_ms / 1000.0 if self.rank > 0 else 0.0
+
+def ageing_seconds(tier: str, slo: SLOConfig) -> float:
+    """Seconds after which a queued prefill request of ``tier`` is served as the tightest tier
+    (rank 0; 0.0 for the tightest tier itself): when what is left of its TTFT SLO is the
+    tightest tier's TTFT SLO, the time a request of that tier is promised; at least half its own
+    TTFT SLO, so a tier whose SLO is close to the tightest one's keeps some precedence.
+
+    From then on it is served in arrival order with the tightest tier's requests: the ones that
+    arrived after it wait for it. A looser request admitted just before a burst of tighter ones
+    otherwise waits for the whole burst (and ageing at its full TTFT SLO, as before 2026-12-03,
+    served it only once it was already late).
+
+    Raises:
+        ValueError: ``tier`` is not one of :data:`TIERS`.
+    """
+    if tier_rank(tier) == 0:
+        return 0.0
+    own, tightest = tier_slo(tier, slo).ttft_ms / 1000.0, tier_slo(TIERS[0], slo).ttft_ms / 1000.0
+    return max(own - tightest, own / 2)
 
 
 def tier_of(service_tier: str | None, slo: SLOConfig) -> Tier:
@@ -97,4 +114,4 @@ def tier_of(service_tier: str | None, slo: SLOConfig) -> Tier:
         ValueError: an unknown value; the message lists the allowed ones.
     """
     name = resolve_tier(service_tier, slo)
-    return Tier(name, tier_rank(name), tier_slo(name, slo))
+    return Tier(name, tier_rank(name), tier_slo(name, slo), ageing_seconds(name, slo))

@@ -70,7 +70,7 @@ class PrefillRequest(msgspec.Struct, tag=True):
     arrival_time: float = 0.0
     output_offset: int = 0
     priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch (lower runs first)
-    max_wait_s: float = 0.0  # queued longer than this (its TTFT SLO), it moves up to rank 0; 0 = never
+    max_wait_s: float = 0.0  # queued longer than this (admission.tiers.ageing_seconds), it moves up to rank 0; 0 = never
     image_hashes: list[bytes] = []  # content hash of each image's pixels (runtime.page_hashes); [] = not hashed
 
 

@@ -7,7 +7,7 @@ import pytest
 from mm_serve.admission.bounds import call_work, check_queues, check_work
 from mm_serve.admission.byte_budget import ByteBudget
 from mm_serve.admission.rejection import Rejection
-from mm_serve.admission.tiers import ALLOWED_VALUES, tier_of, tier_rank
+from mm_serve.admission.tiers import ALLOWED_VALUES, ageing_seconds, tier_of, tier_rank
 from mm_serve.config import AdmissionConfig, ConfigError, SLOConfig, load_config
 
 
@@ -23,7 +23,20 @@ def test_auto_follows_the_default_tier_key() -> None:
     slo = load_config(None, {"slo.default_tier": "batch"}).slo
     chosen = tier_of("auto", slo)
     assert (chosen.name, chosen.rank, chosen.slo.ttft_ms) == ("batch", 2, 60_000)
-    assert chosen.max_wait_s == 60.0 and tier_of("priority", slo).max_wait_s == 0.0
+    assert chosen.max_wait_s == 59.0 and tier_of("priority", slo).max_wait_s == 0.0
+
+
+def test_a_looser_request_ages_when_its_slack_is_the_tightest_tiers_ttft_slo() -> None:
+    """Ageing (served as interactive from then on): own TTFT SLO less the interactive one, so that
+    it still has an interactive request's budget left; at least half its own SLO."""
+    defaults = SLOConfig()  # interactive 1 s, standard 4 s, batch 60 s
+    assert [ageing_seconds(t, defaults) for t in ("interactive", "standard", "batch")] == [0.0, 3.0, 59.0]
+    bench = load_config(None, {"slo.tiers.standard.ttft_ms": 2000, "slo.tiers.standard.tpot_ms": 100}).slo
+    assert tier_of("default", bench).max_wait_s == 1.0
+    close = load_config(None, {"slo.tiers.standard.ttft_ms": 1200, "slo.tiers.standard.tpot_ms": 250}).slo  # 0.2 < 0.6
+    assert ageing_seconds("standard", close) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="unknown tier 'gold'"):
+        ageing_seconds("gold", defaults)
 
 
 def test_an_unknown_service_tier_names_the_allowed_values() -> None:
