@@ -81,6 +81,7 @@ class Outcome:
     predicted_tpot_s: float | None = None
     first_gap_s: float | None = None  # first to second token: the hand-off and the wait for a decode slot
     server_ms: float | None = None  # the server's Server-Timing app;dur: its arrival to the response's start
+    server_phases: dict[str, float] | None = None  # the other Server-Timing metrics: ms of each phase (parse, ...)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome
             out.predicted_ttft_s = None if header is None else float(header) / 1000
             header = r.headers.get("x-mm-serve-predicted-tpot-ms")
             out.predicted_tpot_s = None if header is None else float(header) / 1000
-            out.server_ms = server_timing_ms(r.headers.get("server-timing"))
+            timing = server_timing(r.headers.get("server-timing"))
+            out.server_ms = timing.pop("app", None)
+            out.server_phases = timing or None
             async for line in r.aiter_lines():
                 if r.status_code == 200 and not take_chunk(line, rec, time.monotonic()):
                     break
@@ -118,13 +121,29 @@ async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome
     return out
 
 
-def server_timing_ms(header: str | None) -> float | None:
-    """The ``dur`` of the ``app`` entry of a ``Server-Timing`` header, in ms (None without one)."""
+def server_timing(header: str | None) -> dict[str, float]:
+    """The metrics of a ``Server-Timing`` header that carry a ``dur``, in ms, by name
+    (``app``: arrival to response; the phases the handler marked; empty without the header)."""
+    metrics: dict[str, float] = {}
     for entry in (header or "").split(","):
         name, _, params = entry.strip().partition(";")
-        if name == "app" and params.startswith("dur="):
-            return float(params[4:])
-    return None
+        if params.startswith("dur="):
+            metrics[name] = float(params[4:])
+    return metrics
+
+
+def slow_refusal_phases(refused: list[Outcome], over_ms: float = 50.0) -> dict[str, Any]:
+    """Of the refusals the server took over ``over_ms`` to answer: how many, and for each the
+    phase that took longest (parse: the body read and validated; precheck; media: images decoded;
+    hold; admit; rest: after the last mark), counted by phase."""
+    slow = [o for o in refused if o.server_ms is not None and o.server_ms > over_ms]
+    longest: dict[str, int] = {}
+    for o in slow:
+        phases = dict(o.server_phases or {})
+        phases["rest"] = max(0.0, (o.server_ms or 0.0) - sum(phases.values()))
+        name = max(phases, key=phases.__getitem__)
+        longest[name] = longest.get(name, 0) + 1
+    return {"count": len(slow), "longest_phase": longest}
 
 
 async def send_plan(url: str, plan: list[PlannedRequest]) -> list[Outcome]:
@@ -169,7 +188,8 @@ def summarize(outcomes: list[Outcome], slo: dict[str, tuple[float, float]], dura
                        "max": refusal_ms[-1] if refusal_ms else None, "over_50": sum(1 for x in refusal_ms if x > 50)},
         # the same refusals as the server timed them (arrival at the application to the response's start)
         "refusal_server_ms": {"p50": _pct(server_ms, 0.5), "p99": _pct(server_ms, 0.99),
-                              "max": server_ms[-1] if server_ms else None},
+                              "max": server_ms[-1] if server_ms else None,
+                              "over_50": slow_refusal_phases([o for o in outcomes if o.status in (429, 503)])},
         "median_ttft_prediction_error": statistics.median(errors) if errors else None,
         "other_failures": sum(1 for o in outcomes if o.status not in (200, 429, 503)),
     }
@@ -310,7 +330,12 @@ def _line(r: dict[str, Any], goodput: float) -> str:
     refusals = "-" if refusal["max"] is None else f"{refusal['p50']:.0f}/{refusal['p99']:.0f}/{refusal['max']:.0f} ms"
     inside = r.get("refusal_server_ms") or {}
     if inside.get("max") is not None:
-        refusals += f" (server-side {inside['p50']:.0f}/{inside['p99']:.0f}/{inside['max']:.0f} ms)"
+        refusals += f" (server-side {inside['p50']:.0f}/{inside['p99']:.0f}/{inside['max']:.0f} ms"
+        slow = inside.get("over_50") or {}
+        if slow.get("count"):
+            where = ", ".join(f"{name} {n}" for name, n in sorted(slow["longest_phase"].items(), key=lambda kv: -kv[1]))
+            refusals += f"; {slow['count']} over 50 ms, longest phase: {where}"
+        refusals += ")"
     server = r.get("server_attainment")
     parts.append(f"server-side att {'-' if server is None else f'{100 * server:.0f}%'}")
     return (" | ".join(parts) + f" | SLO-meeting {r['slo_meeting_rate']:.2f} req/s "

@@ -122,6 +122,8 @@ class APIConfig(_Frozen):
     api_key: str | None = None
     allowed_local_media_path: str | None = None
     allowed_media_domains: list[str] = Field(default_factory=list)
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="The API process's event loop (uvicorn's --loop): 'auto' takes uvloop when it is installed (a dependency on Linux and macOS), else asyncio's.")
+    http_parser: Literal["auto", "h11", "httptools"] = Field("auto", description="The API process's HTTP/1.1 implementation (uvicorn's --http): 'auto' takes httptools (C, a dependency) when it is installed, else h11 (pure Python).")
 
 
 class FaultConfig(_Frozen):

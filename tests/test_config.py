@@ -55,6 +55,8 @@ def test_default_yaml_lists_every_key_with_its_default() -> None:
     ("scheduler.prefill_chunk_tokens", 2.5, "valid integer"),
     ("scheduler.cache_aware_balance_tokens", "lots", "valid integer"),
     ("scheduler.prefill_routing", "round_robin", "'cache_aware' or 'least_queued'"),
+    ("api.event_loop", "trio", "'auto', 'asyncio' or 'uvloop'"),
+    ("api.http_parser", "h2", "'auto', 'h11' or 'httptools'"),
 ])
 def test_bad_values_name_key_value_and_rule(key: str, value: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -128,3 +130,23 @@ def test_colocated_llm_checks_the_service_config(tiny_llama) -> None:  # type: i
         LLM(model=tiny_llama, mode="colocated", config=config_from_dict({}, {"compute.prefill_tensor_parallel": 2}))
     with pytest.raises(ValueError, match="config must be a ServiceConfig"):
         LLM(model=tiny_llama, mode="colocated", config={"seed": 3})  # type: ignore[arg-type]
+
+
+def test_an_http_stack_that_is_not_installed_is_a_cli_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``api.event_loop: uvloop`` / ``api.http_parser: httptools`` without the package: a clear
+    error before any worker starts (uvicorn would fail only after the warm-up); auto and the pure
+    Python choices need nothing."""
+    import importlib.util
+
+    from mm_serve.cli.main import CLIError
+    from mm_serve.cli.serve import _check_http_stack
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("uvloop", "httptools") else real(name, *a))
+    with pytest.raises(CLIError, match=r"api.event_loop is 'uvloop' but uvloop is not installed"):
+        _check_http_stack("uvloop", "auto")
+    with pytest.raises(CLIError, match=r"api.http_parser is 'httptools' but httptools is not installed"):
+        _check_http_stack("auto", "httptools")
+    _check_http_stack("auto", "auto")
+    _check_http_stack("asyncio", "h11")

@@ -73,7 +73,9 @@ class ArrivalTimeMiddleware:
     and reports the milliseconds from then to the response's start in a ``Server-Timing: app;dur=``
     header (W3C Server Timing): for a refusal the whole of its handling here, for a stream the
     time to its headers. A client that measures more has spent the rest outside the application
-    (connection, HTTP parsing, its own event loop)."""
+    (connection, HTTP parsing, its own event loop). The phases a handler marked on the way
+    (:func:`mark_phase`) follow as more metrics, each the milliseconds since the previous mark:
+    ``app;dur=41.0, parse;dur=2.1, precheck;dur=0.4, media;dur=37.9``."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -83,17 +85,31 @@ class ArrivalTimeMiddleware:
             await self.app(scope, receive, send)
             return
         arrival = time.monotonic()
-        scope.setdefault("state", {})["arrival"] = arrival
+        state = scope.setdefault("state", {})
+        state["arrival"] = arrival
+        phases: list[tuple[str, float]] = state.setdefault("phases", [])
 
         async def timed_send(message: Any) -> None:
             if message["type"] == "http.response.start":
-                elapsed_ms = 1000.0 * (time.monotonic() - arrival)
+                metrics, since = [f"app;dur={1000.0 * (time.monotonic() - arrival):.1f}"], arrival
+                for name, at in phases:
+                    metrics.append(f"{name};dur={1000.0 * (at - since):.1f}")
+                    since = at
                 headers = list(message.get("headers", []))
-                headers.append((b"server-timing", f"app;dur={elapsed_ms:.1f}".encode()))
+                headers.append((b"server-timing", ", ".join(metrics).encode()))
                 message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, timed_send)
+
+
+def mark_phase(request: Any, name: str) -> None:
+    """Mark the end of phase ``name`` (a token: letters, digits, ``_``) of handling ``request`` now:
+    reported in its ``Server-Timing`` header as the milliseconds since the previous mark (or its
+    arrival). Nothing for a request that did not pass :class:`ArrivalTimeMiddleware`."""
+    phases = getattr(request.state, "phases", None)
+    if phases is not None:
+        phases.append((name, time.monotonic()))
 
 
 def arrival_time(request: Any) -> float:

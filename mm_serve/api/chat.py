@@ -17,7 +17,7 @@ from mm_serve.api.admission_gate import (
     precheck_call,
     prediction_header,
 )
-from mm_serve.api.body_limit import arrival_time
+from mm_serve.api.body_limit import arrival_time, mark_phase
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import unavailable
 from mm_serve.api.generation import Generation
@@ -46,14 +46,17 @@ def _finish(reason: str | None) -> str | None:
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServerContext) -> object:
     """Validate, submit ``n`` requests, and answer as JSON or as an SSE stream."""
     arrival = arrival_time(raw)
+    mark_phase(raw, "parse")  # the body read, parsed and validated
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
     precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS, body.messages,
                   arrival)
+    mark_phase(raw, "precheck")
     with counted(ctx, tier), hold_images(ctx.image_budget, body.messages, ctx.config):
         messages = await chat_messages(body.messages, ctx.config.api)
         inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
         del messages  # the decoded images; the pixels live on in ``inputs``
+    mark_phase(raw, "media")  # images fetched and decoded, the prompt templated and tokenized
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,
                              ctx.holder.model_config.text.vocab_size)
@@ -64,7 +67,9 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
         await hold_call(ctx, client, tier, [(inputs, params)], raw.is_disconnected)
     except ConnectionAbortedError:
         return JSONResponse({}, status_code=499)
+    mark_phase(raw, "hold")
     predicted = admit_call(ctx, client, tier, [(inputs, params)], arrival)
+    mark_phase(raw, "admit")
     gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

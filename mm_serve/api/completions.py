@@ -16,7 +16,7 @@ from mm_serve.api.admission_gate import (
     hold_call,
     prediction_header,
 )
-from mm_serve.api.body_limit import arrival_time
+from mm_serve.api.body_limit import arrival_time, mark_phase
 from mm_serve.api.context import ServerContext
 from mm_serve.api.errors import bad_request, unavailable
 from mm_serve.api.generation import Generation
@@ -53,6 +53,7 @@ def _finish(reason: str | None) -> str | None:
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerContext) -> object:
     """Validate, submit ``n`` requests per prompt, answer as JSON or SSE."""
     arrival = arrival_time(raw)
+    mark_phase(raw, "parse")  # the body read, parsed and validated
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
     prompts = _prompts(body.prompt)
@@ -65,6 +66,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         inputs = await process_inputs(ctx.holder.inputs, request, ctx.config.api.max_request_length)
         prepared.append((inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
                                                         ctx.holder.model_config.text.vocab_size)))
+    mark_phase(raw, "media")  # the prompts (and images) processed and tokenized
     with counted(ctx, tier):
         check_call_work(ctx.config, prepared)
     client = ctx.client_or_503()
@@ -72,7 +74,9 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         await hold_call(ctx, client, tier, prepared, raw.is_disconnected)
     except ConnectionAbortedError:
         return JSONResponse({}, status_code=499)
+    mark_phase(raw, "hold")
     predicted = admit_call(ctx, client, tier, prepared, arrival)
+    mark_phase(raw, "admit")
     gens: list[Generation] = []
     try:
         for k, (inputs, params) in enumerate(prepared):  # the prediction is of the first prompt's first copy

@@ -61,6 +61,17 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in pairs.items() if v is not None}
 
 
+def _check_http_stack(event_loop: str, http_parser: str) -> None:
+    """Fail fast when ``api.event_loop`` / ``api.http_parser`` name a package that is not installed
+    (uvicorn would fail only once the workers are up)."""
+    from importlib.util import find_spec
+
+    for key, value, package in (("api.event_loop", event_loop, "uvloop"), ("api.http_parser", http_parser, "httptools")):
+        if value == package and find_spec(package) is None:
+            raise CLIError(f"{key} is {value!r} but {package} is not installed (pip install {package}), "
+                           f"or set {key}: auto")
+
+
 def _check_port_free(host: str, port: int) -> None:
     """Fail fast (before starting workers) when the address cannot be bound."""
     import socket
@@ -128,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir = resolve_model(cfg.model)
         if cfg.api.allowed_local_media_path and not Path(cfg.api.allowed_local_media_path).is_dir():
             raise CLIError(f"--allowed-local-media-path {cfg.api.allowed_local_media_path} is not a directory")
+        _check_http_stack(cfg.api.event_loop, cfg.api.http_parser)
         _check_port_free(cfg.api.host, cfg.api.port)
         holder = EngineHolder(model_dir, cfg)
     except (ConfigError, CheckpointError) as exc:
@@ -136,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = ServerContext(holder=holder, config=cfg, served_model_name=name)
     app = build_app(ctx)
     server = DrainingServer(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
+                                           loop=cfg.api.event_loop, http=cfg.api.http_parser,
                                            timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s)
 
     failed: list[bool] = []
