@@ -169,6 +169,19 @@ class TiersConfig(_Frozen):
     standard: TierSLO = TierSLO(ttft_ms=4_000, tpot_ms=250, attainment=0.9)
     batch: TierSLO = TierSLO(ttft_ms=60_000, tpot_ms=2_000, attainment=0.5)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_defaults(cls, data: Any) -> Any:
+        """A tier given in part (``standard: {ttft_ms: 2000}``) keeps the defaults of the keys it omits."""
+        if not isinstance(data, dict):
+            return data
+        filled = dict(data)
+        for name, field in cls.model_fields.items():
+            given = data.get(name)
+            if isinstance(given, dict) and isinstance(field.default, TierSLO):
+                filled[name] = {**field.default.model_dump(), **given}
+        return filled
+
     @model_validator(mode="after")
     def _ordered(self) -> TiersConfig:
         for tight, loose in (("interactive", "standard"), ("standard", "batch")):

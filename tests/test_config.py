@@ -150,3 +150,16 @@ def test_an_http_stack_that_is_not_installed_is_a_cli_error(monkeypatch: pytest.
         _check_http_stack("auto", "httptools")
     _check_http_stack("auto", "auto")
     _check_http_stack("asyncio", "h11")
+
+
+def test_a_tier_given_in_part_keeps_the_defaults_of_the_rest() -> None:
+    """``slo.tiers.standard.ttft_ms`` alone changes only that key; a bad value still names its key,
+    and the tiers must still be ordered."""
+    cfg = load_config(None, {"slo.tiers.standard.ttft_ms": 2000})
+    assert (cfg.slo.tiers.standard.ttft_ms, cfg.slo.tiers.standard.tpot_ms, cfg.slo.tiers.standard.attainment) == \
+        (2000, 250, 0.9)
+    assert cfg.slo.tiers.batch.ttft_ms == 60_000
+    with pytest.raises(ConfigError, match="slo.tiers.standard.tpot_ms"):
+        load_config(None, {"slo.tiers.standard.tpot_ms": -1})
+    with pytest.raises(ConfigError, match="at least as tight as slo.tiers.standard"):
+        load_config(None, {"slo.tiers.interactive.ttft_ms": 5000})
