@@ -141,7 +141,8 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]
                               admission={"predict": ctx.config.admission.predict,
                                          **ctx.admission.report(), "held": _held(ctx)},
-                              caches=cache_health(dict(ctx.holder.client.stats))).model_dump()
+                              caches=cache_health(dict(ctx.holder.client.stats)),
+                              event_loop=_loop_name()).model_dump()
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)")
@@ -159,6 +160,11 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         return {f"{role}{index}": {f: getattr(s, f) for f in s.__struct_fields__} for (role, index), s in fresh.items()}
 
     return app
+
+
+def _loop_name() -> str:
+    """The running event loop's package: "uvloop" or "asyncio"."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def _held(ctx: ServerContext) -> dict[str, int]:

@@ -10,8 +10,10 @@ the workers have started (first start) there is nothing to drain, and the first 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
@@ -27,6 +29,19 @@ class DrainingServer(uvicorn.Server):
         self._holder = holder
         self._grace_s = grace_s
         self._draining = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, without re-raising the exit signal once the server has stopped (uvicorn >= 0.29
+        does, for its default handlers): here the signal was handled (drained, then stopped), and
+        the CLI exits 0 after SIGTERM as after Ctrl-C, past its own last message."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list):
+                    captured.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining:  # a second signal: stop now, without uvicorn's wait for open connections

@@ -329,6 +329,7 @@ class HealthResponse(BaseModel):
     faults: dict[str, str] = {}  # worker name -> its last failure (exit code, hang), for workers that had one
     admission: dict[str, Any] | None = None  # the latency predictor's coefficients, observations and their age
     caches: dict[str, dict[str, float]] = {}  # prefill/colocated worker -> kv_cache_hit_rate, encoder cache figures
+    event_loop: str = "asyncio"  # the API process's event loop: "uvloop" or "asyncio" (api.event_loop)
 
 
 class VersionResponse(BaseModel):

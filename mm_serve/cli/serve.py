@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import threading
 from pathlib import Path
@@ -168,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
     threading.Thread(target=announce, daemon=True).start()
     try:
-        asyncio.run(server.serve())
+        server.run()  # on the loop of api.event_loop (asyncio.run would ignore it)
     except KeyboardInterrupt:
         pass
     print("mm-serve: stopped (workers and shared memory released)", file=sys.stderr, flush=True)
