@@ -74,6 +74,7 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
         assert int(refused.headers["retry-after"]) >= 1  # a replacement may answer once the grace is over
+        assert "media" not in refused.headers["server-timing"]  # refused before any input processing
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "stopping"
         for t in threads:

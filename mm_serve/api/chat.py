@@ -49,6 +49,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     mark_phase(raw, "parse")  # the body read, parsed and validated
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
+    ctx.refuse_if_draining()
     precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS, body.messages,
                   arrival)
     mark_phase(raw, "precheck")

@@ -56,6 +56,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     mark_phase(raw, "parse")  # the body read, parsed and validated
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
+    ctx.refuse_if_draining()
     prompts = _prompts(body.prompt)
     if len(prompts) > 64:
         raise bad_request(f"{len(prompts)} prompts in one request; the limit is 64", "prompt")

@@ -45,6 +45,17 @@ class ServerContext:
         """Prompt plus output tokens at most (the checkpoint's limit, capped by one worker's KV pages)."""
         return engine_sizing(self.config).context_limit(self.holder.model_config.text)
 
+    def refuse_if_draining(self) -> None:
+        """503 while the service is shutting down (before a call's images are decoded for nothing).
+
+        Raises:
+            APIError: 503 with ``Retry-After``: at most what is left of the grace period, after which
+                a restarted service (or another replica behind the same address) can answer.
+        """
+        if self.holder.draining.is_set():
+            left = max(1, math.ceil(self.holder.drain_deadline - time.monotonic()))
+            raise unavailable("the service is shutting down; in-flight requests are finishing", left)
+
     def client_or_503(self) -> EngineClient:
         """The engine client, or 503 while it is warming up, failed to start or shutting down.
 
@@ -52,11 +63,7 @@ class ServerContext:
         (bounded by ``api.timeout_ms``), and :meth:`EngineClient.submit` refuses them when a
         role has no worker left.
         """
-        if self.holder.draining.is_set():
-            # a restarted service (or another replica behind the same address) can answer
-            # once this one has stopped: at most what is left of the grace period
-            left = max(1, math.ceil(self.holder.drain_deadline - time.monotonic()))
-            raise unavailable("the service is shutting down; in-flight requests are finishing", left)
+        self.refuse_if_draining()
         if not self.holder.started:
             status = self.holder.health()[0]
             if status == "warming":
