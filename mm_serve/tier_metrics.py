@@ -40,6 +40,10 @@ class TierMetrics:
         self.prediction_error = Histogram(
             "mm_serve_tier_ttft_prediction_error_seconds", "Predicted minus measured TTFT of admitted requests.",
             ("tier",), registry=registry, buckets=ERROR_BUCKETS)
+        self.at_deadline = Counter(
+            "mm_serve_tier_decided_at_deadline", "API calls decided at admission.decide_within_ms, their media work "
+            "still running: committed (admitted whatever their later prediction) or refused.",
+            ("tier", "outcome"), registry=registry)
         self._counts: dict[str, list[int]] = {}
 
     def observe_admission(self, tier: str, reason: str | None) -> None:

@@ -82,12 +82,13 @@ class AdmissionController:
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
-              inputs: ProcessedInputs | None = None, waited_s: float = 0.0) -> Prediction | None:
+              inputs: ProcessedInputs | None = None, waited_s: float = 0.0, refuse: bool = True) -> Prediction | None:
         """Predict, and refuse a request whose prediction exceeds its tier's SLO × (1 + margin), or
         that would push running requests of a tighter tier on its decode worker past their TPOT SLO.
 
         ``waited_s``, the seconds since the call arrived (decoding its images, the dispatch hold, a
         front end too busy to get to it), is part of its TTFT: it is added to the prediction.
+        ``refuse=False``: predict only (a call already admitted at its decision deadline).
 
         Raises:
             Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
@@ -95,7 +96,7 @@ class AdmissionController:
         """
         self.note_call(tier)
         prediction = _waited(self.predict(client, tier, tokens, images, max_tokens, inputs), waited_s)
-        if prediction is None or not self.config.admission.predict or tier.name == NEVER_REFUSED:
+        if prediction is None or not refuse or not self.config.admission.predict or tier.name == NEVER_REFUSED:
             return prediction
         if prediction.idle:  # alone, refusing protects no one; and an idle service must keep learning
             return prediction

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mm_serve.api.context import ServerContext
 
 
+DEFAULT_PRECHECK_TOKENS = 16  # max_tokens assumed by the early admission check when the call sets none
 PRECHECK_TEXT_CHARS = 8192  # of each text part, tokenized by the early check (a lower bound: the front end's loop must not stall)
 BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
 PREPROCESS_BYTES = 4 << 20  # the resized, normalised tensor and its intermediates, per image
@@ -129,22 +130,24 @@ def _check_caps(ctx: ServerContext, client: EngineClient, tier: Tier,
 
 
 def admit_call(ctx: ServerContext, client: EngineClient, tier: Tier,
-               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]], arrival: float | None = None) -> Prediction | None:
+               prepared: Sequence[tuple[ProcessedInputs, SamplingParams]], arrival: float | None = None,
+               committed: bool = False) -> Prediction | None:
     """The queue caps, then the latency prediction, for a call of ``prepared`` prompts that arrived
     at ``arrival`` (``time.monotonic()`` seconds: the time since then, decoding its images, waiting
     in the dispatch hold or for a busy front end, is part of its TTFT and of the prediction); counts
     the admission in the tier metrics. Returns the prediction of its first request (None when none
-    could be made: a role has no ready worker).
+    could be made: a role has no ready worker). A ``committed`` call (admitted at its decision
+    deadline, :mod:`mm_serve.api.decision_deadline`) is predicted but not refused on it.
 
     Raises:
-        Rejection: 429 from a queue cap or a predicted SLO miss.
+        Rejection: 429 from a queue cap or (unless ``committed``) a predicted SLO miss.
     """
     waited = 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)
     with counted(ctx, tier):
         _check_caps(ctx, client, tier, prepared)
         inputs, params = prepared[0]
         prediction = ctx.admission.admit(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
-                                         params.max_tokens, inputs, waited)
+                                         params.max_tokens, inputs, waited, refuse=not committed)
     if ctx.tier_metrics is not None:
         ctx.tier_metrics.observe_admission(tier.name, None)
     return prediction
@@ -181,13 +184,18 @@ async def hold_call(ctx: ServerContext, client: EngineClient, tier: Tier,
 
 
 def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Sequence[ChatMessage] = (),
-                  arrival: float | None = None) -> None:
+                  arrival: float | None = None) -> Callable[[float], None]:
     """Refuse a call on its tier, ``max_tokens``, the image tokens of its images that no
     cache can hold (data URIs this process has not been sent before,
     :class:`~mm_serve.admission.seen_images.SeenImages`) and a lower bound on the tokens of its
     text after the first of them (:func:`uncached_text_floor`), before its images are fetched or decoded, when the queues
     already rule it out (:meth:`AdmissionController.precheck`); nothing while the engine is not
     up (the later checks answer that). The call's image URLs are remembered as seen either way.
+
+    Returns the same check, to be made again at the call's decision deadline
+    (:mod:`mm_serve.api.decision_deadline`) with the seconds still expected before its prompt is
+    ready; it counts its outcome in ``mm_serve_tier_decided_at_deadline_total`` and leaves the
+    refusal count to its caller.
 
     Raises:
         Rejection: 429 from a predicted SLO miss.
@@ -197,16 +205,33 @@ def precheck_call(ctx: ServerContext, tier: Tier, max_tokens: int, messages: Seq
     fresh = iter(ctx.seen_images.unseen_flags(url for url, is_data in zip(urls, data, strict=True) if is_data))
     flags = [is_data and next(fresh) for is_data in data]  # one per image: a data URI not sent before
     unseen = sum(flags)
-    if not ctx.holder.started or ctx.holder.draining.is_set():
-        return
-    vision = ctx.holder.model_config.vision
-    per_image = 0 if vision is None else vision.num_image_tokens
-    tokens = unseen * per_image
-    if tokens:
-        tokens += uncached_text_floor(messages, flags, ctx.holder.inputs.tokenizer)
-    with counted(ctx, tier):
+    tokens, images = 0, 0
+    if ctx.holder.started:
+        vision = ctx.holder.model_config.vision
+        per_image = 0 if vision is None else vision.num_image_tokens
+        tokens, images = unseen * per_image, unseen if per_image else 0
+        if tokens:
+            tokens += uncached_text_floor(messages, flags, ctx.holder.inputs.tokenizer)
+
+    def check(expected_s: float = 0.0) -> None:
+        if not ctx.holder.started or ctx.holder.draining.is_set():
+            return
         waited = 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)
-        ctx.admission.precheck(ctx.holder.client, tier, max_tokens, tokens, unseen if per_image else 0, waited)
+        ctx.admission.precheck(ctx.holder.client, tier, max_tokens, tokens, images, waited + expected_s)
+
+    def at_deadline(expected_s: float) -> None:
+        try:
+            check(expected_s)
+        except Rejection:
+            if ctx.tier_metrics is not None:
+                ctx.tier_metrics.at_deadline.labels(tier=tier.name, outcome="refused").inc()
+            raise
+        if ctx.tier_metrics is not None:
+            ctx.tier_metrics.at_deadline.labels(tier=tier.name, outcome="committed").inc()
+
+    with counted(ctx, tier):
+        check()
+    return at_deadline
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mm_serve.api.admission_gate import (
+    DEFAULT_PRECHECK_TOKENS,
     admit_call,
     check_call_work,
     counted,
@@ -19,6 +20,7 @@ from mm_serve.api.admission_gate import (
 )
 from mm_serve.api.body_limit import arrival_time, mark_phase
 from mm_serve.api.context import ServerContext
+from mm_serve.api.decision_deadline import within_deadline
 from mm_serve.api.errors import unavailable
 from mm_serve.api.generation import Generation
 from mm_serve.api.logprobs_format import chat_logprobs
@@ -35,8 +37,7 @@ from mm_serve.api.schemas import (
 )
 from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.api.tier_param import request_tier
-
-DEFAULT_PRECHECK_TOKENS = 16  # max_tokens assumed by the early admission check when the call sets none
+from mm_serve.engine.input_processor import ProcessedInputs
 
 
 def _finish(reason: str | None) -> str | None:
@@ -50,13 +51,17 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     tier = request_tier(body.service_tier, ctx.config.slo)
     ctx.refuse_if_draining()
-    precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS, body.messages,
-                  arrival)
+    recheck = precheck_call(ctx, tier, body.max_completion_tokens or body.max_tokens or DEFAULT_PRECHECK_TOKENS,
+                            body.messages, arrival)
     mark_phase(raw, "precheck")
-    with counted(ctx, tier), hold_images(ctx.image_budget, body.messages, ctx.config):
-        messages = await chat_messages(body.messages, ctx.config.api)
-        inputs = await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
-        del messages  # the decoded images; the pixels live on in ``inputs``
+
+    async def media() -> ProcessedInputs:
+        with hold_images(ctx.image_budget, body.messages, ctx.config):
+            messages = await chat_messages(body.messages, ctx.config.api)
+            return await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
+
+    with counted(ctx, tier):
+        inputs, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck)
     mark_phase(raw, "media")  # images fetched and decoded, the prompt templated and tokenized
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,
@@ -69,7 +74,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     except ConnectionAbortedError:
         return JSONResponse({}, status_code=499)
     mark_phase(raw, "hold")
-    predicted = admit_call(ctx, client, tier, [(inputs, params)], arrival)
+    predicted = admit_call(ctx, client, tier, [(inputs, params)], arrival, committed)
     mark_phase(raw, "admit")
     gen = Generation(client, inputs, params, arrival, tier, predicted)
     if body.stream:

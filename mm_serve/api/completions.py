@@ -10,14 +10,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from mm_serve.api.admission_gate import (
+    DEFAULT_PRECHECK_TOKENS,
     admit_call,
     check_call_work,
     counted,
     hold_call,
+    precheck_call,
     prediction_header,
 )
 from mm_serve.api.body_limit import arrival_time, mark_phase
 from mm_serve.api.context import ServerContext
+from mm_serve.api.decision_deadline import within_deadline
 from mm_serve.api.errors import bad_request, unavailable
 from mm_serve.api.generation import Generation
 from mm_serve.api.logprobs_format import completion_logprobs
@@ -32,6 +35,7 @@ from mm_serve.api.schemas import (
 )
 from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.api.tier_param import request_tier
+from mm_serve.engine.input_processor import ProcessedInputs
 
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:
@@ -62,11 +66,17 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
         raise bad_request(f"{len(prompts)} prompts in one request; the limit is 64", "prompt")
     if body.stream and len(prompts) > 1:
         raise bad_request("streaming supports one prompt per request", "prompt")
-    prepared = []
-    for request in prompts:
-        inputs = await process_inputs(ctx.holder.inputs, request, ctx.config.api.max_request_length)
-        prepared.append((inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
-                                                        ctx.holder.model_config.text.vocab_size)))
+    recheck = precheck_call(ctx, tier, body.max_tokens or DEFAULT_PRECHECK_TOKENS, (), arrival)
+    mark_phase(raw, "precheck")
+
+    async def media() -> list[ProcessedInputs]:
+        return [await process_inputs(ctx.holder.inputs, request, ctx.config.api.max_request_length)
+                for request in prompts]
+
+    with counted(ctx, tier):
+        processed, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck)
+    prepared = [(inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
+                                         ctx.holder.model_config.text.vocab_size)) for inputs in processed]
     mark_phase(raw, "media")  # the prompts (and images) processed and tokenized
     with counted(ctx, tier):
         check_call_work(ctx.config, prepared)
@@ -76,7 +86,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     except ConnectionAbortedError:
         return JSONResponse({}, status_code=499)
     mark_phase(raw, "hold")
-    predicted = admit_call(ctx, client, tier, prepared, arrival)
+    predicted = admit_call(ctx, client, tier, prepared, arrival, committed)
     mark_phase(raw, "admit")
     gens: list[Generation] = []
     try:

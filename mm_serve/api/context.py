@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass, field
 
 from mm_serve.admission.byte_budget import ByteBudget
-from mm_serve.admission.controller import AdmissionController
+from mm_serve.admission.controller import NEVER_REFUSED, AdmissionController
 from mm_serve.admission.dispatch_hold import DispatchHold
 from mm_serve.admission.seen_images import SeenImages
+from mm_serve.admission.tiers import Tier
 from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.errors import unavailable
 from mm_serve.config import ServiceConfig
@@ -70,6 +71,16 @@ class ServerContext:
                 raise unavailable("the service is warming; try again shortly", WARMING_RETRY_S)
             raise unavailable("the service is unavailable (it failed to start; see /health)")
         return self.holder.client
+
+    def decision_deadline(self, arrival: float | None, tier: Tier) -> float | None:
+        """When (``time.monotonic()`` seconds) a call of ``tier`` that arrived at ``arrival`` is
+        decided at the latest (:mod:`mm_serve.api.decision_deadline`): ``arrival +
+        admission.decide_within_ms``; None when there is nothing to decide early (prediction off,
+        the never-refused tier, the key 0, no arrival time)."""
+        ms = self.config.admission.decide_within_ms
+        if arrival is None or ms == 0 or not self.config.admission.predict or tier.name == NEVER_REFUSED:
+            return None
+        return arrival + ms / 1000.0
 
     def deadline(self) -> float:
         return time.monotonic() + self.config.api.timeout_ms / 1000.0

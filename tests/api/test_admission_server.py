@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from PIL import Image
 
 from tests.api.server_process import ServerProcess, configured_server, data_uri
 from tests.factories import gradient_image
@@ -112,3 +113,43 @@ def test_a_burst_of_large_images_is_refused_fast_and_memory_stays_bounded(admiss
     assert growth < (64 << 20) + 16 * 12 * (1 << 20), growth  # budget + the bodies held by the server
     r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=30)
     assert r.status_code == 200
+
+
+def test_a_call_still_decoding_its_images_at_the_decision_deadline_is_decided_then(admission_server: ServerProcess) -> None:
+    """An interactive call of three 4000x4000 images (cheap to send, ~0.2 s each to decode) arrives
+    on an idle service, so the early check passes; a long request is sent while its images decode.
+    Decided after its images (as before admission.decide_within_ms), the call would be refused
+    then, its prediction over the tier's 0.01 ms SLO. Decided at the deadline (30 ms), it is
+    either refused then, in well under the time its images take, or committed: answered 200
+    although its final prediction misses the SLO."""
+    url = admission_server.url
+    big = data_uri(Image.new("RGB", (4000, 4000), (120, 30, 200)))  # ~75 kB of PNG, 48 MB decoded
+    call = _chat(service_tier="priority", stream=True, messages=[{"role": "user", "content": [
+        *[{"type": "image_url", "image_url": {"url": big}}] * 3, {"type": "text", "text": "what is it?"}]}])
+
+    def attempt() -> tuple[httpx.Response, str, dict[str, str]]:
+        busy = threading.Thread(target=lambda: httpx.post(
+            f"{url}/v1/chat/completions", json=_chat(max_tokens=500, ignore_eos=True), timeout=120))
+        starter = threading.Thread(target=lambda: (time.sleep(0.15), busy.start()))
+        starter.start()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=call, timeout=60) as r:
+            body = r.read().decode()
+        starter.join()
+        busy.join()
+        return r, body, dict(e.strip().partition(";dur=")[::2] for e in r.headers["server-timing"].split(","))
+
+    for _ in range(3):  # refused at the early check (the long request got in first on a slow machine): again
+        r, body, timing = attempt()
+        if "precheck" in timing:
+            break
+    assert "precheck" in timing, timing
+    if r.status_code == 429:
+        assert "media" not in timing and float(timing["app"]) < 150.0, timing
+        assert json.loads(body)["error"]["code"] == "ttft_slo"
+    else:
+        assert r.status_code == 200 and "data: [DONE]" in body
+        assert float(timing["media"]) > 30.0, timing  # its images took longer than the deadline
+        assert float(r.headers["x-mm-serve-predicted-ttft-ms"]) > 0.01  # over the SLO: committed, not refused
+    outcome = "refused" if r.status_code == 429 else "committed"
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert f'mm_serve_tier_decided_at_deadline_total{{outcome="{outcome}",tier="interactive"}} 1.0' in metrics

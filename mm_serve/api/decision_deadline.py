@@ -1,0 +1,72 @@
+"""Decide a call's admission within a deadline from its arrival, whatever its media work takes.
+
+A call that passes the early check (:func:`mm_serve.api.admission_gate.precheck_call`, before its
+images are fetched and decoded and its prompts tokenized) is decided again once that media work
+is done, on its exact prompt. Under a burst of images that work can take hundreds of
+milliseconds (the API process's threads and the workers share the cores), so a refusal after it
+came late. With ``admission.decide_within_ms``, a call whose media work is still running at
+``arrival + decide_within_ms`` is decided then: the early check is made again with the time
+waited so far, plus as much again for the media work still to do (the only estimate at hand:
+what has run as long as this may well run as long again).
+
+* Refused there, the call is answered at once; its media work runs to its end in the
+  background with its image bytes still held (the memory bound counts them until they are freed).
+* Passed there, the call is *committed*: the check after its media work still applies the hard
+  bounds (queue caps, the work limit) but no longer refuses it on the prediction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_BACKGROUND: set[asyncio.Future[object]] = set()  # media work of refused calls, running to its end
+
+
+def _forget(task: asyncio.Future[object]) -> None:
+    _BACKGROUND.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a failure of work nobody waits for is not logged as lost
+
+
+async def within_deadline(work: Awaitable[T], deadline: float | None,
+                          recheck: Callable[[float], None]) -> tuple[T, bool]:
+    """Await ``work`` (a call's media work); if it is not done by ``deadline``, decide then.
+
+    Args:
+        work: the media work; it holds what it needs (image bytes) for as long as it runs.
+        deadline: ``time.monotonic()`` seconds by which the call is decided, or None (no
+            deadline: the call is decided after its media work, however long it takes).
+        recheck: the early admission check, called with the seconds of media work still
+            expected (as long again as it has run); raises to refuse.
+
+    Returns:
+        (the work's result, committed): committed is True when the call was decided at the
+        deadline, and so must not be refused on its prediction after its media work.
+
+    Raises:
+        Rejection: from ``recheck`` (the work then goes on in the background, unawaited).
+        Exception: whatever ``work`` raises.
+    """
+    started = time.monotonic()
+    task = asyncio.ensure_future(work)
+    if deadline is None:
+        return await task, False
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - started))
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if done:
+        return task.result(), False
+    try:
+        recheck(time.monotonic() - started)
+    except BaseException:
+        _BACKGROUND.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(_forget)  # type: ignore[arg-type]
+        raise
+    return await task, True
