@@ -61,7 +61,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
             return await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
 
     with counted(ctx, tier):
-        inputs, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck)
+        inputs, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck,
+                                                      ctx.media_load)
     mark_phase(raw, "media")  # images fetched and decoded, the prompt templated and tokenized
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,

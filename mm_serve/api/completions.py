@@ -74,7 +74,8 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
                 for request in prompts]
 
     with counted(ctx, tier):
-        processed, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck)
+        processed, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck,
+                                                      ctx.media_load)
     prepared = [(inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
                                          ctx.holder.model_config.text.vocab_size)) for inputs in processed]
     mark_phase(raw, "media")  # the prompts (and images) processed and tokenized

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from mm_serve.admission.byte_budget import ByteBudget
 from mm_serve.admission.controller import NEVER_REFUSED, AdmissionController
 from mm_serve.admission.dispatch_hold import DispatchHold
+from mm_serve.admission.media_load import MediaLoad
 from mm_serve.admission.seen_images import SeenImages
 from mm_serve.admission.tiers import Tier
 from mm_serve.api.engine_holder import EngineHolder
@@ -33,6 +34,7 @@ class ServerContext:
     admission: AdmissionController = field(init=False)  # the latency predictor and the admission rule
     dispatch_hold: DispatchHold = field(init=False)  # never-refused calls waiting for spare capacity
     seen_images: SeenImages = field(init=False)  # image URLs sent lately (the early check counts the others)
+    media_load: MediaLoad = field(init=False)  # calls fetching/decoding images or tokenizing now (the decision deadline)
     tier_metrics: TierMetrics | None = None  # set by build_app
 
     def __post_init__(self) -> None:
@@ -40,6 +42,7 @@ class ServerContext:
         self.admission = AdmissionController(self.config)
         self.dispatch_hold = DispatchHold()
         self.seen_images = SeenImages()
+        self.media_load = MediaLoad()
 
     @property
     def context_len(self) -> int:

@@ -6,8 +6,9 @@ is done, on its exact prompt. Under a burst of images that work can take hundred
 milliseconds (the API process's threads and the workers share the cores), so a refusal after it
 came late. With ``admission.decide_within_ms``, a call whose media work is still running at
 ``arrival + decide_within_ms`` is decided then: the early check is made again with the time
-waited so far, plus as much again for the media work still to do (the only estimate at hand:
-what has run as long as this may well run as long again).
+waited so far plus the media work still expected
+(:meth:`~mm_serve.admission.media_load.MediaLoad.expected_remaining`: the calls in that phase
+ahead of it over the rate they have been finishing at lately).
 
 * Refused there, the call is answered at once; its media work runs to its end in the
   background with its image bytes still held (the memory bound counts them until they are freed).
@@ -22,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from mm_serve.admission.media_load import MediaLoad
+
 T = TypeVar("T")
 
 _BACKGROUND: set[asyncio.Future[object]] = set()  # media work of refused calls, running to its end
@@ -34,7 +37,7 @@ def _forget(task: asyncio.Future[object]) -> None:
 
 
 async def within_deadline(work: Awaitable[T], deadline: float | None,
-                          recheck: Callable[[float], None]) -> tuple[T, bool]:
+                          recheck: Callable[[float], None], load: MediaLoad | None = None) -> tuple[T, bool]:
     """Await ``work`` (a call's media work); if it is not done by ``deadline``, decide then.
 
     Args:
@@ -42,7 +45,9 @@ async def within_deadline(work: Awaitable[T], deadline: float | None,
         deadline: ``time.monotonic()`` seconds by which the call is decided, or None (no
             deadline: the call is decided after its media work, however long it takes).
         recheck: the early admission check, called with the seconds of media work still
-            expected (as long again as it has run); raises to refuse.
+            expected; raises to refuse.
+        load: the media work in flight, which ``work`` joins until it ends; it gives the
+            expectation (without it: as long again as the work has run).
 
     Returns:
         (the work's result, committed): committed is True when the call was decided at the
@@ -54,6 +59,9 @@ async def within_deadline(work: Awaitable[T], deadline: float | None,
     """
     started = time.monotonic()
     task = asyncio.ensure_future(work)
+    if load is not None:
+        ticket = load.enter(started)
+        task.add_done_callback(lambda _: load.leave(ticket))
     if deadline is None:
         return await task, False
     try:
@@ -64,7 +72,8 @@ async def within_deadline(work: Awaitable[T], deadline: float | None,
     if done:
         return task.result(), False
     try:
-        recheck(time.monotonic() - started)
+        now = time.monotonic()
+        recheck(now - started if load is None else load.expected_remaining(ticket, now))
     except BaseException:
         _BACKGROUND.add(task)  # type: ignore[arg-type]
         task.add_done_callback(_forget)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from mm_serve.admission.media_load import MediaLoad
 from mm_serve.admission.rejection import Rejection
 from mm_serve.api.decision_deadline import _BACKGROUND, within_deadline
 
@@ -92,3 +93,22 @@ def test_a_failure_of_the_work_reaches_the_caller() -> None:
 
     with pytest.raises(ValueError, match="undecodable"):
         asyncio.run(main())
+
+
+def test_the_work_joins_the_media_load_which_gives_the_expectation() -> None:
+    load = MediaLoad()
+    now = time.monotonic()
+    for i in range(4):  # 4 calls finished over the last 0.3 s: ~13 per second
+        load.leave(load.enter(now - 1.0), now - 0.3 + 0.1 * i)
+    checks: list[float] = []
+
+    async def main() -> tuple[str, bool]:
+        ahead = load.enter()  # one call ahead, still running
+        try:
+            return await within_deadline(Work(0.2)(), time.monotonic() + 0.05, checks.append, load)
+        finally:
+            assert load.in_flight() == 1  # this work has left; the one ahead has not
+            load.leave(ahead)
+
+    assert asyncio.run(main()) == ("prompt", True)
+    assert len(checks) == 1 and 2 / 14 < checks[0] < 2 / 4  # two calls (itself and the one ahead) at the rate
