@@ -242,16 +242,18 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """A streamed delta; ``role`` is sent in a choice's first chunk only (omitted after, as OpenAI does)."""
+    """A streamed delta; ``role`` is sent in a choice's first chunk only, and a delta with no new
+    text (a choice's last chunk, which carries its ``finish_reason``) is ``{}``, as OpenAI sends them."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _omit_absent_role(self, handler: Any) -> dict[str, Any]:
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
         out: dict[str, Any] = handler(self)
-        if out.get("role") is None:
-            out.pop("role", None)
+        for key in ("role", "content"):
+            if out.get(key) is None:
+                out.pop(key, None)
         return out
 
 

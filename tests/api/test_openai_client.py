@@ -213,8 +213,11 @@ def test_32_concurrent_streams_mixed(server: ServerProcess) -> None:
     for status, lines in results:
         assert status == 200
         assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
-        finishes = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in lines[:-1]]
-        assert sum(1 for f in finishes if f) == 1
+        choices = [json.loads(ln[6:])["choices"][0] for ln in lines[:-1]]
+        assert sum(1 for c in choices if c["finish_reason"]) == 1
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(set(c["delta"]) == {"content"} and c["delta"]["content"] for c in choices[1:-1])
+        assert choices[-1]["finish_reason"] and set(choices[-1]["delta"]) <= {"content"}  # {} when no new text, as OpenAI
 
 
 def test_disconnect_mid_stream_frees_pages(server: ServerProcess) -> None:
