@@ -200,17 +200,18 @@ class SLOConfig(_Frozen):
 
 
 class AdmissionConfig(_Frozen):
-    """Admission control in the API front end: hard bounds (always on) and the latency predictor."""
+    """Admission control in the API front end: hard bounds (always on) and the latency predictor (strict
+    types: ``true`` is no count, ``"30"`` no number)."""
 
-    predict: bool = Field(True, description="Reject (429) a request whose predicted TTFT or TPOT misses its tier's SLO by more than margin; false (--no-admission) keeps only the bounds.")
-    margin: float = Field(-0.2, ge=-0.9, le=100, description="Refuse when a prediction exceeds the SLO x (1 + margin): negative = headroom for the prediction's spread (-0.2: refuse above 80 % of the SLO), positive = tolerance.")
-    max_request_work_tokens: int = Field(262_144, ge=1, description="One API call's work, prompts x n x (prompt tokens + max_tokens); more is a 400.")
-    max_queued_requests: int = Field(1_024, ge=1, description="Engine requests waiting for their first token (all callers); more gets 429.")
-    max_queued_prompt_tokens: int = Field(524_288, ge=1, description="Prompt tokens (image tokens included) of the requests waiting for their first token; more gets 429.")
-    max_image_bytes_in_flight: int = Field(512 << 20, ge=1 << 20, description="Bytes reserved by images being fetched, decoded and preprocessed in the API process at once; a request whose images do not fit gets 503 with Retry-After.")
+    predict: bool = Field(True, strict=True, description="Reject (429) a request whose predicted TTFT or TPOT misses its tier's SLO by more than margin; false (--no-admission) keeps only the bounds.")
+    margin: float = Field(-0.2, strict=True, ge=-0.9, le=100, description="Refuse when a prediction exceeds the SLO x (1 + margin): negative = headroom for the prediction's spread (-0.2: refuse above 80 % of the SLO), positive = tolerance.")
+    max_request_work_tokens: int = Field(262_144, strict=True, ge=1, description="One API call's work, prompts x n x (prompt tokens + max_tokens); more is a 400.")
+    max_queued_requests: int = Field(1_024, strict=True, ge=1, description="Engine requests waiting for their first token (all callers); more gets 429.")
+    max_queued_prompt_tokens: int = Field(524_288, strict=True, ge=1, description="Prompt tokens (image tokens included) of the requests waiting for their first token; more gets 429.")
+    max_image_bytes_in_flight: int = Field(512 << 20, strict=True, ge=1 << 20, description="Bytes reserved by images being fetched, decoded and preprocessed in the API process at once; a request whose images do not fit gets 503 with Retry-After.")
     profile: str | None = Field(None, description="An 'mm-serve profile' JSON file: the predictor starts from a fit of its prefill, encode and decode points instead of the built-in defaults (it is refitted online either way).")
-    image_decode_reserve_bytes: int = Field(48 << 20, ge=1 << 16, description="Bytes reserved per image for its decode and preprocessing (on top of its encoded size); 48 MiB holds a 4000x4000 RGB image.")
-    decide_within_ms: int = Field(30, ge=0, le=600_000, description="A call whose images are still being decoded (or prompts tokenized) this long after its arrival is admitted or refused then, on the early check (README 'The admission rule'); 0 = always decide after that work, however long it takes.")
+    image_decode_reserve_bytes: int = Field(48 << 20, strict=True, ge=1 << 16, description="Bytes reserved per image for its decode and preprocessing (on top of its encoded size); 48 MiB holds a 4000x4000 RGB image.")
+    decide_within_ms: int = Field(30, strict=True, ge=0, le=600_000, description="A call whose images are still being decoded (or prompts tokenized) this long after its arrival is admitted or refused then, on the early check (README 'SLO tiers and admission', step 4); 0 = always decide after that work, however long it takes.")
 
 
 class ClusterConfig(_Frozen):

@@ -63,6 +63,21 @@ def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) ->
     return images, total
 
 
+UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
+CALL_MEGAPIXELS = 0.05  # media work of templating and tokenizing one prompt, in megapixels of image decoding
+
+
+def media_size(messages: Sequence[ChatMessage] = (), prompts: int = 1) -> float:
+    """The media work of a call (:class:`~mm_serve.admission.media_load.MediaLoad`), in megapixel
+    equivalents: the declared megapixels of its data-URI images (:data:`UNDECLARED_IMAGE_MEGAPIXELS`
+    for an image that declares none) plus :data:`CALL_MEGAPIXELS` per prompt."""
+    total = CALL_MEGAPIXELS * max(1, prompts)
+    for url in image_urls(messages):
+        size = declared_size(url) if url.lstrip()[:5].lower() == "data:" else None
+        total += UNDECLARED_IMAGE_MEGAPIXELS if size is None else size[0] * size[1] / 1e6
+    return total
+
+
 def uncached_text_floor(messages: Sequence[ChatMessage], unseen: Sequence[bool], tokenizer: Any) -> int:
     """A lower bound on the prompt tokens, without the chat template's own, that no prefix cache
     can hold: those of the text after the first image whose ``unseen`` flag (one per

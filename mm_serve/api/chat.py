@@ -15,6 +15,7 @@ from mm_serve.api.admission_gate import (
     counted,
     hold_call,
     hold_images,
+    media_size,
     precheck_call,
     prediction_header,
 )
@@ -62,7 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
 
     with counted(ctx, tier):
         inputs, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck,
-                                                      ctx.media_load)
+                                                      ctx.media_load, media_size(body.messages))
     mark_phase(raw, "media")  # images fetched and decoded, the prompt templated and tokenized
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,

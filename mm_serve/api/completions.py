@@ -15,6 +15,7 @@ from mm_serve.api.admission_gate import (
     check_call_work,
     counted,
     hold_call,
+    media_size,
     precheck_call,
     prediction_header,
 )
@@ -75,7 +76,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
 
     with counted(ctx, tier):
         processed, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck,
-                                                      ctx.media_load)
+                                                      ctx.media_load, media_size(prompts=len(prompts)))
     prepared = [(inputs, sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, body.logprobs,
                                          ctx.holder.model_config.text.vocab_size)) for inputs in processed]
     mark_phase(raw, "media")  # the prompts (and images) processed and tokenized

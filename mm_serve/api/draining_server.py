@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -24,10 +24,12 @@ from mm_serve.api.engine_holder import EngineHolder
 class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` whose first exit signal drains ``holder`` for up to ``grace_s`` seconds."""
 
-    def __init__(self, config: uvicorn.Config, holder: EngineHolder, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, holder: EngineHolder, grace_s: float,
+                 preparing: Callable[[], int] = lambda: 0) -> None:
         super().__init__(config)
         self._holder = holder
         self._grace_s = grace_s
+        self._preparing = preparing  # calls still decoding their images (the drain waits for them too)
         self._draining = False
 
     @contextlib.contextmanager
@@ -57,7 +59,7 @@ class DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="mm-serve-drain", daemon=True).start()
 
     def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
-        left = self._holder.drain(self._grace_s)
+        left = self._holder.drain(self._grace_s, self._preparing)
         if left:
             print(f"mm-serve: {left} request(s) still in flight after {self._grace_s:g} s; stopping them",
                   file=sys.stderr, flush=True)

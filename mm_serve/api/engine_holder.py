@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mm_serve.config import ServiceConfig
@@ -68,15 +69,16 @@ class EngineHolder:
             return "warming", workers, faults
         return info["status"], workers, faults
 
-    def drain(self, grace_s: float) -> int:
+    def drain(self, grace_s: float, preparing: Callable[[], int] = lambda: 0) -> int:
         """Stop admitting, then wait up to ``grace_s`` seconds for in-flight engine requests to
-        finish; returns how many were still in flight at the deadline."""
+        finish, and for the calls ``preparing()`` counts (still decoding their images: they are
+        answered 503 once done) to get that far; returns how many of both were left at the deadline."""
         deadline = time.monotonic() + grace_s
         self.drain_deadline = deadline
         self.draining.set()
-        while self.client.requests and time.monotonic() < deadline:
+        while (self.client.requests or preparing()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return len(self.client.requests)
+        return len(self.client.requests) + preparing()
 
     def stop(self) -> None:
         self.client.request_stop()

@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(ctx)
     server = DrainingServer(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
                                            loop=cfg.api.event_loop, http=cfg.api.http_parser,
-                                           timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s)
+                                           timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s,
+                             ctx.media_load.in_flight)
 
     failed: list[bool] = []
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from pathlib import Path
 
 import pytest
 
 from mm_serve.admission.media_load import MediaLoad
 from mm_serve.admission.rejection import Rejection
 from mm_serve.api.decision_deadline import _BACKGROUND, within_deadline
+from mm_serve.api.engine_holder import EngineHolder
+from mm_serve.config import load_config
 
 
 class Work:
@@ -96,19 +99,37 @@ def test_a_failure_of_the_work_reaches_the_caller() -> None:
 
 
 def test_the_work_joins_the_media_load_which_gives_the_expectation() -> None:
-    load = MediaLoad()
+    load = MediaLoad(cores=2)
     now = time.monotonic()
-    for i in range(4):  # 4 calls finished over the last 0.3 s: ~13 per second
-        load.leave(load.enter(now - 1.0), now - 0.3 + 0.1 * i)
+    for i in range(4):  # 4 calls of 1 MP finished over the last 0.3 s: ~13 MP per second
+        load.leave(load.enter(1.0, now - 1.0), now - 0.3 + 0.1 * i)
     checks: list[float] = []
 
     async def main() -> tuple[str, bool]:
-        ahead = load.enter()  # one call ahead, still running
+        ahead = load.enter(2.0)  # a call of 2 MP ahead, still running
         try:
-            return await within_deadline(Work(0.2)(), time.monotonic() + 0.05, checks.append, load)
+            return await within_deadline(Work(0.2)(), time.monotonic() + 0.05, checks.append, load, 1.0)
         finally:
             assert load.in_flight() == 1  # this work has left; the one ahead has not
             load.leave(ahead)
 
     assert asyncio.run(main()) == ("prompt", True)
-    assert len(checks) == 1 and 2 / 14 < checks[0] < 2 / 4  # two calls (itself and the one ahead) at the rate
+    assert len(checks) == 1 and 3 / 14 < checks[0] < 3 / 4  # its 1 MP and the 2 MP ahead at that rate
+
+
+def test_the_drain_waits_for_calls_still_decoding_their_images(tiny_llava: Path) -> None:
+    """A SIGTERM drain waits, within its grace, for the calls ``preparing`` counts (their answer,
+    503 once their images are decoded, must not be cut off by the server's exit), and counts
+    those still preparing at its deadline as left in flight."""
+    holder = EngineHolder(tiny_llava, load_config(None, {"model": str(tiny_llava)}))
+    decoding = [3]
+
+    def preparing() -> int:
+        decoding[0] = max(0, decoding[0] - 1)  # one call gets through per poll
+        return decoding[0]
+
+    start = time.monotonic()
+    assert holder.drain(5.0, preparing) == 0 and decoding[0] == 0
+    assert holder.draining.is_set() and time.monotonic() - start < 1.0
+    start = time.monotonic()
+    assert holder.drain(0.2, lambda: 2) == 2 and 0.2 <= time.monotonic() - start < 1.0
