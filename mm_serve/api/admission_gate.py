@@ -40,8 +40,20 @@ def image_urls(messages: Sequence[ChatMessage]) -> Iterator[str]:
             yield from (part.image_url.url for part in message.content if part.type == "image_url")
 
 
-def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) -> tuple[int, int]:
-    """(images, bytes to reserve) for the images of a chat call before any is fetched.
+DeclaredImage = tuple[str, tuple[int, int] | None]  # an image_url part's URL and the size its data-URI header declares
+
+
+def declared_images(messages: Sequence[ChatMessage]) -> list[DeclaredImage]:
+    """Each ``image_url`` part's URL, in order, with the (width, height) its data-URI header
+    declares (:func:`~mm_serve.media.image_loading.declared_size`; None for a URL or an unreadable
+    header): read once per call, for both :func:`image_reservation` and :func:`media_size`."""
+    return [(url, declared_size(url)) for url in image_urls(messages)]
+
+
+def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig,
+                      images: Sequence[DeclaredImage] | None = None) -> tuple[int, int]:
+    """(images, bytes to reserve) for the images of a chat call before any is fetched
+    (``images``: its :func:`declared_images`, read from ``messages`` when not given).
 
     Each image reserves its encoded size (a data URI's length; ``api.max_image_fetch_bytes``
     for an http(s) or file URL) plus what decoding and preprocessing it may take:
@@ -49,31 +61,31 @@ def image_reservation(messages: Sequence[ChatMessage], config: ServiceConfig) ->
     small image (:data:`BYTES_PER_DECLARED_PIXEL` per pixel plus :data:`PREPROCESS_BYTES`), so
     small images do not each hold the reserve sized for large ones.
     """
-    images, total = 0, 0
-    for url in image_urls(messages):
+    images = declared_images(messages) if images is None else images
+    total = 0
+    for url, size in images:
         decode = config.admission.image_decode_reserve_bytes
         if url.lstrip()[:5].lower() == "data:":
-            encoded, size = len(url), declared_size(url)
+            encoded = len(url)
             if size is not None:
                 decode = min(decode, BYTES_PER_DECLARED_PIXEL * size[0] * size[1] + PREPROCESS_BYTES)
         else:
             encoded = config.api.max_image_fetch_bytes
-        images += 1
         total += encoded + decode
-    return images, total
+    return len(images), total
 
 
 UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
 CALL_MEGAPIXELS = 0.05  # media work of templating and tokenizing one prompt, in megapixels of image decoding
 
 
-def media_size(messages: Sequence[ChatMessage] = (), prompts: int = 1) -> float:
+def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1) -> float:
     """The media work of a call (:class:`~mm_serve.admission.media_load.MediaLoad`), in megapixel
-    equivalents: the declared megapixels of its data-URI images (:data:`UNDECLARED_IMAGE_MEGAPIXELS`
-    for an image that declares none) plus :data:`CALL_MEGAPIXELS` per prompt."""
+    equivalents: the declared megapixels of its images (:func:`declared_images`;
+    :data:`UNDECLARED_IMAGE_MEGAPIXELS` for one that declares none) plus :data:`CALL_MEGAPIXELS`
+    per prompt."""
     total = CALL_MEGAPIXELS * max(1, prompts)
-    for url in image_urls(messages):
-        size = declared_size(url) if url.lstrip()[:5].lower() == "data:" else None
+    for _, size in images:
         total += UNDECLARED_IMAGE_MEGAPIXELS if size is None else size[0] * size[1] / 1e6
     return total
 
@@ -98,14 +110,15 @@ def uncached_text_floor(messages: Sequence[ChatMessage], unseen: Sequence[bool],
     return total
 
 
-def hold_images(budget: ByteBudget, messages: Sequence[ChatMessage], config: ServiceConfig) -> AbstractContextManager[None]:
+def hold_images(budget: ByteBudget, messages: Sequence[ChatMessage], config: ServiceConfig,
+                images: Sequence[DeclaredImage] | None = None) -> AbstractContextManager[None]:
     """A context manager holding the call's image bytes (see :func:`image_reservation`).
 
     Raises (on entry):
         Rejection: 503 ``image_bytes`` when they do not fit the budget.
     """
-    images, nbytes = image_reservation(messages, config)
-    return budget.hold(nbytes, f"{images} image(s)")
+    count, nbytes = image_reservation(messages, config, images)
+    return budget.hold(nbytes, f"{count} image(s)")
 
 
 def check_call_work(config: ServiceConfig, prepared: Sequence[tuple[ProcessedInputs, SamplingParams]]) -> None:

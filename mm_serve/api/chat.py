@@ -13,6 +13,7 @@ from mm_serve.api.admission_gate import (
     admit_call,
     check_call_work,
     counted,
+    declared_images,
     hold_call,
     hold_images,
     media_size,
@@ -56,14 +57,16 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
                             body.messages, arrival)
     mark_phase(raw, "precheck")
 
+    images = declared_images(body.messages)
+
     async def media() -> ProcessedInputs:
-        with hold_images(ctx.image_budget, body.messages, ctx.config):
+        with hold_images(ctx.image_budget, body.messages, ctx.config, images):
             messages = await chat_messages(body.messages, ctx.config.api)
             return await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)
 
     with counted(ctx, tier):
         inputs, committed = await within_deadline(media(), ctx.decision_deadline(arrival, tier), recheck,
-                                                      ctx.media_load, media_size(body.messages))
+                                                      ctx.media_load, media_size(images))
     mark_phase(raw, "media")  # images fetched and decoded, the prompt templated and tokenized
     top_n = body.top_logprobs or 0
     params = sampling_params(body, len(inputs.prompt_token_ids), ctx.context_len, top_n if body.logprobs else None,
