@@ -8,9 +8,13 @@
   length limit (not cancelled or failed), and those that met both their tier's TTFT and TPOT SLOs;
 * ``mm_serve_tier_attainment{tier}``: the fraction of the two, since start;
 * ``mm_serve_tier_ttft_prediction_error_seconds{tier}``: predicted minus measured TTFT.
+* ``mm_serve_tier_admission_limit_factor{tier, slo}``: the attainment feedback's factor on the
+  tier's ``ttft`` or ``tpot`` admission limit (read when scraped, :meth:`TierMetrics.follow_limit_factor`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -44,7 +48,15 @@ class TierMetrics:
             "mm_serve_tier_decided_at_deadline", "API calls decided at admission.decide_within_ms, their media work "
             "still running: committed (admitted whatever their later prediction) or refused.",
             ("tier", "outcome"), registry=registry)
+        self.limit_factor = Gauge(
+            "mm_serve_tier_admission_limit_factor", "What the tier's admission limit on an SLO is multiplied by now: "
+            "1 while its admitted requests meet their attainment aim, less while they miss it (attainment feedback).",
+            ("tier", "slo"), registry=registry)
         self._counts: dict[str, list[int]] = {}
+
+    def follow_limit_factor(self, tier: str, slo: str, read: Callable[[], float]) -> None:
+        """Report ``read()`` as the limit factor of ``tier`` on ``slo``, read at each scrape."""
+        self.limit_factor.labels(tier=tier, slo=slo).set_function(read)
 
     def observe_admission(self, tier: str, reason: str | None) -> None:
         """One call admitted (``reason`` None) or refused for ``reason``."""
@@ -55,13 +67,11 @@ class TierMetrics:
 
     def observe_finished(self, state: RequestState) -> None:
         """One finished engine request (receiver thread): attainment and prediction error."""
-        tier = state.tier
-        if tier is None or state.first_token_time is None or state.finish_reason not in ("stop", "length"):
+        tier, served = state.tier, state.served_latency()
+        if tier is None or served is None:
             return  # cancelled (client gone: 499) or failed: not a served request, neither met nor missed
         slo = getattr(self.slo.tiers, tier)
-        ttft = state.first_token_time - state.arrival_time
-        times = state.token_times
-        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        ttft, tpot = served
         met = ttft <= slo.ttft_ms / 1000.0 and tpot <= slo.tpot_ms / 1000.0
         counts = self._counts.setdefault(tier, [0, 0])
         counts[0] += 1

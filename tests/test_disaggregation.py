@@ -187,9 +187,13 @@ def test_seeded_sampling_matches_colocated(tiny_llava: Path, one_p_one_d: LLM) -
 
 
 def test_preemption_recomputes_without_reencoding(tiny_llava: Path) -> None:
-    """A tiny decode page pool forces preemption; outputs stay identical and no image is re-encoded."""
-    requests = [{"prompt": Q, "images": [gradient_image(60 + i, 40, i)]} for i in range(4)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    """A tiny decode page pool forces preemption; outputs stay identical and no image is re-encoded.
+
+    Each request is 46 prompt + 60 output tokens = 27 pages of 4: one fits the 40 pages, any two
+    decoding at once outgrow it. Six of them (not four with 40 tokens each, which on a loaded
+    machine were once prefilled so far apart that each decode had finished before the next hand-off)."""
+    requests = [{"prompt": Q, "images": [gradient_image(60 + i, 40, i)]} for i in range(6)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in LLM(model=tiny_llava, mode="colocated").generate(requests, params)]
     with LLM(model=tiny_llava, mode="disaggregated", num_pages=40, page_size=4, ring_pages=20) as llm:
         outputs = llm.generate(requests, params)
@@ -197,7 +201,7 @@ def test_preemption_recomputes_without_reencoding(tiny_llava: Path) -> None:
         stats = llm.client.query_stats()
     assert [o.token_ids for o in outputs] == expected
     assert stats[("decode", 0)].num_preemptions > 0
-    assert stats[("prefill", 0)].num_encoded_images == 4
+    assert stats[("prefill", 0)].num_encoded_images == 6
     assert stats[("decode", 0)].num_encoded_images == 0
 
 

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import TypeVar
 
+from mm_serve.admission.attainment_feedback import AttainmentFeedback
 from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import TIERS, Tier, tier_slo
@@ -52,6 +53,17 @@ class AdmissionController:
             self.predictor.warm_start(load_profile(config.admission.profile))
         self._lock = threading.Lock()
         self._last_call: list[float | None] = [None] * len(TIERS)  # monotonic time of each tier's last call
+        self.feedback = {(rank, slo): AttainmentFeedback(tier_slo(name, config.slo).attainment)
+                         for rank, name in enumerate(TIERS) for slo in ("ttft", "tpot")}
+
+    def limit_factor(self, rank: int, slo: str) -> float:
+        """What the admission limits on the ``slo`` ("ttft" or "tpot") of the tier of ``rank`` are
+        multiplied by now: the attainment feedback's factor (1.0 when the tier meets its aim, or
+        with ``admission.attainment_feedback`` off)."""
+        if not self.config.admission.attainment_feedback:
+            return 1.0
+        with self._lock:
+            return self.feedback[(rank, slo)].value
 
     def predict(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
                 inputs: ProcessedInputs | None = None) -> Prediction | None:
@@ -117,23 +129,25 @@ class AdmissionController:
         prediction that is right on the median would still leave more than the target's share of
         admitted requests late."""
         margin, slo = self.config.admission.margin, tier.slo.ttft_ms / 1000.0
-        if prediction.ttft_s > slo * (1 + margin):
-            return _message("TTFT", tier, prediction.ttft_s, slo, margin), prediction.ttft_s - slo
+        factor = self.limit_factor(tier.rank, "ttft")
+        if prediction.ttft_s > slo * (1 + margin) * factor:
+            return _message("TTFT", tier, prediction.ttft_s, slo, margin, factor), prediction.ttft_s - slo
         with self._lock:
             spread = self.predictor.ttft_corrections[prediction.rank].spread(max(0.5, tier.slo.attainment))
             overhead = self.predictor.overhead_s + self.predictor.transit_s
         fixed = overhead + prediction.waited_s  # not part of the queue + prefill the spread was measured on
         upper = (prediction.ttft_s - fixed) * spread + fixed
-        if upper > slo:
-            return _spread_message(tier, prediction.ttft_s, upper, spread, slo), upper - slo
+        if upper > slo * factor:
+            return _spread_message(tier, prediction.ttft_s, upper, spread, slo, factor), upper - slo
         return None
 
     def _tpot_refusal(self, tier: Tier, prediction: Prediction, max_tokens: int) -> str | None:
         """Why :meth:`admit`'s TPOT rules refuse ``prediction`` (the message), else None: its own
         TPOT over its tier's SLO × (1 + margin), or a tighter tier's TPOT it would break."""
         margin, tpot_slo = self.config.admission.margin, tier.slo.tpot_ms / 1000.0
-        if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin):
-            return _message("TPOT", tier, prediction.tpot_s, tpot_slo, margin)
+        factor = self.limit_factor(tier.rank, "tpot")
+        if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin) * factor:
+            return _message("TPOT", tier, prediction.tpot_s, tpot_slo, margin, factor)
         return self._protect_excess(tier, prediction, max_tokens)
 
     def _protected(self, tier: Tier, prediction: Prediction) -> tuple[int, bool] | None:
@@ -163,15 +177,15 @@ class AdmissionController:
             return None
         name = TIERS[protected[0]]
         slo = tier_slo(name, self.config.slo).tpot_ms / 1000.0
-        margin = self.config.admission.margin
-        if prediction.tpot_reserved_s <= slo * (1 + margin):
+        margin, factor = self.config.admission.margin, self.limit_factor(protected[0], "tpot")
+        if prediction.tpot_reserved_s <= slo * (1 + margin) * factor:
             return None
         if not protected[1]:  # room kept for calls to come: only if their SLO can be met at all
             with self._lock:
                 alone = self.predictor.decode.predict((1.0, DECODE_RESERVE, 0)) * self.predictor.tpot_correction.value
-            if alone > slo * (1 + margin):
+            if alone > slo * (1 + margin) * factor:
                 return None
-        return _protect_message(tier, name, protected[1], prediction.tpot_reserved_s, slo, margin)
+        return _protect_message(tier, name, protected[1], prediction.tpot_reserved_s, slo, margin, factor)
 
     def note_call(self, tier: Tier) -> None:
         """A call of ``tier`` arrived (admitted or not): its tier is in demand (:meth:`_protected`)."""
@@ -271,6 +285,7 @@ class AdmissionController:
         dispatch to its first token here (the queue and batch in progress ahead of it, its own
         batch, the messages both ways: what the prediction's queue + prefill part stands for), the
         overhead from its TTFT less that span and the wait before its prediction, and its TPOT."""
+        self._feed_back(state)
         if state.first_token_time is None or LifetimeEvent.PREFILL_END.value not in state.events:
             return
         ttft, span = state.first_token_time - state.arrival_time, state.first_token_time - state.submitted_at
@@ -281,6 +296,27 @@ class AdmissionController:
         with self._lock:
             self.predictor.observe_overhead(ttft - span - state.prediction.waited_s)
             self.predictor.observe_finished(state.prediction, span, tpot)
+
+    def _feed_back(self, state: RequestState) -> None:
+        """The attainment feedback's observation of one served request of a tier that can be
+        refused: late or in time on its tier's TTFT SLO, and on its TPOT SLO."""
+        served = state.served_latency()
+        if served is None or state.tier is None or state.tier == NEVER_REFUSED:
+            return
+        rank = TIERS.index(state.tier)
+        slo = tier_slo(state.tier, self.config.slo)
+        with self._lock:
+            self.feedback[(rank, "ttft")].observe(served[0] > slo.ttft_ms / 1000.0)
+            self.feedback[(rank, "tpot")].observe(served[1] > slo.tpot_ms / 1000.0)
+
+    def feedback_report(self) -> dict[str, dict[str, object]]:
+        """Per tier that can be refused: each SLO's limit factor, and the late and in-time requests
+        the feedback has seen (for /health)."""
+        with self._lock:
+            return {name: {slo: {"factor": round(self.feedback[(rank, slo)].value, 4),
+                                 "late": self.feedback[(rank, slo)].late,
+                                 "in_time": self.feedback[(rank, slo)].in_time} for slo in ("ttft", "tpot")}
+                    for rank, name in enumerate(TIERS) if name != NEVER_REFUSED}
 
 
 P = TypeVar("P", Prediction, Prediction | None)
@@ -306,33 +342,40 @@ def _amount(seconds: float) -> str:
     return "under 1 ms" if ms < 1 else f"{ms} ms"
 
 
-def _limit(margin: float) -> str:
-    """How the refusal threshold relates to the SLO, in words."""
+def _limit(margin: float, factor: float = 1.0) -> str:
+    """How the refusal threshold relates to the SLO, in words (``factor``: the attainment feedback's)."""
+    if factor < 1:
+        return (f"admission refuses above {100 * (1 + margin) * factor:.0f} % of the SLO: admission.margin {margin:g}, "
+                f"tightened x{factor:.2f} while the tier's requests have been missing it more than its attainment "
+                f"target allows")
     if margin < 0:
         return f"admission refuses above {100 * (1 + margin):.0f} % of the SLO, admission.margin {margin:g}"
     return f"admission refuses above the SLO + {100 * margin:.0f} %, admission.margin {margin:g}"
 
 
-def _protect_message(tier: Tier, tighter: str, live: bool, predicted: float, slo: float, margin: float) -> str:
+def _protect_message(tier: Tier, tighter: str, live: bool, predicted: float, slo: float, margin: float,
+                     factor: float) -> str:
     serving = f"serving {tighter} requests" if live else f"keeping room for {tighter} requests"
     return (f"the service is overloaded for the {tier.name} tier: its decode worker is {serving}, "
             f"whose TPOT SLO is {slo:.3f} s, and with this request the predicted TPOT is {predicted:.3f} s "
-            f"({_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
+            f"({_limit(margin, factor)}); retry later, or send service_tier 'flex' (batch tier, never refused for "
+            f"latency)")
 
 
-def _spread_message(tier: Tier, predicted: float, upper: float, spread: float, slo: float) -> str:
+def _spread_message(tier: Tier, predicted: float, upper: float, spread: float, slo: float, factor: float) -> str:
     percent = round(100 * tier.slo.attainment)
+    limit = "" if factor >= 1 else f" x {factor:.2f} (tightened while the tier's requests miss its attainment target)"
     return (f"the service is overloaded for the {tier.name} tier: the predicted TTFT is {predicted:.3f} s, and with "
             f"the spread of recent measurements around predictions ({spread:.2f}x at the {percent}th percentile, "
-            f"its attainment target) {upper:.3f} s, over its TTFT SLO of {slo:.3f} s by {_amount(upper - slo)}; "
+            f"its attainment target) {upper:.3f} s, over its TTFT SLO of {slo:.3f} s{limit} by {_amount(upper - slo * factor)}; "
             f"retry later, or send service_tier 'flex' (batch tier, never refused for latency)")
 
 
-def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float) -> str:
+def _message(what: str, tier: Tier, predicted: float, slo: float, margin: float, factor: float) -> str:
     excess = predicted - slo
     relation = (f"over its {what} SLO of {slo:.3f} s by {_amount(excess)} ({100 * excess / slo:.0f} %" if excess > 0
                 else f"{-100 * excess / slo:.0f} % under its {what} SLO of {slo:.3f} s (")
     sep = "; " if excess > 0 else ""
     return (f"the service is overloaded for the {tier.name} tier: the predicted {what} is {predicted:.3f} s, "
-            f"{relation}{sep}{_limit(margin)}); retry later, or send service_tier 'flex' (batch tier, never "
+            f"{relation}{sep}{_limit(margin, factor)}); retry later, or send service_tier 'flex' (batch tier, never "
             f"refused for latency)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -13,6 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from mm_serve import __version__
+from mm_serve.admission.controller import NEVER_REFUSED
+from mm_serve.admission.tiers import TIERS
 from mm_serve.api.batch_routes import add_batch_routes
 from mm_serve.api.body_limit import ArrivalTimeMiddleware, BodyLimitMiddleware
 from mm_serve.api.chat import create_chat_completion
@@ -89,6 +92,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     ctx.holder.client.finish_listeners.append(metrics.observe_finished)
     ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)
     ctx.holder.client.finish_listeners.extend([ctx.tier_metrics.observe_finished, ctx.admission.on_finished])
+    for rank, name in enumerate(TIERS):
+        for slo in ("ttft", "tpot") if name != NEVER_REFUSED else ():
+            ctx.tier_metrics.follow_limit_factor(name, slo, functools.partial(ctx.admission.limit_factor, rank, slo))
     ctx.holder.client.step_listeners.append(ctx.admission.on_step)
     if ctx.config.scheduler.prefill_speed_routing:
         ctx.holder.client.step_listeners.append(_route_by_speed(ctx))
@@ -140,7 +146,8 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         status, workers, faults = ctx.holder.health()
         body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]
                               admission={"predict": ctx.config.admission.predict,
-                                         **ctx.admission.report(), "held": _held(ctx)},
+                                         **ctx.admission.report(), "held": _held(ctx),
+                                         "attainment_feedback": ctx.admission.feedback_report()},
                               caches=cache_health(dict(ctx.holder.client.stats)),
                               event_loop=_loop_name()).model_dump()
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)

@@ -125,6 +125,16 @@ class RequestState:
             self._pending_text.clear()
             return out
 
+    def served_latency(self) -> tuple[float, float] | None:
+        """(TTFT, TPOT) in seconds of a request served to its end (by a stop or the length limit):
+        TTFT from its arrival here to its first token, TPOT the mean gap between its output tokens
+        (0.0 with one token); None for one cancelled, failed, or still running."""
+        if self.first_token_time is None or self.finish_reason not in ("stop", "length"):
+            return None
+        times = self.token_times
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        return self.first_token_time - self.arrival_time, tpot
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until finished; False on timeout."""
         return self._done.wait(timeout)

@@ -78,6 +78,10 @@ def test_a_predicted_slo_miss_is_a_fast_429_with_retry_after(admission_server: S
     health = httpx.get(f"{url}/health", timeout=10).json()
     assert health["admission"]["predict"] is True and health["admission"]["prefill"]["observations"] >= 1
     assert health["admission"]["prefill"]["age_s"] is not None
+    feedback = health["admission"]["attainment_feedback"]  # the busy standard request (and earlier ones) finished
+    assert feedback["standard"]["ttft"]["late"] + feedback["standard"]["ttft"]["in_time"] >= 1
+    assert feedback["interactive"]["ttft"] == {"factor": 1.0, "late": 0, "in_time": 0}  # none served
+    assert 'mm_serve_tier_admission_limit_factor{slo="ttft",tier="interactive"} 1.0' in metrics
 
 
 def test_a_burst_of_large_images_is_refused_fast_and_memory_stays_bounded(admission_server: ServerProcess) -> None:
