@@ -387,16 +387,17 @@ def main() -> int:
     p.add_argument("--tier-mix", default="interactive=0.3,standard=0.5,batch=0.2")
     p.add_argument("--slo-interactive", default="1,0.05", help="TTFT,TPOT seconds (unless the config sets tiers)")
     p.add_argument("--slo-standard", default="2,0.1", help="TTFT,TPOT seconds (unless the config sets tiers)")
-    p.add_argument("--modes", default="off,on", help="admission modes to run (off, on or both)")
+    p.add_argument("--modes", default="off,on",
+                   help="admission modes to run: off, on, or both ('off,on' or 'both', the default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.probe_repeats < 1:
         p.error(f"--probe-repeats must be >= 1, got {args.probe_repeats}")
     args.loads = [float(x) for x in args.loads.split(",")]
-    args.modes = [m.strip() for m in args.modes.split(",")]
+    args.modes = ["off", "on"] if args.modes.strip() == "both" else [m.strip() for m in args.modes.split(",")]
     if not args.modes or set(args.modes) - {"on", "off"}:
-        p.error(f"--modes takes on, off or both, got {','.join(args.modes)!r}")
+        p.error(f"--modes takes on, off, 'off,on' or both, got {','.join(args.modes)!r}")
     folder = Path(args.out or tempfile.mkdtemp(prefix="admission-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, folder)

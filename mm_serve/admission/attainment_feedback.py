@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable
 
-FEEDBACK_STEP = 0.04  # log-factor lowered per late request (a 4 % tighter limit)
+FEEDBACK_STEP = 0.08  # log-factor lowered per late request (an 8 % tighter limit)
 FEEDBACK_FLOOR = 0.5  # the limit never tightens below half the configured one
 FEEDBACK_HALF_LIFE_S = 20.0  # with no outcome, the log-factor halves this often
 

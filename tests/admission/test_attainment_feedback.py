@@ -112,16 +112,17 @@ def test_late_interactive_requests_tighten_its_ttft_limit_until_a_call_under_the
     controller, client, slo = _controller_at(0.7)
     tier = tier_of("priority", controller.config.slo)
     assert controller.admit(client, tier, 100, 0, 16) is not None  # type: ignore[arg-type]  # 70 % < 80 %
-    for _ in range(10):  # late on TTFT, in time on TPOT
+    for _ in range(5):  # late on TTFT, in time on TPOT
         controller.on_finished(_served("interactive", 2 * slo, 0.001))
-    assert controller.limit_factor(0, "ttft") == pytest.approx(math.exp(-10 * FEEDBACK_STEP), rel=1e-3)
+    factor = math.exp(-5 * FEEDBACK_STEP)  # 0.67
+    assert controller.limit_factor(0, "ttft") == pytest.approx(factor, rel=1e-3)
     assert controller.limit_factor(0, "tpot") == 1.0 and controller.limit_factor(1, "ttft") == 1.0
     with pytest.raises(Rejection) as info:
-        controller.admit(client, tier, 100, 0, 16)  # type: ignore[arg-type]  # limit 80 % x 0.67 = 54 %
-    assert info.value.reason == "ttft_slo" and "tightened x0.67" in info.value.message, info.value.message
+        controller.admit(client, tier, 100, 0, 16)  # type: ignore[arg-type]  # limit 80 % x 0.67 = 54 % of the SLO
+    assert info.value.reason == "ttft_slo" and f"tightened x{factor:.2f}" in info.value.message, info.value.message
     assert "30 % under its TTFT SLO" in info.value.message
     report = controller.feedback_report()
-    assert report["interactive"]["ttft"] == {"factor": pytest.approx(0.6703, abs=1e-3), "late": 10, "in_time": 0}
+    assert report["interactive"]["ttft"] == {"factor": pytest.approx(factor, abs=1e-3), "late": 5, "in_time": 0}
     assert set(report) == {"interactive", "standard"}  # the batch tier is never refused for latency
     # standard sees the same queue (interactive work ahead) and its own factor is untouched
     assert controller.admit(client, tier_of("default", controller.config.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
@@ -156,6 +157,19 @@ def test_late_tpot_tightens_the_decode_room_kept_for_the_tier() -> None:
         controller.admit(client, standard, 100, 0, 16)  # type: ignore[arg-type]
     assert info.value.reason == "tpot_slo" and "serving interactive requests" in info.value.message
     assert "tightened" in info.value.message
+
+
+def test_late_means_over_the_slo_less_the_margins_headroom() -> None:
+    """admission.margin -0.2: a request served in 85 % of its TTFT SLO counts as late (the client
+    sees more than the server measures); with a positive margin (tolerance) the SLO itself."""
+    controller = AdmissionController(load_config(None))  # interactive TTFT 1 s, TPOT 100 ms
+    controller.on_finished(_served("interactive", 0.85, 0.05))
+    controller.on_finished(_served("interactive", 0.75, 0.09))
+    report = controller.feedback_report()["interactive"]
+    assert report["ttft"]["late"] == 1 and report["tpot"]["late"] == 1  # type: ignore[index]
+    tolerant = AdmissionController(load_config(None, {"admission.margin": 0.5}))
+    tolerant.on_finished(_served("interactive", 0.95, 0.09))
+    assert tolerant.feedback_report()["interactive"]["ttft"]["late"] == 0  # type: ignore[index]
 
 
 def test_a_cancelled_or_batch_request_teaches_nothing() -> None:
