@@ -23,6 +23,7 @@ from collections.abc import Callable
 FEEDBACK_STEP = 0.08  # log-factor lowered per late request (an 8 % tighter limit)
 FEEDBACK_FLOOR = 0.5  # the limit never tightens below half the configured one
 FEEDBACK_HALF_LIFE_S = 20.0  # with no outcome, the log-factor halves this often
+FEEDBACK_SNAP = 0.995  # a factor this close to 1 is 1 (the decay only approaches it)
 
 
 class AttainmentFeedback:
@@ -51,8 +52,10 @@ class AttainmentFeedback:
 
     @property
     def value(self) -> float:
-        """The factor now: 1.0 until requests are late more often than the aim allows."""
-        return math.exp(self._decayed())
+        """The factor now: 1.0 until requests are late more often than the aim allows, and again
+        once it has come back within :data:`FEEDBACK_SNAP` of 1."""
+        factor = math.exp(self._decayed())
+        return 1.0 if factor >= FEEDBACK_SNAP else factor
 
     def _decayed(self) -> float:
         return self._log * 0.5 ** (max(0.0, self._clock() - self._at) / self.half_life_s)

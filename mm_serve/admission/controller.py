@@ -59,8 +59,8 @@ class AdmissionController:
     def limit_factor(self, rank: int, slo: str) -> float:
         """What the admission limits on the ``slo`` ("ttft" or "tpot") of the tier of ``rank`` are
         multiplied by now: the attainment feedback's factor (1.0 when the tier meets its aim, or
-        with ``admission.attainment_feedback`` off)."""
-        if not self.config.admission.attainment_feedback:
+        with ``admission.attainment_feedback`` or ``admission.predict`` off: nothing it would scale)."""
+        if not (self.config.admission.attainment_feedback and self.config.admission.predict):
             return 1.0
         with self._lock:
             return self.feedback[(rank, slo)].value
@@ -315,10 +315,11 @@ class AdmissionController:
             self.feedback[(rank, "tpot")].observe(served[1] > bound * slo.tpot_ms / 1000.0)
 
     def feedback_report(self) -> dict[str, dict[str, object]]:
-        """Per tier that can be refused: each SLO's limit factor, and the late and in-time requests
-        the feedback has seen (for /health)."""
+        """Per tier that can be refused: each SLO's limit factor as applied (:meth:`limit_factor`: 1.0
+        with the feedback or prediction off), and the late and in-time requests seen (for /health)."""
+        applied = self.config.admission.attainment_feedback and self.config.admission.predict
         with self._lock:
-            return {name: {slo: {"factor": round(self.feedback[(rank, slo)].value, 4),
+            return {name: {slo: {"factor": round(self.feedback[(rank, slo)].value if applied else 1.0, 4),
                                  "late": self.feedback[(rank, slo)].late,
                                  "in_time": self.feedback[(rank, slo)].in_time} for slo in ("ttft", "tpot")}
                     for rank, name in enumerate(TIERS) if name != NEVER_REFUSED}
