@@ -24,6 +24,7 @@ FEEDBACK_STEP = 0.08  # log-factor lowered per late request (an 8 % tighter limi
 FEEDBACK_FLOOR = 0.5  # the limit never tightens below half the configured one
 FEEDBACK_HALF_LIFE_S = 20.0  # with no outcome, the log-factor halves this often
 FEEDBACK_SNAP = 0.995  # a factor this close to 1 is 1 (the decay only approaches it)
+FEEDBACK_SLOS = ("ttft", "tpot")  # the SLOs of a tier that each have their own factor
 
 
 class AttainmentFeedback:

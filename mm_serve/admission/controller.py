@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TypeVar
 
-from mm_serve.admission.attainment_feedback import AttainmentFeedback
+from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS, AttainmentFeedback
 from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import TIERS, Tier, tier_slo
@@ -54,13 +54,18 @@ class AdmissionController:
         self._lock = threading.Lock()
         self._last_call: list[float | None] = [None] * len(TIERS)  # monotonic time of each tier's last call
         self.feedback = {(rank, slo): AttainmentFeedback(tier_slo(name, config.slo).attainment)
-                         for rank, name in enumerate(TIERS) for slo in ("ttft", "tpot")}
+                         for rank, name in enumerate(TIERS) for slo in FEEDBACK_SLOS}
+
+    @property
+    def _feedback_applied(self) -> bool:
+        """Whether the attainment feedback's factors scale anything: it and prediction both on."""
+        return self.config.admission.attainment_feedback and self.config.admission.predict
 
     def limit_factor(self, rank: int, slo: str) -> float:
         """What the admission limits on the ``slo`` ("ttft" or "tpot") of the tier of ``rank`` are
         multiplied by now: the attainment feedback's factor (1.0 when the tier meets its aim, or
         with ``admission.attainment_feedback`` or ``admission.predict`` off: nothing it would scale)."""
-        if not (self.config.admission.attainment_feedback and self.config.admission.predict):
+        if not self._feedback_applied:
             return 1.0
         with self._lock:
             return self.feedback[(rank, slo)].value
@@ -317,11 +322,11 @@ class AdmissionController:
     def feedback_report(self) -> dict[str, dict[str, object]]:
         """Per tier that can be refused: each SLO's limit factor as applied (:meth:`limit_factor`: 1.0
         with the feedback or prediction off), and the late and in-time requests seen (for /health)."""
-        applied = self.config.admission.attainment_feedback and self.config.admission.predict
+        applied = self._feedback_applied
         with self._lock:
             return {name: {slo: {"factor": round(self.feedback[(rank, slo)].value if applied else 1.0, 4),
                                  "late": self.feedback[(rank, slo)].late,
-                                 "in_time": self.feedback[(rank, slo)].in_time} for slo in ("ttft", "tpot")}
+                                 "in_time": self.feedback[(rank, slo)].in_time} for slo in FEEDBACK_SLOS}
                     for rank, name in enumerate(TIERS) if name != NEVER_REFUSED}
 
 

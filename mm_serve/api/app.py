@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from mm_serve import __version__
+from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS
 from mm_serve.admission.controller import NEVER_REFUSED
 from mm_serve.admission.tiers import TIERS
 from mm_serve.api.batch_routes import add_batch_routes
@@ -93,7 +94,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)
     ctx.holder.client.finish_listeners.extend([ctx.tier_metrics.observe_finished, ctx.admission.on_finished])
     for rank, name in enumerate(TIERS):
-        for slo in ("ttft", "tpot") if name != NEVER_REFUSED else ():
+        if name == NEVER_REFUSED:
+            continue
+        for slo in FEEDBACK_SLOS:
             ctx.tier_metrics.follow_limit_factor(name, slo, functools.partial(ctx.admission.limit_factor, rank, slo))
     ctx.holder.client.step_listeners.append(ctx.admission.on_step)
     if ctx.config.scheduler.prefill_speed_routing:
