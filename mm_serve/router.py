@@ -74,6 +74,16 @@ class DecodeLoad:
 
 
 @dataclass(frozen=True)
+class Promise:
+    """A request queued on a prefill worker that a new request of a tighter tier would be served
+    before: it was admitted on a prediction, and each such new request delays its first token."""
+
+    rank: int  # its tier rank
+    arrived_at: float  # when its call reached the server (``time.monotonic()`` seconds)
+    through: PrefillWork  # the queued work served before it, and itself (not the batch in progress)
+
+
+@dataclass(frozen=True)
 class LoadView:
     """What a new request of one tier rank would find on the workers it would be sent to."""
 
@@ -94,6 +104,9 @@ class LoadView:
     running_elapsed_s: float = 0.0
     # work dispatched to that prefill worker in the last ARRIVAL_WINDOW_S seconds (its arrival rate)
     recent: PrefillWork = field(default_factory=PrefillWork)
+    # the queued requests there of looser ranks, not aged, dispatched with their arrival time: the
+    # new request would be served before each (only on a worker that reports its batches)
+    promises: tuple[Promise, ...] = ()
 
 
 class Router:
@@ -115,6 +128,7 @@ class Router:
         self.decode = [DecodeLoad(decode_pages_total) for _ in range(num_decode)]
         self._decode_of: dict[str, tuple[int, int]] = {}  # id -> (decode worker, tier rank) until finished
         self._ages_at: list[dict[str, float]] = [{} for _ in range(num_prefill)]  # looser id -> when it ages (monotonic s)
+        self._arrived_at: list[dict[str, float]] = [{} for _ in range(num_prefill)]  # looser id -> its call's arrival (monotonic s)
         # per prefill worker: the ids of its batch in progress and when it started (monotonic s);
         # None until the worker first reports a batch (colocated workers do not)
         self._batch: list[tuple[set[str], float] | None] = [None] * num_prefill
@@ -179,12 +193,14 @@ class Router:
 
     def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int,
                    rank: int = 1, images: int = 0, page_hashes: Sequence[bytes] = (),
-                   max_wait_s: float = 0.0, now: float | None = None) -> None:
+                   max_wait_s: float = 0.0, now: float | None = None, arrived_at: float | None = None) -> None:
         """Count a request sent to ``prefill`` (``tokens`` prompt tokens, ``images`` images, tier
         ``rank``, full pages hashing to ``page_hashes``) whose KV goes to ``decode`` (``pages``
         pages for the prompt and first token). A request of rank > 0 with ``max_wait_s`` > 0
         counts as rank 0 in :meth:`view` once it has waited that long after ``now``
-        (``time.monotonic()`` seconds, default the present). An id already counted is forgotten first."""
+        (``time.monotonic()`` seconds, default the present). A request of rank > 0 with ``arrived_at``
+        (when its call reached the server, monotonic seconds) is a :class:`Promise` in the views
+        of tighter ranks while it is queued and not aged. An id already counted is forgotten first."""
         if request_id in self._decode_of or request_id in self._prefill_of:
             self.finished(request_id)
         rank = min(max(rank, 0), NUM_RANKS - 1)
@@ -200,6 +216,8 @@ class Router:
         self.prefill_work[prefill][rank].add(1, tokens, images)
         if rank > 0 and max_wait_s > 0:
             self._ages_at[prefill][request_id] = (time.monotonic() if now is None else now) + max_wait_s
+        if rank > 0 and arrived_at is not None:
+            self._arrived_at[prefill][request_id] = arrived_at
         self.decode[decode].inflight[request_id] = pages
         self.decode[decode].ranks[rank] += 1
         self._decode_of[request_id] = (decode, rank)
@@ -232,9 +250,40 @@ class Router:
         decode = self.pick_decode(pages_needed, decodes)
         load = self.decode[decode]
         cached = self.cached_tokens(prefill, page_hashes) // self.page_size if page_hashes else 0
+        promises = self._promises(prefill, cut - 1, now) if running is not None else ()
         return LoadView(prefill, ahead, decode, load.running + len(load.inflight), load.pages_used,
                         load.tightest_rank(), cached, looser=looser, running=running, running_elapsed_s=elapsed,
-                        recent=self._recent(prefill, now))
+                        recent=self._recent(prefill, now), promises=promises)
+
+    def _promises(self, prefill: int, rank: int, now: float) -> tuple[Promise, ...]:
+        """The :class:`Promise` of each request queued on ``prefill`` (not in its batch in progress)
+        of a rank looser than ``rank``, dispatched with its arrival time and not aged by ``now``:
+        the work served before it is the queued work of tighter ranks (aged requests count as rank
+        0) and of its own rank dispatched before it (the prefill queue orders by rank, then arrival)."""
+        arrived = self._arrived_at[prefill]
+        if not arrived:
+            return ()
+        batch = self._batch[prefill]
+        in_batch = batch[0] if batch is not None else set()
+        ages = self._ages_at[prefill]
+        queued = [(request_id, 0 if ages.get(request_id, now + 1.0) <= now else its_rank, tokens, images)
+                  for request_id, (worker, tokens, its_rank, images) in self._prefill_of.items()
+                  if worker == prefill and request_id not in in_batch]
+        by_rank = [PrefillWork() for _ in range(NUM_RANKS)]
+        for _, served_as, tokens, images in queued:
+            by_rank[served_as].add(1, tokens, images)
+        so_far = [PrefillWork() for _ in range(NUM_RANKS)]  # of each rank, dispatched up to the one at hand
+        promises = []
+        for request_id, served_as, tokens, images in queued:
+            so_far[served_as].add(1, tokens, images)
+            if served_as > rank and request_id in arrived:
+                through = PrefillWork()
+                for work in [*by_rank[:served_as], so_far[served_as]]:
+                    through.requests += work.requests
+                    through.tokens += work.tokens
+                    through.images += work.images
+                promises.append(Promise(served_as, arrived[request_id], through))
+        return tuple(promises)
 
     def _recent(self, prefill: int, now: float) -> PrefillWork:
         """The work dispatched to ``prefill`` in the :data:`ARRIVAL_WINDOW_S` seconds before ``now``."""
@@ -280,6 +329,7 @@ class Router:
         if entry is not None:
             worker, tokens, rank, images = entry
             self._ages_at[worker].pop(request_id, None)
+            self._arrived_at[worker].pop(request_id, None)
             batch = self._batch[worker]
             if batch is not None:
                 batch[0].discard(request_id)

@@ -31,7 +31,7 @@ from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.request_state import RequestState
 from mm_serve.planner.profile_file import load_profile
-from mm_serve.router import ARRIVAL_WINDOW_S, LoadView, PrefillWork
+from mm_serve.router import ARRIVAL_WINDOW_S, LoadView, PrefillWork, Promise
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 
@@ -95,8 +95,41 @@ class AdmissionController:
                                                 _work(view.looser), tier.rank, DECODE_RESERVE, running,
                                                 view.running_elapsed_s, _work(view.recent), ARRIVAL_WINDOW_S,
                                                 view.prefill)
+            makes_late = self._makes_late(view, tokens, images) if view.promises else None
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
-        return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank)
+        return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank,
+                                   makes_late=makes_late)
+
+    def _makes_late(self, view: LoadView, tokens: int, images: int) -> tuple[int, float, float] | None:
+        """(rank, first token in, due in; seconds from now) of the queued request of ``view.promises``
+        that a new request of ``tokens`` tokens and ``images`` images, served before it, would make
+        late, the one it would make latest; None: none. A promise is kept for the tiers that are
+        refused for latency, to its tier's TTFT SLO times that tier's attainment-feedback factor,
+        and only while its prediction is on time (refusing for one already late saves nothing).
+        Call under the lock."""
+        now, scale = time.monotonic(), self.predictor.prefill_scale(view.prefill)
+        running = view.running if view.running is not None else PrefillWork()
+        before = self.predictor.remaining_seconds(_work(running), view.running_elapsed_s, scale)
+        extra = scale * self.predictor.prefill_seconds(tokens, images)
+        worst: tuple[int, float, float] | None = None
+        for promise in view.promises:
+            due = self._due_in(promise, now)
+            if due is None:
+                continue
+            first = self.predictor.first_token_in(_work(promise.through), before, promise.rank, scale)
+            late = first + extra * self.predictor.ttft_corrections[promise.rank].value
+            if first <= due < late and (worst is None or late - due > worst[1] - worst[2]):
+                worst = (promise.rank, late, due)
+        return worst
+
+    def _due_in(self, promise: Promise, now: float) -> float | None:
+        """Seconds from ``now`` until the first token of ``promise`` is due (None: its tier is never
+        refused for latency, so nothing is promised to it). Call under the lock."""
+        name = TIERS[min(max(promise.rank, 0), len(TIERS) - 1)]
+        if name == NEVER_REFUSED:
+            return None
+        factor = self.feedback[(promise.rank, "ttft")].value if self._feedback_applied else 1.0
+        return promise.arrived_at + tier_slo(name, self.config.slo).ttft_ms / 1000.0 * factor - now
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
               inputs: ProcessedInputs | None = None, waited_s: float = 0.0, refuse: bool = True) -> Prediction | None:
@@ -120,6 +153,9 @@ class AdmissionController:
         refused = self._ttft_refusal(tier, prediction)
         if refused is not None:
             raise Rejection(429, "ttft_slo", *refused)
+        if prediction.makes_late is not None and self.config.admission.protect_admitted:
+            raise Rejection(429, "ttft_slo", _promise_message(tier, *prediction.makes_late),
+                            prediction.makes_late[1])
         why = self._tpot_refusal(tier, prediction, max_tokens)
         if why is not None:
             raise Rejection(429, "tpot_slo", why, 1.0)
@@ -371,6 +407,14 @@ def _protect_message(tier: Tier, tighter: str, live: bool, predicted: float, slo
             f"whose TPOT SLO is {slo:.3f} s, and with this request the predicted TPOT is {predicted:.3f} s "
             f"({_limit(margin, factor)}); retry later, or send service_tier 'flex' (batch tier, never refused for "
             f"latency)")
+
+
+def _promise_message(tier: Tier, rank: int, late_s: float, due_s: float) -> str:
+    """The 429 message of a call refused to keep a queued request of a looser tier on time."""
+    looser = TIERS[min(max(rank, 0), len(TIERS) - 1)]
+    return (f"the server is busy: this {tier.name} tier request would be prefilled before a queued {looser} tier "
+            f"request admitted earlier and delay its first token to {late_s:.3f} s from now, past its TTFT SLO "
+            f"({due_s:.3f} s from now) by {_amount(late_s - due_s)}; retry later or use a looser service_tier")
 
 
 def _spread_message(tier: Tier, predicted: float, upper: float, spread: float, slo: float, factor: float) -> str:

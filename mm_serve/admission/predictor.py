@@ -69,6 +69,9 @@ class Prediction:
     decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
     waited_s: float = 0.0  # seconds from the call's arrival to this prediction (images, hold, a busy front end; in ``ttft_s``)
     tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker
+    # (tier rank, its first token in, due in: seconds from now) of the queued looser request that this
+    # one, served before it, would make miss its TTFT SLO (the worst; None: none)
+    makes_late: tuple[int, float, float] | None = None
 
 
 class LatencyPredictor:
@@ -126,6 +129,15 @@ class LatencyPredictor:
         if running.requests <= 0:
             return 0.0
         return max(0.0, scale * self.prefill_seconds(running.tokens, running.images) - elapsed_s)
+
+    def first_token_in(self, through: QueueAhead, before_s: float, rank: int, scale: float = 1.0) -> float:
+        """Predicted seconds from now to the first token of a queued request of tier ``rank`` with
+        the queued work ``through`` served before it, itself included (packed in full batches), after
+        ``before_s`` seconds of the batch in progress, on a worker ``scale`` times slower than the fit:
+        priced as its tier's predictions are (its TTFT correction, the transit; no front-end overhead,
+        which it has had)."""
+        rank = min(max(rank, 0), len(self.ttft_corrections) - 1)
+        return (before_s + scale * self.queue_seconds(through)) * self.ttft_corrections[rank].value + self.transit_s
 
     def through_own_batch(self, ahead: QueueAhead, looser: QueueAhead, tokens: int, images: int,
                           before_s: float = 0.0, arrivals: QueueAhead | None = None, window_s: float = 1.0,

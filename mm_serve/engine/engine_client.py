@@ -289,7 +289,8 @@ class EngineClient:
         self._wire[flight.wire_id] = flight
         self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
                                flight.first.priority, flight.first.num_images, flight.page_hashes,
-                               0.0 if self.colocated else flight.first.max_wait_s)  # colocated: no ageing
+                               0.0 if self.colocated else flight.first.max_wait_s,  # colocated: no ageing
+                               arrived_at=flight.state.arrival_time)
         # not delivered when the worker died a moment ago: supervision finds it and migrates this flight
         self.pool.send(("colocated" if self.colocated else "prefill", prefill), flight.message(decode, time.time()))
 

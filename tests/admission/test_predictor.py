@@ -7,6 +7,7 @@ import json
 import math
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -448,6 +449,46 @@ def test_with_the_batch_in_progress_known_ttft_is_its_rest_then_the_batches_up_t
                                running_elapsed_s=0.001, arrivals=QueueAhead(50, 12_500, 50), arrivals_window_s=5.0)
     expected = rest * 10
     assert joined.ttft_base_s == pytest.approx(rest + seconds(250 + 250 * expected, 1 + expected))
+
+
+def _promising_router(standard_tokens: int, arrived_ago_s: float) -> Router:
+    """A prefill worker that reports its batches (none in progress) with one queued standard request."""
+    router = Router(1, 1, 1000, 64)
+    router.batch_started(0, [])
+    router.dispatched("s", 0, 0, standard_tokens, 1, rank=1, arrived_at=time.monotonic() - arrived_ago_s)
+    return router
+
+
+def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() -> None:
+    """An interactive call is prefilled before the standard requests queued on its worker; when
+    its prefill would push the first token of one that is on time past its TTFT SLO, it is
+    refused (429 ``ttft_slo`` naming the standard request), unless ``admission.protect_admitted``
+    is false; a smaller call that leaves it on time is admitted, and a queued request that is
+    already predicted late protects nothing."""
+    overrides = {"slo.tiers.interactive": {"ttft_ms": 500, "tpot_ms": 100},
+                 "slo.tiers.standard": {"ttft_ms": 500, "tpot_ms": 1000}}
+    controller = AdmissionController(load_config(None, overrides))
+    interactive = tier_of("priority", controller.config.slo)
+    c, per_token, _ = controller.predictor.prefill.coefficients
+    client = _Client(_promising_router(15_000, 0.0))  # its first token in ~0.32 s: 0.18 s of slack
+    small = controller.admit(client, interactive, 8000, 0, 16)  # type: ignore[arg-type]
+    assert small is not None and small.makes_late is None  # 0.164 s more: still on time
+    with pytest.raises(Rejection) as info:
+        controller.admit(client, interactive, 12_000, 0, 16)  # type: ignore[arg-type]
+    assert (info.value.status, info.value.reason) == (429, "ttft_slo")
+    assert "before a queued standard tier request" in info.value.message, info.value.message
+    prediction = controller.predict(client, interactive, 12_000, 0, 16)  # type: ignore[arg-type]
+    assert prediction is not None and prediction.makes_late is not None
+    rank, late, due = prediction.makes_late
+    first = controller.predictor.queue_seconds(QueueAhead(1, 15_000, 0))  # in token-budget batches
+    assert rank == 1 and late == pytest.approx(first + c + per_token * 12_000, rel=1e-6)
+    assert 0.49 < due <= 0.5 and late > due
+    # the standard request's own prediction is not affected: nothing looser is queued
+    assert controller.predict(client, tier_of("default", controller.config.slo), 100, 0, 16).makes_late is None  # type: ignore[arg-type,union-attr]
+    # already late (arrived 0.4 s ago, first token in 0.3 s): refusing saves nothing
+    assert controller.admit(_Client(_promising_router(15_000, 0.4)), interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
+    off = AdmissionController(load_config(None, {**overrides, "admission.protect_admitted": False}))
+    assert off.admit(client, interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
 
 
 def test_each_prefill_worker_learns_its_own_speed() -> None:

@@ -285,3 +285,32 @@ def test_recent_dispatches_to_the_worker_are_counted_over_the_arrival_window() -
     assert (recent.requests, recent.tokens, recent.images) == (2, 150, 1)
     recent = router.view(1, 1, [0], [0], now=ARRIVAL_WINDOW_S + 0.5).recent  # "a" fell out of the window
     assert (recent.requests, recent.tokens, recent.images) == (1, 50, 0)
+
+
+def test_queued_looser_requests_are_promises_with_the_work_served_before_them() -> None:
+    """``LoadView.promises``: each queued request of a looser rank than the view's, dispatched with
+    its arrival time and not aged, with the queued work served before it and itself: tighter
+    ranks and aged requests first, then its own rank in dispatch order; the batch in progress
+    is not queued work; none on a worker that does not report its batches."""
+    router = make_router(num_prefill=1, num_decode=1)
+    router.dispatched("s1", prefill=0, decode=0, tokens=100, pages=1, rank=1, now=0.0, arrived_at=-0.2)
+    router.dispatched("i1", prefill=0, decode=0, tokens=10, pages=1, rank=0, now=0.1, arrived_at=0.05)
+    router.dispatched("s2", prefill=0, decode=0, tokens=200, pages=1, rank=1, images=1, now=0.2, arrived_at=0.15)
+    router.dispatched("b1", prefill=0, decode=0, tokens=1000, pages=1, rank=2, now=0.3, arrived_at=0.3)
+    router.dispatched("s3", prefill=0, decode=0, tokens=300, pages=1, rank=1, now=0.4, max_wait_s=0.5)
+    assert router.view(0, 1, [0], [0], now=0.5).promises == ()  # no batch reported yet (colocated)
+    router.batch_started(0, ["s1"], now=0.45)
+    promises = {(p.rank, p.arrived_at): p.through for p in router.view(0, 1, [0], [0], now=0.6).promises}
+    # s1 prefills now; s3 has no arrival time; i1 is interactive itself
+    assert set(promises) == {(1, 0.15), (2, 0.3)}
+    assert (promises[(1, 0.15)].requests, promises[(1, 0.15)].tokens, promises[(1, 0.15)].images) == (2, 210, 1)
+    # b1 waits for i1, s2 and s3 (all of rank 1 and tighter) and itself
+    assert (promises[(2, 0.3)].requests, promises[(2, 0.3)].tokens) == (4, 1510)
+    # standard sees only the batch request as looser; at 0.95 s s3 has aged: still before b1, not a promise
+    assert [p.rank for p in router.view(1, 1, [0], [0], now=0.95).promises] == [2]
+    router.dispatched("s4", prefill=0, decode=0, tokens=40, pages=1, rank=1, now=0.96, arrived_at=0.96)
+    after = {p.arrived_at: p.through for p in router.view(0, 1, [0], [0], now=0.97).promises}
+    assert after[0.96].tokens == 10 + 300 + 200 + 40  # s3 aged to rank 0: ahead of s2 and s4
+    router.prefilled("s2")
+    assert 0.15 not in {p.arrived_at for p in router.view(0, 1, [0], [0], now=0.98).promises}
+
