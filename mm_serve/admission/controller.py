@@ -133,8 +133,10 @@ class AdmissionController:
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
               inputs: ProcessedInputs | None = None, waited_s: float = 0.0, refuse: bool = True) -> Prediction | None:
-        """Predict, and refuse a request whose prediction exceeds its tier's SLO × (1 + margin), or
-        that would push running requests of a tighter tier on its decode worker past their TPOT SLO.
+        """Predict, and refuse a request whose prediction exceeds its tier's SLO × (1 + margin),
+        that would push running requests of a tighter tier on its decode worker past their TPOT SLO,
+        or that, prefilled before queued requests of a looser tier, would make one of them late
+        (``admission.protect_admitted``).
 
         ``waited_s``, the seconds since the call arrived (decoding its images, the dispatch hold, a
         front end too busy to get to it), is part of its TTFT: it is added to the prediction.
@@ -142,7 +144,8 @@ class AdmissionController:
 
         Raises:
             Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
-                the excess; ``Retry-After`` is the TTFT excess in seconds (1 s for TPOT), at least a second.
+                the excess; ``Retry-After`` is the TTFT excess in seconds (1 s for TPOT; for a queued
+                request it would make late, the time until that one is due), at least a second.
         """
         self.note_call(tier)
         prediction = _waited(self.predict(client, tier, tokens, images, max_tokens, inputs), waited_s)
@@ -150,12 +153,9 @@ class AdmissionController:
             return prediction
         if prediction.idle:  # alone, refusing protects no one; and an idle service must keep learning
             return prediction
-        refused = self._ttft_refusal(tier, prediction)
+        refused = self._ttft_refusal(tier, prediction) or self._promise_refusal(tier, prediction)
         if refused is not None:
             raise Rejection(429, "ttft_slo", *refused)
-        if prediction.makes_late is not None and self.config.admission.protect_admitted:
-            raise Rejection(429, "ttft_slo", _promise_message(tier, *prediction.makes_late),
-                            prediction.makes_late[1])
         why = self._tpot_refusal(tier, prediction, max_tokens)
         if why is not None:
             raise Rejection(429, "tpot_slo", why, 1.0)
@@ -181,6 +181,14 @@ class AdmissionController:
         if upper > slo * factor:
             return _spread_message(tier, prediction.ttft_s, upper, spread, slo, factor), upper - slo
         return None
+
+    def _promise_refusal(self, tier: Tier, prediction: Prediction) -> tuple[str, float] | None:
+        """(message, seconds until the request it would make late is due) when ``prediction``'s call,
+        prefilled before a queued request of a looser tier, would make that one late
+        (:attr:`Prediction.makes_late`) and ``admission.protect_admitted`` is on; else None."""
+        if prediction.makes_late is None or not self.config.admission.protect_admitted:
+            return None
+        return _promise_message(tier, *prediction.makes_late), prediction.makes_late[2]
 
     def _tpot_refusal(self, tier: Tier, prediction: Prediction, max_tokens: int) -> str | None:
         """Why :meth:`admit`'s TPOT rules refuse ``prediction`` (the message), else None: its own
@@ -276,7 +284,8 @@ class AdmissionController:
     def precheck(self, client: EngineClient, tier: Tier, max_tokens: int, tokens: int = 1, images: int = 0,
                  waited_s: float = 0.0) -> None:
         """Refuse, before the call's images are fetched and decoded (cheap refusals under
-        overload), what the TTFT rule of :meth:`admit` rules out whatever else the call holds:
+        overload), what the TTFT rules of :meth:`admit` (its own TTFT, the queued looser requests
+        it would make late) rule out whatever else the call holds:
         the prediction for a prompt of ``tokens`` tokens and ``images`` images (the work it is
         certain to bring: images no cache can hold, :mod:`mm_serve.admission.seen_images`) on
         *each* ready prefill worker is refused by the TTFT rules of :meth:`admit`. The rest of its prompt only adds to a
@@ -300,7 +309,7 @@ class AdmissionController:
             prediction = _waited(self._predict_in(view, tier, tokens, images), waited_s)
             if prediction.idle:
                 return  # admit() never refuses it
-            refused = self._ttft_refusal(tier, prediction)
+            refused = self._ttft_refusal(tier, prediction) or self._promise_refusal(tier, prediction)
             if refused is not None:
                 best = (prediction, refused) if best is None or prediction.ttft_s < best[0].ttft_s else best
                 continue

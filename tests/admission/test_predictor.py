@@ -451,10 +451,11 @@ def test_with_the_batch_in_progress_known_ttft_is_its_rest_then_the_batches_up_t
     assert joined.ttft_base_s == pytest.approx(rest + seconds(250 + 250 * expected, 1 + expected))
 
 
-def _promising_router(standard_tokens: int, arrived_ago_s: float) -> Router:
-    """A prefill worker that reports its batches (none in progress) with one queued standard request."""
-    router = Router(1, 1, 1000, 64)
-    router.batch_started(0, [])
+def _promising_router(standard_tokens: int, arrived_ago_s: float, num_prefill: int = 1) -> Router:
+    """Prefill workers that report their batches (none in progress); one queued standard request on the first."""
+    router = Router(num_prefill, 1, 1000, 64)
+    for i in range(num_prefill):
+        router.batch_started(i, [])
     router.dispatched("s", 0, 0, standard_tokens, 1, rank=1, arrived_at=time.monotonic() - arrived_ago_s)
     return router
 
@@ -489,6 +490,14 @@ def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() ->
     assert controller.admit(_Client(_promising_router(15_000, 0.4)), interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
     off = AdmissionController(load_config(None, {**overrides, "admission.protect_admitted": False}))
     assert off.admit(client, interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
+    # the early check (before images are decoded) refuses it too when both prefill workers hold such a request
+    router = _promising_router(15_000, 0.0, num_prefill=2)
+    router.dispatched("s1", 1, 0, 15_000, 1, rank=1, arrived_at=time.monotonic())
+    with pytest.raises(Rejection) as early:
+        controller.precheck(_TwoPrefillClient(router), interactive, 16, tokens=12_000)  # type: ignore[arg-type]
+    assert early.value.reason == "ttft_slo" and "queued standard tier request" in early.value.message
+    router.finished("s1")  # prefill 1 has nothing queued: the router may send it there
+    controller.precheck(_TwoPrefillClient(router), interactive, 16, tokens=12_000)  # type: ignore[arg-type]
 
 
 def test_each_prefill_worker_learns_its_own_speed() -> None:
