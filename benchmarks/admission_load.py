@@ -82,6 +82,7 @@ class Outcome:
     first_gap_s: float | None = None  # first to second token: the hand-off and the wait for a decode slot
     server_ms: float | None = None  # the server's Server-Timing app;dur: its arrival to the response's start
     server_phases: dict[str, float] | None = None  # the other Server-Timing metrics: ms of each phase (parse, ...)
+    refusal: str | None = None  # a refusal's error code and the start of its message ("ttft_slo: the server ...")
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome
             timing = server_timing(r.headers.get("server-timing"))
             out.server_ms = timing.pop("app", None)
             out.server_phases = timing or None
+            if r.status_code != 200:
+                out.refusal = refusal_text(await r.aread())
             async for line in r.aiter_lines():
                 if r.status_code == 200 and not take_chunk(line, rec, time.monotonic()):
                     break
@@ -119,6 +122,16 @@ async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome
         out.ttft_s, out.tpot_s = rec.ttft_s, rec.tpot_s
         out.first_gap_s = rec.itls_s[0] if len(rec.chunk_s) > 1 else None
     return out
+
+
+def refusal_text(body: bytes) -> str:
+    """``code: message`` of an OpenAI-format error body, the message cut to 160 characters (the
+    raw body's start when it is not one)."""
+    try:
+        error = json.loads(body)["error"]
+        return f"{error.get('code')}: {str(error.get('message'))[:160]}"
+    except (ValueError, KeyError, TypeError):
+        return body[:160].decode(errors="replace")
 
 
 def server_timing(header: str | None) -> dict[str, float]:

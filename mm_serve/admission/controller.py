@@ -94,7 +94,7 @@ class AdmissionController:
             prediction = self.predictor.predict(_work(view.ahead), tokens, images, view.decode_batch + 1, context,
                                                 _work(view.looser), tier.rank, DECODE_RESERVE, running,
                                                 view.running_elapsed_s, _work(view.recent), ARRIVAL_WINDOW_S,
-                                                view.prefill)
+                                                view.prefill, view.decode)
             makes_late = self._makes_late(view, tokens, images) if view.promises else None
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank,
@@ -327,7 +327,7 @@ class AdmissionController:
             if step.kind == "prefill":
                 self.predictor.observe_prefill(step.tokens, step.images, step.seconds, index)
             elif step.kind == "decode":
-                self.predictor.observe_decode(step.requests, step.tokens, step.seconds)
+                self.predictor.observe_decode(step.requests, step.tokens, step.seconds, index)
 
     def on_finished(self, state: RequestState) -> None:
         """Refit the front-end overhead and the corrections from a finished request that was

@@ -20,7 +20,8 @@ queued or prefilling at its tier and tighter ones, half a batch of looser work, 
 prefill, + overhead. The first token comes from the prefill worker, so
 the KV hand-off is not on the TTFT path here: it delays the second token (ITL), which
 the TPOT over the whole output absorbs. Predicted TPOT = one decode step at the chosen
-decode worker's batch (its running and dispatched requests plus this one) and context.
+decode worker's batch (its running and dispatched requests plus this one) and context, times
+how much longer than the fit's price that worker's last steps took (:meth:`LatencyPredictor.decode_scale`).
 
 Defaults fit the embedded model on a CPU core, or :meth:`LatencyPredictor.warm_start` fits
 them to an ``mm-serve profile`` file (``admission.profile``); the fits move to the
@@ -44,6 +45,10 @@ DEFAULT_OVERHEAD_S = 0.003
 DECODE_FORGETTING = 0.99  # decode steps come 10-100x as often as prefill batches: a longer memory
 OVERHEAD_WEIGHT = 0.1  # weight of a new TTFT residual in the overhead average
 TRANSIT_WEIGHT = 0.1  # weight of a new idle request's span less its prefill in the transit average
+# a decode worker's steps against the fit's price for them just before each is learned: weight of a
+# new step (about the last 10 steps count), and half-life in seconds once a second has passed without one
+DECODE_LIVE_WEIGHT = 0.1
+DECODE_LIVE_HALF_LIFE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class Prediction:
     tpot_s: float
     queue_s: float  # TTFT base less its own prefill alone: the wait for the work ahead and its batch-mates (before the correction)
     ttft_base_s: float = 0.0  # queue + own prefill as the fit prices them (before the correction)
-    tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it (before the correction)
+    tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it, times the worker's last steps' scale (before the correction)
     rank: int = 1  # the tier rank it was predicted for
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
     decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
@@ -85,6 +90,10 @@ class LatencyPredictor:
         # core with others run slower; the fit learns the shape, these the speed of each)
         self.prefill_speed: dict[int, RatioCorrection] = {}
         self.decode = OnlineLinearFit(DEFAULT_DECODE, (1.0, 16.0, 4096.0), forgetting=DECODE_FORGETTING)
+        # per decode worker: its last steps' measured / the fit's price for each, made before the fit
+        # learned it (the fit follows about the last 100 steps and is pulled toward its start; a step
+        # that doubles when a prefill burst takes half of a shared core shows here within a few steps)
+        self.decode_live: dict[int, RatioCorrection] = {}
         self.overhead_s = DEFAULT_OVERHEAD_S
         # the messages from dispatch to first token and the worker's wake-up: a request that found
         # its prefill worker idle measures it as its span less its own prefill (additive: scaling it
@@ -105,6 +114,12 @@ class LatencyPredictor:
         (1.0 for None or a worker not measured yet)."""
         speed = None if worker is None else self.prefill_speed.get(worker)
         return 1.0 if speed is None else speed.value
+
+    def decode_scale(self, worker: int | None) -> float:
+        """How much longer than the fit's price decode worker ``worker``'s last steps took (1.0 for
+        None or a worker not measured yet)."""
+        live = None if worker is None else self.decode_live.get(worker)
+        return 1.0 if live is None else live.value
 
     def queue_seconds(self, ahead: QueueAhead) -> float:
         """Predicted seconds to prefill the work ``ahead`` (packed into full batches)."""
@@ -174,7 +189,7 @@ class LatencyPredictor:
                 decode_context: int, looser: QueueAhead | None = None, rank: int = 1, reserve: int = 0,
                 running: QueueAhead | None = None, running_elapsed_s: float = 0.0,
                 arrivals: QueueAhead | None = None, arrivals_window_s: float = 1.0,
-                prefill_worker: int | None = None) -> Prediction:
+                prefill_worker: int | None = None, decode_worker: int | None = None) -> Prediction:
         """TTFT and TPOT of a request of tier ``rank`` with ``tokens`` prompt tokens and ``images`` images.
 
         With the batch in progress on its prefill worker known (``running``), the TTFT's queue
@@ -194,6 +209,7 @@ class LatencyPredictor:
             running: the batch prefilling there now (any tier), started ``running_elapsed_s`` seconds ago.
             arrivals: work dispatched to that prefill worker in the last ``arrivals_window_s`` seconds.
             prefill_worker: its index, for the worker's speed (:meth:`prefill_scale`).
+            decode_worker: the decode worker's index, for its last steps (:meth:`decode_scale`).
         """
         scale = self.prefill_scale(prefill_worker)
         own = scale * self.prefill_seconds(tokens, images)
@@ -205,9 +221,10 @@ class LatencyPredictor:
                                           self.remaining_seconds(running, running_elapsed_s, scale), arrivals,
                                           arrivals_window_s, scale)
             queue = max(0.0, base - own)
-        step = self.decode.predict((1.0, decode_batch, decode_context))
+        live = self.decode_scale(decode_worker)
+        step = live * self.decode.predict((1.0, decode_batch, decode_context))
         batch = max(1, decode_batch)
-        reserved = self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
+        reserved = live * self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
         rank = min(max(rank, 0), len(self.ttft_corrections) - 1)
         return Prediction(base * self.ttft_corrections[rank].value + self.transit_s + self.overhead_s,
                           step * self.tpot_correction.value, queue, base, step, rank=rank,
@@ -220,8 +237,13 @@ class LatencyPredictor:
             speed.observe(seconds, self.prefill_seconds(tokens, images))
         self.prefill.observe((1.0, tokens, images), seconds)
 
-    def observe_decode(self, batch: int, context: int, seconds: float) -> None:
-        """One measured decode step of ``batch`` requests over ``context`` tokens, in seconds."""
+    def observe_decode(self, batch: int, context: int, seconds: float, worker: int | None = None) -> None:
+        """One measured decode step of ``batch`` requests over ``context`` tokens of decode worker
+        ``worker``, in seconds: first against the fit's price for it (:meth:`decode_scale`), then into the fit."""
+        if worker is not None:
+            live = self.decode_live.setdefault(worker, RatioCorrection(
+                weight=DECODE_LIVE_WEIGHT, low=0.5, high=4.0, half_life_s=DECODE_LIVE_HALF_LIFE_S, grace_s=1.0))
+            live.observe(seconds, self.decode.predict((1.0, batch, context)))
         self.decode.observe((1.0, batch, context), seconds)
 
     def observe_overhead(self, residual_s: float) -> None:
@@ -267,7 +289,8 @@ class LatencyPredictor:
                         "worker_speed": {str(i): round(c.value, 4) for i, c in sorted(self.prefill_speed.items())}},
             "decode": {"s_per_step": self.decode.coefficients[0], "s_per_request": self.decode.coefficients[1],
                        "s_per_context_token": self.decode.coefficients[2],
-                       "observations": self.decode.num_observations, "age_s": age(self.decode)},
+                       "observations": self.decode.num_observations, "age_s": age(self.decode),
+                       "worker_speed": {str(i): round(c.value, 4) for i, c in sorted(self.decode_live.items())}},
             "overhead_s": self.overhead_s,
             "transit_s": self.transit_s,
             "ttft_correction": {name: round(c.value, 4) for name, c in zip(TIERS, self.ttft_corrections,

@@ -500,6 +500,27 @@ def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() ->
     controller.precheck(_TwoPrefillClient(router), interactive, 16, tokens=12_000)  # type: ignore[arg-type]
 
 
+def test_a_decode_worker_whose_last_steps_ran_longer_than_the_fit_prices_them_is_predicted_slower() -> None:
+    """Each decode step is first compared with the fit's price for it (before the fit learns it):
+    a worker whose steps suddenly take twice as long (a prefill burst on its shared core) has
+    its TPOT predicted about twice as long within a few dozen steps, before the fit (about the
+    last 100 steps, pulled toward its start) has moved that far; other workers are unaffected."""
+    predictor = LatencyPredictor(prefill_batch_size=1, prefill_token_budget=4096)
+    for _ in range(300):  # a steady worker 0 at 20 ms per step of 8 requests
+        predictor.observe_decode(8, 4000, 0.020, worker=0)
+    before = predictor.predict(QueueAhead(0, 0, 0), 100, 0, 8, 4000, decode_worker=0)
+    assert predictor.decode_scale(0) == pytest.approx(1.0, abs=0.05)
+    for _ in range(30):  # its steps now take 40 ms
+        predictor.observe_decode(8, 4000, 0.040, worker=0)
+    fit_only = predictor.decode.predict((1.0, 8, 4000))
+    assert fit_only < 0.035  # the fit has not caught up
+    after = predictor.predict(QueueAhead(0, 0, 0), 100, 0, 8, 4000, decode_worker=0)
+    assert after.tpot_s == pytest.approx(0.040, rel=0.1) and after.tpot_s > 1.5 * before.tpot_s
+    assert after.tpot_step_s == pytest.approx(predictor.decode_scale(0) * fit_only)
+    assert predictor.predict(QueueAhead(0, 0, 0), 100, 0, 8, 4000, decode_worker=1).tpot_s == pytest.approx(fit_only)
+    assert predictor.report()["decode"]["worker_speed"] == {"0": round(predictor.decode_scale(0), 4)}  # type: ignore[index]
+
+
 def test_each_prefill_worker_learns_its_own_speed() -> None:
     """Prefill worker 1 shares its core with the decode worker and runs its batches 1.7x as long
     as worker 0: the shared fit learns the shape, each worker's speed how much slower it is
