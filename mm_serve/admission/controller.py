@@ -188,7 +188,8 @@ class AdmissionController:
         (:attr:`Prediction.makes_late`) and ``admission.protect_admitted`` is on; else None."""
         if prediction.makes_late is None or not self.config.admission.protect_admitted:
             return None
-        return _promise_message(tier, *prediction.makes_late), prediction.makes_late[2]
+        factor = self.limit_factor(prediction.makes_late[0], "ttft")
+        return _promise_message(tier, *prediction.makes_late, factor), prediction.makes_late[2]
 
     def _tpot_refusal(self, tier: Tier, prediction: Prediction, max_tokens: int) -> str | None:
         """Why :meth:`admit`'s TPOT rules refuse ``prediction`` (the message), else None: its own
@@ -418,12 +419,16 @@ def _protect_message(tier: Tier, tighter: str, live: bool, predicted: float, slo
             f"latency)")
 
 
-def _promise_message(tier: Tier, rank: int, late_s: float, due_s: float) -> str:
-    """The 429 message of a call refused to keep a queued request of a looser tier on time."""
+def _promise_message(tier: Tier, rank: int, late_s: float, due_s: float, factor: float = 1.0) -> str:
+    """The 429 message of a call refused to keep a queued request of a looser tier on time
+    (``factor``: the attainment feedback's on that tier's TTFT limit)."""
     looser = TIERS[min(max(rank, 0), len(TIERS) - 1)]
-    return (f"the server is busy: this {tier.name} tier request would be prefilled before a queued {looser} tier "
-            f"request admitted earlier and delay its first token to {late_s:.3f} s from now, past its TTFT SLO "
-            f"({due_s:.3f} s from now) by {_amount(late_s - due_s)}; retry later or use a looser service_tier")
+    limit = "" if factor >= 1 else (f" x {factor:.2f}, tightened while the {looser} tier's requests miss its "
+                                    f"attainment target,")
+    return (f"the service is overloaded for the {tier.name} tier: this request would be prefilled before a queued "
+            f"{looser} tier request admitted earlier and delay its first token to {late_s:.3f} s from now, past its "
+            f"TTFT SLO{limit} ({due_s:.3f} s from now) by {_amount(late_s - due_s)}; retry later, or send "
+            f"service_tier 'flex' (batch tier, never refused for latency)")
 
 
 def _spread_message(tier: Tier, predicted: float, upper: float, spread: float, slo: float, factor: float) -> str:

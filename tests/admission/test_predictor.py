@@ -488,6 +488,17 @@ def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() ->
     assert controller.predict(client, tier_of("default", controller.config.slo), 100, 0, 16).makes_late is None  # type: ignore[arg-type,union-attr]
     # already late (arrived 0.4 s ago, first token in 0.3 s): refusing saves nothing
     assert controller.admit(_Client(_promising_router(15_000, 0.4)), interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
+    # standard's requests missing their SLO tighten what is promised to them, and the message says so
+    for _ in range(3):
+        controller.feedback[(1, "ttft")].observe(late=True)
+    factor = controller.limit_factor(1, "ttft")
+    assert factor < 0.8
+    with pytest.raises(Rejection) as tightened:
+        controller.admit(client, interactive, 6000, 0, 16)  # type: ignore[arg-type]  # on time without the tightening
+    assert f"TTFT SLO x {factor:.2f}, tightened while the standard tier's requests miss" in tightened.value.message
+    assert "service_tier 'flex'" in tightened.value.message
+    for _ in range(100):
+        controller.feedback[(1, "ttft")].observe(late=False)
     off = AdmissionController(load_config(None, {**overrides, "admission.protect_admitted": False}))
     assert off.admit(client, interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
     # the early check (before images are decoded) refuses it too when both prefill workers hold such a request
