@@ -54,6 +54,12 @@ class PrefillWork:
         self.tokens += sign * tokens
         self.images += sign * images
 
+    def include(self, other: PrefillWork) -> None:
+        """Add all of ``other`` (its requests, tokens and images) to this."""
+        self.requests += other.requests
+        self.tokens += other.tokens
+        self.images += other.images
+
 
 @dataclass
 class DecodeLoad:
@@ -236,10 +242,7 @@ class Router:
         ahead, looser = PrefillWork(), PrefillWork()
         cut = min(max(rank, 0), NUM_RANKS - 1) + 1
         for i, work in enumerate(self.prefill_work[prefill]):
-            into = ahead if i < cut else looser
-            into.requests += work.requests
-            into.tokens += work.tokens
-            into.images += work.images
+            (ahead if i < cut else looser).include(work)
         now = time.monotonic() if now is None else now
         for request_id, ages_at in self._ages_at[prefill].items():
             _, tokens, its_rank, images = self._prefill_of[request_id]
@@ -265,8 +268,7 @@ class Router:
             return ()
         batch = self._batch[prefill]
         in_batch = batch[0] if batch is not None else set()
-        ages = self._ages_at[prefill]
-        queued = [(request_id, 0 if ages.get(request_id, now + 1.0) <= now else its_rank, tokens, images)
+        queued = [(request_id, 0 if self._aged(prefill, request_id, now) else its_rank, tokens, images)
                   for request_id, (worker, tokens, its_rank, images) in self._prefill_of.items()
                   if worker == prefill and request_id not in in_batch]
         by_rank = [PrefillWork() for _ in range(NUM_RANKS)]
@@ -279,11 +281,14 @@ class Router:
             if served_as > rank and request_id in arrived:
                 through = PrefillWork()
                 for work in [*by_rank[:served_as], so_far[served_as]]:
-                    through.requests += work.requests
-                    through.tokens += work.tokens
-                    through.images += work.images
+                    through.include(work)
                 promises.append(Promise(served_as, arrived[request_id], through))
         return tuple(promises)
+
+    def _aged(self, prefill: int, request_id: str, now: float) -> bool:
+        """Whether ``request_id``, queued on ``prefill``, is served as rank 0 by ``now`` (ageing)."""
+        ages_at = self._ages_at[prefill].get(request_id)
+        return ages_at is not None and ages_at <= now
 
     def _recent(self, prefill: int, now: float) -> PrefillWork:
         """The work dispatched to ``prefill`` in the :data:`ARRIVAL_WINDOW_S` seconds before ``now``."""
@@ -307,8 +312,7 @@ class Router:
             if entry is None:
                 continue
             _, tokens, its_rank, images = entry
-            aged = self._ages_at[prefill].get(request_id, now + 1.0) <= now
-            (ahead if its_rank < cut or aged else looser).add(-1, tokens, images)
+            (ahead if its_rank < cut or self._aged(prefill, request_id, now) else looser).add(-1, tokens, images)
             running.add(1, tokens, images)
         return running, (max(0.0, now - batch[1]) if running.requests else 0.0)
 

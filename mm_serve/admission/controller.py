@@ -65,10 +65,12 @@ class AdmissionController:
         """What the admission limits on the ``slo`` ("ttft" or "tpot") of the tier of ``rank`` are
         multiplied by now: the attainment feedback's factor (1.0 when the tier meets its aim, or
         with ``admission.attainment_feedback`` or ``admission.predict`` off: nothing it would scale)."""
-        if not self._feedback_applied:
-            return 1.0
         with self._lock:
-            return self.feedback[(rank, slo)].value
+            return self._limit_factor_locked(rank, slo)
+
+    def _limit_factor_locked(self, rank: int, slo: str) -> float:
+        """:meth:`limit_factor`, for a caller that holds the lock."""
+        return self.feedback[(rank, slo)].value if self._feedback_applied else 1.0
 
     def predict(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,
                 inputs: ProcessedInputs | None = None) -> Prediction | None:
@@ -128,7 +130,7 @@ class AdmissionController:
         name = TIERS[min(max(promise.rank, 0), len(TIERS) - 1)]
         if name == NEVER_REFUSED:
             return None
-        factor = self.feedback[(promise.rank, "ttft")].value if self._feedback_applied else 1.0
+        factor = self._limit_factor_locked(promise.rank, "ttft")
         return promise.arrived_at + tier_slo(name, self.config.slo).ttft_ms / 1000.0 * factor - now
 
     def admit(self, client: EngineClient, tier: Tier, tokens: int, images: int, max_tokens: int,

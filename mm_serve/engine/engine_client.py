@@ -74,6 +74,9 @@ class EngineClient:
         self.inputs = inputs or InputProcessor(self.model_dir, self.model_config)
         self.pool = WorkerPool(self.model_dir, config, self.model_config)
         self.colocated = self.pool.colocated
+        # the router lists queued looser requests for the promise rule only where it can act (no
+        # per-view scan of the prefill queues otherwise): prediction and admission.protect_admitted on
+        self._promises_kept = config.admission.predict and config.admission.protect_admitted
         sizing = engine_sizing(config, "cpu")
         self.context_limit = sizing.context_limit(self.model_config.text)
         self.prefix_key = prefix_key(str(self.model_dir), self.model_config, sizing)
@@ -290,7 +293,7 @@ class EngineClient:
         self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
                                flight.first.priority, flight.first.num_images, flight.page_hashes,
                                0.0 if self.colocated else flight.first.max_wait_s,  # colocated: no ageing
-                               arrived_at=flight.state.arrival_time)
+                               arrived_at=flight.state.arrival_time if self._promises_kept else None)
         # not delivered when the worker died a moment ago: supervision finds it and migrates this flight
         self.pool.send(("colocated" if self.colocated else "prefill", prefill), flight.message(decode, time.time()))
 
