@@ -23,7 +23,7 @@ import time
 from typing import TypeVar
 
 from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS, AttainmentFeedback
-from mm_serve.admission.predictor import LatencyPredictor, Prediction, QueueAhead
+from mm_serve.admission.predictor import LatencyPredictor, LateRequest, Prediction, QueueAhead
 from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import TIERS, Tier, tier_slo
 from mm_serve.config import ServiceConfig
@@ -102,9 +102,8 @@ class AdmissionController:
         return dataclasses.replace(prediction, idle=idle, decode_tightest_rank=view.decode_tightest_rank,
                                    makes_late=makes_late)
 
-    def _makes_late(self, view: LoadView, tokens: int, images: int) -> tuple[int, float, float] | None:
-        """(rank, first token in, due in; seconds from now) of the queued request of ``view.promises``
-        that a new request of ``tokens`` tokens and ``images`` images, served before it, would make
+    def _makes_late(self, view: LoadView, tokens: int, images: int) -> LateRequest | None:
+        """The queued request of ``view.promises`` that a new request of ``tokens`` tokens and ``images`` images, served before it, would make
         late, the one it would make latest; None: none. A promise is kept for the tiers that are
         refused for latency, to its tier's TTFT SLO times that tier's attainment-feedback factor,
         and only while its prediction is on time (refusing for one already late saves nothing).
@@ -113,15 +112,15 @@ class AdmissionController:
         running = view.running if view.running is not None else PrefillWork()
         before = self.predictor.remaining_seconds(_work(running), view.running_elapsed_s, scale)
         extra = scale * self.predictor.prefill_seconds(tokens, images)
-        worst: tuple[int, float, float] | None = None
+        worst: LateRequest | None = None
         for promise in view.promises:
             due = self._due_in(promise, now)
             if due is None:
                 continue
             first = self.predictor.first_token_in(_work(promise.through), before, promise.rank, scale)
             late = first + extra * self.predictor.ttft_corrections[promise.rank].value
-            if first <= due < late and (worst is None or late - due > worst[1] - worst[2]):
-                worst = (promise.rank, late, due)
+            if first <= due < late and (worst is None or late - due > worst.late_by_s):
+                worst = LateRequest(promise.rank, late, due)
         return worst
 
     def _due_in(self, promise: Promise, now: float) -> float | None:
@@ -190,8 +189,8 @@ class AdmissionController:
         (:attr:`Prediction.makes_late`) and ``admission.protect_admitted`` is on; else None."""
         if prediction.makes_late is None or not self.config.admission.protect_admitted:
             return None
-        factor = self.limit_factor(prediction.makes_late[0], "ttft")
-        return _promise_message(tier, *prediction.makes_late, factor), prediction.makes_late[2]
+        late = prediction.makes_late
+        return _promise_message(tier, late, self.limit_factor(late.rank, "ttft")), late.due_in_s
 
     def _tpot_refusal(self, tier: Tier, prediction: Prediction, max_tokens: int) -> str | None:
         """Why :meth:`admit`'s TPOT rules refuse ``prediction`` (the message), else None: its own
@@ -421,15 +420,15 @@ def _protect_message(tier: Tier, tighter: str, live: bool, predicted: float, slo
             f"latency)")
 
 
-def _promise_message(tier: Tier, rank: int, late_s: float, due_s: float, factor: float = 1.0) -> str:
-    """The 429 message of a call refused to keep a queued request of a looser tier on time
+def _promise_message(tier: Tier, late: LateRequest, factor: float = 1.0) -> str:
+    """The 429 message of a call refused to keep ``late``, a queued request of a looser tier, on time
     (``factor``: the attainment feedback's on that tier's TTFT limit)."""
-    looser = TIERS[min(max(rank, 0), len(TIERS) - 1)]
+    looser = TIERS[min(max(late.rank, 0), len(TIERS) - 1)]
     limit = "" if factor >= 1 else (f" x {factor:.2f}, tightened while the {looser} tier's requests miss its "
                                     f"attainment target,")
     return (f"the service is overloaded for the {tier.name} tier: this request would be prefilled before a queued "
-            f"{looser} tier request admitted earlier and delay its first token to {late_s:.3f} s from now, past its "
-            f"TTFT SLO{limit} ({due_s:.3f} s from now) by {_amount(late_s - due_s)}; retry later, or send "
+            f"{looser} tier request admitted earlier and delay its first token to {late.first_token_in_s:.3f} s from now, past its "
+            f"TTFT SLO{limit} ({late.due_in_s:.3f} s from now) by {_amount(late.late_by_s)}; retry later, or send "
             f"service_tier 'flex' (batch tier, never refused for latency)")
 
 

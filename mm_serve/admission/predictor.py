@@ -61,6 +61,21 @@ class QueueAhead:
 
 
 @dataclass(frozen=True)
+class LateRequest:
+    """A queued request of a looser tier that a new request, prefilled before it, would make late
+    (:attr:`Prediction.makes_late`); seconds are from the moment of the prediction."""
+
+    rank: int  # its tier's rank
+    first_token_in_s: float  # when its first token would come, the new request served first
+    due_in_s: float  # when its first token is due: its TTFT SLO (times its tier's feedback factor) after its arrival
+
+    @property
+    def late_by_s(self) -> float:
+        """Seconds past its due time its first token would come."""
+        return self.first_token_in_s - self.due_in_s
+
+
+@dataclass(frozen=True)
 class Prediction:
     """Predicted seconds for one request."""
 
@@ -74,9 +89,8 @@ class Prediction:
     decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
     waited_s: float = 0.0  # seconds from the call's arrival to this prediction (images, hold, a busy front end; in ``ttft_s``)
     tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker
-    # (tier rank, its first token in, due in: seconds from now) of the queued looser request that this
-    # one, served before it, would make miss its TTFT SLO (the worst; None: none)
-    makes_late: tuple[int, float, float] | None = None
+    # the queued looser request that this one, served before it, would make miss its TTFT SLO (the worst; None: none)
+    makes_late: LateRequest | None = None
 
 
 class LatencyPredictor:

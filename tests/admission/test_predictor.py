@@ -480,7 +480,7 @@ def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() ->
     assert "before a queued standard tier request" in info.value.message, info.value.message
     prediction = controller.predict(client, interactive, 12_000, 0, 16)  # type: ignore[arg-type]
     assert prediction is not None and prediction.makes_late is not None
-    rank, late, due = prediction.makes_late
+    rank, late, due = prediction.makes_late.rank, prediction.makes_late.first_token_in_s, prediction.makes_late.due_in_s
     first = controller.predictor.queue_seconds(QueueAhead(1, 15_000, 0))  # in token-budget batches
     assert rank == 1 and late == pytest.approx(first + c + per_token * 12_000, rel=1e-6)
     assert 0.49 < due <= 0.5 and late > due
