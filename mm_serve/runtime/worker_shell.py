@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mm_serve.runtime import messages
 from mm_serve.runtime.doorbell import DoorbellListener
+from mm_serve.runtime.heap_freeze import freeze_startup_heap
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.runtime.worker_setup import pin_and_set_threads
@@ -126,7 +127,10 @@ class WorkerShell(ABC):
         return True
 
     def serve(self) -> None:
-        """Report ready, then loop until :class:`~mm_serve.runtime.messages.Shutdown` or the parent dies."""
+        """Freeze the start-up heap (:func:`~mm_serve.runtime.heap_freeze.freeze_startup_heap`: no
+        full garbage collection walks the model's and the imports' objects mid-step), report
+        ready, then loop until :class:`~mm_serve.runtime.messages.Shutdown` or the parent dies."""
+        freeze_startup_heap()
         self.channel.send(messages.WorkerReady(self.role, self.spec.index, os.getpid(), self.kv_cache.num_pages))
         running = True
         while running and self.channel.parent_alive():
