@@ -11,7 +11,6 @@ from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.input_processor import InputProcessor
 from mm_serve.models.model_config import load_model_config
-from mm_serve.runtime.heap_freeze import freeze_startup_heap
 
 
 class EngineHolder:
@@ -36,7 +35,6 @@ class EngineHolder:
     def _start(self) -> None:
         try:
             self.client.start()
-            freeze_startup_heap()  # the imports, model config, tokenizer and app: no full collection walks them
             self.ready_event.set()
         except Exception as exc:  # reported through /health and the CLI
             self.start_error = str(exc)

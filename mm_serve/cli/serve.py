@@ -123,6 +123,9 @@ def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool) 
 
 def run(args: argparse.Namespace) -> int:
     """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
+    from mm_serve.runtime.heap_freeze import defer_collection, freeze_startup_heap
+
+    defer_collection()  # through the imports and the engine's start (EngineHolder freezes the heap then)
     import uvicorn
 
     from mm_serve.api.app import build_app
@@ -155,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     def announce() -> None:
         holder.ready_event.wait()
+        freeze_startup_heap()  # the imports, tokenizer, app and engine client: no full collection walks them
         if server.should_exit:  # Ctrl-C / SIGTERM during warm-up: the start was stopped, not failed
             return
         if holder.start_error:

@@ -6,6 +6,8 @@ Image features replace the embeddings of image-token positions, in order
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -13,7 +15,9 @@ from kernels.attention_backend import AttentionBackend
 from mm_serve.models.llama import LlamaForCausalLM
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.models.projector import MultiModalProjector
-from mm_serve.models.vision_encoder import VisionEncoder
+
+if TYPE_CHECKING:  # imported where a tower is built: transformers' modeling stack takes ~3 s to import,
+    from mm_serve.models.vision_encoder import VisionEncoder  # which the API process never needs
 
 
 class MultimodalLM(nn.Module):
@@ -34,6 +38,8 @@ class MultimodalLM(nn.Module):
         self.vision: VisionEncoder | None = None
         self.projector: MultiModalProjector | None = None
         if cfg.vision is not None:
+            from mm_serve.models.vision_encoder import VisionEncoder
+
             self.vision = VisionEncoder(cfg.vision)
             self.projector = MultiModalProjector(
                 self.vision.out_features, cfg.text.hidden_size, cfg.vision.projector_hidden_act,
