@@ -96,6 +96,9 @@ class PlanResult:
     colocated_placement: tuple[InstancePlacement, ...]
     simulations: int
     seconds: float
+    # every shortlisted unit with its whole-unit simulated goodput (requests/s), in the
+    # estimate's order (the estimate's favourite first); the chosen one is the best per GPU
+    shortlisted: tuple[tuple[Unit, float], ...] = ()
 
     @property
     def per_gpu_goodput(self) -> float:
@@ -335,4 +338,5 @@ def plan(spec: PlanSpec) -> PlanResult:
         colocated=colocated, colocated_unit_instances=col_count,
         colocated_unit_goodput=col_goodput, colocated_placement=tuple(col_placement),
         simulations=ev.simulations, seconds=time.perf_counter() - start,
+        shortlisted=tuple((m.unit, g) for g, m in simulated),
     )
