@@ -73,9 +73,9 @@ def test_a_start_after_a_sigkilled_service_removes_its_segments(tiny_llava: Path
     victim = subprocess.Popen([sys.executable, "-c", script, str(tiny_llava)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert victim.stdout is not None
-    instance, run_dir = victim.stdout.readline().split()
-    worker_pids = [int(p) for p in victim.stdout.readline().split()]
-    with LLM(model=tiny_llava, num_pages=128) as live:  # a live instance: must stay untouched
+    with LLM(model=tiny_llava, num_pages=128) as live:  # a live instance (started while the victim starts): untouched
+        instance, run_dir = victim.stdout.readline().split()
+        worker_pids = [int(p) for p in victim.stdout.readline().split()]
         live_instance = live.client.pool.instance
         assert list(SHM_DIR.glob(f"mmsrv-{instance}-*")) and Path(run_dir).is_dir()  # its owner lives: kept
         os.kill(victim.pid, signal.SIGKILL)  # from now on any instance starting on the machine may clean up

@@ -23,21 +23,26 @@ if TYPE_CHECKING:  # imported where a tower is built: transformers' modeling sta
 class MultimodalLM(nn.Module):
     """A llava-hf checkpoint (or a text-only Llama one) ready to run.
 
+    With ``vision`` False no tower or projector is built, even for a llava checkpoint: a decode
+    worker receives each image's embeddings through the hand-off and never sees pixels (the
+    CLIP ViT-L/14-336 tower of llava-1.5 is ~300 M parameters, 1.2 GB in float32, per worker).
+
     Attributes:
         language_model: our :class:`LlamaForCausalLM`.
-        vision: the CLIP tower (None for text-only checkpoints).
-        projector: the LLaVA projector (None for text-only checkpoints).
+        vision: the CLIP tower (None for text-only checkpoints, or built without it).
+        projector: the LLaVA projector (None for text-only checkpoints, or built without it).
     """
 
     def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, language_model: LlamaForCausalLM | None = None
+        self, cfg: ModelConfig, backend: AttentionBackend, language_model: LlamaForCausalLM | None = None,
+        vision: bool = True,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.language_model = language_model or LlamaForCausalLM(cfg.text, backend)
         self.vision: VisionEncoder | None = None
         self.projector: MultiModalProjector | None = None
-        if cfg.vision is not None:
+        if cfg.vision is not None and vision:
             from mm_serve.models.vision_encoder import VisionEncoder
 
             self.vision = VisionEncoder(cfg.vision)
@@ -58,10 +63,11 @@ class MultimodalLM(nn.Module):
         """Projected patch embeddings ``[N, num_image_tokens, text_hidden]`` for ``[N, 3, H, W]``.
 
         Raises:
-            ValueError: the checkpoint has no vision tower.
+            ValueError: no vision tower (a text-only checkpoint, or built with ``vision`` False).
         """
         if self.vision is None or self.projector is None:
-            raise ValueError("this model is text-only; it cannot take images")
+            what = "text-only" if self.config.vision is None else "built without its vision tower"
+            raise ValueError(f"this model is {what}; it cannot take images")
         return self.projector(self.vision(pixel_values))
 
     def embed(

@@ -29,9 +29,12 @@ def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: st
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    pack_cpu_linears: bool = True, compiled_cpu_kernels: bool = True,
+    pack_cpu_linears: bool = True, compiled_cpu_kernels: bool = True, vision: bool = True,
 ) -> MultimodalLM:
     """Load a llava-hf or Llama checkpoint into our runner, in eval mode.
+
+    With ``vision`` False a llava checkpoint's tower and projector are neither built nor
+    loaded (:class:`MultimodalLM`: a decode worker's model).
 
     With ``pack_cpu_linears`` (float32 on a CPU), every linear layer, the vision
     tower's included, runs from oneDNN-packed weights (:mod:`kernels.cpu_linear`). With
@@ -55,7 +58,7 @@ def load_model(
     language_model.rotary.reset_inv_freq(torch_device)
     if cfg.text.tie_word_embeddings:
         language_model.lm_head.weight = language_model.embed_tokens.weight
-    model = MultimodalLM(cfg, backend, language_model).to(torch_device)
+    model = MultimodalLM(cfg, backend, language_model, vision=vision).to(torch_device)
     parts = load_state_dicts(root)
     lm_state = parts["lm"]
     if cfg.text.tie_word_embeddings:
@@ -69,7 +72,7 @@ def load_model(
     if model.vision is not None and model.projector is not None:
         _load_part(model.vision.tower, parts["vision"], "vision-tower", root)
         _load_part(model.projector, parts["projector"], "projector", root)
-    elif parts["vision"] or parts["projector"]:
+    elif cfg.vision is None and (parts["vision"] or parts["projector"]):
         raise CheckpointError(f"{root}: vision weights present but config.json is text-only")
     model = model.to(dtype=dtype)
     language_model.rotary.reset_inv_freq(torch_device)  # keep frequencies in float32

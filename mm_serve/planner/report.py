@@ -63,6 +63,11 @@ def plan_dict(result: PlanResult) -> dict[str, Any]:
             "goodput_simulated": result.colocated_unit_goodput,
             "instances_in_cluster": len(result.colocated_placement),
         },
+        # every unit simulated whole, in the phase estimate's order; the chosen one is the best per GPU
+        "shortlist": [{"prefill": {"instances": u.num_prefill, "tp": u.prefill.tp, "pp": u.prefill.pp},
+                       "decode": {"instances": u.num_decode, "tp": u.decode.tp, "pp": u.decode.pp},
+                       "gpus": u.gpus, "goodput": goodput, "per_gpu_goodput": goodput / u.gpus}
+                      for u, goodput in result.shortlisted],
         "simulations": result.simulations,
         "search_seconds": result.seconds,
     }

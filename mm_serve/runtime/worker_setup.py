@@ -29,15 +29,16 @@ def pin_and_set_threads(spec: WorkerSpec) -> None:
         torch.set_num_threads(threads)
 
 
-def load_model_for(model_dir: str, cfg: EngineConfig) -> MultimodalLM:
-    """The checkpoint at ``model_dir`` in ``cfg``'s dtype, device and CPU kernel choices.
+def load_model_for(model_dir: str, cfg: EngineConfig, vision: bool = True) -> MultimodalLM:
+    """The checkpoint at ``model_dir`` in ``cfg``'s dtype, device and CPU kernel choices
+    (``vision`` False: without a llava checkpoint's tower and projector).
 
     Raises:
         CheckpointError: the checkpoint is missing or unreadable.
     """
     return load_model(
         model_dir, cfg.torch_dtype, cfg.device, pack_cpu_linears=cfg.pack_cpu_linears,
-        compiled_cpu_kernels=cfg.compiled_cpu_kernels,
+        compiled_cpu_kernels=cfg.compiled_cpu_kernels, vision=vision,
     )
 
 
@@ -51,9 +52,11 @@ def make_kv_cache(model_config: ModelConfig, cfg: EngineConfig) -> PagedKVCache:
 
 
 def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedKVCache]:
-    """Load the checkpoint and allocate this worker's paged KV cache."""
+    """Load the checkpoint (a decode worker's without the vision tower and projector: it receives
+    image embeddings, never pixels) and allocate this worker's paged KV cache."""
     model_config = load_model_config(spec.model_dir)
-    return model_config, load_model_for(spec.model_dir, spec.sizing), make_kv_cache(model_config, spec.sizing)
+    model = load_model_for(spec.model_dir, spec.sizing, vision=spec.role != "decode")
+    return model_config, model, make_kv_cache(model_config, spec.sizing)
 
 
 def prefix_key(model_dir: str, model_config: ModelConfig, cfg: EngineConfig) -> PrefixKey:

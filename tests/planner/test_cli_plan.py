@@ -34,6 +34,9 @@ def test_json_plan_and_config(tiny_dir: Path, tmp_path: Path, capsys: pytest.Cap
         data["per_gpu_goodput"] / data["colocated_per_gpu_goodput"])
     unit = data["unit"]
     assert data["per_gpu_goodput"] == pytest.approx(unit["goodput"] / unit["gpus"])
+    # the shortlist simulated whole: the chosen unit is on it and the best per GPU
+    assert data["per_gpu_goodput"] == pytest.approx(max(s["per_gpu_goodput"] for s in data["shortlist"]))
+    assert any(s["gpus"] == unit["gpus"] and s["goodput"] == pytest.approx(unit["goodput"]) for s in data["shortlist"])
     placement = data["placement"]
     assert {p["role"] for p in placement} == {"prefill", "decode"}
     assert all(p["num_gpus"] == p["tp"] * p["pp"] == len(p["gpus"]) for p in placement)
