@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mm_serve.models.loader import load_model
+from mm_serve.models.weights import load_state_dicts
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.worker_setup import load_for_worker
 from mm_serve.runtime.worker_spec import WorkerSpec
@@ -32,6 +33,14 @@ def test_without_vision_only_the_decoder_is_built_with_the_same_weights_and_outp
     size = full.config.vision.image_size  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="built without its vision tower"):
         text.encode_images(torch.zeros(1, 3, size, size))
+
+
+def test_only_the_asked_parts_are_read(tiny_llava: Path) -> None:
+    every, lm = load_state_dicts(tiny_llava), load_state_dicts(tiny_llava, ("lm",))
+    assert every["vision"] and every["projector"]  # a llava checkpoint
+    assert not lm["vision"] and not lm["projector"]
+    assert lm["lm"].keys() == every["lm"].keys()
+    assert all(torch.equal(lm["lm"][k], every["lm"][k]) for k in every["lm"])
 
 
 @pytest.mark.parametrize(("role", "tower"), [("decode", False), ("prefill", True), ("colocated", True)])

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
     from mm_serve.runtime.heap_freeze import defer_collection, freeze_startup_heap
 
-    defer_collection()  # through the imports and the engine's start (EngineHolder freezes the heap then)
+    defer_collection()  # through the imports and the engine's start (announce() below freezes the heap then)
     import uvicorn
 
     from mm_serve.api.app import build_app

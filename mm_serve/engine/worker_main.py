@@ -30,9 +30,6 @@ def worker_class(role: str) -> Any:
 def main(argv: list[str]) -> int:
     """Build the worker named by the spec's role and serve until shutdown (exit 0; 1 on a
     crash, with its traceback in the worker's log; 2 for an unknown role)."""
-    from mm_serve.runtime.heap_freeze import defer_collection
-
-    defer_collection()  # until the worker is loaded (WorkerShell.serve freezes its heap)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The front end decides when workers stop (a Shutdown message, or its own exit): a signal to
@@ -52,9 +49,10 @@ def run_worker(spec: Any, *args: Any) -> int:
     """Build ``spec``'s role worker (``args`` after the spec: a Ray actor's link), serve until
     Shutdown and close: 0; 1 on a crash (its traceback printed to the worker's log)."""
     from mm_serve.runtime.heap_freeze import defer_collection
+
+    defer_collection()  # until the worker is loaded (WorkerShell.serve freezes its heap); a Ray actor enters here too
     from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
 
-    defer_collection()  # (again for a Ray actor, which enters here)
     tune_malloc_for_inference()
     try:
         worker = worker_class(spec.role)(spec, *args)

@@ -13,7 +13,7 @@ from mm_serve.models.fused_weights import fuse_projections
 from mm_serve.models.llama import LlamaForCausalLM, RMSNorm
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.models.model_config import CheckpointError, load_model_config
-from mm_serve.models.weights import load_state_dicts
+from mm_serve.models.weights import PARTS, load_state_dicts
 
 
 def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: str, model_dir: Path) -> None:
@@ -59,7 +59,8 @@ def load_model(
     if cfg.text.tie_word_embeddings:
         language_model.lm_head.weight = language_model.embed_tokens.weight
     model = MultimodalLM(cfg, backend, language_model, vision=vision).to(torch_device)
-    parts = load_state_dicts(root)
+    # without the tower, a llava checkpoint's vision and projector weights are not even read
+    parts = load_state_dicts(root, PARTS if vision or cfg.vision is None else ("lm",))
     lm_state = parts["lm"]
     if cfg.text.tie_word_embeddings:
         lm_state.pop("lm_head.weight", None)

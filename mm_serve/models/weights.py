@@ -17,13 +17,15 @@ Every key becomes one of ``lm.<decoder key>`` (e.g. ``lm.layers.0.self_attn.q_pr
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from mm_serve.models.model_config import CheckpointError
+
+PARTS = ("lm", "vision", "projector")  # the canonical parts of a checkpoint
 
 # (prefix in the checkpoint, canonical prefix); the first match wins, so longer first.
 _PREFIX_MAP: tuple[tuple[str, str], ...] = (
@@ -74,8 +76,9 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     raise CheckpointError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(canonical_name, tensor)`` for every known weight of the checkpoint.
+def iter_weights(model_dir: str | Path, parts: Collection[str] = PARTS) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(canonical_name, tensor)`` for every known weight of the checkpoint in ``parts``
+    (the others are not read from disk).
 
     Keys that belong to no known part (e.g. rotary ``inv_freq`` buffers) are skipped.
     """
@@ -83,15 +86,16 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as handle:
             for key in handle.keys():
                 name = canonical_name(key)
-                if name is None or name.endswith("rotary_emb.inv_freq"):
+                if name is None or name.endswith("rotary_emb.inv_freq") or name.partition(".")[0] not in parts:
                     continue
                 yield name, handle.get_tensor(key)
 
 
-def load_state_dicts(model_dir: str | Path) -> dict[str, dict[str, torch.Tensor]]:
-    """All weights grouped by part: ``{"lm": {...}, "vision": {...}, "projector": {...}}``."""
-    parts: dict[str, dict[str, torch.Tensor]] = {"lm": {}, "vision": {}, "projector": {}}
-    for name, tensor in iter_weights(model_dir):
+def load_state_dicts(model_dir: str | Path, parts: Collection[str] = PARTS) -> dict[str, dict[str, torch.Tensor]]:
+    """The weights of ``parts`` grouped by part: ``{"lm": {...}, "vision": {...}, "projector": {...}}``
+    (a part not asked for is empty)."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {part: {} for part in PARTS}
+    for name, tensor in iter_weights(model_dir, parts):
         part, _, rest = name.partition(".")
-        parts[part][rest] = tensor
-    return parts
+        grouped[part][rest] = tensor
+    return grouped

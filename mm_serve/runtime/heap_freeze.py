@@ -5,8 +5,8 @@ tokenizer or app: a few hundred thousand objects that live as long as the proces
 API process on the llava bench model). A collection of the oldest generation walks all of them,
 and it runs on whatever thread allocated last: the API process's event loop (every response,
 stream and refusal waits for it) or a worker's step loop (every request in the step waits).
-Measured on this machine with the API process idle: 75-215 ms per such collection, growing with
-the heap; under load the admission benchmark saw one 0.37-0.54 s stall of the event loop per 4x
+Measured on this machine: 75-215 ms per such collection with the API process idle, growing with
+the heap, 318 ms under load; under load the admission benchmark saw one 0.37-0.54 s stall of the event loop per 4x
 load, outside every request phase, which is this. ``gc.freeze()`` (Python 3.7+, the ``gc``
 module's documentation) moves every object alive now to a permanent generation that later
 collections skip; objects created afterwards are collected as before, so a full collection

@@ -99,7 +99,7 @@ def test_chosen_unit_is_the_best_simulated_of_the_shortlist(cluster_plan: PlanRe
     # the recorded figures are the simulation's (deterministic): re-simulate the estimate's favourite
     # and the chosen unit (the other shortlisted ones only cost time)
     chosen = next(m for m in listed if m.unit == cluster_plan.unit)
-    for mix in {id(listed[0]): listed[0], id(chosen): chosen}.values():
+    for mix in (listed[0], chosen):  # two different units (the chosen one beats the favourite by 5 %)
         assert simulate_unit(ev, mix.unit, mix.estimate) == pytest.approx(dict(cluster_plan.shortlisted)[mix.unit])
     # the colocated side is pooled on about the unit's GPU count
     col_gpus = cluster_plan.colocated_unit_instances * cluster_plan.colocated.par.gpus
