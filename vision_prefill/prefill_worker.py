@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from mm_serve.runtime import messages
 from mm_serve.runtime.doorbell import DoorbellRingers
 from mm_serve.runtime.handoff_transport import ring_opener
@@ -116,7 +118,7 @@ class PrefillWorker(WorkerShell):
                 self.channel.send(messages.RequestFailed(request.request_id, f"prefill failed: {exc}"))
 
     def _prefill(self, batch: list[Request]) -> None:
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         self.channel.send(messages.PrefillStarted(self.role, self.spec.index, [r.request_id for r in batch]))
         vision = self.model.vision
         encoded_before = 0 if vision is None else vision.num_encoded_images
@@ -152,7 +154,8 @@ class PrefillWorker(WorkerShell):
             self.scheduler.add_front(request)
         # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
         encoded = 0 if vision is None else vision.num_encoded_images - encoded_before
-        timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch), computed, encoded)
+        cpu = (time.process_time() - cpu_started) / torch.get_num_threads() if self.kv_cache.data.device.type == "cpu" else 0.0
+        timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch), computed, encoded, cpu)
         self.send([token_update(request, with_events=True) for request in ready], timing)
 
     # ---- stats and close ---------------------------------------------------------------------

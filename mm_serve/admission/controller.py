@@ -327,7 +327,7 @@ class AdmissionController:
         """Refit from one timed step of worker ``index`` of ``role`` (the engine client's step listener)."""
         with self._lock:
             if step.kind == "prefill":
-                self.predictor.observe_prefill(step.tokens, step.images, step.seconds, index)
+                self.predictor.observe_prefill(step.tokens, step.images, step.seconds, index, step.cpu_seconds)
             elif step.kind == "decode":
                 self.predictor.observe_decode(step.requests, step.tokens, step.seconds, index)
 

@@ -4,19 +4,33 @@
 statistics (``A = Σ λ^age x xᵀ``, ``b = Σ λ^age x y``); old points fade by ``forgetting``
 per observation (0.95: the last ~20 points dominate), so a wrong start or a change of
 load is corrected within a few dozen points. θ is the minimiser of the weighted squared
-error plus a ridge pull ``prior_weight · |θ − θ₀|²`` toward the starting coefficients,
-over θ ≥ 0 (every coefficient here is a time per unit of work; an exact active-set
-solve over the ≤ 2^k faces, k ≤ 4 features).
+error plus a Gaussian prior's pull toward the starting coefficients θ₀, over θ ≥ 0 (every
+coefficient here is a time per unit of work; an exact active-set solve over the ≤ 2^k
+faces, k ≤ 4 features). This is the posterior mode of Bayesian linear regression
+(Bishop, *Pattern Recognition and Machine Learning*, 2006, §3.3) restricted to θ ≥ 0.
+
+The prior is *relative*: coefficient ``i`` has a standard deviation of ``θ₀ᵢ`` (at least
+:data:`PRIOR_FLOOR` of the prior's price of a typical point, all features at their
+``scales``), and a measurement's noise is taken as a share of that typical price, so
+``prior_weight`` = (noise share / prior's relative uncertainty)². Where the data fix only a
+sum of terms (every batch has one image and about the same tokens; a burst repeating one
+image has it encoded in one batch and cached in the next dozen), the fit then moves each
+term in proportion to its prior share instead of loading the whole difference onto one
+small coefficient; and a coefficient the recent points say nothing about (no image
+encoded for a while) drifts back to its start as its old points fade. The first version's
+absolute ridge (0.01 s² per unit) let a single slow batch with one image set the image
+term to 0.2 s, 50x its start, for good, while distinct-image traffic moved all of a
+batch's time onto the token term.
 
 Why not recursive least squares (RLS), which the first version used: with collinear
 features (a decode step's batch size and its context tokens grow together; every llava
 prompt has one image and ~the same tokens) and thousands of steps, RLS's covariance
 update loses positive definiteness to rounding and θ diverges (seen in a benchmark:
 -66 s per decode step, +278 s per request, so every request was refused for its TPOT).
-The sufficient statistics here stay positive semidefinite by construction, the ridge
+The sufficient statistics here stay positive semidefinite by construction, the prior
 keeps the solve well conditioned, and the sign constraint keeps extrapolation (a long
 queue, a larger batch) from going negative. Features are divided by fixed ``scales``
-(their typical sizes) so one ridge weight suits them all.
+(their typical sizes).
 """
 
 from __future__ import annotations
@@ -26,6 +40,8 @@ import time
 from collections.abc import Sequence
 
 MAX_FEATURES = 4  # the active-set solve enumerates 2^k faces
+PRIOR_WEIGHT = 0.01  # (10 % measurement noise / 100 % prior uncertainty)²
+PRIOR_FLOOR = 0.1  # a coefficient's prior deviation is at least this share of a typical point's price
 
 
 class OnlineLinearFit:
@@ -37,7 +53,7 @@ class OnlineLinearFit:
     """
 
     def __init__(self, initial: Sequence[float], scales: Sequence[float], forgetting: float = 0.95,
-                 prior_weight: float = 0.01) -> None:
+                 prior_weight: float = PRIOR_WEIGHT) -> None:
         if len(initial) != len(scales) or not initial:
             raise ValueError(f"initial ({len(initial)}) and scales ({len(scales)}) must have one entry per feature")
         if len(initial) > MAX_FEATURES:
@@ -52,7 +68,9 @@ class OnlineLinearFit:
         self.forgetting = forgetting
         self.prior_weight = prior_weight
         k = len(initial)
-        self._prior = [max(0.0, c) * s for c, s in zip(initial, scales, strict=True)]  # θ₀ in scaled units
+        self._prior: list[float] = []  # θ₀ in scaled units
+        self._precision: list[float] = []  # the prior's pull on each scaled coefficient
+        self.set_prior(initial)
         self._a = [[0.0] * k for _ in range(k)]
         self._b = [0.0] * k
         self._theta = list(self._prior)
@@ -67,6 +85,22 @@ class OnlineLinearFit:
             self._theta = self._solve()
             self._stale = False
         return [t / s for t, s in zip(self._theta, self.scales, strict=True)]
+
+    def set_prior(self, start: Sequence[float]) -> None:
+        """Make ``start`` (raw units, one per feature; negatives count as 0) the coefficients
+        the prior pulls toward, with deviations relative to them (module docstring); the
+        measurements seen so far stay.
+
+        Raises:
+            ValueError: not one value per feature.
+        """
+        if len(start) != len(self.scales):
+            raise ValueError(f"start ({len(start)}) must have one entry per feature ({len(self.scales)})")
+        self._prior = [max(0.0, c) * s for c, s in zip(start, self.scales, strict=True)]
+        typical = sum(self._prior) or 1.0  # the prior's price of a point with every feature at its scale
+        deviation = [max(c, PRIOR_FLOOR * typical) for c in self._prior]
+        self._precision = [self.prior_weight * (typical / d) ** 2 for d in deviation]
+        self._stale = True
 
     def predict(self, features: Sequence[float]) -> float:
         """θ · x for raw features ``x`` (never below 0)."""
@@ -88,11 +122,12 @@ class OnlineLinearFit:
         self.updated_at = time.monotonic()
 
     def _solve(self) -> list[float]:
-        """argmin over θ ≥ 0 of θᵀMθ − 2vᵀθ, M = A + μI, v = b + μθ₀: the best feasible
-        stationary point over the faces (sets of free coefficients, the others 0)."""
-        k, mu = len(self._b), self.prior_weight
-        m = [[self._a[i][j] + (mu if i == j else 0.0) for j in range(k)] for i in range(k)]
-        v = [self._b[i] + mu * self._prior[i] for i in range(k)]
+        """argmin over θ ≥ 0 of θᵀMθ − 2vᵀθ, M = A + diag(μ), v = b + μ ⊙ θ₀ (μ: the prior's
+        precisions): the best feasible stationary point over the faces (sets of free
+        coefficients, the others 0)."""
+        k, mu = len(self._b), self._precision
+        m = [[self._a[i][j] + (mu[i] if i == j else 0.0) for j in range(k)] for i in range(k)]
+        v = [self._b[i] + mu[i] * self._prior[i] for i in range(k)]
         best, best_cost = [0.0] * k, 0.0
         for size in range(1, k + 1):
             for free in itertools.combinations(range(k), size):

@@ -244,12 +244,19 @@ class LatencyPredictor:
                           step * self.tpot_correction.value, queue, base, step, rank=rank,
                           tpot_reserved_s=reserved * self.tpot_correction.value)
 
-    def observe_prefill(self, tokens: int, images: int, seconds: float, worker: int | None = None) -> None:
-        """One measured prefill batch (encode + prefill) of prefill worker ``worker``, in seconds."""
+    def observe_prefill(self, tokens: int, images: int, seconds: float, worker: int | None = None,
+                        cpu_seconds: float = 0.0) -> None:
+        """One measured prefill batch (encode + prefill) of prefill worker ``worker``: ``seconds``
+        of wall-clock time and, on a CPU, ``cpu_seconds`` of the worker's own compute per thread
+        (0: not measured). The fit learns the batch's cost from ``cpu_seconds`` when given, which
+        other processes' time slices on its core do not inflate (a burst that keeps the front end
+        decoding images on that core would otherwise be read as the cost of the batch's
+        tokens or image, and priced into every later prediction); the worker's speed factor
+        (:meth:`prefill_scale`) learns the wall-clock time against that cost."""
         if worker is not None:
             speed = self.prefill_speed.setdefault(worker, RatioCorrection(half_life_s=60.0, grace_s=30.0))
             speed.observe(seconds, self.prefill_seconds(tokens, images))
-        self.prefill.observe((1.0, tokens, images), seconds)
+        self.prefill.observe((1.0, tokens, images), cpu_seconds if cpu_seconds > 0 else seconds)
 
     def observe_decode(self, batch: int, context: int, seconds: float, worker: int | None = None) -> None:
         """One measured decode step of ``batch`` requests over ``context`` tokens of decode worker
@@ -280,7 +287,9 @@ class LatencyPredictor:
 
     def warm_start(self, profile: Profile) -> None:
         """Fit the starting coefficients to an ``mm-serve profile`` file's points (prefill batches,
-        encode batches, decode steps); the online refit goes on from there."""
+        encode batches, decode steps) and make that fit the prior each online fit is pulled back
+        to where live steps say nothing (:meth:`OnlineLinearFit.set_prior`); the online refit
+        goes on from there."""
         for _ in range(3):  # a few passes: the fit weighs recent points most
             for p in profile.prefill:
                 self.prefill.observe((1.0, p.tokens * p.batch, 0), p.seconds)
@@ -288,6 +297,8 @@ class LatencyPredictor:
                 self.prefill.observe((1.0, 0, e.images), e.seconds)
             for d in profile.decode:
                 self.decode.observe((1.0, d.batch, d.batch * d.context), d.seconds)
+        for fit in (self.prefill, self.decode):
+            fit.set_prior(fit.coefficients)
 
     def report(self) -> dict[str, object]:
         """Coefficients, observation counts and their age in seconds (for /health)."""

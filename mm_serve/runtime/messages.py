@@ -167,6 +167,10 @@ class StepTiming(msgspec.Struct):
     requests: int  # requests in the batch
     tokens: int  # prefill: prompt tokens of the batch (image tokens included); decode: context tokens
     images: int = 0  # prefill: images encoded
+    # prefill on a CPU: the worker's CPU seconds over the batch per torch thread (time.process_time), which
+    # time slices taken by other processes on its cores do not inflate; 0: not measured (a GPU's batch runs
+    # on the device)
+    cpu_seconds: float = 0.0
 
 
 class TokenBatch(msgspec.Struct, tag=True):

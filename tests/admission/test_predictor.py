@@ -16,6 +16,7 @@ from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.online_fit import OnlineLinearFit
 from mm_serve.admission.predictor import (
     DEFAULT_OVERHEAD_S,
+    DEFAULT_PREFILL,
     OVERHEAD_WEIGHT,
     TRANSIT_WEIGHT,
     LatencyPredictor,
@@ -27,7 +28,15 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
 from mm_serve.engine.request_state import RequestState
+from mm_serve.models.registry import EMBEDDED_MODEL_DIR
 from mm_serve.planner.errors import ProfileError
+from mm_serve.planner.profile_file import (
+    DecodePoint,
+    EncodePoint,
+    PrefillPoint,
+    parse_profile,
+    profile_to_json,
+)
 from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
 
@@ -73,6 +82,43 @@ def test_the_fit_keeps_coefficients_non_negative_and_the_prior_where_data_says_n
     assert fit.predict([1.0, 251, 1]) == pytest.approx(0.02, rel=0.02)
     fresh = OnlineLinearFit([0.004, 2e-5, 0.004], [1.0, 1000.0, 1.0])
     assert fresh.coefficients == pytest.approx([0.004, 2e-5, 0.004])  # no data: the start
+
+
+def test_a_slow_batch_with_one_image_does_not_set_the_image_term_for_good() -> None:
+    """Measured on a fresh server (default prefill fit): 45 calls at once, 40 with the same image.
+    The encoder cache encodes it once, in a batch that ran slow (the front end decoding 40
+    images on the shared core); every later batch hits the cache and encodes none. The first
+    fit (an absolute ridge) put the whole batch on the image term (0.20 s, 50x its start) and
+    kept it there, so a single call with that image, where its prefix was not cached, was
+    predicted seconds and refused. With the relative prior the split follows the prior's
+    shares, and the image term drifts back toward its start as that batch fades."""
+    fit = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
+    burst = [(14, 0, 0.0765), (56, 0, 0.0426), (631, 1, 0.2306), (120, 0, 0.0211), (118, 0, 0.0169),
+             (114, 0, 0.0169), (118, 0, 0.0136)]  # (tokens computed, images encoded, seconds)
+    for tokens, images, seconds in burst:
+        fit.observe([1.0, tokens, images], seconds)
+    assert fit.coefficients[2] < 0.25 * 0.2306  # not the slow batch's whole time
+    for _ in range(60):  # the cached repeats: no image encoded
+        fit.observe([1.0, 118, 0], 0.015)
+    assert fit.coefficients[2] < 4 * DEFAULT_PREFILL[2]
+    assert fit.predict([1.0, 118, 0]) == pytest.approx(0.015, rel=0.05)
+
+
+def test_warm_start_makes_the_profile_fit_the_prior() -> None:
+    """After an ``mm-serve profile`` warm start, live steps that never encode an image leave the
+    image term at the profile's (not the built-in default's), and the token term is the profile's."""
+    data = profile_to_json("cpu", "cpu", 8e9, str(EMBEDDED_MODEL_DIR),
+                           [PrefillPoint(t, b, 0.002 + 1e-4 * t * b) for t in (64, 256, 1024) for b in (1, 4)],
+                           [DecodePoint(b, c, 0.003 + 1e-4 * b + 1e-8 * b * c) for b in (1, 8) for c in (128, 1024)],
+                           [EncodePoint(n, 0.002 + 0.05 * n) for n in (1, 2, 4)])
+    predictor = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096)
+    predictor.warm_start(parse_profile(data, Path("."), "profile"))
+    assert predictor.prefill.coefficients[1] == pytest.approx(1e-4, rel=0.1)
+    assert predictor.prefill.coefficients[2] == pytest.approx(0.05, rel=0.1)
+    for _ in range(200):
+        predictor.observe_prefill(500, 0, 0.002 + 1e-4 * 500)
+    assert predictor.prefill.coefficients[2] == pytest.approx(0.05, rel=0.1)  # the default is 0.004
+    assert predictor.prefill_seconds(500, 1) == pytest.approx(0.102, rel=0.1)
 
 
 def test_the_fit_refuses_inconsistent_shapes() -> None:
