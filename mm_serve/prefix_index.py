@@ -7,6 +7,10 @@ request caches those pages until its pool needs them for other content. Each wor
 record is an LRU set bounded by that worker's page count, so it forgets roughly when the
 worker evicts. It is a routing hint only: a wrong guess costs a recompute, never a wrong
 output (the worker matches hashes against its own pool).
+
+The same record, keyed by image content hash and bounded by the images an encoder cache
+holds, stands for each prefill worker's encoder cache (:meth:`PrefixIndex.held`): an image
+sent there lately is not encoded again, so the latency predictor does not price it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class PrefixIndex:
                 break
             count += 1
         return count
+
+    def held(self, worker: int, hashes: Sequence[bytes]) -> list[bool]:
+        """For each of ``hashes``, in order and in any position, whether worker ``worker`` is
+        believed to hold it."""
+        held = self._held[worker]
+        return [digest in held for digest in hashes]
 
     def record(self, worker: int, hashes: Sequence[bytes]) -> None:
         """Worker ``worker`` was sent a request with these full-page hashes (now most recent)."""

@@ -121,13 +121,18 @@ class Router:
     def __init__(
         self, num_prefill: int, num_decode: int, decode_pages_total: int, max_running: int,
         cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 2048, page_size: int = 16,
+        encoder_images: int = 0,
     ) -> None:
         """``cache_aware``: route by cached prefix (``balance_tokens`` queued tokens of slack),
-        remembering up to ``prefill_pages`` page hashes (of ``page_size`` tokens) per prefill worker."""
+        remembering up to ``prefill_pages`` page hashes (of ``page_size`` tokens) per prefill worker.
+        ``encoder_images``: images each prefill worker's encoder cache holds (0: none, every
+        image is encoded), remembered by content hash so the work counted for an image sent
+        there lately is no image to encode (:meth:`images_to_encode`)."""
         self.cache_aware = cache_aware
         self.page_size = page_size
         self.balance_tokens = balance_tokens
         self.prefixes = PrefixIndex(num_prefill, prefill_pages)
+        self.encoded = PrefixIndex(num_prefill, encoder_images) if encoder_images > 0 else None
         self.prefill_tokens = [0] * num_prefill
         self._prefill_of: dict[str, tuple[int, int, int, int]] = {}  # id -> (worker, tokens, rank, images)
         self.prefill_work = [[PrefillWork() for _ in range(NUM_RANKS)] for _ in range(num_prefill)]
@@ -197,12 +202,22 @@ class Router:
 
         return max(range(len(self.decode)) if candidates is None else candidates, key=room)
 
+    def images_to_encode(self, worker: int, image_hashes: Sequence[bytes]) -> list[bool]:
+        """For each image (by content hash), whether prefill worker ``worker`` would run the vision
+        tower on it: not in its encoder cache as far as the router knows, and not an earlier
+        image of the same request (all True without an encoder cache)."""
+        held = self.encoded.held(worker, image_hashes) if self.encoded is not None else [False] * len(image_hashes)
+        return [not h and digest not in image_hashes[:i] for i, (h, digest) in enumerate(zip(held, image_hashes, strict=True))]
+
     def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int,
                    rank: int = 1, images: int = 0, page_hashes: Sequence[bytes] = (),
-                   max_wait_s: float = 0.0, now: float | None = None, arrived_at: float | None = None) -> None:
+                   max_wait_s: float = 0.0, now: float | None = None, arrived_at: float | None = None,
+                   image_hashes: Sequence[bytes] = ()) -> None:
         """Count a request sent to ``prefill`` (``tokens`` prompt tokens, ``images`` images, tier
         ``rank``, full pages hashing to ``page_hashes``) whose KV goes to ``decode`` (``pages``
-        pages for the prompt and first token). A request of rank > 0 with ``max_wait_s`` > 0
+        pages for the prompt and first token). Given its images' content hashes
+        (``image_hashes``, one per image), only those :meth:`images_to_encode` count as images,
+        and that worker's encoder cache is believed to hold them from now on. A request of rank > 0 with ``max_wait_s`` > 0
         counts as rank 0 in :meth:`view` once it has waited that long after ``now``
         (``time.monotonic()`` seconds, default the present). A request of rank > 0 with ``arrived_at``
         (when its call reached the server, monotonic seconds) is a :class:`Promise` in the views
@@ -210,6 +225,9 @@ class Router:
         if request_id in self._decode_of or request_id in self._prefill_of:
             self.finished(request_id)
         rank = min(max(rank, 0), NUM_RANKS - 1)
+        if self.encoded is not None and len(image_hashes) == images:
+            images = sum(self.images_to_encode(prefill, image_hashes))
+            self.encoded.record(prefill, image_hashes)
         if self.cache_aware and page_hashes:
             tokens -= min(self.cached_tokens(prefill, page_hashes), tokens - 1)  # the work left to compute
             self.prefixes.record(prefill, page_hashes)
@@ -363,8 +381,10 @@ class Router:
         return None if entry is None else entry[0]
 
     def reset_prefill(self, index: int) -> None:
-        """Prefill worker ``index`` failed: its prefix cache is gone with it, and its batch in progress."""
+        """Prefill worker ``index`` failed: its prefix and encoder caches are gone with it, and its batch in progress."""
         self.prefixes.forget(index)
+        if self.encoded is not None:
+            self.encoded.forget(index)
         if self._batch[index] is not None:
             self._batch[index] = (set(), time.monotonic())
 

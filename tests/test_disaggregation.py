@@ -113,6 +113,22 @@ def test_the_prefill_worker_reports_the_batches_it_starts(one_p_one_d: LLM) -> N
     assert view.recent.requests >= 1  # the request just sent counts in the worker's arrival rate
 
 
+def test_an_image_its_prefill_worker_has_encoded_is_not_priced_again(one_p_one_d: LLM) -> None:
+    """After a request with an image, a new prompt with the same image (its prefix not cached:
+    the image comes after different text) is believed to need no encode on that worker (its
+    encoder cache holds the image), while a new image does; the admission predictor leaves
+    the former out of the request's own prefill."""
+    client = one_p_one_d.client
+    assert client is not None
+    image = gradient_image(48, 40)
+    one_p_one_d.generate({"prompt": Q, "images": [image]}, GREEDY)
+    for picture, expected in ((image, 1), (gradient_image(40, 48), 0)):
+        inputs = client.inputs.process({"prompt": "USER: Look closely. <image>\nWhat is it? ASSISTANT:",
+                                        "images": [picture]})
+        view = client.load_view(1, len(inputs.prompt_token_ids), 4, inputs)
+        assert view is not None and view.cached_tokens == 0 and view.cached_images == expected
+
+
 def test_2p1d_equals_transformers_and_repeats_go_where_their_prefix_is(
     tiny_llava: Path, reference_tokens: list[list[int]],
 ) -> None:

@@ -113,7 +113,7 @@ class EngineClient:
             cfg.kv_cache.max_pages_per_gpu, cfg.scheduler.decode_max_concurrent,
             cache_aware=cfg.scheduler.prefill_routing == "cache_aware" and cfg.kv_cache.enable_prefix_caching,
             balance_tokens=cfg.scheduler.cache_aware_balance_tokens, prefill_pages=cfg.kv_cache.max_pages_per_gpu,
-            page_size=cfg.kv_cache.page_size,
+            page_size=cfg.kv_cache.page_size, encoder_images=self._encoder_cache_images(),
         )
         self._receiver = threading.Thread(target=self._receive_loop, name="mm-serve-receiver", daemon=True)
         self._receiver.start()
@@ -127,15 +127,25 @@ class EngineClient:
         """Whether a path serves now (one prefill and one decode worker, or the colocated one, ready)."""
         return self.pool.is_ready
 
+    def _encoder_cache_images(self) -> int:
+        """Images one prefill worker's encoder cache holds: its bytes over one image's embeddings
+        (``[tokens_per_image, hidden]`` in the serving dtype); 0 without a cache or a vision tower."""
+        sizing = engine_sizing(self.config, "cpu")
+        per_image = self.prefix_key.tokens_per_image * self.model_config.text.hidden_size * sizing.torch_dtype.itemsize
+        return sizing.encoder_cache_bytes // per_image if per_image and self.model_config.vision is not None else 0
+
     def load_view(self, rank: int, num_tokens: int, max_tokens: int,
                   inputs: ProcessedInputs | None = None) -> LoadView | None:
         """What a request of tier ``rank`` with ``num_tokens`` prompt tokens would find on the
         workers the router would pick now; None while a role has no ready worker. Given the
         request's ``inputs`` (its image hashes are filled in here, once), the view also says how
-        much of its prompt the chosen prefill worker is believed to hold cached."""
+        much of its prompt the chosen prefill worker is believed to hold cached: tokens in its
+        prefix cache, and images there or in its encoder cache (not encoded again)."""
         hashes: list[bytes] = []
+        image_hashes: list[bytes] = []
         if inputs is not None:
-            hashes = self._page_hashes(inputs.prompt_token_ids, self.hash_images(inputs))
+            image_hashes = self.hash_images(inputs)
+            hashes = self._page_hashes(inputs.prompt_token_ids, image_hashes)
         page_size = self.config.kv_cache.page_size
         with self._lock:
             prefills, decodes = self._ready_candidates()
@@ -143,13 +153,18 @@ class EngineClient:
                 return None
             view = self.router.view(rank, pages_for(num_tokens + max_tokens, page_size), prefills, decodes, hashes,
                                     tokens=num_tokens)
-            view = dataclasses.replace(view, in_flight=len(self.requests))
+            num_images = 0 if inputs is None else inputs.num_images
+            encode = self.router.images_to_encode(view.prefill, image_hashes) if image_hashes and len(
+                image_hashes) == num_images else [True] * num_images
+            view = dataclasses.replace(view, in_flight=len(self.requests), cached_images=encode.count(False))
         if not view.cached_pages or inputs is None:
             return view
         tokens = min(view.cached_pages * page_size, num_tokens - 1)  # the last token is always computed
         key = self.prefix_key
         spans = image_spans(inputs.prompt_token_ids, key.image_token_id, inputs.num_images, key.tokens_per_image)
-        return dataclasses.replace(view, cached_tokens=tokens, cached_images=sum(1 for _, end in spans if end <= tokens))
+        in_prefix = [i < len(spans) and spans[i][1] <= tokens for i in range(len(encode))]
+        return dataclasses.replace(view, cached_tokens=tokens,
+                                   cached_images=sum(1 for p, e in zip(in_prefix, encode, strict=True) if p or not e))
 
     def load_views(self, rank: int, num_tokens: int, max_tokens: int) -> list[LoadView]:
         """:meth:`load_view` as if each ready prefill worker were the one picked (no cache
@@ -293,7 +308,8 @@ class EngineClient:
         self.router.dispatched(flight.wire_id, prefill, decode, n, pages_for(n + 1, page_size),
                                flight.first.priority, flight.first.num_images, flight.page_hashes,
                                0.0 if self.colocated else flight.first.max_wait_s,  # colocated: no ageing
-                               arrived_at=flight.state.arrival_time if self._promises_kept else None)
+                               arrived_at=flight.state.arrival_time if self._promises_kept else None,
+                               image_hashes=flight.first.image_hashes)
         # not delivered when the worker died a moment ago: supervision finds it and migrates this flight
         self.pool.send(("colocated" if self.colocated else "prefill", prefill), flight.message(decode, time.time()))
 

@@ -99,11 +99,12 @@ def make_prefill_scheduler(token_budget: int = 512, batch_size: int = 8, lookahe
 
 def make_router(
     num_prefill: int = 2, num_decode: int = 2, decode_pages_total: int = 100, max_running: int = 4,
-    cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 64,
+    cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 64, encoder_images: int = 0,
 ) -> Router:
     """A router with fresh load counters."""
     return Router(num_prefill, num_decode, decode_pages_total, max_running, cache_aware=cache_aware,
-                  balance_tokens=balance_tokens, prefill_pages=prefill_pages, page_size=PAGE_SIZE)
+                  balance_tokens=balance_tokens, prefill_pages=prefill_pages, page_size=PAGE_SIZE,
+                  encoder_images=encoder_images)
 
 
 def make_kv_cache(num_pages: int = 8) -> PagedKVCache:

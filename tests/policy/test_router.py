@@ -200,6 +200,26 @@ def test_prefix_index_forgets_the_oldest_pages_past_its_capacity() -> None:
     assert index.size(0) == 3 and index.match(0, [b"a"]) == 0 and index.match(0, [b"b", b"c", b"d"]) == 3
 
 
+def test_an_image_sent_to_a_worker_lately_is_not_counted_as_an_image_to_encode_there() -> None:
+    """40 calls repeating one image are encoded once per prefill worker (its encoder cache): the
+    work queued there counts that image once, a request repeating an image counts it once, and
+    a restarted worker (its cache gone) or one past the cache's size encodes again."""
+    router = make_router(num_prefill=2, encoder_images=2)
+    for i in range(40):
+        router.dispatched(f"r{i}", prefill=0, decode=0, tokens=80, pages=6, images=1, image_hashes=[b"img"])
+    assert router.prefill_work[0][1].images == 1 and router.prefill_work[0][1].requests == 40
+    assert router.images_to_encode(0, [b"img", b"new", b"new"]) == [False, True, False]
+    assert router.images_to_encode(1, [b"img"]) == [True]  # the other worker never saw it
+    router.dispatched("s", prefill=0, decode=0, tokens=80, pages=6, images=2, image_hashes=[b"x", b"y"])
+    assert router.images_to_encode(0, [b"img"]) == [True]  # past the 2 images its cache holds
+    router.reset_prefill(0)
+    assert router.images_to_encode(0, [b"x"]) == [True]
+    plain = make_router(num_prefill=1)  # no encoder cache: every image is encoded
+    plain.dispatched("a", prefill=0, decode=0, tokens=80, pages=6, images=1, image_hashes=[b"img"])
+    plain.dispatched("b", prefill=0, decode=0, tokens=80, pages=6, images=1, image_hashes=[b"img"])
+    assert plain.prefill_work[0][1].images == 2 and plain.images_to_encode(0, [b"img"]) == [True]
+
+
 def test_the_load_view_picks_the_prefix_holder_and_counts_its_cached_pages() -> None:
     router = make_router(num_prefill=2, cache_aware=True)
     router.dispatched("a", prefill=1, decode=0, tokens=40, pages=3, page_hashes=[b"p0", b"p1"])
