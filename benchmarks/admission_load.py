@@ -83,6 +83,9 @@ class Outcome:
     server_ms: float | None = None  # the server's Server-Timing app;dur: its arrival to the response's start
     server_phases: dict[str, float] | None = None  # the other Server-Timing metrics: ms of each phase (parse, ...)
     refusal: str | None = None  # a refusal's error code and the start of its message ("ttft_slo: the server ...")
+    sent_at: float = 0.0  # time.monotonic() at its send and at its end, for the client's own stalls
+    ended_at: float = 0.0
+    client_stall_ms: float = 0.0  # longest stall of this client's event loop while it was in flight
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ async def one(http: httpx.AsyncClient, url: str, req: PlannedRequest) -> Outcome
         out.status = -1
     rec.end_s = time.monotonic()
     out.elapsed_s = rec.end_s - (rec.sent_s or 0.0)
+    out.sent_at, out.ended_at = rec.sent_s or 0.0, rec.end_s
     if out.status == 200 and rec.error is None and rec.chunk_s:
         out.ttft_s, out.tpot_s = rec.ttft_s, rec.tpot_s
         out.first_gap_s = rec.itls_s[0] if len(rec.chunk_s) > 1 else None
@@ -159,8 +163,27 @@ def slow_refusal_phases(refused: list[Outcome], over_ms: float = 50.0) -> dict[s
     return {"count": len(slow), "longest_phase": longest}
 
 
+STALL_TICK_S = 0.005  # the client's event-loop watch wakes this often
+STALL_MIN_S = 0.01  # stalls shorter than this are not kept
+
+
+async def watch_stalls(stalls: list[tuple[float, float]]) -> None:
+    """Append ``(end, seconds)`` for each stall of this event loop over :data:`STALL_MIN_S`: a
+    wake-up that came that much later than asked (the client's own work, or its process
+    descheduled on the shared cores). A request in flight then is timed that much late."""
+    while True:
+        asked = time.monotonic() + STALL_TICK_S
+        await asyncio.sleep(STALL_TICK_S)
+        now = time.monotonic()
+        if now - asked > STALL_MIN_S:
+            stalls.append((now, now - asked))
+
+
 async def send_plan(url: str, plan: list[PlannedRequest]) -> list[Outcome]:
-    """Send every planned request at its arrival time; wait for all to finish."""
+    """Send every planned request at its arrival time; wait for all to finish. Each outcome gets
+    the longest stall of the client's own event loop while it was in flight (``client_stall_ms``)."""
+    stalls: list[tuple[float, float]] = []
+    watch = asyncio.create_task(watch_stalls(stalls))
     async with httpx.AsyncClient(trust_env=False, timeout=600.0,
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=128)) as http:
         start = time.monotonic()
@@ -169,7 +192,12 @@ async def send_plan(url: str, plan: list[PlannedRequest]) -> list[Outcome]:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
             return await one(http, url, req)
 
-        return list(await asyncio.gather(*(fire(r) for r in plan)))
+        outcomes = list(await asyncio.gather(*(fire(r) for r in plan)))
+    watch.cancel()
+    for o in outcomes:
+        o.client_stall_ms = 1000 * max((length for end, length in stalls
+                                        if end - length < o.ended_at and end > o.sent_at), default=0.0)
+    return outcomes
 
 
 def met(o: Outcome, slo: dict[str, tuple[float, float]]) -> bool:
@@ -192,13 +220,18 @@ def summarize(outcomes: list[Outcome], slo: dict[str, tuple[float, float]], dura
             "median_ttft_prediction_error": statistics.median(tier_errors) if tier_errors else None,
         }
     refusal_ms = sorted(1000 * o.elapsed_s for o in outcomes if o.status in (429, 503))
+    slow = [o for o in outcomes if o.status in (429, 503) and 1000 * o.elapsed_s > 50]
     server_ms = sorted(o.server_ms for o in outcomes if o.status in (429, 503) and o.server_ms is not None)
     errors = _ttft_errors(outcomes)
     return {
         "tiers": per_tier,
         "slo_meeting_rate": sum(met(o, slo) for o in outcomes) / duration_s,
         "refusal_ms": {"p50": _pct(refusal_ms, 0.5), "p99": _pct(refusal_ms, 0.99),
-                       "max": refusal_ms[-1] if refusal_ms else None, "over_50": sum(1 for x in refusal_ms if x > 50)},
+                       "max": refusal_ms[-1] if refusal_ms else None, "over_50": len(slow),
+                       # of those, the ones the client's own event loop stalled long enough to put over 50 ms
+                       "over_50_client_stalled": sum(1 for o in slow if 1000 * o.elapsed_s - o.client_stall_ms <= 50),
+                       "over_50_each": [{"ms": round(1000 * o.elapsed_s, 1), "server_ms": o.server_ms,
+                                         "client_stall_ms": round(o.client_stall_ms, 1)} for o in slow]},
         # the same refusals as the server timed them (arrival at the application to the response's start)
         "refusal_server_ms": {"p50": _pct(server_ms, 0.5), "p99": _pct(server_ms, 0.99),
                               "max": server_ms[-1] if server_ms else None,
@@ -341,6 +374,9 @@ def _line(r: dict[str, Any], goodput: float) -> str:
                      f"err {'-' if err is None else f'{100 * err:.0f}%'}")
     err, refusal = r["median_ttft_prediction_error"], r["refusal_ms"]
     refusals = "-" if refusal["max"] is None else f"{refusal['p50']:.0f}/{refusal['p99']:.0f}/{refusal['max']:.0f} ms"
+    if refusal.get("over_50"):
+        refusals += (f", {refusal['over_50']} over 50 ms ({refusal.get('over_50_client_stalled', 0)} of them by the "
+                     f"client's own stalls)")
     inside = r.get("refusal_server_ms") or {}
     if inside.get("max") is not None:
         refusals += f" (server-side {inside['p50']:.0f}/{inside['p99']:.0f}/{inside['max']:.0f} ms"
