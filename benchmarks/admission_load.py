@@ -327,13 +327,14 @@ class Bench:
     def search(self, url: str) -> float:
         def probe(rate: float) -> Probe:
             n = max(self.args.sweep_requests, math.ceil(rate * self.args.duration))  # as long as a load run
-            shares = []
+            shares, sent, meeting = [], 0, 0
             for k in range(self.args.probe_repeats):  # each repeat its own requests (no cache hits between them)
                 outcomes = asyncio.run(send_plan(url, self.plan(n, rate, self.args.seed + 1 + k, f"search {rate} {k}")))
+                sent, meeting = sent + len(outcomes), meeting + sum(met(o, self.slo) for o in outcomes)
                 shares.append(sum(met(o, self.slo) for o in outcomes) / len(outcomes))
                 time.sleep(2.0)
-            attained = statistics.median(shares)
-            each = "" if len(shares) == 1 else f" (median of {', '.join(f'{100 * x:.1f}' for x in shares)})"
+            attained = meeting / sent  # of all the probes' requests, as a goodput of "90 % of requests" reads
+            each = "" if len(shares) == 1 else f" (all requests of {', '.join(f'{100 * x:.1f}' for x in shares)})"
             print(f"  goodput search: {rate:.2f} req/s -> {attained * 100:.1f} % meet their tier's SLO{each}", flush=True)
             return Probe(rate, attained)
 
@@ -429,9 +430,10 @@ def main() -> int:
                    help="least requests per goodput-search probe; a probe lasts --duration at least (shorter "
                         "probes overstate the goodput: 120 requests passed at 12 req/s, 30 s at 12 req/s met 61 %%)")
     p.add_argument("--probe-repeats", type=int, default=3,
-                   help="probes per rate in the goodput search, their median attainment counts (one probe's "
-                        "attainment varied by up to 50 points here: 88.9, 38.9 and 69.4 %% at one rate; a "
-                        "search on single probes once passed a rate that its 1x load then met for 75 %%)")
+                   help="probes per rate in the goodput search; the attainment of all their requests counts (one "
+                        "probe's attainment varied by up to 50 points here: 88.9, 38.9 and 69.4 %% at one rate; a "
+                        "search on single probes once passed a rate that its 1x load then met for 75 %%, and one "
+                        "on the median of 3 (98.9, 93.3, 69.4 %%) a rate its 1x load met for 82 %%)")
     p.add_argument("--loads", default="1,2,4", help="multiples of the goodput")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per load")
     p.add_argument("--tier-mix", default="interactive=0.3,standard=0.5,batch=0.2")
