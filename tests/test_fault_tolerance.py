@@ -127,6 +127,7 @@ def test_decode_killed_mid_stream_continues_token_for_token(shared: EngineClient
     assert state.error is None and state.token_ids == reference.token_ids and state.text == reference.text
     assert 20 <= len(state.token_ids) == 200 and state.finish_reason == "length"
     assert counts[("request_migrations", "decode")] == 1 and counts[("worker_restarts", "decode")] == 1
+    assert state.delayed_by_fault and not reference.delayed_by_fault  # admission learns nothing from it
     assert_clean(client)
 
 
@@ -144,6 +145,8 @@ def test_prefill_killed_with_a_queue_loses_nothing(shared: EngineClient) -> None
     assert [s.token_ids for s in states] == [r.token_ids for r in reference]
     assert counts[("worker_restarts", "prefill")] == 1
     assert counts[("request_migrations", "prefill")] >= 1  # those still queued or not yet taken by decode
+    # the moved ones (and any parked while the worker restarted) are marked: admission learns nothing from them
+    assert sum(s.delayed_by_fault for s in states) >= counts[("request_migrations", "prefill")]
     assert_clean(client)
 
 

@@ -336,7 +336,14 @@ class AdmissionController:
         prefilled (its lifetime events say so) against its prediction: the measured span from its
         dispatch to its first token here (the queue and batch in progress ahead of it, its own
         batch, the messages both ways: what the prediction's queue + prefill part stands for), the
-        overhead from its TTFT less that span and the wait before its prediction, and its TPOT."""
+        overhead from its TTFT less that span and the wait before its prediction, and its TPOT.
+        A request delayed by a worker fault (moved to a new attempt, or parked while a role had no
+        ready worker: ``RequestState.delayed_by_fault``) teaches nothing: its latency measures the
+        restart, and learning it (a fresh-user test: TTFT corrections at their 10x bound and the
+        attainment feedback at 0.5 after a prefill worker was killed under a burst) refused most
+        interactive calls to the recovered, idle service for seconds."""
+        if state.delayed_by_fault:
+            return
         self._feed_back(state)
         if state.first_token_time is None or LifetimeEvent.PREFILL_END.value not in state.events:
             return

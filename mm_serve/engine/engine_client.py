@@ -296,6 +296,7 @@ class EngineClient:
         prefills, decodes = self._ready_candidates()
         if not prefills or not decodes:
             flight.parked = True
+            flight.state.delayed_by_fault = True
             return
         page_size = self.config.kv_cache.page_size
         n = len(flight.first.prompt_token_ids) + flight.base
@@ -389,6 +390,7 @@ class EngineClient:
                                         f"(fault.max_migrations = {limit})")
             return
         self.fault_counts["request_migrations", role] += 1
+        flight.state.delayed_by_fault = True
         flight.next_attempt()
         if flight.remaining_tokens() <= 0:  # every token arrived; only the finish was lost
             self._finish_failed(flight, reason)

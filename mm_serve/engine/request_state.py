@@ -42,6 +42,9 @@ class RequestState:
         self.predicted_ttft_s: float | None = None  # the admission controller's prediction, seconds
         self.prediction: Prediction | None = None  # all of it (the predictor learns from its errors)
         self.cached_tokens = 0  # prompt tokens whose KV the prefill reused (prefix cache), <= num_prompt_tokens
+        # moved to a new attempt after a worker fault, or parked while a role had no ready worker: its
+        # latency measures the fault, not the load (the admission controller does not learn from it)
+        self.delayed_by_fault = False
         self._cached_reported = False
         self._pending_text: list[str] = []
         self._early: dict[int, messages.TokenUpdate] = {}

@@ -599,6 +599,32 @@ def test_each_prefill_worker_learns_its_own_speed() -> None:
     assert set(speeds) == {"0", "1"} and speeds["1"] > speeds["0"]  # type: ignore[operator]
 
 
+def test_a_request_delayed_by_a_worker_fault_teaches_nothing() -> None:
+    """A request moved to a new attempt after its prefill worker died waited for the restart: 50x
+    its prediction. Learned, it would set the corrections and the attainment feedback against an
+    idle, recovered service; it leaves them as they were, and the same request without the fault
+    is learned."""
+    controller = AdmissionController(load_config(None))
+    prediction = controller.predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250)
+    state = RequestState("r", 10, None)  # type: ignore[arg-type]
+    state.prediction, state.tier = prediction, "interactive"
+    state.arrival_time = state.submitted_at = 100.0
+    state.first_token_time = 100.0 + 50 * prediction.ttft_base_s + 2.0  # past the 1 s SLO
+    state.token_times = [state.first_token_time, state.first_token_time + 0.01, state.first_token_time + 0.02]
+    state.finish_reason = "length"
+    state.events = {"prefill_queued": 100.0, "prefill_end": 101.0}
+    state.delayed_by_fault = True
+    controller.on_finished(state)
+    predictor = controller.predictor
+    assert [c.num_observations for c in predictor.ttft_corrections] == [0, 0, 0]
+    assert predictor.tpot_correction.num_observations == 0 and predictor.overhead_s == DEFAULT_OVERHEAD_S
+    assert controller.feedback_report()["interactive"]["ttft"] == {"factor": 1.0, "late": 0, "in_time": 0}
+    state.delayed_by_fault = False
+    controller.on_finished(state)
+    assert predictor.ttft_corrections[prediction.rank].num_observations == 1
+    assert controller.feedback_report()["interactive"]["ttft"]["late"] == 1  # type: ignore[index]
+
+
 def test_a_finished_request_teaches_the_span_from_its_dispatch_to_its_first_token() -> None:
     """What the prediction's queue + prefill part stands for is measured from the request's
     dispatch to its first token here (the batch in progress ahead of it, its own batch, both
