@@ -330,8 +330,9 @@ class Bench:
             shares, sent, meeting = [], 0, 0
             for k in range(self.args.probe_repeats):  # each repeat its own requests (no cache hits between them)
                 outcomes = asyncio.run(send_plan(url, self.plan(n, rate, self.args.seed + 1 + k, f"search {rate} {k}")))
-                sent, meeting = sent + len(outcomes), meeting + sum(met(o, self.slo) for o in outcomes)
-                shares.append(sum(met(o, self.slo) for o in outcomes) / len(outcomes))
+                met_now = sum(met(o, self.slo) for o in outcomes)
+                sent, meeting = sent + len(outcomes), meeting + met_now
+                shares.append(met_now / len(outcomes))
                 time.sleep(2.0)
             attained = meeting / sent  # of all the probes' requests, as a goodput of "90 % of requests" reads
             each = "" if len(shares) == 1 else f" (all requests of {', '.join(f'{100 * x:.1f}' for x in shares)})"

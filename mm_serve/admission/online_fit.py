@@ -19,8 +19,8 @@ term in proportion to its prior share instead of loading the whole difference on
 small coefficient; and a coefficient the recent points say nothing about (no image
 encoded for a while) drifts back to its start as its old points fade. The first version's
 absolute ridge (0.01 s² per unit) let a single slow batch with one image set the image
-term to 0.2 s, 50x its start, for good, while distinct-image traffic moved all of a
-batch's time onto the token term.
+term to 0.2 s, 50x its start, for good (on a live server, distinct-image calls after that
+burst then moved a batch's whole time onto the token term and the image term to 0).
 
 Why not recursive least squares (RLS), which the first version used: with collinear
 features (a decode step's batch size and its context tokens grow together; every llava
