@@ -220,7 +220,8 @@ def summarize(outcomes: list[Outcome], slo: dict[str, tuple[float, float]], dura
             "median_ttft_prediction_error": statistics.median(tier_errors) if tier_errors else None,
         }
     refusal_ms = sorted(1000 * o.elapsed_s for o in outcomes if o.status in (429, 503))
-    slow = [o for o in outcomes if o.status in (429, 503) and 1000 * o.elapsed_s > 50]
+    refused_all = [o for o in outcomes if o.status in (429, 503)]
+    slow = [o for o in refused_all if 1000 * o.elapsed_s > 50]
     server_ms = sorted(o.server_ms for o in outcomes if o.status in (429, 503) and o.server_ms is not None)
     errors = _ttft_errors(outcomes)
     return {
@@ -231,7 +232,12 @@ def summarize(outcomes: list[Outcome], slo: dict[str, tuple[float, float]], dura
                        # of those, the ones the client's own event loop stalled long enough to put over 50 ms
                        "over_50_client_stalled": sum(1 for o in slow if 1000 * o.elapsed_s - o.client_stall_ms <= 50),
                        "over_50_each": [{"ms": round(1000 * o.elapsed_s, 1), "server_ms": o.server_ms,
-                                         "client_stall_ms": round(o.client_stall_ms, 1)} for o in slow]},
+                                         "client_stall_ms": round(o.client_stall_ms, 1),
+                                         "server_phases": o.server_phases} for o in slow],
+                       # the five slowest refusals, whatever their time: where a tail comes from
+                       "slowest": [{"ms": round(1000 * o.elapsed_s, 1), "server_ms": o.server_ms,
+                                    "client_stall_ms": round(o.client_stall_ms, 1), "server_phases": o.server_phases}
+                                   for o in sorted(refused_all, key=lambda o: -o.elapsed_s)[:5]]},
         # the same refusals as the server timed them (arrival at the application to the response's start)
         "refusal_server_ms": {"p50": _pct(server_ms, 0.5), "p99": _pct(server_ms, 0.99),
                               "max": server_ms[-1] if server_ms else None,

@@ -104,7 +104,8 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     install_error_handlers(app, metrics.observe_rejected)
     upload_limit = (ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_bytes, plus 1 MiB of form")
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes,
-                       path_limits={"/v1/files": upload_limit})
+                       path_limits={"/v1/files": upload_limit}, budget=ctx.image_budget,
+                       budget_paths=frozenset({"/v1/chat/completions", "/v1/completions"}), on_refused=metrics.observe_rejected)
     app.add_middleware(ArrivalTimeMiddleware)
 
     async def require_key(request: Request) -> None:

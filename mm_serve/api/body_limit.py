@@ -1,10 +1,17 @@
-"""ASGI middlewares: refuse bodies over ``max_body_bytes`` with 413 before parsing; stamp arrival time."""
+"""ASGI middlewares: refuse bodies over ``max_body_bytes`` with 413 before parsing; count the bodies
+being read against the image budget; stamp arrival time."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+from mm_serve.admission.byte_budget import IMAGE_RETRY_AFTER_S, ByteBudget
+from mm_serve.admission.rejection import Rejection
+from mm_serve.api.errors import from_rejection
 
 Scope = dict[str, Any]
 
@@ -14,25 +21,50 @@ class BodyLimitMiddleware:
     counted as it arrives, and refused with 413 as soon as it passes the limit.
 
     ``path_limits`` maps a path to its own ``(limit in bytes, config key named in the 413)``
-    (file uploads); every other path has ``max_body_bytes`` (``api.max_body_bytes``)."""
+    (file uploads); every other path has ``max_body_bytes`` (``api.max_body_bytes``).
 
-    def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None) -> None:
+    With ``budget``, the bodies of requests to ``budget_paths`` (the generation endpoints, whose
+    images are in their bodies) hold their size in it while they are read and parsed: the
+    ``Content-Length`` before a byte is read (a chunked body as it arrives, at most the budget's
+    capacity), so a burst of large uploads is refused with 503 ``image_bytes`` at once instead of
+    being read and parsed first. The handler hands the reservation back when its own image
+    reservation takes over (:func:`release_body`), else it ends with the request.
+    ``on_refused(status)`` counts those refusals and the 413s."""
+
+    def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None,
+                 budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
+                 on_refused: Callable[[int], None] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.path_limits = dict(path_limits or {})
+        self.budget = budget
+        self.budget_paths = budget_paths
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit, key = self.path_limits.get(scope.get("path", ""), (self.max_body_bytes, "api.max_body_bytes"))
+        path = scope.get("path", "")
+        limit, key = self.path_limits.get(path, (self.max_body_bytes, "api.max_body_bytes"))
         length = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
-        if length is not None:
-            if length.isdigit() and int(length) > limit:
-                await self._reject(send, limit, key)
+        held = _BodyHold(self.budget if path in self.budget_paths else None)
+        scope.setdefault("state", {})["release_body"] = held.release
+        try:
+            if length is not None:
+                if length.isdigit() and int(length) > limit:
+                    await self._reject(send, limit, key)
+                    return
+                if length.isdigit() and not held.add(int(length)):
+                    await self._refuse_busy(scope, receive, send, int(length))
+                    return
+                await self.app(scope, receive, send)
                 return
-            await self.app(scope, receive, send)
-            return
+            await self._read_chunked(scope, receive, send, limit, key, held)
+        finally:
+            held.release()
+
+    async def _read_chunked(self, scope: Scope, receive: Any, send: Any, limit: int, key: str, held: _BodyHold) -> None:
         chunks: list[bytes] = []
         seen = 0
         while True:
@@ -43,6 +75,9 @@ class BodyLimitMiddleware:
             seen += len(chunk)
             if seen > limit:
                 await self._reject(send, limit, key)
+                return
+            if not held.add(len(chunk)):
+                await self._refuse_busy(scope, receive, send, seen)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -58,7 +93,20 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _refuse_busy(self, scope: Scope, receive: Any, send: Any, nbytes: int) -> None:
+        assert self.budget is not None
+        rejection = Rejection(
+            503, "image_bytes",
+            f"too many request bodies and images are being read and decoded at once: this body needs {nbytes} "
+            f"bytes and {self.budget.reserved} of {self.budget.capacity} (admission.max_image_bytes_in_flight) "
+            "are in use; retry shortly", IMAGE_RETRY_AFTER_S)
+        if self.on_refused is not None:
+            self.on_refused(503)
+        await from_rejection(rejection).response()(scope, receive, send)
+
     async def _reject(self, send: Any, limit: int, key: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(413)
         body = json.dumps({"error": {
             "message": f"request body is larger than the limit of {limit} bytes ({key})",
             "type": "invalid_request_error", "param": None, "code": "request_too_large",
@@ -110,6 +158,44 @@ def mark_phase(request: Any, name: str) -> None:
     phases = getattr(request.state, "phases", None)
     if phases is not None:
         phases.append((name, time.monotonic()))
+
+
+class _BodyHold:
+    """The bytes one request's body holds in a :class:`ByteBudget` (none without a budget)."""
+
+    def __init__(self, budget: ByteBudget | None) -> None:
+        self.budget = budget
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` more (the total capped at the budget's capacity, so a body larger than
+        it passes alone); False when they do not fit now."""
+        if self.budget is None:
+            return True
+        with self._lock:
+            more = min(nbytes, self.budget.capacity - self.held)
+            if more <= 0:
+                return True
+            if not self.budget.try_reserve(more):
+                return False
+            self.held += more
+            return True
+
+    def release(self) -> None:
+        """Give the held bytes back (once; later calls do nothing)."""
+        with self._lock:
+            held, self.held = self.held, 0
+        if held and self.budget is not None:
+            self.budget.release(held)
+
+
+def release_body(request: Any) -> None:
+    """Give back the bytes ``request``'s body holds in the image budget (:class:`BodyLimitMiddleware`),
+    when the handler's own image reservation takes over. Nothing for a request that holds none."""
+    release = getattr(request.state, "release_body", None)
+    if release is not None:
+        release()
 
 
 def arrival_time(request: Any) -> float:

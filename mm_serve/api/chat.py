@@ -20,7 +20,7 @@ from mm_serve.api.admission_gate import (
     precheck_call,
     prediction_header,
 )
-from mm_serve.api.body_limit import arrival_time, mark_phase
+from mm_serve.api.body_limit import arrival_time, mark_phase, release_body
 from mm_serve.api.context import ServerContext
 from mm_serve.api.decision_deadline import within_deadline
 from mm_serve.api.errors import unavailable
@@ -60,6 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx:
     images = declared_images(body.messages)
 
     async def media() -> ProcessedInputs:
+        release_body(raw)  # the images' own reservation takes over from the body's
         with hold_images(ctx.image_budget, body.messages, ctx.config, images):
             messages = await chat_messages(body.messages, ctx.config.api)
             return await process_inputs(ctx.holder.inputs, {"messages": messages}, ctx.config.api.max_request_length)

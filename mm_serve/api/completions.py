@@ -19,7 +19,7 @@ from mm_serve.api.admission_gate import (
     precheck_call,
     prediction_header,
 )
-from mm_serve.api.body_limit import arrival_time, mark_phase
+from mm_serve.api.body_limit import arrival_time, mark_phase, release_body
 from mm_serve.api.context import ServerContext
 from mm_serve.api.decision_deadline import within_deadline
 from mm_serve.api.errors import bad_request, unavailable
@@ -71,6 +71,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
     mark_phase(raw, "precheck")
 
     async def media() -> list[ProcessedInputs]:
+        release_body(raw)  # parsed: the body's bytes stop counting against the image budget
         return [await process_inputs(ctx.holder.inputs, request, ctx.config.api.max_request_length)
                 for request in prompts]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -157,3 +158,58 @@ def test_a_call_still_decoding_its_images_at_the_decision_deadline_is_decided_th
     outcome = "refused" if r.status_code == 429 else "committed"
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert f'mm_serve_tier_decided_at_deadline_total{{outcome="{outcome}",tier="interactive"}} 1.0' in metrics
+
+
+def _raw_post_headers(url: str, path: str, length: int) -> socket.socket:
+    """A connection that has sent a POST's headers announcing ``length`` bytes of body, and no body."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn.sendall(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                 f"content-length: {length}\r\n\r\n".encode())
+    return conn
+
+
+def _read_response(conn: socket.socket) -> tuple[int, dict[str, str], dict[str, Any]]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    headers = {k.lower(): v for k, v in headers.items()}
+    while len(rest) < int(headers["content-length"]):
+        rest += conn.recv(65536)
+    return int(lines[0].split()[1]), headers, json.loads(rest)
+
+
+def test_bodies_being_read_count_against_the_image_budget(admission_server: ServerProcess) -> None:
+    """A 60 MiB upload still arriving holds 60 of the 64 MiB budget: a second call announcing an
+    8 MiB body is refused with 503 ``image_bytes`` before it sends a byte of it (the budget is
+    checked on its Content-Length, not after reading and parsing it); once the first is gone, a
+    call with an image is answered."""
+    url = admission_server.url
+    slow = _raw_post_headers(url, "/v1/chat/completions", 60 << 20)
+    try:
+        slow.sendall(b'{"model": "tiny", "messages": [')  # the rest never comes while the second call is made
+        time.sleep(0.3)
+        started = time.monotonic()
+        second = _raw_post_headers(url, "/v1/chat/completions", 8 << 20)
+        with second:
+            status, headers, body = _read_response(second)
+        elapsed = time.monotonic() - started
+    finally:
+        slow.close()
+    assert status == 503 and body["error"]["code"] == "image_bytes", (status, body)
+    assert headers["retry-after"] == "1" and body["error"]["type"] == "service_unavailable"
+    assert "max_image_bytes_in_flight" in body["error"]["message"]
+    assert elapsed < 2.0
+    call = _chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(gradient_image(64, 64))}}, {"type": "text", "text": "what?"}]}])
+    for _ in range(50):  # the first connection's close reaches the server
+        r = httpx.post(f"{url}/v1/chat/completions", json=call, timeout=60)
+        if r.status_code != 503:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'status_code="503"' in metrics
