@@ -213,7 +213,7 @@ class AdmissionConfig(_Frozen):
     image_decode_reserve_bytes: int = Field(48 << 20, strict=True, ge=1 << 16, description="Bytes reserved per image for its decode and preprocessing (on top of its encoded size); 48 MiB holds a 4000x4000 RGB image.")
     attainment_feedback: bool = Field(True, strict=True, description="Tighten a tier's TTFT or TPOT limit while its admitted requests miss that SLO more often than half way from its attainment target to 100 % allows (README 'SLO tiers and admission', step 4); false = the margin alone.")
     protect_admitted: bool = Field(True, strict=True, description="Refuse a call whose prefill, served before the queued requests of looser tiers, would make one of them that its prediction has on time miss its TTFT SLO (README 'SLO tiers and admission', step 4); false = tighter tiers pass looser ones whatever it costs them.")
-    decide_within_ms: int = Field(30, strict=True, ge=0, le=600_000, description="A call whose images are still being decoded (or prompts tokenized) this long after its arrival is admitted or refused then, on the early check (README 'SLO tiers and admission', step 4); 0 = always decide after that work, however long it takes.")
+    decide_within_ms: int = Field(15, strict=True, ge=0, le=600_000, description="A call whose images are still being decoded (or prompts tokenized) this long after its arrival is admitted or refused then, on the early check (README 'SLO tiers and admission', step 4); 0 = always decide after that work, however long it takes.")
 
 
 class ClusterConfig(_Frozen):
