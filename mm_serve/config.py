@@ -115,6 +115,8 @@ class APIConfig(_Frozen):
     timeout_ms: int = Field(120_000, ge=100, description="A request not finished by then gets 503.")
     shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM/SIGINT: new requests get 503 while in-flight ones finish, for up to this long; then every worker stops. A second signal stops at once.")
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Larger request bodies get 413.")
+    body_idle_timeout_s: float = Field(10.0, gt=0, le=3600, description="A generation call's body (/v1/chat/completions, /v1/completions) that sends no byte for this long gets 408 and its connection is closed: it holds its size in the image budget while it is read.")
+    body_read_timeout_s: float = Field(60.0, gt=0, le=3600, description="A generation call's body not fully received this long after the request arrived gets 408 and its connection is closed.")
     max_images_per_request: int = Field(4, ge=0, le=64)
     max_image_pixels: int = Field(40_000_000, ge=1, description="Larger decoded images are refused (decompression bomb).")
     max_image_fetch_bytes: int = Field(20 << 20, ge=1024)

@@ -42,7 +42,8 @@ class ByteBudget:
 
     @contextmanager
     def hold(self, nbytes: int, what: str) -> Iterator[None]:
-        """Reserve ``nbytes`` for the ``with`` body, then release them.
+        """Reserve ``nbytes`` for the ``with`` body, then release them. More than the whole
+        ``capacity`` reserves all of it: such a call runs alone rather than never.
 
         Raises:
             Rejection: 503 ``image_bytes`` when they do not fit (``what`` names them).
@@ -50,6 +51,7 @@ class ByteBudget:
         if nbytes <= 0:
             yield
             return
+        nbytes = min(nbytes, self.capacity)
         if not self.try_reserve(nbytes):
             raise Rejection(
                 503, "image_bytes",

@@ -38,6 +38,9 @@ def tier_rank(tier: str) -> int:
         raise ValueError(f"unknown tier {tier!r}; tiers are {', '.join(TIERS)}") from None
 
 
+ECHO_CHARS = 64  # an unknown service_tier is quoted in its 400 up to this many characters
+
+
 def check_service_tier(value: object) -> None:
     """Whether a request's ``service_tier`` value is one this table maps (null counts as absent).
 
@@ -48,7 +51,8 @@ def check_service_tier(value: object) -> None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"service_tier must be a string or null, got {type(value).__name__}; allowed: {allowed}")
     if value is not None and value not in ALLOWED_VALUES:
-        raise ValueError(f"service_tier {value!r} is not supported; allowed: {allowed}")
+        shown = repr(value) if len(value) <= ECHO_CHARS else f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
+        raise ValueError(f"service_tier {shown} is not supported; allowed: {allowed}")
 
 
 def resolve_tier(service_tier: str | None, slo: SLOConfig) -> TierName:

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge
 
 from mm_serve import __version__
 from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS
 from mm_serve.admission.controller import NEVER_REFUSED
 from mm_serve.admission.tiers import TIERS
+from mm_serve.api.api_key import api_key_ok
 from mm_serve.api.batch_routes import add_batch_routes
 from mm_serve.api.body_limit import ArrivalTimeMiddleware, BodyLimitMiddleware
 from mm_serve.api.chat import create_chat_completion
@@ -88,6 +88,9 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
                    description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
+    Gauge("mm_serve_image_bytes_in_flight", "Bytes of the image budget (admission.max_image_bytes_in_flight) held now "
+          "by request bodies being read and images being fetched, decoded and preprocessed.",
+          registry=registry).set_function(lambda: ctx.image_budget.reserved)
     registry.register(WorkerStatsCollector(lambda: dict(ctx.holder.client.stats)))
     registry.register(FaultCollector(ctx.holder.client.fault_report))
     ctx.holder.client.finish_listeners.append(metrics.observe_finished)
@@ -105,16 +108,13 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
     upload_limit = (ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_bytes, plus 1 MiB of form")
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes,
                        path_limits={"/v1/files": upload_limit}, budget=ctx.image_budget,
-                       budget_paths=frozenset({"/v1/chat/completions", "/v1/completions"}), on_refused=metrics.observe_rejected)
+                       budget_paths=frozenset({"/v1/chat/completions", "/v1/completions"}), on_refused=metrics.observe_rejected,
+                       api_key=ctx.config.api.api_key, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
+                       read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s)
     app.add_middleware(ArrivalTimeMiddleware)
 
     async def require_key(request: Request) -> None:
-        key = ctx.config.api.api_key
-        if not key:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        if not api_key_ok(request.headers.get("authorization", ""), ctx.config.api.api_key):
             raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            "authentication_error", None, "invalid_api_key")
 
@@ -151,6 +151,8 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]
                               admission={"predict": ctx.config.admission.predict,
                                          **ctx.admission.report(), "held": _held(ctx),
+                                         "image_bytes_in_flight": ctx.image_budget.reserved,
+                                         "max_image_bytes_in_flight": ctx.image_budget.capacity,
                                          "attainment_feedback": ctx.admission.feedback_report()},
                               caches=cache_health(dict(ctx.holder.client.stats)),
                               event_loop=_loop_name()).model_dump()

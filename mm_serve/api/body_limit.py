@@ -1,8 +1,9 @@
 """ASGI middlewares: refuse bodies over ``max_body_bytes`` with 413 before parsing; count the bodies
-being read against the image budget; stamp arrival time."""
+being read against the image budget, within read timeouts; stamp arrival time."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -11,9 +12,11 @@ from typing import Any
 
 from mm_serve.admission.byte_budget import IMAGE_RETRY_AFTER_S, ByteBudget
 from mm_serve.admission.rejection import Rejection
+from mm_serve.api.api_key import scope_authorized
 from mm_serve.api.errors import from_rejection
 
 Scope = dict[str, Any]
+STOP_CHECK_S = 0.25  # a body being read notices the service shutting down within this long
 
 
 class BodyLimitMiddleware:
@@ -28,18 +31,30 @@ class BodyLimitMiddleware:
     ``Content-Length`` before a byte is read (a chunked body as it arrives, at most the budget's
     capacity), so a burst of large uploads is refused with 503 ``image_bytes`` at once instead of
     being read and parsed first. The handler hands the reservation back when its own image
-    reservation takes over (:func:`release_body`), else it ends with the request.
-    ``on_refused(status)`` counts those refusals and the 413s."""
+    reservation takes over (:func:`release_body`), else it ends with the request. Such a body is
+    read here, before the route runs: a call without the ``api_key`` gets its 401 before it holds
+    anything, and one whose body sends no byte for ``idle_timeout_s``, or is not complete
+    ``read_timeout_s`` after arrival, gets 408 ``body_timeout`` and its connection is closed, so
+    stalled uploads cannot keep the budget; one still arriving when the service starts shutting
+    down (``stopping()`` returns the ``Retry-After`` seconds, None while serving) gets that 503
+    within :data:`STOP_CHECK_S`. ``on_refused(status)`` counts the 401s, 408s, 413s and 503s given
+    here."""
 
     def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None,
                  budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
-                 on_refused: Callable[[int], None] | None = None) -> None:
+                 on_refused: Callable[[int], None] | None = None, api_key: str | None = None,
+                 idle_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
+                 stopping: Callable[[], int | None] = lambda: None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.path_limits = dict(path_limits or {})
         self.budget = budget
         self.budget_paths = budget_paths
         self.on_refused = on_refused
+        self.api_key = api_key
+        self.idle_timeout_s = idle_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.stopping = stopping
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -48,35 +63,60 @@ class BodyLimitMiddleware:
         path = scope.get("path", "")
         limit, key = self.path_limits.get(path, (self.max_body_bytes, "api.max_body_bytes"))
         length = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
-        held = _BodyHold(self.budget if path in self.budget_paths else None)
+        declared = int(length) if length is not None and length.isdigit() else None
+        if declared is not None and declared > limit:
+            await self._error(send, 413, f"request body is larger than the limit of {limit} bytes ({key})",
+                              "request_too_large")
+            return
+        guarded = path in self.budget_paths
+        if guarded and not scope_authorized(scope.get("headers", []), self.api_key):
+            await self._error(send, 401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                              "invalid_api_key", "authentication_error", [(b"www-authenticate", b"Bearer")])
+            return
+        held = _BodyHold(self.budget if guarded else None)
         scope.setdefault("state", {})["release_body"] = held.release
         try:
-            if length is not None:
-                if length.isdigit() and int(length) > limit:
-                    await self._reject(send, limit, key)
-                    return
-                if length.isdigit() and not held.add(int(length)):
-                    await self._refuse_busy(scope, receive, send, int(length))
-                    return
+            if declared is not None and not held.add(declared):
+                await self._refuse_busy(scope, receive, send, declared)
+                return
+            if declared is not None and not guarded:
                 await self.app(scope, receive, send)
                 return
-            await self._read_chunked(scope, receive, send, limit, key, held)
+            await self._read_first(scope, receive, send, limit, key, held, count=declared is None, timed=guarded)
         finally:
             held.release()
 
-    async def _read_chunked(self, scope: Scope, receive: Any, send: Any, limit: int, key: str, held: _BodyHold) -> None:
+    async def _read_first(self, scope: Scope, receive: Any, send: Any, limit: int, key: str, held: _BodyHold,
+                          count: bool, timed: bool) -> None:
+        """Read the whole body (``count``: holding its bytes as they arrive; ``timed``: within the
+        idle and read timeouts), then run the app on it."""
         chunks: list[bytes] = []
         seen = 0
+        deadline = time.monotonic() + self.read_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await (self._timed_receive(receive, deadline) if timed else receive())
+            except _ServiceStopping as stopping:
+                await self._error(send, 503, "the service is shutting down; send the request again later",
+                                  "service_unavailable", "service_unavailable",
+                                  [(b"retry-after", str(stopping.retry_after_s).encode()), (b"connection", b"close")])
+                return
+            except asyncio.TimeoutError:
+                await self._error(send, 408, (
+                    f"the request body was not received in time: {seen} bytes arrived, then none for "
+                    f"{self.idle_timeout_s:g} s (api.body_idle_timeout_s) or the body was not complete "
+                    f"{self.read_timeout_s:g} s after the request (api.body_read_timeout_s)"),
+                    "body_timeout", extra_headers=[(b"connection", b"close")])
+                return
             if message["type"] != "http.request":  # the client went away
                 return
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > limit:
-                await self._reject(send, limit, key)
+                await self._error(send, 413, f"request body is larger than the limit of {limit} bytes ({key})",
+                                  "request_too_large")
                 return
-            if not held.add(len(chunk)):
+            if count and not held.add(len(chunk)):
                 await self._refuse_busy(scope, receive, send, seen)
                 return
             chunks.append(chunk)
@@ -93,6 +133,27 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _timed_receive(self, receive: Any, deadline: float) -> Any:
+        """The next body message, awaited in slices of :data:`STOP_CHECK_S` (a slice that ends
+        without one drops nothing: uvicorn's ``receive`` only consumes a message it returns).
+
+        Raises:
+            asyncio.TimeoutError: none within ``idle_timeout_s``, or ``deadline`` passed.
+            _ServiceStopping: the service started shutting down meanwhile.
+        """
+        idle_until = min(time.monotonic() + self.idle_timeout_s, deadline)
+        while True:
+            retry_after_s = self.stopping()
+            if retry_after_s is not None:
+                raise _ServiceStopping(retry_after_s)
+            left = idle_until - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            try:
+                return await asyncio.wait_for(receive(), min(left, STOP_CHECK_S))
+            except asyncio.TimeoutError:
+                continue
+
     async def _refuse_busy(self, scope: Scope, receive: Any, send: Any, nbytes: int) -> None:
         assert self.budget is not None
         rejection = Rejection(
@@ -104,16 +165,23 @@ class BodyLimitMiddleware:
             self.on_refused(503)
         await from_rejection(rejection).response()(scope, receive, send)
 
-    async def _reject(self, send: Any, limit: int, key: str) -> None:
+    async def _error(self, send: Any, status: int, message: str, code: str, type_: str = "invalid_request_error",
+                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer ``status`` in OpenAI's error format, without reading the body."""
         if self.on_refused is not None:
-            self.on_refused(413)
-        body = json.dumps({"error": {
-            "message": f"request body is larger than the limit of {limit} bytes ({key})",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large",
-        }}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            self.on_refused(status)
+        body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
         await send({"type": "http.response.body", "body": body})
+
+
+class _ServiceStopping(Exception):
+    """The service began shutting down while a body was being read."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"shutting down; retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
 
 
 class ArrivalTimeMiddleware:

@@ -56,9 +56,16 @@ class ServerContext:
             APIError: 503 with ``Retry-After``: at most what is left of the grace period, after which
                 a restarted service (or another replica behind the same address) can answer.
         """
-        if self.holder.draining.is_set():
-            left = max(1, math.ceil(self.holder.drain_deadline - time.monotonic()))
+        left = self.drain_retry_after_s()
+        if left is not None:
             raise unavailable("the service is shutting down; in-flight requests are finishing", left)
+
+    def drain_retry_after_s(self) -> int | None:
+        """While the service is shutting down, the seconds left of its grace period (at least 1: the
+        ``Retry-After`` of its 503s); None while it serves."""
+        if not self.holder.draining.is_set():
+            return None
+        return max(1, math.ceil(self.holder.drain_deadline - time.monotonic()))
 
     def client_or_503(self) -> EngineClient:
         """The engine client, or 503 while it is warming up, failed to start or shutting down.

@@ -94,3 +94,25 @@ def test_byte_budget_refuses_what_does_not_fit_and_releases_on_exit() -> None:
     assert budget.reserved == 0
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         ByteBudget(0)
+
+
+def test_a_call_needing_more_than_the_whole_budget_runs_alone() -> None:
+    """Images that need more than ``capacity`` hold all of it: refused while anything else is held
+    (503, retry), served when the budget is empty, never refused for good."""
+    budget = ByteBudget(1000)
+    with budget.hold(10, "1 image(s)"), pytest.raises(Rejection):
+        with budget.hold(4000, "3 image(s)"):
+            pass
+    with budget.hold(4000, "3 image(s)"):
+        assert budget.reserved == 1000
+        with pytest.raises(Rejection):
+            with budget.hold(1, "1 image(s)"):
+                pass
+    assert budget.reserved == 0
+
+
+def test_an_unknown_service_tier_is_quoted_short_in_its_error() -> None:
+    with pytest.raises(ValueError) as info:
+        tier_of("x" * 100_000, SLOConfig())
+    message = str(info.value)
+    assert len(message) < 300 and "... (100000 characters)" in message and "allowed: auto, priority" in message

@@ -73,18 +73,28 @@ def test_a_call_over_the_work_limit_is_a_400_naming_the_limit(unstarted: TestCli
     assert unstarted.post("/v1/chat/completions", json=_chat(n=2)).status_code == 503  # under it
 
 
-def test_images_over_the_byte_budget_get_503_with_retry_after(unstarted: TestClient) -> None:
+def test_images_over_the_byte_budget_get_503_with_retry_after(tiny_llava: Path) -> None:
+    """A call whose images do not fit what other calls hold now is refused (503, retry); one
+    that needs more than the whole budget runs alone, holding all of it."""
+    cfg = load_config(None, {"model": str(tiny_llava), "admission.max_image_bytes_in_flight": 1 << 20,
+                             "admission.image_decode_reserve_bytes": 600 << 10})
+    ctx = ServerContext(holder=EngineHolder(tiny_llava, cfg), config=cfg, served_model_name="tiny")
+    client = TestClient(build_app(ctx, start_engine=False))
     image = {"type": "image_url", "image_url": {"url": data_uri(gradient_image(32, 32))}}
+    one = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
     two = [{"role": "user", "content": [image, image, {"type": "text", "text": "hi"}]}]
-    r = unstarted.post("/v1/chat/completions", json=_chat(messages=two))
+    assert image_reservation([ChatMessage(**m) for m in two], cfg)[1] > 1 << 20  # more than the budget
+    assert ctx.image_budget.try_reserve(700 << 10)  # another call's images being decoded
+    r = client.post("/v1/chat/completions", json=_chat(messages=one))
     error = r.json()["error"]
     assert r.status_code == 503 and error["code"] == "image_bytes" and r.headers["retry-after"] == "1"
-    assert "admission.max_image_bytes_in_flight" in error["message"]
-    one = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
-    r = unstarted.post("/v1/chat/completions", json=_chat(messages=one))
-    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    assert r.json()["error"]["code"] == "service_unavailable"  # fits the budget: refused only for want of a worker
-    assert r.headers["retry-after"] == "5"  # this app never starts its workers: "warming"
+    assert "admission.max_image_bytes_in_flight" in error["message"] and "716800 of 1048576" in error["message"]
+    ctx.image_budget.release(700 << 10)
+    for messages_ in (one, two):
+        r = client.post("/v1/chat/completions", json=_chat(messages=messages_))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable", r.text
+        assert r.headers["retry-after"] == "5"  # past the budget: refused only for want of a worker ("warming")
+    assert ctx.image_budget.reserved == 0
 
 
 def test_small_data_uri_images_reserve_by_their_declared_size() -> None:

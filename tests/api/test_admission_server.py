@@ -21,6 +21,7 @@ from tests.factories import gradient_image
 CONFIG = {
     "slo": {"tiers": {"interactive": {"ttft_ms": 0.01, "tpot_ms": 0.01}}},  # nothing can meet it: always refused
     "admission": {"max_image_bytes_in_flight": 64 << 20, "image_decode_reserve_bytes": 16 << 20},
+    "api": {"body_idle_timeout_s": 2.0},
 }
 
 
@@ -192,6 +193,7 @@ def test_bodies_being_read_count_against_the_image_budget(admission_server: Serv
     try:
         slow.sendall(b'{"model": "tiny", "messages": [')  # the rest never comes while the second call is made
         time.sleep(0.3)
+        health = httpx.get(f"{url}/health", timeout=10).json()
         started = time.monotonic()
         second = _raw_post_headers(url, "/v1/chat/completions", 8 << 20)
         with second:
@@ -199,6 +201,8 @@ def test_bodies_being_read_count_against_the_image_budget(admission_server: Serv
         elapsed = time.monotonic() - started
     finally:
         slow.close()
+    assert health["admission"]["image_bytes_in_flight"] == 60 << 20
+    assert health["admission"]["max_image_bytes_in_flight"] == 64 << 20
     assert status == 503 and body["error"]["code"] == "image_bytes", (status, body)
     assert headers["retry-after"] == "1" and body["error"]["type"] == "service_unavailable"
     assert "max_image_bytes_in_flight" in body["error"]["message"]
@@ -212,4 +216,21 @@ def test_bodies_being_read_count_against_the_image_budget(admission_server: Serv
         time.sleep(0.1)
     assert r.status_code == 200, r.text
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    assert 'status_code="503"' in metrics
+    assert 'status_code="503"' in metrics and "mm_serve_image_bytes_in_flight 0.0" in metrics
+
+
+def test_a_stalled_upload_gets_408_and_its_connection_is_closed(admission_server: ServerProcess) -> None:
+    """A body that stops (api.body_idle_timeout_s, 2 s here) is answered 408 ``body_timeout`` and the
+    server closes the connection; the bytes it declared are free again."""
+    url = admission_server.url
+    stalled = _raw_post_headers(url, "/v1/chat/completions", 60 << 20)
+    with stalled:
+        stalled.sendall(b'{"model": "tiny", ')
+        started = time.monotonic()
+        status, headers, body = _read_response(stalled)
+        elapsed = time.monotonic() - started
+        stalled.settimeout(5)
+        assert stalled.recv(1) == b""  # closed by the server
+    assert status == 408 and body["error"]["code"] == "body_timeout" and "18 bytes arrived" in body["error"]["message"]
+    assert 1.9 <= elapsed < 5.0
+    assert httpx.get(f"{url}/health", timeout=10).json()["admission"]["image_bytes_in_flight"] == 0

@@ -1,0 +1,24 @@
+"""The bearer-token check of ``api.api_key`` (``--api-key``), shared by the routes' dependency and
+the body middleware, which must refuse a call before its body holds any of the image budget."""
+
+from __future__ import annotations
+
+import hmac
+
+
+def api_key_ok(authorization: str, key: str | None) -> bool:
+    """Whether an ``Authorization`` header value carries ``Bearer <key>`` (compared in constant
+    time); always True when no key is set."""
+    if not key:
+        return True
+    token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+def scope_authorized(headers: list[tuple[bytes, bytes]], key: str | None) -> bool:
+    """:func:`api_key_ok` on the ``Authorization`` header of raw ASGI ``headers`` (latin-1, as HTTP
+    sends them)."""
+    if not key:
+        return True
+    value = next((v for name, v in headers if name == b"authorization"), b"")
+    return api_key_ok(value.decode("latin-1"), key)
