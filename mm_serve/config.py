@@ -127,6 +127,15 @@ class APIConfig(_Frozen):
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="The API process's event loop (uvicorn's --loop): 'auto' takes uvloop when it is installed (a dependency on Linux and macOS), else asyncio's.")
     http_parser: Literal["auto", "h11", "httptools"] = Field("auto", description="The API process's HTTP/1.1 implementation (uvicorn's --http): 'auto' takes httptools (C, a dependency) when it is installed, else h11 (pure Python).")
 
+    @field_validator("api_key")
+    @classmethod
+    def _sendable_key(cls, value: str | None) -> str | None:
+        """A key clients can send in a header: printable ASCII, no spaces (HTTP clients encode a
+        header otherwise, and it would never match); empty means none."""
+        if value and not (value.isascii() and value.isprintable() and " " not in value):
+            raise ValueError("api_key must be printable ASCII without spaces (it travels in the Authorization header)")
+        return value
+
 
 class FaultConfig(_Frozen):
     """Supervision of the workers and migration of the requests a failed worker held (strict types:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from mm_serve.api.errors import from_rejection
 
 Scope = dict[str, Any]
 STOP_CHECK_S = 0.25  # a body being read notices the service shutting down within this long
+AHEAD_SHARE = 4  # one client address holds at most 1/AHEAD_SHARE of the budget for body bytes not yet arrived
 
 
 class BodyLimitMiddleware:
@@ -37,8 +39,13 @@ class BodyLimitMiddleware:
     ``read_timeout_s`` after arrival, gets 408 ``body_timeout`` and its connection is closed, so
     stalled uploads cannot keep the budget; one still arriving when the service starts shutting
     down (``stopping()`` returns the ``Retry-After`` seconds, None while serving) gets that 503
-    within :data:`STOP_CHECK_S`. ``on_refused(status)`` counts the 401s, 408s, 413s and 503s given
-    here."""
+    within :data:`STOP_CHECK_S`. A client address holds at most 1/:data:`AHEAD_SHARE` of the budget
+    for bytes its bodies announced and have not sent (past that, its bodies are held as they
+    arrive), so one client cannot keep the budget by announcing large bodies and trickling them
+    over fresh connections. Bodies this middleware does not read (file uploads) get the idle
+    timeout and the stopping 503 too. Every answer given here closes the connection (its body is
+    unread, whatever a client sending ``Expect: 100-continue`` does next). ``on_refused(status)``
+    counts the 401s, 408s, 413s and 503s given here."""
 
     def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None,
                  budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
@@ -55,6 +62,7 @@ class BodyLimitMiddleware:
         self.idle_timeout_s = idle_timeout_s
         self.read_timeout_s = read_timeout_s
         self.stopping = stopping
+        self._ahead = _AheadByClient()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -75,38 +83,47 @@ class BodyLimitMiddleware:
             return
         held = _BodyHold(self.budget if guarded else None)
         scope.setdefault("state", {})["release_body"] = held.release
+        client = str((scope.get("client") or ("",))[0])
         try:
-            if declared is not None and not held.add(declared):
-                await self._refuse_busy(scope, receive, send, declared)
+            if declared is not None and guarded and self.budget is not None:
+                if not held.fits(declared):
+                    await self._refuse_busy(scope, receive, send, declared)
+                    return
+                held.ahead = self._ahead.take(client, declared, self.budget.capacity // AHEAD_SHARE)
+                if not held.add(held.ahead):
+                    self._ahead.give(client, held.ahead)
+                    held.ahead = 0
+                    await self._refuse_busy(scope, receive, send, declared)
+                    return
+            if not guarded:
+                if declared is not None:
+                    await self._watched(scope, receive, send)
+                    return
+                await self._read_first(scope, receive, send, limit, key, held, timed=False)
                 return
-            if declared is not None and not guarded:
-                await self.app(scope, receive, send)
-                return
-            await self._read_first(scope, receive, send, limit, key, held, count=declared is None, timed=guarded)
+            await self._read_first(scope, receive, send, limit, key, held, timed=True, client=client)
         finally:
+            self._ahead.give(client, held.ahead)  # what had not arrived (the rest went back as it did)
+            held.ahead = 0
             held.release()
 
     async def _read_first(self, scope: Scope, receive: Any, send: Any, limit: int, key: str, held: _BodyHold,
-                          count: bool, timed: bool) -> None:
-        """Read the whole body (``count``: holding its bytes as they arrive; ``timed``: within the
-        idle and read timeouts), then run the app on it."""
+                          timed: bool, client: str = "") -> None:
+        """Read the whole body, then run the app on it. Its first ``held.ahead`` bytes are held
+        already (as they arrive they leave ``client``'s share of bytes held ahead of arrival); each
+        byte past them is held as it arrives. ``timed``: within the idle and read timeouts, and
+        the stop check."""
         chunks: list[bytes] = []
         seen = 0
-        deadline = time.monotonic() + self.read_timeout_s
+        deadline = time.monotonic() + self.read_timeout_s if timed else math.inf
         while True:
             try:
-                message = await (self._timed_receive(receive, deadline) if timed else receive())
+                message = await self._timed_receive(receive, deadline)
             except _ServiceStopping as stopping:
-                await self._error(send, 503, "the service is shutting down; send the request again later",
-                                  "service_unavailable", "service_unavailable",
-                                  [(b"retry-after", str(stopping.retry_after_s).encode()), (b"connection", b"close")])
+                await self._stopping(send, stopping.retry_after_s)
                 return
             except asyncio.TimeoutError:
-                await self._error(send, 408, (
-                    f"the request body was not received in time: {seen} bytes arrived, then none for "
-                    f"{self.idle_timeout_s:g} s (api.body_idle_timeout_s) or the body was not complete "
-                    f"{self.read_timeout_s:g} s after the request (api.body_read_timeout_s)"),
-                    "body_timeout", extra_headers=[(b"connection", b"close")])
+                await self._timed_out(send, seen, timed)
                 return
             if message["type"] != "http.request":  # the client went away
                 return
@@ -116,7 +133,10 @@ class BodyLimitMiddleware:
                 await self._error(send, 413, f"request body is larger than the limit of {limit} bytes ({key})",
                                   "request_too_large")
                 return
-            if count and not held.add(len(chunk)):
+            covered = min(len(chunk), held.ahead)  # of this chunk, held before it came
+            held.ahead -= covered
+            self._ahead.give(client, covered)
+            if not held.add(len(chunk) - covered):
                 await self._refuse_busy(scope, receive, send, seen)
                 return
             chunks.append(chunk)
@@ -133,26 +153,77 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _watched(self, scope: Scope, receive: Any, send: Any) -> None:
+        """Run the app on a body it reads itself (a file upload, streamed to disk by its form
+        parser): while the body is incomplete, a wait for more of it that lasts
+        ``idle_timeout_s`` is answered 408 here, and the service's stop the stopping 503; the
+        response is then this middleware's, the app sees a disconnect and what it sends is dropped."""
+        taken = False
+        done = False
+        seen = 0
+
+        async def watched_receive() -> Any:
+            nonlocal taken, done, seen
+            if taken:
+                return {"type": "http.disconnect"}
+            if done:
+                return await receive()
+            try:
+                message = await self._timed_receive(receive, math.inf)
+            except _ServiceStopping as stopping:
+                taken = True
+                await self._stopping(send, stopping.retry_after_s)
+                return {"type": "http.disconnect"}
+            except asyncio.TimeoutError:
+                taken = True
+                await self._timed_out(send, seen, False)
+                return {"type": "http.disconnect"}
+            seen += len(message.get("body", b""))
+            done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def watched_send(message: Any) -> None:
+            if not taken:
+                await send(message)
+
+        try:
+            await self.app(scope, watched_receive, watched_send)
+        except Exception:
+            if not taken:  # after this middleware answered, the app's reaction to the "disconnect" is moot
+                raise
+
+    async def _stopping(self, send: Any, retry_after_s: int) -> None:
+        await self._error(send, 503, "the service is shutting down; send the request again later",
+                          "service_unavailable", "service_unavailable",
+                          [(b"retry-after", str(retry_after_s).encode())])
+
+    async def _timed_out(self, send: Any, seen: int, read_limit: bool) -> None:
+        limits = f"none for {self.idle_timeout_s:g} s (api.body_idle_timeout_s)"
+        if read_limit:
+            limits += f" or the body was not complete {self.read_timeout_s:g} s after the request (api.body_read_timeout_s)"
+        await self._error(send, 408, f"the request body was not received in time: {seen} bytes arrived, then {limits}",
+                          "body_timeout")
+
     async def _timed_receive(self, receive: Any, deadline: float) -> Any:
         """The next body message, awaited in slices of :data:`STOP_CHECK_S` (a slice that ends
         without one drops nothing: uvicorn's ``receive`` only consumes a message it returns).
 
         Raises:
             asyncio.TimeoutError: none within ``idle_timeout_s``, or ``deadline`` passed.
-            _ServiceStopping: the service started shutting down meanwhile.
+            _ServiceStopping: the service is shutting down and the body is still awaited (a body
+                that is there, such as a GET's empty one, is returned as usual).
         """
         idle_until = min(time.monotonic() + self.idle_timeout_s, deadline)
         while True:
-            retry_after_s = self.stopping()
-            if retry_after_s is not None:
-                raise _ServiceStopping(retry_after_s)
             left = idle_until - time.monotonic()
             if left <= 0:
                 raise asyncio.TimeoutError
             try:
                 return await asyncio.wait_for(receive(), min(left, STOP_CHECK_S))
             except asyncio.TimeoutError:
-                continue
+                retry_after_s = self.stopping()
+                if retry_after_s is not None:
+                    raise _ServiceStopping(retry_after_s) from None
 
     async def _refuse_busy(self, scope: Scope, receive: Any, send: Any, nbytes: int) -> None:
         assert self.budget is not None
@@ -163,7 +234,9 @@ class BodyLimitMiddleware:
             "are in use; retry shortly", IMAGE_RETRY_AFTER_S)
         if self.on_refused is not None:
             self.on_refused(503)
-        await from_rejection(rejection).response()(scope, receive, send)
+        response = from_rejection(rejection).response()
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
 
     async def _error(self, send: Any, status: int, message: str, code: str, type_: str = "invalid_request_error",
                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -171,7 +244,8 @@ class BodyLimitMiddleware:
         if self.on_refused is not None:
             self.on_refused(status)
         body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
         await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
         await send({"type": "http.response.body", "body": body})
 
@@ -234,7 +308,14 @@ class _BodyHold:
     def __init__(self, budget: ByteBudget | None) -> None:
         self.budget = budget
         self.held = 0
+        self.ahead = 0  # of the held bytes, those held before they arrived (from the Content-Length)
         self._lock = threading.Lock()
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` (capped at the capacity) would fit the budget now (nothing reserved)."""
+        if self.budget is None:
+            return True
+        return self.budget.capacity - self.budget.reserved >= min(nbytes, self.budget.capacity)
 
     def add(self, nbytes: int) -> bool:
         """Hold ``nbytes`` more (the total capped at the budget's capacity, so a body larger than
@@ -256,6 +337,32 @@ class _BodyHold:
             held, self.held = self.held, 0
         if held and self.budget is not None:
             self.budget.release(held)
+
+
+class _AheadByClient:
+    """Per client address, the bytes its bodies hold in the budget before they have arrived (on the
+    event loop only)."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[str, int] = {}
+
+    def take(self, client: str, nbytes: int, cap: int) -> int:
+        """Let ``client`` hold ``nbytes`` ahead if its total stays within ``cap``: returns ``nbytes``,
+        or 0 (its body is then held as it arrives)."""
+        now = self._bytes.get(client, 0)
+        if now + nbytes > cap:
+            return 0
+        self._bytes[client] = now + nbytes
+        return nbytes
+
+    def give(self, client: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        left = self._bytes.get(client, 0) - nbytes
+        if left > 0:
+            self._bytes[client] = left
+        else:
+            self._bytes.pop(client, None)
 
 
 def release_body(request: Any) -> None:

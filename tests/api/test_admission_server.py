@@ -161,10 +161,11 @@ def test_a_call_still_decoding_its_images_at_the_decision_deadline_is_decided_th
     assert f'mm_serve_tier_decided_at_deadline_total{{outcome="{outcome}",tier="interactive"}} 1.0' in metrics
 
 
-def _raw_post_headers(url: str, path: str, length: int) -> socket.socket:
-    """A connection that has sent a POST's headers announcing ``length`` bytes of body, and no body."""
+def _raw_post_headers(url: str, path: str, length: int, source: str | None = None) -> socket.socket:
+    """A connection (from loopback address ``source``, when given) that has sent a POST's headers
+    announcing ``length`` bytes of body, and no body."""
     host, port = url.removeprefix("http://").split(":")
-    conn = socket.create_connection((host, int(port)), timeout=10)
+    conn = socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0) if source else None)
     conn.sendall(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
                  f"content-length: {length}\r\n\r\n".encode())
     return conn
@@ -184,14 +185,17 @@ def _read_response(conn: socket.socket) -> tuple[int, dict[str, str], dict[str, 
 
 
 def test_bodies_being_read_count_against_the_image_budget(admission_server: ServerProcess) -> None:
-    """A 60 MiB upload still arriving holds 60 of the 64 MiB budget: a second call announcing an
-    8 MiB body is refused with 503 ``image_bytes`` before it sends a byte of it (the budget is
-    checked on its Content-Length, not after reading and parsing it); once the first is gone, a
-    call with an image is answered."""
+    """Four 15 MiB uploads still arriving, from four client addresses, hold 60 of the 64 MiB
+    budget: a call announcing an 8 MiB body is refused with 503 ``image_bytes`` before it sends a
+    byte of it (the budget is checked on its Content-Length, not after reading and parsing it);
+    once they are gone, a call with an image is answered. One address holds at most a quarter
+    of the budget ahead of its bytes: a fifth announced body from the first address holds only
+    what it sent."""
     url = admission_server.url
-    slow = _raw_post_headers(url, "/v1/chat/completions", 60 << 20)
+    slow = [_raw_post_headers(url, "/v1/chat/completions", 15 << 20, f"127.0.0.{i}") for i in range(2, 6)]
     try:
-        slow.sendall(b'{"model": "tiny", "messages": [')  # the rest never comes while the second call is made
+        for conn in slow:
+            conn.sendall(b'{"model": "tiny", "messages": [')  # the rest never comes while the others are made
         time.sleep(0.3)
         health = httpx.get(f"{url}/health", timeout=10).json()
         started = time.monotonic()
@@ -199,8 +203,14 @@ def test_bodies_being_read_count_against_the_image_budget(admission_server: Serv
         with second:
             status, headers, body = _read_response(second)
         elapsed = time.monotonic() - started
+        with _raw_post_headers(url, "/v1/chat/completions", 4 << 20, "127.0.0.2") as over_share:
+            over_share.sendall(b"{")
+            time.sleep(0.3)
+            held_after_fifth = httpx.get(f"{url}/health", timeout=10).json()["admission"]["image_bytes_in_flight"]
     finally:
-        slow.close()
+        for conn in slow:
+            conn.close()
+    assert held_after_fifth == (60 << 20) + 1  # 15 MiB ahead was 127.0.0.2's share; its fifth holds its 1 byte
     assert health["admission"]["image_bytes_in_flight"] == 60 << 20
     assert health["admission"]["max_image_bytes_in_flight"] == 64 << 20
     assert status == 503 and body["error"]["code"] == "image_bytes", (status, body)
