@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hmac
 
+from mm_serve.api.errors import APIError
+
 
 def api_key_ok(authorization: str, key: str | None) -> bool:
     """Whether an ``Authorization`` header value carries ``Bearer <key>`` (compared in constant
@@ -18,7 +20,11 @@ def api_key_ok(authorization: str, key: str | None) -> bool:
 def scope_authorized(headers: list[tuple[bytes, bytes]], key: str | None) -> bool:
     """:func:`api_key_ok` on the ``Authorization`` header of raw ASGI ``headers`` (latin-1, as HTTP
     sends them)."""
-    if not key:
-        return True
     value = next((v for name, v in headers if name == b"authorization"), b"")
     return api_key_ok(value.decode("latin-1"), key)
+
+
+def unauthorized() -> APIError:
+    """The 401 for a missing or wrong key (``WWW-Authenticate: Bearer`` comes with it)."""
+    return APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                    "authentication_error", None, "invalid_api_key")

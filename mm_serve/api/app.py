@@ -16,13 +16,13 @@ from mm_serve import __version__
 from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS
 from mm_serve.admission.controller import NEVER_REFUSED
 from mm_serve.admission.tiers import TIERS
-from mm_serve.api.api_key import api_key_ok
+from mm_serve.api.api_key import api_key_ok, unauthorized
 from mm_serve.api.batch_routes import add_batch_routes
 from mm_serve.api.body_limit import ArrivalTimeMiddleware, BodyLimitMiddleware
 from mm_serve.api.chat import create_chat_completion
 from mm_serve.api.completions import create_completion
 from mm_serve.api.context import ServerContext
-from mm_serve.api.errors import APIError, install_error_handlers
+from mm_serve.api.errors import install_error_handlers
 from mm_serve.api.request_builder import check_model
 from mm_serve.api.schemas import (
     ChatCompletionRequest,
@@ -115,8 +115,7 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
 
     async def require_key(request: Request) -> None:
         if not api_key_ok(request.headers.get("authorization", ""), ctx.config.api.api_key):
-            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-                           "authentication_error", None, "invalid_api_key")
+            raise unauthorized()
 
     auth = [Depends(require_key)]
     add_batch_routes(app, batches, auth)

@@ -4,7 +4,6 @@ being read against the image budget, within read timeouts; stamp arrival time.""
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import threading
 import time
@@ -13,8 +12,8 @@ from typing import Any
 
 from mm_serve.admission.byte_budget import IMAGE_RETRY_AFTER_S, ByteBudget
 from mm_serve.admission.rejection import Rejection
-from mm_serve.api.api_key import scope_authorized
-from mm_serve.api.errors import from_rejection
+from mm_serve.api.api_key import scope_authorized, unauthorized
+from mm_serve.api.errors import APIError, from_rejection, unavailable
 
 Scope = dict[str, Any]
 STOP_CHECK_S = 0.25  # a body being read notices the service shutting down within this long
@@ -73,13 +72,11 @@ class BodyLimitMiddleware:
         length = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
         declared = int(length) if length is not None and length.isdigit() else None
         if declared is not None and declared > limit:
-            await self._error(send, 413, f"request body is larger than the limit of {limit} bytes ({key})",
-                              "request_too_large")
+            await self._answer(scope, receive, send, _too_large(limit, key))
             return
         guarded = path in self.budget_paths
         if guarded and not scope_authorized(scope.get("headers", []), self.api_key):
-            await self._error(send, 401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-                              "invalid_api_key", "authentication_error", [(b"www-authenticate", b"Bearer")])
+            await self._answer(scope, receive, send, unauthorized())
             return
         held = _BodyHold(self.budget if guarded else None)
         scope.setdefault("state", {})["release_body"] = held.release
@@ -120,18 +117,17 @@ class BodyLimitMiddleware:
             try:
                 message = await self._timed_receive(receive, deadline)
             except _ServiceStopping as stopping:
-                await self._stopping(send, stopping.retry_after_s)
+                await self._answer(scope, receive, send, _stopping(stopping.retry_after_s))
                 return
             except asyncio.TimeoutError:
-                await self._timed_out(send, seen, timed)
+                await self._answer(scope, receive, send, self._timed_out(seen, timed))
                 return
             if message["type"] != "http.request":  # the client went away
                 return
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > limit:
-                await self._error(send, 413, f"request body is larger than the limit of {limit} bytes ({key})",
-                                  "request_too_large")
+                await self._answer(scope, receive, send, _too_large(limit, key))
                 return
             covered = min(len(chunk), held.ahead)  # of this chunk, held before it came
             held.ahead -= covered
@@ -172,11 +168,11 @@ class BodyLimitMiddleware:
                 message = await self._timed_receive(receive, math.inf)
             except _ServiceStopping as stopping:
                 taken = True
-                await self._stopping(send, stopping.retry_after_s)
+                await self._answer(scope, receive, send, _stopping(stopping.retry_after_s))
                 return {"type": "http.disconnect"}
             except asyncio.TimeoutError:
                 taken = True
-                await self._timed_out(send, seen, False)
+                await self._answer(scope, receive, send, self._timed_out(seen, False))
                 return {"type": "http.disconnect"}
             seen += len(message.get("body", b""))
             done = message["type"] != "http.request" or not message.get("more_body", False)
@@ -192,17 +188,14 @@ class BodyLimitMiddleware:
             if not taken:  # after this middleware answered, the app's reaction to the "disconnect" is moot
                 raise
 
-    async def _stopping(self, send: Any, retry_after_s: int) -> None:
-        await self._error(send, 503, "the service is shutting down; send the request again later",
-                          "service_unavailable", "service_unavailable",
-                          [(b"retry-after", str(retry_after_s).encode())])
-
-    async def _timed_out(self, send: Any, seen: int, read_limit: bool) -> None:
+    def _timed_out(self, seen: int, read_limit: bool) -> APIError:
+        """408 ``body_timeout`` for a body of which ``seen`` bytes arrived (``read_limit``: the read
+        timeout applied too)."""
         limits = f"none for {self.idle_timeout_s:g} s (api.body_idle_timeout_s)"
         if read_limit:
             limits += f" or the body was not complete {self.read_timeout_s:g} s after the request (api.body_read_timeout_s)"
-        await self._error(send, 408, f"the request body was not received in time: {seen} bytes arrived, then {limits}",
-                          "body_timeout")
+        return APIError(408, f"the request body was not received in time: {seen} bytes arrived, then {limits}",
+                        code="body_timeout")
 
     async def _timed_receive(self, receive: Any, deadline: float) -> Any:
         """The next body message, awaited in slices of :data:`STOP_CHECK_S` (a slice that ends
@@ -232,22 +225,24 @@ class BodyLimitMiddleware:
             f"too many request bodies and images are being read and decoded at once: this body needs {nbytes} "
             f"bytes and {self.budget.reserved} of {self.budget.capacity} (admission.max_image_bytes_in_flight) "
             "are in use; retry shortly", IMAGE_RETRY_AFTER_S)
+        await self._answer(scope, receive, send, from_rejection(rejection))
+
+    async def _answer(self, scope: Scope, receive: Any, send: Any, error: APIError) -> None:
+        """Send ``error`` (OpenAI's error format), counted by ``on_refused``, closing the connection:
+        its body is unread."""
         if self.on_refused is not None:
-            self.on_refused(503)
-        response = from_rejection(rejection).response()
+            self.on_refused(error.status)
+        response = error.response()
         response.headers["connection"] = "close"
         await response(scope, receive, send)
 
-    async def _error(self, send: Any, status: int, message: str, code: str, type_: str = "invalid_request_error",
-                     extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Answer ``status`` in OpenAI's error format, without reading the body."""
-        if self.on_refused is not None:
-            self.on_refused(status)
-        body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
-        await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
-        await send({"type": "http.response.body", "body": body})
+
+def _too_large(limit: int, key: str) -> APIError:
+    return APIError(413, f"request body is larger than the limit of {limit} bytes ({key})", code="request_too_large")
+
+
+def _stopping(retry_after_s: int) -> APIError:
+    return unavailable("the service is shutting down; send the request again later", retry_after_s)
 
 
 class _ServiceStopping(Exception):
