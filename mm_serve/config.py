@@ -44,7 +44,7 @@ class ComputeConfig(_Frozen):
     decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to; empty (with prefill_cpus empty) = the other half.")
     threads_per_worker: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = number of pinned cores, else torch's default.")
     worker_nice: int = Field(5, ge=0, le=19, description="Niceness added to every worker process, so the front end (HTTP, tokenizing, streaming) gets a core when it needs one although the workers keep the cores busy; 0 = same priority.")
-    prefill_worker_nice: int | None = Field(None, ge=0, le=19, description="Niceness of the prefill workers instead of worker_nice (null = worker_nice): above it, a decode worker sharing a core with a prefill worker gets most of that core when both want it, so long prefills stretch inter-token gaps less (the CPU analogue of DistServe's prefill/decode isolation).")
+    prefill_worker_nice: int | None = Field(None, ge=0, le=19, description="Niceness, instead of worker_nice, of the prefill workers that share a core with a decode worker (or are unpinned; null = worker_nice): above worker_nice, the decode worker gets most of that core when both want it, so long prefills stretch inter-token gaps less (the CPU analogue of DistServe's prefill/decode isolation). Prefill workers on cores of their own keep worker_nice.")
 
     @field_validator("prefill_gpus", "decode_gpus", "prefill_cpus", "decode_cpus")
     @classmethod

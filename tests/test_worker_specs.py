@@ -22,6 +22,10 @@ def test_prefill_workers_may_yield_a_shared_core_to_decode(tmp_path: Path) -> No
                  "compute.prefill_cpus": [0, 1], "compute.decode_cpus": [1]}
     assert _specs(tmp_path, placement) == [("prefill", 0, [0], 5), ("prefill", 1, [1], 5), ("decode", 0, [1], 5)]
     lower = _specs(tmp_path, placement | {"compute.prefill_worker_nice": 12})
-    assert lower == [("prefill", 0, [0], 12), ("prefill", 1, [1], 12), ("decode", 0, [1], 5)]
+    # only the prefill worker on the decode worker's core yields; the one on core 0 has its own
+    assert lower == [("prefill", 0, [0], 5), ("prefill", 1, [1], 12), ("decode", 0, [1], 5)]
+    apart = _specs(tmp_path, {"compute.prefill_cpus": [0], "compute.decode_cpus": [1],
+                              "compute.prefill_worker_nice": 12})
+    assert apart == [("prefill", 0, [0], 5), ("decode", 0, [1], 5)]
     colocated = _specs(tmp_path, {"mode": "colocated", "compute.prefill_worker_nice": 12})
     assert [(role, nice) for role, _, _, nice in colocated] == [("colocated", 5)]  # not a prefill worker

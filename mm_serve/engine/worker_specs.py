@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from kernels.ring_spec import RingSpec
-from mm_serve.config import ConfigError, ServiceConfig
+from mm_serve.config import ComputeConfig, ConfigError, ServiceConfig
 from mm_serve.launcher import default_role_cpus, split_cpus
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime.doorbell import doorbell_address
@@ -54,6 +54,17 @@ def worker_device(cfg: ServiceConfig, role: str, index: int) -> str:
     return f"cuda:{gpus[index]}" if gpus else "cpu"
 
 
+def prefill_nice(compute: ComputeConfig, cpus: list[int], decode_cpus: list[int]) -> int:
+    """Niceness of a prefill worker pinned to ``cpus``: ``compute.prefill_worker_nice`` when it
+    shares a core with a decode worker (or either side is unpinned, so the OS may put them on
+    one core), else ``compute.worker_nice``. A prefill worker with a core of its own has no
+    decode worker to yield to; niced, it would only yield to the API process and to others."""
+    if compute.prefill_worker_nice is None:
+        return compute.worker_nice
+    shares = not cpus or not decode_cpus or bool(set(cpus) & set(decode_cpus))
+    return compute.prefill_worker_nice if shares else compute.worker_nice
+
+
 def build_worker_specs(
     model_dir: Path, cfg: ServiceConfig, model: ModelConfig, rings: list[RingSpec], run_dir: Path,
     output_address: str,
@@ -66,15 +77,15 @@ def build_worker_specs(
     compute = cfg.compute
     bells = [doorbell_address(str(run_dir), d) for d in range(compute.decode_workers)]
 
-    def spec(role: str, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int]) -> WorkerSpec:
+    def spec(role: str, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int],
+             nice: int = compute.worker_nice) -> WorkerSpec:
         return WorkerSpec(
             role=role, index=index, model_dir=str(model_dir), sizing=engine_sizing(cfg, worker_device(cfg, role, index)),
             control_address=f"ipc://{run_dir}/ctl-{tag}", output_address=output_address, rings=rings_of,
             doorbell_address=doorbell_address(str(run_dir), index) if role == "decode" else "",
             doorbells=bells if role == "prefill" else [],
             cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
-            nice=compute.prefill_worker_nice if role == "prefill" and compute.prefill_worker_nice is not None
-            else compute.worker_nice,
+            nice=nice,
             handoff_checksum=cfg.fault.handoff_checksum,
         )
 
@@ -85,7 +96,8 @@ def build_worker_specs(
     prefill_cpus, decode_cpus = compute.prefill_cpus, compute.decode_cpus
     if not prefill_cpus and not decode_cpus:
         prefill_cpus, decode_cpus = default_role_cpus(n, m)
-    specs = [spec("prefill", p, f"p{p}", [rings[p * m + d] for d in range(m)], cpus)
+    specs = [spec("prefill", p, f"p{p}", [rings[p * m + d] for d in range(m)], cpus,
+                  prefill_nice(compute, cpus, decode_cpus))
              for p, cpus in enumerate(split_cpus(prefill_cpus, n))]
     specs += [spec("decode", d, f"d{d}", [rings[p * m + d] for p in range(n)], cpus)
               for d, cpus in enumerate(split_cpus(decode_cpus, m))]
