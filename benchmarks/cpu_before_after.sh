@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU seconds per delivered token by process, before (git revision REV) and after (this checkout),
-# on chatbot, code, summarization and llava, one after the other per workload (README "Before and
-# after point 1"). Needs out/bench-llama and out/bench-llava (make bench-models) and a quiet machine.
+# on chatbot, code, summarization, llava and long-multimodal, one after the other per workload (README
+# "Before and after point 1"). Needs out/bench-llama and out/bench-llava (make bench-models) and a quiet
+# machine. WORKLOADS="llava long-multimodal" runs only those.
 # Usage: benchmarks/cpu_before_after.sh REV [OUT_DIR]    e.g. benchmarks/cpu_before_after.sh d5ddde0
 set -euo pipefail
 rev=${1:?usage: $0 REV [OUT_DIR]}
@@ -15,9 +16,12 @@ run() {  # dir label workload config model rate requests
      --model "$here/out/$5" --workload "$3" --rate "$6" --num-requests "$7" --out "$out/$3-$2" > "$out/$3-$2.txt" 2>&1)
   tail -n 9 "$out/$3-$2.txt"
 }
+wanted=" ${WORKLOADS:-chatbot code summarization llava long-multimodal} "
 for spec in "chatbot configs/default.yaml bench-llama 4 200" "code configs/default.yaml bench-llama 12 200" \
-            "summarization configs/image_chat.yaml bench-llama 1.0 40" "llava configs/image_chat.yaml bench-llava 6 150"; do
+            "summarization configs/image_chat.yaml bench-llama 1.0 40" "llava configs/image_chat.yaml bench-llava 6 150" \
+            "long-multimodal configs/image_chat.yaml bench-llava ${LONG_MM_RATE:-0.5} 40"; do
   set -- $spec
+  [[ $wanted == *" $1 "* ]] || continue
   echo "== $1 before ($rev)"; run "$before" before "$@"
   echo "== $1 after (this checkout)"; run "$here" after "$@"
 done

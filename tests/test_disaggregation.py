@@ -277,6 +277,23 @@ def test_chunked_prefill_equals_transformers(tiny_llava: Path, reference_tokens:
     assert stats[("prefill", 0)].kv_pages_used == 0 and stats[("prefill", 0)].pages_integrity_ok
 
 
+def test_paced_decode_steps_keep_their_interval_free_the_core_and_the_tokens(
+    tiny_llava: Path, reference_tokens: list[list[int]],
+) -> None:
+    """``decode_step_interval_ms``: decode steps begin at least 60 ms apart, the decode worker
+    sleeps between them (its CPU time is a small part of the run), and greedy outputs are the
+    same as transformers'. Unpaced, the tiny model's 31 decode steps take well under 0.5 s."""
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_interval_ms=60) as llm:
+        assert llm.client is not None
+        decode_pid = llm.client.query_stats()[("decode", 0)].pid
+        cpu_before, start = cpu_seconds(decode_pid), time.monotonic()
+        outputs = llm.generate(CASES[:3], GREEDY)  # 32 tokens each: the first from prefill, 31 decode steps
+        elapsed, cpu = time.monotonic() - start, cpu_seconds(decode_pid) - cpu_before
+    assert [o.token_ids for o in outputs] == reference_tokens[:3]
+    assert elapsed >= 31 * 0.060
+    assert cpu < 0.5 * elapsed, (cpu, elapsed)
+
+
 @pytest.mark.parametrize("chunk", [0, 64])
 def test_a_short_request_behind_a_long_prompt_waits_for_one_chunk(tiny_llava: Path, chunk: int) -> None:
     """A 2000-token prompt, then at once a 10-token one (same tier). Unsplit, the short one's first

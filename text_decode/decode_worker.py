@@ -3,11 +3,15 @@
 Runs in the :class:`~mm_serve.runtime.worker_shell.WorkerShell`. Each step: claim the
 hand-offs that fit, run one scheduler step (decode, or the recompute of preempted
 requests) and stream the new tokens to the front end. Idle, it sleeps until a control
-message or a hand-off doorbell wakes it (:mod:`mm_serve.runtime.doorbell`).
+message or a hand-off doorbell wakes it (:mod:`mm_serve.runtime.doorbell`). With
+``decode_step_interval_s`` set it paces its steps: a step starts at least that long after
+the previous one began, and the worker sleeps out the rest (claiming hand-offs and reading
+messages as they come), so a prefill worker on the same core runs meanwhile.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 from mm_serve.runtime import messages
@@ -46,6 +50,8 @@ class DecodeWorker(WorkerShell):
         self.requests: dict[str, Request] = {}
         self._aborted_at: dict[str, float] = {}  # aborts of hand-offs not seen yet: id -> monotonic time
         self._last_step_end: float | None = None  # monotonic time the last decode step was timed; None after idle
+        self.pace_s = cfg.decode_step_interval_s
+        self._last_step_begun: float | None = None  # monotonic start of the last step run; None after idle
         self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
         if self.link is not None and self.doorbell is not None:
             self.link.wake_with(spec.doorbell_address)  # a delivery over Ray rings it too
@@ -88,6 +94,18 @@ class DecodeWorker(WorkerShell):
     def busy(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def _next_step_at(self) -> float:
+        """Monotonic time the next step may start: ``pace_s`` after the last one began (0.0: now)."""
+        if not self.pace_s or self._last_step_begun is None:
+            return 0.0
+        return self._last_step_begun + self.pace_s
+
+    def wait_ms(self) -> int:
+        """While busy and paced, the time to the next step (messages and doorbells end it early)."""
+        if not self.busy():
+            return self.idle_wait_ms
+        return max(0, math.ceil((self._next_step_at() - time.monotonic()) * 1000.0))
+
     def step(self) -> None:
         begun = time.monotonic()
         aborted = set(self._aborted_at)
@@ -95,12 +113,15 @@ class DecodeWorker(WorkerShell):
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
             del self._aborted_at[request_id]
         if not self.scheduler.num_unfinished:
-            self._last_step_end = None  # idle: the next period starts afresh
+            self._last_step_end = self._last_step_begun = None  # idle: the next period starts afresh
+            return
+        if begun < self._next_step_at():  # paced: woken early by a message or a hand-off
             return
         plan = self.scheduler.schedule()
         if plan.empty:
-            self._last_step_end = None
+            self._last_step_end = self._last_step_begun = None
             return
+        self._last_step_begun = begun
         batch = plan.prefill or plan.decode
         try:
             if plan.prefill:  # recompute of preempted requests: token ids + kept image embeddings

@@ -34,6 +34,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_token_budget: int = 4096  # tokens per prefill batch (scheduler.prefill_token_budget)
     prefill_batch_size: int = 8  # requests per prefill batch (scheduler.prefill_batch_size)
     prefill_chunk_tokens: int = 2048  # prefill worker: longer prompts are prefilled in chunks of this many tokens; 0 = never
+    decode_step_interval_s: float = 0.0  # decode worker: a decode step starts at least this long after the previous one began; 0 = at once
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
@@ -61,6 +62,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: never split), got {self.prefill_chunk_tokens}")
+        interval = self.decode_step_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0.0 <= interval <= 1.0:
+            raise ValueError(f"decode_step_interval_s must be a number of seconds in [0, 1], got {interval!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0 (0: the checkpoint's), got {self.max_model_len}")
         if not isinstance(self.cpu_gemm, str) or self.cpu_gemm not in ("onednn", "torch"):

@@ -4,7 +4,8 @@ Start-up reads as a story: pin cores and set threads → :meth:`WorkerShell.load
 KV cache, schedulers: the role's own) → open the channel → :meth:`WorkerShell.serve`
 reports ready and loops → :meth:`WorkerShell.close`. Each loop iteration reads every
 pending control message (waiting up to :attr:`WorkerShell.idle_wait_ms` when the worker
-is idle, not at all when it is busy), runs one :meth:`WorkerShell.step`, and sends
+is idle, not at all when it is busy, up to the next step when it paces its steps:
+:meth:`WorkerShell.wait_ms`), runs one :meth:`WorkerShell.step`, and sends
 :class:`~mm_serve.runtime.messages.WorkerStats` every ``spec.stats_interval_s``.
 
 A role supplies only what differs: what it loads, how it accepts and aborts a request,
@@ -98,6 +99,12 @@ class WorkerShell(ABC):
         """Close what :meth:`load` opened besides the channel (rings, doorbells; default: none)."""
         return None
 
+    def wait_ms(self) -> int:
+        """Milliseconds the loop may wait for a control message before the next :meth:`step`
+        (a message or a doorbell ends the wait early): none while busy, :attr:`idle_wait_ms`
+        while idle. A role that paces its steps waits out the time to its next one."""
+        return 0 if self.busy() else self.idle_wait_ms
+
     # ---- the shell ----------------------------------------------------------------------------
 
     def send(self, updates: list[messages.TokenUpdate], step: messages.StepTiming | None = None) -> None:
@@ -134,7 +141,7 @@ class WorkerShell(ABC):
         self.channel.send(messages.WorkerReady(self.role, self.spec.index, os.getpid(), self.kv_cache.num_pages))
         running = True
         while running and self.channel.parent_alive():
-            for msg in self.channel.recv(0 if self.busy() else self.idle_wait_ms):
+            for msg in self.channel.recv(self.wait_ms()):
                 running = running and self._on_message(msg)
             self.step()
             if time.monotonic() >= self._next_stats:
