@@ -283,6 +283,10 @@ class ServiceConfig(_Frozen):
                 raise ValueError(f"cluster.{role}_nodes lists {len(nodes)} nodes but compute.{role}_workers is {workers}")
         if cluster.backend == "ray" and self.mode == "colocated":
             raise ValueError("cluster.backend: ray runs disaggregated workers only (mode: colocated runs on one machine)")
+        interval, tightest = self.scheduler.decode_step_interval_ms, self.slo.tiers.interactive.tpot_ms
+        if interval >= tightest:
+            raise ValueError(f"scheduler.decode_step_interval_ms ({interval:g}) must be below the tightest TPOT SLO, "
+                             f"slo.tiers.interactive.tpot_ms ({tightest:g}): paced slower, no request could meet it")
         return self
 
 

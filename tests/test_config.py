@@ -163,3 +163,13 @@ def test_a_tier_given_in_part_keeps_the_defaults_of_the_rest() -> None:
         load_config(None, {"slo.tiers.standard.tpot_ms": -1})
     with pytest.raises(ConfigError, match="at least as tight as slo.tiers.standard"):
         load_config(None, {"slo.tiers.interactive.ttft_ms": 5000})
+
+
+def test_decode_pacing_must_stay_below_the_tightest_tpot_slo() -> None:
+    """``scheduler.decode_step_interval_ms`` at or above the interactive tier's TPOT SLO would make
+    every interactive request miss: a config error naming both keys."""
+    assert load_config(None, {"scheduler.decode_step_interval_ms": 75}).scheduler.decode_step_interval_ms == 75
+    with pytest.raises(ConfigError, match=r"decode_step_interval_ms \(100\).*interactive.tpot_ms \(100\)"):
+        load_config(None, {"scheduler.decode_step_interval_ms": 100})
+    with pytest.raises(ConfigError, match="decode_step_interval_ms"):
+        load_config(None, {"scheduler.decode_step_interval_ms": -1})
