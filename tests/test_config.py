@@ -173,3 +173,5 @@ def test_decode_pacing_must_stay_below_the_tightest_tpot_slo() -> None:
         load_config(None, {"scheduler.decode_step_interval_ms": 100})
     with pytest.raises(ConfigError, match="decode_step_interval_ms"):
         load_config(None, {"scheduler.decode_step_interval_ms": -1})
+    with pytest.raises(ConfigError, match="decode_step_interval_ms"):  # YAML `true` is not 1 ms
+        load_config(None, {"scheduler.decode_step_interval_ms": True})
