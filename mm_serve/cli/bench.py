@@ -235,7 +235,9 @@ def _run(args: argparse.Namespace) -> int:
     model_dir, mode = _model_dir(args)
     settings = _settings(args, model_dir)
     slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft else None
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="mm-serve-bench-"))
+    out = Path(args.out) if args.out else None
+    # the logs of the servers this command starts: in --out, else in a temporary folder kept for reading
+    logs = out or (None if args.server else Path(tempfile.mkdtemp(prefix="mm-serve-bench-")))
     systems: list[tuple[str, str | None]] = [(args.label or "server", None)] if args.server else [(mode, None)]
     if args.compare == "colocated":
         if mode == "colocated":
@@ -248,8 +250,8 @@ def _run(args: argparse.Namespace) -> int:
             records_dir=settings.records_dir / f"round-{round_}" if settings.records_dir else None)
         for name, mode_override in systems:
             label = name if args.repeat == 1 else f"{name}-{round_}"
-            server = None if args.server else LocalServer(
-                out / f"server-{label}.log", args.config, args.model, mode_override,
+            server = None if logs is None else LocalServer(
+                logs / f"server-{label}.log", args.config, args.model, mode_override,
                 extra_args=("--no-admission",) if args.no_admission else ())
             if args.repeat > 1:
                 _log(f"[{name}] round {round_} of {args.repeat}")
@@ -266,13 +268,13 @@ def _run(args: argparse.Namespace) -> int:
                 if server is not None:
                     server.stop()
             results.append(replace(result, round=round_))
-            if args.out:
+            if out is not None:
                 _write(out, results, slo, settings, args)
     print()
     for result in results:
         print((f"round {result.round}: " if args.repeat > 1 else "") + format_runs(result) + "\n")
     if slo is not None and settings.sweep:
         print(format_goodput(results, slo, settings.target))
-    if args.out:
+    if out is not None:
         print(f"\nwrote {out / 'bench.json'} and {out / 'attainment.png'}")
     return 0
