@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH_PINS)
 	$(PIP) install -q -e '.[dev]' $(TORCH_PINS)
-	$(PY) -m kernels.cpu_extension || echo "(continuing on the plain-torch CPU kernels)"
+	$(PY) -m mm_serve.kernels.cpu_extension || echo "(continuing on the plain-torch CPU kernels)"
 	touch $@
 
 install: $(VENV)/.installed
@@ -35,7 +35,7 @@ lint: install
 	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: install
-	$(VENV)/bin/mypy mm_serve vision_prefill text_decode kernels
+	$(VENV)/bin/mypy -p mm_serve
 
 test: install lint
 	$(VENV)/bin/pytest tests

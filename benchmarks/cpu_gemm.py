@@ -3,7 +3,7 @@
 For the linear layers of the embedded model and of the decode benchmark's ``bench``
 model, at the row counts a decode step (1-64 requests) and a prefill batch (hundreds
 to thousands of tokens) produce, prints microseconds per call and GFLOP/s of both
-paths, which one :class:`~kernels.cpu_linear.PackedLinear` picks, and the largest
+paths, which one :class:`~mm_serve.kernels.cpu_linear.PackedLinear` picks, and the largest
 relative difference of the outputs. One thread (as each worker runs), float32.
 
 Usage::
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_linear import PackedLinear, onednn_linear_available
+from mm_serve.kernels.cpu_linear import PackedLinear, onednn_linear_available
 
 # (name, in_features, out_features)
 SHAPES = [

@@ -5,11 +5,11 @@ each with its own object store, so a hand-off between them goes through Ray's ob
 manager over TCP as between two machines; loopback only, no dashboard), then, in one run:
 
 1. **Hand-off.** A producer actor and a consumer actor run the hand-off protocol through
-   the one interface both transports have (:mod:`mm_serve.runtime.handoff_transport`):
+   the one interface both transports have (:mod:`mm_serve.transport.handoff_transport`):
    copy a request's KV pages out of a paged cache (random page ids) and its patch features
    in, publish; claim, copy into the other side's paged cache, release. Twice: both actors
    on node 0 over the shared-memory ring, then producer on node 0 and consumer on node 1
-   over Ray (:class:`~mm_serve.runtime.ray_ring.RayRing`). Per transport: steady-state
+   over Ray (:class:`~mm_serve.transport.ray_ring.RayRing`). Per transport: steady-state
    throughput with up to ``--in-flight`` hand-offs outstanding (bytes/s at the consumer) and
    the latency of one hand-off alone (from the producer's first copy to the consumer's
    last, median of ``--latency-runs``).
@@ -62,11 +62,11 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from kernels.kv_transfer import copy_kv_from_ring, copy_kv_to_ring  # noqa: E402
-from kernels.ring_buffer import CrossModalRing, Handoff  # noqa: E402
-from kernels.ring_spec import RingSpec, unique_ring_name  # noqa: E402
-from mm_serve.runtime.handoff_transport import ring_opener  # noqa: E402
-from mm_serve.runtime.ray_link import RayLink  # noqa: E402
+from mm_serve.transport.handoff_transport import ring_opener  # noqa: E402
+from mm_serve.transport.kv_transfer import copy_kv_from_ring, copy_kv_to_ring  # noqa: E402
+from mm_serve.transport.ray_link import RayLink  # noqa: E402
+from mm_serve.transport.ring_buffer import CrossModalRing, Handoff  # noqa: E402
+from mm_serve.transport.ring_spec import RingSpec, unique_ring_name  # noqa: E402
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 _ENGINE_PAGES = 256  # pages of each side's own paged cache

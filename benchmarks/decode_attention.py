@@ -8,7 +8,7 @@ context length, milliseconds per layer of
 - ``compiled``: ``torch.ops.mm_serve_cpu.paged_decode_attention`` (kernels/csrc);
 - ``compiled, cache-hot``: the same call with every block-table entry pointing at one page,
   so that the K/V it reads stays in L1/L2: the kernel's arithmetic alone;
-- ``reference``: :func:`kernels.paged_attention_ref.decode_attention_ref` (gather + SDPA);
+- ``reference``: :func:`mm_serve.kernels.paged_attention_ref.decode_attention_ref` (gather + SDPA);
 - ``streaming read``: ``Tensor.sum`` over as many contiguous bytes, the memory bound;
 
 and the GB/s of K/V each reaches. Cycling over all layers keeps any one layer's pages
@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu_extension import cpu_kernel_ops
-from kernels.paged_attention_ref import decode_attention_ref
+from mm_serve.kernels.cpu_extension import cpu_kernel_ops
+from mm_serve.kernels.paged_attention_ref import decode_attention_ref
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 4, 64, 16

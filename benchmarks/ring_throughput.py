@@ -35,9 +35,9 @@ from types import MappingProxyType
 import msgspec
 import torch
 
-from kernels.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
-from kernels.ring_buffer import CrossModalRing, Handoff
-from kernels.ring_spec import RingSpec, unique_ring_name
+from mm_serve.transport.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
+from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
+from mm_serve.transport.ring_spec import RingSpec, unique_ring_name
 
 _DTYPES = MappingProxyType(
     {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

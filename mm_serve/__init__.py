@@ -12,14 +12,14 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
 
 if TYPE_CHECKING:
-    from mm_serve.llm import LLM
-    from mm_serve.outputs import RequestOutput
+    from mm_serve.offline.llm import LLM
+    from mm_serve.offline.outputs import RequestOutput
     from mm_serve.runtime.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from mm_serve.llm import LLM
+        from mm_serve.offline.llm import LLM
 
         return LLM
     if name == "SamplingParams":
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return SamplingParams
     if name == "RequestOutput":
-        from mm_serve.outputs import RequestOutput
+        from mm_serve.offline.outputs import RequestOutput
 
         return RequestOutput
     raise AttributeError(f"module 'mm_serve' has no attribute {name!r}")

@@ -256,7 +256,7 @@ class ServiceConfig(_Frozen):
     dtype: Literal["float32", "bfloat16", "float16"] = _E.dtype
     seed: int = _E.seed
     enforce_eager: bool = Field(_E.enforce_eager, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
-    cpu_gemm: Literal["onednn", "torch"] = Field(_E.cpu_gemm, description="float32 on a CPU: 'onednn' runs linear layers from oneDNN-packed weights (kernels/cpu_linear.py), 'torch' uses torch's default F.linear (MKL).")
+    cpu_gemm: Literal["onednn", "torch"] = Field(_E.cpu_gemm, description="float32 on a CPU: 'onednn' runs linear layers from oneDNN-packed weights (mm_serve/kernels/cpu_linear.py), 'torch' uses torch's default F.linear (MKL).")
     cpu_kernels: Literal["compiled", "torch"] = Field(_E.cpu_kernels, description="float32 on a CPU: 'compiled' runs decode attention (RoPE, K/V write, attention read in place from the KV pages) and RMSNorm from C++ kernels built once (kernels/csrc; falls back to 'torch' with one warning where they cannot be built), 'torch' uses torch ops (pages gathered, then SDPA).")
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from mm_serve.engine.input_processor import ProcessedInputs
-from mm_serve.engine.llm_engine import LLMEngine
+from mm_serve.colocated.llm_engine import LLMEngine
+from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_params import SamplingParams

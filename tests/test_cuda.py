@@ -3,7 +3,7 @@
 Skipped where CUDA is absent (the CPU CI); run on a GPU machine with
 ``python -m pytest tests/test_cuda.py``. Decode steps replay CUDA graphs there (checked against the eager path). The workers' KV caches live on the GPU
 while the cross-modal ring stays in host shared memory, so the disaggregated case
-checks the cross-device page copies of :mod:`kernels.kv_transfer` and the
+checks the cross-device page copies of :mod:`mm_serve.transport.kv_transfer` and the
 hand-off of image features.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.backend_select import select_attention_backend
-from kernels.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
 from mm_serve import LLM, SamplingParams
 from mm_serve.config import config_from_dict
+from mm_serve.kernels.backend_select import select_attention_backend
+from mm_serve.transport.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
 from tests.golden import load_reference, our_first_logits, reference_generate
 from tests.test_golden_parity import LLAVA_CASES, LOGITS_RTOL, NEW_TOKENS
 

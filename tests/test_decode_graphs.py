@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.paged_attention_ref import decode_attention_padded, decode_attention_ref
 from mm_serve import LLM, SamplingParams
+from mm_serve.kernels.paged_attention_ref import decode_attention_padded, decode_attention_ref
 from mm_serve.runtime.decode_graphs import DecodeGraphs, batch_bucket, pages_bucket
 from tests.factories import gradient_image
 

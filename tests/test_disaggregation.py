@@ -74,7 +74,7 @@ def test_a_hung_kernel_build_times_out_to_the_torch_kernels(
     tiny_llava: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str],
 ) -> None:
     """A compiler that never returns does not keep the workers from starting."""
-    import mm_serve.engine.kernel_prebuild as kernel_prebuild
+    import mm_serve.cluster.kernel_prebuild as kernel_prebuild
 
     hung = tmp_path / "hung-cxx"
     hung.write_text("#!/bin/sh\nexec sleep 1000\n")

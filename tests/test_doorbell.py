@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from mm_serve.runtime import messages
-from mm_serve.runtime.doorbell import DoorbellListener, DoorbellRingers, doorbell_address
+from mm_serve.transport.doorbell import DoorbellListener, DoorbellRingers, doorbell_address
 from tests.factories import front_end_channel
 
 

@@ -120,7 +120,7 @@ def test_perturbed_weight_is_detected(tiny_llava: Path, llava_reference: torch.n
 
 
 def test_rejects_image_count_mismatch(llava_llm: LLM) -> None:
-    from mm_serve.engine.input_processor import InvalidRequestError
+    from mm_serve.inputs.input_processor import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="1 image placeholder"):
         llava_llm.generate({"prompt": Q, "images": []}, _greedy())
@@ -134,8 +134,8 @@ def test_torch_gemm_and_attention_path_matches_transformers(
 ) -> None:
     """``cpu_gemm="torch"`` (F.linear, no packed weights) and ``cpu_kernels="torch"`` (gather +
     SDPA, not the compiled kernel) give the reference's tokens too."""
-    from kernels.cpu_linear import PackedLinear
-    from kernels.paged_attention_ref import TorchRefAttention
+    from mm_serve.kernels.cpu_linear import PackedLinear
+    from mm_serve.kernels.paged_attention_ref import TorchRefAttention
 
     llm = LLM(model=tiny_llava, mode="colocated", num_pages=256, cpu_gemm="torch", cpu_kernels="torch")
     assert not any(isinstance(m, PackedLinear) for m in llm.engine.model.modules())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from mm_serve.engine.stale_instances import SHM_DIR, process_start_time
+from mm_serve.cluster.stale_instances import SHM_DIR, process_start_time
 from tests.api.server_process import free_port
 
 LONG = 3000  # tokens per in-flight request: several seconds of decode on the tiny model

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError
+from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError
 from mm_serve.media.offline import normalize_messages, to_pil
 from mm_serve.models.model_config import load_model_config
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.page_pool import PagePool, PagePoolExhaustedError
+from mm_serve.kernels.page_pool import PagePool, PagePoolExhaustedError
 
 
 def test_fresh_pool_hands_out_ids_in_order() -> None:

@@ -36,9 +36,9 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 from mm_serve.cli.main import main as cli_main  # noqa: E402
+from mm_serve.cluster.ray_worker import RayWorkerHandle  # noqa: E402
 from mm_serve.config import ConfigError, config_from_dict, load_config  # noqa: E402
 from mm_serve.engine.engine_client import EngineClient  # noqa: E402
-from mm_serve.engine.ray_worker import RayWorkerHandle  # noqa: E402
 from mm_serve.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.factories import gradient_image  # noqa: E402
 from tests.golden import load_reference, reference_generate  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from mm_serve.engine.stale_instances import (
+from mm_serve.cluster.stale_instances import (
     SHM_DIR,
     owner_alive,
     process_start_time,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mm_serve.engine.llm_engine import LLMEngine
+from mm_serve.colocated.llm_engine import LLMEngine
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.sampling_params import SamplingParams
 from tests.factories import gradient_image

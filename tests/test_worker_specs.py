@@ -1,12 +1,12 @@
-"""Worker specs from the service config: cores and niceness per role (mm_serve.engine.worker_specs)."""
+"""Worker specs from the service config: cores and niceness per role (mm_serve.cluster.worker_specs)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from mm_serve.cluster.worker_specs import build_worker_specs
 from mm_serve.config import load_config
-from mm_serve.engine.worker_specs import build_worker_specs
 
 
 def _specs(tmp_path: Path, overrides: dict[str, Any]) -> list[tuple[str, int, list[int], int]]:

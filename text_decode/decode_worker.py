@@ -3,7 +3,7 @@
 Runs in the :class:`~mm_serve.runtime.worker_shell.WorkerShell`. Each step: claim the
 hand-offs that fit, run one scheduler step (decode, or the recompute of preempted
 requests) and stream the new tokens to the front end. Idle, it sleeps until a control
-message or a hand-off doorbell wakes it (:mod:`mm_serve.runtime.doorbell`). With
+message or a hand-off doorbell wakes it (:mod:`mm_serve.transport.doorbell`). With
 ``decode_step_interval_s`` set it paces its steps: a step starts at least that long after
 the previous one began, and the worker sleeps out the rest (claiming hand-offs and reading
 messages as they come), so a prefill worker on the same core runs meanwhile.
@@ -15,8 +15,6 @@ import math
 import time
 
 from mm_serve.runtime import messages
-from mm_serve.runtime.doorbell import DoorbellListener
-from mm_serve.runtime.handoff_transport import ring_opener
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
 from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
@@ -24,8 +22,10 @@ from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, sample_requests
 from mm_serve.runtime.worker_setup import load_for_worker
 from mm_serve.runtime.worker_shell import WorkerShell
-from text_decode.handoff_receiver import HandoffReceiver
-from text_decode.scheduler import ContinuousBatchingScheduler
+from mm_serve.text_decode.handoff_receiver import HandoffReceiver
+from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
+from mm_serve.transport.doorbell import DoorbellListener
+from mm_serve.transport.handoff_transport import ring_opener
 
 ABORT_MEMORY_S = 600.0  # how long an abort for a not-yet-seen hand-off is remembered
 POLL_WAIT_MS = 1  # idle wait with no doorbell: the ring is polled

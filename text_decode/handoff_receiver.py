@@ -11,17 +11,17 @@ from collections.abc import Callable
 
 import msgspec
 
-from kernels.handoff_checksum import handoff_checksum
-from kernels.kv_transfer import copy_kv_from_ring
-from kernels.ring_buffer import CrossModalRing, Handoff
-from kernels.ring_spec import RingSpec
 from mm_serve.runtime import messages
-from mm_serve.runtime.handoff_transport import HandoffRing, RingOpener
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
 from mm_serve.runtime.lifetime import LifetimeEvent, events_from_wire
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampler import make_generator
 from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.transport.handoff_checksum import handoff_checksum
+from mm_serve.transport.handoff_transport import HandoffRing, RingOpener
+from mm_serve.transport.kv_transfer import copy_kv_from_ring
+from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
+from mm_serve.transport.ring_spec import RingSpec
 
 
 class BadHandoff(Exception):
@@ -42,7 +42,7 @@ class HandoffReceiver:
         on_failed: Callable[[str, str], None] | None = None, open_ring: RingOpener = CrossModalRing.attach,
     ) -> None:
         """``rings[p]`` joins prefill worker ``p`` (shared memory or Ray:
-        :mod:`mm_serve.runtime.handoff_transport`); ``open_ring`` opens the ring of a restarted
+        :mod:`mm_serve.transport.handoff_transport`); ``open_ring`` opens the ring of a restarted
         prefill worker (:meth:`replace_ring`)."""
         self.rings = rings
         self.kv_cache = kv_cache

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kernels.page_pool import PagePool
+from mm_serve.kernels.page_pool import PagePool
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.prefix_cache import PrefixCache

@@ -11,16 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kernels.handoff_checksum import handoff_checksum
-from kernels.kv_transfer import copy_kv_to_ring
-from kernels.ring_buffer import CrossModalRing, Handoff
-from kernels.ring_spec import RingSpec
 from mm_serve.runtime import messages
-from mm_serve.runtime.handoff_transport import HandoffRing, RingOpener
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.lifetime import LifetimeEvent, events_to_wire
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_wire import to_wire
+from mm_serve.transport.handoff_checksum import handoff_checksum
+from mm_serve.transport.handoff_transport import HandoffRing, RingOpener
+from mm_serve.transport.kv_transfer import copy_kv_to_ring
+from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
+from mm_serve.transport.ring_spec import RingSpec
 
 
 @dataclass
@@ -38,7 +38,7 @@ class PendingHandoff:
 
 class HandoffSender:
     """Owns the pending list; one ring per decode worker (``rings[d]``), each a shared-memory
-    ring or a Ray one (:mod:`mm_serve.runtime.handoff_transport`): the logic is the same."""
+    ring or a Ray one (:mod:`mm_serve.transport.handoff_transport`): the logic is the same."""
 
     def __init__(
         self, rings: list[HandoffRing], kv_cache: PagedKVCache,
@@ -48,7 +48,7 @@ class HandoffSender:
     ) -> None:
         """``on_publish(d)`` runs after each publish to decode worker ``d``'s ring
         (the prefill worker rings that worker's doorbell); with ``checksum`` each hand-off's
-        meta carries the CRC-32 of its ring pages and features (:mod:`kernels.handoff_checksum`);
+        meta carries the CRC-32 of its ring pages and features (:mod:`mm_serve.transport.handoff_checksum`);
         ``release(request)`` frees a request's local pages and empties its block table
         (default: straight back to the pool; the prefill worker's keeps cached pages cached);
         ``open_ring`` opens the ring of a restarted decode worker (:meth:`replace_ring`)."""

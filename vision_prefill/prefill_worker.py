@@ -14,8 +14,6 @@ import time
 import torch
 
 from mm_serve.runtime import messages
-from mm_serve.runtime.doorbell import DoorbellRingers
-from mm_serve.runtime.handoff_transport import ring_opener
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
 from mm_serve.runtime.page_hashes import image_content_hashes
@@ -25,8 +23,10 @@ from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
 from mm_serve.runtime.sampling_wire import from_wire
 from mm_serve.runtime.worker_setup import cache_report, load_for_worker, make_caches
 from mm_serve.runtime.worker_shell import WorkerShell
-from vision_prefill.handoff_sender import HandoffSender
-from vision_prefill.prefill_scheduler import PrefillScheduler
+from mm_serve.transport.doorbell import DoorbellRingers
+from mm_serve.transport.handoff_transport import ring_opener
+from mm_serve.vision_prefill.handoff_sender import HandoffSender
+from mm_serve.vision_prefill.prefill_scheduler import PrefillScheduler
 
 BACKPRESSURE_SLEEP_S = 0.0005  # hand-offs wait for ring room: yield the core between tries
 

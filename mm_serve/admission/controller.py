@@ -28,10 +28,10 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import TIERS, Tier, tier_slo
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.input_processor import ProcessedInputs
 from mm_serve.engine.request_state import RequestState
+from mm_serve.engine.router import ARRIVAL_WINDOW_S, LoadView, PrefillWork, Promise
+from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.planner.profile_file import load_profile
-from mm_serve.router import ARRIVAL_WINDOW_S, LoadView, PrefillWork, Promise
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 

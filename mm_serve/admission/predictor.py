@@ -177,7 +177,7 @@ class LatencyPredictor:
         then what is left of it in its own batch), and in its own batch, up to the batch size and
         token budget, the looser work queued and the work that arrives until that batch starts
         (``arrivals``: what came in the last ``window_s`` seconds, at the same rate; any tier joins,
-        as in the prefill scheduler: :meth:`vision_prefill.prefill_scheduler.PrefillScheduler.next_batch`).
+        as in the prefill scheduler: :meth:`mm_serve.vision_prefill.prefill_scheduler.PrefillScheduler.next_batch`).
         Batches take ``scale`` times the fit's seconds. Returns seconds, ``before_s`` included."""
         per_batch = self.prefill.coefficients[0]
         full, in_its_batch = divmod(ahead.requests, self.batch_size)

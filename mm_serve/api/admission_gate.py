@@ -19,7 +19,7 @@ from mm_serve.admission.tiers import Tier
 from mm_serve.api.schemas import ChatMessage
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.input_processor import ProcessedInputs
+from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.media.image_loading import declared_size
 from mm_serve.runtime.sampling_params import SamplingParams
 

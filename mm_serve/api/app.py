@@ -36,15 +36,15 @@ from mm_serve.api.schemas import (
     VersionResponse,
 )
 from mm_serve.batch.service import BatchService
-from mm_serve.metrics import (
+from mm_serve.metrics.service_metrics import (
     FaultCollector,
     ServiceMetrics,
     WorkerStatsCollector,
     cache_health,
     render,
 )
+from mm_serve.metrics.tier_metrics import TierMetrics
 from mm_serve.runtime import messages
-from mm_serve.tier_metrics import TierMetrics
 
 UPLOAD_OVERHEAD_BYTES = 1 << 20
 """What a multipart upload may add to ``batch.max_file_bytes`` (boundaries, part headers, the purpose)."""

@@ -39,7 +39,7 @@ from mm_serve.api.schemas import (
 )
 from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.api.tier_param import request_tier
-from mm_serve.engine.input_processor import ProcessedInputs
+from mm_serve.inputs.input_processor import ProcessedInputs
 
 
 def _finish(reason: str | None) -> str | None:

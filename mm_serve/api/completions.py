@@ -36,7 +36,7 @@ from mm_serve.api.schemas import (
 )
 from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.api.tier_param import request_tier
-from mm_serve.engine.input_processor import ProcessedInputs
+from mm_serve.inputs.input_processor import ProcessedInputs
 
 
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:

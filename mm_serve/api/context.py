@@ -14,10 +14,10 @@ from mm_serve.admission.seen_images import SeenImages
 from mm_serve.admission.tiers import Tier
 from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.errors import unavailable
+from mm_serve.cluster.worker_specs import engine_sizing
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.worker_specs import engine_sizing
-from mm_serve.tier_metrics import TierMetrics
+from mm_serve.metrics.tier_metrics import TierMetrics
 
 WARMING_RETRY_S = 5  # Retry-After while the workers load the model (seconds; a start takes ~5-30 s)
 

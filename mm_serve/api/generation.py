@@ -18,8 +18,8 @@ from mm_serve.admission.tiers import Tier
 from mm_serve.api.errors import bad_request, unavailable
 from mm_serve.api.schemas import PromptTokensDetails, Usage
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
+from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.runtime.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25

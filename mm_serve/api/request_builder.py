@@ -11,7 +11,7 @@ from PIL import Image
 from mm_serve.api.errors import APIError, bad_request
 from mm_serve.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from mm_serve.config import APIConfig
-from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
+from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
 from mm_serve.media.fetch import MediaPolicy, load_image_urls
 from mm_serve.media.offline import image_outside_user_message

@@ -22,7 +22,7 @@ from mm_serve.caption.inputs import CaptionInput
 from mm_serve.caption.records import Outcome, failure
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
+from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
 from mm_serve.runtime.sampling_params import SamplingParams
 

@@ -31,8 +31,8 @@ from mm_serve.caption.engine_requests import raise_if_engine_down, submit_all, w
 from mm_serve.caption.inputs import CaptionInput
 from mm_serve.caption.records import Outcome
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.input_processor import InvalidRequestError
 from mm_serve.engine.request_state import RequestState
+from mm_serve.inputs.input_processor import InvalidRequestError
 
 
 class EngineBatchRequests:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from mm_serve.caption.backends import FatalBackendError
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.engine.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
+from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.runtime.sampling_params import SamplingParams
 
 

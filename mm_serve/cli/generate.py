@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, render the chat prompt, generate, print the text."""
     from mm_serve import LLM, SamplingParams
-    from mm_serve.engine.input_processor import InvalidRequestError
+    from mm_serve.inputs.input_processor import InvalidRequestError
     from mm_serve.media.errors import ImageError
     from mm_serve.media.image_loading import load_image_file
     from mm_serve.models.model_config import CheckpointError

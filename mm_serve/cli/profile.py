@@ -42,10 +42,10 @@ def run(args: argparse.Namespace) -> int:
     """Measure and write the profile; prints each point as it goes."""
     import torch
 
-    from mm_serve.engine.llm_engine import LLMEngine
-    from mm_serve.engine.profiler import EngineProfiler
+    from mm_serve.colocated.llm_engine import LLMEngine
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.registry import resolve_model
+    from mm_serve.planner.profiler import EngineProfiler
     from mm_serve.runtime.engine_config import EngineConfig
 
     prefill_tokens = _ints(args.prefill_tokens, "--prefill-tokens")

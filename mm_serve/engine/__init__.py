@@ -1,2 +1,2 @@
-"""The front end's engine side: input processing, the worker pool and the request client,
-the colocated engine and worker, the detokenizer, and the worker process entry point."""
+"""The request client: submit a processed request, route it to ready workers, assemble the
+token updates into its state (detokenized, stop strings cut), migrate it when a worker fails."""

@@ -1,7 +1,7 @@
 """The front end's request client: submit, abort, receive token updates, worker stats, migrate.
 
-It stands on a :class:`~mm_serve.engine.worker_pool.WorkerPool` (the processes, rings
-and sockets). :meth:`EngineClient.submit` routes a request (see :mod:`mm_serve.router`)
+It stands on a :class:`~mm_serve.cluster.worker_pool.WorkerPool` (the processes, rings
+and sockets). :meth:`EngineClient.submit` routes a request (see :mod:`mm_serve.engine.router`)
 to ready workers and returns its :class:`RequestState`; a receiver thread assembles the
 workers' token updates into those states and runs the pool's supervision. When a worker
 fails, every request that depended on it is migrated (:mod:`mm_serve.engine.flight`):
@@ -28,15 +28,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mm_serve.cluster.worker_pool import WorkerFailure, WorkerKey, WorkerPool, WorkerStartError
+from mm_serve.cluster.worker_specs import check_supported, engine_sizing
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.detokenizer import IncrementalDetokenizer
 from mm_serve.engine.flight import Flight
-from mm_serve.engine.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.engine.request_state import RequestState
-from mm_serve.engine.worker_pool import WorkerFailure, WorkerKey, WorkerPool, WorkerStartError
-from mm_serve.engine.worker_specs import check_supported, engine_sizing
+from mm_serve.engine.router import LoadView, Router
+from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.models.model_config import load_model_config
-from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.page_hashes import image_content_hashes, image_spans, page_hash_chain

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention_backend import AttentionBackend
-from kernels.attention_metadata import AttentionMetadata
+from mm_serve.kernels.attention_backend import AttentionBackend
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.model_config import TextConfig
 from mm_serve.models.rope import RotaryEmbedding, apply_rotary
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels.attention_backend import AttentionBackend
+from mm_serve.kernels.attention_backend import AttentionBackend
 from mm_serve.models.llama import LlamaForCausalLM
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.models.projector import MultiModalProjector

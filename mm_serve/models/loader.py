@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.backend_select import select_attention_backend
-from kernels.cpu_linear import pack_linear_layers
-from kernels.cpu_paged_attention import CompiledCpuAttention
+from mm_serve.kernels.backend_select import select_attention_backend
+from mm_serve.kernels.cpu_linear import pack_linear_layers
+from mm_serve.kernels.cpu_paged_attention import CompiledCpuAttention
 from mm_serve.models.fused_weights import fuse_projections
 from mm_serve.models.llama import LlamaForCausalLM, RMSNorm
 from mm_serve.models.llava import MultimodalLM
@@ -37,10 +37,10 @@ def load_model(
     loaded (:class:`MultimodalLM`: a decode worker's model).
 
     With ``pack_cpu_linears`` (float32 on a CPU), every linear layer, the vision
-    tower's included, runs from oneDNN-packed weights (:mod:`kernels.cpu_linear`). With
+    tower's included, runs from oneDNN-packed weights (:mod:`mm_serve.kernels.cpu_linear`). With
     ``compiled_cpu_kernels`` (a CPU), float32 decode attention reads the paged cache in
-    place with the compiled kernel (:mod:`kernels.cpu_paged_attention`) and RMSNorm runs as
-    one compiled op (:mod:`kernels.cpu_extension`, built on first use).
+    place with the compiled kernel (:mod:`mm_serve.kernels.cpu_paged_attention`) and RMSNorm runs as
+    one compiled op (:mod:`mm_serve.kernels.cpu_extension`, built on first use).
 
     Raises:
         CheckpointError: missing files, unsupported architecture, or weights that

@@ -9,7 +9,7 @@ the next power of two pages, so a handful of graphs serve every step. Padded row
 feed token 0 at position 0 with one token of context on the cache's
 ``scratch_page``, where their K/V writes land harmlessly; their logits are dropped.
 
-Attention inside a captured step is :func:`kernels.paged_attention_ref.decode_attention_padded`
+Attention inside a captured step is :func:`mm_serve.kernels.paged_attention_ref.decode_attention_padded`
 (static shapes, no host reads), selected by ``AttentionMetadata.graph_safe``.
 On a CPU the same padded step runs eagerly (``capture=False``), which is how the
 tests check it against the ordinary decode path; capture needs CUDA.

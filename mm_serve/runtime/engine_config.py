@@ -1,7 +1,7 @@
 """Sizing of one engine instance: the one type, with the one set of defaults.
 
 The service config (:mod:`mm_serve.config`) takes its defaults from here, the front
-end resolves it once per worker (``mm_serve.engine.worker_specs.engine_sizing``), and
+end resolves it once per worker (``mm_serve.cluster.worker_specs.engine_sizing``), and
 it crosses to the worker inside its :class:`~mm_serve.runtime.worker_spec.WorkerSpec`
 as it is (a frozen msgspec struct, validated again when decoded there).
 """
@@ -40,7 +40,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "cpu"
     seed: int = 0  # seeds generators of requests that bring no seed
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
-    cpu_gemm: Literal["onednn", "torch"] = "onednn"  # float32 on a CPU: "onednn" (packed weights, kernels/cpu_linear.py) or "torch" (F.linear)
+    cpu_gemm: Literal["onednn", "torch"] = "onednn"  # float32 on a CPU: "onednn" (packed weights, mm_serve/kernels/cpu_linear.py) or "torch" (F.linear)
     cpu_kernels: Literal["compiled", "torch"] = "compiled"  # float32 CPU: "compiled" (decode attention + RMSNorm from kernels/csrc) or "torch"
     enable_prefix_caching: bool = True  # reuse the KV of cached full pages (kv_cache.enable_prefix_caching)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # image embeddings kept by content hash; 0 = off (cache.encoder_cache_bytes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.page_pool import PagePool
+from mm_serve.kernels.page_pool import PagePool
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -18,7 +18,7 @@ class PagedKVCache:
     Page-major, the layout of the cross-modal ring's page pool: a page holds every
     layer's keys and values of its ``page_size`` tokens in one contiguous block, so
     a KV hand-off moves whole pages with plain memory copies
-    (:mod:`kernels.kv_transfer`). ``data[:, l, 0]`` / ``data[:, l, 1]`` are layer
+    (:mod:`mm_serve.transport.kv_transfer`). ``data[:, l, 0]`` / ``data[:, l, 1]`` are layer
     ``l``'s key / value caches, each ``[num_pages, page_size, num_kv_heads, head_dim]``
     with a page stride of ``num_layers * 2 * page_size * num_kv_heads * head_dim``
     elements (the attention backends index pages and slots, never ``view`` the

@@ -3,7 +3,7 @@
 Each event is stamped once with wall-clock ``time.time()`` seconds, in the process
 where it happens, and travels with the request (hand-off meta, token updates) so the
 front end can split TTFT into queueing, encode, prefill and hand-off
-(:mod:`mm_serve.metrics`). On the wire the keys are the enum values (plain strings).
+(:mod:`mm_serve.metrics.service_metrics`). On the wire the keys are the enum values (plain strings).
 """
 
 from __future__ import annotations

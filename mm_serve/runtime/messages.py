@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import torch
 
-from kernels.ring_spec import RingSpec
+from mm_serve.transport.ring_spec import RingSpec
 
 
 class TensorBlob(msgspec.Struct, frozen=True):

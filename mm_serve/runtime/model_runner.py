@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.runtime.encoder_cache import EncoderCache
 from mm_serve.runtime.kv_cache import PagedKVCache

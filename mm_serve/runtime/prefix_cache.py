@@ -2,13 +2,13 @@
 
 At admission (:meth:`PrefixCache.allocate`) a request takes the longest run of cached pages
 whose chained hashes (:mod:`mm_serve.runtime.page_hashes`) equal those of its own full
-pages, shares them read-only (ref-counted, :meth:`kernels.page_pool.PagePool.share`) and
+pages, shares them read-only (ref-counted, :meth:`mm_serve.kernels.page_pool.PagePool.share`) and
 gets fresh pages for the rest; only the rest is prefilled
 (``Request.num_cached_tokens`` tells the runner where to start). At least the last token
 is always computed (its logits give the next token), so a hit stops one token short of a
 prompt that fills whole pages. Once KV is computed, :meth:`PrefixCache.commit` registers
 the request's full pages under their hashes; when the request ends they stay cached in
-the free list until evicted (:class:`~kernels.page_pool.PagePool`: LRU). Freed sequences
+the free list until evicted (:class:`~mm_serve.kernels.page_pool.PagePool`: LRU). Freed sequences
 go to the free list last page first, so the deepest pages of a prefix are evicted before
 the pages they depend on.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.page_pool import PagePool, PagePoolExhaustedError
+from mm_serve.kernels.page_pool import PagePool, PagePoolExhaustedError
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.page_hashes import image_spans, page_hash_chain
 from mm_serve.runtime.request import Request

@@ -9,7 +9,7 @@ import msgspec
 import zmq
 
 from mm_serve.runtime import messages
-from mm_serve.runtime.doorbell import DoorbellListener
+from mm_serve.transport.doorbell import DoorbellListener
 
 # Longest an idle worker waits in ``recv`` before its periodic chores (stats, the
 # parent check): control messages and doorbells end the wait at once.

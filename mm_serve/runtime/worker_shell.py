@@ -22,15 +22,15 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from mm_serve.runtime import messages
-from mm_serve.runtime.doorbell import DoorbellListener
 from mm_serve.runtime.heap_freeze import freeze_startup_heap
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.runtime.worker_setup import pin_and_set_threads
 from mm_serve.runtime.worker_spec import WorkerSpec
+from mm_serve.transport.doorbell import DoorbellListener
 
 if TYPE_CHECKING:
-    from mm_serve.runtime.ray_link import RayLink
+    from mm_serve.transport.ray_link import RayLink
 
 
 class WorkerShell(ABC):
@@ -49,7 +49,7 @@ class WorkerShell(ABC):
 
     def __init__(self, spec: WorkerSpec, link: RayLink | None = None) -> None:
         """``link``: set when the worker runs as a Ray actor (its rings over Ray meet the
-        actor's methods there, :mod:`mm_serve.runtime.ray_link`); None in a plain process."""
+        actor's methods there, :mod:`mm_serve.transport.ray_link`); None in a plain process."""
         self.spec = spec
         self.link = link
         pin_and_set_threads(spec)

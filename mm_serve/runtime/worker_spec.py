@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
-from kernels.ring_spec import RingSpec
 from mm_serve.runtime.engine_config import EngineConfig
+from mm_serve.transport.ring_spec import RingSpec
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):

@@ -14,7 +14,7 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
 from mm_serve.engine.request_state import RequestState
-from mm_serve.router import LoadView, Router
+from mm_serve.engine.router import LoadView, Router
 
 
 class _Clock:

@@ -10,7 +10,7 @@ from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.dispatch_hold import DispatchHold
 from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
-from mm_serve.router import LoadView, Router
+from mm_serve.engine.router import LoadView, Router
 
 
 class _Client:

@@ -28,6 +28,7 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
 from mm_serve.engine.request_state import RequestState
+from mm_serve.engine.router import LoadView, Router
 from mm_serve.models.registry import EMBEDDED_MODEL_DIR
 from mm_serve.planner.errors import ProfileError
 from mm_serve.planner.profile_file import (
@@ -37,7 +38,6 @@ from mm_serve.planner.profile_file import (
     parse_profile,
     profile_to_json,
 )
-from mm_serve.router import LoadView, Router
 from mm_serve.runtime import messages
 
 
@@ -665,7 +665,7 @@ def test_the_early_check_counts_the_text_after_a_new_image_and_never_more_than_t
     never more than that text's tokens in the templated prompt."""
     from mm_serve.api.admission_gate import uncached_text_floor
     from mm_serve.api.schemas import ChatMessage
-    from mm_serve.engine.input_processor import load_tokenizer
+    from mm_serve.inputs.input_processor import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llava)
     question = "What colour is the large circle in the middle of this picture, and what is around it?"

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from mm_serve.config import load_config
 from mm_serve.engine.request_state import RequestState
-from mm_serve.tier_metrics import TierMetrics
+from mm_serve.metrics.tier_metrics import TierMetrics
 
 
 def _state(reason: str, ttft_s: float, tpot_s: float, tokens: int = 5) -> RequestState:

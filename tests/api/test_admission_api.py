@@ -19,8 +19,8 @@ from mm_serve.api.context import ServerContext
 from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.api.schemas import ChatMessage
 from mm_serve.config import load_config
+from mm_serve.engine.router import Router
 from mm_serve.media.image_loading import declared_size
-from mm_serve.router import Router
 from mm_serve.runtime import messages
 from tests.api.server_process import data_uri
 from tests.factories import gradient_image

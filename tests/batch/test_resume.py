@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from mm_serve.engine.stale_instances import SHM_DIR, process_start_time
+from mm_serve.cluster.stale_instances import SHM_DIR, process_start_time
 from tests.api.server_process import ServerProcess
 from tests.batch.helpers import jsonl, output_rows, row, upload, wait_final, write_config
 

@@ -11,11 +11,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels.cpu_extension as ext
-from kernels.attention_metadata import AttentionMetadata
-from kernels.backend_select import select_attention_backend
-from kernels.cpu_paged_attention import CompiledCpuAttention
-from kernels.paged_attention_ref import TorchRefAttention, decode_attention_ref, write_kv_ref
+import mm_serve.kernels.cpu_extension as ext
+from mm_serve.kernels.attention_metadata import AttentionMetadata
+from mm_serve.kernels.backend_select import select_attention_backend
+from mm_serve.kernels.cpu_paged_attention import CompiledCpuAttention
+from mm_serve.kernels.paged_attention_ref import (
+    TorchRefAttention,
+    decode_attention_ref,
+    write_kv_ref,
+)
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +260,7 @@ def test_a_finished_build_loads_without_a_compiler(ops, tmp_path: Path) -> None:
     import sys
 
     assert ext.is_built() and ext.library_path().is_file()
-    code = ("import kernels.cpu_extension as e, torch; ops = e.cpu_kernel_ops(); "
+    code = ("import mm_serve.kernels.cpu_extension as e, torch; ops = e.cpu_kernel_ops(); "
             "print(ops is not None and ops.rms_norm(torch.ones(1, 4), torch.ones(4), 0.0).sum().item())")
     env = dict(os.environ, CXX="no-such-compiler-here", PATH=os.path.dirname(sys.executable))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -270,7 +274,7 @@ def test_no_compiler_gives_one_clear_warning(tmp_path: Path) -> None:
     import sys
 
     env = dict(os.environ, CXX="no-such-compiler-here", MM_SERVE_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-m", "kernels.cpu_extension"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "mm_serve.kernels.cpu_extension"], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1
     assert "no C++ compiler: 'no-such-compiler-here' is not on PATH" in done.stderr

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_linear import (
+from mm_serve.kernels.cpu_linear import (
     MIN_PACKED_MACS,
     PackedLinear,
     onednn_linear_available,

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels.paged_attention_ref import (
+from mm_serve.kernels.paged_attention_ref import (
     MIN_SPLIT_CONTEXT,
     decode_attention_ref,
     length_groups,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.feature_arena import FeatureArena
+from mm_serve.transport.feature_arena import FeatureArena
 
 
 def take(arena: FeatureArena, rows: int) -> int:

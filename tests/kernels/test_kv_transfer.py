@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_transfer import (
+from mm_serve.transport.kv_transfer import (
     copy_kv_from_ring,
     copy_kv_from_ring_ref,
     copy_kv_to_ring,

@@ -7,8 +7,12 @@ import random
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.paged_attention_ref import TorchRefAttention, prefill_attention_ref, write_kv_ref
+from mm_serve.kernels.attention_metadata import AttentionMetadata
+from mm_serve.kernels.paged_attention_ref import (
+    TorchRefAttention,
+    prefill_attention_ref,
+    write_kv_ref,
+)
 
 PAGE, HKV, HQ, D = 4, 2, 4, 8
 

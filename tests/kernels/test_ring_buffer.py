@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from kernels.ring_buffer import CrossModalRing, Handoff
-from kernels.ring_spec import RingSpec, SlotStatus, unique_ring_name
+from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
+from mm_serve.transport.ring_spec import RingSpec, SlotStatus, unique_ring_name
 
 CAPACITY = 4
 PAGE_SIZE = 4

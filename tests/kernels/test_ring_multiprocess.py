@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from kernels.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
-from kernels.ring_buffer import CrossModalRing, Handoff
-from kernels.ring_spec import RingSpec, unique_ring_name
+from mm_serve.transport.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
+from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
+from mm_serve.transport.ring_spec import RingSpec, unique_ring_name
 
 NUM_HANDOFFS = 1200
 ENGINE_PAGES = 32
@@ -122,8 +122,8 @@ def test_1200_handoffs_between_processes_arrive_verified_in_order() -> None:
 
 ATTACH_AND_EXIT = """
 import sys, msgspec
-from kernels.ring_buffer import CrossModalRing
-from kernels.ring_spec import RingSpec
+from mm_serve.transport.ring_buffer import CrossModalRing
+from mm_serve.transport.ring_spec import RingSpec
 ring = CrossModalRing.attach(msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=RingSpec))
 ring.pages[3] = 5.0
 ring.close()
@@ -131,8 +131,8 @@ ring.close()
 
 CREATE_AND_DIE = """
 import os, sys, msgspec
-from kernels.ring_buffer import CrossModalRing
-from kernels.ring_spec import RingSpec
+from mm_serve.transport.ring_buffer import CrossModalRing
+from mm_serve.transport.ring_spec import RingSpec
 CrossModalRing.create(msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=RingSpec))
 print("created", flush=True)
 os._exit(1)

@@ -11,17 +11,17 @@ from collections.abc import Sequence
 import msgspec
 import torch
 
-from kernels.page_pool import PagePool
-from kernels.ring_buffer import CrossModalRing
-from kernels.ring_spec import RingSpec, unique_ring_name
-from mm_serve.router import Router
+from mm_serve.engine.router import Router
+from mm_serve.kernels.page_pool import PagePool
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
 from mm_serve.runtime.page_hashes import cache_salt
 from mm_serve.runtime.prefix_cache import PrefixCache, PrefixKey
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_params import SamplingParams
-from text_decode.scheduler import ContinuousBatchingScheduler
-from vision_prefill.prefill_scheduler import PrefillScheduler
+from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
+from mm_serve.transport.ring_buffer import CrossModalRing
+from mm_serve.transport.ring_spec import RingSpec, unique_ring_name
+from mm_serve.vision_prefill.prefill_scheduler import PrefillScheduler
 
 PAGE_SIZE = 4
 NUM_LAYERS = 2

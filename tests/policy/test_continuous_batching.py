@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kernels.page_pool import PagePool
+from mm_serve.kernels.page_pool import PagePool
 from mm_serve.runtime.request import Request, RequestStatus
+from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
 from tests.policy.factories import create_requests, make_request, make_scheduler
-from text_decode.scheduler import ContinuousBatchingScheduler
 
 
 def ids(requests: list[Request]) -> list[str]:

@@ -7,12 +7,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kernels.ring_buffer import CrossModalRing
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import make_generator
 from mm_serve.runtime.sampling_params import SamplingParams
+from mm_serve.text_decode.handoff_receiver import HandoffReceiver
+from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
+from mm_serve.transport.ring_buffer import CrossModalRing
+from mm_serve.vision_prefill.handoff_sender import HandoffSender
 from tests.policy.factories import (
     FEATURE_DIM,
     PAGE_SIZE,
@@ -24,9 +27,6 @@ from tests.policy.factories import (
     prefilled_request,
     shm_entries,
 )
-from text_decode.handoff_receiver import HandoffReceiver
-from text_decode.scheduler import ContinuousBatchingScheduler
-from vision_prefill.handoff_sender import HandoffSender
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mm_serve.runtime.request import Request
+from mm_serve.vision_prefill.prefill_scheduler import BUCKET_EDGES, PrefillScheduler, length_bucket
 from tests.policy.factories import make_prefill_scheduler, make_request
-from vision_prefill.prefill_scheduler import BUCKET_EDGES, PrefillScheduler, length_bucket
 
 
 def ids(requests: list[Request]) -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.page_pool import PagePool, PagePoolExhaustedError
+from mm_serve.kernels.page_pool import PagePool, PagePoolExhaustedError
 from mm_serve.runtime.page_hashes import HASH_BYTES, cache_salt, image_spans, page_hash_chain
 from mm_serve.runtime.request import RequestStatus
 from tests.policy.factories import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mm_serve.prefix_index import PrefixIndex
-from mm_serve.router import ARRIVAL_WINDOW_S, Router
+from mm_serve.engine.prefix_index import PrefixIndex
+from mm_serve.engine.router import ARRIVAL_WINDOW_S, Router
 from tests.policy.factories import make_router
 
 

@@ -1,0 +1,69 @@
+"""The colocated worker process: one engine runs encode, prefill and decode (vLLM-style baseline).
+
+It speaks the same protocol as the disaggregated workers (requests in, token
+batches out) from the same :class:`~mm_serve.runtime.worker_shell.WorkerShell`, so
+the front end, the API and the benchmarks treat both modes alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mm_serve.colocated.llm_engine import LLMEngine
+from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.runtime import messages
+from mm_serve.runtime.lifetime import LifetimeEvent
+from mm_serve.runtime.post_step import token_update
+from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.runtime.worker_setup import cache_report
+from mm_serve.runtime.worker_shell import WorkerShell
+
+
+class ColocatedWorker(WorkerShell):
+    """Wraps :class:`LLMEngine` in the worker shell."""
+
+    role = "colocated"
+    accepts = messages.ToPrefill
+
+    def load(self) -> None:
+        self.engine = LLMEngine(self.spec.model_dir, self.spec.sizing)
+        self.kv_cache = self.engine.kv_cache
+
+    def accept(self, msg: messages.PrefillRequest) -> None:
+        pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
+        inputs = ProcessedInputs(list(msg.prompt_token_ids), pixels, msg.num_images, list(msg.image_hashes))
+        request = self.engine.add_request(msg.request_id, inputs, from_wire(msg.sampling), msg.generator_seed,
+                                          msg.output_offset, priority=msg.priority)
+        request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)
+        request.stamp(LifetimeEvent.PREFILL_QUEUED)
+
+    def abort(self, request_id: str) -> None:
+        request = self.engine.requests.get(request_id)
+        if request is not None:
+            self.engine.abort(request_id)
+            self.engine.release(request_id)
+            self.send([token_update(request)])
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> None:
+        if not self.engine.has_unfinished():
+            return
+        updated, finished = self.engine.step_all()
+        now = time.time()
+        for request in updated:
+            request.stamp(LifetimeEvent.PREFILL_END, now)
+        self.send([token_update(request) for request in updated])
+        for request in finished:
+            self.engine.release(request.request_id)
+
+    def load_report(self) -> dict[str, int]:
+        sched = self.engine.scheduler
+        vision = self.engine.model.vision
+        return {
+            "running": len(sched.running), "waiting": len(sched.waiting), "ring_slots_used": 0,
+            "queued_tokens": sum(r.num_tokens for r in sched.waiting), "num_preemptions": sched.num_preemptions,
+            "num_encoded_images": 0 if vision is None else vision.num_encoded_images,
+            **cache_report(self.engine.prefix, self.engine.encoder_cache),
+        }

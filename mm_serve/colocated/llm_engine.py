@@ -1,0 +1,130 @@
+"""The colocated engine: one process runs encode, prefill and decode with continuous batching.
+
+Start-up reads as a story: load the model, size the KV cache, build the
+scheduler, serve. :meth:`LLMEngine.step` runs one scheduler step.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from mm_serve.engine.detokenizer import IncrementalDetokenizer
+from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
+from mm_serve.models.model_config import load_model_config
+from mm_serve.runtime.engine_config import EngineConfig
+from mm_serve.runtime.kv_cache import pages_for
+from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
+from mm_serve.runtime.model_runner import ModelRunner
+from mm_serve.runtime.page_hashes import image_content_hashes
+from mm_serve.runtime.post_step import StopCriteria, process_step
+from mm_serve.runtime.request import Request, RequestStatus
+from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
+from mm_serve.runtime.sampling_params import SamplingParams
+from mm_serve.runtime.worker_setup import load_model_for, make_caches, make_kv_cache
+from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
+
+
+class LLMEngine:
+    """Adds requests, steps the scheduler, reports finished requests.
+
+    Not thread-safe: one caller drives :meth:`step`.
+    """
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        if self.config.device == "cpu":
+            tune_malloc_for_inference()  # activations stay mapped between passes (malloc_tuning.py)
+        self.model_config = load_model_config(self.model_dir)
+        self.model = load_model_for(str(self.model_dir), self.config)
+        self.inputs = InputProcessor(self.model_dir, self.model_config)
+        self.tokenizer = self.inputs.tokenizer
+        self.kv_cache = make_kv_cache(self.model_config, self.config)
+        self.prefix, self.encoder_cache = make_caches(str(self.model_dir), self.model_config, self.config, self.kv_cache)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, cuda_graphs=self.config.use_cuda_graphs, max_running=self.config.max_running,
+            encoder_cache=self.encoder_cache,
+        )
+        self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, self.config, self.prefix)
+        self.sampler = Sampler()
+        self.max_model_len = self.config.context_limit(self.model_config.text)
+        self.eos_token_ids = self.inputs.eos_token_ids
+        self.stops = StopCriteria(self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(self.config.seed)
+
+    def add_request(
+        self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, generator_seed: int | None = None,
+        output_offset: int = 0, priority: int = 1,
+    ) -> Request:
+        """Queue a processed request (``output_offset``: outputs it had before a migration; its
+        random stream continues at that position; ``priority``: its SLO tier rank, 0 interactive,
+        1 standard, 2 batch).
+
+        Raises:
+            InvalidRequestError: duplicate id, or prompt + ``max_tokens`` exceeds the
+                context length or the whole KV cache (both numbers in the message).
+        """
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        self.inputs.check_context(len(inputs.prompt_token_ids), params.max_tokens, self.max_model_len)
+        seed = generator_seed if generator_seed is not None else (
+            params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        )
+        request = Request(
+            request_id=request_id, prompt_token_ids=inputs.prompt_token_ids, sampling_params=params,
+            num_images=inputs.num_images, pixel_values=inputs.pixel_values,
+            generator=None if params.greedy else make_generator(seed), seed=None if params.greedy else seed,
+            output_offset=output_offset, stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
+            priority=priority,
+            image_hashes=list(inputs.image_hashes) or image_content_hashes(inputs.pixel_values),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        return self.step_all()[1]
+
+    def step_all(self) -> tuple[list[Request], list[Request]]:
+        """Run one scheduler step; returns (requests that got a token, requests that finished)."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return [], []
+        if plan.prefill:
+            self.runner.encode_images(plan.prefill)
+            batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
+            for request in batch:
+                self.prefix.commit(request, request.num_tokens)  # KV in place: shareable from now on
+        else:
+            batch, logits = plan.decode, self.runner.decode(plan.decode)
+        tokens, logprobs = sample_requests(self.sampler, logits, batch)
+        return batch, process_step(batch, tokens, logprobs, self.stops, self.scheduler.finish)
+
+    def output_text(self, request: Request) -> str:
+        """Final text of a finished request (special tokens skipped, stop string cut)."""
+        matcher = request.stop_matcher
+        if isinstance(matcher, IncrementalDetokenizer) and matcher.stopped:
+            return matcher.text
+        return str(self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self.requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request in any stage; its pages return to the pool."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.status.finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def num_free_pages(self) -> int:
+        return self.kv_cache.pool.num_free
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return pages_for(num_tokens, self.config.page_size)

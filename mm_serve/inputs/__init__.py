@@ -1,0 +1,1 @@
+"""Input processing: chat templates, tokenizing, image-token expansion, the context check."""

@@ -1,0 +1,176 @@
+"""Turn a user request (prompt text, token ids or chat messages, plus images) into model inputs.
+
+Each image placeholder (the checkpoint's image token, e.g. ``<image>``) in the
+tokenized prompt is expanded to ``num_image_tokens`` copies, as the llava-hf
+processor does; images are converted and normalised by :class:`ImageProcessor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mm_serve.inputs.prompt_encoding import encode_chat, encode_prompt
+from mm_serve.media.image_processor import ImageProcessor
+from mm_serve.media.offline import normalize_messages, to_pil
+from mm_serve.models.model_config import CheckpointError, ModelConfig
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given (bad shape, too long, wrong image count, ...)."""
+
+
+@dataclass
+class ProcessedInputs:
+    """Model-ready inputs of one request."""
+
+    prompt_token_ids: list[int]  # image placeholders expanded
+    pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32
+    num_images: int
+    image_hashes: list[bytes] = field(default_factory=list)  # per image, runtime.page_hashes; [] = not hashed yet
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (offline).
+
+    Raises:
+        CheckpointError: the directory has no usable tokenizer files.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({first[:300]}); a checkpoint directory "
+                              "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+
+
+class InputProcessor:
+    """Tokenizes, renders chat templates, preprocesses images and expands image tokens."""
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig, tokenizer: Any | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.image_processor: ImageProcessor | None = None
+        if config.vision is not None:
+            self.image_processor = ImageProcessor.from_pretrained(model_dir)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """End-of-sequence ids: the checkpoint's ``eos_token_id`` (one or a list) and the tokenizer's."""
+        eos = set(self.config.text.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        return frozenset(eos)
+
+    @staticmethod
+    def check_context(num_prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        """Refuse a request whose prompt plus ``max_tokens`` exceeds ``limit`` tokens (the engine's
+        :meth:`~mm_serve.runtime.engine_config.EngineConfig.context_limit`).
+
+        Raises:
+            InvalidRequestError: over the limit (both numbers in the message).
+        """
+        total = num_prompt_tokens + max_tokens
+        if total > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} "
+                f"tokens, over this model's context length of {limit} tokens"
+            )
+
+    @property
+    def image_token_index(self) -> int | None:
+        return None if self.config.vision is None else self.config.vision.image_token_index
+
+    @property
+    def image_token(self) -> str | None:
+        """The placeholder string users put in a raw prompt, once per image."""
+        index = self.image_token_index
+        return None if index is None else str(self.tokenizer.convert_ids_to_tokens(index))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image], list[str]]:
+        """Render ``messages`` with the chat template; returns the prompt, the images in order,
+        and the user messages' text parts in order (tokenized as text, :mod:`prompt_encoding`).
+
+        Image parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
+        {"url": X}}`` with ``X`` a PIL image, a path, bytes or a data URI (:mod:`mm_serve.media.offline`).
+
+        Raises:
+            InvalidRequestError: malformed messages, an unknown part type, an unusable image.
+        """
+        try:
+            messages, images = normalize_messages(messages)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # jinja errors, missing template
+            raise InvalidRequestError(f"cannot render chat template: {exc}") from None
+        return str(prompt), images, _user_texts(messages)
+
+    def process(self, request: dict[str, Any]) -> ProcessedInputs:
+        """Process ``{"prompt"| "prompt_token_ids"| "messages": ..., "images": [...]}``.
+
+        Raises:
+            InvalidRequestError: no prompt, token ids out of range, images given to a
+                text-only model, or image count != placeholder count.
+        """
+        if not isinstance(request, dict):
+            raise InvalidRequestError(f"a request must be a dict (or a prompt string), not {type(request).__name__}")
+        try:
+            images: list[Image.Image] = [to_pil(image) for image in request.get("images") or []]
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if "messages" in request:
+            prompt, chat_images, user_texts = self.render_chat(request["messages"])
+            images = chat_images + images
+            ids = encode_chat(self.tokenizer, prompt, user_texts)
+        elif "prompt_token_ids" in request:
+            ids = [int(t) for t in request["prompt_token_ids"]]
+        elif "prompt" in request:
+            ids = encode_prompt(self.tokenizer, request["prompt"])
+        else:
+            raise InvalidRequestError("request needs 'prompt', 'prompt_token_ids' or 'messages'")
+        if not ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.config.text.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        return self._with_images(ids, images)
+
+    def _with_images(self, ids: list[int], images: list[Image.Image]) -> ProcessedInputs:
+        index = self.image_token_index
+        placeholders = 0 if index is None else ids.count(index)
+        if images and (self.image_processor is None or index is None):
+            raise InvalidRequestError("this model is text-only; it does not take images")
+        if placeholders != len(images):
+            raise InvalidRequestError(
+                f"prompt has {placeholders} image placeholder(s) ({self.image_token}) but "
+                f"{len(images)} image(s) were given"
+            )
+        if not images or self.image_processor is None or self.config.vision is None:
+            return ProcessedInputs(ids, None, 0)
+        per_image = self.config.vision.num_image_tokens
+        expanded: list[int] = []
+        for token in ids:
+            expanded.extend([token] * per_image if token == index else [token])
+        return ProcessedInputs(expanded, self.image_processor(images), len(images))
+
+
+def _user_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """Text of the user messages' content (strings and text parts), in order."""
+    out: list[str] = []
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out.extend(str(p.get("text", "")) for p in content if p.get("type") == "text")
+    return out

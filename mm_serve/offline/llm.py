@@ -1,0 +1,240 @@
+"""The offline API: ``LLM(model=...).generate(requests, sampling_params)``.
+
+Example::
+
+    from mm_serve import LLM, SamplingParams
+    llm = LLM(model="path/to/llava-hf-checkpoint")
+    out = llm.generate([{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:", "images": [img]}],
+                       SamplingParams(max_tokens=32, temperature=0.0))
+    print(out[0].text, out[0].finish_reason, out[0].num_prompt_tokens)
+"""
+
+from __future__ import annotations
+
+import atexit
+import uuid
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from mm_serve.cluster.worker_specs import check_supported, engine_sizing, worker_device
+from mm_serve.colocated.llm_engine import LLMEngine
+from mm_serve.config import ServiceConfig, config_from_dict
+from mm_serve.engine.engine_client import EngineClient
+from mm_serve.engine.request_state import RequestState
+from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.models.registry import resolve_model
+from mm_serve.offline.outputs import CompletionOutput, RequestOutput
+from mm_serve.runtime.engine_config import EngineConfig
+from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampling_params import SamplingParams
+
+# LLM keyword -> dotted ServiceConfig key, for the worker-process modes.
+_SERVICE_KEYS = {
+    "num_pages": "kv_cache.max_pages_per_gpu", "page_size": "kv_cache.page_size",
+    "ring_pages": "kv_cache.ring_pages", "max_running": "scheduler.decode_max_concurrent",
+    "prefill_token_budget": "scheduler.prefill_token_budget", "prefill_batch_size": "scheduler.prefill_batch_size",
+    "prefill_chunk_tokens": "scheduler.prefill_chunk_tokens",
+    "decode_step_interval_ms": "scheduler.decode_step_interval_ms",
+    "ring_buffer_size": "scheduler.ring_buffer_size", "prefill_workers": "compute.prefill_workers",
+    "decode_workers": "compute.decode_workers", "prefill_cpus": "compute.prefill_cpus",
+    "decode_cpus": "compute.decode_cpus", "threads_per_worker": "compute.threads_per_worker",
+    "dtype": "dtype", "seed": "seed", "max_images_per_request": "api.max_images_per_request",
+    "enforce_eager": "enforce_eager", "cpu_gemm": "cpu_gemm",
+    "cpu_kernels": "cpu_kernels", "enable_prefix_caching": "kv_cache.enable_prefix_caching",
+    "encoder_cache_bytes": "cache.encoder_cache_bytes",
+}
+
+
+_ENGINE_KEYS = list(EngineConfig.field_names())
+
+
+def _colocated_engine_config(config: ServiceConfig | None, kwargs: dict[str, Any]) -> EngineConfig:
+    """The in-process engine's settings: ``config`` as its colocated worker would get it, then ``kwargs``.
+
+    Raises:
+        ValueError: a keyword that is not an :class:`EngineConfig` field, or a bad value.
+        ConfigError: ``config`` asks for what the runtime cannot run (TP/PP > 1, GPUs without CUDA).
+    """
+    unknown = sorted(set(kwargs) - set(_ENGINE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown LLM arguments {unknown} for mode='colocated'; allowed: {_ENGINE_KEYS}")
+    if config is None:
+        return EngineConfig(**kwargs)
+    if not isinstance(config, ServiceConfig):
+        raise ValueError(f"config must be a ServiceConfig (mm_serve.config.load_config), got {type(config).__name__}")
+    check_supported(config)
+    return engine_sizing(config, worker_device(config, "colocated", 0)).replace(**kwargs)
+
+
+class LLM:
+    """Generate from a llava-hf or Llama checkpoint.
+
+    Args:
+        model: a checkpoint directory or a registered name (``"embedded"``, the default).
+        mode: ``"disaggregated"`` (default: prefill and decode worker processes joined by
+            the cross-modal ring buffer), ``"colocated"`` (one engine in this process runs
+            every phase) or ``"colocated-worker"`` (the colocated engine in a worker process,
+            as ``mm-serve serve --mode colocated`` runs it).
+        config: a full :class:`~mm_serve.config.ServiceConfig`; in ``"colocated"`` mode its
+            engine settings (KV cache, scheduler, dtype, seed, ``cpu_gemm``, ...) as the
+            colocated worker would get them.
+        **kwargs: settings that override ``config``: sizing (``page_size``, ``num_pages``,
+            ``max_running``, ``dtype``, ``seed``, ``cpu_gemm``, ``cpu_kernels``, ...); the worker modes also take
+            ``prefill_workers``, ``decode_workers``, ... (see ``_SERVICE_KEYS``), the colocated
+            mode the :class:`~mm_serve.runtime.engine_config.EngineConfig` fields.
+
+    Use as a context manager, or call :meth:`close`, to stop worker processes; they
+    also stop when this process exits.
+
+    Raises:
+        CheckpointError: the model cannot be found or loaded.
+        ValueError: an unknown mode or a bad setting.
+        WorkerStartError: a worker process failed to start.
+    """
+
+    def __init__(
+        self, model: str | Path | None = None, mode: str = "disaggregated", config: ServiceConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if mode not in ("disaggregated", "colocated", "colocated-worker"):
+            raise ValueError(f"mode must be 'disaggregated', 'colocated' or 'colocated-worker', got {mode!r}")
+        self.mode = mode
+        self.model_dir = resolve_model(model)
+        self._counter = 0
+        self.engine: LLMEngine | None = None
+        self.client: EngineClient | None = None
+        if mode == "colocated":
+            self.engine = LLMEngine(self.model_dir, _colocated_engine_config(config, kwargs))
+            self.inputs = self.engine.inputs
+            return
+        unknown = sorted(set(kwargs) - set(_SERVICE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown LLM arguments {unknown}; allowed: {sorted(_SERVICE_KEYS)}")
+        overrides = {_SERVICE_KEYS[k]: v for k, v in kwargs.items()}
+        overrides["mode"] = "colocated" if mode == "colocated-worker" else "disaggregated"
+        base = config.model_dump() if config is not None else {}
+        service = config_from_dict(base, overrides)
+        self.client = EngineClient(self.model_dir, service)
+        self.inputs = self.client.inputs
+        self.client.start()
+        atexit.register(self.close)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inputs.tokenizer
+
+    def close(self) -> None:
+        """Stop the worker processes and free shared memory (no-op in colocated mode)."""
+        if self.client is not None:
+            self.client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def generate(
+        self, requests: str | dict[str, Any] | Sequence[str | dict[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run ``requests`` to completion with continuous batching; outputs in input order.
+
+        A request is ``{"prompt": str, "images": [PIL.Image, ...]}`` (the prompt holds
+        the image token once per image), ``{"prompt_token_ids": [...], "images": [...]}``
+        or ``{"messages": [...]}`` (chat, rendered with the checkpoint's template; image
+        parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
+        {"url": X}}``, ``X`` a PIL image, a path, bytes or a data URI); a bare string is
+        ``{"prompt": string}``.
+
+        Raises:
+            InvalidRequestError: a request is malformed or too long (nothing is run).
+        """
+        if isinstance(requests, str | dict):
+            requests = [requests]
+        batch = [{"prompt": r} if isinstance(r, str) else r for r in requests]
+        params = self._params_for(batch, sampling_params)
+        processed = [self.inputs.process(r) for r in batch]
+        if self.client is not None:
+            return self._generate_with_workers(processed, params, use_tqdm)
+        assert self.engine is not None
+        plan: list[tuple[str, list[str], int]] = []
+        for inputs, p in zip(processed, params, strict=True):
+            rid = f"req-{self._counter}"
+            self._counter += 1
+            sub_ids = []
+            for i in range(p.n):
+                seed = None if p.seed is None else p.seed + i
+                sub_id = f"{rid}/{i}"
+                self.engine.add_request(sub_id, inputs, replace(p, seed=seed, n=1))
+                sub_ids.append(sub_id)
+            plan.append((rid, sub_ids, len(inputs.prompt_token_ids)))
+        done: dict[str, Request] = {}
+        total = sum(len(s) for _, s, _ in plan)
+        with tqdm(total=total, disable=not use_tqdm, desc="generate") as bar:
+            while self.engine.has_unfinished():
+                for request in self.engine.step():
+                    done[request.request_id] = request
+                    bar.update(1)
+        return [self._collect(rid, sub_ids, n_prompt, done) for rid, sub_ids, n_prompt in plan]
+
+    def _generate_with_workers(
+        self, processed: list[ProcessedInputs], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        assert self.client is not None
+        plan: list[tuple[str, list[RequestState]]] = []
+        for inputs, p in zip(processed, params, strict=True):
+            rid = f"req-{uuid.uuid4().hex[:8]}-{self._counter}"
+            self._counter += 1
+            states = [
+                self.client.submit(f"{rid}/{i}", inputs, replace(p, seed=None if p.seed is None else p.seed + i, n=1))
+                for i in range(p.n)
+            ]
+            plan.append((rid, states))
+        all_states = [s for _, states in plan for s in states]
+        with tqdm(total=len(all_states), disable=not use_tqdm, desc="generate") as bar:
+            for state in all_states:
+                state.wait()
+                bar.update(1)
+        failed = [s for s in all_states if s.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
+        return [
+            RequestOutput(request_id=rid, num_prompt_tokens=states[0].num_prompt_tokens,
+                          num_cached_tokens=states[0].cached_tokens, outputs=[
+                CompletionOutput(index=i, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
+                                 stop_reason=s.stop_reason, logprobs=s.logprobs or None)
+                for i, s in enumerate(states)
+            ])
+            for rid, states in plan
+        ]
+
+    def _collect(self, rid: str, sub_ids: list[str], n_prompt: int, done: dict[str, Request]) -> RequestOutput:
+        assert self.engine is not None
+        outputs = []
+        for i, sub_id in enumerate(sub_ids):
+            request = done[sub_id]
+            outputs.append(CompletionOutput(
+                index=i, text=self.engine.output_text(request), token_ids=list(request.output_token_ids),
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                logprobs=request.output_logprobs if request.sampling_params.logprobs is not None else None,
+            ))
+            self.engine.release(sub_id)
+        cached = min(done[sub_ids[0]].num_prompt_cached_tokens, n_prompt)
+        return RequestOutput(request_id=rid, num_prompt_tokens=n_prompt, outputs=outputs, num_cached_tokens=cached)
+
+    @staticmethod
+    def _params_for(batch: list[dict[str, Any]], sampling_params: Any) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(batch)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(batch)
+        params = list(sampling_params)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(params)} sampling params for {len(batch)} requests")
+        return params
