@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mm_serve.ground.slo import SLO
+from mm_serve.ground.tiers import Tier, TierLabel
 from mm_serve.runtime.engine_config import DEFAULT_ENGINE as _E
 
 
@@ -163,15 +165,17 @@ class BatchConfig(_Frozen):
     fsync: bool = Field(False, description="fsync each result row (survives power loss); without it a row is flushed to the OS, which survives a crash or SIGKILL of the server.")
 
 
-TierName = Literal["interactive", "standard", "batch"]
-
-
 class TierSLO(_Frozen):
-    """The latency targets of one SLO tier."""
+    """The latency targets of one SLO tier (milliseconds here, at the configuration surface only)."""
 
     ttft_ms: float = Field(gt=0, le=3_600_000, description="Time-to-first-token SLO, in milliseconds.")
     tpot_ms: float = Field(gt=0, le=600_000, description="Time-per-output-token SLO, in milliseconds.")
     attainment: float = Field(0.9, gt=0, le=1, description="Target fraction of the tier's requests meeting both SLOs.")
+
+    @property
+    def slo(self) -> SLO:
+        """These targets in seconds, the unit everything past the configuration uses."""
+        return SLO(self.ttft_ms / 1000.0, self.tpot_ms / 1000.0, self.attainment)
 
 
 class TiersConfig(_Frozen):
@@ -208,7 +212,29 @@ class SLOConfig(_Frozen):
     """SLO tiers; a request picks one with OpenAI's ``service_tier`` (README "SLO tiers")."""
 
     tiers: TiersConfig = TiersConfig()
-    default_tier: TierName = Field("standard", description="Tier of a request that sends no service_tier (or 'auto').")
+    default_tier: TierLabel = Field("standard", description="Tier of a request that sends no service_tier (or 'auto').")
+
+    def of(self, tier: Tier) -> SLO:
+        """The SLO of ``tier``, in seconds."""
+        slo: TierSLO = getattr(self.tiers, tier.label)
+        return slo.slo
+
+    @property
+    def default(self) -> Tier:
+        """The tier of a request that names none (``default_tier``)."""
+        return Tier.from_label(self.default_tier)
+
+    def ageing_s(self, tier: Tier) -> float:
+        """Seconds after which a queued prefill request of ``tier`` is served as the tightest tier
+        (0.0 for the tightest tier itself): when what is left of its TTFT SLO is the tightest
+        tier's TTFT SLO, the time a request of that tier is promised; at least half its own TTFT
+        SLO, so a tier whose SLO is close to the tightest one's keeps some precedence. From then on
+        it is served in arrival order with the tightest tier's requests, so a looser request
+        admitted just before a burst of tighter ones does not wait for the whole burst."""
+        if tier == Tier.INTERACTIVE:
+            return 0.0
+        own, tightest = self.of(tier).ttft_s, self.of(Tier.INTERACTIVE).ttft_s
+        return max(own - tightest, own / 2)
 
 
 class AdmissionConfig(_Frozen):

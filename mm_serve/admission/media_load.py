@@ -4,7 +4,7 @@ The API process fetches, decodes and preprocesses images (and tokenizes prompts)
 threads that share the cores with the workers; under a burst the calls in that phase finish in
 roughly the order they started, at the rate the process gets through their work. Each call
 brings a *work* figure: the megapixels of its images (declared in their headers, or
-:data:`~mm_serve.api.admission_gate.UNDECLARED_IMAGE_MEGAPIXELS` each) plus a small fixed part
+:data:`~mm_serve.pipeline.gate.UNDECLARED_IMAGE_MEGAPIXELS` each) plus a small fixed part
 for templating and tokenizing. The time a call still has to wait is then the work of the calls
 in the phase that started before it, plus its own, over the work throughput (Little's law over
 work; Little 1961):

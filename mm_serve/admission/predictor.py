@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from mm_serve.admission.online_fit import OnlineLinearFit
 from mm_serve.admission.ratio_correction import RatioCorrection
-from mm_serve.admission.tiers import TIERS
+from mm_serve.ground.tiers import Tier
 from mm_serve.planner.profile_file import Profile
 
 DEFAULT_PREFILL = (0.004, 2e-5, 0.004)  # s per batch, s per token, s per image
@@ -65,7 +65,7 @@ class LateRequest:
     """A queued request of a looser tier that a new request, prefilled before it, would make late
     (:attr:`Prediction.makes_late`); seconds are from the moment of the prediction."""
 
-    rank: int  # its tier's rank
+    tier: Tier  # its tier
     first_token_in_s: float  # when its first token would come, the new request served first
     due_in_s: float  # when its first token is due: its TTFT SLO (times its tier's feedback factor) after its arrival
 
@@ -84,9 +84,9 @@ class Prediction:
     queue_s: float  # TTFT base less its own prefill alone: the wait for the work ahead and its batch-mates (before the correction)
     ttft_base_s: float = 0.0  # queue + own prefill as the fit prices them (before the correction)
     tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it, times the worker's last steps' scale (before the correction)
-    rank: int = 1  # the tier rank it was predicted for
+    tier: Tier = Tier.STANDARD  # the tier it was predicted for
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
-    decode_tightest_rank: int | None = None  # tightest tier rank live on its decode worker (None: none)
+    decode_tightest: Tier | None = None  # tightest tier live on its decode worker (None: none)
     waited_s: float = 0.0  # seconds from the call's arrival to this prediction (images, hold, a busy front end; in ``ttft_s``)
     tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker
     # the queued looser request that this one, served before it, would make miss its TTFT SLO (the worst; None: none)
@@ -113,8 +113,8 @@ class LatencyPredictor:
         # its prefill worker idle measures it as its span less its own prefill (additive: scaling it
         # with the corrections would make a small model's predictions explode under load)
         self.transit_s = 0.0
-        # measured queue + prefill / the fit's, one per tier rank (interactive waits for looser batches in progress)
-        self.ttft_corrections = [RatioCorrection() for _ in TIERS]
+        # measured queue + prefill / the fit's, one per tier (interactive waits for looser batches in progress)
+        self.ttft_corrections = [RatioCorrection() for _ in Tier]
         self.tpot_correction = RatioCorrection()  # measured TPOT / the fit's decode step
         self.started = time.monotonic()
 
@@ -159,14 +159,13 @@ class LatencyPredictor:
             return 0.0
         return max(0.0, scale * self.prefill_seconds(running.tokens, running.images) - elapsed_s)
 
-    def first_token_in(self, through: QueueAhead, before_s: float, rank: int, scale: float = 1.0) -> float:
-        """Predicted seconds from now to the first token of a queued request of tier ``rank`` with
+    def first_token_in(self, through: QueueAhead, before_s: float, tier: Tier, scale: float = 1.0) -> float:
+        """Predicted seconds from now to the first token of a queued request of ``tier`` with
         the queued work ``through`` served before it, itself included (packed in full batches), after
         ``before_s`` seconds of the batch in progress, on a worker ``scale`` times slower than the fit:
         priced as its tier's predictions are (its TTFT correction, the transit; no front-end overhead,
         which it has had)."""
-        rank = min(max(rank, 0), len(self.ttft_corrections) - 1)
-        return (before_s + scale * self.queue_seconds(through)) * self.ttft_corrections[rank].value + self.transit_s
+        return (before_s + scale * self.queue_seconds(through)) * self.ttft_corrections[tier].value + self.transit_s
 
     def through_own_batch(self, ahead: QueueAhead, looser: QueueAhead, tokens: int, images: int,
                           before_s: float = 0.0, arrivals: QueueAhead | None = None, window_s: float = 1.0,
@@ -200,11 +199,11 @@ class LatencyPredictor:
         return wait + scale * self.prefill_seconds(batch_tokens, batch_images)
 
     def predict(self, ahead: QueueAhead, tokens: int, images: int, decode_batch: int,
-                decode_context: int, looser: QueueAhead | None = None, rank: int = 1, reserve: int = 0,
+                decode_context: int, looser: QueueAhead | None = None, tier: Tier = Tier.STANDARD, reserve: int = 0,
                 running: QueueAhead | None = None, running_elapsed_s: float = 0.0,
                 arrivals: QueueAhead | None = None, arrivals_window_s: float = 1.0,
                 prefill_worker: int | None = None, decode_worker: int | None = None) -> Prediction:
-        """TTFT and TPOT of a request of tier ``rank`` with ``tokens`` prompt tokens and ``images`` images.
+        """TTFT and TPOT of a request of ``tier`` with ``tokens`` prompt tokens and ``images`` images.
 
         With the batch in progress on its prefill worker known (``running``), the TTFT's queue
         + prefill part is the rest of that batch (:meth:`remaining_seconds`) and then the batches
@@ -218,7 +217,7 @@ class LatencyPredictor:
             decode_batch: requests its decode worker will run with it (it included).
             decode_context: context tokens of that batch (prompt and outputs, it included).
             looser: work queued there at looser tiers (likewise).
-            rank: its tier rank (0 interactive, 1 standard, 2 batch): each has its own TTFT correction.
+            tier: its SLO tier: each has its own TTFT correction.
             reserve: requests to keep room for on the decode worker (``tpot_reserved_s``).
             running: the batch prefilling there now (any tier), started ``running_elapsed_s`` seconds ago.
             arrivals: work dispatched to that prefill worker in the last ``arrivals_window_s`` seconds.
@@ -239,9 +238,8 @@ class LatencyPredictor:
         step = live * self.decode.predict((1.0, decode_batch, decode_context))
         batch = max(1, decode_batch)
         reserved = live * self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
-        rank = min(max(rank, 0), len(self.ttft_corrections) - 1)
-        return Prediction(base * self.ttft_corrections[rank].value + self.transit_s + self.overhead_s,
-                          step * self.tpot_correction.value, queue, base, step, rank=rank,
+        return Prediction(base * self.ttft_corrections[tier].value + self.transit_s + self.overhead_s,
+                          step * self.tpot_correction.value, queue, base, step, tier=tier,
                           tpot_reserved_s=reserved * self.tpot_correction.value)
 
     def observe_prefill(self, tokens: int, images: int, seconds: float, worker: int | None = None,
@@ -281,7 +279,7 @@ class LatencyPredictor:
             if prediction.queue_s <= 0:
                 residual = max(0.0, prefill_span_s - prediction.ttft_base_s)
                 self.transit_s += TRANSIT_WEIGHT * (residual - self.transit_s)
-            self.ttft_corrections[prediction.rank].observe(prefill_span_s - self.transit_s, prediction.ttft_base_s)
+            self.ttft_corrections[prediction.tier].observe(prefill_span_s - self.transit_s, prediction.ttft_base_s)
         if tpot_s is not None:
             self.tpot_correction.observe(tpot_s, prediction.tpot_step_s)
 
@@ -318,7 +316,7 @@ class LatencyPredictor:
                        "worker_speed": {str(i): round(c.value, 4) for i, c in sorted(self.decode_live.items())}},
             "overhead_s": self.overhead_s,
             "transit_s": self.transit_s,
-            "ttft_correction": {name: round(c.value, 4) for name, c in zip(TIERS, self.ttft_corrections,
-                                                                              strict=True)},
+            "ttft_correction": {tier.label: round(c.value, 4) for tier, c in zip(Tier, self.ttft_corrections,
+                                                                                    strict=True)},
             "tpot_correction": round(self.tpot_correction.value, 4),
         }

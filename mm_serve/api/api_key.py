@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hmac
 
-from mm_serve.api.errors import APIError
+from mm_serve.protocol.errors import APIError
 
 
 def api_key_ok(authorization: str, key: str | None) -> bool:

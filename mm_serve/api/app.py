@@ -1,30 +1,43 @@
-"""The FastAPI application: OpenAI-compatible routes, health, version, internal stats."""
+"""The FastAPI application: OpenAI-compatible routes, health, version, metrics, internal stats.
+
+Features above this floor (the Batch API) join through :class:`AppExtension`: their routes,
+body limits, start and close, without this module importing them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.params import Depends as DependsParam
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge
 
-from mm_serve import __version__
 from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS
-from mm_serve.admission.controller import NEVER_REFUSED
-from mm_serve.admission.tiers import TIERS
 from mm_serve.api.api_key import api_key_ok, unauthorized
-from mm_serve.api.batch_routes import add_batch_routes
-from mm_serve.api.body_limit import ArrivalTimeMiddleware, BodyLimitMiddleware
+from mm_serve.api.arrival import ArrivalTimeMiddleware
+from mm_serve.api.body_limit import BodyLimitMiddleware
 from mm_serve.api.chat import create_chat_completion
 from mm_serve.api.completions import create_completion
-from mm_serve.api.context import ServerContext
-from mm_serve.api.errors import install_error_handlers
-from mm_serve.api.request_builder import check_model
-from mm_serve.api.schemas import (
+from mm_serve.api.error_handlers import install_error_handlers
+from mm_serve.ground.roles import Role
+from mm_serve.ground.tiers import NEVER_REFUSED, Tier
+from mm_serve.ground.version import VERSION
+from mm_serve.metrics.service_metrics import (
+    FaultCollector,
+    ServiceMetrics,
+    WorkerStatsCollector,
+    cache_health,
+    render,
+)
+from mm_serve.metrics.tier_metrics import TierMetrics
+from mm_serve.pipeline.call import check_model
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.protocol.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -35,19 +48,7 @@ from mm_serve.api.schemas import (
     ModelList,
     VersionResponse,
 )
-from mm_serve.batch.service import BatchService
-from mm_serve.metrics.service_metrics import (
-    FaultCollector,
-    ServiceMetrics,
-    WorkerStatsCollector,
-    cache_health,
-    render,
-)
-from mm_serve.metrics.tier_metrics import TierMetrics
 from mm_serve.runtime import messages
-
-UPLOAD_OVERHEAD_BYTES = 1 << 20
-"""What a multipart upload may add to ``batch.max_file_bytes`` (boundaries, part headers, the purpose)."""
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
@@ -55,6 +56,27 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
                        (413, "Body too large"), (429, "Refused by admission control (Retry-After)"),
                        (503, "Service unavailable"))
 }
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})  # bodies held in the image budget
+
+
+class AppExtension(Protocol):
+    """A feature that adds routes to the app (the Batch API)."""
+
+    def body_limits(self) -> dict[str, tuple[int, str]]:
+        """Per path, its body limit in bytes and the config key a 413 names (e.g. file uploads)."""
+        ...
+
+    def add_routes(self, app: FastAPI, auth: list[DependsParam]) -> None:
+        """Register its routes on ``app``, each with the ``auth`` dependencies."""
+        ...
+
+    def start(self) -> None:
+        """Start with the app, once the engine is starting."""
+        ...
+
+    async def close(self) -> None:
+        """Stop with the app, before the engine stops."""
+        ...
 
 
 def _fastapi(**kwargs: Any) -> FastAPI:
@@ -67,48 +89,32 @@ def _fastapi(**kwargs: Any) -> FastAPI:
     return FastAPIOffline(**kwargs)
 
 
-def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
-    """The ASGI app for ``ctx``; with ``start_engine`` the workers start with the app's lifespan
-    (and unfinished batches resume once they are ready)."""
-    batches = BatchService(ctx)
+def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequence[AppExtension] = ()) -> FastAPI:
+    """The ASGI app for ``ctx`` with the routes of ``extensions``; with ``start_engine`` the workers
+    start with the app's lifespan, and the extensions start after them."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if start_engine:
             ctx.holder.start_background()
-            batches.start()
+            for extension in extensions:
+                extension.start()
         try:
             yield
         finally:
-            await batches.close()
+            for extension in extensions:
+                await extension.close()
             if start_engine:
                 await asyncio.to_thread(ctx.holder.stop)
 
-    app = _fastapi(title="mm-serve", version=__version__, lifespan=lifespan,
+    app = _fastapi(title="mm-serve", version=VERSION, lifespan=lifespan,
                    description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
     registry = CollectorRegistry()
-    metrics = ServiceMetrics(registry)
-    Gauge("mm_serve_image_bytes_in_flight", "Bytes of the image budget (admission.max_image_bytes_in_flight) held now "
-          "by request bodies being read and images being fetched, decoded and preprocessed.",
-          registry=registry).set_function(lambda: ctx.image_budget.reserved)
-    registry.register(WorkerStatsCollector(lambda: dict(ctx.holder.client.stats)))
-    registry.register(FaultCollector(ctx.holder.client.fault_report))
-    ctx.holder.client.finish_listeners.append(metrics.observe_finished)
-    ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)
-    ctx.holder.client.finish_listeners.extend([ctx.tier_metrics.observe_finished, ctx.admission.on_finished])
-    for rank, name in enumerate(TIERS):
-        if name == NEVER_REFUSED:
-            continue
-        for slo in FEEDBACK_SLOS:
-            ctx.tier_metrics.follow_limit_factor(name, slo, functools.partial(ctx.admission.limit_factor, rank, slo))
-    ctx.holder.client.step_listeners.append(ctx.admission.on_step)
-    if ctx.config.scheduler.prefill_speed_routing:
-        ctx.holder.client.step_listeners.append(_route_by_speed(ctx))
+    metrics = _wire_metrics(ctx, registry)
     install_error_handlers(app, metrics.observe_rejected)
-    upload_limit = (ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES, "batch.max_file_bytes, plus 1 MiB of form")
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes,
-                       path_limits={"/v1/files": upload_limit}, budget=ctx.image_budget,
-                       budget_paths=frozenset({"/v1/chat/completions", "/v1/completions"}), on_refused=metrics.observe_rejected,
+    path_limits = {path: limit for extension in extensions for path, limit in extension.body_limits().items()}
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes, path_limits=path_limits,
+                       budget=ctx.image_budget, budget_paths=GENERATION_PATHS, on_refused=metrics.observe_rejected,
                        api_key=ctx.config.api.api_key, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
                        read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s)
     app.add_middleware(ArrivalTimeMiddleware)
@@ -118,7 +124,39 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
             raise unauthorized()
 
     auth = [Depends(require_key)]
-    add_batch_routes(app, batches, auth)
+    for extension in extensions:
+        extension.add_routes(app, auth)
+    _openai_routes(app, ctx, auth)
+    _service_routes(app, ctx, registry, auth)
+    return app
+
+
+def _wire_metrics(ctx: ServerContext, registry: CollectorRegistry) -> ServiceMetrics:
+    """The service and tier metrics in ``registry``, fed by the engine client's listeners; the
+    admission controller learns from the same listeners."""
+    metrics = ServiceMetrics(registry)
+    Gauge("mm_serve_image_bytes_in_flight", "Bytes of the image budget (admission.max_image_bytes_in_flight) held now "
+          "by request bodies being read and images being fetched, decoded and preprocessed.",
+          registry=registry).set_function(lambda: ctx.image_budget.reserved)
+    client = ctx.holder.client
+    registry.register(WorkerStatsCollector(lambda: dict(client.stats)))
+    registry.register(FaultCollector(client.fault_report))
+    ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)
+    client.finish_listeners.extend([metrics.observe_finished, ctx.tier_metrics.observe_finished,
+                                    ctx.admission.on_finished])
+    for tier in Tier:
+        if tier == NEVER_REFUSED:
+            continue
+        for slo in FEEDBACK_SLOS:
+            ctx.tier_metrics.follow_limit_factor(tier, slo, functools.partial(ctx.admission.limit_factor, tier, slo))
+    client.step_listeners.append(ctx.admission.on_step)
+    if ctx.config.scheduler.prefill_speed_routing:
+        client.step_listeners.append(_route_by_speed(ctx))
+    return metrics
+
+
+def _openai_routes(app: FastAPI, ctx: ServerContext, auth: list[DependsParam]) -> None:
+    """``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``."""
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS, dependencies=auth,
               summary="Chat completion (text and images); set stream=true for SSE chunks")
@@ -144,6 +182,10 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
         check_model(model, ctx.served_model_name, str(ctx.holder.model_dir))
         return card()
 
+
+def _service_routes(app: FastAPI, ctx: ServerContext, registry: CollectorRegistry, auth: list[DependsParam]) -> None:
+    """``/health``, ``/metrics``, ``/version`` and ``/internal/stats``."""
+
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health() -> JSONResponse:
         status, workers, faults = ctx.holder.health()
@@ -163,15 +205,13 @@ def build_app(ctx: ServerContext, start_engine: bool = True) -> FastAPI:
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        return VersionResponse(version=__version__, model=ctx.served_model_name)
+        return VersionResponse(version=VERSION, model=ctx.served_model_name)
 
     @app.get("/internal/stats", dependencies=auth, summary="Per-worker KV pages, queues and counters")
     async def stats() -> dict[str, Any]:
         client = ctx.client_or_503()
         fresh = await asyncio.to_thread(client.query_stats)
         return {f"{role}{index}": {f: getattr(s, f) for f in s.__struct_fields__} for (role, index), s in fresh.items()}
-
-    return app
 
 
 def _loop_name() -> str:
@@ -192,7 +232,7 @@ def _route_by_speed(ctx: ServerContext) -> Callable[[str, int, messages.StepTimi
 
     def listener(role: str, index: int, step: messages.StepTiming) -> None:
         router = ctx.holder.client.router
-        if step.kind == "prefill" and role in ("prefill", "colocated") and router is not None:
+        if step.kind == "prefill" and Role(role).prefills and router is not None:
             router.set_prefill_speed(index, ctx.admission.predictor.prefill_scale(index))
 
     return listener

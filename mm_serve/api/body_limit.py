@@ -1,11 +1,10 @@
-"""ASGI middlewares: refuse bodies over ``max_body_bytes`` with 413 before parsing; count the bodies
-being read against the image budget, within read timeouts; stamp arrival time."""
+"""The body middleware: refuse bodies over ``max_body_bytes`` with 413 before parsing; count the
+bodies being read against the image budget, within read timeouts."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +12,10 @@ from typing import Any
 from mm_serve.admission.byte_budget import IMAGE_RETRY_AFTER_S, ByteBudget
 from mm_serve.admission.rejection import Rejection
 from mm_serve.api.api_key import scope_authorized, unauthorized
-from mm_serve.api.errors import APIError, from_rejection, unavailable
+from mm_serve.api.body_hold import AheadByClient, BodyHold
+from mm_serve.api.error_handlers import error_response
+from mm_serve.pipeline.refusal import from_rejection
+from mm_serve.protocol.errors import APIError, unavailable
 
 Scope = dict[str, Any]
 STOP_CHECK_S = 0.25  # a body being read notices the service shutting down within this long
@@ -61,7 +63,7 @@ class BodyLimitMiddleware:
         self.idle_timeout_s = idle_timeout_s
         self.read_timeout_s = read_timeout_s
         self.stopping = stopping
-        self._ahead = _AheadByClient()
+        self._ahead = AheadByClient()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -78,7 +80,7 @@ class BodyLimitMiddleware:
         if guarded and not scope_authorized(scope.get("headers", []), self.api_key):
             await self._answer(scope, receive, send, unauthorized())
             return
-        held = _BodyHold(self.budget if guarded else None)
+        held = BodyHold(self.budget if guarded else None)
         scope.setdefault("state", {})["release_body"] = held.release
         client = str((scope.get("client") or ("",))[0])
         try:
@@ -104,7 +106,7 @@ class BodyLimitMiddleware:
             held.ahead = 0
             held.release()
 
-    async def _read_first(self, scope: Scope, receive: Any, send: Any, limit: int, key: str, held: _BodyHold,
+    async def _read_first(self, scope: Scope, receive: Any, send: Any, limit: int, key: str, held: BodyHold,
                           timed: bool, client: str = "") -> None:
         """Read the whole body, then run the app on it. Its first ``held.ahead`` bytes are held
         already (as they arrive they leave ``client``'s share of bytes held ahead of arrival); each
@@ -232,7 +234,7 @@ class BodyLimitMiddleware:
         its body is unread."""
         if self.on_refused is not None:
             self.on_refused(error.status)
-        response = error.response()
+        response = error_response(error)
         response.headers["connection"] = "close"
         await response(scope, receive, send)
 
@@ -251,123 +253,3 @@ class _ServiceStopping(Exception):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(f"shutting down; retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s
-
-
-class ArrivalTimeMiddleware:
-    """Stamps ``request.state.arrival`` (``time.monotonic()``) before the body is read, for TTFT,
-    and reports the milliseconds from then to the response's start in a ``Server-Timing: app;dur=``
-    header (W3C Server Timing): for a refusal the whole of its handling here, for a stream the
-    time to its headers. A client that measures more has spent the rest outside the application
-    (connection, HTTP parsing, its own event loop). The phases a handler marked on the way
-    (:func:`mark_phase`) follow as more metrics, each the milliseconds since the previous mark:
-    ``app;dur=41.0, parse;dur=2.1, precheck;dur=0.4, media;dur=37.9``."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        arrival = time.monotonic()
-        state = scope.setdefault("state", {})
-        state["arrival"] = arrival
-        phases: list[tuple[str, float]] = state.setdefault("phases", [])
-
-        async def timed_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                metrics, since = [f"app;dur={1000.0 * (time.monotonic() - arrival):.1f}"], arrival
-                for name, at in phases:
-                    metrics.append(f"{name};dur={1000.0 * (at - since):.1f}")
-                    since = at
-                headers = list(message.get("headers", []))
-                headers.append((b"server-timing", ", ".join(metrics).encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, timed_send)
-
-
-def mark_phase(request: Any, name: str) -> None:
-    """Mark the end of phase ``name`` (a token: letters, digits, ``_``) of handling ``request`` now:
-    reported in its ``Server-Timing`` header as the milliseconds since the previous mark (or its
-    arrival). Nothing for a request that did not pass :class:`ArrivalTimeMiddleware`."""
-    phases = getattr(request.state, "phases", None)
-    if phases is not None:
-        phases.append((name, time.monotonic()))
-
-
-class _BodyHold:
-    """The bytes one request's body holds in a :class:`ByteBudget` (none without a budget)."""
-
-    def __init__(self, budget: ByteBudget | None) -> None:
-        self.budget = budget
-        self.held = 0
-        self.ahead = 0  # of the held bytes, those held before they arrived (from the Content-Length)
-        self._lock = threading.Lock()
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` (capped at the capacity) would fit the budget now (nothing reserved)."""
-        if self.budget is None:
-            return True
-        return self.budget.capacity - self.budget.reserved >= min(nbytes, self.budget.capacity)
-
-    def add(self, nbytes: int) -> bool:
-        """Hold ``nbytes`` more (the total capped at the budget's capacity, so a body larger than
-        it passes alone); False when they do not fit now."""
-        if self.budget is None:
-            return True
-        with self._lock:
-            more = min(nbytes, self.budget.capacity - self.held)
-            if more <= 0:
-                return True
-            if not self.budget.try_reserve(more):
-                return False
-            self.held += more
-            return True
-
-    def release(self) -> None:
-        """Give the held bytes back (once; later calls do nothing)."""
-        with self._lock:
-            held, self.held = self.held, 0
-        if held and self.budget is not None:
-            self.budget.release(held)
-
-
-class _AheadByClient:
-    """Per client address, the bytes its bodies hold in the budget before they have arrived (on the
-    event loop only)."""
-
-    def __init__(self) -> None:
-        self._bytes: dict[str, int] = {}
-
-    def take(self, client: str, nbytes: int, cap: int) -> int:
-        """Let ``client`` hold ``nbytes`` ahead if its total stays within ``cap``: returns ``nbytes``,
-        or 0 (its body is then held as it arrives)."""
-        now = self._bytes.get(client, 0)
-        if now + nbytes > cap:
-            return 0
-        self._bytes[client] = now + nbytes
-        return nbytes
-
-    def give(self, client: str, nbytes: int) -> None:
-        if nbytes <= 0:
-            return
-        left = self._bytes.get(client, 0) - nbytes
-        if left > 0:
-            self._bytes[client] = left
-        else:
-            self._bytes.pop(client, None)
-
-
-def release_body(request: Any) -> None:
-    """Give back the bytes ``request``'s body holds in the image budget (:class:`BodyLimitMiddleware`),
-    when the handler's own image reservation takes over. Nothing for a request that holds none."""
-    release = getattr(request.state, "release_body", None)
-    if release is not None:
-        release()
-
-
-def arrival_time(request: Any) -> float:
-    """When the request reached the server (falls back to now)."""
-    return float(getattr(request.state, "arrival", time.monotonic()))

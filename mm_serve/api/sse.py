@@ -1,9 +1,11 @@
-"""Server-sent events framing for streamed completions."""
+"""Server-sent events framing for streamed completions, and the headers of a stream."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+from mm_serve.admission.predictor import Prediction
 
 DONE = "data: [DONE]\n\n"
 
@@ -17,3 +19,15 @@ def error_event(message: str, type_: str = "service_unavailable", code: str | No
     """An OpenAI-style error object sent inside a stream (headers are already out); ``code``
     defaults to ``type_``, as the same failure's non-streamed 503 body has it."""
     return event({"error": {"message": message, "type": type_, "param": None, "code": code or type_}})
+
+
+PREDICTION_HEADER = "x-mm-serve-predicted-ttft-ms"
+TPOT_PREDICTION_HEADER = "x-mm-serve-predicted-tpot-ms"
+
+
+def prediction_header(prediction: Prediction | None) -> dict[str, str]:
+    """The predicted TTFT and TPOT in milliseconds, for a stream's response headers (none without
+    a prediction)."""
+    if prediction is None:
+        return {}
+    return {PREDICTION_HEADER: f"{1000 * prediction.ttft_s:.1f}", TPOT_PREDICTION_HEADER: f"{1000 * prediction.tpot_s:.2f}"}

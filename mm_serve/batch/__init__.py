@@ -9,7 +9,7 @@ Modules, one job each:
 * :mod:`~mm_serve.batch.row_backend`: one row answered by the server's own route code;
 * :mod:`~mm_serve.batch.finalize`: a batch's results split into its output and error files;
 * :mod:`~mm_serve.batch.runner`: running, resuming, cancelling and expiring batches;
-* :mod:`~mm_serve.batch.service`: what the HTTP routes call (:mod:`mm_serve.api.batch_routes`).
+* :mod:`~mm_serve.batch.service`: what the HTTP routes call (:mod:`mm_serve.batch.routes`).
 
 A batch runs on the caption job's machinery (:mod:`mm_serve.caption`): the input
 file is parsed by its OpenAI batch reader, rows run in its in-flight window

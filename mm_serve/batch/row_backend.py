@@ -1,12 +1,12 @@
-"""One batch row answered by the server's own route code, within the in-flight cap.
+"""One batch row answered by the server's own call pipeline, within the in-flight cap.
 
-A row's body goes through exactly what ``POST /v1/chat/completions`` or
-``POST /v1/completions`` runs (:func:`~mm_serve.api.chat.create_chat_completion`,
-:func:`~mm_serve.api.completions.create_completion`, non-streamed): the same
-schema, image rules, tokenization and sampling mapping, so a row's response body
-is the one an interactive request would get, and a request the server would
-refuse (an undecodable image, a bad parameter) gets the server's status code and
-error body in its error row. Rows never fail the batch.
+A row's body goes through exactly what ``POST /v1/chat/completions`` or ``POST /v1/completions``
+runs, non-streamed (:func:`~mm_serve.pipeline.pipeline.admit_call`,
+:func:`~mm_serve.pipeline.responses.answer`): the same schema, image rules, tokenization,
+sampling mapping and admission, so a row's response body is the one an interactive request
+would get, and a request the server would refuse (an undecodable image, a bad parameter, a
+queue cap) gets the server's status code and error body in its error row. Rows never fail
+the batch.
 
 Batch rows use spare capacity only, as far as the front end can tell: a row starts
 only while the engine has fewer than ``batch.max_in_flight_rows`` requests in flight,
@@ -21,33 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
-from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from mm_serve.api.chat import create_chat_completion
-from mm_serve.api.completions import create_completion
-from mm_serve.api.context import ServerContext
-from mm_serve.api.errors import APIError, validation_error
-from mm_serve.api.schemas import ChatCompletionRequest, CompletionRequest, dump
 from mm_serve.caption.backends import CaptionBackend, FatalBackendError
 from mm_serve.caption.inputs import COMPLETIONS_URL, CaptionInput
-from mm_serve.caption.records import Outcome
+from mm_serve.caption.records import Outcome, answered, refused
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.pipeline.origin import CallOrigin
+from mm_serve.pipeline.pipeline import admit_call
+from mm_serve.pipeline.responses import answer
+from mm_serve.protocol.errors import APIError, validation_error
+from mm_serve.protocol.schemas import ChatCompletionRequest, CompletionRequest, dump
 
 SPARE_POLL_S = 0.005
-
-
-class _RowRequest:
-    """Stands in for the HTTP request of a route call: arrival now, never disconnected."""
-
-    def __init__(self) -> None:
-        self.state = SimpleNamespace(arrival=time.monotonic())
-
-    async def is_disconnected(self) -> bool:
-        return False
 
 
 class RowBackend(CaptionBackend):
@@ -92,11 +81,7 @@ class RowBackend(CaptionBackend):
                 if exc.status == 503 and not self.engine_up():
                     raise FatalBackendError(exc.message) from None
                 return refused(time.perf_counter() - start, exc)
-            payload = dump(response)
-            usage = payload.get("usage") or {}
-            return Outcome(latency_s=time.perf_counter() - start, status_code=200, body=payload,
-                           request_id=str(payload.get("id")), prompt_tokens=usage.get("prompt_tokens"),
-                           completion_tokens=usage.get("completion_tokens"))
+            return answered(time.perf_counter() - start, dump(response))
 
     async def _wait_for_spare_capacity(self) -> None:
         """Return once the engine has fewer than ``batch.max_in_flight_rows`` requests in flight
@@ -114,26 +99,13 @@ class RowBackend(CaptionBackend):
         if body.get("service_tier") in (None, "auto"):
             body["service_tier"] = "batch"
         body.pop("stream_options", None)
-        raw = cast(Request, _RowRequest())
+        origin = CallOrigin.internal()
         try:
-            if item.url == COMPLETIONS_URL:
-                completion = CompletionRequest.model_validate(body)
-                result = await create_completion(completion, raw, self.ctx)
-            else:
-                chat = ChatCompletionRequest.model_validate(body)
-                result = await create_chat_completion(chat, raw, self.ctx)
+            request = (CompletionRequest if item.url == COMPLETIONS_URL else ChatCompletionRequest).model_validate(body)
         except ValidationError as exc:
             raise validation_error(RequestValidationError(exc.errors())) from None
-        if not isinstance(result, BaseModel):  # only a disconnect answers otherwise, and rows never disconnect
-            raise APIError(500, "the route gave no response body", "internal_server_error")
-        return result
+        admitted = await admit_call(self.ctx, request, origin)
+        return await answer(self.ctx, admitted, origin.gone)
 
     async def aclose(self) -> None:
         """Nothing to release: the engine belongs to the server."""
-
-
-def refused(latency_s: float, exc: APIError) -> Outcome:
-    """A failed row with the status code and OpenAI error body the server sent."""
-    body = {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
-    return Outcome(latency_s=latency_s, error=exc.message, error_code=exc.code or exc.type,
-                   status_code=exc.status, body=body)

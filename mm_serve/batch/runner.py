@@ -34,7 +34,6 @@ import time
 import traceback
 from typing import Any
 
-from mm_serve.api.context import ServerContext
 from mm_serve.batch.files import FileStore
 from mm_serve.batch.finalize import count_results, split_results
 from mm_serve.batch.records import BatchRecord, BatchStatus, FileRecord
@@ -45,6 +44,7 @@ from mm_serve.caption.inputs import CaptionInput
 from mm_serve.caption.output import OutputFile
 from mm_serve.caption.records import Outcome, batch_row, row_succeeded
 from mm_serve.caption.runner import CaptionJob
+from mm_serve.pipeline.context import ServerContext
 
 ENGINE_POLL_S = 0.2
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-from mm_serve.api.context import ServerContext
-from mm_serve.api.errors import APIError, bad_request, unavailable
 from mm_serve.batch.files import FileLimitError, FileStore
 from mm_serve.batch.records import ACTIVE_STATUSES, BatchRecord, FileRecord, new_batch_id
 from mm_serve.batch.runner import BatchRunner
@@ -26,6 +24,8 @@ from mm_serve.batch.store import BatchStore
 from mm_serve.batch.validation import BatchFileError, read_batch_file
 from mm_serve.caption.inputs import BATCH_URL, COMPLETIONS_URL
 from mm_serve.config import BatchConfig
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.protocol.errors import APIError, bad_request, unavailable
 
 ENDPOINTS = (BATCH_URL, COMPLETIONS_URL)
 COMPLETION_WINDOWS = ("24h",)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from mm_serve.admission.tiers import TIERS
 from mm_serve.bench.records import RequestRecord
 from mm_serve.config import SLOConfig
+from mm_serve.ground.tiers import Tier
+
+TIERS = tuple(tier.label for tier in Tier)
 
 
 def parse_tier_mix(text: str) -> dict[str, float]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mm_serve.caption.inputs import CaptionInput, InputFormat
+from mm_serve.protocol.errors import APIError
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,19 @@ def failure(latency_s: float, message: str, code: str = "invalid_request", statu
             body: dict[str, Any] | None = None) -> Outcome:
     """An :class:`Outcome` for a failed input."""
     return Outcome(latency_s=latency_s, error=message, error_code=code, status_code=status_code, body=body)
+
+
+def refused(latency_s: float, error: APIError) -> Outcome:
+    """A failed input with the status code and OpenAI error body the server sends for ``error``."""
+    return failure(latency_s, error.message, error.code or error.type, error.status, error.body())
+
+
+def answered(latency_s: float, body: dict[str, Any], caption: str | None = None) -> Outcome:
+    """A served input: its response ``body`` (a ``chat.completion`` or ``text_completion``)."""
+    usage = body.get("usage") or {}
+    return Outcome(latency_s=latency_s, caption=caption, prompt_tokens=usage.get("prompt_tokens"),
+                   completion_tokens=usage.get("completion_tokens"), status_code=200, body=body,
+                   request_id=str(body.get("id")))
 
 
 def caption_row(item: CaptionInput, outcome: Outcome) -> dict[str, Any]:

@@ -128,13 +128,13 @@ def run(args: argparse.Namespace) -> int:
     defer_collection()  # through the imports and the engine's start (announce() below freezes the heap then)
     import uvicorn
 
-    from mm_serve.api.app import build_app
-    from mm_serve.api.context import ServerContext
-    from mm_serve.api.draining_server import DrainingServer
-    from mm_serve.api.engine_holder import EngineHolder
     from mm_serve.config import ConfigError, load_config
+    from mm_serve.engine.engine_holder import EngineHolder
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.registry import resolve_model
+    from mm_serve.pipeline.context import ServerContext
+    from mm_serve.server.app import build_app
+    from mm_serve.server.draining_server import DrainingServer
 
     try:
         cfg = load_config(args.config, _overrides(args))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mm_serve.engine.detokenizer import IncrementalDetokenizer
+from mm_serve.ground.tiers import Tier
 from mm_serve.runtime import messages
 
-if TYPE_CHECKING:
-    from mm_serve.admission.predictor import Prediction
+ABORTED = "aborted"  # the error of a request its caller cancelled: not a failure of the service
 
 
 class RequestState:
@@ -38,9 +38,8 @@ class RequestState:
         self.first_token_time: float | None = None  # monotonic, first output token received here
         self.token_times: list[float] = []  # monotonic receipt time of each output token
         self.finish_time: float | None = None
-        self.tier: str | None = None  # the SLO tier it is served in (set by the API)
+        self.tier: Tier | None = None  # the SLO tier it is served in (None: not counted per tier)
         self.predicted_ttft_s: float | None = None  # the admission controller's prediction, seconds
-        self.prediction: Prediction | None = None  # all of it (the predictor learns from its errors)
         self.cached_tokens = 0  # prompt tokens whose KV the prefill reused (prefix cache), <= num_prompt_tokens
         # moved to a new attempt after a worker fault, or parked while a role had no ready worker: its
         # latency measures the fault, not the load (the admission controller does not learn from it)
@@ -114,6 +113,20 @@ class RequestState:
             self.finish_time = time.monotonic()
             self._done.set()
         self._notify()
+
+    def abort(self) -> None:
+        """Finish as cancelled by the caller (error :data:`ABORTED`)."""
+        self.fail(ABORTED)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the caller cancelled it (:meth:`abort`)."""
+        return self.error == ABORTED
+
+    @property
+    def failure(self) -> str | None:
+        """Why the service failed it; None when it did not fail, or was cancelled by its caller."""
+        return None if self.error is None or self.aborted else self.error
 
     def drop_unordered(self) -> None:
         """Forget updates that arrived ahead of a gap (a failed attempt's; its next attempt

@@ -65,7 +65,7 @@ class ServiceMetrics:
         if reason in ("stop", "length"):
             code = "200"
         else:  # cancelled by the client (disconnect, timeout): 499; ended by a fault or a worker error: 503
-            code = "499" if state.error in (None, "aborted") else "503"
+            code = "499" if state.failure is None else "503"
         self.requests.labels(finish_reason=reason, status_code=code).inc()
         self.prompt_tokens.inc(state.num_prompt_tokens)
         self.generation_tokens.inc(len(state.token_ids))

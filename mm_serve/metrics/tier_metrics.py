@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mm_serve.config import SLOConfig
 from mm_serve.engine.request_state import RequestState
+from mm_serve.ground.tiers import Tier
 
 # Seconds, symmetric around 0: predicted minus measured TTFT.
 ERROR_BUCKETS = tuple(sorted({s * b for b in (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -52,33 +53,37 @@ class TierMetrics:
             "mm_serve_tier_admission_limit_factor", "What the tier's admission limit on an SLO is multiplied by now: "
             "1 while its admitted requests meet their attainment aim, less while they miss it (attainment feedback).",
             ("tier", "slo"), registry=registry)
-        self._counts: dict[str, list[int]] = {}
+        self._counts: dict[Tier, list[int]] = {}
 
-    def follow_limit_factor(self, tier: str, slo: str, read: Callable[[], float]) -> None:
+    def follow_limit_factor(self, tier: Tier, slo: str, read: Callable[[], float]) -> None:
         """Report ``read()`` as the limit factor of ``tier`` on ``slo``, read at each scrape."""
-        self.limit_factor.labels(tier=tier, slo=slo).set_function(read)
+        self.limit_factor.labels(tier=tier.label, slo=slo).set_function(read)
 
-    def observe_admission(self, tier: str, reason: str | None) -> None:
+    def observe_admission(self, tier: Tier, reason: str | None) -> None:
         """One call admitted (``reason`` None) or refused for ``reason``."""
         if reason is None:
-            self.admitted.labels(tier=tier).inc()
+            self.admitted.labels(tier=tier.label).inc()
         else:
-            self.rejected.labels(tier=tier, reason=reason).inc()
+            self.rejected.labels(tier=tier.label, reason=reason).inc()
+
+    def observe_decided_at_deadline(self, tier: Tier, committed: bool) -> None:
+        """One call decided at its decision deadline: committed (admitted) or refused."""
+        self.at_deadline.labels(tier=tier.label, outcome="committed" if committed else "refused").inc()
 
     def observe_finished(self, state: RequestState) -> None:
         """One finished engine request (receiver thread): attainment and prediction error."""
         tier, served = state.tier, state.served_latency()
         if tier is None or served is None:
             return  # cancelled (client gone: 499) or failed: not a served request, neither met nor missed
-        slo = getattr(self.slo.tiers, tier)
         ttft, tpot = served
-        met = ttft <= slo.ttft_ms / 1000.0 and tpot <= slo.tpot_ms / 1000.0
+        met = self.slo.of(tier).met(ttft, tpot)
         counts = self._counts.setdefault(tier, [0, 0])
         counts[0] += 1
         counts[1] += int(met)
-        self.finished.labels(tier=tier).inc()
+        label = tier.label
+        self.finished.labels(tier=label).inc()
         if met:
-            self.met.labels(tier=tier).inc()
-        self.attainment.labels(tier=tier).set(counts[1] / counts[0])
+            self.met.labels(tier=label).inc()
+        self.attainment.labels(tier=label).set(counts[1] / counts[0])
         if state.predicted_ttft_s is not None:
-            self.prediction_error.labels(tier=tier).observe(state.predicted_ttft_s - ttft)
+            self.prediction_error.labels(tier=label).observe(state.predicted_ttft_s - ttft)

@@ -11,10 +11,11 @@ import pytest
 from mm_serve.admission.attainment_feedback import FEEDBACK_STEP, AttainmentFeedback
 from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.rejection import Rejection
-from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
+from mm_serve.engine.load_ledger import LoadLedger
+from mm_serve.engine.load_view import LoadView, Route
 from mm_serve.engine.request_state import RequestState
-from mm_serve.engine.router import LoadView, Router
+from mm_serve.ground.tiers import Tier
 
 
 class _Clock:
@@ -75,18 +76,18 @@ def test_a_target_of_one_only_tightens_and_decays_and_bad_arguments_are_refused(
 
 
 class _Client:
-    """The one method of EngineClient the controller uses, over a real Router."""
+    """The one method of EngineClient the controller uses, over a real LoadLedger."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: LoadLedger) -> None:
         self.router = router
 
-    def load_view(self, rank: int, num_tokens: int, max_tokens: int) -> LoadView:
-        return self.router.view(rank, 1, [0], [0])
+    def load_view(self, tier: Tier, num_tokens: int, max_tokens: int) -> LoadView:
+        return self.router.view(tier, Route(0, 0))
 
 
 def _served(tier: str, ttft_s: float, tpot_s: float) -> RequestState:
     state = RequestState("r", 10, None)  # type: ignore[arg-type]
-    state.tier = tier
+    state.tier = Tier.from_label(tier)
     state.arrival_time = 100.0
     state.first_token_time = 100.0 + ttft_s
     state.token_times = [state.first_token_time, state.first_token_time + tpot_s]
@@ -97,11 +98,11 @@ def _served(tier: str, ttft_s: float, tpot_s: float) -> RequestState:
 def _controller_at(fraction: float, **overrides: object) -> tuple[AdmissionController, _Client, float]:
     """A controller whose interactive TTFT SLO puts the prediction of a 100-token request behind
     20000 queued interactive tokens at ``fraction`` of it (admission.margin -0.2: limit 80 %)."""
-    router = Router(1, 1, 1000, 64)
-    router.dispatched("q", 0, 0, 20_000, 1, rank=0)
+    router = LoadLedger(1, 1, 1000)
+    router.dispatched("q", 0, 0, 20_000, 1, tier=Tier(0))
     client = _Client(router)
     probe = AdmissionController(load_config(None))
-    predicted = probe.predict(client, tier_of("priority", probe.config.slo), 100, 0, 16)  # type: ignore[arg-type]
+    predicted = probe.predict(client, Tier.INTERACTIVE, 100, 0, 16)  # type: ignore[arg-type]
     assert predicted is not None
     slo_ms = predicted.ttft_s / fraction * 1000
     cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": slo_ms, "tpot_ms": 200}, **overrides})
@@ -110,7 +111,7 @@ def _controller_at(fraction: float, **overrides: object) -> tuple[AdmissionContr
 
 def test_late_interactive_requests_tighten_its_ttft_limit_until_a_call_under_the_margin_is_refused() -> None:
     controller, client, slo = _controller_at(0.7)
-    tier = tier_of("priority", controller.config.slo)
+    tier = Tier.INTERACTIVE
     assert controller.admit(client, tier, 100, 0, 16) is not None  # type: ignore[arg-type]  # 70 % < 80 %
     for _ in range(5):  # late on TTFT, in time on TPOT
         controller.on_finished(_served("interactive", 2 * slo, 0.001))
@@ -125,7 +126,7 @@ def test_late_interactive_requests_tighten_its_ttft_limit_until_a_call_under_the
     assert report["interactive"]["ttft"] == {"factor": pytest.approx(factor, abs=1e-3), "late": 5, "in_time": 0}
     assert set(report) == {"interactive", "standard"}  # the batch tier is never refused for latency
     # standard sees the same queue (interactive work ahead) and its own factor is untouched
-    assert controller.admit(client, tier_of("default", controller.config.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+    assert controller.admit(client, Tier.STANDARD, 100, 0, 16) is not None  # type: ignore[arg-type]
 
 
 def test_with_attainment_feedback_off_the_margin_alone_decides() -> None:
@@ -134,7 +135,7 @@ def test_with_attainment_feedback_off_the_margin_alone_decides() -> None:
         controller.on_finished(_served("interactive", 2 * slo, 0.001))
     assert controller.limit_factor(0, "ttft") == 1.0
     assert controller.feedback_report()["interactive"]["ttft"] == {"factor": 1.0, "late": 30, "in_time": 0}
-    assert controller.admit(client, tier_of("priority", controller.config.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+    assert controller.admit(client, Tier.INTERACTIVE, 100, 0, 16) is not None  # type: ignore[arg-type]
     unpredicted = AdmissionController(load_config(None, {"admission.predict": False}))
     unpredicted.on_finished(_served("interactive", 5.0, 0.001))
     assert unpredicted.limit_factor(0, "ttft") == 1.0
@@ -149,11 +150,11 @@ def test_late_tpot_tightens_the_decode_room_kept_for_the_tier() -> None:
     controller = AdmissionController(cfg)
     for _ in range(50):  # 30 ms decode steps: 75 % of interactive's 40 ms
         controller.predictor.observe_decode(4, 1000, 0.03)
-    router = Router(1, 1, 1000, 64)
-    router.dispatched("i", 0, 0, 100, 1, rank=0)
+    router = LoadLedger(1, 1, 1000)
+    router.dispatched("i", 0, 0, 100, 1, tier=Tier(0))
     router.prefilled("i")  # decoding now
     client = _Client(router)
-    standard = tier_of("default", cfg.slo)
+    standard = Tier.STANDARD
     assert controller.admit(client, standard, 100, 0, 16) is not None  # type: ignore[arg-type]
     for _ in range(10):
         controller.on_finished(_served("interactive", 0.1, 0.08))  # late on TPOT only
@@ -184,4 +185,4 @@ def test_a_cancelled_or_batch_request_teaches_nothing() -> None:
     controller.on_finished(cancelled)
     controller.on_finished(_served("batch", 1000.0, 10.0))
     assert controller.feedback_report()["interactive"]["ttft"]["late"] == 0  # type: ignore[index]
-    assert controller.feedback[(2, "ttft")].late == 0
+    assert controller.feedback.factors[(Tier(2), "ttft")].late == 0

@@ -7,8 +7,9 @@ import pytest
 from mm_serve.admission.bounds import call_work, check_queues, check_work
 from mm_serve.admission.byte_budget import ByteBudget
 from mm_serve.admission.rejection import Rejection
-from mm_serve.admission.tiers import ALLOWED_VALUES, ageing_seconds, tier_of, tier_rank
 from mm_serve.config import AdmissionConfig, ConfigError, SLOConfig, load_config
+from mm_serve.ground.tiers import Tier
+from mm_serve.protocol.service_tier import ALLOWED_VALUES, tier_of
 
 
 @pytest.mark.parametrize(("value", "tier"), [
@@ -16,36 +17,36 @@ from mm_serve.config import AdmissionConfig, ConfigError, SLOConfig, load_config
     ("flex", "batch"), ("interactive", "interactive"), ("standard", "standard"), ("batch", "batch"),
 ])
 def test_service_tier_values_map_onto_our_tiers(value: str | None, tier: str) -> None:
-    assert tier_of(value, SLOConfig()).name == tier
+    assert tier_of(value, SLOConfig().default).label == tier
 
 
 def test_auto_follows_the_default_tier_key() -> None:
     slo = load_config(None, {"slo.default_tier": "batch"}).slo
-    chosen = tier_of("auto", slo)
-    assert (chosen.name, chosen.rank, chosen.slo.ttft_ms) == ("batch", 2, 60_000)
-    assert chosen.max_wait_s == 59.0 and tier_of("priority", slo).max_wait_s == 0.0
+    chosen = tier_of("auto", slo.default)
+    assert (chosen.label, int(chosen), slo.of(chosen).ttft_s) == ("batch", 2, 60.0)
+    assert slo.ageing_s(chosen) == 59.0 and slo.ageing_s(tier_of("priority", slo.default)) == 0.0
 
 
 def test_a_looser_request_ages_when_its_slack_is_the_tightest_tiers_ttft_slo() -> None:
     """Ageing (served as interactive from then on): own TTFT SLO less the interactive one, so that
     it still has an interactive request's budget left; at least half its own SLO."""
     defaults = SLOConfig()  # interactive 1 s, standard 4 s, batch 60 s
-    assert [ageing_seconds(t, defaults) for t in ("interactive", "standard", "batch")] == [0.0, 3.0, 59.0]
+    assert [defaults.ageing_s(t) for t in Tier] == [0.0, 3.0, 59.0]
     bench = load_config(None, {"slo.tiers.standard.ttft_ms": 2000, "slo.tiers.standard.tpot_ms": 100}).slo
-    assert tier_of("default", bench).max_wait_s == 1.0
+    assert bench.ageing_s(tier_of("default", bench.default)) == 1.0
     close = load_config(None, {"slo.tiers.standard.ttft_ms": 1200, "slo.tiers.standard.tpot_ms": 250}).slo  # 0.2 < 0.6
-    assert ageing_seconds("standard", close) == pytest.approx(0.6)
+    assert close.ageing_s(Tier.STANDARD) == pytest.approx(0.6)
     with pytest.raises(ValueError, match="unknown tier 'gold'"):
-        ageing_seconds("gold", defaults)
+        Tier.from_label("gold")
 
 
 def test_an_unknown_service_tier_names_the_allowed_values() -> None:
     with pytest.raises(ValueError, match="'scale' is not supported; allowed: auto, priority, default, flex, "
                                          "interactive, standard, batch"):
-        tier_of("scale", SLOConfig())
+        tier_of("scale", SLOConfig().default)
     assert ALLOWED_VALUES == ("auto", "priority", "default", "flex", "interactive", "standard", "batch")
     with pytest.raises(ValueError, match="unknown tier 'gold'"):
-        tier_rank("gold")
+        Tier.from_label("gold")
 
 
 def test_tiers_must_be_ordered_tight_to_loose() -> None:

@@ -8,19 +8,20 @@ import pytest
 
 from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.dispatch_hold import DispatchHold
-from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
-from mm_serve.engine.router import LoadView, Router
+from mm_serve.engine.load_ledger import LoadLedger
+from mm_serve.engine.load_view import LoadView, Route
+from mm_serve.ground.tiers import Tier
 
 
 class _Client:
-    """The one method of EngineClient the controller uses here, over a real Router."""
+    """The one method of EngineClient the controller uses here, over a real LoadLedger."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: LoadLedger) -> None:
         self.router = router
 
-    def load_view(self, rank: int, num_tokens: int, max_tokens: int) -> LoadView:
-        return self.router.view(rank, 1, [0], [0])
+    def load_view(self, tier: Tier, num_tokens: int, max_tokens: int) -> LoadView:
+        return self.router.view(tier, Route(0, 0))
 
 
 def _cfg(**overrides: object):  # type: ignore[no-untyped-def]
@@ -32,12 +33,12 @@ def _cfg(**overrides: object):  # type: ignore[no-untyped-def]
 def test_a_batch_request_waits_while_tighter_work_is_queued_on_its_prefill_worker() -> None:
     cfg = _cfg()
     controller = AdmissionController(cfg)
-    router = Router(1, 1, 1000, 64)
+    router = LoadLedger(1, 1, 1000)
     client = _Client(router)
-    batch, standard = tier_of("flex", cfg.slo), tier_of("default", cfg.slo)
+    batch, standard = Tier.BATCH, Tier.STANDARD
     assert controller.holds(batch) and not controller.holds(standard)
     assert controller.hold_reason(client, batch, 100, 0, 16) is None  # type: ignore[arg-type]
-    router.dispatched("s", 0, 0, 500, 1, rank=1)
+    router.dispatched("s", 0, 0, 500, 1, tier=Tier(1))
     reason = controller.hold_reason(client, batch, 100, 0, 16)  # type: ignore[arg-type]
     assert reason is not None and "1 tighter request(s) queued on prefill worker 0" in reason
     router.prefilled("s")  # its first token came back: the prefill queue is empty again
@@ -48,12 +49,12 @@ def test_a_batch_request_waits_while_tighter_work_is_queued_on_its_prefill_worke
 def test_a_batch_request_waits_while_a_prefill_batch_of_its_tier_is_already_queued() -> None:
     cfg = _cfg()  # prefill_batch_size 2
     controller = AdmissionController(cfg)
-    router = Router(1, 1, 1000, 64)
+    router = LoadLedger(1, 1, 1000)
     client = _Client(router)
-    batch = tier_of("flex", cfg.slo)
-    router.dispatched("b1", 0, 0, 100, 1, rank=2)
+    batch = Tier.BATCH
+    router.dispatched("b1", 0, 0, 100, 1, tier=Tier(2))
     assert controller.hold_reason(client, batch, 100, 0, 16) is None  # type: ignore[arg-type]
-    router.dispatched("b2", 0, 0, 100, 1, rank=2)
+    router.dispatched("b2", 0, 0, 100, 1, tier=Tier(2))
     assert "prefill batch of looser requests" in (controller.hold_reason(client, batch, 100, 0, 16) or "")  # type: ignore[arg-type]
 
 
@@ -62,11 +63,11 @@ def test_a_batch_request_waits_while_it_would_slow_a_tighter_decode_past_its_tpo
     controller = AdmissionController(cfg)
     for _ in range(50):  # 30 ms decode steps: over interactive's 20 ms TPOT SLO
         controller.predictor.observe_decode(4, 1000, 0.03)
-    router = Router(1, 1, 1000, 64)
+    router = LoadLedger(1, 1, 1000)
     client = _Client(router)
-    router.dispatched("i", 0, 0, 100, 1, rank=0)
+    router.dispatched("i", 0, 0, 100, 1, tier=Tier(0))
     router.prefilled("i")  # decoding now
-    batch = tier_of("flex", cfg.slo)
+    batch = Tier.BATCH
     assert "serving interactive requests" in (controller.hold_reason(client, batch, 100, 0, 16) or "")  # type: ignore[arg-type]
     assert controller.hold_reason(client, batch, 100, 0, 1) is None  # type: ignore[arg-type]  # no TPOT
     router.finished("i")
@@ -75,7 +76,7 @@ def test_a_batch_request_waits_while_it_would_slow_a_tighter_decode_past_its_tpo
 
 def test_with_prediction_off_nothing_is_held() -> None:
     cfg = _cfg(**{"admission.predict": False})
-    assert not AdmissionController(cfg).holds(tier_of("flex", cfg.slo))
+    assert not AdmissionController(cfg).holds(Tier.BATCH)
 
 
 def test_the_hold_lets_calls_go_in_arrival_order_one_at_a_time_when_ready() -> None:
@@ -143,16 +144,16 @@ def test_decode_room_is_kept_for_a_tighter_tier_sent_lately() -> None:
     for i in range(200):  # 5 ms + 4 ms per request: 2 alone make 13 ms, 4 make 21 (interactive's SLO is 20)
         batch = 1 + i % 8
         controller.predictor.observe_decode(batch, 0, 0.005 + 0.004 * batch)
-    router = Router(1, 1, 1000, 64)
-    router.dispatched("s", 0, 0, 100, 1, rank=1)
+    router = LoadLedger(1, 1, 1000)
+    router.dispatched("s", 0, 0, 100, 1, tier=Tier(1))
     router.prefilled("s")  # a standard request decoding: not idle
     client = _Client(router)
-    standard, interactive = tier_of("default", cfg.slo), tier_of("priority", cfg.slo)
+    standard, interactive = Tier.STANDARD, Tier.INTERACTIVE
     assert controller.admit(client, standard, 100, 0, 16) is not None  # type: ignore[arg-type]
     controller.note_call(interactive)
     with pytest.raises(Rejection, match="keeping room for interactive requests"):
         controller.admit(client, standard, 100, 0, 16)  # type: ignore[arg-type]
-    assert "keeping room" in (controller.hold_reason(client, tier_of("flex", cfg.slo), 100, 0, 16) or "")  # type: ignore[arg-type]
+    assert "keeping room" in (controller.hold_reason(client, Tier.BATCH, 100, 0, 16) or "")  # type: ignore[arg-type]
     controller._last_call[0] -= controller_module.DEMAND_WINDOW_S + 1  # that call is no longer recent
     assert controller.admit(client, standard, 100, 0, 16) is not None  # type: ignore[arg-type]
     # a tighter tier whose TPOT SLO two requests alone would miss gets no room kept (it is refused anyway)

@@ -25,10 +25,11 @@ from mm_serve.admission.predictor import (
 )
 from mm_serve.admission.ratio_correction import RatioCorrection
 from mm_serve.admission.rejection import Rejection
-from mm_serve.admission.tiers import tier_of
 from mm_serve.config import load_config
+from mm_serve.engine.load_ledger import LoadLedger
+from mm_serve.engine.load_view import LoadView, Route
 from mm_serve.engine.request_state import RequestState
-from mm_serve.engine.router import LoadView, Router
+from mm_serve.ground.tiers import Tier
 from mm_serve.models.registry import EMBEDDED_MODEL_DIR
 from mm_serve.planner.errors import ProfileError
 from mm_serve.planner.profile_file import (
@@ -192,29 +193,29 @@ def test_a_correction_without_new_observations_decays_back_to_one() -> None:
 
 
 class _Client:
-    """The one method of EngineClient the controller uses, over a real Router."""
+    """The one method of EngineClient the controller uses, over a real LoadLedger."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: LoadLedger) -> None:
         self.router = router
 
-    def load_view(self, rank: int, num_tokens: int, max_tokens: int) -> LoadView:
-        return self.router.view(rank, 1, [0], [0])
+    def load_view(self, tier: Tier, num_tokens: int, max_tokens: int) -> LoadView:
+        return self.router.view(tier, Route(0, 0))
 
 
-def _queued_router(tokens_per_rank: dict[int, int]) -> Router:
-    router = Router(1, 1, 1000, 64)
+def _queued_router(tokens_per_rank: dict[int, int]) -> LoadLedger:
+    router = LoadLedger(1, 1, 1000)
     for rank, tokens in tokens_per_rank.items():
-        router.dispatched(f"r{rank}", 0, 0, tokens, 1, rank=rank)
+        router.dispatched(f"r{rank}", 0, 0, tokens, 1, tier=Tier(rank))
     return router
 
 
 def test_the_queue_ahead_counts_only_the_tier_and_tighter_ones() -> None:
     router = _queued_router({0: 100, 1: 1000, 2: 10_000})
-    assert router.view(0, 1, [0], [0]).ahead.tokens == 100
-    assert router.view(1, 1, [0], [0]).ahead.tokens == 1100
-    assert router.view(2, 1, [0], [0]).ahead.tokens == 11_100
+    assert router.view(Tier(0), Route(0, 0)).ahead.tokens == 100
+    assert router.view(Tier(1), Route(0, 0)).ahead.tokens == 1100
+    assert router.view(Tier(2), Route(0, 0)).ahead.tokens == 11_100
     router.prefilled("r1")
-    assert router.view(2, 1, [0], [0]).ahead.requests == 2 and router.queued() == (2, 10_100)
+    assert router.view(Tier(2), Route(0, 0)).ahead.requests == 2 and router.queued() == (2, 10_100)
 
 
 def test_a_predicted_ttft_miss_is_a_429_naming_the_slo_and_the_excess() -> None:
@@ -222,23 +223,23 @@ def test_a_predicted_ttft_miss_is_a_429_naming_the_slo_and_the_excess() -> None:
     controller = AdmissionController(cfg)
     client = _Client(_queued_router({0: 8000}))  # 8000 tokens of interactive work ahead: ~0.17 s predicted
     with pytest.raises(Rejection) as info:
-        controller.admit(client, tier_of("priority", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+        controller.admit(client, Tier.INTERACTIVE, 100, 0, 16)  # type: ignore[arg-type]
     r = info.value
     assert (r.status, r.reason) == (429, "ttft_slo") and r.retry_after_s is not None and r.retry_after_s >= 1
     assert "interactive tier" in r.message and "TTFT SLO of 0.050 s" in r.message
     assert re.search(r"by \d+ ms \(\d+ %", r.message), r.message  # the excess in ms, not "by 0.1xx s"
     # standard sees the same queue ahead (interactive work), but its SLO is looser: admitted
-    assert controller.admit(client, tier_of("default", cfg.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+    assert controller.admit(client, Tier.STANDARD, 100, 0, 16) is not None  # type: ignore[arg-type]
     # batch is never refused for latency, whatever the queue
     heavy = _Client(_queued_router({0: 10**7}))
-    assert controller.admit(heavy, tier_of("flex", cfg.slo), 100, 0, 16).ttft_s > 60  # type: ignore[arg-type,union-attr]
+    assert controller.admit(heavy, Tier.BATCH, 100, 0, 16).ttft_s > 60  # type: ignore[arg-type,union-attr]
 
 
 def test_with_prediction_off_nothing_is_refused_for_latency() -> None:
     cfg = load_config(None, {"admission.predict": False})
     controller = AdmissionController(cfg)
     heavy = _Client(_queued_router({0: 10**6}))
-    assert controller.admit(heavy, tier_of("priority", cfg.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+    assert controller.admit(heavy, Tier.INTERACTIVE, 100, 0, 16) is not None  # type: ignore[arg-type]
 
 
 def test_measured_steps_refit_the_predictor() -> None:
@@ -275,12 +276,12 @@ def test_a_profile_file_sets_the_starting_coefficients(tiny_llava: Path, tmp_pat
 class _CachedClient(_Client):
     """A client whose chosen prefill worker holds ``cached`` tokens (and one image) of the prompt."""
 
-    def __init__(self, router: Router, cached: int) -> None:
+    def __init__(self, router: LoadLedger, cached: int) -> None:
         super().__init__(router)
         self.cached = cached
 
-    def load_view(self, rank: int, num_tokens: int, max_tokens: int, inputs: object = None) -> LoadView:
-        view = self.router.view(rank, 1, [0], [0])
+    def load_view(self, tier: Tier, num_tokens: int, max_tokens: int, inputs: object = None) -> LoadView:
+        view = self.router.view(tier, Route(0, 0))
         return view if inputs is None else dataclasses.replace(view, cached_tokens=self.cached, cached_images=1)
 
 
@@ -288,7 +289,7 @@ def test_a_prompt_the_prefill_worker_holds_is_predicted_without_its_cached_part(
     cfg = load_config(None)
     controller = AdmissionController(cfg)
     client = _CachedClient(_queued_router({}), cached=592)
-    tier = tier_of("default", cfg.slo)
+    tier = Tier.STANDARD
     whole = controller.predict(client, tier, 600, 1, 16)  # type: ignore[arg-type]
     cached = controller.predict(client, tier, 600, 1, 16, inputs=object())  # type: ignore[arg-type]
     assert whole is not None and cached is not None
@@ -306,10 +307,10 @@ def test_a_request_alone_is_admitted_whatever_a_drifted_predictor_says() -> None
     for _ in range(50):
         controller.predictor.observe_decode(1, 100, 2.0)  # 2 s decode steps
     idle = _Client(_queued_router({}))
-    prediction = controller.admit(idle, tier_of("default", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+    prediction = controller.admit(idle, Tier.STANDARD, 100, 0, 16)  # type: ignore[arg-type]
     assert prediction is not None and prediction.idle and prediction.tpot_s > 1.0
     with pytest.raises(Rejection, match="TPOT"):
-        controller.admit(_Client(_queued_router({1: 100})), tier_of("default", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+        controller.admit(_Client(_queued_router({1: 100})), Tier.STANDARD, 100, 0, 16)  # type: ignore[arg-type]
 
 
 def test_a_looser_tier_is_refused_when_it_would_slow_a_tighter_one_past_its_tpot_slo() -> None:
@@ -322,18 +323,18 @@ def test_a_looser_tier_is_refused_when_it_would_slow_a_tighter_one_past_its_tpot
     for _ in range(50):  # 30 ms decode steps: within standard's 200 ms, over interactive's 20 ms
         controller.predictor.observe_decode(4, 1000, 0.03)
     router = _queued_router({})
-    router.dispatched("running-interactive", 0, 0, 100, 1, rank=0)
+    router.dispatched("running-interactive", 0, 0, 100, 1, tier=Tier(0))
     router.prefilled("running-interactive")
     client = _Client(router)
     with pytest.raises(Rejection, match="serving interactive requests") as info:
-        controller.admit(client, tier_of("default", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+        controller.admit(client, Tier.STANDARD, 100, 0, 16)  # type: ignore[arg-type]
     assert info.value.reason == "tpot_slo"
     # a one-token answer has no TPOT; batch is never refused for latency
-    assert controller.admit(client, tier_of("default", cfg.slo), 100, 0, 1) is not None  # type: ignore[arg-type]
-    assert controller.admit(client, tier_of("flex", cfg.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+    assert controller.admit(client, Tier.STANDARD, 100, 0, 1) is not None  # type: ignore[arg-type]
+    assert controller.admit(client, Tier.BATCH, 100, 0, 16) is not None  # type: ignore[arg-type]
     router.finished("running-interactive")
-    router.dispatched("other", 0, 0, 100, 1, rank=1)  # not idle, but no interactive request there now
-    assert controller.admit(client, tier_of("default", cfg.slo), 100, 0, 16) is not None  # type: ignore[arg-type]
+    router.dispatched("other", 0, 0, 100, 1, tier=Tier(1))  # not idle, but no interactive request there now
+    assert controller.admit(client, Tier.STANDARD, 100, 0, 16) is not None  # type: ignore[arg-type]
 
 
 def test_a_negative_margin_refuses_below_the_slo_and_says_so() -> None:
@@ -342,19 +343,19 @@ def test_a_negative_margin_refuses_below_the_slo_and_says_so() -> None:
     for _ in range(50):
         controller.predictor.observe_decode(4, 1000, 0.07)  # 70 ms steps: under the SLO, over half of it
     with pytest.raises(Rejection) as info:
-        controller.admit(_Client(_queued_router({1: 10})), tier_of("priority", cfg.slo), 100, 0, 16)  # type: ignore[arg-type]
+        controller.admit(_Client(_queued_router({1: 10})), Tier.INTERACTIVE, 100, 0, 16)  # type: ignore[arg-type]
     assert re.search(r"the predicted TPOT is 0\.0\d\d s, \d\d % under its TPOT SLO of 0\.100 s", info.value.message)
     assert "refuses above 50 % of the SLO" in info.value.message
 
 
 class _TwoPrefillClient:
-    """load_views over a real Router with two prefill workers and one decode worker."""
+    """load_views over a real LoadLedger with two prefill workers and one decode worker."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: LoadLedger) -> None:
         self.router = router
 
-    def load_views(self, rank: int, num_tokens: int, max_tokens: int) -> list[LoadView]:
-        return [self.router.view(rank, 1, [p], [0]) for p in (0, 1)]
+    def load_views(self, tier: Tier, num_tokens: int, max_tokens: int) -> list[LoadView]:
+        return [self.router.view(tier, Route(p, 0)) for p in (0, 1)]
 
 
 def test_the_early_check_refuses_only_what_every_prefill_worker_rules_out() -> None:
@@ -362,17 +363,17 @@ def test_the_early_check_refuses_only_what_every_prefill_worker_rules_out() -> N
     already puts a one-token prompt over the threshold, since the router may pick either."""
     cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 50, "tpot_ms": 100}})
     controller = AdmissionController(cfg)
-    router = Router(2, 1, 1000, 64)
-    router.dispatched("a", 0, 0, 8000, 1, rank=0)  # interactive work ahead on prefill 0 only
-    router.dispatched("b", 1, 0, 50, 1, rank=2)  # a little batch-tier work on prefill 1
+    router = LoadLedger(2, 1, 1000)
+    router.dispatched("a", 0, 0, 8000, 1, tier=Tier(0))  # interactive work ahead on prefill 0 only
+    router.dispatched("b", 1, 0, 50, 1, tier=Tier(2))  # a little batch-tier work on prefill 1
     client = _TwoPrefillClient(router)
-    interactive = tier_of("priority", cfg.slo)
+    interactive = Tier.INTERACTIVE
     controller.precheck(client, interactive, 16)  # type: ignore[arg-type]  # prefill 1 could still make it
-    router.dispatched("c", 1, 0, 8000, 1, rank=0)
+    router.dispatched("c", 1, 0, 8000, 1, tier=Tier(0))
     with pytest.raises(Rejection) as info:
         controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
     assert info.value.reason == "ttft_slo" and info.value.retry_after_s is not None
-    controller.precheck(client, tier_of("flex", cfg.slo), 16)  # type: ignore[arg-type]  # batch: never
+    controller.precheck(client, Tier.BATCH, 16)  # type: ignore[arg-type]  # batch: never
 
 
 def test_the_early_check_counts_the_images_no_cache_can_hold() -> None:
@@ -380,11 +381,11 @@ def test_the_early_check_counts_the_images_no_cache_can_hold() -> None:
     check, a call bringing two unseen images of 2,000 tokens each (certain work) is refused."""
     cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 50, "tpot_ms": 100}})
     controller = AdmissionController(cfg)
-    router = Router(2, 1, 1000, 64)
-    router.dispatched("a", 0, 0, 500, 1, rank=0)
-    router.dispatched("b", 1, 0, 500, 1, rank=0)
+    router = LoadLedger(2, 1, 1000)
+    router.dispatched("a", 0, 0, 500, 1, tier=Tier(0))
+    router.dispatched("b", 1, 0, 500, 1, tier=Tier(0))
     client = _TwoPrefillClient(router)
-    interactive = tier_of("priority", cfg.slo)
+    interactive = Tier.INTERACTIVE
     controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
     assert controller.predictor.prefill_seconds(500 + 4000, 2) > 0.04  # over the 40 ms threshold
     with pytest.raises(Rejection, match="interactive tier"):
@@ -410,10 +411,10 @@ def test_the_early_check_refuses_on_tpot_too() -> None:
     controller = AdmissionController(cfg)
     for _ in range(50):
         controller.predictor.observe_decode(4, 1000, 0.07)
-    router = Router(2, 1, 1000, 64)
-    router.dispatched("a", 0, 0, 50, 1, rank=1)
+    router = LoadLedger(2, 1, 1000)
+    router.dispatched("a", 0, 0, 50, 1, tier=Tier(1))
     client = _TwoPrefillClient(router)
-    interactive = tier_of("priority", cfg.slo)
+    interactive = Tier.INTERACTIVE
     with pytest.raises(Rejection) as info:
         controller.precheck(client, interactive, 16)  # type: ignore[arg-type]
     assert info.value.reason == "tpot_slo" and "TPOT SLO of 0.050 s" in info.value.message
@@ -435,8 +436,8 @@ def test_the_spread_of_recent_ratios_sets_a_stricter_ttft_rule() -> None:
 
     cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 100}})
     controller = AdmissionController(cfg)
-    interactive = tier_of("priority", cfg.slo)
-    prediction = dataclasses.replace(Prediction(0.6, 0.01, 0.3), rank=0)
+    interactive = Tier.INTERACTIVE
+    prediction = dataclasses.replace(Prediction(0.6, 0.01, 0.3), tier=Tier(0))
     assert controller._ttft_refusal(interactive, prediction) is None  # no spread yet; 0.6 s < 0.8 s
     for i in range(40):
         controller.predictor.ttft_corrections[0].observe(0.5 if i % 3 else 1.5, 0.5)  # a third 3x late
@@ -450,13 +451,13 @@ def test_the_time_a_call_has_already_waited_counts_in_its_ttft() -> None:
     cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 100}})
     controller = AdmissionController(cfg)
     client = _Client(_queued_router({1: 10}))  # not idle
-    interactive = tier_of("priority", cfg.slo)
+    interactive = Tier.INTERACTIVE
     fresh = controller.admit(client, interactive, 20, 0, 16)  # type: ignore[arg-type]
     assert fresh is not None and fresh.waited_s == 0.0
     with pytest.raises(Rejection, match="the predicted TTFT is 0.9"):
         controller.admit(client, interactive, 20, 0, 16, waited_s=0.9)  # type: ignore[arg-type]
-    two = Router(2, 1, 1000, 64)
-    two.dispatched("s", 0, 0, 10, 1, rank=1)
+    two = LoadLedger(2, 1, 1000)
+    two.dispatched("s", 0, 0, 10, 1, tier=Tier(1))
     controller.precheck(_TwoPrefillClient(two), interactive, 16)  # type: ignore[arg-type]
     with pytest.raises(Rejection):
         controller.precheck(_TwoPrefillClient(two), interactive, 16, waited_s=0.9)  # type: ignore[arg-type]
@@ -480,7 +481,7 @@ def test_with_the_batch_in_progress_known_ttft_is_its_rest_then_the_batches_up_t
     assert predictor.remaining_seconds(running, 0.001, scale=2.0) == pytest.approx(2 * seconds(400, 2) - 0.001)
     # 5 ahead: one full batch of 4, then its own batch with the fifth, itself and 2 of the 3 looser
     ahead, looser = QueueAhead(5, 1000, 5), QueueAhead(3, 300, 0)
-    p = predictor.predict(ahead, 250, 1, 1, 250, looser, rank=1, running=running, running_elapsed_s=0.001)
+    p = predictor.predict(ahead, 250, 1, 1, 250, looser, tier=Tier(1), running=running, running_elapsed_s=0.001)
     full_batch = seconds(800, 4)
     own_batch = seconds(200 + 250 + 200, 1 + 1)
     assert p.ttft_base_s == pytest.approx(rest + full_batch + own_batch)
@@ -497,12 +498,12 @@ def test_with_the_batch_in_progress_known_ttft_is_its_rest_then_the_batches_up_t
     assert joined.ttft_base_s == pytest.approx(rest + seconds(250 + 250 * expected, 1 + expected))
 
 
-def _promising_router(standard_tokens: int, arrived_ago_s: float, num_prefill: int = 1) -> Router:
+def _promising_router(standard_tokens: int, arrived_ago_s: float, num_prefill: int = 1) -> LoadLedger:
     """Prefill workers that report their batches (none in progress); one queued standard request on the first."""
-    router = Router(num_prefill, 1, 1000, 64)
+    router = LoadLedger(num_prefill, 1, 1000)
     for i in range(num_prefill):
         router.batch_started(i, [])
-    router.dispatched("s", 0, 0, standard_tokens, 1, rank=1, arrived_at=time.monotonic() - arrived_ago_s)
+    router.dispatched("s", 0, 0, standard_tokens, 1, tier=Tier(1), arrived_at=time.monotonic() - arrived_ago_s)
     return router
 
 
@@ -515,7 +516,7 @@ def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() ->
     overrides = {"slo.tiers.interactive": {"ttft_ms": 500, "tpot_ms": 100},
                  "slo.tiers.standard": {"ttft_ms": 500, "tpot_ms": 1000}}
     controller = AdmissionController(load_config(None, overrides))
-    interactive = tier_of("priority", controller.config.slo)
+    interactive = Tier.INTERACTIVE
     c, per_token, _ = controller.predictor.prefill.coefficients
     client = _Client(_promising_router(15_000, 0.0))  # its first token in ~0.32 s: 0.18 s of slack
     small = controller.admit(client, interactive, 8000, 0, 16)  # type: ignore[arg-type]
@@ -526,17 +527,17 @@ def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() ->
     assert "before a queued standard tier request" in info.value.message, info.value.message
     prediction = controller.predict(client, interactive, 12_000, 0, 16)  # type: ignore[arg-type]
     assert prediction is not None and prediction.makes_late is not None
-    rank, late, due = prediction.makes_late.rank, prediction.makes_late.first_token_in_s, prediction.makes_late.due_in_s
+    rank, late, due = prediction.makes_late.tier, prediction.makes_late.first_token_in_s, prediction.makes_late.due_in_s
     first = controller.predictor.queue_seconds(QueueAhead(1, 15_000, 0))  # in token-budget batches
     assert rank == 1 and late == pytest.approx(first + c + per_token * 12_000, rel=1e-6)
     assert 0.49 < due <= 0.5 and late > due
     # the standard request's own prediction is not affected: nothing looser is queued
-    assert controller.predict(client, tier_of("default", controller.config.slo), 100, 0, 16).makes_late is None  # type: ignore[arg-type,union-attr]
+    assert controller.predict(client, Tier.STANDARD, 100, 0, 16).makes_late is None  # type: ignore[arg-type,union-attr]
     # already late (arrived 0.4 s ago, first token in 0.3 s): refusing saves nothing
     assert controller.admit(_Client(_promising_router(15_000, 0.4)), interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
     # standard's requests missing their SLO tighten what is promised to them, and the message says so
     for _ in range(3):
-        controller.feedback[(1, "ttft")].observe(late=True)
+        controller.feedback.factors[(Tier(1), "ttft")].observe(late=True)
     factor = controller.limit_factor(1, "ttft")
     assert factor < 0.8
     with pytest.raises(Rejection) as tightened:
@@ -544,12 +545,12 @@ def test_a_tighter_call_that_would_make_a_queued_looser_one_late_is_refused() ->
     assert f"TTFT SLO x {factor:.2f}, tightened while the standard tier's requests miss" in tightened.value.message
     assert "service_tier 'flex'" in tightened.value.message
     for _ in range(100):
-        controller.feedback[(1, "ttft")].observe(late=False)
+        controller.feedback.factors[(Tier(1), "ttft")].observe(late=False)
     off = AdmissionController(load_config(None, {**overrides, "admission.protect_admitted": False}))
     assert off.admit(client, interactive, 12_000, 0, 16) is not None  # type: ignore[arg-type]
     # the early check (before images are decoded) refuses it too when both prefill workers hold such a request
     router = _promising_router(15_000, 0.0, num_prefill=2)
-    router.dispatched("s1", 1, 0, 15_000, 1, rank=1, arrived_at=time.monotonic())
+    router.dispatched("s1", 1, 0, 15_000, 1, tier=Tier(1), arrived_at=time.monotonic())
     with pytest.raises(Rejection) as early:
         controller.precheck(_TwoPrefillClient(router), interactive, 16, tokens=12_000)  # type: ignore[arg-type]
     assert early.value.reason == "ttft_slo" and "queued standard tier request" in early.value.message
@@ -607,7 +608,8 @@ def test_a_request_delayed_by_a_worker_fault_teaches_nothing() -> None:
     controller = AdmissionController(load_config(None))
     prediction = controller.predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250)
     state = RequestState("r", 10, None)  # type: ignore[arg-type]
-    state.prediction, state.tier = prediction, "interactive"
+    controller.remember(state.request_id, prediction)
+    state.tier = Tier.INTERACTIVE
     state.arrival_time = state.submitted_at = 100.0
     state.first_token_time = 100.0 + 50 * prediction.ttft_base_s + 2.0  # past the 1 s SLO
     state.token_times = [state.first_token_time, state.first_token_time + 0.01, state.first_token_time + 0.02]
@@ -620,8 +622,9 @@ def test_a_request_delayed_by_a_worker_fault_teaches_nothing() -> None:
     assert predictor.tpot_correction.num_observations == 0 and predictor.overhead_s == DEFAULT_OVERHEAD_S
     assert controller.feedback_report()["interactive"]["ttft"] == {"factor": 1.0, "late": 0, "in_time": 0}
     state.delayed_by_fault = False
+    controller.remember(state.request_id, prediction)  # each finish takes the prediction it learns from
     controller.on_finished(state)
-    assert predictor.ttft_corrections[prediction.rank].num_observations == 1
+    assert predictor.ttft_corrections[prediction.tier].num_observations == 1
     assert controller.feedback_report()["interactive"]["ttft"]["late"] == 1  # type: ignore[index]
 
 
@@ -633,7 +636,7 @@ def test_a_finished_request_teaches_the_span_from_its_dispatch_to_its_first_toke
     controller = AdmissionController(load_config(None))
     prediction = dataclasses.replace(controller.predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250), waited_s=0.01)
     state = RequestState("r", 10, None)  # type: ignore[arg-type]
-    state.prediction = prediction
+    controller.remember(state.request_id, prediction)
     state.arrival_time, state.submitted_at = 100.0, 100.03
     state.first_token_time = 100.03 + 2.0 * prediction.ttft_base_s
     state.events = {"prefill_queued": 5.0, "prefill_end": 5.001}  # the worker read it late: not what counts
@@ -642,7 +645,7 @@ def test_a_finished_request_teaches_the_span_from_its_dispatch_to_its_first_toke
     base = prediction.ttft_base_s
     assert prediction.queue_s == 0  # it waited for nothing: its span less its prefill is transit
     assert predictor.transit_s == pytest.approx(TRANSIT_WEIGHT * base)
-    correction = predictor.ttft_corrections[prediction.rank]
+    correction = predictor.ttft_corrections[prediction.tier]
     measured = (2.0 * base - predictor.transit_s) / base  # the span less the transit, against the base
     assert correction.num_observations == 1 and correction.value == pytest.approx(measured ** correction.weight)
     overhead = DEFAULT_OVERHEAD_S + OVERHEAD_WEIGHT * (0.02 - DEFAULT_OVERHEAD_S)
@@ -651,10 +654,12 @@ def test_a_finished_request_teaches_the_span_from_its_dispatch_to_its_first_toke
     assert later.ttft_s == pytest.approx(later.ttft_base_s * correction.value + predictor.transit_s + predictor.overhead_s)
     queued = predictor.predict(QueueAhead(3, 750, 3), 250, 1, 1, 250)
     assert queued.queue_s > 0
-    state.prediction, state.first_token_time = queued, 100.03 + queued.ttft_base_s
+    controller.remember(state.request_id, queued)
+    state.first_token_time = 100.03 + queued.ttft_base_s
     controller.on_finished(state)  # a request that waited: the transit stays, the correction learns
     assert predictor.transit_s == pytest.approx(TRANSIT_WEIGHT * base) and correction.num_observations == 2
     state.events = {}  # never prefilled (failed before): nothing learned
+    controller.remember(state.request_id, queued)
     controller.on_finished(state)
     assert correction.num_observations == 2
 
@@ -663,9 +668,9 @@ def test_the_early_check_counts_the_text_after_a_new_image_and_never_more_than_t
     """The early check's text tokens are a lower bound of what no cache can hold: only the text
     after the first image never sent before (a cached prefix may hold what comes before it),
     never more than that text's tokens in the templated prompt."""
-    from mm_serve.api.admission_gate import uncached_text_floor
-    from mm_serve.api.schemas import ChatMessage
     from mm_serve.inputs.input_processor import load_tokenizer
+    from mm_serve.pipeline.chat_prompt import ChatPrompt
+    from mm_serve.protocol.schemas import ChatMessage
 
     tokenizer = load_tokenizer(tiny_llava)
     question = "What colour is the large circle in the middle of this picture, and what is around it?"
@@ -677,8 +682,9 @@ def test_the_early_check_counts_the_text_after_a_new_image_and_never_more_than_t
     ]
     after = len(tokenizer.encode(question, add_special_tokens=False))
     assert after > 10
-    assert uncached_text_floor(messages, [True], tokenizer) == after - 1
-    assert uncached_text_floor(messages, [False], tokenizer) == 0  # a seen image: the cache may hold it all
+    prompt = ChatPrompt.parse(messages)
+    assert prompt.uncached_text_floor([True], tokenizer) == after - 1
+    assert prompt.uncached_text_floor([False], tokenizer) == 0  # a seen image: the cache may hold it all
     rendered = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False),
                                 add_special_tokens=False)
-    assert uncached_text_floor(messages, [True], tokenizer) <= len(rendered)
+    assert prompt.uncached_text_floor([True], tokenizer) <= len(rendered)

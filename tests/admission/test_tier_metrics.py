@@ -6,12 +6,13 @@ from prometheus_client import CollectorRegistry
 
 from mm_serve.config import load_config
 from mm_serve.engine.request_state import RequestState
+from mm_serve.ground.tiers import Tier
 from mm_serve.metrics.tier_metrics import TierMetrics
 
 
 def _state(reason: str, ttft_s: float, tpot_s: float, tokens: int = 5) -> RequestState:
     state = RequestState("r", 4, detokenizer=None)  # type: ignore[arg-type]
-    state.tier = "interactive"
+    state.tier = Tier.INTERACTIVE
     state.arrival_time = 100.0
     state.first_token_time = 100.0 + ttft_s
     state.token_times = [state.first_token_time + i * tpot_s for i in range(tokens)]

@@ -9,19 +9,21 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from mm_serve.api.admission_gate import (
+from mm_serve.config import load_config
+from mm_serve.engine.engine_holder import EngineHolder
+from mm_serve.engine.load_ledger import LoadLedger
+from mm_serve.engine.router import Router
+from mm_serve.media.image_loading import declared_size
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.pipeline.gate import (
     BYTES_PER_DECLARED_PIXEL,
     PREPROCESS_BYTES,
     image_reservation,
 )
-from mm_serve.api.app import build_app
-from mm_serve.api.context import ServerContext
-from mm_serve.api.engine_holder import EngineHolder
-from mm_serve.api.schemas import ChatMessage
-from mm_serve.config import load_config
-from mm_serve.engine.router import Router
-from mm_serve.media.image_loading import declared_size
+from mm_serve.pipeline.chat_prompt import ChatPrompt
+from mm_serve.protocol.schemas import ChatMessage
 from mm_serve.runtime import messages
+from mm_serve.server.app import build_app
 from tests.api.server_process import data_uri
 from tests.factories import gradient_image
 
@@ -83,7 +85,7 @@ def test_images_over_the_byte_budget_get_503_with_retry_after(tiny_llava: Path) 
     image = {"type": "image_url", "image_url": {"url": data_uri(gradient_image(32, 32))}}
     one = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
     two = [{"role": "user", "content": [image, image, {"type": "text", "text": "hi"}]}]
-    assert image_reservation([ChatMessage(**m) for m in two], cfg)[1] > 1 << 20  # more than the budget
+    assert image_reservation(ChatPrompt.parse([ChatMessage(**m) for m in two]).images, cfg) > 1 << 20  # more than the budget
     assert ctx.image_budget.try_reserve(700 << 10)  # another call's images being decoded
     r = client.post("/v1/chat/completions", json=_chat(messages=one))
     error = r.json()["error"]
@@ -105,7 +107,7 @@ def test_small_data_uri_images_reserve_by_their_declared_size() -> None:
 
     def reserved(url: str) -> int:
         message = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": url}}])
-        return image_reservation([message], cfg)[1]
+        return image_reservation(ChatPrompt.parse([message]).images, cfg)
 
     small = data_uri(gradient_image(64, 48))
     assert reserved(small) == len(small) + BYTES_PER_DECLARED_PIXEL * 64 * 48 + PREPROCESS_BYTES
@@ -126,10 +128,11 @@ def test_the_router_weighs_prefill_workers_by_the_speed_the_predictor_measures(t
     ctx = ServerContext(holder=EngineHolder(tiny_llava, cfg), config=cfg, served_model_name="tiny")
     build_app(ctx, start_engine=False)
     client = ctx.holder.client
-    client.router = Router(2, 1, 64, 8)  # what start() builds once the workers are ready
-    client.router.dispatched("a", prefill=0, decode=0, tokens=100, pages=1)
-    client.router.dispatched("b", prefill=1, decode=0, tokens=60, pages=1)
-    assert client.router.pick_prefill(tokens=50) == 1  # not measured yet: 150 against 110 tokens
+    ledger = LoadLedger(2, 1, 64)  # what start() builds once the workers are ready
+    client.flights.ledger, client.flights.router = ledger, Router(ledger, 8)
+    ledger.dispatched("a", prefill=0, decode=0, tokens=100, pages=1)
+    ledger.dispatched("b", prefill=1, decode=0, tokens=60, pages=1)
+    assert client.router is not None and client.router.pick_prefill(tokens=50) == 1  # not measured yet: 150 against 110 tokens
     for _ in range(40):
         for index, seconds in ((0, 0.1), (1, 0.2)):
             step = messages.StepTiming("prefill", seconds, requests=1, tokens=200, images=0)

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from mm_serve.api.app import build_app
-from mm_serve.api.context import ServerContext
-from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.config import load_config
+from mm_serve.engine.engine_holder import EngineHolder
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.server.app import build_app
 
 BUDGET_BYTES = 4 << 20  # admission.max_image_bytes_in_flight: one client may hold 1 MiB of it ahead
 BODY_BYTES = 512 << 10  # declared by each call

@@ -1,4 +1,4 @@
-"""The decision deadline: a call whose media work outlasts it is decided then (mm_serve/api/decision_deadline.py)."""
+"""The decision deadline: a call whose media work outlasts it is decided then (mm_serve/pipeline/decision_deadline.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from mm_serve.admission.media_load import MediaLoad
 from mm_serve.admission.rejection import Rejection
-from mm_serve.api.decision_deadline import _BACKGROUND, within_deadline
-from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.config import load_config
+from mm_serve.engine.engine_holder import EngineHolder
+from mm_serve.pipeline.decision_deadline import _BACKGROUND, within_deadline
 
 
 class Work:

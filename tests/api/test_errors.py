@@ -14,10 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from mm_serve.api.app import build_app
-from mm_serve.api.context import ServerContext
-from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.config import load_config
+from mm_serve.engine.engine_holder import EngineHolder
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.server.app import build_app
 from tests.api.server_process import ServerProcess, data_uri
 from tests.factories import gradient_image
 

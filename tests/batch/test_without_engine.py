@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from mm_serve.api.app import build_app
-from mm_serve.api.context import ServerContext
-from mm_serve.api.engine_holder import EngineHolder
 from mm_serve.config import load_config
+from mm_serve.engine.engine_holder import EngineHolder
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.server.app import build_app
 from tests.batch.helpers import jsonl, row
 
 ROWS = [row(f"r{i}", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})

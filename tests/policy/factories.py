@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import torch
 
+from mm_serve.engine.load_ledger import LoadLedger
+from mm_serve.engine.load_view import LoadView
 from mm_serve.engine.router import Router
+from mm_serve.ground.tiers import Tier
 from mm_serve.kernels.page_pool import PagePool
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
 from mm_serve.runtime.page_hashes import cache_salt
@@ -97,14 +101,45 @@ def make_prefill_scheduler(token_budget: int = 512, batch_size: int = 8, lookahe
     return PrefillScheduler(token_budget, batch_size, lookahead)
 
 
+class Books:
+    """A router and the load ledger it reads, kept as the engine client's flight table keeps them:
+    a dispatch asks the router what is left to compute (its cache beliefs) and counts that in the
+    ledger; a view is the ledger's view of the router's route. Other attributes are the ledger's,
+    else the router's."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.ledger = router.ledger
+
+    def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int, rank: int = 1,
+                   images: int = 0, page_hashes: Sequence[bytes] = (), max_wait_s: float = 0.0,
+                   now: float | None = None, arrived_at: float | None = None,
+                   image_hashes: Sequence[bytes] = ()) -> None:
+        tokens, images = self.router.work_left(prefill, tokens, images, page_hashes, image_hashes)
+        self.ledger.dispatched(request_id, prefill, decode, tokens, pages, Tier(rank), images, max_wait_s, now,
+                               arrived_at)
+
+    def view(self, rank: int, pages_needed: int, prefills: Sequence[int], decodes: Sequence[int],
+             page_hashes: Sequence[bytes] = (), now: float | None = None, tokens: int = 0) -> LoadView:
+        route = self.router.route(pages_needed, prefills, decodes, page_hashes, tokens)
+        return self.ledger.view(Tier(rank), route, now)
+
+    def reset_prefill(self, index: int) -> None:
+        self.ledger.reset_prefill(index)
+        self.router.forget_prefill(index)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ledger, name) if hasattr(self.ledger, name) else getattr(self.router, name)
+
+
 def make_router(
     num_prefill: int = 2, num_decode: int = 2, decode_pages_total: int = 100, max_running: int = 4,
     cache_aware: bool = False, balance_tokens: int = 2048, prefill_pages: int = 64, encoder_images: int = 0,
-) -> Router:
-    """A router with fresh load counters."""
-    return Router(num_prefill, num_decode, decode_pages_total, max_running, cache_aware=cache_aware,
-                  balance_tokens=balance_tokens, prefill_pages=prefill_pages, page_size=PAGE_SIZE,
-                  encoder_images=encoder_images)
+) -> Books:
+    """A router over a ledger with fresh load counters."""
+    ledger = LoadLedger(num_prefill, num_decode, decode_pages_total)
+    return Books(Router(ledger, max_running, cache_aware=cache_aware, balance_tokens=balance_tokens,
+                        prefill_pages=prefill_pages, page_size=PAGE_SIZE, encoder_images=encoder_images))
 
 
 def make_kv_cache(num_pages: int = 8) -> PagedKVCache:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from mm_serve.engine.load_view import ARRIVAL_WINDOW_S
 from mm_serve.engine.prefix_index import PrefixIndex
-from mm_serve.engine.router import ARRIVAL_WINDOW_S, Router
-from tests.policy.factories import make_router
+from tests.policy.factories import Books, make_router
 
 
-def free_pages(router: Router) -> list[int]:
+def free_pages(router: Books) -> list[int]:
     return [load.free_after_inflight() for load in router.decode]
 
 
@@ -207,7 +207,7 @@ def test_an_image_sent_to_a_worker_lately_is_not_counted_as_an_image_to_encode_t
     router = make_router(num_prefill=2, encoder_images=2)
     for i in range(40):
         router.dispatched(f"r{i}", prefill=0, decode=0, tokens=80, pages=6, images=1, image_hashes=[b"img"])
-    assert router.prefill_work[0][1].images == 1 and router.prefill_work[0][1].requests == 40
+    assert router.prefill[0].by_tier[1].images == 1 and router.prefill[0].by_tier[1].requests == 40
     assert router.images_to_encode(0, [b"img", b"new", b"new"]) == [False, True, False]
     assert router.images_to_encode(1, [b"img"]) == [True]  # the other worker never saw it
     router.dispatched("s", prefill=0, decode=0, tokens=80, pages=6, images=2, image_hashes=[b"x", b"y"])
@@ -217,7 +217,7 @@ def test_an_image_sent_to_a_worker_lately_is_not_counted_as_an_image_to_encode_t
     plain = make_router(num_prefill=1)  # no encoder cache: every image is encoded
     plain.dispatched("a", prefill=0, decode=0, tokens=80, pages=6, images=1, image_hashes=[b"img"])
     plain.dispatched("b", prefill=0, decode=0, tokens=80, pages=6, images=1, image_hashes=[b"img"])
-    assert plain.prefill_work[0][1].images == 2 and plain.images_to_encode(0, [b"img"]) == [True]
+    assert plain.prefill[0].by_tier[1].images == 2 and plain.images_to_encode(0, [b"img"]) == [True]
 
 
 def test_the_load_view_picks_the_prefix_holder_and_counts_its_cached_pages() -> None:
@@ -235,18 +235,18 @@ def test_the_load_view_names_the_tightest_tier_live_on_the_decode_worker() -> No
     router = make_router(num_prefill=1, num_decode=2, decode_pages_total=50)
     router.dispatched("s", prefill=0, decode=0, tokens=8, pages=1, rank=1)
     router.dispatched("i", prefill=0, decode=0, tokens=8, pages=1, rank=0)
-    assert router.view(2, 1, [0], [0]).decode_tightest_rank == 0
+    assert router.view(2, 1, [0], [0]).decode_tightest == 0
     router.prefilled("i")
     router.claimed("i")  # still decoding there: it still counts
-    assert router.decode[0].tightest_rank() == 0
+    assert router.decode[0].tightest() == 0
     router.dispatched("i", prefill=0, decode=1, tokens=8, pages=1, rank=0)  # the same id again, to decode 1
-    assert router.decode[0].ranks == [0, 1, 0] and router.decode[1].ranks == [1, 0, 0]
+    assert router.decode[0].by_tier == [0, 1, 0] and router.decode[1].by_tier == [1, 0, 0]
     assert router.queued() == (2, 16) and router.decode[0].inflight == {"s": 1}
     router.finished("i")
     router.finished("i")  # twice: counted once
-    assert router.decode[1].tightest_rank() is None and router.view(2, 1, [0], [0]).decode_tightest_rank == 1
+    assert router.decode[1].tightest() is None and router.view(2, 1, [0], [0]).decode_tightest == 1
     router.finished("s")
-    assert [load.ranks for load in router.decode] == [[0, 0, 0], [0, 0, 0]]
+    assert [load.by_tier for load in router.decode] == [[0, 0, 0], [0, 0, 0]]
 
 
 def test_looser_requests_past_their_max_wait_count_ahead_in_the_view() -> None:
@@ -269,7 +269,7 @@ def test_looser_requests_past_their_max_wait_count_ahead_in_the_view() -> None:
     assert router.view(0, 1, [0], [0], now=301.0).ahead.tokens == 0  # its wait starts over with the new dispatch
     for request_id in ("std", "never"):
         router.finished(request_id)
-    assert router._ages_at == [{}] and router.queued() == (0, 0)
+    assert router.queued() == (0, 0) and router.prefill[0].by_tier == [type(router.prefill[0].by_tier[0])()] * 3
 
 
 def test_a_reported_batch_in_progress_leaves_the_queue_and_counts_as_running() -> None:
@@ -320,14 +320,14 @@ def test_queued_looser_requests_are_promises_with_the_work_served_before_them() 
     router.dispatched("s3", prefill=0, decode=0, tokens=300, pages=1, rank=1, now=0.4, max_wait_s=0.5)
     assert router.view(0, 1, [0], [0], now=0.5).promises == ()  # no batch reported yet (colocated)
     router.batch_started(0, ["s1"], now=0.45)
-    promises = {(p.rank, p.arrived_at): p.through for p in router.view(0, 1, [0], [0], now=0.6).promises}
+    promises = {(p.tier, p.arrived_at): p.through for p in router.view(0, 1, [0], [0], now=0.6).promises}
     # s1 prefills now; s3 has no arrival time; i1 is interactive itself
     assert set(promises) == {(1, 0.15), (2, 0.3)}
     assert (promises[(1, 0.15)].requests, promises[(1, 0.15)].tokens, promises[(1, 0.15)].images) == (2, 210, 1)
     # b1 waits for i1, s2 and s3 (all of rank 1 and tighter) and itself
     assert (promises[(2, 0.3)].requests, promises[(2, 0.3)].tokens) == (4, 1510)
     # standard sees only the batch request as looser; at 0.95 s s3 has aged: still before b1, not a promise
-    assert [p.rank for p in router.view(1, 1, [0], [0], now=0.95).promises] == [2]
+    assert [p.tier for p in router.view(1, 1, [0], [0], now=0.95).promises] == [2]
     router.dispatched("s4", prefill=0, decode=0, tokens=40, pages=1, rank=1, now=0.96, arrived_at=0.96)
     after = {p.arrived_at: p.through for p in router.view(0, 1, [0], [0], now=0.97).promises}
     assert after[0.96].tokens == 10 + 300 + 200 + 40  # s3 aged to rank 0: ahead of s2 and s4

@@ -13,28 +13,46 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
-from mm_serve.admission.predictor import Prediction
-from mm_serve.admission.tiers import Tier
-from mm_serve.api.errors import bad_request, unavailable
-from mm_serve.api.schemas import PromptTokensDetails, Usage
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
+from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
+from mm_serve.protocol.errors import bad_request, unavailable
+from mm_serve.protocol.schemas import PromptTokensDetails, Usage
 from mm_serve.runtime.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
 
 
+def engine_id(request_id: str, index: int) -> str:
+    """The engine request id of choice ``index`` of the call ``request_id``."""
+    return f"{request_id}-{index}"
+
+
 class Generation:
-    """Submits ``params.n`` requests (seeds ``seed + i``) and reports their progress."""
+    """Submits ``params.n`` requests (seeds ``seed + i``) of one prompt and reports their progress.
+
+    Args:
+        client: the engine client.
+        inputs, params: the processed prompt and its sampling parameters.
+        arrival_time: when the call arrived (``time.monotonic()`` seconds).
+        tier: its SLO tier (None: standard, not counted per tier) and ``max_wait_s`` its prefill ageing.
+        predicted_ttft_s: the admission's TTFT prediction of the first request, seconds (for the metrics).
+        request_id: the call's id (default: a fresh one); choice ``i`` runs as :func:`engine_id` (id, i).
+
+    Raises (constructor):
+        APIError: 400 when the prompt and ``max_tokens`` do not fit the context, 503 when the
+            service cannot take requests.
+    """
 
     def __init__(
         self, client: EngineClient, inputs: ProcessedInputs, params: SamplingParams, arrival_time: float | None = None,
-        tier: Tier | None = None, prediction: Prediction | None = None,
+        tier: Tier | None = None, max_wait_s: float = 0.0, predicted_ttft_s: float | None = None,
+        request_id: str | None = None,
     ) -> None:
         self.client = client
         self.tier = tier
-        self.request_id = uuid.uuid4().hex
+        self.request_id = request_id or uuid.uuid4().hex
         self.num_prompt_tokens = len(inputs.prompt_token_ids)
         self.states: list[RequestState] = []
         self._queue: asyncio.Queue[int] = asyncio.Queue()
@@ -43,11 +61,8 @@ class Generation:
             for i in range(params.n):
                 seed = None if params.seed is None else params.seed + i
                 one = replace(params, n=1, seed=seed)
-                if tier is None:
-                    state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time)
-                else:
-                    state = client.submit(f"{self.request_id}-{i}", inputs, one, arrival_time, tier.rank,
-                                          tier.max_wait_s, tier.name, prediction if i == 0 else None)
+                state = client.submit(engine_id(self.request_id, i), inputs, one, arrival_time, tier, max_wait_s,
+                                      predicted_ttft_s if i == 0 else None)
                 state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set
@@ -124,7 +139,4 @@ class Generation:
 
     def failure(self) -> str | None:
         """The first error message among the requests, if any failed."""
-        for state in self.states:
-            if state.error and state.error != "aborted":
-                return state.error
-        return None
+        return next((state.failure for state in self.states if state.failure), None)

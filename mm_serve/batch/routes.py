@@ -1,7 +1,7 @@
 """The OpenAI Batch API routes: ``/v1/files`` and ``/v1/batches`` (behind ``--api-key`` like ``/v1/*``).
 
 The work is in :class:`mm_serve.batch.service.BatchService`; these handlers only
-map HTTP to it. Every error is OpenAI's error JSON (:mod:`mm_serve.api.errors`).
+map HTTP to it. Every error is OpenAI's error JSON (:mod:`mm_serve.protocol.errors`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mm_serve.batch.service import BatchService
+from mm_serve.pipeline.context import ServerContext
+
+UPLOAD_OVERHEAD_BYTES = 1 << 20
+"""What a multipart upload may add to ``batch.max_file_bytes`` (boundaries, part headers, the purpose)."""
 
 
 class BatchCreateRequest(BaseModel):
@@ -70,3 +74,28 @@ def add_batch_routes(app: FastAPI, service: BatchService, auth: list[Depends]) -
     @app.post("/v1/batches/{batch_id}/cancel", dependencies=auth, summary="Cancel a batch")
     async def cancel_batch(batch_id: str) -> dict[str, Any]:
         return service.cancel(batch_id)
+
+
+class BatchAPI:
+    """The Batch API as an extension of the app (:class:`mm_serve.api.app.AppExtension`): its routes,
+    the upload limit, and its batches started and closed with the app."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.service = BatchService(ctx)
+        self.max_upload_bytes = ctx.config.batch.max_file_bytes + UPLOAD_OVERHEAD_BYTES
+
+    def body_limits(self) -> dict[str, tuple[int, str]]:
+        """Uploads to ``/v1/files`` may be ``batch.max_file_bytes`` plus the form's own bytes."""
+        return {"/v1/files": (self.max_upload_bytes, "batch.max_file_bytes, plus 1 MiB of form")}
+
+    def add_routes(self, app: FastAPI, auth: list[Depends]) -> None:
+        """The files and batches routes (:func:`add_batch_routes`)."""
+        add_batch_routes(app, self.service, auth)
+
+    def start(self) -> None:
+        """Resume the unfinished batches of an existing data directory."""
+        self.service.start()
+
+    async def close(self) -> None:
+        """Stop running batches (they resume at the next start)."""
+        await self.service.close()

@@ -1,4 +1,5 @@
-"""What the route handlers share: the engine, the config and the served model's name."""
+"""What every call of one service shares: the engine, the config, the served model's name, and the
+admission state (image budget, controller, dispatch hold, seen images, media load, tier metrics)."""
 
 from __future__ import annotations
 
@@ -7,29 +8,35 @@ import time
 from dataclasses import dataclass, field
 
 from mm_serve.admission.byte_budget import ByteBudget
-from mm_serve.admission.controller import NEVER_REFUSED, AdmissionController
+from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.dispatch_hold import DispatchHold
 from mm_serve.admission.media_load import MediaLoad
 from mm_serve.admission.seen_images import SeenImages
-from mm_serve.admission.tiers import Tier
-from mm_serve.api.engine_holder import EngineHolder
-from mm_serve.api.errors import unavailable
 from mm_serve.cluster.worker_specs import engine_sizing
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
+from mm_serve.engine.engine_holder import EngineHolder
+from mm_serve.ground.tiers import NEVER_REFUSED, Tier
 from mm_serve.metrics.tier_metrics import TierMetrics
+from mm_serve.protocol.errors import unavailable
 
 WARMING_RETRY_S = 5  # Retry-After while the workers load the model (seconds; a start takes ~5-30 s)
 
 
 @dataclass
 class ServerContext:
-    """Per-app state (one instance per server; no module globals)."""
+    """Per-service state (one instance per server, or per caption job; no module globals).
+
+    ``admission_gate`` False: the calls pass an :class:`~mm_serve.pipeline.gate.OpenGate` (the caption
+    job's own engine: nothing refused, held or predicted) instead of the server's
+    :class:`~mm_serve.pipeline.gate.AdmissionGate`.
+    """
 
     holder: EngineHolder
     config: ServiceConfig
     served_model_name: str
-    created: int = int(time.time())
+    created: int = field(default_factory=lambda: int(time.time()))
+    admission_gate: bool = True
     image_budget: ByteBudget = field(init=False)  # bytes of images being decoded at once
     admission: AdmissionController = field(init=False)  # the latency predictor and the admission rule
     dispatch_hold: DispatchHold = field(init=False)  # never-refused calls waiting for spare capacity
@@ -84,13 +91,14 @@ class ServerContext:
 
     def decision_deadline(self, arrival: float | None, tier: Tier) -> float | None:
         """When (``time.monotonic()`` seconds) a call of ``tier`` that arrived at ``arrival`` is
-        decided at the latest (:mod:`mm_serve.api.decision_deadline`): ``arrival +
+        decided at the latest (:mod:`mm_serve.pipeline.decision_deadline`): ``arrival +
         admission.decide_within_ms``; None when there is nothing to decide early (prediction off,
         the never-refused tier, the key 0, no arrival time)."""
         ms = self.config.admission.decide_within_ms
-        if arrival is None or ms == 0 or not self.config.admission.predict or tier.name == NEVER_REFUSED:
+        if arrival is None or ms == 0 or not self.config.admission.predict or tier == NEVER_REFUSED:
             return None
         return arrival + ms / 1000.0
 
     def deadline(self) -> float:
+        """When (``time.monotonic()`` seconds) a call starting now is past ``api.timeout_ms``."""
         return time.monotonic() + self.config.api.timeout_ms / 1000.0

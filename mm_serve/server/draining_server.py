@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from mm_serve.api.engine_holder import EngineHolder
+from mm_serve.engine.engine_holder import EngineHolder
 
 
 class DrainingServer(uvicorn.Server):

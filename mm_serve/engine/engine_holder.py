@@ -16,14 +16,22 @@ from mm_serve.models.model_config import load_model_config
 class EngineHolder:
     """Starts the workers without blocking the HTTP server, so ``/health`` can say "warming"."""
 
-    def __init__(self, model_dir: Path, config: ServiceConfig) -> None:
+    def __init__(self, model_dir: Path, config: ServiceConfig, client: EngineClient | None = None) -> None:
+        """``client``: an engine client started elsewhere, whose lifetime its owner keeps (the holder
+        then reads as started); otherwise the holder makes one for ``model_dir`` and ``config``."""
         self.model_dir = model_dir
         self.config = config
-        self.model_config = load_model_config(model_dir)
-        self.inputs = InputProcessor(model_dir, self.model_config)
-        self.client = EngineClient(model_dir, config, self.inputs)
+        if client is None:
+            self.model_config = load_model_config(model_dir)
+            self.inputs = InputProcessor(model_dir, self.model_config)
+            client = EngineClient(model_dir, config, self.inputs)
+        else:
+            self.model_config, self.inputs = client.model_config, client.inputs
+        self.client = client
         self.start_error: str | None = None
         self.ready_event = threading.Event()
+        if client.router is not None:
+            self.ready_event.set()
         self.draining = threading.Event()  # set on SIGTERM/SIGINT: new requests get 503
         self.drain_deadline = 0.0  # time.monotonic() by which a drain under way stops the workers
         self._thread: threading.Thread | None = None

@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mm_serve.admission.tiers import check_service_tier
+from mm_serve.protocol.service_tier import check_service_tier
 
 
 class _Lenient(BaseModel):
@@ -133,7 +133,7 @@ class _SamplingFields(_Lenient):
     user: str | None = None
     service_tier: str | None = Field(
         None, description="SLO tier: priority -> interactive, default -> standard, flex -> batch, auto or absent -> "
-        "slo.default_tier; interactive, standard, batch name ours directly (mm_serve/admission/tiers.py)")
+        "slo.default_tier; interactive, standard, batch name ours directly (mm_serve/protocol/service_tier.py)")
 
     @field_validator("service_tier", mode="before")
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mm_serve.api.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from mm_serve.protocol.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
 

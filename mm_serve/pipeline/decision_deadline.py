@@ -1,6 +1,6 @@
 """Decide a call's admission within a deadline from its arrival, whatever its media work takes.
 
-A call that passes the early check (:func:`mm_serve.api.admission_gate.precheck_call`, before its
+A call that passes the early check (:func:`mm_serve.pipeline.gate.precheck_call`, before its
 images are fetched and decoded and its prompts tokenized) is decided again once that media work
 is done, on its exact prompt. Under a burst of images that work can take hundreds of
 milliseconds (the API process's threads and the workers share the cores), so a refusal after it

@@ -1,0 +1,77 @@
+"""The arrival of an HTTP call: stamped before its body is read, the phases of its handling
+reported in ``Server-Timing``, and the call's origin as the pipeline takes it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+
+from mm_serve.pipeline.origin import CallOrigin
+
+Scope = dict[str, Any]
+
+
+class ArrivalTimeMiddleware:
+    """Stamps ``request.state.arrival`` (``time.monotonic()``) before the body is read, for TTFT,
+    and reports the milliseconds from then to the response's start in a ``Server-Timing: app;dur=``
+    header (W3C Server Timing): for a refusal the whole of its handling here, for a stream the
+    time to its headers. A client that measures more has spent the rest outside the application
+    (connection, HTTP parsing, its own event loop). The phases a handler marked on the way
+    (:func:`mark_phase`) follow as more metrics, each the milliseconds since the previous mark:
+    ``app;dur=41.0, parse;dur=2.1, precheck;dur=0.4, media;dur=37.9``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrival = time.monotonic()
+        state = scope.setdefault("state", {})
+        state["arrival"] = arrival
+        phases: list[tuple[str, float]] = state.setdefault("phases", [])
+
+        async def timed_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                metrics, since = [f"app;dur={1000.0 * (time.monotonic() - arrival):.1f}"], arrival
+                for name, at in phases:
+                    metrics.append(f"{name};dur={1000.0 * (at - since):.1f}")
+                    since = at
+                headers = list(message.get("headers", []))
+                headers.append((b"server-timing", ", ".join(metrics).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, timed_send)
+
+
+def mark_phase(request: Any, name: str) -> None:
+    """Mark the end of phase ``name`` (a token: letters, digits, ``_``) of handling ``request`` now:
+    reported in its ``Server-Timing`` header as the milliseconds since the previous mark (or its
+    arrival). Nothing for a request that did not pass :class:`ArrivalTimeMiddleware`."""
+    phases = getattr(request.state, "phases", None)
+    if phases is not None:
+        phases.append((name, time.monotonic()))
+
+
+def release_body(request: Any) -> None:
+    """Give back the bytes ``request``'s body holds in the image budget (:class:`BodyLimitMiddleware`),
+    when the handler's own image reservation takes over. Nothing for a request that holds none."""
+    release = getattr(request.state, "release_body", None)
+    if release is not None:
+        release()
+
+
+def arrival_time(request: Any) -> float:
+    """When the request reached the server (falls back to now)."""
+    return float(getattr(request.state, "arrival", time.monotonic()))
+
+
+def http_origin(request: Request) -> CallOrigin:
+    """The :class:`CallOrigin` of an HTTP call: its stamped arrival, its phase marks, its body's hold
+    on the image budget, and its client's disconnect check."""
+    return CallOrigin(arrival_time(request), lambda phase: mark_phase(request, phase),
+                      lambda: release_body(request), request.is_disconnected)

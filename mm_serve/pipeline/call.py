@@ -1,0 +1,153 @@
+"""One OpenAI call, read once from its body: its tier, its prompts, its ``max_tokens``, its
+sampling parameters.
+
+``max_tokens`` is read from the body once (``max_completion_tokens``, else ``max_tokens``) and
+resolved once against the prompt (:meth:`Call.sampling_params`: absent, it is the rest of the
+context, as vLLM does; the context is checked there and nowhere else on this path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mm_serve.ground.tiers import Tier
+from mm_serve.pipeline.chat_prompt import ChatPrompt
+from mm_serve.protocol.errors import APIError, bad_request
+from mm_serve.protocol.schemas import ChatCompletionRequest, CompletionRequest
+from mm_serve.protocol.service_tier import tier_of
+from mm_serve.runtime.sampling_params import MAX_SEED, SamplingParams
+
+DEFAULT_PRECHECK_TOKENS = 16  # max_tokens the early admission check assumes when the call sets none
+MAX_PROMPTS = 64  # prompts in one completions call
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass(frozen=True)
+class Call:
+    """A chat or completions call.
+
+    Attributes:
+        body: the validated request body.
+        tier: the SLO tier it is served in.
+        arrival: when it arrived, ``time.monotonic()`` seconds (its TTFT counts from here).
+        max_tokens: what it asks for (None: the rest of the context).
+        chat: a chat call's messages (None for completions).
+        prompts: a completions call's engine requests (``{"prompt": text}`` or
+            ``{"prompt_token_ids": ids}``), one per prompt; empty for chat.
+        logprobs: the log-probabilities to return per token (chat: ``top_logprobs`` when
+            ``logprobs`` is set; completions: ``logprobs``); None for none.
+    """
+
+    body: Body
+    tier: Tier
+    arrival: float
+    max_tokens: int | None
+    chat: ChatPrompt | None
+    prompts: list[dict[str, Any]]
+    logprobs: int | None
+
+    @classmethod
+    def parse(cls, body: Body, default_tier: Tier, arrival: float) -> Call:
+        """Read ``body`` once.
+
+        Raises:
+            APIError: 400 for an unknown ``service_tier``, an image outside a user message, an empty
+                prompt, more than :data:`MAX_PROMPTS` prompts, or a stream of several prompts.
+        """
+        try:
+            tier = tier_of(body.service_tier, default_tier)
+        except ValueError as exc:
+            raise bad_request(str(exc), "service_tier", "invalid_service_tier") from None
+        if isinstance(body, ChatCompletionRequest):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            return cls(body, tier, arrival, body.max_completion_tokens or body.max_tokens,
+                       ChatPrompt.parse(body.messages), [], logprobs)
+        prompts = _prompts(body.prompt)
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS}", "prompt")
+        if body.stream and len(prompts) > 1:
+            raise bad_request("streaming supports one prompt per request", "prompt")
+        return cls(body, tier, arrival, body.max_tokens, None, prompts, body.logprobs)
+
+    @property
+    def num_prompts(self) -> int:
+        """Prompts of the call (each run ``n`` times)."""
+        return 1 if self.chat is not None else len(self.prompts)
+
+    @property
+    def precheck_max_tokens(self) -> int:
+        """``max_tokens`` for the early admission check, before the prompt is tokenized: what the call
+        asks, else :data:`DEFAULT_PRECHECK_TOKENS` (the rest of the context is not known yet; a
+        lower bound is what an early refusal may rest on)."""
+        return self.max_tokens or DEFAULT_PRECHECK_TOKENS
+
+    def sampling_params(self, prompt_len: int, context_len: int, vocab_size: int) -> SamplingParams:
+        """The sampling parameters of one prompt of ``prompt_len`` tokens; ``max_tokens`` defaults to
+        the rest of the context (as vLLM).
+
+        Raises:
+            APIError: 400 when prompt plus ``max_tokens`` exceeds the context, a stop string is empty,
+                a ``stop_token_ids`` entry is outside ``[0, vocab_size)``, or a parameter is out of range.
+        """
+        body = self.body
+        max_tokens = self.max_tokens or max(1, context_len - prompt_len)  # a full context: refused below
+        if prompt_len + max_tokens > context_len:
+            raise bad_request(
+                f"this model's context length is {context_len} tokens; the prompt has {prompt_len} tokens "
+                f"(image tokens included) and max_tokens is {max_tokens}, {prompt_len + max_tokens} in all",
+                "max_tokens", "context_length_exceeded",
+            )
+        stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+        if any(not s for s in stop):
+            raise bad_request("stop strings must be non-empty", "stop")
+        stop_ids = body.stop_token_ids or []
+        bad_ids = [t for t in stop_ids if not 0 <= t < vocab_size]
+        if bad_ids:
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}) (the vocabulary), "
+                              f"got {bad_ids[:5]}", "stop_token_ids")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
+                seed=engine_seed(body.seed), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
+                ignore_eos=body.ignore_eos, logprobs=self.logprobs, n=body.n,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+
+def engine_seed(seed: int | None) -> int | None:
+    """The engine seed of an API ``seed`` (any signed 64-bit integer).
+
+    Choice ``i`` of ``n`` (at most 16) draws with seed + ``i``, which must stay within
+    ``MAX_SEED``: seeds in ``[0, MAX_SEED - 15]`` are used as they are, others wrap modulo
+    ``MAX_SEED - 14`` (so ``-1`` and ``MAX_SEED - 15`` draw alike).
+    """
+    return None if seed is None else seed % (MAX_SEED - 14)
+
+
+def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:
+    """A completions ``prompt`` as engine requests, one per prompt.
+
+    Raises:
+        APIError: 400 for an empty list.
+    """
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, str) for p in prompt):
+        return [{"prompt": p} for p in prompt]
+    return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[arg-type]
+
+
+def check_model(requested: str, served: str, model_dir: str) -> None:
+    """Raises:
+        APIError: 404 unless ``requested`` names the served model (its name or its folder)."""
+    if requested not in (served, model_dir):
+        raise APIError(404, f"the model '{requested}' does not exist; this server serves '{served}'",
+                       "not_found_error", "model", "model_not_found")

@@ -1,0 +1,119 @@
+"""A chat call's messages, read once: turns of text and image parts, the images' URLs and the
+sizes their data URIs declare, the characters of text.
+
+Every step that needs the messages before the images are loaded (the early admission check,
+the image budget, the text-length bound) reads this; loading the images turns it into the
+template-ready messages the input processor renders (:meth:`ChatPrompt.template_messages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from mm_serve.media.image_loading import declared_size
+from mm_serve.media.offline import image_outside_user_message
+from mm_serve.protocol.errors import bad_request
+from mm_serve.protocol.schemas import ChatMessage
+
+PRECHECK_TEXT_CHARS = 8192  # of each text part, tokenized by the early check (a lower bound: the loop must not stall)
+
+
+@dataclass(frozen=True)
+class DeclaredImage:
+    """An ``image_url`` part: its URL, and the (width, height) its data-URI header declares (None for
+    a URL or an unreadable header)."""
+
+    url: str
+    size: tuple[int, int] | None
+
+    @property
+    def is_data(self) -> bool:
+        """Whether it is a ``data:`` URI (its bytes are in the request)."""
+        return self.url.lstrip()[:5].lower() == "data:"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message: its role (``developer`` read as ``system``) and its content, a string or parts
+    ``("text", text)`` / ``("image", index into ChatPrompt.images)``; None for no content."""
+
+    role: str
+    content: str | list[tuple[str, str | int]] | None
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """The messages of one chat call."""
+
+    turns: list[Turn]
+    images: list[DeclaredImage]
+    text_chars: int  # characters of text in every message
+
+    @classmethod
+    def parse(cls, messages: Sequence[ChatMessage]) -> ChatPrompt:
+        """Read the messages once.
+
+        Raises:
+            APIError: 400 for an image outside a user message (chat templates render images in user
+                turns only; said before any image is fetched).
+        """
+        turns: list[Turn] = []
+        images: list[DeclaredImage] = []
+        chars = 0
+        for number, message in enumerate(messages):
+            role = "system" if message.role == "developer" else message.role
+            content = message.content
+            if content is None or isinstance(content, str):
+                chars += len(content or "")
+                turns.append(Turn(role, content))
+                continue
+            parts: list[tuple[str, str | int]] = []
+            for part in content:
+                if part.type == "text":
+                    chars += len(part.text)
+                    parts.append(("text", part.text))
+                    continue
+                if message.role != "user":
+                    raise bad_request(image_outside_user_message(number, message.role), "messages")
+                parts.append(("image", len(images)))
+                images.append(DeclaredImage(part.image_url.url, declared_size(part.image_url.url)))
+            turns.append(Turn(role, parts))
+        return cls(turns, images, chars)
+
+    def template_messages(self, loaded: Sequence[Image.Image]) -> list[dict[str, Any]]:
+        """Template-ready messages, the images ``loaded`` (one per :attr:`images`, in order) as
+        ``{"type": "image", "image": PIL.Image}`` parts."""
+        out: list[dict[str, Any]] = []
+        for turn in self.turns:
+            if turn.content is None or isinstance(turn.content, str):
+                out.append({"role": turn.role, "content": turn.content or ""})
+                continue
+            parts: list[dict[str, Any]] = []
+            for kind, value in turn.content:
+                if isinstance(value, int):
+                    parts.append({"type": "image", "image": loaded[value]})
+                else:
+                    parts.append({"type": kind, "text": value})
+            out.append({"role": turn.role, "content": parts})
+        return out
+
+    def uncached_text_floor(self, unseen: Sequence[bool], tokenizer: Any) -> int:
+        """A lower bound on the prompt tokens, without the chat template's own, that no prefix cache
+        can hold: those of the text after the first image whose ``unseen`` flag (one per image, in
+        order) is set (a cached prefix ends before it), each text part's first
+        :data:`PRECHECK_TEXT_CHARS` characters tokenized alone, one token less per part (a merge
+        across a part's edge may save one). 0 when no image is unseen."""
+        total, after = 0, False
+        for turn in self.turns:
+            parts = [("text", turn.content or "")] if not isinstance(turn.content, list) else turn.content
+            for kind, value in parts:
+                if kind == "image":
+                    after = after or unseen[int(value)]
+                elif after and value:
+                    text = str(value)[:PRECHECK_TEXT_CHARS]
+                    total += max(0, len(tokenizer.encode(text, add_special_tokens=False)) - 1)
+        return total

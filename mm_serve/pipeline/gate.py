@@ -1,0 +1,297 @@
+"""The admission steps a call passes through, in order, and the gate of a job without admission.
+
+:class:`AdmissionGate` (the server's): the early check before the images are decoded, the image
+budget and the decision deadline around the media work, the work limit, the dispatch hold of the
+never-refused tier, the queue caps and the latency prediction. Every refusal is a
+:class:`~mm_serve.admission.rejection.Rejection`, counted per tier in the metrics. :class:`OpenGate`
+(the caption job's in-process engine): no step refuses, nothing is predicted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Protocol, TypeVar
+
+from mm_serve.admission.bounds import check_queues, check_work
+from mm_serve.admission.predictor import Prediction
+from mm_serve.admission.rejection import Rejection
+from mm_serve.config import ServiceConfig
+from mm_serve.ground.tiers import Tier
+from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.pipeline.call import Call
+from mm_serve.pipeline.chat_prompt import DeclaredImage
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.pipeline.decision_deadline import within_deadline
+from mm_serve.runtime.sampling_params import SamplingParams
+
+T = TypeVar("T")
+Prepared = Sequence[tuple[ProcessedInputs, SamplingParams]]  # a call's prompts, each with its parameters
+
+BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
+PREPROCESS_BYTES = 4 << 20  # the resized, normalised tensor and its intermediates, per image
+UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
+CALL_MEGAPIXELS = 0.05  # media work of templating and tokenizing one prompt, in megapixels of image decoding
+
+
+def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) -> int:
+    """Bytes to reserve for a call's ``images`` before any is fetched.
+
+    Each image reserves its encoded size (a data URI's length; ``api.max_image_fetch_bytes``
+    for an http(s) or file URL) plus what decoding and preprocessing it may take:
+    ``admission.image_decode_reserve_bytes``, or less for a data URI whose header declares a
+    small image (:data:`BYTES_PER_DECLARED_PIXEL` per pixel plus :data:`PREPROCESS_BYTES`), so
+    small images do not each hold the reserve sized for large ones.
+    """
+    total = 0
+    for image in images:
+        decode = config.admission.image_decode_reserve_bytes
+        if image.is_data:
+            encoded = len(image.url)
+            if image.size is not None:
+                decode = min(decode, BYTES_PER_DECLARED_PIXEL * image.size[0] * image.size[1] + PREPROCESS_BYTES)
+        else:
+            encoded = config.api.max_image_fetch_bytes
+        total += encoded + decode
+    return total
+
+
+def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1) -> float:
+    """The media work of a call (:class:`~mm_serve.admission.media_load.MediaLoad`), in megapixel
+    equivalents: the declared megapixels of its images (:data:`UNDECLARED_IMAGE_MEGAPIXELS` for one
+    that declares none) plus :data:`CALL_MEGAPIXELS` per prompt."""
+    total = CALL_MEGAPIXELS * max(1, prompts)
+    for image in images:
+        total += UNDECLARED_IMAGE_MEGAPIXELS if image.size is None else image.size[0] * image.size[1] / 1e6
+    return total
+
+
+def prompt_work(prepared: Prepared) -> tuple[int, int]:
+    """(engine requests, prompt tokens) of a call: each prompt runs ``n`` times."""
+    n = prepared[0][1].n
+    return n * len(prepared), n * sum(len(inputs.prompt_token_ids) for inputs, _ in prepared)
+
+
+class Gate(Protocol):
+    """The admission steps of :func:`~mm_serve.pipeline.pipeline.admit_call`, in the order it takes them."""
+
+    def refuse_if_draining(self) -> None: ...
+
+    def precheck(self, call: Call) -> Callable[[float], None]: ...
+
+    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[], Awaitable[T]],
+                    release_body: Callable[[], None]) -> tuple[T, bool]: ...
+
+    def check_work(self, call: Call, prepared: Prepared) -> None: ...
+
+    async def hold(self, call: Call, prepared: Prepared, gone: Callable[[], Awaitable[bool]]) -> None: ...
+
+    def admit(self, call: Call, prepared: Prepared, committed: bool) -> Prediction | None: ...
+
+
+class OpenGate:
+    """The gate of the caption job's own engine: nothing is refused, held or predicted."""
+
+    def refuse_if_draining(self) -> None:
+        """Nothing: the job stops its own engine."""
+
+    def precheck(self, call: Call) -> Callable[[float], None]:
+        """Nothing to check; the returned re-check does nothing."""
+        return lambda _: None
+
+    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[], Awaitable[T]],
+                    release_body: Callable[[], None]) -> tuple[T, bool]:
+        """Run the media work (no budget, no deadline)."""
+        release_body()
+        return await load(), False
+
+    def check_work(self, call: Call, prepared: Prepared) -> None:
+        """Nothing: no work limit."""
+
+    async def hold(self, call: Call, prepared: Prepared, gone: Callable[[], Awaitable[bool]]) -> None:
+        """Nothing: no dispatch hold."""
+
+    def admit(self, call: Call, prepared: Prepared, committed: bool) -> Prediction | None:
+        """No prediction."""
+        return None
+
+
+class AdmissionGate:
+    """The server's admission steps for the calls of ``ctx``."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+
+    def refuse_if_draining(self) -> None:
+        """Raises:
+            APIError: 503 while the service is shutting down."""
+        self.ctx.refuse_if_draining()
+
+    @contextmanager
+    def counted(self, tier: Tier) -> Iterator[None]:
+        """Count a :class:`Rejection` raised in the body in the tier metrics (and re-raise it)."""
+        try:
+            yield
+        except Rejection as rejection:
+            if self.ctx.tier_metrics is not None:
+                self.ctx.tier_metrics.observe_admission(tier, rejection.reason)
+            raise
+
+    def precheck(self, call: Call) -> Callable[[float], None]:
+        """Refuse a call on its tier, ``max_tokens``, the image tokens of its images that no cache can
+        hold (data URIs this process has not been sent before,
+        :class:`~mm_serve.admission.seen_images.SeenImages`) and a lower bound on the tokens of its
+        text after the first of them (:meth:`ChatPrompt.uncached_text_floor`), before its images are
+        fetched or decoded, when the queues already rule it out (:meth:`AdmissionController.precheck`);
+        nothing while the engine is not up (the later checks answer that). The call's image URLs
+        are remembered as seen either way.
+
+        Returns the same check, to be made again at the call's decision deadline
+        (:mod:`mm_serve.pipeline.decision_deadline`) with the seconds still expected before its prompt
+        is ready; it counts its outcome in ``mm_serve_tier_decided_at_deadline_total`` and leaves the
+        refusal count to its caller.
+
+        Raises:
+            Rejection: 429 from a predicted SLO miss.
+        """
+        ctx, tier = self.ctx, call.tier
+        images = call.chat.images if call.chat is not None else []
+        fresh = iter(ctx.seen_images.unseen_flags(image.url for image in images if image.is_data))
+        flags = [image.is_data and next(fresh) for image in images]  # one per image: a data URI not sent before
+        tokens, count = 0, 0
+        if ctx.holder.started:
+            vision = ctx.holder.model_config.vision
+            per_image = 0 if vision is None else vision.num_image_tokens
+            tokens, count = sum(flags) * per_image, sum(flags) if per_image else 0
+            if tokens and call.chat is not None:
+                tokens += call.chat.uncached_text_floor(flags, ctx.holder.inputs.tokenizer)
+
+        def check(expected_s: float = 0.0) -> None:
+            if not ctx.holder.started or ctx.holder.draining.is_set():
+                return
+            waited = max(0.0, time.monotonic() - call.arrival)
+            ctx.admission.precheck(ctx.holder.client, tier, call.precheck_max_tokens, tokens, count,
+                                   waited + expected_s)
+
+        def at_deadline(expected_s: float) -> None:
+            try:
+                check(expected_s)
+            except Rejection:
+                if ctx.tier_metrics is not None:
+                    ctx.tier_metrics.observe_decided_at_deadline(tier, committed=False)
+                raise
+            if ctx.tier_metrics is not None:
+                ctx.tier_metrics.observe_decided_at_deadline(tier, committed=True)
+
+        with self.counted(tier):
+            check()
+        return at_deadline
+
+    def hold_images(self, call: Call) -> AbstractContextManager[None]:
+        """A context manager holding the call's image bytes (see :func:`image_reservation`).
+
+        Raises (on entry):
+            Rejection: 503 ``image_bytes`` when they do not fit the budget.
+        """
+        if call.chat is None:
+            return nullcontext()
+        images = call.chat.images
+        return self.ctx.image_budget.hold(image_reservation(images, self.config), f"{len(images)} image(s)")
+
+    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[], Awaitable[T]],
+                    release_body: Callable[[], None]) -> tuple[T, bool]:
+        """Run the call's media work ``load()`` under its image bytes' hold (taken over from its body's,
+        ``release_body``), decided by its decision deadline with ``recheck``
+        (:func:`~mm_serve.pipeline.decision_deadline.within_deadline`); returns (its result,
+        committed: decided at the deadline).
+
+        Raises:
+            Rejection: 503 ``image_bytes``, or 429 at the deadline.
+        """
+        async def held() -> T:
+            release_body()  # the images' own reservation takes over from the body's
+            with self.hold_images(call):
+                return await load()
+
+        images = call.chat.images if call.chat is not None else []
+        with self.counted(call.tier):
+            return await within_deadline(held(), self.ctx.decision_deadline(call.arrival, call.tier), recheck,
+                                         self.ctx.media_load, media_size(images, call.num_prompts))
+
+    def check_work(self, call: Call, prepared: Prepared) -> None:
+        """The work limit for the call's ``prepared`` prompts (each run ``params.n`` times).
+
+        Raises:
+            Rejection: 400 ``work_limit``.
+        """
+        with self.counted(call.tier):
+            if prepared:
+                prompt_tokens = [len(inputs.prompt_token_ids) for inputs, _ in prepared]
+                check_work(prompt_tokens, [params.max_tokens for _, params in prepared], prepared[0][1].n,
+                           self.config.admission)
+
+    def _check_caps(self, tier: Tier, prepared: Prepared) -> None:
+        """The queue caps for the call's prompts, with the calls waiting in the dispatch hold counted
+        as queued for their own tier only (held to give way to tighter tiers, they must not get
+        those refused).
+
+        Raises:
+            Rejection: 429 ``queued_requests`` or ``queued_tokens`` when a cap would be passed.
+        """
+        if not prepared:
+            return
+        held = self.ctx.dispatch_hold.queued() if self.ctx.admission.holds(tier) else (0, 0)
+        queued_requests, queued_tokens = self.ctx.holder.client.queued()
+        requests, tokens = prompt_work(prepared)
+        check_queues(queued_requests + held[0], queued_tokens + held[1], requests, tokens, self.config.admission)
+
+    async def hold(self, call: Call, prepared: Prepared, gone: Callable[[], Awaitable[bool]]) -> None:
+        """Let a call of the never-refused tier wait, in arrival order, until dispatching it hurts no
+        tighter request (:meth:`AdmissionController.hold_reason` on its first prompt) or it has waited
+        half its TTFT SLO or half ``api.timeout_ms``, whichever is less (then it goes, to still meet
+        that SLO and leave the request its time); at once for other tiers, with prediction off, or
+        with nothing to wait for. The queue caps of later calls of its tier count it while it waits.
+
+        Raises:
+            Rejection: 429 from a queue cap (checked before it waits).
+            ConnectionAbortedError: ``gone()`` (its client's disconnect check) said the client left.
+        """
+        ctx, tier = self.ctx, call.tier
+        if not prepared or not ctx.admission.holds(tier):
+            return
+        with self.counted(tier):  # a call past the caps is refused, not held
+            self._check_caps(tier, prepared)
+        inputs, params = prepared[0]
+        client = ctx.holder.client
+
+        def ready() -> bool:
+            return ctx.admission.hold_reason(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
+                                             params.max_tokens, inputs) is None
+
+        longest = min(ctx.config.slo.of(tier).ttft_s / 2, ctx.config.api.timeout_ms / 2000.0)
+        await ctx.dispatch_hold.wait(ready, *prompt_work(prepared), longest, gone)
+
+    def admit(self, call: Call, prepared: Prepared, committed: bool) -> Prediction | None:
+        """The queue caps, then the latency prediction, for the call's ``prepared`` prompts (the
+        time since its arrival, decoding its images, waiting in the dispatch hold or for a busy front
+        end, is part of its TTFT and of the prediction); counts the admission in the tier metrics.
+        Returns the prediction of its first request (None when none could be made: a role has no
+        ready worker). A ``committed`` call (admitted at its decision deadline) is predicted but not
+        refused on it.
+
+        Raises:
+            Rejection: 429 from a queue cap or (unless ``committed``) a predicted SLO miss.
+        """
+        ctx, tier = self.ctx, call.tier
+        waited = max(0.0, time.monotonic() - call.arrival)
+        with self.counted(tier):
+            self._check_caps(tier, prepared)
+            inputs, params = prepared[0]
+            prediction = ctx.admission.admit(ctx.holder.client, tier, len(inputs.prompt_token_ids),
+                                             inputs.num_images, params.max_tokens, inputs, waited,
+                                             refuse=not committed)
+        if ctx.tier_metrics is not None:
+            ctx.tier_metrics.observe_admission(tier, None)
+        return prediction

@@ -1,0 +1,85 @@
+"""A call's media work: fetch and decode its images, render and tokenize its prompts.
+
+Runs off the event loop where it is heavy (tokenizing and preprocessing in a thread; image
+fetches are async), and enforces ``api.max_images_per_request`` and ``api.max_request_length``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from mm_serve.config import APIConfig
+from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
+from mm_serve.media.errors import ImageError
+from mm_serve.media.fetch import MediaPolicy, load_image_urls
+from mm_serve.pipeline.chat_prompt import ChatPrompt
+from mm_serve.protocol.errors import bad_request
+
+MAX_CHARS_PER_TOKEN = 32  # a cheap bound checked before tokenizing (no tokenizer yields fewer tokens)
+
+
+def media_policy(api: APIConfig) -> MediaPolicy:
+    """The image-fetch policy of the service."""
+    return MediaPolicy(
+        max_pixels=api.max_image_pixels, max_fetch_bytes=api.max_image_fetch_bytes,
+        fetch_timeout_s=api.image_fetch_timeout_s,
+        allowed_local_media_path=Path(api.allowed_local_media_path) if api.allowed_local_media_path else None,
+        allowed_media_domains=tuple(api.allowed_media_domains),
+    )
+
+
+def check_image_count(prompt: ChatPrompt, api: APIConfig) -> None:
+    """Raises:
+        APIError: 400 ``too_many_images`` past ``api.max_images_per_request``."""
+    if len(prompt.images) > api.max_images_per_request:
+        raise bad_request(f"{len(prompt.images)} images in one request; the limit is {api.max_images_per_request}",
+                          "messages", "too_many_images")
+
+
+async def chat_request(prompt: ChatPrompt, api: APIConfig) -> dict[str, Any]:
+    """The input processor's request for a chat call: its messages with the images loaded.
+
+    Raises:
+        APIError: 400 for too many images, or an image that cannot be loaded.
+    """
+    check_image_count(prompt, api)
+    urls = [image.url for image in prompt.images]
+    try:
+        loaded = await load_image_urls(urls, media_policy(api)) if urls else []
+    except ImageError as exc:
+        raise bad_request(str(exc), "messages", "invalid_image") from None
+    return {"messages": prompt.template_messages(loaded)}
+
+
+async def process_inputs(inputs: InputProcessor, request: dict[str, Any], text_chars: int,
+                         max_request_length: int) -> ProcessedInputs:
+    """Tokenize and preprocess ``request`` (with ``text_chars`` characters of text) off the event
+    loop; enforce ``api.max_request_length``.
+
+    Raises:
+        APIError: 400 for an invalid prompt or one over the prompt cap.
+    """
+    param = "messages" if "messages" in request else "prompt"
+    if text_chars > max_request_length * MAX_CHARS_PER_TOKEN:
+        raise bad_request(
+            f"the prompt has {text_chars} characters, more than api.max_request_length ({max_request_length} "
+            f"tokens) can hold at {MAX_CHARS_PER_TOKEN} characters per token", param, "context_length_exceeded",
+        )
+    try:
+        processed = await asyncio.to_thread(inputs.process, request)
+    except (InvalidRequestError, ImageError) as exc:
+        raise bad_request(str(exc), param) from None
+    except (TypeError, UnicodeError):  # e.g. lone surrogates the tokenizer cannot encode
+        raise bad_request(
+            "the prompt text cannot be tokenized: it holds characters that are not valid Unicode "
+            "(such as an unpaired UTF-16 surrogate escape like \\ud800)", param,
+        ) from None
+    n = len(processed.prompt_token_ids)
+    if n > max_request_length:
+        raise bad_request(
+            f"the prompt has {n} tokens (image tokens included); the limit is {max_request_length} "
+            "(api.max_request_length)", param, "context_length_exceeded",
+        )
+    return processed

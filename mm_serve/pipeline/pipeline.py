@@ -1,0 +1,120 @@
+"""One OpenAI call to an admitted generation, in the order the steps happen.
+
+1. The body is parsed once (:class:`~mm_serve.pipeline.call.Call`): model, tier, prompts.
+2. A service shutting down refuses it (503).
+3. The early check refuses it on what it is certain to cost, before its images are touched.
+4. Its media work (images fetched and decoded, prompts templated and tokenized) runs under its
+   image bytes' hold and is decided by its decision deadline.
+5. ``max_tokens`` is resolved and the context checked, once per prompt.
+6. The work limit; the engine must be up (503); the never-refused tier may wait in the
+   dispatch hold; the queue caps and the latency prediction admit or refuse it.
+7. Each prompt's ``n`` engine requests are submitted (:class:`~mm_serve.pipeline.generation.Generation`).
+
+HTTP routes, Batch API rows and the caption job all call :func:`admit_call`; a refusal leaves it
+as an :class:`~mm_serve.protocol.errors.APIError` in OpenAI's format.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from mm_serve.admission.predictor import Prediction
+from mm_serve.admission.rejection import Rejection
+from mm_serve.engine.engine_client import EngineClient
+from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.pipeline.call import Body, Call, check_model
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.pipeline.gate import AdmissionGate, Gate, OpenGate, Prepared
+from mm_serve.pipeline.generation import Generation, engine_id
+from mm_serve.pipeline.media import chat_request, process_inputs
+from mm_serve.pipeline.origin import CallOrigin
+from mm_serve.pipeline.refusal import from_rejection
+
+
+@dataclass(frozen=True)
+class AdmittedCall:
+    """A call admitted and submitted: one :class:`Generation` per prompt (a chat call has one)."""
+
+    call: Call
+    prediction: Prediction | None  # of its first request (None: none was made)
+    generations: list[Generation]
+
+    def abort(self) -> None:
+        """Cancel every unfinished request of the call."""
+        for generation in self.generations:
+            generation.abort()
+
+
+async def admit_call(ctx: ServerContext, body: Body, origin: CallOrigin) -> AdmittedCall:
+    """Take ``body`` through the steps of the module docstring.
+
+    Raises:
+        APIError: 400 bad input, 404 unknown model, 429 refused by admission (Retry-After),
+            503 the service cannot take it now.
+        ConnectionAbortedError: the client left while the call waited in the dispatch hold.
+    """
+    try:
+        return await _admit(ctx, body, origin)
+    except Rejection as rejection:
+        raise from_rejection(rejection) from None
+
+
+async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> AdmittedCall:
+    origin.mark("parse")  # the body read, parsed and validated
+    check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
+    call = Call.parse(body, ctx.config.slo.default, origin.arrival)
+    gate: Gate = AdmissionGate(ctx) if ctx.admission_gate else OpenGate()
+    gate.refuse_if_draining()
+    recheck = gate.precheck(call)
+    origin.mark("precheck")
+    processed, committed = await gate.media(call, recheck, lambda: _prompt_inputs(ctx, call), origin.release_body)
+    origin.mark("media")  # images fetched and decoded, the prompts templated and tokenized
+    vocab = ctx.holder.model_config.text.vocab_size
+    prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len, vocab))
+                for inputs in processed]
+    gate.check_work(call, prepared)
+    client = ctx.client_or_503()
+    await gate.hold(call, prepared, origin.gone)
+    origin.mark("hold")
+    prediction = gate.admit(call, prepared, committed)
+    origin.mark("admit")
+    return AdmittedCall(call, prediction, _submit(ctx, client, call, prepared, prediction))
+
+
+async def _prompt_inputs(ctx: ServerContext, call: Call) -> list[ProcessedInputs]:
+    """The call's media work: each prompt processed (images loaded, templated, tokenized)."""
+    api, inputs = ctx.config.api, ctx.holder.inputs
+    if call.chat is not None:
+        request = await chat_request(call.chat, api)
+        return [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]
+    return [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
+            for prompt in call.prompts]
+
+
+def _submit(ctx: ServerContext, client: EngineClient, call: Call, prepared: Prepared,
+            prediction: Prediction | None) -> list[Generation]:
+    """Submit each prompt's requests; the prediction (of the first prompt's first copy) is kept for
+    the predictor to learn from. On a failure the requests already submitted are aborted.
+
+    Raises:
+        APIError: 400 (context) or 503 (no worker left) from a submission.
+    """
+    generations: list[Generation] = []
+    max_wait_s = ctx.config.slo.ageing_s(call.tier)
+    call_id = uuid.uuid4().hex  # the first prompt's; its first request is the one predicted
+    first = engine_id(call_id, 0)
+    try:
+        for k, (inputs, params) in enumerate(prepared):
+            predicted = prediction if k == 0 else None
+            if predicted is not None:
+                ctx.admission.remember(first, predicted)  # before it is submitted: it may finish at once
+            generations.append(Generation(client, inputs, params, call.arrival, call.tier, max_wait_s,
+                                          None if predicted is None else predicted.ttft_s,
+                                          call_id if k == 0 else None))
+    except BaseException:
+        ctx.admission.forget(first)
+        for generation in generations:
+            generation.abort()
+        raise
+    return generations

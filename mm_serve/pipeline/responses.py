@@ -1,0 +1,109 @@
+"""The non-streamed answer to an admitted call: wait for its requests, then build OpenAI's body.
+
+The HTTP routes, Batch API rows and the caption job answer with exactly these bodies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+from mm_serve.pipeline.context import ServerContext
+from mm_serve.pipeline.pipeline import AdmittedCall
+from mm_serve.protocol.errors import unavailable
+from mm_serve.protocol.logprobs_format import chat_logprobs, completion_logprobs
+from mm_serve.protocol.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    PromptTokensDetails,
+    Usage,
+)
+
+
+def finish_reason(reason: str | None) -> Literal["stop", "length"] | None:
+    """The OpenAI finish reason: ``stop`` or ``length``; anything else (abort, error) is None."""
+    if reason == "stop":
+        return "stop"
+    return "length" if reason == "length" else None
+
+
+def timeout_message(ctx: ServerContext) -> str:
+    """What a call that ran past ``api.timeout_ms`` is told."""
+    return f"the request did not finish within api.timeout_ms ({ctx.config.api.timeout_ms} ms)"
+
+
+async def wait_all(ctx: ServerContext, admitted: AdmittedCall, gone: Callable[[], Awaitable[bool]],
+                   deadline: float | None = None) -> None:
+    """Wait until every request of the call has finished, by ``deadline`` (``time.monotonic()``
+    seconds; default ``api.timeout_ms`` from now; ``math.inf``: no limit).
+
+    Raises:
+        APIError: 503 when the call runs past ``api.timeout_ms`` (its requests are aborted) or one
+            of its requests failed.
+        ConnectionAbortedError: the client went away (its requests are aborted).
+    """
+    deadline = ctx.deadline() if deadline is None else deadline
+    try:
+        for generation in admitted.generations:
+            await generation.wait(deadline, gone)
+    except TimeoutError:
+        admitted.abort()
+        raise unavailable(timeout_message(ctx)) from None
+    except ConnectionAbortedError:
+        admitted.abort()
+        raise
+    failure = next((g.failure() for g in admitted.generations if g.failure()), None)
+    if failure:
+        raise unavailable(f"the request failed: {failure}")
+
+
+def chat_response(ctx: ServerContext, admitted: AdmittedCall) -> ChatCompletionResponse:
+    """The ``chat.completion`` body of a finished chat call."""
+    generation, top_n = admitted.generations[0], admitted.call.logprobs
+    tokenizer = ctx.holder.inputs.tokenizer
+    choices = [
+        ChatChoice(index=i, message=AssistantMessage(content=s.text), finish_reason=finish_reason(s.finish_reason),
+                   logprobs=None if top_n is None else chat_logprobs(tokenizer, s.token_ids, s.logprobs, top_n))
+        for i, s in enumerate(generation.states)
+    ]
+    return ChatCompletionResponse(model=ctx.served_model_name, choices=choices, usage=generation.usage(),
+                                  service_tier=admitted.call.tier.label)
+
+
+def completion_response(ctx: ServerContext, admitted: AdmittedCall) -> CompletionResponse:
+    """The ``text_completion`` body of a finished completions call (choice ``p * n + i`` is copy ``i``
+    of prompt ``p``)."""
+    call, tokenizer = admitted.call, ctx.holder.inputs.tokenizer
+    choices, prompt_tokens, completion_tokens, cached_tokens = [], 0, 0, 0
+    for p, generation in enumerate(admitted.generations):
+        prompt_tokens += generation.num_prompt_tokens
+        cached_tokens += generation.cached_tokens
+        for i, s in enumerate(generation.states):
+            completion_tokens += len(s.token_ids)
+            logprobs = None
+            if call.logprobs is not None:
+                logprobs = completion_logprobs(tokenizer, s.token_ids, s.logprobs, call.logprobs)
+            choices.append(CompletionChoice(index=p * call.body.n + i, text=s.text, logprobs=logprobs,
+                                            finish_reason=finish_reason(s.finish_reason)))
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                  total_tokens=prompt_tokens + completion_tokens,
+                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+    return CompletionResponse(model=ctx.served_model_name, choices=choices, usage=usage,
+                              service_tier=call.tier.label)
+
+
+async def answer(ctx: ServerContext, admitted: AdmittedCall, gone: Callable[[], Awaitable[bool]],
+                 deadline: float | None = None) -> ChatCompletionResponse | CompletionResponse:
+    """Wait for the call (:func:`wait_all`, by ``deadline``), then its body.
+
+    Raises:
+        APIError: 503 past ``api.timeout_ms`` or for a failed request.
+        ConnectionAbortedError: the client went away.
+    """
+    await wait_all(ctx, admitted, gone, deadline)
+    if admitted.call.chat is not None:
+        return chat_response(ctx, admitted)
+    return completion_response(ctx, admitted)
