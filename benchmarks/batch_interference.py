@@ -51,9 +51,9 @@ from mm_serve.bench.metrics import RunSummary  # noqa: E402
 from mm_serve.bench.requests import RequestFactory, noise_image_uri  # noqa: E402
 from mm_serve.bench.runner import LoadRunner, LoadSpec  # noqa: E402
 from mm_serve.bench.sweep import find_goodput  # noqa: E402
-from mm_serve.bench.workloads import make_workload  # noqa: E402
+from mm_serve.ground.slo import SLO  # noqa: E402
 from mm_serve.models.model_config import load_model_config  # noqa: E402
-from mm_serve.planner.slo import SLO  # noqa: E402
+from mm_serve.workloads import make_workload  # noqa: E402
 
 
 def _batch_file(images: int, image_size: int, seed: int) -> bytes:

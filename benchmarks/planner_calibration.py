@@ -43,6 +43,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from mm_serve.config import ConfigError, load_config  # noqa: E402
+from mm_serve.ground.slo import SLO  # noqa: E402
 from mm_serve.planner.errors import PlannerError  # noqa: E402
 from mm_serve.planner.fit import fit_profile_file  # noqa: E402
 from mm_serve.planner.latency_model import LatencyModel, ParallelConfig  # noqa: E402
@@ -53,7 +54,6 @@ from mm_serve.planner.simulator import (  # noqa: E402
     PrefillServer,
     simulate_disaggregated,
 )
-from mm_serve.planner.slo import SLO  # noqa: E402
 
 _PRESETS = {"bench-llama": "bench-llama", "bench": "bench"}  # builder commands of the presets
 

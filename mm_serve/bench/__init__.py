@@ -1,45 +1,7 @@
-"""Benchmark workloads shared by ``mm-serve bench`` and the placement planner."""
+"""``mm-serve bench``: the load generator, its metrics and reports, and the goodput search.
 
-from mm_serve.bench.workloads import (
-    BUILTIN_WORKLOADS,
-    IMAGE_WORKLOADS,
-    CaptionRepeatWorkload,
-    CaptionWorkload,
-    ChatbotWorkload,
-    JsonlWorkload,
-    LlavaWorkload,
-    MultiturnLlavaWorkload,
-    RequestSpec,
-    SharedPromptWorkload,
-    Workload,
-    WorkloadError,
-    gamma_arrivals,
-    is_conversational,
-    load_jsonl_workload,
-    make_workload,
-    poisson_arrivals,
-    trace_arrivals,
-    unit_rate_arrivals,
-)
-
-__all__ = [
-    "BUILTIN_WORKLOADS",
-    "IMAGE_WORKLOADS",
-    "CaptionRepeatWorkload",
-    "CaptionWorkload",
-    "ChatbotWorkload",
-    "JsonlWorkload",
-    "LlavaWorkload",
-    "MultiturnLlavaWorkload",
-    "RequestSpec",
-    "SharedPromptWorkload",
-    "Workload",
-    "WorkloadError",
-    "gamma_arrivals",
-    "is_conversational",
-    "load_jsonl_workload",
-    "make_workload",
-    "poisson_arrivals",
-    "trace_arrivals",
-    "unit_rate_arrivals",
-]
+It sends the requests of a workload (:mod:`mm_serve.workloads`, shared with the placement
+planner) to any OpenAI-compatible server at a request rate, records each request's TTFT
+and TPOT (seconds), scores them against an SLO (:class:`mm_serve.ground.slo.SLO`) and
+searches the highest rate that meets the attainment target (the goodput).
+"""

@@ -33,7 +33,7 @@ import httpx
 from mm_serve.bench.conversations import History, request_chains
 from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.requests import PlannedRequest
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
 
 Clock = Callable[[], float]
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mm_serve.bench.requests import PlannedRequest
-from mm_serve.bench.spec import RequestSpec, conversation_groups
+from mm_serve.workloads.spec import RequestSpec, conversation_groups
 
 
 def whole_conversations(specs: Sequence[RequestSpec], n: int) -> list[RequestSpec]:

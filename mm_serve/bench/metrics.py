@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from mm_serve.bench.cache_stats import CacheTokens, ttfts_by_turn
 from mm_serve.bench.records import RequestRecord
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
 

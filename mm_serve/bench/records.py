@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from mm_serve.bench.server_metrics import (
     prefix_hit_rate,
 )
 from mm_serve.bench.sweep import SweepResult
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
 
 
 @dataclass(frozen=True)

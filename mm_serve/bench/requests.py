@@ -1,4 +1,4 @@
-"""Turn sampled :class:`~mm_serve.bench.workloads.RequestSpec` rows into OpenAI request bodies.
+"""Turn sampled :class:`~mm_serve.workloads.spec.RequestSpec` rows into OpenAI request bodies.
 
 A spec gives lengths in tokens; a server needs text and images. Prompt text is a
 window of the English corpus shipped with mm-serve, cut to ``prompt_tokens`` tokens
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mm_serve.bench.tier_report import draw_tier
-from mm_serve.bench.workloads import RequestSpec
+from mm_serve.workloads import RequestSpec
 
 Api = Literal["chat", "completions"]
 

@@ -25,8 +25,8 @@ from mm_serve.bench.metrics import RunSummary, summarize
 from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.requests import PlannedRequest, RequestFactory
 from mm_serve.bench.server_metrics import counter_delta, scrape, scrape_after
-from mm_serve.bench.spec import conversation_groups
-from mm_serve.bench.workloads import (
+from mm_serve.ground.slo import SLO
+from mm_serve.workloads import (
     JsonlWorkload,
     RequestSpec,
     Workload,
@@ -34,7 +34,7 @@ from mm_serve.bench.workloads import (
     trace_arrivals,
     unit_rate_arrivals,
 )
-from mm_serve.planner.slo import SLO
+from mm_serve.workloads.spec import conversation_groups
 
 
 @dataclass(frozen=True)

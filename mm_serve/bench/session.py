@@ -24,7 +24,7 @@ from mm_serve.bench.requests import Api, RequestFactory
 from mm_serve.bench.runner import LoadRunner, LoadSpec
 from mm_serve.bench.sweep import find_goodput
 from mm_serve.config import SLOConfig
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
 
 TTFT_SLO_SCALE = 5.0  # default TTFT SLO over the unloaded p90 TTFT
 TPOT_SLO_SCALE = 5.0  # default TPOT SLO over the unloaded p90 TPOT

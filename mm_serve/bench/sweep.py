@@ -10,7 +10,7 @@ With a guess within 2x of the answer and ``rel_tol = 0.1`` that is about five ru
 
 SLO attainment is made (nearly) monotone in the rate by common random numbers:
 every probe replays the same requests on the same unit-rate arrival path scaled
-by ``1 / rate`` (see :func:`mm_serve.bench.workloads.unit_rate_arrivals`).
+by ``1 / rate`` (see :func:`mm_serve.workloads.arrivals.unit_rate_arrivals`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from mm_serve.bench.records import RequestRecord
 from mm_serve.config import SLOConfig
 from mm_serve.ground.tiers import Tier
 
-TIERS = tuple(tier.label for tier in Tier)
+TIER_LABELS = tuple(tier.label for tier in Tier)  # interactive, standard, batch: tightest first
 
 
 def parse_tier_mix(text: str) -> dict[str, float]:
@@ -27,8 +27,8 @@ def parse_tier_mix(text: str) -> dict[str, float]:
     mix: dict[str, float] = {}
     for part in text.split(","):
         name, sep, share = part.strip().partition("=")
-        if name not in TIERS or not sep:
-            raise ValueError(f"--tier-mix wants tier=share pairs with tiers {', '.join(TIERS)}, got {part!r}")
+        if name not in TIER_LABELS or not sep:
+            raise ValueError(f"--tier-mix wants tier=share pairs with tiers {', '.join(TIER_LABELS)}, got {part!r}")
         try:
             value = float(share)
         except ValueError:
@@ -57,7 +57,7 @@ def tier_lines(records: Sequence[RequestRecord], slo: SLOConfig, duration_s: flo
     """One line per tier present in ``records`` (see the module docstring); ``duration_s`` is the
     run's span of arrivals, seconds."""
     lines = []
-    for tier in TIERS:
+    for tier in TIER_LABELS:
         mine = [r for r in records if r.tier == tier]
         if not mine:
             continue

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from mm_serve.bench.report import SystemResult
     from mm_serve.bench.session import BenchSettings
     from mm_serve.config import SLOConfig
-    from mm_serve.planner.slo import SLO
+    from mm_serve.ground.slo import SLO
 
 
 def register(subparsers: Any) -> None:
@@ -132,13 +132,13 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
     from mm_serve.bench.runner import LoadSpec
     from mm_serve.bench.session import BenchSettings
-    from mm_serve.bench.workloads import (
+    from mm_serve.models.model_config import CheckpointError, load_model_config
+    from mm_serve.workloads import (
         IMAGE_WORKLOADS,
         WorkloadError,
         is_conversational,
         make_workload,
     )
-    from mm_serve.models.model_config import CheckpointError, load_model_config
 
     image_tokens, image_size, max_context = 0, 336, 4096
     if model_dir is not None:
@@ -229,7 +229,7 @@ def _run(args: argparse.Namespace) -> int:
     from mm_serve.bench.launch import LaunchError, LocalServer
     from mm_serve.bench.report import format_goodput, format_runs
     from mm_serve.bench.session import measure
-    from mm_serve.planner.slo import SLO
+    from mm_serve.ground.slo import SLO
 
     _check(args)
     model_dir, mode = _model_dir(args)

@@ -92,15 +92,15 @@ def _check_writable(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the search and print the result; user errors raise ``CLIError``."""
-    from mm_serve.bench.workloads import WorkloadError, make_workload
     from mm_serve.cli.main import CLIError
+    from mm_serve.ground.slo import SLO
     from mm_serve.planner.errors import PlannerError
-    from mm_serve.planner.hardware import get_hardware
+    from mm_serve.planner.fit import get_hardware
     from mm_serve.planner.model_shape import load_model_shape
     from mm_serve.planner.plan_spec import PlanSpec
     from mm_serve.planner.report import plan_dict, plan_text
     from mm_serve.planner.search import plan
-    from mm_serve.planner.slo import SLO
+    from mm_serve.workloads import WorkloadError, make_workload
 
     if not (0 < args.slo_ttft <= MAX_SLO_S and 0 < args.slo_tpot <= MAX_SLO_S):
         raise CLIError(f"SLOs must be > 0 and at most {MAX_SLO_S:g} seconds, got --slo-ttft "

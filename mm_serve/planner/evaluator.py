@@ -10,18 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mm_serve.bench.workloads import (
-    JsonlWorkload,
-    RequestSpec,
-    trace_arrivals,
-    unit_rate_arrivals,
-)
 from mm_serve.planner.events import gc_paused
 from mm_serve.planner.goodput import max_rate
 from mm_serve.planner.latency_model import DecodeTiming, LatencyModel, ParallelConfig, PrefillTiming
 from mm_serve.planner.memory import MemoryPlan, memory_plan
 from mm_serve.planner.plan_spec import PlanSpec
 from mm_serve.planner.sim_request import SimRequest
+from mm_serve.planner.sim_result import Phase, SimResult
 from mm_serve.planner.simulator import (
     DecodeServer,
     Handoff,
@@ -32,7 +27,12 @@ from mm_serve.planner.simulator import (
     simulate_disaggregated,
     simulate_prefill,
 )
-from mm_serve.planner.slo import Phase, SimResult
+from mm_serve.workloads import (
+    JsonlWorkload,
+    RequestSpec,
+    trace_arrivals,
+    unit_rate_arrivals,
+)
 
 _BOUND_SLACK = 1.25  # analytic throughput bounds are approximate; probe above them
 NEAR_SPAN = 2.0  # search floor below a simulated estimate (not an analytic bound)

@@ -15,6 +15,9 @@ together with the prompt, so their byte coefficient is not identifiable from the
 own points: it is taken from the decode fit (one memory system), and only seconds
 per FLOP and the overhead are fitted. A phase with a single point gets seconds per
 FLOP only; a profile without encode points reuses the prefill coefficients.
+
+:func:`get_hardware` resolves a ``--hardware`` argument: a built-in datasheet profile
+(:data:`mm_serve.planner.hardware.SPECS`) by name, or a measured profile file fitted here.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mm_serve.planner.errors import ProfileError
-from mm_serve.planner.hardware import Hardware, PhaseCoefficients
+from mm_serve.planner.errors import HardwareError, ProfileError
+from mm_serve.planner.hardware import SPECS, Hardware, PhaseCoefficients, hardware_names
 from mm_serve.planner.model_shape import ModelShape
 from mm_serve.planner.profile_file import Profile, load_profile
 from mm_serve.planner.work import decode_work, encode_work, prefill_work
@@ -159,3 +162,25 @@ def fit_profile(profile: Profile) -> ProfileFit:
 def fit_profile_file(path: str | Path) -> ProfileFit:
     """:func:`load_profile` then :func:`fit_profile`."""
     return fit_profile(load_profile(path))
+
+
+def get_hardware(name_or_path: str) -> Hardware:
+    """A built-in profile by name, or a fitted one from a profile JSON file.
+
+    Raises:
+        HardwareError: the name is unknown and no such file exists.
+        ProfileError: the file is not a valid or fittable profile (see
+            :mod:`mm_serve.planner.profile_file`).
+    """
+    key = name_or_path.lower()
+    if key in SPECS:
+        return SPECS[key].to_hardware()
+    path = Path(name_or_path)
+    if path.is_file():
+        return fit_profile_file(path).hardware
+    if key.endswith(".json") or "/" in name_or_path:
+        raise HardwareError(f"hardware profile file not found: {name_or_path}")
+    raise HardwareError(
+        f"unknown hardware '{name_or_path}': choose {', '.join(hardware_names())} "
+        "or give a profile JSON file"
+    )

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
-
-from mm_serve.planner.errors import HardwareError
 
 GIB = 1 << 30
 
@@ -122,27 +119,3 @@ SPECS: Mapping[str, HardwareSpec] = MappingProxyType({
 def hardware_names() -> list[str]:
     """The built-in profile names accepted by ``--hardware``."""
     return sorted(SPECS)
-
-
-def get_hardware(name_or_path: str) -> Hardware:
-    """A built-in profile by name, or a fitted one from a profile JSON file.
-
-    Raises:
-        HardwareError: the name is unknown and no such file exists.
-        ProfileError: the file is not a valid or fittable profile (see
-            :mod:`mm_serve.planner.profile_file`).
-    """
-    key = name_or_path.lower()
-    if key in SPECS:
-        return SPECS[key].to_hardware()
-    path = Path(name_or_path)
-    if path.is_file():
-        from mm_serve.planner.fit import fit_profile_file
-
-        return fit_profile_file(path).hardware
-    if key.endswith(".json") or "/" in name_or_path:
-        raise HardwareError(f"hardware profile file not found: {name_or_path}")
-    raise HardwareError(
-        f"unknown hardware '{name_or_path}': choose {', '.join(hardware_names())} "
-        "or give a profile JSON file"
-    )

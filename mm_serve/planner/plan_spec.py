@@ -5,17 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mm_serve.bench.workloads import (
+from mm_serve.ground.slo import SLO
+from mm_serve.planner.errors import PlannerError
+from mm_serve.planner.hardware import Hardware
+from mm_serve.planner.model_shape import ModelShape
+from mm_serve.workloads import (
     JsonlWorkload,
     Workload,
     WorkloadError,
     check_burstiness,
     is_conversational,
 )
-from mm_serve.planner.errors import PlannerError
-from mm_serve.planner.hardware import Hardware
-from mm_serve.planner.model_shape import ModelShape
-from mm_serve.planner.slo import SLO
 
 Affinity = Literal["high", "low"]
 MAX_NODES = 1024

@@ -17,14 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from mm_serve.bench.workloads import RequestSpec
 from mm_serve.planner.colocated_instance import ColocatedInstance
 from mm_serve.planner.decode_instance import DecodeInstance
 from mm_serve.planner.events import EventLoop
 from mm_serve.planner.latency_model import DecodeTiming, PrefillTiming
 from mm_serve.planner.prefill_instance import PrefillInstance
 from mm_serve.planner.sim_request import SimRequest
-from mm_serve.planner.slo import SimResult
+from mm_serve.planner.sim_result import SimResult
+from mm_serve.workloads import RequestSpec
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import pytest
 from mm_serve.bench.client import Endpoint, run_load, run_sequential
 from mm_serve.bench.requests import PlannedRequest, RequestFactory
 from mm_serve.bench.runner import LoadRunner, LoadSpec
-from mm_serve.bench.workloads import RequestSpec, make_workload
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
+from mm_serve.workloads import RequestSpec, make_workload
 from tests.bench.fake_server import FakeServer
 
 

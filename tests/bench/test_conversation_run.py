@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from mm_serve.bench.client import EARLIER_TURN_FAILED, Endpoint, run_load
-from mm_serve.bench.kv_workloads import MultiturnLlavaWorkload
 from mm_serve.bench.requests import RequestFactory
 from mm_serve.bench.runner import LoadRunner, LoadSpec
 from mm_serve.bench.server_metrics import (
@@ -23,7 +22,8 @@ from mm_serve.bench.server_metrics import (
     scrape,
 )
 from mm_serve.cli.main import main
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
+from mm_serve.workloads.shared_content import MultiturnLlavaWorkload
 from tests.bench.fake_server import FakeServer
 
 # Turn k (1-based) sends 2k - 1 messages of 10 tokens; the previous turn's 2k - 3 are cached:

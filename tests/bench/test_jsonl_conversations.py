@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.bench.jsonl_workload import load_jsonl_workload
-from mm_serve.bench.workloads import WorkloadError, is_conversational, trace_arrivals
 from mm_serve.cli.main import main
+from mm_serve.workloads import WorkloadError, is_conversational, trace_arrivals
+from mm_serve.workloads.jsonl import load_jsonl_workload
 
 
 def write(tmp_path: Path, rows: list[dict[str, object]]) -> Path:

@@ -15,8 +15,7 @@ from mm_serve.bench.conversations import (
     whole_conversations,
 )
 from mm_serve.bench.requests import RequestFactory
-from mm_serve.bench.spec import RequestSpec
-from mm_serve.bench.workloads import (
+from mm_serve.workloads import (
     BUILTIN_WORKLOADS,
     CaptionRepeatWorkload,
     MultiturnLlavaWorkload,
@@ -25,6 +24,7 @@ from mm_serve.bench.workloads import (
     is_conversational,
     make_workload,
 )
+from mm_serve.workloads.spec import RequestSpec
 
 
 def test_multiturn_sample_is_whole_conversations_of_five_turns() -> None:

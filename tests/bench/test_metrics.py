@@ -9,7 +9,7 @@ import pytest
 from mm_serve.bench.client import allowed_misses
 from mm_serve.bench.metrics import Distribution, attainment, meets_slo, percentile, summarize
 from mm_serve.bench.records import RequestRecord
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
 
 
 def record(sent: float, chunks: list[float], end: float, tokens: int, error: str | None = None,

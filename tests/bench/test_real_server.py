@@ -16,8 +16,8 @@ from mm_serve.bench.launch import LaunchError, LocalServer
 from mm_serve.bench.requests import RequestFactory
 from mm_serve.bench.runner import LoadRunner, LoadSpec
 from mm_serve.bench.session import default_slo
-from mm_serve.bench.workloads import LlavaWorkload
 from mm_serve.models.model_config import load_model_config
+from mm_serve.workloads import LlavaWorkload
 
 
 def test_llava_workload_at_a_low_rate(tiny_llava: Path, tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import pytest
 from mm_serve.bench.metrics import RunSummary, summarize
 from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.sweep import find_goodput
-from mm_serve.bench.workloads import unit_rate_arrivals
-from mm_serve.planner.slo import SLO
+from mm_serve.ground.slo import SLO
+from mm_serve.workloads import unit_rate_arrivals
 
 SERVICE_S = 0.25  # one request at a time: capacity 4 requests/s
 SLO_FIXED = SLO(ttft_s=SERVICE_S + 0.5, tpot_s=0.05)

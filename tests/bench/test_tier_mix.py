@@ -10,8 +10,8 @@ import pytest
 from mm_serve.bench.records import RequestRecord
 from mm_serve.bench.requests import RequestFactory
 from mm_serve.bench.tier_report import draw_tier, parse_tier_mix, refused, tier_lines
-from mm_serve.bench.workloads import RequestSpec
 from mm_serve.config import SLOConfig
+from mm_serve.workloads import RequestSpec
 
 
 def test_parse_tier_mix_normalises_and_refuses_bad_input() -> None:

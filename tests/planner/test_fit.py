@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from mm_serve.planner.errors import ProfileError
-from mm_serve.planner.fit import fit_profile_file, nnls
-from mm_serve.planner.hardware import Hardware, PhaseCoefficients, get_hardware
+from mm_serve.planner.fit import fit_profile_file, get_hardware, nnls
+from mm_serve.planner.hardware import Hardware, PhaseCoefficients
 from mm_serve.planner.latency_model import LatencyModel, ParallelConfig
 from mm_serve.planner.model_shape import shape_from_config
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from mm_serve.planner.hardware import GIB, Hardware, PhaseCoefficients, get_hardware
+from mm_serve.planner.fit import get_hardware
+from mm_serve.planner.hardware import GIB, Hardware, PhaseCoefficients
 from mm_serve.planner.latency_model import LatencyModel, ParallelConfig
 from mm_serve.planner.memory import memory_plan
 from mm_serve.planner.model_shape import ModelShape, shape_from_config

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import yaml
 
-from mm_serve.bench.workloads import make_workload
 from mm_serve.config import load_config
+from mm_serve.ground.slo import SLO
 from mm_serve.planner.candidates import PhaseCandidate, choose_mix, tp_degrees
 from mm_serve.planner.errors import PlannerError
-from mm_serve.planner.hardware import get_hardware
+from mm_serve.planner.fit import get_hardware
 from mm_serve.planner.latency_model import ParallelConfig as P
 from mm_serve.planner.model_shape import shape_from_config
 from mm_serve.planner.placement import (
@@ -26,7 +26,7 @@ from mm_serve.planner.placement import (
 from mm_serve.planner.plan_config import placement_dict, write_placement_config
 from mm_serve.planner.plan_spec import PlanSpec
 from mm_serve.planner.search import PlanResult
-from mm_serve.planner.slo import SLO
+from mm_serve.workloads import make_workload
 
 Configs = dict[str, dict[str, Any]]
 

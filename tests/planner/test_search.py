@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from mm_serve.bench.workloads import make_workload
+from mm_serve.ground.slo import SLO
 from mm_serve.planner.candidates import PhaseCandidate
 from mm_serve.planner.errors import PlannerError
 from mm_serve.planner.evaluator import GoodputEvaluator
-from mm_serve.planner.hardware import get_hardware
+from mm_serve.planner.fit import get_hardware
 from mm_serve.planner.latency_model import ParallelConfig
 from mm_serve.planner.model_shape import shape_from_config
 from mm_serve.planner.placement import Unit
@@ -27,7 +27,7 @@ from mm_serve.planner.search import (
     shortlist,
     simulate_unit,
 )
-from mm_serve.planner.slo import SLO
+from mm_serve.workloads import make_workload
 
 Configs = dict[str, dict[str, Any]]
 CHATBOT_SLO = SLO(ttft_s=0.25, tpot_s=0.1)  # DistServe Table 1, chatbot, OPT-13B

@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 import pytest
 
-from mm_serve.bench.workloads import RequestSpec, poisson_arrivals
+from mm_serve.ground.slo import SLO
 from mm_serve.planner.latency_model import DecodeTiming, PrefillTiming
 from mm_serve.planner.running_set import RunningSet
 from mm_serve.planner.sim_request import NEVER, SimRequest
+from mm_serve.planner.sim_result import SimResult
 from mm_serve.planner.simulator import (
     DecodeServer,
     Handoff,
@@ -21,7 +22,7 @@ from mm_serve.planner.simulator import (
     simulate_disaggregated,
     simulate_prefill,
 )
-from mm_serve.planner.slo import SLO, SimResult
+from mm_serve.workloads import RequestSpec, poisson_arrivals
 
 
 def fixed_prefill(seconds: float) -> PrefillTiming:

@@ -1,4 +1,4 @@
-"""Built-in workloads, the JSONL format and arrival processes (mm_serve.bench)."""
+"""Built-in workloads, the JSONL format and arrival processes (mm_serve.workloads)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.bench.workloads import (
+from mm_serve.workloads import (
     RequestSpec,
     WorkloadError,
     gamma_arrivals,

@@ -1,4 +1,8 @@
-"""SLOs and SLO attainment of a simulated run (DistServe §2: goodput under SLOs)."""
+"""SLO attainment and latency figures of a simulated run (DistServe §2: goodput under SLOs).
+
+The SLO itself is the ground one (:class:`mm_serve.ground.slo.SLO`, seconds); every
+latency here is in seconds.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from mm_serve.ground.slo import SLO
 from mm_serve.planner.sim_request import SimRequest
 
 Phase = Literal["both", "prefill", "decode"]
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Latency targets, seconds: time to first token and time per output token."""
-
-    ttft_s: float
-    tpot_s: float
-
-    def __post_init__(self) -> None:
-        if not (self.ttft_s > 0 and self.tpot_s > 0):
-            raise ValueError(f"SLOs must be > 0 s, got TTFT {self.ttft_s}, TPOT {self.tpot_s}")
 
 
 @dataclass(frozen=True)

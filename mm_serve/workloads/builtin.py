@@ -1,9 +1,9 @@
-"""Built-in benchmark workloads and arrival processes, as seeded pure-Python samplers.
+"""Built-in workloads, as seeded pure-Python samplers, and :func:`make_workload`.
 
-A workload draws :class:`RequestSpec` rows (prompt length, output length, images);
-an arrival process draws the request times. Both are deterministic for a given seed,
-so ``mm-serve bench`` and the placement simulator (``mm-serve plan``) replay exactly
-the same requests.
+A workload draws :class:`~mm_serve.workloads.spec.RequestSpec` rows (prompt length,
+output length, images), deterministic for a given seed, so ``mm-serve bench`` and the
+placement simulator (``mm-serve plan``) replay exactly the same requests (their
+arrival times: :mod:`mm_serve.workloads.arrivals`).
 
 Length distributions (tokens; log-normal = ``exp(N(ln median, sigma))``, rounded,
 then clipped to ``[min, cap]``; a pair whose prompt + output exceeds the model's
@@ -47,39 +47,23 @@ lengths are our shape, not a fit: the data set cannot be downloaded here.
 (a report with figures, a slide deck), for prefill-heavy multimodal traffic.
 
 The workloads whose requests share content (``multiturn-llava``, ``shared-prompt``,
-``caption-repeat``) are in :mod:`mm_serve.bench.kv_workloads`; JSONL workload files
-(traces and conversations too) in :mod:`mm_serve.bench.jsonl_workload`.
+``caption-repeat``) are in :mod:`mm_serve.workloads.shared_content`; JSONL workload files
+(traces and conversations too) in :mod:`mm_serve.workloads.jsonl`.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mm_serve.bench.jsonl_workload import JsonlWorkload, load_jsonl_workload
-from mm_serve.bench.kv_workloads import (
+from mm_serve.workloads.jsonl import load_jsonl_workload
+from mm_serve.workloads.shared_content import (
     CaptionRepeatWorkload,
     MultiturnLlavaWorkload,
     SharedPromptWorkload,
 )
-from mm_serve.bench.spec import (
-    RequestSpec,
-    Workload,
-    WorkloadError,
-    fit_context,
-    is_conversational,
-    lognormal_int,
-)
-
-__all__ = [
-    "BUILTIN_WORKLOADS", "IMAGE_WORKLOADS", "CaptionRepeatWorkload", "CaptionWorkload", "ChatbotWorkload",
-    "CodeWorkload", "JsonlWorkload", "LlavaWorkload", "LogNormalLength", "LongMultimodalWorkload",
-    "MultiturnLlavaWorkload", "RequestSpec", "SharedPromptWorkload", "SummarizationWorkload", "TextWorkload",
-    "Workload", "WorkloadError", "check_burstiness", "gamma_arrivals", "is_conversational",
-    "load_jsonl_workload", "make_workload", "poisson_arrivals", "trace_arrivals", "unit_rate_arrivals",
-]
+from mm_serve.workloads.spec import RequestSpec, Workload, WorkloadError, fit_context, lognormal_int
 
 
 @dataclass(frozen=True)
@@ -199,8 +183,6 @@ BUILTIN_WORKLOADS = ("chatbot", "code", "summarization", "llava", "long-multimod
                      "multiturn-llava", "shared-prompt", "caption-repeat")
 IMAGE_WORKLOADS = ("llava", "long-multimodal", "caption", "multiturn-llava", "caption-repeat")  # need a vision tower
 SUMMARIZATION_MIN_CONTEXT = 768 + 16 + 512  # shortest document, shortest summary, room for the tail
-MAX_BURSTINESS = 100.0  # CV of the gaps; beyond it a gamma draw underflows to all-at-once
-MIN_BURSTINESS = 0.001  # below it the gamma shape 1 / CV^2 overflows; 0.001 is already periodic
 
 
 def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4096) -> Workload:
@@ -243,48 +225,3 @@ def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4
     raise WorkloadError(
         f"unknown workload '{name_or_path}'; choose {', '.join(BUILTIN_WORKLOADS)} or a .jsonl file"
     )
-
-
-def check_burstiness(cv: float) -> None:
-    """Raises :class:`WorkloadError` unless ``MIN_BURSTINESS <= cv <= MAX_BURSTINESS``."""
-    if not MIN_BURSTINESS <= cv <= MAX_BURSTINESS:
-        raise WorkloadError(f"burstiness (CV) must be in {MIN_BURSTINESS:g}..{MAX_BURSTINESS:g}, got {cv}")
-
-
-def unit_rate_arrivals(n: int, seed: int, cv: float = 1.0) -> list[float]:
-    """Arrival times (seconds) of ``n`` requests at mean rate 1 request/s.
-
-    Gaps are gamma-distributed with shape ``1 / cv**2`` and mean 1, so ``cv = 1`` is
-    a Poisson process and ``cv > 1`` is burstier. Divide by a rate R (requests/s) to
-    get the same sample path at rate R (common random numbers across rates).
-    """
-    check_burstiness(cv)
-    rng = random.Random(f"arrivals:{seed}:{cv}")
-    shape = 1.0 / (cv * cv)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(1.0) if cv == 1.0 else rng.gammavariate(shape, 1.0 / shape)
-        out.append(t)
-    return out
-
-
-def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
-    """Poisson arrival times (seconds) at ``rate`` requests/s."""
-    return gamma_arrivals(n, rate, 1.0, seed)
-
-
-def gamma_arrivals(n: int, rate: float, cv: float, seed: int) -> list[float]:
-    """Gamma-renewal arrival times (seconds) at ``rate`` requests/s with gap CV ``cv``."""
-    if rate <= 0:
-        raise WorkloadError(f"rate must be > 0 requests/s, got {rate}")
-    return [t / rate for t in unit_rate_arrivals(n, seed, cv)]
-
-
-def trace_arrivals(specs: Sequence[RequestSpec], rate: float | None = None) -> list[float]:
-    """Arrival times from trace timestamps, rescaled to mean ``rate`` requests/s if given."""
-    stamps = [s.arrival_s or 0.0 for s in specs]  # grouped by conversation: not sorted
-    first, last = min(stamps, default=0.0), max(stamps, default=0.0)
-    if rate is None or len(stamps) < 2 or last <= first:
-        return stamps
-    scale = (len(stamps) - 1) / (rate * (last - first))
-    return [(t - first) * scale for t in stamps]

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mm_serve.bench.spec import RequestSpec, WorkloadError, conversation_groups
+from mm_serve.workloads.spec import RequestSpec, WorkloadError, conversation_groups
 
 Parsed = tuple[RequestSpec, int | None, str]  # a row's spec, its explicit 'turn', where it is
 

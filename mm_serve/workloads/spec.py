@@ -4,7 +4,7 @@ A :class:`RequestSpec` gives lengths in tokens and the identities that decide wh
 server may share between requests: the conversation a turn belongs to (its history is
 the earlier turns, sent and answered), the image seed (two specs with the same
 ``image_seed`` send the same image bytes), and a shared system prompt. The request
-bodies are built from specs by :mod:`mm_serve.bench.requests`.
+bodies are built from specs by :mod:`mm_serve.bench.requests` (the load generator).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workloads whose requests share content, for measuring prefix and encoder caches (issue #21).
+"""Workloads whose requests share content, for measuring prefix and encoder caches.
 
 =================  ==========================================================================
 workload           requests
@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mm_serve.bench.spec import RequestSpec, fit_context, lognormal_int
+from mm_serve.workloads.spec import RequestSpec, fit_context, lognormal_int
 
 TEMPLATE_TOKENS_PER_MESSAGE = 8  # a chat template's role markers per message, a generous estimate
 
