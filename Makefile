@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test lint typecheck bench clean
+.PHONY: install serve test lint typecheck bench docs clean
 
 # The venv takes about 6 GB (torch's CUDA build); say so up front rather than fail half-way with ENOSPC.
 NEED_KB := 6500000
@@ -40,7 +40,11 @@ typecheck: install
 test: install lint
 	$(VENV)/bin/pytest tests
 
-# Benchmarks print their figures; they are not tests (see README "Measured").
+# docs/configuration.md is generated from mm_serve/config.py's field descriptions (tests check it is current).
+docs: install
+	$(PY) -m mm_serve.config_reference > docs/configuration.md.new && mv docs/configuration.md.new docs/configuration.md
+
+# Benchmarks print their figures; they are not tests (benchmarks/README.md lists every script).
 bench: install
 	$(PY) benchmarks/cpu_gemm.py
 	$(PY) benchmarks/decode_throughput.py

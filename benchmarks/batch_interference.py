@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--config", default="configs/image_chat.yaml")
     p.add_argument("--model", default="out/bench-llava")
     p.add_argument("--goodput", default="6.43",
-                   help="the config's llava goodput, requests/s (README: 6.43 on a quiet machine), or 'auto': "
+                   help="the config's llava goodput, requests/s (6.43 on the 2-core dev machine), or 'auto': "
                         "search it first on this server (mm-serve bench's search: doubling or halving from 6.43, then "
                         "bisecting to within 15 %%, --search-requests each)")
     p.add_argument("--search-requests", type=int, default=120,

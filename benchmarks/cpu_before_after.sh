@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU seconds per delivered token by process, before (git revision REV) and after (this checkout),
-# on chatbot, code, summarization, llava and long-multimodal, one after the other per workload (README
-# "Before and after point 1"). Needs out/bench-llama and out/bench-llava (make bench-models) and a quiet
+# on chatbot, code, summarization, llava and long-multimodal, one after the other per workload
+# (benchmarks/results/2026-12-03-cpu-before-after.md). Needs out/bench-llama and out/bench-llava (make bench-models) and a quiet
 # machine. WORKLOADS="llava long-multimodal" runs only those.
 # Usage: benchmarks/cpu_before_after.sh REV [OUT_DIR]    e.g. benchmarks/cpu_before_after.sh d5ddde0
 set -euo pipefail

@@ -6,7 +6,7 @@
 #      large models);
 #   3. the whole test suite with CUDA present (everything must still pass where CUDA is visible).
 # Usage: OUT=DIR PYTHON=python3 benchmarks/gpu_check.sh   (torch with CUDA and the project's deps installed,
-# dev extra included: pytest-xdist and pytest-timeout too). Results of a run: docs/gpu.md.
+# dev extra included: pytest-xdist and pytest-timeout too). Results of a run: benchmarks/results/.
 # Each step has its own time limit so that one slow step cannot eat the others' time; FULL_SUITE_S=0 skips 3.
 set -u
 OUT=${OUT:-/tmp/mm_serve_gpu_check}

@@ -36,14 +36,14 @@ class ComputeConfig(_Frozen):
 
     prefill_workers: int = Field(1, ge=1, le=64, description="Prefill instances (N in NpMd).")
     decode_workers: int = Field(1, ge=1, le=64, description="Decode instances (M in NpMd).")
-    prefill_tensor_parallel: int = Field(1, ge=1, le=64, description="TP degree per prefill instance.")
-    prefill_pipeline_parallel: int = Field(1, ge=1, le=64, description="PP degree per prefill instance.")
-    decode_tensor_parallel: int = Field(1, ge=1, le=64, description="TP degree per decode instance.")
-    decode_pipeline_parallel: int = Field(1, ge=1, le=64, description="PP degree per decode instance.")
-    prefill_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for prefill, in instance order; empty = CPU.")
-    decode_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for decode, in instance order; empty = CPU.")
-    prefill_cpus: list[int] = Field(default_factory=list, description="CPU cores the prefill workers are pinned to; empty (with decode_cpus empty) = first half of the cores.")
-    decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to; empty (with prefill_cpus empty) = the other half.")
+    prefill_tensor_parallel: int = Field(1, ge=1, le=64, description="TP degree per prefill instance (the planner models it; the runtime runs 1).")
+    prefill_pipeline_parallel: int = Field(1, ge=1, le=64, description="PP degree per prefill instance (the planner models it; the runtime runs 1).")
+    decode_tensor_parallel: int = Field(1, ge=1, le=64, description="TP degree per decode instance (the planner models it; the runtime runs 1).")
+    decode_pipeline_parallel: int = Field(1, ge=1, le=64, description="PP degree per decode instance (the planner models it; the runtime runs 1).")
+    prefill_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for prefill, in instance order, distinct; empty = CPU. When given, one per prefill worker x tensor_parallel x pipeline_parallel.")
+    decode_gpus: list[int] = Field(default_factory=list, description="CUDA device ids for decode, in instance order, distinct; empty = CPU. When given, one per decode worker x tensor_parallel x pipeline_parallel.")
+    prefill_cpus: list[int] = Field(default_factory=list, description="CPU cores the prefill workers are pinned to (distinct ids); empty (with decode_cpus empty) = first half of the cores.")
+    decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to (distinct ids); empty (with prefill_cpus empty) = the other half.")
     threads_per_worker: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = number of pinned cores, else torch's default.")
     worker_nice: int = Field(5, ge=0, le=19, description="Niceness added to every worker process, so the front end (HTTP, tokenizing, streaming) gets a core when it needs one although the workers keep the cores busy; 0 = same priority.")
     prefill_worker_nice: int | None = Field(None, ge=0, le=19, description="Niceness, instead of worker_nice, of the prefill workers that share a core with a decode worker (or are unpinned; null = worker_nice): above worker_nice, the decode worker gets most of that core when both want it, so long prefills stretch inter-token gaps less (the CPU analogue of DistServe's prefill/decode isolation). Prefill workers on cores of their own keep worker_nice.")
@@ -80,7 +80,7 @@ class SchedulerConfig(_Frozen):
     decode_max_concurrent: int = Field(_E.max_running, ge=1, le=4096, description="Max running requests per decode worker.")
     ring_buffer_size: int = Field(16, ge=2, le=1 << 16, description="Hand-off ring slots per (prefill, decode) pair; a power of two.")
     prefill_chunk_tokens: int = Field(_E.prefill_chunk_tokens, strict=True, ge=0, le=1 << 20, description="A prompt with more tokens than this is prefilled in chunks of this size, one per prefill step, so shorter requests behind it wait for one chunk, not the whole prompt (chunked prefill; prefill workers). 0 never splits.")
-    decode_step_interval_ms: float = Field(0.0, strict=True, ge=0.0, le=1000.0, description="Decode workers start a decode step at least this long after the previous one began (0 = at once): the worker sleeps out the rest, so a prefill worker sharing its core gets that time. Set it below the TPOT SLO (e.g. 50 ms for 70 ms) where a decode worker shares a core with a prefill worker and prompts are long (summarization); every running request then gets a token at most every max(interval, step) instead of as fast as the core allows.")
+    decode_step_interval_ms: float = Field(0.0, strict=True, ge=0.0, le=1000.0, description="Decode workers start a decode step at least this long after the previous one began (0 = at once): the worker sleeps out the rest, so a prefill worker sharing its core gets that time. Set it below the TPOT SLO (e.g. 50 ms for 70 ms) where a decode worker shares a core with a prefill worker and prompts are long (summarization); every running request then gets a token at most every max(interval, step) instead of as fast as the core allows. Must be below slo.tiers.interactive.tpot_ms.")
     prefill_routing: Literal["cache_aware", "least_queued"] = Field("cache_aware", description="How the router picks a prefill worker: 'cache_aware' prefers the worker holding the longest cached prefix of the request (SGLang's cache_aware policy) unless it is much busier; 'least_queued' takes the one with the fewest queued prompt tokens.")
     prefill_speed_routing: bool = Field(True, strict=True, description="Weigh each prefill worker's queued work by its measured speed (the admission predictor's per-worker factor), so the router picks the worker that would finish the request first; false: plain queued tokens.")
     cache_aware_balance_tokens: int = Field(2048, strict=True, ge=0, le=1 << 24, description="cache_aware routing: the worker with the longest cached prefix is passed over when its queued prompt tokens (plus the request's own, weighed by each worker's measured speed) exceed the least-queued worker's by more than this.")
@@ -100,7 +100,7 @@ class KVCacheConfig(_Frozen):
     max_pages_per_gpu: int = Field(_E.num_pages, ge=4, le=1 << 24, description="KV pages per worker (per GPU on CUDA).")
     ring_pages: int = Field(0, ge=0, le=1 << 24, description="Pages in each ring's shared page pool; 0 = max_pages_per_gpu // 4.")
     eviction_policy: Literal["lru"] = Field("lru", description="Which cached free page is reused (evicted) first: 'lru', the one freed longest ago (the only policy implemented).")
-    enable_prefix_caching: bool = Field(_E.enable_prefix_caching, strict=True, description="Reuse the KV of full pages whose chained hash (tokens, images, model) matches a cached page; false: every prompt is computed from scratch.")
+    enable_prefix_caching: bool = Field(_E.enable_prefix_caching, strict=True, description="Reuse the KV of full pages whose chained hash (tokens, images, model, dtype) matches a cached page (docs/kv_sharing.md); false: every prompt is computed from scratch.")
 
 
 class CacheConfig(_Frozen):
@@ -112,21 +112,21 @@ class CacheConfig(_Frozen):
 class APIConfig(_Frozen):
     """HTTP front-end limits."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    max_request_length: int = Field(8192, ge=1, description="Max prompt tokens (image tokens included).")
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds (--host).")
+    port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP server (--port).")
+    max_request_length: int = Field(8192, ge=1, description="Max prompt tokens (image tokens included); more is a 400.")
     timeout_ms: int = Field(120_000, ge=100, description="A request not finished by then gets 503.")
-    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM/SIGINT: new requests get 503 while in-flight ones finish, for up to this long; then every worker stops. A second signal stops at once.")
+    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM/SIGINT (--shutdown-grace-s): new requests get 503 while in-flight ones finish, for up to this long; then every worker stops. A second signal stops at once.")
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Larger request bodies get 413.")
     body_idle_timeout_s: float = Field(10.0, gt=0, le=3600, description="A generation call's body (/v1/chat/completions, /v1/completions) that sends no byte for this long gets 408 and its connection is closed: it holds its size in the image budget while it is read.")
     body_read_timeout_s: float = Field(60.0, gt=0, le=3600, description="A generation call's body not fully received this long after the request arrived gets 408 and its connection is closed.")
-    max_images_per_request: int = Field(4, ge=0, le=64)
+    max_images_per_request: int = Field(4, ge=0, le=64, description="Most images in one request; more is a 400.")
     max_image_pixels: int = Field(40_000_000, ge=1, description="Larger decoded images are refused (decompression bomb).")
-    max_image_fetch_bytes: int = Field(20 << 20, ge=1024)
-    image_fetch_timeout_s: float = Field(10.0, gt=0)
-    api_key: str | None = None
-    allowed_local_media_path: str | None = None
-    allowed_media_domains: list[str] = Field(default_factory=list)
+    max_image_fetch_bytes: int = Field(20 << 20, ge=1024, description="Largest image fetched from an http(s) URL, in bytes.")
+    image_fetch_timeout_s: float = Field(10.0, gt=0, description="Seconds an http(s) image fetch may take.")
+    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1/* and /internal/stats (--api-key); printable ASCII without spaces (it travels in a header); null = no key.")
+    allowed_local_media_path: str | None = Field(None, description="A folder whose images requests may name as file:// URLs (--allowed-local-media-path); null = no file:// URLs.")
+    allowed_media_domains: list[str] = Field(default_factory=list, description="Hosts http(s) images may be fetched from (--allowed-media-domains); empty = any public host.")
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="The API process's event loop (uvicorn's --loop): 'auto' takes uvloop when it is installed (a dependency on Linux and macOS), else asyncio's.")
     http_parser: Literal["auto", "h11", "httptools"] = Field("auto", description="The API process's HTTP/1.1 implementation (uvicorn's --http): 'auto' takes httptools (C, a dependency) when it is installed, else h11 (pure Python).")
 
@@ -156,7 +156,7 @@ class FaultConfig(_Frozen):
 class BatchConfig(_Frozen):
     """The server-side OpenAI Batch API (``/v1/files``, ``/v1/batches``): storage and limits."""
 
-    data_dir: str | None = Field(None, description="Folder for the batch database (SQLite) and files; null = $XDG_STATE_HOME/mm-serve/batches, else ~/.local/state/mm-serve/batches. Created on the first batch call.")
+    data_dir: str | None = Field(None, description="Folder for the batch database (SQLite) and files (--batch-data-dir); null = $XDG_STATE_HOME/mm-serve/batches, else ~/.local/state/mm-serve/batches. Created on the first batch call.")
     max_file_bytes: int = Field(200 << 20, ge=1024, le=1 << 40, description="Largest uploaded file, in bytes (OpenAI's limit: 200 MB); larger uploads get 413.")
     max_lines: int = Field(50_000, ge=1, le=10_000_000, description="Most requests (lines) in one batch input file (OpenAI's limit: 50,000).")
     max_total_bytes: int = Field(10 << 30, ge=1 << 20, le=1 << 50, description="Disk bound: stored files plus running batches' results, in bytes; an upload that would pass it gets 413.")
@@ -179,11 +179,12 @@ class TierSLO(_Frozen):
 
 
 class TiersConfig(_Frozen):
-    """The three tiers, tightest first; ``batch`` is never rejected for latency, only queued."""
+    """The three tiers, tightest first: each must be at least as tight as the next in both ``ttft_ms`` and
+    ``tpot_ms``; a tier given in part keeps the defaults of the keys it omits."""
 
-    interactive: TierSLO = TierSLO(ttft_ms=1_000, tpot_ms=100, attainment=0.9)
-    standard: TierSLO = TierSLO(ttft_ms=4_000, tpot_ms=250, attainment=0.9)
-    batch: TierSLO = TierSLO(ttft_ms=60_000, tpot_ms=2_000, attainment=0.5)
+    interactive: TierSLO = Field(TierSLO(ttft_ms=1_000, tpot_ms=100, attainment=0.9), description="The tightest tier: service_tier 'priority' or 'interactive'.")
+    standard: TierSLO = Field(TierSLO(ttft_ms=4_000, tpot_ms=250, attainment=0.9), description="The middle tier: service_tier 'default' or 'standard'.")
+    batch: TierSLO = Field(TierSLO(ttft_ms=60_000, tpot_ms=2_000, attainment=0.5), description="The loosest tier: service_tier 'flex' or 'batch', and Batch API rows; never refused for latency, only queued.")
 
     @model_validator(mode="before")
     @classmethod
@@ -209,9 +210,9 @@ class TiersConfig(_Frozen):
 
 
 class SLOConfig(_Frozen):
-    """SLO tiers; a request picks one with OpenAI's ``service_tier`` (README "SLO tiers")."""
+    """SLO tiers; a request picks one with OpenAI's ``service_tier`` (docs/admission.md)."""
 
-    tiers: TiersConfig = TiersConfig()
+    tiers: TiersConfig = Field(TiersConfig(), description="Each tier's SLOs and attainment target.")
     default_tier: TierLabel = Field("standard", description="Tier of a request that sends no service_tier (or 'auto').")
 
     def of(self, tier: Tier) -> SLO:
@@ -241,28 +242,28 @@ class AdmissionConfig(_Frozen):
     """Admission control in the API front end: hard bounds (always on) and the latency predictor (strict
     types: ``true`` is no count, ``"30"`` no number)."""
 
-    predict: bool = Field(True, strict=True, description="Reject (429) a request whose predicted TTFT or TPOT misses its tier's SLO by more than margin; false (--no-admission) keeps only the bounds.")
+    predict: bool = Field(True, strict=True, description="Reject (429) a request whose predicted TTFT or TPOT misses its tier's SLO by more than margin (docs/admission.md); false (--no-admission) keeps only the bounds.")
     margin: float = Field(-0.2, strict=True, ge=-0.9, le=100, description="Refuse when a prediction exceeds the SLO x (1 + margin): negative = headroom for the prediction's spread (-0.2: refuse above 80 % of the SLO), positive = tolerance.")
     max_request_work_tokens: int = Field(262_144, strict=True, ge=1, description="One API call's work, prompts x n x (prompt tokens + max_tokens); more is a 400.")
     max_queued_requests: int = Field(1_024, strict=True, ge=1, description="Engine requests waiting for their first token (all callers); more gets 429.")
     max_queued_prompt_tokens: int = Field(524_288, strict=True, ge=1, description="Prompt tokens (image tokens included) of the requests waiting for their first token; more gets 429.")
-    max_image_bytes_in_flight: int = Field(512 << 20, strict=True, ge=1 << 20, description="Bytes reserved by images being fetched, decoded and preprocessed in the API process at once; a request whose images do not fit gets 503 with Retry-After.")
+    max_image_bytes_in_flight: int = Field(512 << 20, strict=True, ge=1 << 20, description="Bytes reserved by images being fetched, decoded and preprocessed in the API process at once: each image reserves its encoded size (a data URI's length, api.max_image_fetch_bytes for a URL) plus image_decode_reserve_bytes (for a data URI whose header declares a small image, 16 bytes per declared pixel + 4 MiB when that is less); a generation call's body holds its length in the same budget while it is read. A call that does not fit gets 503 with Retry-After.")
     profile: str | None = Field(None, description="An 'mm-serve profile' JSON file: the predictor starts from a fit of its prefill, encode and decode points instead of the built-in defaults (it is refitted online either way).")
     image_decode_reserve_bytes: int = Field(48 << 20, strict=True, ge=1 << 16, description="Bytes reserved per image for its decode and preprocessing (on top of its encoded size); 48 MiB holds a 4000x4000 RGB image.")
-    attainment_feedback: bool = Field(True, strict=True, description="Tighten a tier's TTFT or TPOT limit while its admitted requests miss that SLO more often than half way from its attainment target to 100 % allows (README 'SLO tiers and admission', step 4); false = the margin alone.")
-    protect_admitted: bool = Field(True, strict=True, description="Refuse a call whose prefill, served before the queued requests of looser tiers, would make one of them that its prediction has on time miss its TTFT SLO (README 'SLO tiers and admission', step 4); false = tighter tiers pass looser ones whatever it costs them.")
-    decide_within_ms: int = Field(15, strict=True, ge=0, le=600_000, description="A call whose images are still being decoded (or prompts tokenized) this long after its arrival is admitted or refused then, on the early check (README 'SLO tiers and admission', step 4); 0 = always decide after that work, however long it takes.")
+    attainment_feedback: bool = Field(True, strict=True, description="Tighten a tier's TTFT or TPOT limit while its admitted requests miss that SLO more often than half way from its attainment target to 100 % allows (docs/admission.md); false = the margin alone.")
+    protect_admitted: bool = Field(True, strict=True, description="Refuse a call whose prefill, served before the queued requests of looser tiers, would make one of them that its prediction has on time miss its TTFT SLO (docs/admission.md); false = tighter tiers pass looser ones whatever it costs them.")
+    decide_within_ms: int = Field(15, strict=True, ge=0, le=600_000, description="A call whose images are still being decoded (or prompts tokenized) this long after its arrival is admitted or refused then, on the early check (docs/admission.md); 0 = always decide after that work, however long it takes.")
 
 
 class ClusterConfig(_Frozen):
     """Where the workers run: local processes on this machine, or Ray actors on the nodes of a
-    Ray cluster (README "Beyond one machine")."""
+    Ray cluster (docs/multi_node.md)."""
 
-    backend: Literal["local", "ray"] = Field("local", description="'local': worker processes on this machine; 'ray': workers as Ray actors on the cluster's nodes (the front end runs where mm-serve serve runs).")
-    address: str = Field("auto", min_length=1, description="Ray cluster to join (ray.init address): 'auto' = the cluster started on this machine with `ray start`, or host:port of its head.")
+    backend: Literal["local", "ray"] = Field("local", description="Where the workers run (--cluster-backend): 'local', worker processes on this machine; 'ray', Ray actors on the cluster's nodes (the front end runs where mm-serve serve runs; mode 'colocated' runs on one machine only).")
+    address: str = Field("auto", min_length=1, description="Ray cluster to join (ray.init address; --ray-address): 'auto' = the cluster started on this machine with `ray start`, or host:port of its head.")
     node_resource: str = Field("mm_serve_node", pattern=r"^[A-Za-z][A-Za-z0-9_]{0,63}$", description="Node i of prefill_nodes / decode_nodes is the Ray node started with the custom resource '<node_resource>_<i>' (e.g. ray start --resources '{\"mm_serve_node_0\": 1000}'); each worker takes one unit.")
-    prefill_nodes: list[int] = Field(default_factory=list, description="Node index of each prefill worker, in worker order; empty = wherever Ray places it.")
-    decode_nodes: list[int] = Field(default_factory=list, description="Node index of each decode worker, in worker order; empty = wherever Ray places it.")
+    prefill_nodes: list[int] = Field(default_factory=list, description="Node index of each prefill worker, in worker order (one per prefill worker; needs backend 'ray'); empty = wherever Ray places it.")
+    decode_nodes: list[int] = Field(default_factory=list, description="Node index of each decode worker, in worker order (one per decode worker; needs backend 'ray'); empty = wherever Ray places it.")
     advertise_host: str = Field("auto", min_length=1, description="Address the front end binds its worker sockets to (ZeroMQ over TCP; the workers connect to it): 'auto' = this node's address in the Ray cluster.")
 
     @field_validator("prefill_nodes", "decode_nodes")
@@ -274,16 +275,16 @@ class ClusterConfig(_Frozen):
 
 
 class ServiceConfig(_Frozen):
-    """The whole service: model, mode and the sections above."""
+    """The whole service: the model, how it runs, and one section per topic."""
 
-    model: str = Field("embedded", description="Model directory, or a registered name such as 'embedded'.")
-    served_model_name: str | None = None
-    mode: Literal["disaggregated", "colocated"] = "disaggregated"
-    dtype: Literal["float32", "bfloat16", "float16"] = _E.dtype
-    seed: int = _E.seed
+    model: str = Field("embedded", description="Model directory (a llava-hf or Llama checkpoint), or a registered name such as 'embedded' (--model).")
+    served_model_name: str | None = Field(None, description="The model id clients send and /v1/models lists (--served-model-name); null = the model value.")
+    mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="'disaggregated': prefill and decode worker processes joined by the hand-off ring; 'colocated': one continuous-batching worker doing both, the baseline (--mode).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(_E.dtype, description="Weights, activations and KV cache element type.")
+    seed: int = Field(_E.seed, description="Seed of the sampling generators of requests that bring no seed.")
     enforce_eager: bool = Field(_E.enforce_eager, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
-    cpu_gemm: Literal["onednn", "torch"] = Field(_E.cpu_gemm, description="float32 on a CPU: 'onednn' runs linear layers from oneDNN-packed weights (mm_serve/kernels/cpu_linear.py), 'torch' uses torch's default F.linear (MKL).")
-    cpu_kernels: Literal["compiled", "torch"] = Field(_E.cpu_kernels, description="float32 on a CPU: 'compiled' runs decode attention (RoPE, K/V write, attention read in place from the KV pages) and RMSNorm from C++ kernels built once (kernels/csrc; falls back to 'torch' with one warning where they cannot be built), 'torch' uses torch ops (pages gathered, then SDPA).")
+    cpu_gemm: Literal["onednn", "torch"] = Field(_E.cpu_gemm, description="float32 on a CPU: 'onednn' runs linear layers from weights packed once for oneDNN (mm_serve/kernels/cpu_linear.py; layers under ~0.5 M weights also keep their plain copy, which MKL runs faster for 1-2 rows), 'torch' uses torch's default F.linear (MKL).")
+    cpu_kernels: Literal["compiled", "torch"] = Field(_E.cpu_kernels, description="float32 on a CPU: 'compiled' runs decode attention (RoPE, K/V write, attention read in place from the KV pages) and RMSNorm from C++ kernels built once (kernels/csrc, compiled with c++ or $CXX and ninja by `make install`, else at the first start, into $MM_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/mm-serve, else ~/.cache/mm-serve; falls back to 'torch' with one warning where they cannot be built), 'torch' uses torch ops (pages gathered, then SDPA).")
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()

@@ -21,7 +21,7 @@ def test_shipped_default_config_loads_and_round_trips(tmp_path: Path) -> None:
 
 
 def test_default_yaml_lists_every_key_with_its_default() -> None:
-    """README: configs/default.yaml lists every key with its default."""
+    """docs/configuration.md: configs/default.yaml lists every key with its default."""
     import yaml
 
     from mm_serve.config import ServiceConfig

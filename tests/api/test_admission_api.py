@@ -14,13 +14,13 @@ from mm_serve.engine.engine_holder import EngineHolder
 from mm_serve.engine.load_ledger import LoadLedger
 from mm_serve.engine.router import Router
 from mm_serve.media.image_loading import declared_size
+from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.gate import (
     BYTES_PER_DECLARED_PIXEL,
     PREPROCESS_BYTES,
     image_reservation,
 )
-from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.protocol.schemas import ChatMessage
 from mm_serve.runtime import messages
 from mm_serve.server.app import build_app

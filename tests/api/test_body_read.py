@@ -1,4 +1,4 @@
-"""Generation bodies read by the body middleware (README "SLO tiers and admission", step 0): a
+"""Generation bodies read by the body middleware (docs/admission.md, step 0): a
 call without the API key holds nothing of the image budget, and a body that stalls or trickles
 gets 408 and gives its hold back. The app is real; its workers are never started, and the ASGI
 messages are driven by hand so that a client can stall exactly where a test wants."""
