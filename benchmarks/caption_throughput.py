@@ -60,7 +60,7 @@ def _model_dir(name: str) -> Path:
 
 
 def _draw_images(folder: Path, n: int) -> None:
-    from mm_serve.models.shapes.scenes import draw_scene, scene_rng
+    from mm_serve.shapes.scenes import draw_scene, scene_rng
 
     for index in range(n):
         image, _ = draw_scene(scene_rng("heldout", 1, index))

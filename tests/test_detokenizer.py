@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.engine.detokenizer import IncrementalDetokenizer, held_tail
 from mm_serve.inputs.input_processor import load_tokenizer
+from mm_serve.runtime.detokenizer import IncrementalDetokenizer, held_tail
 
 TEXT = "Caf\u00e9 na\u00efve \U0001f642 \u6771\u4eac \u041c\u043e\u0441\u043a\u0432\u0430 \U0001f680 done."
 

@@ -27,11 +27,12 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, render the chat prompt, generate, print the text."""
-    from mm_serve import LLM, SamplingParams
     from mm_serve.inputs.input_processor import InvalidRequestError
     from mm_serve.media.errors import ImageError
     from mm_serve.media.image_loading import load_image_file
     from mm_serve.models.model_config import CheckpointError
+    from mm_serve.offline.llm import LLM
+    from mm_serve.runtime.sampling_params import SamplingParams
 
     try:
         images = [load_image_file(path, max_pixels=40_000_000) for path in args.image]

@@ -106,7 +106,7 @@ def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool) 
     url = f"http://{host}:{port}"
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     if vision:
-        draw = f"  {_python()} -m mm_serve.models.shapes draw --out scene.png --seed 5\n"
+        draw = f"  {_python()} -m mm_serve.shapes draw --out scene.png --seed 5\n"
         content = ('[{"type": "image_url", "image_url": {"url": "data:image/png;base64,\'"$(base64 -w0 scene.png)"\'"}}, '
                    '{"type": "text", "text": "Describe the image."}]')
     else:

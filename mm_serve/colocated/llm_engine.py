@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from mm_serve.engine.detokenizer import IncrementalDetokenizer
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.models.model_config import load_model_config
+from mm_serve.runtime.detokenizer import IncrementalDetokenizer
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference

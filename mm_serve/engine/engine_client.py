@@ -21,7 +21,6 @@ from typing import Any
 from mm_serve.cluster.worker_pool import WorkerKey, WorkerPool, WorkerStartError
 from mm_serve.cluster.worker_specs import check_supported, engine_sizing
 from mm_serve.config import ServiceConfig
-from mm_serve.engine.detokenizer import IncrementalDetokenizer
 from mm_serve.engine.flight import Flight
 from mm_serve.engine.flight_table import FlightTable
 from mm_serve.engine.load_ledger import LoadLedger
@@ -34,6 +33,7 @@ from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.models.model_config import load_model_config
 from mm_serve.runtime import messages
+from mm_serve.runtime.detokenizer import IncrementalDetokenizer
 from mm_serve.runtime.page_hashes import image_content_hashes, image_spans, page_hash_chain
 from mm_serve.runtime.sampling_params import SamplingParams
 from mm_serve.runtime.sampling_wire import to_wire

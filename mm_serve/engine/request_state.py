@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mm_serve.engine.detokenizer import IncrementalDetokenizer
 from mm_serve.ground.tiers import Tier
 from mm_serve.runtime import messages
+from mm_serve.runtime.detokenizer import IncrementalDetokenizer
 
 ABORTED = "aborted"  # the error of a request its caller cancelled: not a failure of the service
 

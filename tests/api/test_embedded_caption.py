@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from mm_serve.models.registry import EMBEDDED_MODEL_DIR
-from mm_serve.models.shapes.scenes import draw_scene, scene_rng
-from mm_serve.models.shapes.targets import caption
+from mm_serve.shapes.scenes import draw_scene, scene_rng
+from mm_serve.shapes.targets import caption
 from tests.api.server_process import ServerProcess, data_uri
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import yaml
 
-from mm_serve.models.shapes.scenes import draw_scene, scene_rng
+from mm_serve.shapes.scenes import draw_scene, scene_rng
 from tests.api.server_process import data_uri
 
 FINAL = ("completed", "failed", "expired", "cancelled")

@@ -7,8 +7,8 @@ import time
 import httpx
 import openai
 
-from mm_serve.models.shapes.scenes import draw_scene, scene_rng
-from mm_serve.models.shapes.targets import caption
+from mm_serve.shapes.scenes import draw_scene, scene_rng
+from mm_serve.shapes.targets import caption
 from tests.api.server_process import ServerProcess
 from tests.batch.helpers import (
     broken_body,

@@ -6,8 +6,8 @@ import struct
 import zlib
 from pathlib import Path
 
-from mm_serve.models.shapes.evaluate import heldout_scenes
-from mm_serve.models.shapes.targets import caption
+from mm_serve.shapes.evaluate import heldout_scenes
+from mm_serve.shapes.targets import caption
 
 NUM_SCENES = 60
 BROKEN = ("broken/truncated.png", "broken/not_an_image.jpg", "broken/bomb.png")

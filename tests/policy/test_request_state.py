@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from mm_serve.engine.detokenizer import IncrementalDetokenizer
 from mm_serve.engine.request_state import RequestState
 from mm_serve.inputs.input_processor import load_tokenizer
+from mm_serve.runtime.detokenizer import IncrementalDetokenizer
 from mm_serve.runtime.messages import TokenUpdate
 
 

@@ -15,10 +15,10 @@ from transformers import (
 )
 
 from mm_serve.models.registry import EMBEDDED_MODEL_DIR, resolve_model
-from mm_serve.models.shapes.evaluate import EVAL_NAMESPACE, GenerateFn, hf_generate_fn
-from mm_serve.models.shapes.model_config import IMAGE_SIZE, NUM_IMAGE_TOKENS
-from mm_serve.models.shapes.scenes import draw_scene, scene_rng
-from mm_serve.models.shapes.targets import caption, count_qa
+from mm_serve.shapes.evaluate import EVAL_NAMESPACE, GenerateFn, hf_generate_fn
+from mm_serve.shapes.model_config import IMAGE_SIZE, NUM_IMAGE_TOKENS
+from mm_serve.shapes.scenes import draw_scene, scene_rng
+from mm_serve.shapes.targets import caption, count_qa
 
 MODEL_DIR = EMBEDDED_MODEL_DIR
 MAX_BYTES = 30 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""``python -m mm_serve.models.shapes draw``: the scene it writes matches the caption it prints."""
+"""``python -m mm_serve.shapes draw``: the scene it writes matches the caption it prints."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mm_serve.models.shapes.__main__ import main
-from mm_serve.models.shapes.targets import parse_caption
+from mm_serve.shapes.__main__ import main
+from mm_serve.shapes.targets import parse_caption
 
 
 def test_draw_writes_the_scene_and_prints_its_caption(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

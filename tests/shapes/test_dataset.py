@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, CLIPImageProcessorPil
 
-from mm_serve.models.shapes.dataset import (
+from mm_serve.shapes.dataset import (
     IGNORE_INDEX,
     ConversationEncoder,
     TrainingStream,
@@ -18,10 +18,10 @@ from mm_serve.models.shapes.dataset import (
     sample_grounded_turns,
     sample_turns,
 )
-from mm_serve.models.shapes.model_config import IMAGE_SIZE, NUM_IMAGE_TOKENS, image_processor_config
-from mm_serve.models.shapes.scenes import COLOURS, SceneObject, draw_scene, scene_rng
-from mm_serve.models.shapes.targets import QA
-from mm_serve.models.shapes.tokenizer import save_tokenizer, train_tokenizer
+from mm_serve.shapes.model_config import IMAGE_SIZE, NUM_IMAGE_TOKENS, image_processor_config
+from mm_serve.shapes.scenes import COLOURS, SceneObject, draw_scene, scene_rng
+from mm_serve.shapes.targets import QA
+from mm_serve.shapes.tokenizer import save_tokenizer, train_tokenizer
 
 
 def test_patch_labels_geometry() -> None:

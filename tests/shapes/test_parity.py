@@ -7,10 +7,10 @@ import random
 import pytest
 
 from mm_serve.models.registry import resolve_model
-from mm_serve.models.shapes.dataset import user_prompt
-from mm_serve.models.shapes.evaluate import hf_generate_fn
-from mm_serve.models.shapes.scenes import draw_scene, scene_rng
-from mm_serve.models.shapes.targets import QA_KINDS, sample_qa
+from mm_serve.shapes.dataset import user_prompt
+from mm_serve.shapes.evaluate import hf_generate_fn
+from mm_serve.shapes.scenes import draw_scene, scene_rng
+from mm_serve.shapes.targets import QA_KINDS, sample_qa
 
 try:
     from mm_serve import LLM, SamplingParams

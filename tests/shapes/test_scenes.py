@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mm_serve.models.shapes.scenes import (
+from mm_serve.shapes.scenes import (
     COLOURS,
     GAP_PX,
     MAX_SIDE,

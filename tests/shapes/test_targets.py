@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from mm_serve.models.shapes.scenes import COLOURS, SHAPES, SceneObject, draw_scene, scene_rng
-from mm_serve.models.shapes.targets import (
+from mm_serve.shapes.scenes import COLOURS, SHAPES, SceneObject, draw_scene, scene_rng
+from mm_serve.shapes.targets import (
     CAPTION_PROMPTS,
     COUNT_QUESTION,
     caption,

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from mm_serve.models.shapes.dataset import IGNORE_INDEX, ConversationEncoder, user_prompt
-from mm_serve.models.shapes.model_config import NUM_IMAGE_TOKENS
-from mm_serve.models.shapes.targets import QA
-from mm_serve.models.shapes.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+from mm_serve.shapes.dataset import IGNORE_INDEX, ConversationEncoder, user_prompt
+from mm_serve.shapes.model_config import NUM_IMAGE_TOKENS
+from mm_serve.shapes.targets import QA
+from mm_serve.shapes.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-from mm_serve.models.shapes.model_config import ModelSize
-from mm_serve.models.shapes.train import TrainConfig, train
+from mm_serve.shapes.model_config import ModelSize
+from mm_serve.shapes.train import TrainConfig, train
 
 TOY = ModelSize(
     vision_hidden=32, vision_layers=1, vision_heads=2, text_hidden=32, text_intermediate=64, text_layers=1,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from mm_serve.models.shapes.scenes import COLOURS, SHAPES
-from mm_serve.models.shapes.targets import CAPTION_PROMPTS, COUNT_QUESTION, COUNT_WORDS, phrase
+from mm_serve.shapes.scenes import COLOURS, SHAPES
+from mm_serve.shapes.targets import CAPTION_PROMPTS, COUNT_QUESTION, COUNT_WORDS, phrase
 
 BOS, EOS, UNK, PAD, IMAGE = "<s>", "</s>", "<unk>", "<pad>", "<image>"
 SPECIAL_TOKENS: tuple[str, ...] = (UNK, BOS, EOS, PAD, IMAGE)

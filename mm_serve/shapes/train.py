@@ -36,7 +36,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from mm_serve.models.shapes.dataset import (
+from mm_serve.shapes.dataset import (
     IGNORE_INDEX,
     QA_NAMESPACE,
     QUESTION_PROBE_CLASSES,
@@ -44,7 +44,7 @@ from mm_serve.models.shapes.dataset import (
     TrainingStream,
     VisionStream,
 )
-from mm_serve.models.shapes.model_config import (
+from mm_serve.shapes.model_config import (
     IMAGE_SIZE,
     PATCH_SIZE,
     ModelSize,
@@ -53,8 +53,8 @@ from mm_serve.models.shapes.model_config import (
     processor_config,
     sincos_2d,
 )
-from mm_serve.models.shapes.scenes import COLOURS, SHAPES
-from mm_serve.models.shapes.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+from mm_serve.shapes.scenes import COLOURS, SHAPES
+from mm_serve.shapes.tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def _write_training_md(cfg: TrainConfig, result: TrainResult, start_stage: int) 
     lines = [
         "# Training record",
         "",
-        f"Command: `python -m mm_serve.models.shapes train --out {out_dir} --seed {cfg.seed}{threads}`",
+        f"Command: `python -m mm_serve.shapes train --out {out_dir} --seed {cfg.seed}{threads}`",
         "",
         f"- seed: {cfg.seed} (scenes from namespaces `train-vision`, `train`, `train-qa`; evaluation uses `heldout`)",
         f"- settings: `{json.dumps(asdict(cfg))}`",

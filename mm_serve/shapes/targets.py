@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from mm_serve.models.shapes.scenes import COLOURS, SHAPES, SceneObject
+from mm_serve.shapes.scenes import COLOURS, SHAPES, SceneObject
 
 QAKind = Literal["caption", "count", "colour", "exists"]
 QA_KINDS: tuple[QAKind, ...] = ("caption", "count", "colour", "exists")

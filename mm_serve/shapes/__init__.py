@@ -1,7 +1,7 @@
 """The embedded default model: a small LLaVA trained here on shapes that Pillow draws.
 
-``python -m mm_serve.models.shapes train --out DIR`` trains it from scratch;
-``python -m mm_serve.models.shapes eval`` scores it on held-out scenes. The shipped
+``python -m mm_serve.shapes train --out DIR`` trains it from scratch;
+``python -m mm_serve.shapes eval`` scores it on held-out scenes. The shipped
 checkpoint lives in ``mm_serve/models/embedded``; the name ``embedded`` (and no
 model at all) resolves to it through :func:`mm_serve.models.registry.resolve_model`.
 

@@ -1,11 +1,11 @@
-"""Command line: ``python -m mm_serve.models.shapes {train,eval,draw}``.
+"""Command line: ``python -m mm_serve.shapes {train,eval,draw}``.
 
 Examples::
 
-    python -m mm_serve.models.shapes draw --out scene.png --seed 3   # prints the caption
-    python -m mm_serve.models.shapes train --out /tmp/shapes --seed 0
-    python -m mm_serve.models.shapes eval                       # the embedded checkpoint
-    python -m mm_serve.models.shapes eval --model /tmp/shapes --n 500 --seed 0 --backend hf
+    python -m mm_serve.shapes draw --out scene.png --seed 3   # prints the caption
+    python -m mm_serve.shapes train --out /tmp/shapes --seed 0
+    python -m mm_serve.shapes eval                       # the embedded checkpoint
+    python -m mm_serve.shapes eval --model /tmp/shapes --n 500 --seed 0 --backend hf
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 from mm_serve.models.registry import resolve_model
 
 if TYPE_CHECKING:
-    from mm_serve.models.shapes.evaluate import GenerateFn
+    from mm_serve.shapes.evaluate import GenerateFn
 
 
 def _train(args: argparse.Namespace) -> int:
-    from mm_serve.models.shapes.train import TrainConfig, train
+    from mm_serve.shapes.train import TrainConfig, train
 
     cfg = TrainConfig(seed=args.seed, threads=args.threads)
     if args.steps is not None:
@@ -45,7 +45,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _generate_fn(backend: str, model_dir: Path) -> tuple[GenerateFn, str]:
-    from mm_serve.models.shapes.evaluate import hf_generate_fn, mm_serve_generate_fn
+    from mm_serve.shapes.evaluate import hf_generate_fn, mm_serve_generate_fn
 
     if backend == "mm_serve":
         try:
@@ -70,7 +70,7 @@ def _record(model_dir: Path, text: str) -> None:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
-    from mm_serve.models.shapes.evaluate import evaluate
+    from mm_serve.shapes.evaluate import evaluate
 
     for flag, value in (("--n", args.n), ("--batch-size", args.batch_size)):
         if value < 1:
@@ -94,7 +94,7 @@ def _eval(args: argparse.Namespace) -> int:
     print(header)
     print(report.format())
     if args.record:
-        command = f"python -m mm_serve.models.shapes eval --n {args.n} --seed {args.seed} --backend {backend}"
+        command = f"python -m mm_serve.shapes eval --n {args.n} --seed {args.seed} --backend {backend}"
         _record(model_dir, f"`{command}` ({header}):\n\n```\n{report.format()}\n```")
     return 0
 
@@ -102,8 +102,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _draw(args: argparse.Namespace) -> int:
     import random
 
-    from mm_serve.models.shapes.scenes import MAX_SIDE, MIN_SIDE, draw_scene
-    from mm_serve.models.shapes.targets import caption
+    from mm_serve.shapes.scenes import MAX_SIDE, MIN_SIDE, draw_scene
+    from mm_serve.shapes.targets import caption
 
     size = None
     if args.size is not None:
@@ -124,7 +124,7 @@ def _draw(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``train`` / ``eval`` / ``draw`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m mm_serve.models.shapes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mm_serve.shapes", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the shapes model from scratch")
     train.add_argument("--out", required=True, help="output checkpoint directory")

@@ -34,9 +34,9 @@ from PIL import Image
 from transformers import PreTrainedTokenizerBase
 from transformers.image_processing_utils import BaseImageProcessor
 
-from mm_serve.models.shapes.model_config import NUM_IMAGE_TOKENS
-from mm_serve.models.shapes.scenes import COLOURS, SHAPES, SceneObject, draw_scene, scene_rng
-from mm_serve.models.shapes.targets import (
+from mm_serve.shapes.model_config import NUM_IMAGE_TOKENS
+from mm_serve.shapes.scenes import COLOURS, SHAPES, SceneObject, draw_scene, scene_rng
+from mm_serve.shapes.targets import (
     CAPTION_PROMPTS,
     QA,
     QAKind,
@@ -46,7 +46,7 @@ from mm_serve.models.shapes.targets import (
     exists_qa,
     sample_qa,
 )
-from mm_serve.models.shapes.tokenizer import IMAGE
+from mm_serve.shapes.tokenizer import IMAGE
 
 TRAIN_NAMESPACE = "train"
 VISION_NAMESPACE = "train-vision"

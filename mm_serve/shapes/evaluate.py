@@ -34,10 +34,10 @@ from transformers import (
     LlavaProcessor,
 )
 
-from mm_serve.models.shapes.dataset import user_prompt
-from mm_serve.models.shapes.model_config import PATCH_SIZE
-from mm_serve.models.shapes.scenes import SceneObject, draw_scene, scene_rng
-from mm_serve.models.shapes.targets import QA, caption_qa, parse_caption, sample_qa
+from mm_serve.shapes.dataset import user_prompt
+from mm_serve.shapes.model_config import PATCH_SIZE
+from mm_serve.shapes.scenes import SceneObject, draw_scene, scene_rng
+from mm_serve.shapes.targets import QA, caption_qa, parse_caption, sample_qa
 
 EVAL_NAMESPACE = "heldout"
 GenerateFn = Callable[[Sequence[tuple[Image.Image, str]]], list[str]]
@@ -176,12 +176,9 @@ def hf_generate_fn(model_dir: Path, max_new_tokens: int = 24) -> GenerateFn:
 
 
 def mm_serve_generate_fn(model_dir: Path, max_new_tokens: int = 24) -> GenerateFn:
-    """A :data:`GenerateFn` on mm-serve's own engine, ``mm_serve.LLM`` (greedy).
-
-    Raises:
-        ImportError: if ``mm_serve.LLM`` / ``SamplingParams`` do not exist (yet).
-    """
-    from mm_serve import LLM, SamplingParams  # type: ignore[attr-defined]
+    """A :data:`GenerateFn` on mm-serve's own engine, the offline ``LLM`` (greedy)."""
+    from mm_serve.offline.llm import LLM
+    from mm_serve.runtime.sampling_params import SamplingParams
 
     llm = LLM(model=str(model_dir))
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
