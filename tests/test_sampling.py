@@ -129,7 +129,7 @@ def test_a_request_a_worker_cannot_decode_fails_instead_of_hanging(tmp_path: Pat
 
 def test_seed_leaves_room_for_every_choice() -> None:
     """Choice i of n draws with seed + i: a seed too close to MAX_SEED for n is refused at once,
-    naming the bound (it used to fail later, inside generate)."""
+    naming the bound, not later inside generate."""
     from mm_serve.runtime.sampling_params import MAX_SEED
 
     assert SamplingParams(seed=MAX_SEED, n=1).seed == MAX_SEED

@@ -1,6 +1,6 @@
 """Where calls of the tier that is never refused wait for spare capacity before their dispatch.
 
-The ``batch`` tier is never refused for latency, only queued (issue #20): under load a
+The ``batch`` tier is never refused for latency, only queued: under load a
 batch request sent to a prefill worker at once would still take a share of it (a batch
 of its prefill in progress delays tighter requests that arrive during it) and of the
 decode worker (a larger decode batch is a longer step for every request on it, and on

@@ -17,16 +17,16 @@ sum of terms (every batch has one image and about the same tokens; a burst repea
 image has it encoded in one batch and cached in the next dozen), the fit then moves each
 term in proportion to its prior share instead of loading the whole difference onto one
 small coefficient; and a coefficient the recent points say nothing about (no image
-encoded for a while) drifts back to its start as its old points fade. The first version's
-absolute ridge (0.01 s² per unit) let a single slow batch with one image set the image
-term to 0.2 s, 50x its start, for good (on a live server, distinct-image calls after that
-burst then moved a batch's whole time onto the token term and the image term to 0).
+encoded for a while) drifts back to its start as its old points fade. An absolute ridge
+(0.01 s² per unit) would let a single slow batch with one image set the image term to 50x
+its start for good, and later distinct-image batches would then move a batch's whole time
+onto the token term.
 
-Why not recursive least squares (RLS), which the first version used: with collinear
-features (a decode step's batch size and its context tokens grow together; every llava
-prompt has one image and ~the same tokens) and thousands of steps, RLS's covariance
-update loses positive definiteness to rounding and θ diverges (seen in a benchmark:
--66 s per decode step, +278 s per request, so every request was refused for its TPOT).
+Why not recursive least squares (RLS): with collinear features (a decode step's batch size
+and its context tokens grow together; every llava prompt has one image and ~the same tokens)
+and thousands of steps, RLS's covariance update loses positive definiteness to rounding and
+θ diverges (to coefficients of tens or hundreds of seconds, of either sign, which refuses
+every request for its TPOT).
 The sufficient statistics here stay positive semidefinite by construction, the prior
 keeps the solve well conditioned, and the sign constraint keeps extrapolation (a long
 queue, a larger batch) from going negative. Features are divided by fixed ``scales``

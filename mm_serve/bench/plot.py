@@ -7,7 +7,7 @@ attainment target, the dotted verticals each system's goodput.
 Several benchmark JSON files (``mm-serve bench --out``) can be merged into one figure::
 
     python -m mm_serve.bench.plot bench_out/ours/bench.json bench_out/vllm/bench.json \\
-        --out docs/goodput_chatbot.png --title "chatbot workload"
+        --out goodput_chatbot.png --title "chatbot workload"
 """
 
 from __future__ import annotations

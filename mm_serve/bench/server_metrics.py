@@ -1,6 +1,6 @@
 """The server's own cache counters, read from its Prometheus ``/metrics`` before and after a run.
 
-Counters read (each summed over its label sets; mm-serve exports them, issue #21):
+Counters read (each summed over its label sets; mm-serve exports them):
 
 * ``mm_serve_prefix_cache_queried_tokens_total``: prompt tokens looked up in the prefix cache;
 * ``mm_serve_prefix_cache_hit_tokens_total``: of those, tokens whose KV was reused;

@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
                         "default $XDG_STATE_HOME/mm-serve/batches)")
     p.add_argument("--cluster-backend", choices=["local", "ray"], default=None,
                    help="local: worker processes on this machine; ray: Ray actors on the nodes of a Ray "
-                        "cluster (cluster.backend; README \"Beyond one machine\")")
+                        "cluster (cluster.backend; docs/multi_node.md)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="Ray cluster to join with cluster.backend ray (cluster.address; default auto: "
                         "the cluster `ray start` made on this machine)")

@@ -96,7 +96,7 @@ def write_placement_config(result: PlanResult, model: str, path: str | Path, dev
         + ("# --device cpu: the planned devices are CPU worker slots; no GPU ids are written.\n"
            if device == "cpu" else "")
         + ("# Start the Ray cluster with node i offering the custom resource mm_serve_node_<i> "
-           "(README \"Beyond one machine\").\n" if spec.nodes > 1 else "")
+           "(docs/multi_node.md).\n" if spec.nodes > 1 else "")
     )
     p = Path(path)
     try:

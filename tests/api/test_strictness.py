@@ -147,7 +147,7 @@ def test_streamed_chunks_after_the_first_omit_role(server: ServerProcess) -> Non
 
 
 def test_typed_image_token_is_text(server: ServerProcess) -> None:
-    """A user may write ``<image>`` with no image: it is text, not a placeholder (was a 400)."""
+    """A user may write ``<image>`` with no image: it is text, not a placeholder."""
     r = _post(server, "chat", _chat(messages=[{"role": "user", "content": "What does <image> mean?"}]))
     assert r.status_code == 200, r.text
     plain = _post(server, "chat", _chat(messages=[{"role": "user", "content": "What does mean?"}]))

@@ -51,8 +51,8 @@ def test_search_on_4_nodes_of_8_gpus_is_fast_and_fills_the_cluster(
     line = f"planner, 4x8 search: {cluster_plan.seconds:.1f} s, {cluster_plan.simulations} simulations"
     print(line)
     record_property("figure", line)
-    # a hang guard, not the speed target (that is a figure the suite prints: docs/testing.md): 16 s alone on the Zen 5
-    # machine of the earlier sessions, 74 s inside the suite on 2026-12-04's slower AVX2 machine
+    # a hang guard, not the speed target (that is a figure the suite prints: docs/testing.md): 16 s alone on a
+    # Zen 5 dev machine, 74 s inside the suite on a slower AVX2 one
     assert cluster_plan.seconds < 300
     gpus = [g for inst in cluster_plan.placement for g in inst.gpus]
     assert len(gpus) == len(set(gpus)) == cluster_plan.gpus_used <= 32
