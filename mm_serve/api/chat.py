@@ -6,14 +6,13 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from mm_serve.api.arrival import http_origin
-from mm_serve.api.sse import DONE, error_event, event, prediction_header
+from mm_serve.api.call_route import serve_call
+from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.generation import Generation
-from mm_serve.pipeline.pipeline import AdmittedCall, admit_call
-from mm_serve.pipeline.responses import answer, finish_reason, timeout_message
+from mm_serve.pipeline.pipeline import AdmittedCall
+from mm_serve.pipeline.responses import finish_reason, timeout_message
 from mm_serve.protocol.logprobs_format import chat_logprobs
 from mm_serve.protocol.schemas import (
     ChatChunkChoice,
@@ -26,15 +25,7 @@ from mm_serve.protocol.schemas import (
 
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServerContext) -> object:
     """Admit the call, then answer as JSON or as an SSE stream (499 when the client left)."""
-    try:
-        admitted = await admit_call(ctx, body, http_origin(raw))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream(admitted, ctx, raw, include_usage), media_type="text/event-stream",
-                                     headers=prediction_header(admitted.prediction))
-        return await answer(ctx, admitted, raw.is_disconnected)
-    except ConnectionAbortedError:
-        return JSONResponse({}, status_code=499)
+    return await serve_call(body, raw, ctx, _stream)
 
 
 async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, include_usage: bool) -> AsyncIterator[str]:
