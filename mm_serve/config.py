@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mm_serve.ground.dtypes import DTypeName
 from mm_serve.ground.slo import SLO
 from mm_serve.ground.tiers import Tier, TierLabel
 from mm_serve.runtime.engine_config import DEFAULT_ENGINE as _E
@@ -280,7 +281,7 @@ class ServiceConfig(_Frozen):
     model: str = Field("embedded", description="Model directory (a llava-hf or Llama checkpoint), or a registered name such as 'embedded' (--model).")
     served_model_name: str | None = Field(None, description="The model id clients send and /v1/models lists (--served-model-name); null = the model value.")
     mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="'disaggregated': prefill and decode worker processes joined by the hand-off ring; 'colocated': one continuous-batching worker doing both, the baseline (--mode).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(_E.dtype, description="Weights, activations and KV cache element type.")
+    dtype: DTypeName = Field(_E.dtype, description="Weights, activations and KV cache element type.")
     seed: int = Field(_E.seed, description="Seed of the sampling generators of requests that bring no seed.")
     enforce_eager: bool = Field(_E.enforce_eager, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
     cpu_gemm: Literal["onednn", "torch"] = Field(_E.cpu_gemm, description="float32 on a CPU: 'onednn' runs linear layers from weights packed once for oneDNN (mm_serve/kernels/cpu_linear.py; layers under ~0.5 M weights also keep their plain copy, which MKL runs faster for 1-2 rows), 'torch' uses torch's default F.linear (MKL).")

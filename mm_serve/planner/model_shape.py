@@ -16,6 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from mm_serve.ground.dtypes import DTYPE_BYTES
 from mm_serve.planner.errors import ModelShapeError
 from mm_serve.planner.vision_shape import VisionShape, vision_from_hf, vision_from_tower_name
 
@@ -40,7 +41,7 @@ _ALIASES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
     "max_position_embeddings": ("max_position_embeddings", "n_positions", "max_seq_len"),
 })
-_DTYPE_BYTES = MappingProxyType({"float16": 2, "bfloat16": 2, "float32": 4, "float": 4})
+_DTYPE_BYTES = MappingProxyType({**DTYPE_BYTES, "float": 4})  # "float": an old transformers name of float32
 
 
 @dataclass(frozen=True)

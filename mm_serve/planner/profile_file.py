@@ -30,14 +30,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
+from mm_serve.ground.dtypes import DTYPE_BYTES
 from mm_serve.planner.errors import ModelShapeError, ProfileError
 from mm_serve.planner.model_shape import ModelShape, load_model_shape, shape_from_config
 
 FORMAT = "mm-serve-profile/1"
-_DTYPE_BYTES = MappingProxyType({"float32": 4, "float16": 2, "bfloat16": 2})
 
 
 @dataclass(frozen=True)
@@ -110,9 +109,9 @@ def _shape(data: Mapping[str, Any], base: Path, where: str) -> ModelShape:
         raise ProfileError(str(exc)) from None
     dtype = data.get("dtype")
     if dtype is not None:
-        if dtype not in _DTYPE_BYTES:
-            raise ProfileError(f"{where}: 'dtype' must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
-        shape = replace(shape, dtype=dtype, dtype_bytes=_DTYPE_BYTES[dtype])
+        if dtype not in DTYPE_BYTES:
+            raise ProfileError(f"{where}: 'dtype' must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        shape = replace(shape, dtype=dtype, dtype_bytes=DTYPE_BYTES[dtype])
     return shape
 
 

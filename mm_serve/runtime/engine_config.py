@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from mm_serve.ground.dtypes import DTYPE_NAMES, DTypeName, torch_dtype
+
 if TYPE_CHECKING:  # torch is imported only where a dtype is needed (the config loads without it)
     import torch
 
     from mm_serve.models.model_config import TextConfig
 
-_DTYPES = ("float32", "bfloat16", "float16")
 _POSITIVE = ("page_size", "num_pages", "max_running", "prefill_token_budget", "prefill_batch_size")
 
 
@@ -36,7 +37,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk_tokens: int = 2048  # prefill worker: longer prompts are prefilled in chunks of this many tokens; 0 = never
     decode_step_interval_s: float = 0.0  # decode worker: a decode step starts at least this long after the previous one began; 0 = at once
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DTypeName = "float32"
     device: str = "cpu"
     seed: int = 0  # seeds generators of requests that bring no seed
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
@@ -71,8 +72,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
         if not isinstance(self.cpu_kernels, str) or self.cpu_kernels not in ("compiled", "torch"):
             raise ValueError(f"cpu_kernels must be 'compiled' or 'torch', got {self.cpu_kernels!r}")
-        if not isinstance(self.dtype, str) or self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -106,9 +107,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        """The ``torch.dtype`` of :attr:`dtype`."""
+        return torch_dtype(self.dtype)
 
     def context_limit(self, text: TextConfig) -> int:
         """Prompt plus output tokens one request may reach, in tokens: the context length
