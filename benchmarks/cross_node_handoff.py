@@ -5,7 +5,7 @@ each with its own object store, so a hand-off between them goes through Ray's ob
 manager over TCP as between two machines; loopback only, no dashboard), then, in one run:
 
 1. **Hand-off.** A producer actor and a consumer actor run the hand-off protocol through
-   the one interface both transports have (:mod:`mm_serve.transport.handoff_transport`):
+   the one interface both transports have (:mod:`mm_serve.transport.base`):
    copy a request's KV pages out of a paged cache (random page ids) and its patch features
    in, publish; claim, copy into the other side's paged cache, release. Twice: both actors
    on node 0 over the shared-memory ring, then producer on node 0 and consumer on node 1
@@ -53,7 +53,6 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-from types import MappingProxyType  # noqa: E402
 from typing import Any  # noqa: E402
 
 import msgspec  # noqa: E402
@@ -62,13 +61,12 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from mm_serve.transport.handoff_transport import ring_opener  # noqa: E402
+from mm_serve.ground.dtypes import DTYPE_NAMES, torch_dtype  # noqa: E402
 from mm_serve.transport.kv_transfer import copy_kv_from_ring, copy_kv_to_ring  # noqa: E402
 from mm_serve.transport.ray_link import RayLink  # noqa: E402
-from mm_serve.transport.ring_buffer import CrossModalRing, Handoff  # noqa: E402
-from mm_serve.transport.ring_spec import RingSpec, unique_ring_name  # noqa: E402
+from mm_serve.transport.registry import host_ring, ring_opener  # noqa: E402
+from mm_serve.transport.ring_spec import Handoff, RingSpec, unique_ring_name  # noqa: E402
 
-_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 _ENGINE_PAGES = 256  # pages of each side's own paged cache
 _POLL_S = 5e-5
 NAMESPACE = "mmsrv-handoff-bench"
@@ -82,7 +80,7 @@ class HandoffActor:
         self.spec = msgspec.msgpack.decode(spec_bytes, type=RingSpec)
         self.link = RayLink(NAMESPACE)
         self.ring = ring_opener(self.link, side)(self.spec)  # type: ignore[arg-type]
-        self.kv = torch.ones(_ENGINE_PAGES, *self.spec.page_shape, dtype=_DTYPES[self.spec.dtype])
+        self.kv = torch.ones(_ENGINE_PAGES, *self.spec.page_shape, dtype=torch_dtype(self.spec.dtype))
         self.rng = random.Random(0 if side == "producer" else 1)
 
     def deliver(self, ring: str, record: bytes, refs: list[Any]) -> None:
@@ -138,7 +136,7 @@ def handoff_bytes(args: argparse.Namespace) -> int:
     """KV + feature bytes of one hand-off (whole pages)."""
     pages = -(-args.tokens // args.page_size)
     kv = pages * args.layers * 2 * args.page_size * args.kv_heads * args.head_dim
-    return (kv + args.feature_rows * args.hidden) * _DTYPES[args.dtype].itemsize
+    return (kv + args.feature_rows * args.hidden) * torch_dtype(args.dtype).itemsize
 
 
 def run_transport(args: argparse.Namespace, transport: str) -> tuple[float, float]:
@@ -151,7 +149,7 @@ def run_transport(args: argparse.Namespace, transport: str) -> tuple[float, floa
         max_pages_per_handoff=pages, meta_bytes=16, transport=transport,
         producer=f"{NAMESPACE}-{transport}-p" if transport == "ray" else "",
         consumer=f"{NAMESPACE}-{transport}-d" if transport == "ray" else "")
-    shm = CrossModalRing.create(spec) if transport == "shm" else None
+    hosted = host_ring(spec)  # the shared-memory segments; None over Ray
     actor_class = ray.remote(HandoffActor)
     consumer_node = "mm_serve_node_1" if transport == "ray" else "mm_serve_node_0"
     try:
@@ -173,9 +171,9 @@ def run_transport(args: argparse.Namespace, transport: str) -> tuple[float, floa
             ray.kill(actor)
         return rate, latency
     finally:
-        if shm is not None:
-            shm.close()
-            shm.unlink()
+        if hosted is not None:
+            hosted.close()
+            hosted.unlink()
 
 
 def goodput(args: argparse.Namespace, address: str, nodes: tuple[int, int], out: Path) -> float:
@@ -207,7 +205,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
     parser.add_argument("--object-store-mib", type=int, default=200, help="object store per node")
     parser.add_argument("--skip-goodput", action="store_true")
     parser.add_argument("--slo-ttft", type=float, default=1.0)

@@ -30,18 +30,15 @@ import argparse
 import multiprocessing
 import random
 import time
-from types import MappingProxyType
 
 import msgspec
 import torch
 
+from mm_serve.ground.dtypes import DTYPE_NAMES, torch_dtype
 from mm_serve.transport.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
-from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
-from mm_serve.transport.ring_spec import RingSpec, unique_ring_name
+from mm_serve.transport.ring_spec import Handoff, RingSpec, unique_ring_name
+from mm_serve.transport.shm_ring import ShmRing
 
-_DTYPES = MappingProxyType(
-    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-)
 _ENGINE_PAGES = 256  # pages in each side's own paged cache
 _IN_FLIGHT = 4  # hand-offs the ring's pool, arena and slots hold at once
 _POLL_S = 5e-5
@@ -60,7 +57,7 @@ def _spec(args: argparse.Namespace) -> RingSpec:
 def _engine_cache(spec: RingSpec) -> torch.Tensor:
     """A page-major ``[pages, L, 2, S, H, D]`` cache (:class:`PagedKVCache`'s layout), touched so
     no page faults are timed."""
-    return torch.ones(_ENGINE_PAGES, *spec.page_shape, dtype=_DTYPES[spec.dtype])
+    return torch.ones(_ENGINE_PAGES, *spec.page_shape, dtype=torch_dtype(spec.dtype))
 
 
 def _consume(spec_bytes: bytes, total: int, warmup: int, threads: int, out: multiprocessing.Queue) -> None:
@@ -70,7 +67,7 @@ def _consume(spec_bytes: bytes, total: int, warmup: int, threads: int, out: mult
     """
     torch.set_num_threads(threads)
     spec = msgspec.msgpack.decode(spec_bytes, type=RingSpec)
-    ring = CrossModalRing.attach(spec)
+    ring = ShmRing.attach(spec)
     kv = _engine_cache(spec)
     features = torch.ones(spec.feature_rows, spec.feature_dim, dtype=kv.dtype)
     rng = random.Random(1)
@@ -93,7 +90,7 @@ def _consume(spec_bytes: bytes, total: int, warmup: int, threads: int, out: mult
     ring.close()
 
 
-def _produce(ring: CrossModalRing, total: int, warmup: int, tokens: int, rows: int) -> float:
+def _produce(ring: ShmRing, total: int, warmup: int, tokens: int, rows: int) -> float:
     """Prefill side: allocate (waiting out backpressure), copy KV and features in, publish.
 
     Returns the CPU seconds of the timed (post-warm-up) hand-offs.
@@ -123,7 +120,7 @@ def ring_throughput(args: argparse.Namespace) -> tuple[float, float, float]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     total = args.warmup + args.hand_offs
-    with CrossModalRing.create(spec) as ring:
+    with ShmRing.create(spec) as ring:
         child = ctx.Process(
             target=_consume, args=(msgspec.msgpack.encode(spec), total, args.warmup, args.threads, out)
         )
@@ -138,7 +135,7 @@ def ring_throughput(args: argparse.Namespace) -> tuple[float, float, float]:
 def handoff_bytes(args: argparse.Namespace) -> int:
     """KV + feature bytes of one hand-off (whole pages)."""
     pages = -(-args.tokens // args.page_size)
-    itemsize = _DTYPES[args.dtype].itemsize
+    itemsize = torch_dtype(args.dtype).itemsize
     kv = pages * args.layers * 2 * args.page_size * args.kv_heads * args.head_dim
     return (kv + args.feature_rows * args.hidden) * itemsize
 
@@ -168,7 +165,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per ring process")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ from mm_serve.runtime.worker_shell import WorkerShell
 from mm_serve.text_decode.handoff_receiver import HandoffReceiver
 from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
 from mm_serve.transport.doorbell import DoorbellListener
-from mm_serve.transport.handoff_transport import ring_opener
+from mm_serve.transport.registry import ring_opener
 
 ABORT_MEMORY_S = 600.0  # how long an abort for a not-yet-seen hand-off is remembered
 POLL_WAIT_MS = 1  # idle wait with no doorbell: the ring is polled

@@ -17,11 +17,11 @@ from mm_serve.runtime.lifetime import LifetimeEvent, events_from_wire
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampler import make_generator
 from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.transport.base import HandoffRing, RingOpener
 from mm_serve.transport.handoff_checksum import handoff_checksum
-from mm_serve.transport.handoff_transport import HandoffRing, RingOpener
 from mm_serve.transport.kv_transfer import copy_kv_from_ring
-from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
-from mm_serve.transport.ring_spec import RingSpec
+from mm_serve.transport.registry import ring_opener
+from mm_serve.transport.ring_spec import Handoff, RingSpec
 
 
 class BadHandoff(Exception):
@@ -39,15 +39,16 @@ class HandoffReceiver:
 
     def __init__(
         self, rings: list[HandoffRing], kv_cache: PagedKVCache,
-        on_failed: Callable[[str, str], None] | None = None, open_ring: RingOpener = CrossModalRing.attach,
+        on_failed: Callable[[str, str], None] | None = None, open_ring: RingOpener | None = None,
     ) -> None:
         """``rings[p]`` joins prefill worker ``p`` (shared memory or Ray:
-        :mod:`mm_serve.transport.handoff_transport`); ``open_ring`` opens the ring of a restarted
-        prefill worker (:meth:`replace_ring`)."""
+        :mod:`mm_serve.transport.base`); ``open_ring`` opens the ring of a restarted
+        prefill worker (:meth:`replace_ring`; default: the consumer's end of a ring of a plain
+        worker process, :func:`~mm_serve.transport.registry.ring_opener`)."""
         self.rings = rings
         self.kv_cache = kv_cache
         self._on_failed = on_failed
-        self._open_ring = open_ring
+        self._open_ring = open_ring or ring_opener(None, "consumer")
         self._start = 0
 
     def replace_ring(self, prefill_index: int, spec: RingSpec) -> None:
@@ -55,7 +56,7 @@ class HandoffReceiver:
         (what it still held is dropped; the front end resubmits those requests), attach ``spec``.
 
         Raises:
-            FileNotFoundError, ValueError: as :meth:`CrossModalRing.attach`.
+            FileNotFoundError, ValueError: as :meth:`RingTransport.open <mm_serve.transport.base.RingTransport.open>`.
         """
         self.rings[prefill_index].close()
         self.rings[prefill_index] = self._open_ring(spec)

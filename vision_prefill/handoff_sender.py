@@ -16,11 +16,11 @@ from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.lifetime import LifetimeEvent, events_to_wire
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_wire import to_wire
+from mm_serve.transport.base import HandoffRing, RingOpener
 from mm_serve.transport.handoff_checksum import handoff_checksum
-from mm_serve.transport.handoff_transport import HandoffRing, RingOpener
 from mm_serve.transport.kv_transfer import copy_kv_to_ring
-from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
-from mm_serve.transport.ring_spec import RingSpec
+from mm_serve.transport.registry import ring_opener
+from mm_serve.transport.ring_spec import Handoff, RingSpec
 
 
 @dataclass
@@ -38,27 +38,28 @@ class PendingHandoff:
 
 class HandoffSender:
     """Owns the pending list; one ring per decode worker (``rings[d]``), each a shared-memory
-    ring or a Ray one (:mod:`mm_serve.transport.handoff_transport`): the logic is the same."""
+    ring or a Ray one (:mod:`mm_serve.transport.base`): the logic is the same."""
 
     def __init__(
         self, rings: list[HandoffRing], kv_cache: PagedKVCache,
         on_publish: Callable[[int], None] | None = None, checksum: bool = True,
         release: Callable[[Request], None] | None = None,
-        open_ring: RingOpener = CrossModalRing.attach,
+        open_ring: RingOpener | None = None,
     ) -> None:
         """``on_publish(d)`` runs after each publish to decode worker ``d``'s ring
         (the prefill worker rings that worker's doorbell); with ``checksum`` each hand-off's
         meta carries the CRC-32 of its ring pages and features (:mod:`mm_serve.transport.handoff_checksum`);
         ``release(request)`` frees a request's local pages and empties its block table
         (default: straight back to the pool; the prefill worker's keeps cached pages cached);
-        ``open_ring`` opens the ring of a restarted decode worker (:meth:`replace_ring`)."""
+        ``open_ring`` opens the ring of a restarted decode worker (:meth:`replace_ring`; default:
+        the producer's end of a ring of a plain worker process, :func:`~mm_serve.transport.registry.ring_opener`)."""
         self.rings = rings
         self.kv_cache = kv_cache
         self._release = release or self._free_pages
         self.pending: list[PendingHandoff] = []
         self._on_publish = on_publish
         self._checksum = checksum
-        self._open_ring = open_ring
+        self._open_ring = open_ring or ring_opener(None, "producer")
 
     def add(self, request: Request) -> None:
         """Queue a prefilled request (first token sampled, KV in its ``block_table``) for
@@ -143,7 +144,7 @@ class HandoffSender:
         requests), close the old ring and attach ``spec``. Returns the dropped request ids.
 
         Raises:
-            FileNotFoundError, ValueError: as :meth:`CrossModalRing.attach`.
+            FileNotFoundError, ValueError: as :meth:`RingTransport.open <mm_serve.transport.base.RingTransport.open>`.
         """
         dropped = [item for item in self.pending if item.decode_index == decode_index]
         self.pending = [item for item in self.pending if item.decode_index != decode_index]

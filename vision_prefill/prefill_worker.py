@@ -24,7 +24,7 @@ from mm_serve.runtime.sampling_wire import from_wire
 from mm_serve.runtime.worker_setup import cache_report, load_for_worker, make_caches
 from mm_serve.runtime.worker_shell import WorkerShell
 from mm_serve.transport.doorbell import DoorbellRingers
-from mm_serve.transport.handoff_transport import ring_opener
+from mm_serve.transport.registry import ring_opener
 from mm_serve.vision_prefill.handoff_sender import HandoffSender
 from mm_serve.vision_prefill.prefill_scheduler import PrefillScheduler
 

@@ -26,6 +26,7 @@ from mm_serve.cluster.ray_cluster import RayCluster, actor_name, node_of
 from mm_serve.cluster.ray_worker import RayWorkerHandle, start_ray_worker
 from mm_serve.config import ServiceConfig
 from mm_serve.runtime.worker_spec import WorkerSpec
+from mm_serve.transport.registry import transport_of
 from mm_serve.transport.ring_spec import RingSpec
 
 
@@ -57,14 +58,11 @@ class RayLaunch:
         """A ZeroMQ address to bind one front-end socket to (a free TCP port on this node)."""
         return f"tcp://{self.cluster.host}:*"
 
-    def pair_transport(self, p: int, d: int) -> str:
-        """``shm`` when prefill ``p`` and decode ``d`` are both on the front end's node, else ``ray``."""
-        return "shm" if self._local[("prefill", p)] and self._local[("decode", d)] else "ray"
-
     def ring(self, spec: RingSpec, p: int, d: int, generations: tuple[int, int]) -> RingSpec:
-        """Ring ``spec`` of pair (``p``, ``d``) with its transport and, over Ray, the actor
-        names of the two ends at their restart ``generations`` (prefill, decode)."""
-        if self.pair_transport(p, d) == "shm":
+        """Ring ``spec`` of pair (``p``, ``d``) with its transport: ``spec`` as it is (shared
+        memory) when both workers are on the front end's node, else over Ray, naming the
+        actors of the two ends at their restart ``generations`` (prefill, decode)."""
+        if self._local[("prefill", p)] and self._local[("decode", d)]:
             return spec
         return msgspec.structs.replace(
             spec, transport="ray", producer=actor_name(self.namespace, "prefill", p, generations[0]),
@@ -81,7 +79,7 @@ class RayLaunch:
         if spec.role == "decode" and not self._local[("decode", spec.index)]:
             doorbell = f"inproc://{self.namespace}-bell-d{spec.index}"
         if spec.role == "prefill":
-            doorbells = [bell if rings[spec.index * m + d].transport == "shm" else ""
+            doorbells = [bell if transport_of(rings[spec.index * m + d]).same_node else ""
                          for d, bell in enumerate(doorbells)]
         return msgspec.structs.replace(
             spec, sizing=sizing, cpus=[], threads=self.config.compute.threads_per_worker, parent_pid=0,

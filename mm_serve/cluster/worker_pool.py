@@ -55,7 +55,8 @@ from mm_serve.config import ServiceConfig
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime import messages
 from mm_serve.runtime.worker_spec import WorkerSpec
-from mm_serve.transport.ring_buffer import CrossModalRing
+from mm_serve.transport.base import HostedRing
+from mm_serve.transport.registry import host_ring
 from mm_serve.transport.ring_spec import RingSpec
 
 if TYPE_CHECKING:
@@ -118,14 +119,14 @@ class WorkerPool:
         weakref.finalize(self, shutil.rmtree, str(self.run_dir), True)
         self.colocated = config.mode == "colocated"
         self.ring_specs: list[RingSpec] = []  # every pair's ring, prefill-major (p * M + d)
-        self._shm: dict[int, CrossModalRing] = {}  # the pairs that hand off through shared memory
+        self._hosted: dict[int, HostedRing] = {}  # the rings the front end holds (shared memory), by pair
         self._ray: RayLaunch | None = None  # set with cluster.backend: ray
         self.workers: dict[WorkerKey, _Worker] = {}
         self.restart_counts: Counter[str] = Counter()  # role -> restarts so far
         self.stopping = threading.Event()
         self._num_decode = config.compute.decode_workers
         self._ring_generation = 0
-        self._retired: list[tuple[CrossModalRing, set[WorkerKey]]] = []  # old rings a loading peer may attach
+        self._retired: list[tuple[HostedRing, set[WorkerKey]]] = []  # old rings a loading peer may attach
         self._ctx: zmq.Context = zmq.Context.instance()  # type: ignore[type-arg]
         self._controls: dict[WorkerKey, zmq.Socket] = {}  # type: ignore[type-arg]
         self._out: zmq.Socket | None = None  # type: ignore[type-arg]
@@ -156,7 +157,8 @@ class WorkerPool:
             m = cfg.compute.decode_workers
             ring_list = [self._ray.ring(r, *divmod(i, m), (0, 0)) for i, r in enumerate(ring_list)]
         self.ring_specs = ring_list
-        self._shm = {i: CrossModalRing.create(r) for i, r in enumerate(ring_list) if r.transport == "shm"}
+        hosted = {i: host_ring(r) for i, r in enumerate(ring_list)}
+        self._hosted = {i: ring for i, ring in hosted.items() if ring is not None}
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(self._ray.bind_address() if self._ray else f"ipc://{self.run_dir}/out")
         output_address = self._out.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -225,10 +227,10 @@ class WorkerPool:
         return [w.spec for w in self.workers.values()]
 
     @property
-    def rings(self) -> list[CrossModalRing]:
-        """The shared-memory rings (every pair's on one machine; with Ray, those of pairs on the
-        front end's node), in pair order."""
-        return [self._shm[i] for i in sorted(self._shm)]
+    def rings(self) -> list[HostedRing]:
+        """The rings the front end holds: the shared-memory rings (every pair's on one machine;
+        with Ray, those of pairs on the front end's node), in pair order."""
+        return [self._hosted[i] for i in sorted(self._hosted)]
 
     def ring_transports(self) -> list[str]:
         """Each pair's transport (``shm`` or ``ray``), prefill-major."""
@@ -407,9 +409,10 @@ class WorkerPool:
                 gens = (self.workers[("prefill", p)].generation, self.workers[("decode", d)].generation)
                 new_spec = self._ray.ring(new_spec, p, d, gens)
             self.ring_specs[ring_index] = new_spec
-            old = self._shm.pop(ring_index, None)
-            if new_spec.transport == "shm":
-                self._shm[ring_index] = CrossModalRing.create(new_spec)
+            old = self._hosted.pop(ring_index, None)
+            hosted = host_ring(new_spec)
+            if hosted is not None:
+                self._hosted[ring_index] = hosted
             out.append(new_spec)
             peer_key, peer_index = (("decode", d), p) if role == "prefill" else (("prefill", p), d)
             peer = self.workers[peer_key]

@@ -1,11 +1,12 @@
 """The cross-modal ring's protocol between two Ray actors on different nodes.
 
-Same contract as :class:`mm_serve.transport.ring_buffer.CrossModalRing` (see
-:class:`~mm_serve.transport.handoff_transport.HandoffRing`), other memory:
+Same contract as :class:`mm_serve.transport.shm_ring.ShmRing` (see
+:class:`~mm_serve.transport.base.HandoffRing`), other memory:
 
 * **Producer** (prefill actor): a local staging pool of ``spec.num_pages`` pages and
-  ``spec.feature_rows`` feature rows with the same allocators as the shared ring, so a
-  full pool is backpressure exactly as there. :meth:`RayRing.publish` puts the hand-off's
+  ``spec.feature_rows`` feature rows with the same allocator as the shared ring
+  (:class:`~mm_serve.transport.staging.StagingArea`), so a full pool is backpressure
+  exactly as there. :meth:`RayRing.publish` puts the hand-off's
   pages and features into the local Ray object store (``ray.put``: one copy) and sends the
   decode actor a :class:`RayHandoffRecord` with the object ref. At most ``spec.capacity``
   hand-offs are published and not released (a full ring: ``publish`` returns False).
@@ -31,21 +32,18 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
 import torch
 
-from mm_serve.kernels.page_pool import PagePool
-from mm_serve.transport.feature_arena import FeatureArena
-from mm_serve.transport.handoff_transport import Side
+from mm_serve.ground.dtypes import torch_dtype
+from mm_serve.transport.base import Side
 from mm_serve.transport.ray_link import RayLink
-from mm_serve.transport.ring_buffer import Handoff
-from mm_serve.transport.ring_spec import RingSpec
+from mm_serve.transport.ring_spec import Handoff, RingSpec, TransportName
+from mm_serve.transport.staging import StagingArea
 
-_TORCH_DTYPES = MappingProxyType({"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16})
 _BACKOFF_S = 0.001  # sleep between reclaims of a publish that waits for a slot
 
 
@@ -66,22 +64,23 @@ class RayHandoffRecord(msgspec.Struct, frozen=True):
 class RayRing:
     """One (prefill, decode) pair's hand-offs over Ray; one instance per side."""
 
+    name: ClassVar[TransportName] = "ray"
+    same_node: ClassVar[bool] = False
+
     def __init__(self, spec: RingSpec, link: RayLink, side: Side) -> None:
-        if spec.transport != "ray":
-            raise ValueError(f"ring {spec.name!r} has transport {spec.transport!r}, not 'ray'")
+        """Raises ``ValueError`` for a spec of another transport."""
+        if spec.transport != self.name:
+            raise ValueError(f"ring {spec.name!r} has transport {spec.transport!r}, not {self.name!r}")
         self.spec = spec
         self.side = side
         self._link = link
         self._fingerprint = spec.fingerprint()
-        dtype = _TORCH_DTYPES[spec.dtype]
+        dtype = torch_dtype(spec.dtype)
         self._pages = torch.zeros((spec.num_pages, *spec.page_shape), dtype=dtype)
         self._features = torch.zeros((spec.feature_rows, spec.feature_dim), dtype=dtype)
         self._closed = False
         # producer
-        self._pool = PagePool(spec.num_pages)
-        self._arena = FeatureArena(spec.feature_rows)
-        self._unpublished_pages: set[int] = set()
-        self._unpublished_features: set[tuple[int, int]] = set()
+        self._staging = StagingArea(spec)
         self._in_flight: dict[int, tuple[Handoff, Any]] = {}  # seq -> (hand-off, object ref)
         self._next_seq = 0
         # consumer
@@ -92,6 +91,23 @@ class RayRing:
         self._claimed: dict[int, Handoff] = {}
         self.num_pulled = 0  # hand-offs fetched through the object store (consumer)
         self.bytes_pulled = 0
+
+    @classmethod
+    def host(cls, spec: RingSpec) -> None:
+        """Nothing for the front end to create: the two actors hold the ring."""
+        return None
+
+    @classmethod
+    def open(cls, spec: RingSpec, side: Side, link: RayLink | None) -> RayRing:
+        """Actor ``side``'s end of ring ``spec``, through the actor's ``link``.
+
+        Raises:
+            ValueError: ``link`` is None (this worker is not a Ray actor), or ``spec`` is
+                not a Ray ring.
+        """
+        if link is None:
+            raise ValueError(f"ring {spec.name!r} runs over Ray, but this worker is not a Ray actor")
+        return cls(spec, link, side)
 
     # ---- views --------------------------------------------------------------------------------
 
@@ -116,25 +132,12 @@ class RayRing:
             ValueError: ``n`` is outside ``[0, max_pages_per_handoff]``.
         """
         self._require_open()
-        if not 0 <= n <= self.spec.max_pages_per_handoff:
-            raise ValueError(f"cannot hand off {n} pages (max {self.spec.max_pages_per_handoff})")
-        if not self._pool.can_allocate(n) and not (self.reclaim() and self._pool.can_allocate(n)):
-            return None
-        page_ids = self._pool.allocate(n)
-        self._unpublished_pages.update(page_ids)
-        return page_ids
+        return self._staging.alloc_pages(n, self.reclaim)
 
     def alloc_features(self, rows: int) -> int | None:
         """Offset of ``rows`` contiguous free staging rows (0 for 0 rows), or None."""
         self._require_open()
-        if rows == 0:
-            return 0
-        offset = self._arena.allocate(rows)
-        if offset is None and self.reclaim():
-            offset = self._arena.allocate(rows)
-        if offset is not None:
-            self._unpublished_features.add((offset, rows))
-        return offset
+        return self._staging.alloc_features(rows, self.reclaim)
 
     def free_unpublished(self, page_ids: list[int], feature_offset: int, feature_rows: int) -> None:
         """Give back the allocations of a hand-off that will not be published.
@@ -143,12 +146,7 @@ class RayRing:
             ValueError: a page or the extent is not allocated and unpublished.
         """
         self._require_open()
-        self._check_unpublished(page_ids, feature_offset, feature_rows)
-        self._unpublished_pages.difference_update(page_ids)
-        self._pool.free(page_ids)
-        if feature_rows:
-            self._unpublished_features.discard((feature_offset, feature_rows))
-            self._arena.free(feature_offset, feature_rows)
+        self._staging.free_unpublished(page_ids, feature_offset, feature_rows)
 
     def publish(self, handoff: Handoff, timeout: float | None = 0.0) -> bool:
         """Put the hand-off's staged pages and features into the object store and send the
@@ -156,13 +154,13 @@ class RayRing:
         forever) while ``spec.capacity`` hand-offs are unreleased; False if none was released.
 
         Raises:
-            ValueError: as :meth:`CrossModalRing.publish`.
+            ValueError: as :meth:`ShmRing.publish <mm_serve.transport.shm_ring.ShmRing.publish>`.
         """
         import ray
 
         self._require_open()
         self.spec.check_handoff(handoff)
-        self._check_unpublished(handoff.page_ids, handoff.feature_offset, handoff.feature_rows)
+        self._staging.check_unpublished(handoff.page_ids, handoff.feature_offset, handoff.feature_rows)
         deadline = None if timeout is None else time.monotonic() + timeout
         while len(self._in_flight) >= self.spec.capacity:
             if self.reclaim():
@@ -181,8 +179,7 @@ class RayRing:
         )
         self._link.send_delivery(self.spec.consumer, self.spec.name, msgspec.msgpack.encode(record), ref)
         self._next_seq = seq + 1
-        self._unpublished_pages.difference_update(handoff.page_ids)
-        self._unpublished_features.discard((handoff.feature_offset, handoff.feature_rows))
+        self._staging.mark_published(handoff)
         handoff.seq = seq
         self._in_flight[seq] = (handoff, ref)
         return True
@@ -199,10 +196,7 @@ class RayRing:
             item = self._in_flight.pop(seq, None)
             if item is None:
                 raise RuntimeError(f"ring {self.spec.name!r}: released seq {seq} is not in flight")
-            handoff = item[0]
-            self._pool.free(handoff.page_ids)
-            if handoff.feature_rows:
-                self._arena.free(handoff.feature_offset, handoff.feature_rows)
+            self._staging.free_released(item[0])
         return len(released)
 
     # ---- consumer -----------------------------------------------------------------------------
@@ -278,14 +272,13 @@ class RayRing:
         """Free staging pages (producer); landing pages not held by a delivered hand-off (consumer)."""
         self._require_open()
         if self.side == "producer":
-            return self._pool.num_free
+            return self._staging.pages_free
         held = sum(len(r.page_ids) for r, _ in self._received.values())
         return self.spec.num_pages - held - sum(len(h.page_ids) for h in self._claimed.values())
 
     def check_integrity(self) -> None:
         """Check the producer's allocators; AssertionError if an invariant is broken."""
-        self._pool.check_integrity()
-        self._arena.check_integrity()
+        self._staging.check_integrity()
 
     def close(self) -> None:
         """Drop this side's state and object refs (idempotent); methods raise RuntimeError after."""
@@ -309,12 +302,6 @@ class RayRing:
                     self._skip.add(record.seq)
                 continue
             self._received[record.seq] = (record, ref)
-
-    def _check_unpublished(self, page_ids: list[int], feature_offset: int, feature_rows: int) -> None:
-        if len(set(page_ids)) != len(page_ids) or not self._unpublished_pages.issuperset(page_ids):
-            raise ValueError(f"pages {page_ids} are not all allocated and unpublished")
-        if feature_rows and (feature_offset, feature_rows) not in self._unpublished_features:
-            raise ValueError(f"feature extent {(feature_offset, feature_rows)} is not allocated and unpublished")
 
     def _require_open(self) -> None:
         if self._closed:

@@ -15,8 +15,8 @@ import msgspec
 import torch
 
 from mm_serve.transport.kv_transfer import copy_kv_from_ring, copy_kv_to_ring
-from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
-from mm_serve.transport.ring_spec import RingSpec, unique_ring_name
+from mm_serve.transport.ring_spec import Handoff, RingSpec, unique_ring_name
+from mm_serve.transport.shm_ring import ShmRing
 
 NUM_HANDOFFS = 1200
 ENGINE_PAGES = 32
@@ -48,7 +48,7 @@ def pages_of(kv: torch.Tensor, page_ids: list[int]) -> torch.Tensor:
 def consume(spec_bytes: bytes, expected: int, results: multiprocessing.Queue) -> None:
     """Decode side (child process): claim, copy out, verify checksums and order, release."""
     spec = msgspec.msgpack.decode(spec_bytes, type=RingSpec)
-    ring = CrossModalRing.attach(spec)
+    ring = ShmRing.attach(spec)
     kv = torch.zeros(ENGINE_PAGES, *spec.page_shape)
     errors: list[str] = []
     received = 0
@@ -77,7 +77,7 @@ def consume(spec_bytes: bytes, expected: int, results: multiprocessing.Queue) ->
     ring.close()
 
 
-def produce(ring: CrossModalRing, index: int, kv: torch.Tensor, rng: random.Random) -> None:
+def produce(ring: ShmRing, index: int, kv: torch.Tensor, rng: random.Random) -> None:
     """Prefill side: allocate (waiting out backpressure), fill with random data, publish."""
     tokens = rng.randint(1, 24)
     rows = rng.choice([0, 0, 7, 16, 40])
@@ -102,7 +102,7 @@ def test_1200_handoffs_between_processes_arrive_verified_in_order() -> None:
     spec = make_spec()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    with CrossModalRing.create(spec) as ring:
+    with ShmRing.create(spec) as ring:
         child = ctx.Process(target=consume, args=(msgspec.msgpack.encode(spec), NUM_HANDOFFS, results))
         child.start()
         kv = torch.zeros(ENGINE_PAGES, *spec.page_shape)
@@ -116,24 +116,24 @@ def test_1200_handoffs_between_processes_arrive_verified_in_order() -> None:
         ring.reclaim()
         assert ring.slots_used() == 0 and ring.pages_free() == spec.num_pages
         ring.check_integrity()
-        assert ring._arena.free_extents() == [(0, spec.feature_rows)]
+        assert ring._staging._arena.free_extents() == [(0, spec.feature_rows)]
     assert shm_entries(spec.name) == []
 
 
 ATTACH_AND_EXIT = """
 import sys, msgspec
-from mm_serve.transport.ring_buffer import CrossModalRing
 from mm_serve.transport.ring_spec import RingSpec
-ring = CrossModalRing.attach(msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=RingSpec))
+from mm_serve.transport.shm_ring import ShmRing
+ring = ShmRing.attach(msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=RingSpec))
 ring.pages[3] = 5.0
 ring.close()
 """
 
 CREATE_AND_DIE = """
 import os, sys, msgspec
-from mm_serve.transport.ring_buffer import CrossModalRing
 from mm_serve.transport.ring_spec import RingSpec
-CrossModalRing.create(msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=RingSpec))
+from mm_serve.transport.shm_ring import ShmRing
+ShmRing.create(msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=RingSpec))
 print("created", flush=True)
 os._exit(1)
 """
@@ -148,7 +148,7 @@ def run_python(code: str, spec: RingSpec) -> subprocess.CompletedProcess[str]:
 
 def test_an_unrelated_attaching_process_does_not_unlink_on_exit() -> None:
     spec = make_spec()
-    ring = CrossModalRing.create(spec)
+    ring = ShmRing.create(spec)
     done = run_python(ATTACH_AND_EXIT, spec)
     assert done.returncode == 0, done.stderr
     assert "leaked" not in done.stderr

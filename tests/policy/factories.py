@@ -23,8 +23,8 @@ from mm_serve.runtime.prefix_cache import PrefixCache, PrefixKey
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_params import SamplingParams
 from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
-from mm_serve.transport.ring_buffer import CrossModalRing
 from mm_serve.transport.ring_spec import RingSpec, unique_ring_name
+from mm_serve.transport.shm_ring import ShmRing
 from mm_serve.vision_prefill.prefill_scheduler import PrefillScheduler
 
 PAGE_SIZE = 4
@@ -161,13 +161,13 @@ class RingFactory:
     """Creates (producer, consumer) ring pairs in this process; :meth:`close_all` removes them."""
 
     def __init__(self) -> None:
-        self.pairs: list[tuple[CrossModalRing, CrossModalRing]] = []
+        self.pairs: list[tuple[ShmRing, ShmRing]] = []
 
-    def create(self, **overrides: object) -> tuple[CrossModalRing, CrossModalRing]:
+    def create(self, **overrides: object) -> tuple[ShmRing, ShmRing]:
         """A fresh ring: the creating (producer) side and an attached (consumer) side."""
         spec = make_ring_spec(**overrides)
-        producer = CrossModalRing.create(spec)
-        consumer = CrossModalRing.attach(spec)
+        producer = ShmRing.create(spec)
+        consumer = ShmRing.attach(spec)
         self.pairs.append((producer, consumer))
         return producer, consumer
 

@@ -14,7 +14,7 @@ from mm_serve.runtime.sampler import make_generator
 from mm_serve.runtime.sampling_params import SamplingParams
 from mm_serve.text_decode.handoff_receiver import HandoffReceiver
 from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
-from mm_serve.transport.ring_buffer import CrossModalRing
+from mm_serve.transport.shm_ring import ShmRing
 from mm_serve.vision_prefill.handoff_sender import HandoffSender
 from tests.policy.factories import (
     FEATURE_DIM,
@@ -44,7 +44,7 @@ def admit_all(num_pages: int) -> bool:
     return True
 
 
-def sender_for(ring: CrossModalRing, cache: PagedKVCache) -> tuple[HandoffSender, list[int]]:
+def sender_for(ring: ShmRing, cache: PagedKVCache) -> tuple[HandoffSender, list[int]]:
     """A sender over one ring; the list records on_publish calls."""
     rung: list[int] = []
     return HandoffSender([ring], cache, on_publish=rung.append), rung

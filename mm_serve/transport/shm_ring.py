@@ -1,41 +1,42 @@
-"""The cross-modal ring buffer: prefill -> decode hand-off of KV pages and patch features.
+"""The cross-modal ring in shared memory: the hand-off transport of a pair on one node.
 
 One ring per (prefill worker, decode worker) pair, in three shared-memory
 segments named from :attr:`RingSpec.name`: ``-ctl`` (control block, hand-off
-slots, release ring), ``-kv`` (the page pool) and ``-feat`` (the feature arena).
+slots, release ring; :mod:`mm_serve.transport.ring_layout`), ``-kv`` (the page
+pool) and ``-feat`` (the feature arena). The front end creates the segments
+(:meth:`ShmRing.host`) and unlinks them; both workers attach them (:meth:`ShmRing.open`).
 """
 
 from __future__ import annotations
 
 import time
-from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from mm_serve.kernels.page_pool import PagePool
-from mm_serve.transport.feature_arena import FeatureArena
-from mm_serve.transport.ring_spec import (
+from mm_serve.ground.dtypes import torch_dtype
+from mm_serve.transport.base import Side
+from mm_serve.transport.ring_layout import (
     RING_MAGIC,
     ControlWord,
-    Handoff,
-    RingSpec,
     SlotStatus,
     control_views,
+    lap,
     read_payload,
     segment_sizes,
     write_payload,
 )
+from mm_serve.transport.ring_spec import Handoff, RingSpec, TransportName
 from mm_serve.transport.shm_segment import ShmSegment, attach_segments, create_segments
+from mm_serve.transport.staging import StagingArea
 
-__all__ = ["CrossModalRing", "Handoff"]
+if TYPE_CHECKING:
+    from mm_serve.transport.ray_link import RayLink
 
-_TORCH_DTYPES = MappingProxyType(
-    {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-)
 _MAX_BACKOFF_S = 0.001  # longest sleep between reclaim polls of a blocked publish
 
 
-class CrossModalRing:
+class ShmRing:
     """Single-producer (prefill), single-consumer (decode) hand-off ring in shared memory.
 
     Sequence number ``s`` (0, 1, 2, ...) uses slot ``s % capacity`` with version
@@ -45,7 +46,7 @@ class CrossModalRing:
     EMPTY->WRITING->READY and CLAIMED->EMPTY (in :meth:`reclaim`), control words
     WRITE_INDEX, RELEASE_TAIL, PAGES_FREE, FEATURE_ROWS_FREE, and the pages and
     feature rows it allocated until it publishes them; its allocators (a
-    ``PagePool`` and a ``FeatureArena``) are local objects. Consumer: ``status``
+    :class:`~mm_serve.transport.staging.StagingArea`) are local objects. Consumer: ``status``
     READY->CLAIMED, READ_INDEX, release-ring entries and RELEASE_HEAD; it only
     reads payloads, pages and features.
 
@@ -81,6 +82,9 @@ class CrossModalRing:
     methods and one the consumer methods (the same one in a single process).
     """
 
+    name: ClassVar[TransportName] = "shm"
+    same_node: ClassVar[bool] = True
+
     def __init__(self, spec: RingSpec, segments: list[ShmSegment]) -> None:
         """Wrap mapped segments "ctl", "kv", "feat" (in that order); use create / attach."""
         self.spec = spec
@@ -88,19 +92,27 @@ class CrossModalRing:
         self._owner = segments[0].owner
         ctl, kv, feat = segments
         self._ctrl, self._slots, self._release = control_views(spec, ctl.buffer)
-        dtype = _TORCH_DTYPES[spec.dtype]
+        dtype = torch_dtype(spec.dtype)
         self._pages = kv.tensor(dtype, (spec.num_pages, *spec.page_shape))
         self._features = feat.tensor(dtype, (spec.feature_rows, spec.feature_dim))
         self._closed = False
-        self._pool = PagePool(spec.num_pages)  # producer-local from here ...
-        self._arena = FeatureArena(spec.feature_rows)
-        self._unpublished_pages: set[int] = set()
-        self._unpublished_features: set[tuple[int, int]] = set()
+        self._staging = StagingArea(spec)  # producer-local from here ...
         self._in_flight: dict[int, Handoff] = {}  # seq -> published, not reclaimed
         self._claimed: set[int] = set()  # consumer-local: seqs claimed, not released
 
     @classmethod
-    def create(cls, spec: RingSpec) -> CrossModalRing:
+    def host(cls, spec: RingSpec) -> ShmRing:
+        """The front end's side of a pair's ring: the segments, created (see :meth:`create`)."""
+        return cls.create(spec)
+
+    @classmethod
+    def open(cls, spec: RingSpec, side: Side, link: RayLink | None) -> ShmRing:
+        """A worker's side of the ring: the segments the front end created, attached (see
+        :meth:`attach`; ``side`` and ``link`` are not needed here)."""
+        return cls.attach(spec)
+
+    @classmethod
+    def create(cls, spec: RingSpec) -> ShmRing:
         """Create the ring's zero-filled segments; this side owns them and must :meth:`unlink`.
 
         Raises:
@@ -114,7 +126,7 @@ class CrossModalRing:
         return ring
 
     @classmethod
-    def attach(cls, spec: RingSpec) -> CrossModalRing:
+    def attach(cls, spec: RingSpec) -> ShmRing:
         """Map the segments another process created from the same ``spec``.
 
         Raises:
@@ -150,7 +162,7 @@ class CrossModalRing:
         for segment in self._segments:
             segment.unlink()
 
-    def __enter__(self) -> CrossModalRing:
+    def __enter__(self) -> ShmRing:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -180,13 +192,9 @@ class CrossModalRing:
             ValueError: ``n`` is outside ``[0, max_pages_per_handoff]``.
         """
         self._require_open()
-        if not 0 <= n <= self.spec.max_pages_per_handoff:
-            raise ValueError(f"cannot hand off {n} pages (max {self.spec.max_pages_per_handoff})")
-        if not self._pool.can_allocate(n) and not (self.reclaim() and self._pool.can_allocate(n)):
-            return None
-        page_ids = self._pool.allocate(n)
-        self._unpublished_pages.update(page_ids)
-        self._mirror_free()
+        page_ids = self._staging.alloc_pages(n, self.reclaim)
+        if page_ids is not None:
+            self._mirror_free()
         return page_ids
 
     def alloc_features(self, rows: int) -> int | None:
@@ -198,11 +206,8 @@ class CrossModalRing:
         self._require_open()
         if rows == 0:
             return 0
-        offset = self._arena.allocate(rows)
-        if offset is None and self.reclaim():
-            offset = self._arena.allocate(rows)
+        offset = self._staging.alloc_features(rows, self.reclaim)
         if offset is not None:
-            self._unpublished_features.add((offset, rows))
             self._mirror_free()
         return offset
 
@@ -218,7 +223,7 @@ class CrossModalRing:
         """
         self._require_open()
         request_id = self.spec.check_handoff(handoff)
-        self._check_unpublished(handoff.page_ids, handoff.feature_offset, handoff.feature_rows)
+        self._staging.check_unpublished(handoff.page_ids, handoff.feature_offset, handoff.feature_rows)
         seq = int(self._ctrl[ControlWord.WRITE_INDEX])
         index = seq % self.spec.capacity
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -233,11 +238,10 @@ class CrossModalRing:
         slot = self._slots[index]
         slot["status"] = SlotStatus.WRITING
         write_payload(slot, handoff, request_id, seq)
-        slot["version"] = seq // self.spec.capacity + 1  # after the payload ...
+        slot["version"] = lap(seq, self.spec.capacity)  # after the payload ...
         slot["status"] = SlotStatus.READY  # ... and before READY
         self._ctrl[ControlWord.WRITE_INDEX] = seq + 1
-        self._unpublished_pages.difference_update(handoff.page_ids)
-        self._unpublished_features.discard((handoff.feature_offset, handoff.feature_rows))
+        self._staging.mark_published(handoff)
         handoff.seq = seq
         self._in_flight[seq] = handoff
         return True
@@ -258,9 +262,7 @@ class CrossModalRing:
             handoff = self._in_flight.pop(seq, None)
             if handoff is None or self._slots["status"][index] != SlotStatus.CLAIMED:
                 raise RuntimeError(f"ring {self.spec.name!r}: released seq {seq} is not claimed")
-            self._pool.free(handoff.page_ids)
-            if handoff.feature_rows:
-                self._arena.free(handoff.feature_offset, handoff.feature_rows)
+            self._staging.free_released(handoff)
             self._slots["status"][index] = SlotStatus.EMPTY
             self._ctrl[ControlWord.RELEASE_TAIL] = position + 1
         if head > tail:
@@ -274,12 +276,7 @@ class CrossModalRing:
             ValueError: a page or the extent is not allocated and unpublished (nothing freed).
         """
         self._require_open()
-        self._check_unpublished(page_ids, feature_offset, feature_rows)
-        self._unpublished_pages.difference_update(page_ids)
-        self._pool.free(page_ids)
-        if feature_rows:
-            self._unpublished_features.discard((feature_offset, feature_rows))
-            self._arena.free(feature_offset, feature_rows)
+        self._staging.free_unpublished(page_ids, feature_offset, feature_rows)
         self._mirror_free()
 
     # consumer side ---------------------------------------------------------
@@ -315,9 +312,9 @@ class CrossModalRing:
         self._require_open()
         seq = int(self._ctrl[ControlWord.READ_INDEX])
         index = seq % self.spec.capacity
-        lap = seq // self.spec.capacity + 1
-        if self._slots["status"][index] != SlotStatus.READY or self._slots["version"][index] == lap:
-            return None
+        want = lap(seq, self.spec.capacity)
+        if self._slots["status"][index] != SlotStatus.READY or self._slots["version"][index] == want:
+            return None  # status first: a READY slot's version is already stored
         snap = self._slots[index : index + 1].copy()[0]
         try:
             handoff = read_payload(snap)
@@ -362,34 +359,25 @@ class CrossModalRing:
 
     def check_integrity(self) -> None:
         """Check the producer's allocators; AssertionError if an invariant is broken."""
-        self._pool.check_integrity()
-        self._arena.check_integrity()
+        self._staging.check_integrity()
 
     # internals -------------------------------------------------------------
 
     def _read(self, seq: int) -> Handoff | None:
         """Seqlock read of hand-off ``seq``: None unless its slot is READY at lap ``seq``."""
         index = seq % self.spec.capacity
-        lap = seq // self.spec.capacity + 1
+        want = lap(seq, self.spec.capacity)
         status, version = self._slots["status"], self._slots["version"]
-        if status[index] != SlotStatus.READY or version[index] != lap:
+        if status[index] != SlotStatus.READY or version[index] != want:
             return None
         snap = self._slots[index : index + 1].copy()[0]
-        if status[index] != SlotStatus.READY or version[index] != lap or snap["seq"] != seq:
+        if status[index] != SlotStatus.READY or version[index] != want or snap["seq"] != seq:
             return None  # changed while copying: not a consistent snapshot
         return read_payload(snap)
 
-    def _check_unpublished(self, page_ids: list[int], feature_offset: int, feature_rows: int) -> None:
-        """Raise ValueError unless the pages and the extent are allocated here and unpublished."""
-        if len(set(page_ids)) != len(page_ids) or not self._unpublished_pages.issuperset(page_ids):
-            raise ValueError(f"pages {page_ids} are not all allocated and unpublished")
-        extent = (feature_offset, feature_rows)
-        if feature_rows and extent not in self._unpublished_features:
-            raise ValueError(f"feature extent {extent} is not allocated and unpublished")
-
     def _mirror_free(self) -> None:
-        self._ctrl[ControlWord.PAGES_FREE] = self._pool.num_free
-        self._ctrl[ControlWord.FEATURE_ROWS_FREE] = self._arena.num_free
+        self._ctrl[ControlWord.PAGES_FREE] = self._staging.pages_free
+        self._ctrl[ControlWord.FEATURE_ROWS_FREE] = self._staging.feature_rows_free
 
     def _require_open(self) -> None:
         if self._closed:

@@ -11,8 +11,9 @@ import msgspec
 import pytest
 import torch
 
-from mm_serve.transport.ring_buffer import CrossModalRing, Handoff
-from mm_serve.transport.ring_spec import RingSpec, SlotStatus, unique_ring_name
+from mm_serve.transport.ring_layout import SlotStatus
+from mm_serve.transport.ring_spec import Handoff, RingSpec, unique_ring_name
+from mm_serve.transport.shm_ring import ShmRing
 
 CAPACITY = 4
 PAGE_SIZE = 4
@@ -34,11 +35,11 @@ def make_spec(**overrides: object) -> RingSpec:
 
 
 @pytest.fixture
-def rings() -> Iterator[tuple[CrossModalRing, CrossModalRing]]:
+def rings() -> Iterator[tuple[ShmRing, ShmRing]]:
     """(producer = creator, consumer = attached) over one fresh ring; unlinked afterwards."""
     spec = make_spec()
-    producer = CrossModalRing.create(spec)
-    consumer = CrossModalRing.attach(spec)
+    producer = ShmRing.create(spec)
+    consumer = ShmRing.attach(spec)
     yield producer, consumer
     consumer.close()
     producer.close()
@@ -46,7 +47,7 @@ def rings() -> Iterator[tuple[CrossModalRing, CrossModalRing]]:
     assert shm_entries(spec.name) == []
 
 
-def offer(ring: CrossModalRing, i: int, tokens: int = 6, rows: int = 0) -> Handoff:
+def offer(ring: ShmRing, i: int, tokens: int = 6, rows: int = 0) -> Handoff:
     """Allocate and describe hand-off ``i`` (not published)."""
     pages = ring.alloc_pages(-(-tokens // PAGE_SIZE))
     offset = ring.alloc_features(rows)
@@ -54,7 +55,7 @@ def offer(ring: CrossModalRing, i: int, tokens: int = 6, rows: int = 0) -> Hando
     return Handoff(f"req-{i}", pages, tokens, 100 + i, offset, rows, f"meta-{i}".encode())
 
 
-def test_wrap_around_three_and_a_half_laps(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_wrap_around_three_and_a_half_laps(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, consumer = rings
     slots = producer._slots  # the shared array, as the consumer sees it too
     for seq in range(14):  # 3.5 x capacity, one in flight at a time
@@ -75,7 +76,7 @@ def test_wrap_around_three_and_a_half_laps(rings: tuple[CrossModalRing, CrossMod
     producer.check_integrity()
 
 
-def test_fill_and_drain_laps_keep_order(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_fill_and_drain_laps_keep_order(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, consumer = rings
     for lap in range(3):
         published = [offer(producer, lap * CAPACITY + i, tokens=3) for i in range(CAPACITY)]
@@ -92,7 +93,7 @@ def test_fill_and_drain_laps_keep_order(rings: tuple[CrossModalRing, CrossModalR
     producer.check_integrity()
 
 
-def test_peek_does_not_claim(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_peek_does_not_claim(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, consumer = rings
     assert consumer.peek() is None
     handoff = offer(producer, 0, rows=5)
@@ -103,7 +104,7 @@ def test_peek_does_not_claim(rings: tuple[CrossModalRing, CrossModalRing]) -> No
 
 
 def test_full_ring_blocks_the_producer_until_the_consumer_releases(
-    rings: tuple[CrossModalRing, CrossModalRing],
+    rings: tuple[ShmRing, ShmRing],
 ) -> None:
     producer, consumer = rings
     for i in range(CAPACITY):
@@ -130,7 +131,7 @@ def test_full_ring_blocks_the_producer_until_the_consumer_releases(
     assert blocked.seq == CAPACITY and producer.slots_used() == CAPACITY
 
 
-def test_full_pool_and_arena_are_backpressure(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_full_pool_and_arena_are_backpressure(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, consumer = rings
     handoffs = [offer(producer, i, tokens=16, rows=16) for i in range(2)]  # 8 of 16 pages, all rows
     assert producer.alloc_features(1) is None
@@ -146,7 +147,7 @@ def test_full_pool_and_arena_are_backpressure(rings: tuple[CrossModalRing, Cross
     assert producer.alloc_features(16) == 0
 
 
-def test_wrong_version_is_never_consumed(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_wrong_version_is_never_consumed(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, consumer = rings
     shared = consumer._slots
     producer.publish(offer(producer, 0))
@@ -165,7 +166,7 @@ def test_wrong_version_is_never_consumed(rings: tuple[CrossModalRing, CrossModal
     assert handoff is not None and handoff.seq == 0
 
 
-def test_stale_lap_is_not_consumed_again(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_stale_lap_is_not_consumed_again(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, consumer = rings
     producer.publish(offer(producer, 0))
     handoff = consumer.claim()
@@ -181,7 +182,7 @@ def test_stale_lap_is_not_consumed_again(rings: tuple[CrossModalRing, CrossModal
     assert consumer.claim() is None  # seq 4 wants version 2 in slot 0
 
 
-def test_invalid_handoffs_and_releases_raise(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_invalid_handoffs_and_releases_raise(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, consumer = rings
     handoff = offer(producer, 0, tokens=6, rows=2)
     for bad in (
@@ -208,7 +209,7 @@ def test_invalid_handoffs_and_releases_raise(rings: tuple[CrossModalRing, CrossM
         producer.alloc_pages(5)
 
 
-def test_aborted_allocations_are_given_back(rings: tuple[CrossModalRing, CrossModalRing]) -> None:
+def test_aborted_allocations_are_given_back(rings: tuple[ShmRing, ShmRing]) -> None:
     producer, _ = rings
     handoff = offer(producer, 0, tokens=13, rows=20)
     assert producer.pages_free() == 12
@@ -218,7 +219,7 @@ def test_aborted_allocations_are_given_back(rings: tuple[CrossModalRing, CrossMo
 
 
 def test_pages_and_features_are_shared_between_the_two_views(
-    rings: tuple[CrossModalRing, CrossModalRing],
+    rings: tuple[ShmRing, ShmRing],
 ) -> None:
     producer, consumer = rings
     assert producer.pages.shape == (16, 2, 2, PAGE_SIZE, 2, 4)
@@ -236,21 +237,21 @@ def test_pages_and_features_are_shared_between_the_two_views(
 def test_attach_checks_the_spec_and_existence() -> None:
     spec = make_spec()
     with pytest.raises(FileNotFoundError):
-        CrossModalRing.attach(spec)
-    with CrossModalRing.create(spec) as ring:
+        ShmRing.attach(spec)
+    with ShmRing.create(spec) as ring:
         with pytest.raises(FileExistsError):
-            CrossModalRing.create(spec)
+            ShmRing.create(spec)
         assert len(shm_entries(spec.name)) == 3  # the failed create removed nothing
         with pytest.raises(ValueError, match="another spec"):
-            CrossModalRing.attach(msgspec.structs.replace(spec, meta_bytes=24))
+            ShmRing.attach(msgspec.structs.replace(spec, meta_bytes=24))
         ring.pages[0] = 1.0
     assert shm_entries(spec.name) == []
 
 
 def test_close_and_unlink_are_idempotent_and_leave_nothing() -> None:
     spec = make_spec(feature_rows=0)  # text-only ring
-    owner = CrossModalRing.create(spec)
-    other = CrossModalRing.attach(spec)
+    owner = ShmRing.create(spec)
+    other = ShmRing.attach(spec)
     assert owner.features.shape == (0, 8) and owner.alloc_features(0) == 0
     assert shm_entries(spec.name) == [f"{spec.name}-ctl", f"{spec.name}-feat", f"{spec.name}-kv"]
     with pytest.raises(RuntimeError, match="only the creating side"):
