@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 
+from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
@@ -34,7 +35,7 @@ POLL_WAIT_MS = 1  # idle wait with no doorbell: the ring is polled
 class DecodeWorker(WorkerShell):
     """Decodes every request handed to it until it finishes."""
 
-    role = "decode"
+    role = Role.DECODE
     accepts = messages.ToDecode
 
     def load(self) -> None:

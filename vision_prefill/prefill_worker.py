@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
@@ -34,7 +35,7 @@ BACKPRESSURE_SLEEP_S = 0.0005  # hand-offs wait for ring room: yield the core be
 class PrefillWorker(WorkerShell):
     """Runs prefill batches and hands each request's KV to its decode worker."""
 
-    role = "prefill"
+    role = Role.PREFILL
     accepts = messages.ToPrefill
 
     def load(self) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mm_serve.config import ClusterConfig, ConfigError
+from mm_serve.ground.roles import Role
 
 
 @dataclass
@@ -77,7 +78,7 @@ class RayCluster:
             ConfigError: naming the key, the index and the resource no node offers.
         """
         known = self.node_ids()
-        for role in ("prefill", "decode"):
+        for role in (Role.PREFILL, Role.DECODE):
             for index in getattr(self.config, f"{role}_nodes"):
                 if index not in known:
                     raise ConfigError(
@@ -105,12 +106,12 @@ class RayCluster:
             ray.shutdown()
 
 
-def actor_name(namespace: str, role: str, index: int, generation: int) -> str:
+def actor_name(namespace: str, role: Role, index: int, generation: int) -> str:
     """Ray actor name of worker (``role``, ``index``) at restart ``generation``."""
     return f"{namespace}-{role}{index}-g{generation}"
 
 
-def node_of(config: ClusterConfig, role: str, index: int) -> int | None:
+def node_of(config: ClusterConfig, role: Role, index: int) -> int | None:
     """Node index of worker (``role``, ``index``), None when the config does not place it."""
     nodes: Any = getattr(config, f"{role}_nodes", [])
     return int(nodes[index]) if nodes else None

@@ -25,6 +25,7 @@ import msgspec
 from mm_serve.cluster.ray_cluster import RayCluster, actor_name, node_of
 from mm_serve.cluster.ray_worker import RayWorkerHandle, start_ray_worker
 from mm_serve.config import ServiceConfig
+from mm_serve.ground.roles import Role
 from mm_serve.runtime.worker_spec import WorkerSpec
 from mm_serve.transport.registry import transport_of
 from mm_serve.transport.ring_spec import RingSpec
@@ -50,7 +51,7 @@ class RayLaunch:
         cluster = config.cluster
         self._local = {
             (role, i): self.cluster.is_driver_node(node_of(cluster, role, i))
-            for role, n in (("prefill", config.compute.prefill_workers), ("decode", config.compute.decode_workers))
+            for role, n in ((Role.PREFILL, config.compute.prefill_workers), (Role.DECODE, config.compute.decode_workers))
             for i in range(n)
         }
 
@@ -62,11 +63,11 @@ class RayLaunch:
         """Ring ``spec`` of pair (``p``, ``d``) with its transport: ``spec`` as it is (shared
         memory) when both workers are on the front end's node, else over Ray, naming the
         actors of the two ends at their restart ``generations`` (prefill, decode)."""
-        if self._local[("prefill", p)] and self._local[("decode", d)]:
+        if self._local[(Role.PREFILL, p)] and self._local[(Role.DECODE, d)]:
             return spec
         return msgspec.structs.replace(
-            spec, transport="ray", producer=actor_name(self.namespace, "prefill", p, generations[0]),
-            consumer=actor_name(self.namespace, "decode", d, generations[1]))
+            spec, transport="ray", producer=actor_name(self.namespace, Role.PREFILL, p, generations[0]),
+            consumer=actor_name(self.namespace, Role.DECODE, d, generations[1]))
 
     def worker_spec(self, spec: WorkerSpec, rings: list[RingSpec]) -> WorkerSpec:
         """A local-process spec made fit for an actor (see the module docstring); ``rings`` are
@@ -76,9 +77,9 @@ class RayLaunch:
         if sizing.device.startswith("cuda"):
             sizing = msgspec.structs.replace(sizing, device="cuda:0")
         doorbell, doorbells = spec.doorbell_address, list(spec.doorbells)
-        if spec.role == "decode" and not self._local[("decode", spec.index)]:
+        if spec.role is Role.DECODE and not self._local[(Role.DECODE, spec.index)]:
             doorbell = f"inproc://{self.namespace}-bell-d{spec.index}"
-        if spec.role == "prefill":
+        if spec.role is Role.PREFILL:
             doorbells = [bell if transport_of(rings[spec.index * m + d]).same_node else ""
                          for d, bell in enumerate(doorbells)]
         return msgspec.structs.replace(

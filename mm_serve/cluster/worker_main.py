@@ -6,19 +6,22 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-ROLES = ("prefill", "decode", "colocated")
+from mm_serve.ground.roles import Role
+
+if TYPE_CHECKING:
+    from mm_serve.runtime.worker_shell import WorkerShell
 
 
-def worker_class(role: str) -> Any:
+def worker_class(role: Role) -> type[WorkerShell]:
     """The :class:`~mm_serve.runtime.worker_shell.WorkerShell` subclass of ``role`` (imported
     here, so a process loads only its own stage)."""
-    if role == "prefill":
+    if role is Role.PREFILL:
         from mm_serve.vision_prefill.prefill_worker import PrefillWorker
 
         return PrefillWorker
-    if role == "decode":
+    if role is Role.DECODE:
         from mm_serve.text_decode.decode_worker import DecodeWorker
 
         return DecodeWorker
@@ -29,18 +32,22 @@ def worker_class(role: str) -> Any:
 
 def main(argv: list[str]) -> int:
     """Build the worker named by the spec's role and serve until shutdown (exit 0; 1 on a
-    crash, with its traceback in the worker's log; 2 for an unknown role)."""
+    crash, with its traceback in the worker's log; 2 for a spec that does not decode, such as
+    one of an unknown role)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The front end decides when workers stop (a Shutdown message, or its own exit): a signal to
     # the whole process group (Ctrl-C, systemd, a container runtime) drains the service first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    import msgspec
+
     from mm_serve.runtime.worker_spec import decode_spec
 
-    spec = decode_spec(argv[1])
-    if spec.role not in ROLES:
-        print(f"unknown worker role {spec.role!r}", file=sys.stderr)
+    try:
+        spec = decode_spec(argv[1])
+    except msgspec.ValidationError as exc:
+        print(f"invalid worker spec: {exc}", file=sys.stderr)
         return 2
     return run_worker(spec)
 

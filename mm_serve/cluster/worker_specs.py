@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mm_serve.cluster.launcher import default_role_cpus, split_cpus
 from mm_serve.config import ComputeConfig, ConfigError, ServiceConfig
+from mm_serve.ground.roles import Role
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.worker_spec import WorkerSpec
@@ -36,7 +37,7 @@ def check_supported(cfg: ServiceConfig) -> None:
         ConfigError: TP or PP above 1, or (local backend) GPUs configured where CUDA is unavailable.
     """
     compute = cfg.compute
-    for role in ("prefill", "decode"):
+    for role in (Role.PREFILL, Role.DECODE):
         if getattr(compute, f"{role}_tensor_parallel") > 1 or getattr(compute, f"{role}_pipeline_parallel") > 1:
             raise ConfigError(
                 f"compute.{role}_tensor_parallel / {role}_pipeline_parallel > 1 is not supported by the runtime "
@@ -49,9 +50,9 @@ def check_supported(cfg: ServiceConfig) -> None:
             raise ConfigError("compute.prefill_gpus / decode_gpus are set but CUDA is not available here")
 
 
-def worker_device(cfg: ServiceConfig, role: str, index: int) -> str:
+def worker_device(cfg: ServiceConfig, role: Role, index: int) -> str:
     """``cuda:N`` from ``compute.prefill_gpus`` (prefill, colocated) or ``decode_gpus``, else ``cpu``."""
-    gpus = cfg.compute.prefill_gpus if role in ("prefill", "colocated") else cfg.compute.decode_gpus
+    gpus = cfg.compute.prefill_gpus if role.prefills else cfg.compute.decode_gpus
     return f"cuda:{gpus[index]}" if gpus else "cpu"
 
 
@@ -78,13 +79,13 @@ def build_worker_specs(
     compute = cfg.compute
     bells = [doorbell_address(str(run_dir), d) for d in range(compute.decode_workers)]
 
-    def spec(role: str, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int],
+    def spec(role: Role, index: int, tag: str, rings_of: list[RingSpec], cpus: list[int],
              nice: int = compute.worker_nice) -> WorkerSpec:
         return WorkerSpec(
             role=role, index=index, model_dir=str(model_dir), sizing=engine_sizing(cfg, worker_device(cfg, role, index)),
             control_address=f"ipc://{run_dir}/ctl-{tag}", output_address=output_address, rings=rings_of,
-            doorbell_address=doorbell_address(str(run_dir), index) if role == "decode" else "",
-            doorbells=bells if role == "prefill" else [],
+            doorbell_address=doorbell_address(str(run_dir), index) if role is Role.DECODE else "",
+            doorbells=bells if role is Role.PREFILL else [],
             cpus=cpus, threads=compute.threads_per_worker, parent_pid=os.getpid(),
             nice=nice,
             handoff_checksum=cfg.fault.handoff_checksum,
@@ -92,14 +93,14 @@ def build_worker_specs(
 
     if cfg.mode == "colocated":
         cpus = compute.prefill_cpus + [c for c in compute.decode_cpus if c not in compute.prefill_cpus]
-        return [spec("colocated", 0, "c0", [], cpus)]
+        return [spec(Role.COLOCATED, 0, "c0", [], cpus)]
     n, m = compute.prefill_workers, compute.decode_workers
     prefill_cpus, decode_cpus = compute.prefill_cpus, compute.decode_cpus
     if not prefill_cpus and not decode_cpus:
         prefill_cpus, decode_cpus = default_role_cpus(n, m)
-    specs = [spec("prefill", p, f"p{p}", [rings[p * m + d] for d in range(m)], cpus,
+    specs = [spec(Role.PREFILL, p, f"p{p}", [rings[p * m + d] for d in range(m)], cpus,
                   prefill_nice(compute, cpus, decode_cpus))
              for p, cpus in enumerate(split_cpus(prefill_cpus, n))]
-    specs += [spec("decode", d, f"d{d}", [rings[p * m + d] for p in range(n)], cpus)
+    specs += [spec(Role.DECODE, d, f"d{d}", [rings[p * m + d] for p in range(n)], cpus)
               for d, cpus in enumerate(split_cpus(decode_cpus, m))]
     return specs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from mm_serve.colocated.llm_engine import LLMEngine
+from mm_serve.ground.roles import Role
 from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
@@ -22,7 +23,7 @@ from mm_serve.runtime.worker_shell import WorkerShell
 class ColocatedWorker(WorkerShell):
     """Wraps :class:`LLMEngine` in the worker shell."""
 
-    role = "colocated"
+    role = Role.COLOCATED
     accepts = messages.ToPrefill
 
     def load(self) -> None:

@@ -25,5 +25,10 @@ class Role(str, Enum):
         """Whether the role runs decode steps (decode or colocated)."""
         return self is not Role.PREFILL
 
+    @property
+    def hands_off(self) -> bool:
+        """Whether the role is one end of hand-off rings (prefill or decode, not colocated)."""
+        return self is not Role.COLOCATED
+
     def __str__(self) -> str:
         return self.value

@@ -25,6 +25,7 @@ from mm_serve.colocated.llm_engine import LLMEngine
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
+from mm_serve.ground.roles import Role
 from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.models.registry import resolve_model
 from mm_serve.offline.outputs import CompletionOutput, RequestOutput
@@ -67,7 +68,7 @@ def _colocated_engine_config(config: ServiceConfig | None, kwargs: dict[str, Any
     if not isinstance(config, ServiceConfig):
         raise ValueError(f"config must be a ServiceConfig (mm_serve.config.load_config), got {type(config).__name__}")
     check_supported(config)
-    return engine_sizing(config, worker_device(config, "colocated", 0)).replace(**kwargs)
+    return engine_sizing(config, worker_device(config, Role.COLOCATED, 0)).replace(**kwargs)
 
 
 class LLM:

@@ -11,6 +11,7 @@ import msgspec
 import numpy as np
 import torch
 
+from mm_serve.ground.roles import Role
 from mm_serve.transport.ring_spec import RingSpec
 
 
@@ -110,7 +111,7 @@ class WorkerReady(msgspec.Struct, tag=True):
     """Sent once the worker has loaded its model, allocated its KV cache and frozen its start-up heap (no
     warm-up pass runs: a fresh prefill worker's first image batch took 34 ms against 16 ms later)."""
 
-    role: str  # "prefill" | "decode" | "colocated"
+    role: Role
     index: int
     pid: int
     kv_pages_total: int
@@ -119,7 +120,7 @@ class WorkerReady(msgspec.Struct, tag=True):
 class WorkerStats(msgspec.Struct, tag=True):
     """Load and health of one worker, sent periodically and on :class:`StatsQuery`."""
 
-    role: str
+    role: Role
     index: int
     pid: int
     running: int
@@ -177,7 +178,7 @@ class StepTiming(msgspec.Struct):
 class TokenBatch(msgspec.Struct, tag=True):
     """All token updates of one worker step (and, when it ran a timed step, its timing)."""
 
-    role: str
+    role: Role
     index: int
     updates: list[TokenUpdate]
     step: StepTiming | None = None
@@ -187,7 +188,7 @@ class PrefillStarted(msgspec.Struct, tag=True):
     """A prefill worker started a batch: the front end's latency predictor then knows how much
     of it is left when a new request arrives (it is not preempted)."""
 
-    role: str
+    role: Role
     index: int
     request_ids: list[str]  # the batch's requests (their prefill runs from now)
 

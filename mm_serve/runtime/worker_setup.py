@@ -55,7 +55,7 @@ def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedK
     """Load the checkpoint (a decode worker's without the vision tower and projector: it receives
     image embeddings, never pixels) and allocate this worker's paged KV cache."""
     model_config = load_model_config(spec.model_dir)
-    model = load_model_for(spec.model_dir, spec.sizing, vision=spec.role != "decode")
+    model = load_model_for(spec.model_dir, spec.sizing, vision=spec.role.prefills)
     return model_config, model, make_kv_cache(model_config, spec.sizing)
 
 

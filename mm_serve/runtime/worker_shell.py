@@ -21,6 +21,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
 from mm_serve.runtime.heap_freeze import freeze_startup_heap
 from mm_serve.runtime.kv_cache import PagedKVCache
@@ -41,7 +42,7 @@ class WorkerShell(ABC):
     where they differ).
     """
 
-    role: ClassVar[str]
+    role: ClassVar[Role]
     accepts: ClassVar[Any] = messages.ToPrefill
     idle_wait_ms: int = IDLE_WAIT_MS  # longest wait for a message while idle (a doorbell ends it early)
     kv_cache: PagedKVCache

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from mm_serve.ground.roles import Role
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.transport.ring_spec import RingSpec
 
@@ -15,7 +16,7 @@ from mm_serve.transport.ring_spec import RingSpec
 class WorkerSpec(msgspec.Struct, frozen=True):
     """Start-up description of one worker process."""
 
-    role: str  # "prefill" | "decode" | "colocated"
+    role: Role
     index: int
     model_dir: str
     sizing: EngineConfig
@@ -30,6 +31,12 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     parent_pid: int = 0  # exit if this process disappears (no orphans)
     stats_interval_s: float = 0.5  # also the heartbeat: the pool replaces a worker silent for fault.heartbeat_timeout_s
     handoff_checksum: bool = True  # fault.handoff_checksum: CRC-32 of each hand-off's pages and features
+
+    def __post_init__(self) -> None:
+        """A role given as its string (``"prefill"``) becomes the :class:`Role`; raises
+        ``ValueError`` for an unknown role."""
+        if not isinstance(self.role, Role):
+            msgspec.structs.force_setattr(self, "role", Role(self.role))
 
 
 def encode_spec(spec: WorkerSpec) -> str:
