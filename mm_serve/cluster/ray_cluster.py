@@ -38,7 +38,7 @@ class RayCluster:
             ConfigError: ``ray`` is not installed, or the cluster cannot be reached.
         """
         # Ray's crash-signal handler in a driver re-raises SIGTERM after our handler ran, which
-        # would kill the front end instead of letting it drain (README "Graceful stop"); it is
+        # would kill the front end instead of letting it drain (docs/serving.md, "Stopping"); it is
         # read when ray is first imported.
         os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         try:

@@ -1,8 +1,8 @@
 """Decode steps replayed from CUDA graphs: one launch per step instead of hundreds.
 
 A decode step of a small or mid-size model on a GPU is bound by kernel launches
-and Python, not by the GPU (docs/gpu.md: ~9 ms per step where the arithmetic needs
-well under 1 ms). As vLLM and SGLang do, the step is captured once per shape in a
+and Python, not by the GPU (eager decode steps of the bench model took milliseconds on an H200
+where the arithmetic needs well under one: benchmarks/results/2026-11-29-gpu-h200.md). As vLLM and SGLang do, the step is captured once per shape in a
 ``torch.cuda.CUDAGraph`` and replayed with new contents. Shapes are bucketed: the
 batch is padded up to the next of :data:`BATCH_BUCKETS` and the block tables up to
 the next power of two pages, so a handful of graphs serve every step. Padded rows

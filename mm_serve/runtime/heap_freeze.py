@@ -5,9 +5,9 @@ tokenizer or app: a few hundred thousand objects that live as long as the proces
 API process on the llava bench model). A collection of the oldest generation walks all of them,
 and it runs on whatever thread allocated last: the API process's event loop (every response,
 stream and refusal waits for it) or a worker's step loop (every request in the step waits).
-Measured on this machine: 75-215 ms per such collection with the API process idle, growing with
-the heap, 318 ms under load; under load the admission benchmark saw one 0.37-0.54 s stall of the event loop per 4x
-load, outside every request phase, which is this. ``gc.freeze()`` (Python 3.7+, the ``gc``
+Such a collection takes 75-318 ms on a 2-core machine, growing with the heap, and shows under
+load as a stall of the event loop of about half a second outside every request phase
+(benchmarks/results/2026-12-04-admission-load.md). ``gc.freeze()`` (Python 3.7+, the ``gc``
 module's documentation) moves every object alive now to a permanent generation that later
 collections skip; objects created afterwards are collected as before, so a full collection
 costs what the serving state costs, not what the imports do.

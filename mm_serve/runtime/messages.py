@@ -109,7 +109,7 @@ class ReplaceRing(msgspec.Struct, tag=True):
 
 class WorkerReady(msgspec.Struct, tag=True):
     """Sent once the worker has loaded its model, allocated its KV cache and frozen its start-up heap (no
-    warm-up pass runs: a fresh prefill worker's first image batch took 34 ms against 16 ms later)."""
+    warm-up pass runs: a fresh prefill worker's first image batch takes about twice as long as later ones)."""
 
     role: Role
     index: int
