@@ -368,10 +368,12 @@ def config_from_dict(data: dict[str, Any], overrides: dict[str, Any] | None = No
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:
-    """Read a YAML file (or the defaults when ``path`` is None) and validate it.
+    """Read a YAML file (or the defaults when ``path`` is None), validate it, then apply the dotted-key
+    ``overrides`` (command-line flags) and validate the result.
 
     Raises:
-        ConfigError: the file is missing, not YAML, not a mapping, or invalid.
+        ConfigError: the file is missing, not YAML, not a mapping, or invalid on its own (whatever
+            the overrides set), or the overrides are invalid.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -389,6 +391,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded
+        if overrides:  # the file stands on its own: an override must not hide a bad value in it
+            try:
+                config_from_dict(data)
+            except ConfigError as exc:
+                raise ConfigError(f"{p}: {exc}") from None
     return config_from_dict(data, overrides)
 
 

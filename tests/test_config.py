@@ -175,3 +175,13 @@ def test_decode_pacing_must_stay_below_the_tightest_tpot_slo() -> None:
         load_config(None, {"scheduler.decode_step_interval_ms": -1})
     with pytest.raises(ConfigError, match="decode_step_interval_ms"):  # YAML `true` is not 1 ms
         load_config(None, {"scheduler.decode_step_interval_ms": True})
+
+
+def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_path: Path) -> None:
+    """The file is validated on its own: ``--port 8124`` does not hide ``api.port: 70000`` in it."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("api:\n  port: 70000\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid configuration:\n  api\.port = 70000"):
+        load_config(path, {"api.port": 8124})
+    path.write_text("api:\n  port: 9000\n")
+    assert load_config(path, {"api.port": 8124}).api.port == 8124

@@ -51,11 +51,12 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
             if closed[i]:
                 continue
             text = state.take_text()
-            new_tokens = state.token_ids[sent_tokens[i]:]
             logprobs = None
-            if top_n is not None and new_tokens:
-                logprobs = chat_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n)
-            sent_tokens[i] = len(state.token_ids)
+            if text or state.finished:  # a chunk goes out: the log-probabilities of the tokens since the last
+                new_tokens = state.token_ids[sent_tokens[i]:]
+                if top_n is not None and new_tokens:
+                    logprobs = chat_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n)
+                sent_tokens[i] = len(state.token_ids)
             if state.finished:
                 if state.failure:
                     yield error_event(f"the request failed: {state.failure}")

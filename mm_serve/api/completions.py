@@ -13,6 +13,7 @@ from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.pipeline import AdmittedCall
 from mm_serve.pipeline.responses import finish_reason, timeout_message
+from mm_serve.protocol.logprobs_format import completion_logprobs
 from mm_serve.protocol.schemas import CompletionRequest, dump
 
 
@@ -26,6 +27,8 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
     base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.served_model_name, "service_tier": admitted.call.tier.label}
     closed = [False] * len(gen.states)
+    sent_tokens, offsets = [0] * len(gen.states), [0] * len(gen.states)
+    tokenizer, top_n = ctx.holder.inputs.tokenizer, admitted.call.logprobs
     try:
         async for i in gen.changes(ctx.deadline(), raw.is_disconnected):
             state = gen.states[i]
@@ -39,7 +42,15 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
             if state.finished:
                 closed[i] = True
             if text or state.finished:
-                choice = {"index": i, "text": text, "logprobs": None,
+                logprobs = None
+                new_tokens = state.token_ids[sent_tokens[i]:]  # the tokens since the last chunk
+                if top_n is not None and new_tokens:
+                    part = completion_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n,
+                                               offsets[i])
+                    offsets[i] += sum(len(token) for token in part.tokens)
+                    logprobs = dump(part)
+                sent_tokens[i] = len(state.token_ids)
+                choice = {"index": i, "text": text, "logprobs": logprobs,
                           "finish_reason": finish_reason(state.finish_reason) if state.finished else None}
                 yield event({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:

@@ -34,10 +34,12 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     return ChoiceLogprobs(content=content)
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], top_n: int) -> CompletionLogprobs:
-    """The legacy completions ``logprobs`` object for ``token_ids``."""
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], top_n: int,
+                        start_offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions ``logprobs`` object for ``token_ids``, whose first token's text starts at
+    character ``start_offset`` of the completion (a stream's later chunks)."""
     out = CompletionLogprobs()
-    offset = 0
+    offset = start_offset
     for token_id, entry in zip(token_ids, entries, strict=False):
         text = _text(tokenizer, token_id)
         out.tokens.append(text)

@@ -253,3 +253,26 @@ def test_disconnect_of_a_non_streaming_request_aborts_it(server: ServerProcess) 
             break
         time.sleep(0.1)
     assert all(s["kv_pages_used"] == 0 and s["running"] == 0 for s in stats.values()), stats
+
+
+def test_streamed_logprobs_equal_the_non_streamed_ones(client: openai.OpenAI) -> None:
+    """A stream's chunks carry the log-probabilities of every token, in order, once: joined they equal
+    the non-streamed answer's (completions: tokens, values, top entries and text offsets; chat: content)."""
+    done = client.completions.create(model="tiny", prompt="a purple", max_tokens=6, temperature=0, logprobs=2)
+    chunks = list(client.completions.create(model="tiny", prompt="a purple", max_tokens=6, temperature=0, logprobs=2,
+                                            stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    whole = done.choices[0].logprobs
+    assert whole is not None and len(whole.tokens) == done.usage.completion_tokens == 6
+    assert [t for p in parts for t in p.tokens] == whole.tokens
+    assert [v for p in parts for v in p.token_logprobs] == whole.token_logprobs
+    assert [v for p in parts for v in p.top_logprobs] == whole.top_logprobs
+    assert [v for p in parts for v in p.text_offset] == whole.text_offset
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    streamed = [c for c in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                                          stream=True)]
+    content = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in content] == [(e.token, e.logprob) for e in chat.choices[0].logprobs.content]
