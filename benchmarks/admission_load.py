@@ -60,7 +60,7 @@ from mm_serve.bench.server_metrics import parse_counters  # noqa: E402
 from mm_serve.bench.sweep import find_goodput  # noqa: E402
 from mm_serve.bench.tier_report import parse_tier_mix  # noqa: E402
 from mm_serve.config import load_config  # noqa: E402
-from mm_serve.models.model_config import load_model_config  # noqa: E402
+from mm_serve.models.registry import load_model_config  # noqa: E402
 from mm_serve.workloads import make_workload, unit_rate_arrivals  # noqa: E402
 
 TIERS = ("interactive", "standard", "batch")

@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 from mm_serve.config import load_config  # noqa: E402
 from mm_serve.engine.engine_client import EngineClient  # noqa: E402
 from mm_serve.models.builder import build_llava  # noqa: E402
-from mm_serve.models.registry import resolve_model  # noqa: E402
+from mm_serve.models.named_models import resolve_model  # noqa: E402
 from mm_serve.runtime.sampling_params import SamplingParams  # noqa: E402
 from tests.api.server_process import ServerProcess, data_uri  # noqa: E402
 from tests.factories import gradient_image  # noqa: E402

@@ -52,7 +52,7 @@ from mm_serve.bench.requests import RequestFactory, noise_image_uri  # noqa: E40
 from mm_serve.bench.runner import LoadRunner, LoadSpec  # noqa: E402
 from mm_serve.bench.sweep import find_goodput  # noqa: E402
 from mm_serve.ground.slo import SLO  # noqa: E402
-from mm_serve.models.model_config import load_model_config  # noqa: E402
+from mm_serve.models.registry import load_model_config  # noqa: E402
 from mm_serve.workloads import make_workload  # noqa: E402
 
 

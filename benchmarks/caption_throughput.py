@@ -41,7 +41,7 @@ from mm_serve.caption.inputs import read_inputs  # noqa: E402
 from mm_serve.caption.output import OutputFile  # noqa: E402
 from mm_serve.caption.runner import CaptionJob  # noqa: E402
 from mm_serve.caption.summary import JobStats  # noqa: E402
-from mm_serve.models.registry import EMBEDDED_MODEL_DIR  # noqa: E402
+from mm_serve.models.named_models import EMBEDDED_MODEL_DIR  # noqa: E402
 
 
 def _model_dir(name: str) -> Path:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from mm_serve.models.builder import build_llava  # noqa: E402
-from mm_serve.models.registry import resolve_model  # noqa: E402
+from mm_serve.models.named_models import resolve_model  # noqa: E402
 from tests.api.server_process import ServerProcess, data_uri  # noqa: E402
 from tests.factories import gradient_image  # noqa: E402
 

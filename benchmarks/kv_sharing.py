@@ -64,7 +64,7 @@ from mm_serve.bench.runner import LoadSpec  # noqa: E402
 from mm_serve.bench.server_metrics import PREFIX_HITS, encoder_hit_rate, prefix_hit_rate  # noqa: E402
 from mm_serve.bench.session import BenchSettings, measure  # noqa: E402
 from mm_serve.ground.slo import SLO  # noqa: E402
-from mm_serve.models.model_config import load_model_config  # noqa: E402
+from mm_serve.models.registry import load_model_config  # noqa: E402
 from mm_serve.workloads import make_workload  # noqa: E402
 
 WORKLOADS = ("multiturn-llava", "shared-prompt", "caption-repeat")

@@ -23,6 +23,11 @@ SPECS: dict[str, TinyModelSpec] = {
     # llava-1.5-hf's arrangement: a Llama-style tokenizer that adds BOS, a template without it
     "llava-sp": TinyModelSpec(tokenizer_style="llama"),
     "llama": TinyModelSpec(num_layers=3, num_heads=4, num_kv_heads=1, hidden_size=96, intermediate_size=160),
+    # a SigLIP tower (no class token, square resize) with the strategy that drops the first position
+    "llava-siglip": TinyModelSpec(vision_tower="siglip"),
+    # a Qwen2 decoder (q/k/v biases, rope theta 1e6) under a CLIP tower, and one text-only with tied embeddings
+    "llava-qwen2": TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0),
+    "qwen2": TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True, num_layers=3),
 }
 
 
@@ -33,6 +38,8 @@ def build_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
         path = build_llama(out, seed, spec)
         _set_llama3_rope(path)
         return path
+    if kind == "qwen2":
+        return build_llama(out, seed, spec)
     return build_llava(out, seed, spec)
 
 

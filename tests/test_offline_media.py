@@ -12,7 +12,7 @@ from PIL import Image
 
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError
 from mm_serve.media.offline import normalize_messages, to_pil
-from mm_serve.models.model_config import load_model_config
+from mm_serve.models.registry import load_model_config
 
 
 def _png(image: Image.Image) -> bytes:

@@ -108,7 +108,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.server and args.compare:
         raise CLIError("--compare starts our own servers; use --config (or neither), not --server")
     if args.model and not args.server:
-        from mm_serve.models.registry import NAMED_MODELS
+        from mm_serve.models.named_models import NAMED_MODELS
 
         if args.model not in NAMED_MODELS and not Path(args.model).is_dir():
             raise CLIError(f"--model {args.model} is not a directory or a registered name "
@@ -118,7 +118,7 @@ def _check(args: argparse.Namespace) -> None:
 def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
     """The local checkpoint directory (if any) and the mode our server will start in."""
     from mm_serve.config import ConfigError, load_config
-    from mm_serve.models.registry import resolve_model
+    from mm_serve.models.named_models import resolve_model
 
     try:
         if args.server:
@@ -132,7 +132,8 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
     from mm_serve.bench.runner import LoadSpec
     from mm_serve.bench.session import BenchSettings
-    from mm_serve.models.model_config import CheckpointError, load_model_config
+    from mm_serve.models.model_config import CheckpointError
+    from mm_serve.models.registry import load_model_config
     from mm_serve.workloads import (
         IMAGE_WORKLOADS,
         WorkloadError,

@@ -170,7 +170,7 @@ def _start_engine(args: argparse.Namespace) -> EngineBackend:
     from mm_serve.caption.engine_backend import EngineBackend
     from mm_serve.config import ConfigError, load_config
     from mm_serve.models.model_config import CheckpointError
-    from mm_serve.models.registry import resolve_model
+    from mm_serve.models.named_models import resolve_model
 
     overrides: dict[str, Any] = {"model": args.model} if args.model else {}
     if args.max_image_pixels:

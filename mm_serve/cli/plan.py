@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.write_config is not None:
         _check_writable(args.write_config)
     try:
-        from mm_serve.models.registry import NAMED_MODELS
+        from mm_serve.models.named_models import NAMED_MODELS
 
         shape = load_model_shape(NAMED_MODELS.get(args.model, args.model))  # registered names too (embedded)
         hardware = get_hardware(args.hardware)

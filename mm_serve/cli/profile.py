@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     from mm_serve.colocated.llm_engine import LLMEngine
     from mm_serve.models.model_config import CheckpointError
-    from mm_serve.models.registry import resolve_model
+    from mm_serve.models.named_models import resolve_model
     from mm_serve.planner.profiler import EngineProfiler
     from mm_serve.runtime.engine_config import EngineConfig
 

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.config import ConfigError, load_config
     from mm_serve.engine.engine_holder import EngineHolder
     from mm_serve.models.model_config import CheckpointError
-    from mm_serve.models.registry import resolve_model
+    from mm_serve.models.named_models import resolve_model
     from mm_serve.pipeline.context import ServerContext
     from mm_serve.server.app import build_app
     from mm_serve.server.draining_server import DrainingServer

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
-from mm_serve.models.model_config import load_model_config
+from mm_serve.models.registry import load_model_config
 from mm_serve.runtime.detokenizer import IncrementalDetokenizer
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import pages_for

@@ -31,7 +31,7 @@ from mm_serve.engine.router import Router
 from mm_serve.ground.roles import Role
 from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
-from mm_serve.models.model_config import load_model_config
+from mm_serve.models.registry import load_model_config
 from mm_serve.runtime import messages
 from mm_serve.runtime.detokenizer import IncrementalDetokenizer
 from mm_serve.runtime.page_hashes import image_content_hashes, image_spans, page_hash_chain

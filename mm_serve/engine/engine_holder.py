@@ -10,7 +10,7 @@ from pathlib import Path
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.inputs.input_processor import InputProcessor
-from mm_serve.models.model_config import load_model_config
+from mm_serve.models.registry import load_model_config
 
 
 class EngineHolder:

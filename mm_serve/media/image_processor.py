@@ -40,6 +40,15 @@ _CONFIG_KEYS = (
 )  # fmt: skip
 
 
+# Defaults of transformers' image processors this class reproduces, for keys a config leaves out
+PROCESSOR_DEFAULTS: dict[str, dict[str, Any]] = {
+    "CLIPImageProcessor": {},
+    # SiglipImageProcessor: a square bicubic resize, no crop, mean and std 0.5
+    "SiglipImageProcessor": {"size": {"height": 224, "width": 224}, "do_center_crop": False,
+                             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+}
+
+
 class ImageProcessor:
     """Turns PIL images into normalized pixel tensors for a CLIP-style vision tower.
 
@@ -108,8 +117,18 @@ class ImageProcessor:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ImageProcessor:
-        """Build from a ``preprocessor_config.json`` dict; unknown keys are ignored."""
-        return cls(**{key: config[key] for key in _CONFIG_KEYS if key in config})
+        """Build from a ``preprocessor_config.json`` dict; unknown keys are ignored, and keys it leaves
+        out take the defaults of the transformers class its ``image_processor_type`` names
+        (:data:`PROCESSOR_DEFAULTS`; CLIP's otherwise).
+
+        Raises:
+            ValueError: an ``image_processor_type`` that is not CLIP-style preprocessing.
+        """
+        kind = str(config.get("image_processor_type", "CLIPImageProcessor")).removesuffix("Fast").removesuffix("Pil")
+        if kind not in PROCESSOR_DEFAULTS:
+            raise ValueError(f"image_processor_type {kind!r} is not supported ({', '.join(PROCESSOR_DEFAULTS)})")
+        given = {key: config[key] for key in _CONFIG_KEYS if key in config}
+        return cls(**{**PROCESSOR_DEFAULTS[kind], **given})
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str]) -> ImageProcessor:

@@ -5,14 +5,16 @@ same code path as any downloaded model:
 
 * ``llava``: a llava-hf ``LlavaForConditionalGeneration`` directory (Llama text
   model, CLIP vision tower, projector, tokenizer + chat template,
-  ``preprocessor_config.json``);
-* ``llama``: a plain ``LlamaForCausalLM`` directory.
+  ``preprocessor_config.json`` and ``processor_config.json``); ``llava-siglip`` with a SigLIP tower
+  (``SiglipImageProcessor`` preprocessing), ``llava-qwen2`` with a Qwen2 decoder;
+* ``llama``: a plain ``LlamaForCausalLM`` directory; ``qwen2`` a ``Qwen2ForCausalLM`` one.
 
 Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llama,bench} --out DIR [--seed S]``.
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llama,qwen2,bench,bench-llama}
+--out DIR [--seed S]``.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class TinyModelSpec:
     image_std: list[float] = field(default_factory=lambda: [0.26862954, 0.26130258, 0.27577711])
     center_crop: bool = True
     tokenizer_style: str = "bytelevel"  # or "llama": adds BOS itself, template without BOS (tokenizer_builder)
+    decoder: str = "llama"  # or "qwen2" (q/k/v biases, rope theta 1e6)
+    vision_tower: str = "clip"  # or "siglip" (no class token; resize without crop, mean/std 0.5)
 
 
 # A benchmark preset: large enough that prefill and decode cost real compute on a 2-core CPU.
@@ -64,9 +68,14 @@ BENCH_SPEC = TinyModelSpec(
 
 
 def _text_config(spec: TinyModelSpec, tokenizer_vocab: int) -> Any:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
 
-    return LlamaConfig(
+    if spec.decoder not in ("llama", "qwen2"):
+        raise ValueError(f"decoder must be llama or qwen2, got {spec.decoder!r}")
+    config_class = Qwen2Config if spec.decoder == "qwen2" else LlamaConfig
+    extra: dict[str, Any] = {"use_sliding_window": False} if spec.decoder == "qwen2" else {}
+    return config_class(
+        **extra,
         vocab_size=max(spec.vocab_size, tokenizer_vocab),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -84,6 +93,13 @@ def _text_config(spec: TinyModelSpec, tokenizer_vocab: int) -> Any:
 
 
 def _preprocessor_config(spec: TinyModelSpec) -> dict[str, Any]:
+    if spec.vision_tower == "siglip":  # SiglipImageProcessor: a square resize, no crop
+        return {
+            "image_processor_type": "SiglipImageProcessor", "do_resize": True,
+            "size": {"height": spec.image_size, "width": spec.image_size}, "resample": 3, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
+        }
     size: dict[str, int] = (
         {"shortest_edge": spec.image_size} if spec.center_crop
         else {"height": spec.image_size, "width": spec.image_size}
@@ -104,43 +120,59 @@ def _preprocessor_config(spec: TinyModelSpec) -> dict[str, Any]:
     }
 
 
+def _processor_config(spec: TinyModelSpec) -> dict[str, Any]:
+    """``processor_config.json`` of transformers' ``LlavaProcessor``: how many image tokens an image makes."""
+    return {
+        "processor_class": "LlavaProcessor", "image_token": "<image>", "patch_size": spec.patch_size,
+        "vision_feature_select_strategy": spec.vision_feature_select_strategy,
+        "num_additional_image_tokens": 0 if spec.vision_tower == "siglip" else 1,
+    }
+
+
+def _vision_config(spec: TinyModelSpec) -> Any:
+    """transformers' config of the spec's vision tower."""
+    from transformers import CLIPVisionConfig, SiglipVisionConfig
+
+    if spec.vision_tower not in ("clip", "siglip"):
+        raise ValueError(f"vision_tower must be clip or siglip, got {spec.vision_tower!r}")
+    sizes: dict[str, Any] = {"hidden_size": spec.vision_hidden_size, "intermediate_size": spec.vision_intermediate_size,
+             "num_hidden_layers": spec.vision_layers, "num_attention_heads": spec.vision_heads,
+             "image_size": spec.image_size, "patch_size": spec.patch_size}
+    if spec.vision_tower == "siglip":
+        return SiglipVisionConfig(**sizes, vision_use_head=False)
+    return CLIPVisionConfig(**sizes, initializer_range=spec.initializer_range)
+
+
 def build_llama(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
-    """Write a random-weight text-only Llama checkpoint to ``out_dir``; returns the path."""
+    """Write a random-weight text-only decoder checkpoint (Llama, or Qwen2 with ``spec.decoder``) to
+    ``out_dir``; returns the path."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(_text_config(spec, vocab))
+    model_class = Qwen2ForCausalLM if spec.decoder == "qwen2" else LlamaForCausalLM
+    model = model_class(_text_config(spec, vocab))
     model.save_pretrained(out)
-    _write_spec(out, spec, seed, "llama")
+    _write_spec(out, spec, seed, spec.decoder)
     return out
 
 
 def build_llava(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
     """Write a random-weight llava-hf checkpoint to ``out_dir``; returns the path."""
     import torch
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
-    vision = CLIPVisionConfig(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=spec.vision_intermediate_size,
-        num_hidden_layers=spec.vision_layers,
-        num_attention_heads=spec.vision_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        initializer_range=spec.initializer_range,
-    )
     config = LlavaConfig(
         text_config=_text_config(spec, vocab),
-        vision_config=vision,
+        vision_config=_vision_config(spec),
         image_token_index=4,  # "<image>" in tokenizer_builder.SPECIAL_TOKENS
         vision_feature_layer=spec.vision_feature_layer,
         vision_feature_select_strategy=spec.vision_feature_select_strategy,  # type: ignore[arg-type]
@@ -152,6 +184,7 @@ def build_llava(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None =
     model = LlavaForConditionalGeneration(config)
     model.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2))
+    (out / "processor_config.json").write_text(json.dumps(_processor_config(spec), indent=2))
     _write_spec(out, spec, seed, "llava")
     return out
 
@@ -160,21 +193,26 @@ def _write_spec(out: Path, spec: TinyModelSpec, seed: int, kind: str) -> None:
     (out / "mm_serve_build.json").write_text(json.dumps({"kind": kind, "seed": seed, **asdict(spec)}, indent=2))
 
 
+KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
+    "llava": (build_llava, TinyModelSpec()),
+    "llava-siglip": (build_llava, TinyModelSpec(vision_tower="siglip")),
+    "llava-qwen2": (build_llava, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0)),
+    "llama": (build_llama, TinyModelSpec()),
+    "qwen2": (build_llama, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True)),
+    "bench": (build_llava, BENCH_SPEC),
+    "bench-llama": (build_llama, BENCH_SPEC),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: build a checkpoint; prints its path."""
     parser = argparse.ArgumentParser(prog="python -m mm_serve.models.builder", description=__doc__)
-    parser.add_argument("kind", choices=["llava", "llama", "bench", "bench-llama"])
+    parser.add_argument("kind", choices=list(KINDS))
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.kind == "llava":
-        path = build_llava(args.out, args.seed)
-    elif args.kind == "llama":
-        path = build_llama(args.out, args.seed)
-    elif args.kind == "bench":
-        path = build_llava(args.out, args.seed, BENCH_SPEC)
-    else:
-        path = build_llama(args.out, args.seed, BENCH_SPEC)
+    build, spec = KINDS[args.kind]
+    path = build(args.out, args.seed, spec)
     print(path)
     return 0
 

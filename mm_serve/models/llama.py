@@ -53,10 +53,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        bias = cfg.attention_bias
+        bias = cfg.attention_bias  # on every projection (Llama's attention_bias)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias or cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(

@@ -12,7 +12,8 @@ from mm_serve.kernels.cpu_paged_attention import CompiledCpuAttention
 from mm_serve.models.fused_weights import fuse_projections
 from mm_serve.models.llama import LlamaForCausalLM, RMSNorm
 from mm_serve.models.llava import MultimodalLM
-from mm_serve.models.model_config import CheckpointError, load_model_config
+from mm_serve.models.model_config import CheckpointError
+from mm_serve.models.registry import load_model_config
 from mm_serve.models.weights import PARTS, load_state_dicts
 
 

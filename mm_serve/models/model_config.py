@@ -1,4 +1,6 @@
-"""Parse a checkpoint's ``config.json`` (llava-hf ``LlavaConfig`` or plain Llama) into frozen dataclasses.
+"""Parse a checkpoint's ``config.json`` (llava-hf ``LlavaConfig``, or a plain Llama-family decoder:
+Llama, Mistral, Qwen2) into frozen dataclasses; which architectures are served is the registry's
+(:mod:`mm_serve.models.registry`).
 
 Both the transformers 4.x keys (``rope_theta``, ``rope_scaling``) and the 5.x
 key (``rope_parameters``) are understood.
@@ -6,10 +8,10 @@ key (``rope_parameters``) are understood.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
+
+from mm_serve.models.vision_towers import TOWERS
 
 
 class CheckpointError(ValueError):
@@ -51,13 +53,16 @@ class TextConfig:
     rope: RopeConfig
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    qkv_bias: bool = False  # q, k and v projections have biases although o_proj has none (Qwen2)
 
 
 @dataclass(frozen=True)
 class VisionConfig:
     """The vision tower and projector of a llava-hf checkpoint."""
 
-    hf_config: dict[str, Any]  # CLIPVisionConfig kwargs, as in config.json
+    hf_config: dict[str, Any]  # the tower's config kwargs, as in config.json
+    tower: str  # its vision_config.model_type (a row of mm_serve.models.vision_towers.TOWERS)
+    class_token: bool  # its hidden states start with a class token (CLIP) or not (SigLIP)
     image_size: int  # pixels, square input of the tower
     patch_size: int  # pixels
     hidden_size: int
@@ -70,9 +75,12 @@ class VisionConfig:
 
     @property
     def num_image_tokens(self) -> int:
-        """Image tokens each ``<image>`` placeholder expands to."""
-        n = (self.image_size // self.patch_size) ** 2
-        return n + (1 if self.select_strategy == "full" else 0)
+        """Image tokens each ``<image>`` placeholder expands to: the tower's positions (patches, and
+        its class token if it has one) less the first position under the ``default`` strategy
+        (transformers' ``LlavaProcessor``: patches + ``num_additional_image_tokens``, minus one for
+        ``default``)."""
+        positions = (self.image_size // self.patch_size) ** 2 + (1 if self.class_token else 0)
+        return positions - (1 if self.select_strategy == "default" else 0)
 
 
 @dataclass(frozen=True)
@@ -109,12 +117,27 @@ def _rope_from(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
+def eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")  # decoders our runner implements (Llama layers; Qwen2: q/k/v biases)
+
+
+def _served_positions(cfg: dict[str, Any]) -> int:
+    """The longest context served: ``max_position_embeddings``, capped at the sliding window where a
+    layer attends within one (Mistral, Qwen2 with ``use_sliding_window``): our layers attend to the
+    whole context, which equals sliding-window attention exactly while the context fits the window."""
+    limit = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    sliding = cfg.get("use_sliding_window", cfg.get("model_type") == "mistral")
+    if any(kind == "sliding_attention" for kind in cfg.get("layer_types") or []):
+        sliding = True
+    return min(limit, int(window)) if sliding and window else limit
 
 
 def parse_text_config(cfg: dict[str, Any]) -> TextConfig:
@@ -124,8 +147,8 @@ def parse_text_config(cfg: dict[str, Any]) -> TextConfig:
         CheckpointError: a required key is missing or the architecture is unsupported.
     """
     model_type = cfg.get("model_type", "llama")
-    if model_type not in ("llama", "mistral"):
-        raise CheckpointError(f"text model_type '{model_type}' is not supported (llama, mistral)")
+    if model_type not in TEXT_MODEL_TYPES:
+        raise CheckpointError(f"text model_type '{model_type}' is not supported ({', '.join(TEXT_MODEL_TYPES)})")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act '{cfg.get('hidden_act')}' is not supported (silu)")
     try:
@@ -140,23 +163,31 @@ def parse_text_config(cfg: dict[str, Any]) -> TextConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_served_positions(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope=_rope_from(cfg),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+            eos_token_ids=eos_ids(cfg.get("eos_token_id")),
+            qkv_bias=model_type == "qwen2",
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json text config lacks required key {exc}") from None
 
 
-def _parse_vision(cfg: dict[str, Any]) -> VisionConfig:
+def parse_vision_config(cfg: dict[str, Any]) -> VisionConfig:
+    """Build a :class:`VisionConfig` from a llava-hf config dict (its ``vision_config`` and the
+    LLaVA keys around it).
+
+    Raises:
+        CheckpointError: an unsupported tower or strategy, or no image token index.
+    """
     vcfg = dict(cfg.get("vision_config") or {})
-    if vcfg.get("model_type", "clip_vision_model") != "clip_vision_model":
+    tower = TOWERS.get(str(vcfg.get("model_type", "clip_vision_model")))
+    if tower is None:
         raise CheckpointError(
-            f"vision tower '{vcfg.get('model_type')}' is not supported (clip_vision_model)"
+            f"vision tower '{vcfg.get('model_type')}' is not supported ({', '.join(TOWERS)})"
         )
     layer = cfg.get("vision_feature_layer", -2)
     is_list = isinstance(layer, list)
@@ -169,6 +200,8 @@ def _parse_vision(cfg: dict[str, Any]) -> VisionConfig:
         raise CheckpointError("llava config.json lacks image_token_index")
     return VisionConfig(
         hf_config=vcfg,
+        tower=tower.model_type,
+        class_token=tower.class_token,
         image_size=int(vcfg.get("image_size", 224)),
         patch_size=int(vcfg.get("patch_size", 32)),
         hidden_size=int(vcfg.get("hidden_size", 768)),
@@ -179,36 +212,3 @@ def _parse_vision(cfg: dict[str, Any]) -> VisionConfig:
         projector_hidden_act=str(cfg.get("projector_hidden_act", "gelu")),
         projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
     )
-
-
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``model_dir/config.json`` (and ``generation_config.json`` for EOS ids).
-
-    Raises:
-        CheckpointError: no config.json, invalid JSON, or an unsupported architecture.
-    """
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{model_dir}: no config.json (not a model directory)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
-    model_type = raw.get("model_type")
-    if model_type == "llava":
-        text = parse_text_config(dict(raw.get("text_config") or {}))
-        vision: VisionConfig | None = _parse_vision(raw)
-        if raw.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in (raw.get("text_config") or {}):
-            text = replace(text, tie_word_embeddings=bool(raw["tie_word_embeddings"]))
-    elif model_type in ("llama", "mistral"):
-        text = parse_text_config(raw)
-        vision = None
-    else:
-        raise CheckpointError(f"{path}: model_type '{model_type}' is not supported (llava, llama)")
-    gen_path = Path(model_dir) / "generation_config.json"
-    if gen_path.is_file():
-        gen_eos = _eos_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
-        if gen_eos:
-            text = replace(text, eos_token_ids=tuple(dict.fromkeys(text.eos_token_ids + gen_eos)))
-    return ModelConfig(model_type=str(model_type), text=text, vision=vision, raw=raw)
-

@@ -1,27 +1,119 @@
-"""Resolve a model argument: a checkpoint directory, or a registered name such as ``embedded``."""
+"""The model families served, keyed by the checkpoint's architecture (``config.json``
+``architectures[0]``, else its ``model_type``).
+
+Each family is one row of :data:`FAMILIES`: the architectures it serves, how its config is read,
+and the transformers class that is the golden reference for it. A checkpoint of any other
+architecture is refused at load with the list of those supported.
+
+========================================  =========  ============================================
+architecture                              family     decoder, tower
+========================================  =========  ============================================
+``LlavaForConditionalGeneration``         llava      Llama / Mistral / Qwen2; CLIP or SigLIP tower
+``LlamaForCausalLM``, ``MistralForCausalLM``,  decoder   the text-only decoders
+``Qwen2ForCausalLM``
+========================================  =========  ============================================
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final
 
-from mm_serve.models.model_config import CheckpointError
+from mm_serve.models.model_config import (
+    TEXT_MODEL_TYPES,
+    CheckpointError,
+    ModelConfig,
+    TextConfig,
+    VisionConfig,
+    eos_ids,
+    parse_text_config,
+    parse_vision_config,
+)
 
-EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "embedded"
-NAMED_MODELS: dict[str, Path] = {"embedded": EMBEDDED_MODEL_DIR}
-DEFAULT_MODEL = "embedded"
+Parsed = tuple[TextConfig, VisionConfig | None]
 
 
-def resolve_model(model: str | Path | None) -> Path:
-    """The checkpoint directory for ``model`` (None means :data:`DEFAULT_MODEL`).
+def _parse_llava(raw: dict[str, Any]) -> Parsed:
+    """A llava-hf config: its ``text_config`` decoder and its tower and projector keys."""
+    text = parse_text_config(dict(raw.get("text_config") or {}))
+    if raw.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in (raw.get("text_config") or {}):
+        text = replace(text, tie_word_embeddings=bool(raw["tie_word_embeddings"]))
+    return text, parse_vision_config(raw)
+
+
+def _parse_decoder(raw: dict[str, Any]) -> Parsed:
+    """A text-only decoder's config."""
+    return parse_text_config(raw), None
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family of checkpoints.
+
+    Attributes:
+        name: the family's name (``ModelConfig.model_type`` of its checkpoints).
+        architectures: the ``config.json`` ``architectures`` it serves.
+        model_types: the ``model_type`` values it serves when ``architectures`` is absent.
+        parse: ``config.json`` (a dict) -> (decoder config, vision config or None).
+        reference: transformers' class name the family's outputs are tested against.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    parse: Callable[[dict[str, Any]], Parsed]
+    reference: str
+
+
+FAMILIES: Final = (
+    ModelFamily("llava", ("LlavaForConditionalGeneration",), ("llava",), _parse_llava, "LlavaForConditionalGeneration"),
+    ModelFamily("decoder", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), TEXT_MODEL_TYPES,
+                _parse_decoder, "AutoModelForCausalLM"),
+)
+BY_ARCHITECTURE: Final = MappingProxyType({arch: f for f in FAMILIES for arch in f.architectures})
+BY_MODEL_TYPE: Final = MappingProxyType({mtype: f for f in FAMILIES for mtype in f.model_types})
+
+
+def family_of(raw: dict[str, Any]) -> ModelFamily:
+    """The family serving a checkpoint whose ``config.json`` is ``raw``.
 
     Raises:
-        CheckpointError: not a registered name and not a directory with a config.json.
+        CheckpointError: an architecture (or model type) no family serves; the message lists those served.
     """
-    name = str(model) if model is not None else DEFAULT_MODEL
-    path = NAMED_MODELS.get(name, Path(name).expanduser())
-    if not (path / "config.json").is_file():
-        known = ", ".join(sorted(NAMED_MODELS))
-        raise CheckpointError(
-            f"model {name!r} is neither a registered name ({known}) nor a directory with a config.json"
-        )
-    return path
+    architectures = raw.get("architectures") or []
+    family = BY_ARCHITECTURE.get(str(architectures[0])) if architectures else BY_MODEL_TYPE.get(str(raw.get("model_type")))
+    if family is None:
+        what = f"architecture {architectures[0]!r}" if architectures else f"model_type {raw.get('model_type')!r}"
+        raise CheckpointError(f"{what} is not supported; supported architectures: {', '.join(BY_ARCHITECTURE)}")
+    return family
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read ``model_dir/config.json`` through its family (and ``generation_config.json`` for EOS ids).
+
+    Raises:
+        CheckpointError: no config.json, invalid JSON, or an unsupported architecture.
+    """
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json (not a model directory)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
+    try:
+        family = family_of(raw)
+        text, vision = family.parse(raw)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        gen_eos = eos_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        if gen_eos:
+            text = replace(text, eos_token_ids=tuple(dict.fromkeys(text.eos_token_ids + gen_eos)))
+    model_type = "llava" if family.name == "llava" else str(raw.get("model_type", "llama"))
+    return ModelConfig(model_type=model_type, text=text, vision=vision, raw=raw)

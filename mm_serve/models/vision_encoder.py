@@ -1,17 +1,20 @@
-"""The vision tower: transformers' CLIP vision transformer plus LLaVA feature selection.
+"""The vision tower (transformers' own CLIP or SigLIP vision transformer, a row of
+:data:`~mm_serve.models.vision_towers.TOWERS`) plus LLaVA feature selection.
 
 Features come from the hidden state(s) named by ``vision_feature_layer`` (an
 index or a list, concatenated along the hidden dimension); the ``default``
-strategy drops the CLS position (LLaVA-1.5), ``full`` keeps it.
+strategy drops the first position (CLIP's class token in LLaVA-1.5; for a tower without
+one, the first patch, as transformers' LLaVA does), ``full`` keeps it.
 """
 
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
-from transformers import CLIPVisionConfig, CLIPVisionModel
 
 from mm_serve.models.model_config import VisionConfig
+from mm_serve.models.vision_towers import TOWERS
 
 
 class VisionEncoder(nn.Module):
@@ -24,9 +27,10 @@ class VisionEncoder(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.config = cfg
-        hf_cfg = CLIPVisionConfig(**{k: v for k, v in cfg.hf_config.items() if k != "model_type"})
+        kind = TOWERS[cfg.tower]
+        hf_cfg = getattr(transformers, kind.config_class)(**{k: v for k, v in cfg.hf_config.items() if k != "model_type"})
         hf_cfg._attn_implementation = "sdpa"
-        self.tower = CLIPVisionModel(hf_cfg)
+        self.tower = getattr(transformers, kind.model_class)(hf_cfg)
         self.num_encoded_images = 0
 
     @property

@@ -27,7 +27,7 @@ from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
 from mm_serve.ground.roles import Role
 from mm_serve.inputs.input_processor import ProcessedInputs
-from mm_serve.models.registry import resolve_model
+from mm_serve.models.named_models import resolve_model
 from mm_serve.offline.outputs import CompletionOutput, RequestOutput
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.request import Request

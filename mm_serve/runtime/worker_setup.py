@@ -8,7 +8,8 @@ import torch
 
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.models.loader import load_model
-from mm_serve.models.model_config import ModelConfig, load_model_config
+from mm_serve.models.model_config import ModelConfig
+from mm_serve.models.registry import load_model_config
 from mm_serve.runtime.encoder_cache import EncoderCache
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import PagedKVCache

@@ -3,7 +3,7 @@
 ``python -m mm_serve.shapes train --out DIR`` trains it from scratch;
 ``python -m mm_serve.shapes eval`` scores it on held-out scenes. The shipped
 checkpoint lives in ``mm_serve/models/embedded``; the name ``embedded`` (and no
-model at all) resolves to it through :func:`mm_serve.models.registry.resolve_model`.
+model at all) resolves to it through :func:`mm_serve.models.named_models.resolve_model`.
 
 Modules: ``scenes`` (Pillow generator), ``targets`` (captions, questions,
 answers), ``tokenizer`` (byte-level BPE + chat template), ``model_config``

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mm_serve.models.registry import resolve_model
+from mm_serve.models.named_models import resolve_model
 
 if TYPE_CHECKING:
     from mm_serve.shapes.evaluate import GenerateFn

@@ -30,7 +30,7 @@ from mm_serve.engine.load_ledger import LoadLedger
 from mm_serve.engine.load_view import LoadView, Route
 from mm_serve.engine.request_state import RequestState
 from mm_serve.ground.tiers import Tier
-from mm_serve.models.registry import EMBEDDED_MODEL_DIR
+from mm_serve.models.named_models import EMBEDDED_MODEL_DIR
 from mm_serve.planner.errors import ProfileError
 from mm_serve.planner.profile_file import (
     DecodePoint,

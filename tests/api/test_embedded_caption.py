@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from mm_serve.models.registry import EMBEDDED_MODEL_DIR
+from mm_serve.models.named_models import EMBEDDED_MODEL_DIR
 from mm_serve.shapes.scenes import draw_scene, scene_rng
 from mm_serve.shapes.targets import caption
 from tests.api.server_process import ServerProcess, data_uri

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from mm_serve.inputs.input_processor import InputProcessor
-from mm_serve.models.model_config import load_model_config
+from mm_serve.models.registry import load_model_config
 from tests.api.server_process import ServerProcess, data_uri
 from tests.api.test_metrics import _scrape
 from tests.factories import gradient_image

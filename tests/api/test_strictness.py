@@ -168,7 +168,7 @@ def test_bench_takes_a_registered_model_name(extra: list[str]) -> None:
     """``mm-serve bench --model embedded`` gets past argument checks and model resolution (no run)."""
     from mm_serve.cli.bench import _check, _model_dir
     from mm_serve.cli.main import build_parser
-    from mm_serve.models.registry import resolve_model
+    from mm_serve.models.named_models import resolve_model
 
     args = build_parser().parse_args(["bench", "--sweep", "--model", "embedded", *extra])
     _check(args)

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from mm_serve.models.registry import EMBEDDED_MODEL_DIR
+from mm_serve.models.named_models import EMBEDDED_MODEL_DIR
 from tests.api.server_process import ServerProcess
 from tests.batch.helpers import write_config
 

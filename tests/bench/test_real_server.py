@@ -16,7 +16,7 @@ from mm_serve.bench.launch import LaunchError, LocalServer
 from mm_serve.bench.requests import RequestFactory
 from mm_serve.bench.runner import LoadRunner, LoadSpec
 from mm_serve.bench.session import default_slo
-from mm_serve.models.model_config import load_model_config
+from mm_serve.models.registry import load_model_config
 from mm_serve.workloads import LlavaWorkload
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from mm_serve.caption.engine_backend import EngineBackend
 from mm_serve.config import config_from_dict
-from mm_serve.models.registry import EMBEDDED_MODEL_DIR
+from mm_serve.models.named_models import EMBEDDED_MODEL_DIR
 from tests.caption.local_job import run_job
 from tests.caption.scene_folder import BROKEN, NUM_SCENES
 

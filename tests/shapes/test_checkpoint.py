@@ -14,7 +14,7 @@ from transformers import (
     LlavaForConditionalGeneration,
 )
 
-from mm_serve.models.registry import EMBEDDED_MODEL_DIR, resolve_model
+from mm_serve.models.named_models import EMBEDDED_MODEL_DIR, resolve_model
 from mm_serve.shapes.evaluate import EVAL_NAMESPACE, GenerateFn, hf_generate_fn
 from mm_serve.shapes.model_config import IMAGE_SIZE, NUM_IMAGE_TOKENS
 from mm_serve.shapes.scenes import draw_scene, scene_rng

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mm_serve.models.registry import resolve_model
+from mm_serve.models.named_models import resolve_model
 from mm_serve.shapes.dataset import user_prompt
 from mm_serve.shapes.evaluate import hf_generate_fn
 from mm_serve.shapes.scenes import draw_scene, scene_rng

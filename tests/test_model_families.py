@@ -1,0 +1,121 @@
+"""Model families beyond LLaVA-1.5: a SigLIP tower, a Qwen2 decoder (with a tower, and text-only),
+against transformers' own classes and processors, token for token (greedy, float32, CPU); and the
+registry's refusal of an architecture it does not serve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.models.model_config import CheckpointError
+from mm_serve.models.registry import load_model_config
+from tests.factories import build_checkpoint, gradient_image
+from tests.golden import our_first_logits, reference_generate
+
+NEW_TOKENS = 16
+LOGITS_RTOL = 1e-4
+Q = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+Q2 = "USER: <image>\nCompare this <image>\nwith the first one. ASSISTANT:"
+TEXT = {"prompt": "Serving a language model means"}
+ONE_IMAGE = {"prompt": Q, "images": [gradient_image(80, 60, 1)]}
+TWO_IMAGES = {"prompt": Q2, "images": [gradient_image(30, 200, 2), gradient_image(300, 40, 3)]}  # tall, wide
+TINY_IMAGE = {"prompt": Q, "images": [gradient_image(3, 5, 4)]}
+MULTIMODAL_KINDS = ["llava-siglip", "llava-qwen2"]
+
+
+@pytest.fixture(scope="module", params=[*MULTIMODAL_KINDS, "qwen2"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    return request.param, build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _reference(kind: str, model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlavaForConditionalGeneration
+
+    cls = AutoModelForCausalLM if kind == "qwen2" else LlavaForConditionalGeneration
+    return cls.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def test_each_family_matches_transformers_token_for_token(family: tuple[str, Path]) -> None:
+    kind, model_dir = family
+    llm = LLM(model=model_dir, mode="colocated", num_pages=256, page_size=16)
+    reference = _reference(kind, model_dir)
+    cases = [TEXT] if kind == "qwen2" else [TEXT, ONE_IMAGE, TWO_IMAGES, TINY_IMAGE]
+    assert llm.engine is not None
+    for request in cases:
+        inputs = llm.engine.inputs.process(request)
+        expected, ref_logits = reference_generate(reference, inputs, NEW_TOKENS)
+        ours = our_first_logits(llm.engine, inputs)
+        assert float((ours - ref_logits).norm() / ref_logits.norm()) <= LOGITS_RTOL
+        out = llm.generate(request, _greedy())[0]
+        assert out.token_ids == expected and len(expected) == NEW_TOKENS
+
+
+@pytest.mark.parametrize("kind", MULTIMODAL_KINDS)
+def test_prompt_ids_and_pixels_equal_the_transformers_processor(kind: str, tmp_path: Path) -> None:
+    """transformers' ``LlavaProcessor`` (from the checkpoint's own processor files, the Pillow image
+    backend our preprocessing follows) makes the same prompt ids, image-token count included (SigLIP
+    has no class token: one position fewer than CLIP), and the same pixels (SigLIP's square resize
+    without a crop)."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    model_dir = build_checkpoint(kind, tmp_path / kind)
+    image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+    processor = AutoProcessor.from_pretrained(str(model_dir), image_processor=image_processor)
+    llm = LLM(model=model_dir, mode="colocated", num_pages=64, page_size=16)
+    assert llm.engine is not None
+    for request in (ONE_IMAGE, TWO_IMAGES):
+        ours = llm.engine.inputs.process(request)
+        theirs = processor(text=request["prompt"], images=request["images"], return_tensors="pt")
+        assert ours.prompt_token_ids == theirs["input_ids"][0].tolist()
+        assert ours.pixel_values is not None
+        torch.testing.assert_close(ours.pixel_values, theirs["pixel_values"], rtol=0, atol=1e-5)
+    vision = load_model_config(model_dir).vision
+    assert vision is not None and vision.num_image_tokens == (15 if kind == "llava-siglip" else 16)
+
+
+def test_a_qwen2_llava_matches_transformers_disaggregated(tmp_path: Path) -> None:
+    """Prefill and decode in separate workers, the KV handed over: the same greedy tokens."""
+    model_dir = build_checkpoint("llava-qwen2", tmp_path / "qwen2-llava")
+    reference = _reference("llava-qwen2", model_dir)
+    colocated = LLM(model=model_dir, mode="colocated", num_pages=64, page_size=16)
+    assert colocated.engine is not None
+    expected = [reference_generate(reference, colocated.engine.inputs.process(r), NEW_TOKENS)[0]
+                for r in (TEXT, ONE_IMAGE, TWO_IMAGES)]
+    with LLM(model=model_dir, mode="disaggregated", num_pages=256) as llm:
+        outputs = llm.generate([TEXT, ONE_IMAGE, TWO_IMAGES], _greedy())
+    assert [o.token_ids for o in outputs] == expected
+
+
+def test_an_unsupported_architecture_is_refused_naming_those_supported(tiny_llama: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, model_dir)
+    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match=r"architecture 'GPT2LMHeadModel' is not supported; supported "
+                                              r"architectures: LlavaForConditionalGeneration, LlamaForCausalLM, "
+                                              r"MistralForCausalLM, Qwen2ForCausalLM"):
+        load_model_config(model_dir)
+
+
+def test_a_sliding_window_caps_the_served_context(tiny_llama: Path, tmp_path: Path) -> None:
+    """Our layers attend to the whole context, which equals sliding-window attention while the context
+    fits the window: a decoder with one is served up to the window."""
+    model_dir = tmp_path / "windowed"
+    shutil.copytree(tiny_llama, model_dir)
+    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    windowed = {**config, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+                "sliding_window": 256, "max_window_layers": 0}
+    (model_dir / "config.json").write_text(json.dumps(windowed))
+    assert load_model_config(model_dir).text.max_position_embeddings == 256
+    (model_dir / "config.json").write_text(json.dumps({**windowed, "use_sliding_window": False}))
+    assert load_model_config(model_dir).text.max_position_embeddings == config["max_position_embeddings"]
