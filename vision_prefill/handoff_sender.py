@@ -70,6 +70,7 @@ class HandoffSender:
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling=to_wire(p, frozenset()), seed=request.seed if request.generator is not None else None,
             output_offset=request.output_offset, num_images=request.num_images,
+            image_token_counts=list(request.image_token_counts),
             first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
             events=events_to_wire(request.events), priority=request.priority,
         )

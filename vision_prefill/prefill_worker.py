@@ -61,6 +61,7 @@ class PrefillWorker(WorkerShell):
         pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
         request = Request(
             msg.request_id, list(msg.prompt_token_ids), params, num_images=msg.num_images, pixel_values=pixels,
+            image_token_counts=list(msg.image_token_counts),
             image_hashes=list(msg.image_hashes) or image_content_hashes(pixels),
             generator=None if params.greedy else make_generator(msg.generator_seed),
             seed=None if params.greedy else msg.generator_seed, output_offset=msg.output_offset,

@@ -74,7 +74,7 @@ class LLMEngine:
         )
         request = Request(
             request_id=request_id, prompt_token_ids=inputs.prompt_token_ids, sampling_params=params,
-            num_images=inputs.num_images, pixel_values=inputs.pixel_values,
+            num_images=inputs.num_images, pixel_values=inputs.pixel_values, image_token_counts=list(inputs.image_token_counts),
             generator=None if params.greedy else make_generator(seed), seed=None if params.greedy else seed,
             output_offset=output_offset, stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
             priority=priority,

@@ -131,10 +131,13 @@ class EngineClient:
 
     def _encoder_cache_images(self) -> int:
         """Images one prefill worker's encoder cache holds: its bytes over one image's embeddings
-        (``[tokens_per_image, hidden]`` in the serving dtype); 0 without a cache or a vision tower."""
+        (``[image tokens, hidden]`` in the serving dtype); 0 without a cache or a vision tower."""
+        vision = self.model_config.vision
+        if vision is None:
+            return 0
         sizing = engine_sizing(self.config, "cpu")
-        per_image = self.prefix_key.tokens_per_image * self.model_config.text.hidden_size * sizing.torch_dtype.itemsize
-        return sizing.encoder_cache_bytes // per_image if per_image and self.model_config.vision is not None else 0
+        per_image = vision.num_image_tokens * self.model_config.text.hidden_size * sizing.torch_dtype.itemsize
+        return sizing.encoder_cache_bytes // per_image if per_image else 0
 
     # ---- the load, as admission sees it ----------------------------------------------------
 
@@ -149,7 +152,7 @@ class EngineClient:
         image_hashes: list[bytes] = []
         if inputs is not None:
             image_hashes = self.hash_images(inputs)
-            hashes = self._page_hashes(inputs.prompt_token_ids, image_hashes)
+            hashes = self._page_hashes(inputs.prompt_token_ids, image_hashes, inputs.image_token_counts)
         flights = self.flights
         with flights.lock:
             prefills, decodes = flights.ready_candidates()
@@ -166,7 +169,7 @@ class EngineClient:
             return view
         tokens = min(view.cached_pages * self.config.kv_cache.page_size, num_tokens - 1)  # the last is computed
         key = self.prefix_key
-        spans = image_spans(inputs.prompt_token_ids, key.image_token_id, inputs.num_images, key.tokens_per_image)
+        spans = image_spans(inputs.prompt_token_ids, key.image_token_id, inputs.image_token_counts)
         in_prefix = [i < len(spans) and spans[i][1] <= tokens for i in range(len(encode))]
         return dataclasses.replace(view, cached_tokens=tokens,
                                    cached_images=sum(1 for p, e in zip(in_prefix, encode, strict=True) if p or not e))
@@ -201,14 +204,14 @@ class EngineClient:
             inputs.image_hashes = image_content_hashes(inputs.pixel_values)
         return inputs.image_hashes
 
-    def _page_hashes(self, token_ids: list[int], image_hashes: list[bytes]) -> list[bytes]:
+    def _page_hashes(self, token_ids: list[int], image_hashes: list[bytes], token_counts: list[int]) -> list[bytes]:
         """The prompt's full-page hashes as its prefill worker computes them (for cache-aware
         routing; [] when routing is not cache-aware)."""
         router = self.flights.router
         if router is None or not router.cache_aware:
             return []
         key = self.prefix_key
-        spans = image_spans(token_ids, key.image_token_id, len(image_hashes), key.tokens_per_image)
+        spans = image_spans(token_ids, key.image_token_id, token_counts[: len(image_hashes)])
         return page_hash_chain(token_ids, self.config.kv_cache.page_size, key.salt, image_hashes[: len(spans)], spans)
 
     # ---- requests --------------------------------------------------------------------------
@@ -248,9 +251,10 @@ class EngineClient:
             num_images=inputs.num_images,
             pixel_values=None if inputs.pixel_values is None else messages.TensorBlob.from_tensor(inputs.pixel_values),
             arrival_time=time.time(), priority=int(Tier.STANDARD if tier is None else tier), max_wait_s=max_wait_s,
-            image_hashes=image_hashes,
+            image_hashes=image_hashes, image_token_counts=list(inputs.image_token_counts),
         )
-        flight = Flight(state, first, page_hashes=self._page_hashes(inputs.prompt_token_ids, image_hashes))
+        flight = Flight(state, first, page_hashes=self._page_hashes(inputs.prompt_token_ids, image_hashes,
+                                                                    inputs.image_token_counts))
         try:
             self.flights.add(flight)
         except ValueError as exc:

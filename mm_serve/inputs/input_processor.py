@@ -32,6 +32,7 @@ class ProcessedInputs:
     pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32
     num_images: int
     image_hashes: list[bytes] = field(default_factory=list)  # per image, runtime.page_hashes; [] = not hashed yet
+    image_token_counts: list[int] = field(default_factory=list)  # image tokens each image expanded to, in order
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -159,7 +160,8 @@ class InputProcessor:
         expanded: list[int] = []
         for token in ids:
             expanded.extend([token] * per_image if token == index else [token])
-        return ProcessedInputs(expanded, self.image_processor(images), len(images))
+        return ProcessedInputs(expanded, self.image_processor(images), len(images),
+                               image_token_counts=[per_image] * len(images))
 
 
 def _user_texts(messages: list[dict[str, Any]]) -> list[str]:

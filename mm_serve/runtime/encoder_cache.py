@@ -20,7 +20,7 @@ import torch
 
 
 class EncoderCache:
-    """At most ``capacity_bytes`` of embeddings ``[num_image_tokens, hidden]``, one per image hash.
+    """At most ``capacity_bytes`` of embeddings ``[image tokens, hidden]``, one per image hash.
 
     Counters since start: ``hits``, ``misses`` (images looked up), ``evictions`` (entries dropped
     for room). ``capacity_bytes`` 0 disables the cache (every lookup misses, nothing is kept).

@@ -73,6 +73,7 @@ class PrefillRequest(msgspec.Struct, tag=True):
     priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch (lower runs first)
     max_wait_s: float = 0.0  # queued longer than this (admission.tiers.ageing_seconds), it moves up to rank 0; 0 = never
     image_hashes: list[bytes] = []  # content hash of each image's pixels (runtime.page_hashes); [] = not hashed
+    image_token_counts: list[int] = []  # image tokens each image expanded to, in order
 
 
 # ---- front end -> any worker -----------------------------------------------------------------
@@ -237,6 +238,7 @@ class HandoffMeta(msgspec.Struct):
     seed: int | None  # the request's generator seed (None: greedy); see sampler.position_seed
     output_offset: int = 0  # outputs before this attempt (a migrated request)
     num_images: int = 0
+    image_token_counts: list[int] = []  # image tokens of each image (the rows of its features), in order
     first_logprobs: dict[int, float] | None = None
     events: dict[str, float] = {}
     priority: int = 1  # SLO tier rank (decode preempts the highest rank first)

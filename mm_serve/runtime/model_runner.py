@@ -43,7 +43,7 @@ class ModelRunner:
     def encode_images(self, requests: list[Request]) -> None:
         """Run the vision tower + projector once for each distinct pending image of ``requests``.
 
-        Sets each request's ``image_embeds`` ``[num_images * num_image_tokens, hidden]``
+        Sets each request's ``image_embeds`` ``[sum(image_token_counts), hidden]`` (its images' rows in order)
         and drops its ``pixel_values``. With an encoder cache, images whose content hash
         (``Request.image_hashes``) is cached skip the tower, an image repeated within the
         batch is encoded once, and what was encoded is cached.

@@ -61,20 +61,23 @@ def cache_salt(*parts: str) -> bytes:
 
 
 def image_spans(
-    token_ids: Sequence[int], image_token_id: int | None, num_images: int, tokens_per_image: int,
+    token_ids: Sequence[int], image_token_id: int | None, token_counts: Sequence[int],
 ) -> list[tuple[int, int]]:
     """Each image's token positions ``[first, last + 1)`` in ``token_ids``.
 
-    Image ``i`` owns placeholders ``i * tokens_per_image .. (i + 1) * tokens_per_image - 1``
-    in order of position; later placeholders (a generated token equal to the image token id,
-    in a recompute) are text, as in ``ModelRunner._image_rows``.
+    Image ``i`` owns the ``token_counts[i]`` placeholders that follow those of the images before it,
+    in order of position (each image carries its own count: families whose images make different
+    numbers of tokens); later placeholders (a generated token equal to the image token id, in a
+    recompute) are text, as in ``ModelRunner._image_rows``.
     """
-    if not num_images or image_token_id is None or tokens_per_image < 1:
+    if not token_counts or image_token_id is None:
         return []
-    positions = [i for i, t in enumerate(token_ids) if t == image_token_id][: num_images * tokens_per_image]
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id][: sum(token_counts)]
     spans = []
-    for i in range(num_images):
-        own = positions[i * tokens_per_image : (i + 1) * tokens_per_image]
+    start = 0
+    for count in token_counts:
+        own = positions[start : start + count]
+        start += count
         if own:
             spans.append((own[0], own[-1] + 1))
     return spans

@@ -28,12 +28,11 @@ from mm_serve.runtime.request import Request
 
 @dataclass(frozen=True)
 class PrefixKey:
-    """What hashing a request's pages needs besides the request: the chain's salt (model and
-    dtype), the image token id (None: a text-only model) and the tokens each image takes."""
+    """What hashing a request's pages needs besides the request (its images and their token counts):
+    the chain's salt (model and dtype) and the image token id (None: a text-only model)."""
 
     salt: bytes
     image_token_id: int | None = None
-    tokens_per_image: int = 0
 
 
 class PrefixCache:
@@ -61,7 +60,7 @@ class PrefixCache:
         ``request.page_hashes`` as its tokens grow."""
         tokens = request.all_token_ids
         if len(request.page_hashes) < len(tokens) // self.page_size:
-            spans = image_spans(tokens, self.key.image_token_id, len(request.image_hashes), self.key.tokens_per_image)
+            spans = image_spans(tokens, self.key.image_token_id, request.image_token_counts[: len(request.image_hashes)])
             request.page_hashes = page_hash_chain(
                 tokens, self.page_size, self.key.salt, request.image_hashes[: len(spans)], spans,
                 start=request.page_hashes,

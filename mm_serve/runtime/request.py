@@ -93,6 +93,7 @@ class Request:
     priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch; lower is served first, preempted last
     max_wait_s: float = 0.0  # prefill ageing: waiting longer than this (seconds) it counts as rank 0; 0 = never
     image_hashes: list[bytes] = field(default_factory=list)  # content hash per image (runtime.page_hashes)
+    image_token_counts: list[int] = field(default_factory=list)  # image tokens of each image, in order
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far (prefix cache)
     num_cached_tokens: int = 0  # tokens at the head of block_table whose KV is in place before this prefill pass
     #   (a prefix-cache hit, then the chunks already prefilled)

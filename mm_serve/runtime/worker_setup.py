@@ -63,13 +63,10 @@ def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedK
 def prefix_key(model_dir: str, model_config: ModelConfig, cfg: EngineConfig) -> PrefixKey:
     """How pages of this checkpoint are hashed: salted with the model directory and the dtype
     (KV computed in another dtype or by another model never matches); image spans from the
-    checkpoint's image token and tokens per image."""
+    checkpoint's image token and each request's image token counts."""
     vision = model_config.vision
-    return PrefixKey(
-        cache_salt(os.path.realpath(model_dir), cfg.dtype),
-        None if vision is None else vision.image_token_index,
-        0 if vision is None else vision.num_image_tokens,
-    )
+    return PrefixKey(cache_salt(os.path.realpath(model_dir), cfg.dtype),
+                     None if vision is None else vision.image_token_index)
 
 
 def make_caches(

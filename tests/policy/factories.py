@@ -78,19 +78,23 @@ def make_scheduler(
 IMAGE_TOKEN = 99  # the image placeholder id of the prefix-cache factories' requests
 
 
-def make_prefix_cache(num_pages: int = 16, page_size: int = PAGE_SIZE, tokens_per_image: int = 3,
-                      enabled: bool = True) -> PrefixCache:
-    """A prefix cache over a fresh ``PagePool(num_pages)``; images take ``tokens_per_image``
-    placeholders of id :data:`IMAGE_TOKEN`."""
-    key = PrefixKey(cache_salt("policy-model", "float32"), IMAGE_TOKEN, tokens_per_image)
+def make_prefix_cache(num_pages: int = 16, page_size: int = PAGE_SIZE, enabled: bool = True) -> PrefixCache:
+    """A prefix cache over a fresh ``PagePool(num_pages)``; images are placeholders of id
+    :data:`IMAGE_TOKEN`."""
+    key = PrefixKey(cache_salt("policy-model", "float32"), IMAGE_TOKEN)
     return PrefixCache(PagePool(num_pages), page_size, key, enabled=enabled)
 
 
+IMAGE_TOKENS = 3  # the image tokens each image of make_prompt_request takes, unless it says otherwise
+
+
 def make_prompt_request(request_id: str, prompt: Sequence[int], image_hashes: Sequence[bytes] = (),
-                        outputs: Sequence[int] = ()) -> Request:
-    """A greedy request with exactly ``prompt`` (placeholders :data:`IMAGE_TOKEN` for its images)."""
+                        outputs: Sequence[int] = (), image_token_counts: Sequence[int] | None = None) -> Request:
+    """A greedy request with exactly ``prompt`` (placeholders :data:`IMAGE_TOKEN` for its images, each
+    :data:`IMAGE_TOKENS` of them unless ``image_token_counts`` says)."""
+    counts = [IMAGE_TOKENS] * len(image_hashes) if image_token_counts is None else list(image_token_counts)
     request = Request(request_id, list(prompt), SamplingParams(max_tokens=16, temperature=0.0),
-                      num_images=len(image_hashes), image_hashes=list(image_hashes))
+                      num_images=len(image_hashes), image_hashes=list(image_hashes), image_token_counts=counts)
     for token in outputs:
         request.append_output(token, None)
     return request

@@ -38,7 +38,7 @@ def test_page_hash_chain_is_full_width_and_covers_full_pages_only() -> None:
 def test_an_image_changes_the_hash_of_every_page_from_its_first_token_on() -> None:
     salt = cache_salt("m", "float32")
     prompt = [1, 2, 3, 4, 5, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, 6, 7, 8, 9]
-    spans = image_spans(prompt, IMAGE_TOKEN, 1, 3)
+    spans = image_spans(prompt, IMAGE_TOKEN, [3])
     assert spans == [(5, 8)]
     a = page_hash_chain(prompt, 4, salt, [IMG_A], spans)
     b = page_hash_chain(prompt, 4, salt, [IMG_B], spans)
@@ -199,3 +199,16 @@ def test_integrity_and_ref_counts_hold_over_random_request_sequences(ops: list[t
         prefix.release(request)
     prefix.pool.check_integrity()
     assert prefix.pool.num_free == 12
+
+
+def test_images_of_different_sizes_own_their_own_spans_and_hashes() -> None:
+    """Each image carries its own token count: a 2-token and a 4-token image own consecutive runs of
+    placeholders, a generated placeholder id after them is text, and two prompts alike but for the
+    second image's content never share the pages that image touches."""
+    prompt = [1, IMAGE_TOKEN, IMAGE_TOKEN, 2, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, 3, IMAGE_TOKEN]
+    spans = image_spans(prompt, IMAGE_TOKEN, [2, 4])
+    assert spans == [(1, 3), (4, 8)]  # the last placeholder is past both images' tokens: text
+    salt = cache_salt("m", "float32")
+    a = page_hash_chain(prompt, 4, salt, [IMG_A, IMG_B], spans)
+    b = page_hash_chain(prompt, 4, salt, [IMG_A, IMG_A], spans)
+    assert a[0] == b[0] and a[1] != b[1]  # page 0 holds only the first image; page 1 the second
