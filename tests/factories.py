@@ -11,7 +11,7 @@ import numpy as np
 import zmq
 from PIL import Image
 
-from mm_serve.models.builder import TinyModelSpec, build_llama, build_llava
+from mm_serve.models.builder import TinyModelSpec, build_llama, build_llava, build_llava_next
 from mm_serve.runtime.worker_channel import WorkerChannel
 
 SPECS: dict[str, TinyModelSpec] = {
@@ -28,6 +28,8 @@ SPECS: dict[str, TinyModelSpec] = {
     # a Qwen2 decoder (q/k/v biases, rope theta 1e6) under a CLIP tower, and one text-only with tied embeddings
     "llava-qwen2": TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0),
     "qwen2": TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True, num_layers=3),
+    # LLaVA-NeXT: 56 px tiles on grids up to 2x2 and 1x3 (builder's grid_pinpoints), CLIP, Llama
+    "llava-next": TinyModelSpec(),
 }
 
 
@@ -40,6 +42,8 @@ def build_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
         return path
     if kind == "qwen2":
         return build_llama(out, seed, spec)
+    if kind == "llava-next":
+        return build_llava_next(out, seed, spec)
     return build_llava(out, seed, spec)
 
 

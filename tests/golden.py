@@ -41,7 +41,9 @@ def reference_generate(model: torch.nn.Module, inputs: ProcessedInputs, new_toke
 def our_first_logits(engine: LLMEngine, inputs: ProcessedInputs) -> torch.Tensor:
     """First-step logits ``[vocab]`` from our runner (prefill of the prompt alone)."""
     request = Request("logits-probe", list(inputs.prompt_token_ids), SamplingParams(max_tokens=1),
-                      num_images=inputs.num_images, pixel_values=inputs.pixel_values)
+                      num_images=inputs.num_images, pixel_values=inputs.pixel_values,
+                      image_token_counts=list(inputs.image_token_counts), image_tiles=list(inputs.image_tiles),
+                      image_sizes=list(inputs.image_sizes))
     pool = engine.kv_cache.pool
     request.block_table = pool.allocate(pages_for(request.num_tokens, engine.config.page_size))
     try:

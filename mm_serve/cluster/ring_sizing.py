@@ -23,7 +23,7 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
     num_pages = max(cfg.kv_cache.ring_pages or cfg.kv_cache.max_pages_per_gpu // 4, max_pages)
     per_request_rows = 1
     if model.vision is not None:
-        per_request_rows = max(1, cfg.api.max_images_per_request) * model.vision.num_image_tokens
+        per_request_rows = max(1, cfg.api.max_images_per_request) * model.vision.max_image_tokens
     capacity = cfg.scheduler.ring_buffer_size
     feature_rows = per_request_rows * min(capacity, 4)
     meta_bytes = max_len * 5 + 16384  # msgpack ints <= 5 bytes, plus generator state and params

@@ -33,7 +33,8 @@ class ColocatedWorker(WorkerShell):
     def accept(self, msg: messages.PrefillRequest) -> None:
         pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
         inputs = ProcessedInputs(list(msg.prompt_token_ids), pixels, msg.num_images, list(msg.image_hashes),
-                                 list(msg.image_token_counts))
+                                 list(msg.image_token_counts), list(msg.image_tiles),
+                                 [(int(h), int(w)) for h, w in msg.image_sizes])
         request = self.engine.add_request(msg.request_id, inputs, from_wire(msg.sampling), msg.generator_seed,
                                           msg.output_offset, priority=msg.priority)
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)

@@ -136,7 +136,7 @@ class EngineClient:
         if vision is None:
             return 0
         sizing = engine_sizing(self.config, "cpu")
-        per_image = vision.num_image_tokens * self.model_config.text.hidden_size * sizing.torch_dtype.itemsize
+        per_image = vision.max_image_tokens * self.model_config.text.hidden_size * sizing.torch_dtype.itemsize
         return sizing.encoder_cache_bytes // per_image if per_image else 0
 
     # ---- the load, as admission sees it ----------------------------------------------------
@@ -201,7 +201,7 @@ class EngineClient:
     def hash_images(inputs: ProcessedInputs) -> list[bytes]:
         """The content hash of each of the request's images, computed once and kept on ``inputs``."""
         if not inputs.image_hashes and inputs.pixel_values is not None:
-            inputs.image_hashes = image_content_hashes(inputs.pixel_values)
+            inputs.image_hashes = image_content_hashes(inputs.pixel_values, inputs.image_tiles, inputs.image_sizes)
         return inputs.image_hashes
 
     def _page_hashes(self, token_ids: list[int], image_hashes: list[bytes], token_counts: list[int]) -> list[bytes]:
@@ -252,6 +252,7 @@ class EngineClient:
             pixel_values=None if inputs.pixel_values is None else messages.TensorBlob.from_tensor(inputs.pixel_values),
             arrival_time=time.time(), priority=int(Tier.STANDARD if tier is None else tier), max_wait_s=max_wait_s,
             image_hashes=image_hashes, image_token_counts=list(inputs.image_token_counts),
+            image_tiles=list(inputs.image_tiles), image_sizes=list(inputs.image_sizes),
         )
         flight = Flight(state, first, page_hashes=self._page_hashes(inputs.prompt_token_ids, image_hashes,
                                                                     inputs.image_token_counts))

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mm_serve.inputs.image_prep import AnyResImages, FixedSizeImages, image_prep
 from mm_serve.inputs.prompt_encoding import encode_chat, encode_prompt
-from mm_serve.media.image_processor import ImageProcessor
 from mm_serve.media.offline import normalize_messages, to_pil
 from mm_serve.models.model_config import CheckpointError, ModelConfig
 
@@ -29,10 +29,12 @@ class ProcessedInputs:
     """Model-ready inputs of one request."""
 
     prompt_token_ids: list[int]  # image placeholders expanded
-    pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32
+    pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32, or every image's tiles [sum(tiles), 3, H, W]
     num_images: int
     image_hashes: list[bytes] = field(default_factory=list)  # per image, runtime.page_hashes; [] = not hashed yet
     image_token_counts: list[int] = field(default_factory=list)  # image tokens each image expanded to, in order
+    image_tiles: list[int] = field(default_factory=list)  # rows of pixel_values per image ([]: one each)
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (height, width) where features need it
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -57,9 +59,9 @@ class InputProcessor:
     def __init__(self, model_dir: str | Path, config: ModelConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
-        self.image_processor: ImageProcessor | None = None
+        self.image_processor: FixedSizeImages | AnyResImages | None = None
         if config.vision is not None:
-            self.image_processor = ImageProcessor.from_pretrained(model_dir)
+            self.image_processor = image_prep(model_dir, config.vision)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -94,9 +96,10 @@ class InputProcessor:
         index = self.image_token_index
         return None if index is None else str(self.tokenizer.convert_ids_to_tokens(index))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image], list[str]]:
+    def render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[Image.Image], list[str], list[str | None]]:
         """Render ``messages`` with the chat template; returns the prompt, the images in order,
-        and the user messages' text parts in order (tokenized as text, :mod:`prompt_encoding`).
+        the user messages' text parts in order (tokenized as text, :mod:`prompt_encoding`), and each
+        image's ``detail`` (``low`` | ``high`` | ``auto``; None when not given).
 
         Image parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
         {"url": X}}`` with ``X`` a PIL image, a path, bytes or a data URI (:mod:`mm_serve.media.offline`).
@@ -112,7 +115,9 @@ class InputProcessor:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja errors, missing template
             raise InvalidRequestError(f"cannot render chat template: {exc}") from None
-        return str(prompt), images, _user_texts(messages)
+        details = [p.get("detail") for m in messages if isinstance(m.get("content"), list)
+                   for p in m["content"] if p.get("type") == "image"]
+        return str(prompt), images, _user_texts(messages), details
 
     def process(self, request: dict[str, Any]) -> ProcessedInputs:
         """Process ``{"prompt"| "prompt_token_ids"| "messages": ..., "images": [...]}``.
@@ -127,8 +132,9 @@ class InputProcessor:
             images: list[Image.Image] = [to_pil(image) for image in request.get("images") or []]
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        details: list[str | None] = []
         if "messages" in request:
-            prompt, chat_images, user_texts = self.render_chat(request["messages"])
+            prompt, chat_images, user_texts, details = self.render_chat(request["messages"])
             images = chat_images + images
             ids = encode_chat(self.tokenizer, prompt, user_texts)
         elif "prompt_token_ids" in request:
@@ -142,9 +148,10 @@ class InputProcessor:
         vocab = self.config.text.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        return self._with_images(ids, images)
+        details += [None] * (len(images) - len(details))  # the request's "images" list: auto
+        return self._with_images(ids, images, details)
 
-    def _with_images(self, ids: list[int], images: list[Image.Image]) -> ProcessedInputs:
+    def _with_images(self, ids: list[int], images: list[Image.Image], details: list[str | None]) -> ProcessedInputs:
         index = self.image_token_index
         placeholders = 0 if index is None else ids.count(index)
         if images and (self.image_processor is None or index is None):
@@ -156,12 +163,13 @@ class InputProcessor:
             )
         if not images or self.image_processor is None or self.config.vision is None:
             return ProcessedInputs(ids, None, 0)
-        per_image = self.config.vision.num_image_tokens
+        prepared = self.image_processor(images, details)
+        counts = iter(prepared.token_counts)
         expanded: list[int] = []
         for token in ids:
-            expanded.extend([token] * per_image if token == index else [token])
-        return ProcessedInputs(expanded, self.image_processor(images), len(images),
-                               image_token_counts=[per_image] * len(images))
+            expanded.extend([token] * next(counts) if token == index else [token])
+        return ProcessedInputs(expanded, prepared.pixel_values, len(images), image_token_counts=prepared.token_counts,
+                               image_tiles=prepared.tiles, image_sizes=prepared.sizes)
 
 
 def _user_texts(messages: list[dict[str, Any]]) -> list[str]:

@@ -21,6 +21,7 @@ from mm_serve.media.image_loading import decode_data_uri, load_image_bytes, load
 OFFLINE_MAX_PIXELS = 40_000_000  # the HTTP API's default ``api.max_image_pixels``
 TEXT_PART_TYPES = ("text",)
 IMAGE_PART_TYPES = ("image", "image_url")
+IMAGE_DETAILS = (None, "auto", "low", "high")  # OpenAI's image_url detail: low = the whole image only, on tiling families
 
 
 def to_pil(value: Any, max_pixels: int = OFFLINE_MAX_PIXELS) -> Image.Image:
@@ -86,11 +87,15 @@ def normalize_messages(messages: Any) -> tuple[list[dict[str, Any]], list[Image.
                 if message["role"] != "user":
                     raise ValueError(image_outside_user_message(number, message["role"]))
                 raw = part.get("image") if kind == "image" else part.get("image_url")
+                detail = part.get("detail")
                 if isinstance(raw, dict):
+                    detail = raw.get("detail", detail)
                     raw = raw.get("url")
+                if detail not in IMAGE_DETAILS:
+                    raise ValueError(f"an image's detail must be one of low, high, auto, got {detail!r}")
                 image = to_pil(raw)
                 images.append(image)
-                parts.append({"type": "image", "image": image})
+                parts.append({"type": "image", "image": image, **({"detail": detail} if detail else {})})
             else:
                 raise ValueError(f"unsupported content part type {kind!r}; use 'text', 'image' or 'image_url'")
         out.append({**message, "content": parts})

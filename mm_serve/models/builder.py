@@ -6,14 +6,15 @@ same code path as any downloaded model:
 * ``llava``: a llava-hf ``LlavaForConditionalGeneration`` directory (Llama text
   model, CLIP vision tower, projector, tokenizer + chat template,
   ``preprocessor_config.json`` and ``processor_config.json``); ``llava-siglip`` with a SigLIP tower
-  (``SiglipImageProcessor`` preprocessing), ``llava-qwen2`` with a Qwen2 decoder;
+  (``SiglipImageProcessor`` preprocessing), ``llava-qwen2`` with a Qwen2 decoder; ``llava-next`` a
+  ``LlavaNextForConditionalGeneration`` one (any-resolution tiling);
 * ``llama``: a plain ``LlamaForCausalLM`` directory; ``qwen2`` a ``Qwen2ForCausalLM`` one.
 
 Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llama,qwen2,bench,bench-llama}
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llama,qwen2,bench,bench-llama}
 --out DIR [--seed S]``.
 """
 
@@ -56,6 +57,9 @@ class TinyModelSpec:
     center_crop: bool = True
     tokenizer_style: str = "bytelevel"  # or "llama": adds BOS itself, template without BOS (tokenizer_builder)
     decoder: str = "llama"  # or "qwen2" (q/k/v biases, rope theta 1e6)
+    # LLaVA-NeXT only: the (height, width) resolutions an image is tiled at, multiples of image_size
+    grid_pinpoints: list[list[int]] = field(default_factory=lambda: [[56, 112], [112, 56], [112, 112], [56, 168],
+                                                                     [168, 56]])
     vision_tower: str = "clip"  # or "siglip" (no class token; resize without crop, mean/std 0.5)
 
 
@@ -189,6 +193,38 @@ def build_llava(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None =
     return out
 
 
+def build_llava_next(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
+    """Write a random-weight llava-hf ``LlavaNextForConditionalGeneration`` checkpoint (any-resolution
+    tiling over ``spec.grid_pinpoints``, CLIP tower) to ``out_dir``, with its image processor's and
+    processor's config files; returns the path."""
+    import torch
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
+    config = LlavaNextConfig(
+        text_config=_text_config(spec, vocab), vision_config=_vision_config(spec), image_token_index=4,
+        vision_feature_layer=spec.vision_feature_layer,
+        vision_feature_select_strategy=spec.vision_feature_select_strategy,  # type: ignore[arg-type]
+        image_grid_pinpoints=spec.grid_pinpoints, projector_hidden_act="gelu",
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config)
+    model.save_pretrained(out)
+    tile = {"height": spec.image_size, "width": spec.image_size}
+    preprocessor = {**_preprocessor_config(spec), "image_processor_type": "LlavaNextImageProcessor",
+                    "size": {"shortest_edge": spec.image_size}, "crop_size": tile, "do_center_crop": True,
+                    "image_grid_pinpoints": spec.grid_pinpoints, "do_pad": True}
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({**_processor_config(spec),
+                                                            "processor_class": "LlavaNextProcessor"}, indent=2))
+    _write_spec(out, spec, seed, "llava-next")
+    return out
+
+
 def _write_spec(out: Path, spec: TinyModelSpec, seed: int, kind: str) -> None:
     (out / "mm_serve_build.json").write_text(json.dumps({"kind": kind, "seed": seed, **asdict(spec)}, indent=2))
 
@@ -197,6 +233,7 @@ KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
     "llava": (build_llava, TinyModelSpec()),
     "llava-siglip": (build_llava, TinyModelSpec(vision_tower="siglip")),
     "llava-qwen2": (build_llava, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0)),
+    "llava-next": (build_llava_next, TinyModelSpec()),
     "llama": (build_llama, TinyModelSpec()),
     "qwen2": (build_llama, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True)),
     "bench": (build_llava, BENCH_SPEC),

@@ -6,6 +6,7 @@ Image features replace the embeddings of image-token positions, in order
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,6 +51,10 @@ class MultimodalLM(nn.Module):
                 self.vision.out_features, cfg.text.hidden_size, cfg.vision.projector_hidden_act,
                 cfg.vision.projector_bias,
             )
+        # LLaVA-NeXT: the embedding after every row of an image's tile features
+        self.image_newline: nn.Parameter | None = None
+        if cfg.vision is not None and cfg.vision.any_resolution and vision:
+            self.image_newline = nn.Parameter(torch.zeros(cfg.text.hidden_size))
 
     @property
     def image_token_index(self) -> int | None:
@@ -69,6 +74,38 @@ class MultimodalLM(nn.Module):
             what = "text-only" if self.config.vision is None else "built without its vision tower"
             raise ValueError(f"this model is {what}; it cannot take images")
         return self.projector(self.vision(pixel_values))
+
+    def encode_image_list(self, images: Sequence[torch.Tensor],
+                          sizes: Sequence[tuple[int, int] | None]) -> list[torch.Tensor]:
+        """Projected embeddings ``[tokens_i, text_hidden]`` of each image, its pixels ``[3, H, W]``
+        (LLaVA-1.5: one tile, its original ``sizes[i]`` unused) or its tiles ``[T, 3, H, W]`` (LLaVA-NeXT:
+        the whole image, then its grid, packed with its original ``sizes[i]``), in one pass of the tower.
+
+        Raises:
+            ValueError: no vision tower.
+        """
+        vcfg = self.config.vision
+        if vcfg is not None and vcfg.any_resolution:
+            return self._encode_tiled(images, sizes)
+        batch = self.encode_images(torch.stack([p if p.dim() == 3 else p[0] for p in images]))
+        return list(batch)
+
+    def _encode_tiled(self, images: Sequence[torch.Tensor], sizes: Sequence[tuple[int, int] | None]) -> list[torch.Tensor]:
+        """LLaVA-NeXT: every tile of every image through the tower in one pass, then each image's
+        tiles packed (:func:`~mm_serve.models.llava_next.packing.pack_image`)."""
+        from mm_serve.models.llava_next.packing import pack_image
+
+        vcfg = self.config.vision
+        assert vcfg is not None and self.image_newline is not None
+        tiles = [p if p.dim() == 4 else p[None] for p in images]
+        features = torch.split(self.encode_images(torch.cat(tiles, dim=0)), [t.shape[0] for t in tiles], dim=0)
+        out = []
+        for feats, size in zip(features, sizes, strict=True):
+            if size is None:
+                raise ValueError("an any-resolution image needs its original size")
+            out.append(pack_image(feats, size, vcfg.grid_pinpoints, vcfg.image_size, vcfg.image_size // vcfg.patch_size,
+                                  self.image_newline))
+        return out
 
     def embed(
         self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None, image_mask: torch.Tensor | None = None,

@@ -74,6 +74,12 @@ def load_model(
     if model.vision is not None and model.projector is not None:
         _load_part(model.vision.tower, parts["vision"], "vision-tower", root)
         _load_part(model.projector, parts["projector"], "projector", root)
+        if model.image_newline is not None:
+            newline = parts["newline"].get("image_newline")
+            if newline is None:
+                raise CheckpointError(f"{root}: a LLaVA-NeXT checkpoint without image_newline")
+            with torch.no_grad():
+                model.image_newline.copy_(newline)
     elif cfg.vision is None and (parts["vision"] or parts["projector"]):
         raise CheckpointError(f"{root}: vision weights present but config.json is text-only")
     model = model.to(dtype=dtype)

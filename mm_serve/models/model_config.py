@@ -72,13 +72,32 @@ class VisionConfig:
     select_strategy: str  # "default" drops CLS, "full" keeps it
     projector_hidden_act: str
     projector_bias: bool
+    # LLaVA-NeXT: the (height, width) resolutions an image may be tiled at (empty: one fixed size)
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def any_resolution(self) -> bool:
+        """Whether each image is tiled at its own best resolution (LLaVA-NeXT), so its token count
+        depends on its size."""
+        return bool(self.grid_pinpoints)
+
+    @property
+    def max_image_tokens(self) -> int:
+        """The most image tokens one image can make (what a ring's feature rows are sized for)."""
+        if not self.grid_pinpoints:
+            return self.num_image_tokens
+        from mm_serve.models.llava_next.anyres import max_image_tokens
+
+        return max_image_tokens(self.grid_pinpoints, self.image_size, self.patch_size, self.class_token,
+                                self.select_strategy == "default")
 
     @property
     def num_image_tokens(self) -> int:
         """Image tokens each ``<image>`` placeholder expands to: the tower's positions (patches, and
         its class token if it has one) less the first position under the ``default`` strategy
         (transformers' ``LlavaProcessor``: patches + ``num_additional_image_tokens``, minus one for
-        ``default``)."""
+        ``default``). For an any-resolution family, the tokens of the whole-image tile alone: the
+        fewest an image makes."""
         positions = (self.image_size // self.patch_size) ** 2 + (1 if self.class_token else 0)
         return positions - (1 if self.select_strategy == "default" else 0)
 

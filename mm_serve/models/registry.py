@@ -9,6 +9,7 @@ architecture is refused at load with the list of those supported.
 architecture                              family     decoder, tower
 ========================================  =========  ============================================
 ``LlavaForConditionalGeneration``         llava      Llama / Mistral / Qwen2; CLIP or SigLIP tower
+``LlavaNextForConditionalGeneration``     llava_next the same, images tiled at any resolution
 ``LlamaForCausalLM``, ``MistralForCausalLM``,  decoder   the text-only decoders
 ``Qwen2ForCausalLM``
 ========================================  =========  ============================================
@@ -45,6 +46,23 @@ def _parse_llava(raw: dict[str, Any]) -> Parsed:
     return text, parse_vision_config(raw)
 
 
+def _parse_llava_next(raw: dict[str, Any]) -> Parsed:
+    """A llava-hf LLaVA-NeXT config: a llava config plus ``image_grid_pinpoints``.
+
+    Raises:
+        CheckpointError: no pinpoints, or the ``full`` strategy on a tower with a class token (its
+            tiles' features would not form a square grid).
+    """
+    text, vision = _parse_llava(raw)
+    assert vision is not None
+    pinpoints = raw.get("image_grid_pinpoints") or []
+    if not pinpoints or any(len(p) != 2 for p in pinpoints):
+        raise CheckpointError("a LLaVA-NeXT config needs image_grid_pinpoints, a list of [height, width]")
+    if vision.class_token and vision.select_strategy != "default":
+        raise CheckpointError("LLaVA-NeXT with a class-token tower needs vision_feature_select_strategy 'default'")
+    return text, replace(vision, grid_pinpoints=tuple((int(h), int(w)) for h, w in pinpoints))
+
+
 def _parse_decoder(raw: dict[str, Any]) -> Parsed:
     """A text-only decoder's config."""
     return parse_text_config(raw), None
@@ -71,6 +89,8 @@ class ModelFamily:
 
 FAMILIES: Final = (
     ModelFamily("llava", ("LlavaForConditionalGeneration",), ("llava",), _parse_llava, "LlavaForConditionalGeneration"),
+    ModelFamily("llava_next", ("LlavaNextForConditionalGeneration",), ("llava_next",), _parse_llava_next,
+                "LlavaNextForConditionalGeneration"),
     ModelFamily("decoder", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), TEXT_MODEL_TYPES,
                 _parse_decoder, "AutoModelForCausalLM"),
 )
@@ -115,5 +135,5 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         gen_eos = eos_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
         if gen_eos:
             text = replace(text, eos_token_ids=tuple(dict.fromkeys(text.eos_token_ids + gen_eos)))
-    model_type = "llava" if family.name == "llava" else str(raw.get("model_type", "llama"))
+    model_type = family.name if family.name != "decoder" else str(raw.get("model_type", "llama"))
     return ModelConfig(model_type=model_type, text=text, vision=vision, raw=raw)

@@ -11,7 +11,8 @@ Accepted layouts: ``model.safetensors``, or shards listed in
 * plain Llama: ``model.*``, ``lm_head.*``.
 
 Every key becomes one of ``lm.<decoder key>`` (e.g. ``lm.layers.0.self_attn.q_proj.weight``,
-``lm.lm_head.weight``), ``vision.<CLIPVisionModel key>`` or ``projector.<key>``.
+``lm.lm_head.weight``), ``vision.<tower key>``, ``projector.<key>`` or ``newline.image_newline``
+(LLaVA-NeXT).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from safetensors import safe_open
 
 from mm_serve.models.model_config import CheckpointError
 
-PARTS = ("lm", "vision", "projector")  # the canonical parts of a checkpoint
+PARTS = ("lm", "vision", "projector", "newline")  # the canonical parts of a checkpoint
 
 # (prefix in the checkpoint, canonical prefix); the first match wins, so longer first.
 _PREFIX_MAP: tuple[tuple[str, str], ...] = (
+    ("model.image_newline", "newline.image_newline"),  # LLaVA-NeXT's row separator, [text hidden]
+    ("image_newline", "newline.image_newline"),
     ("model.language_model.", "lm."),
     ("language_model.model.", "lm."),
     ("language_model.lm_head.", "lm.lm_head."),

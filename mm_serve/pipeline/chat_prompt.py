@@ -29,6 +29,7 @@ class DeclaredImage:
 
     url: str
     size: tuple[int, int] | None
+    detail: str | None = None  # OpenAI's low | high | auto (None: auto)
 
     @property
     def is_data(self) -> bool:
@@ -80,7 +81,7 @@ class ChatPrompt:
                 if message.role != "user":
                     raise bad_request(image_outside_user_message(number, message.role), "messages")
                 parts.append(("image", len(images)))
-                images.append(DeclaredImage(part.image_url.url, declared_size(part.image_url.url)))
+                images.append(DeclaredImage(part.image_url.url, declared_size(part.image_url.url), part.image_url.detail))
             turns.append(Turn(role, parts))
         return cls(turns, images, chars)
 
@@ -95,7 +96,8 @@ class ChatPrompt:
             parts: list[dict[str, Any]] = []
             for kind, value in turn.content:
                 if isinstance(value, int):
-                    parts.append({"type": "image", "image": loaded[value]})
+                    detail = self.images[value].detail
+                    parts.append({"type": "image", "image": loaded[value], **({"detail": detail} if detail else {})})
                 else:
                     parts.append({"type": kind, "text": value})
             out.append({"role": turn.role, "content": parts})

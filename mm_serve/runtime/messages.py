@@ -74,6 +74,8 @@ class PrefillRequest(msgspec.Struct, tag=True):
     max_wait_s: float = 0.0  # queued longer than this (admission.tiers.ageing_seconds), it moves up to rank 0; 0 = never
     image_hashes: list[bytes] = []  # content hash of each image's pixels (runtime.page_hashes); [] = not hashed
     image_token_counts: list[int] = []  # image tokens each image expanded to, in order
+    image_tiles: list[int] = []  # rows of pixel_values per image ([] = one each)
+    image_sizes: list[tuple[int, int]] = []  # original (height, width) of each image, where its features need it
 
 
 # ---- front end -> any worker -----------------------------------------------------------------

@@ -10,6 +10,7 @@ from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.llava import MultimodalLM
 from mm_serve.runtime.encoder_cache import EncoderCache
 from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.page_hashes import split_tiles
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.step_inputs import decode_inputs, slots_for
 
@@ -53,11 +54,13 @@ class ModelRunner:
             return
         cache = self.encoder_cache
         found: dict[bytes, torch.Tensor] = {}  # this batch's images by content hash
-        to_encode: list[torch.Tensor] = []  # [3, H, W] each
+        to_encode: list[torch.Tensor] = []  # [3, H, W] each, or [tiles, 3, H, W]
+        sizes: list[tuple[int, int] | None] = []  # original (height, width) of each, where features need it
         keys: list[bytes | None] = []
         for request in pending:
             assert request.pixel_values is not None
             hashes = request.image_hashes if len(request.image_hashes) == request.num_images else []
+            images = split_tiles(request.pixel_values, request.image_tiles)
             for i in range(request.num_images):
                 digest = hashes[i] if hashes else None
                 if digest is not None and digest in found:
@@ -66,15 +69,16 @@ class ModelRunner:
                 if cached is not None:
                     found[digest] = cached  # type: ignore[index]
                     continue
-                to_encode.append(request.pixel_values[i])
+                to_encode.append(images[i])
+                sizes.append(tuple(request.image_sizes[i]) if request.image_sizes else None)  # type: ignore[arg-type]
                 keys.append(digest)
                 if digest is not None:
                     found[digest] = to_encode[-1]  # placeholder until encoded
         encoded: list[torch.Tensor] = []
         if to_encode:
-            batch = self.model.encode_images(torch.stack(to_encode).to(self.device))  # [N, tokens, hidden]
+            batch = self.model.encode_image_list([pixels.to(self.device) for pixels in to_encode], sizes)
             # cached entries get their own storage: they outlive the batch tensor
-            encoded = [batch[j].clone() if cache is not None else batch[j] for j in range(len(to_encode))]
+            encoded = [embeds.clone() if cache is not None else embeds for embeds in batch]
             for digest, embeds in zip(keys, encoded, strict=True):
                 if digest is not None:
                     found[digest] = embeds

@@ -43,16 +43,30 @@ def _int64_le(values: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def image_content_hash(pixels: torch.Tensor) -> bytes:
-    """Hash of one preprocessed image ``[3, H, W]`` (any dtype): shape, dtype and bytes."""
+def image_content_hash(pixels: torch.Tensor, size: Sequence[int] | None = None) -> bytes:
+    """Hash of one preprocessed image, ``[3, H, W]`` or its tiles ``[T, 3, H, W]`` (any dtype): shape,
+    dtype and bytes, and its original ``size`` (height, width) when its features depend on it."""
     t = pixels.detach().contiguous().cpu()
-    head = f"{tuple(t.shape)}|{t.dtype}".encode()
-    return _blake(head, t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    head = f"{tuple(t.shape)}|{t.dtype}" + ("" if size is None else f"|{tuple(int(v) for v in size)}")
+    return _blake(head.encode(), t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
-def image_content_hashes(pixel_values: torch.Tensor | None) -> list[bytes]:
-    """:func:`image_content_hash` of each image of ``pixel_values`` ``[N, 3, H, W]`` (None: ``[]``)."""
-    return [] if pixel_values is None else [image_content_hash(p) for p in pixel_values]
+def split_tiles(pixel_values: torch.Tensor, tiles: Sequence[int] = ()) -> list[torch.Tensor]:
+    """Each image's pixels from ``pixel_values`` ``[sum(tiles), 3, H, W]``: ``[tiles[i], 3, H, W]``
+    each (no ``tiles``: every image is one ``[3, H, W]`` row)."""
+    if not tiles:
+        return list(pixel_values)
+    return list(torch.split(pixel_values, list(tiles), dim=0))
+
+
+def image_content_hashes(pixel_values: torch.Tensor | None, tiles: Sequence[int] = (),
+                         sizes: Sequence[Sequence[int]] = ()) -> list[bytes]:
+    """:func:`image_content_hash` of each image of ``pixel_values`` (:func:`split_tiles`), with its
+    original size when ``sizes`` are given (None: ``[]``)."""
+    if pixel_values is None:
+        return []
+    images = split_tiles(pixel_values, tiles)
+    return [image_content_hash(p, sizes[i] if sizes else None) for i, p in enumerate(images)]
 
 
 def cache_salt(*parts: str) -> bytes:

@@ -74,7 +74,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     num_images: int = 0
-    pixel_values: torch.Tensor | None = None  # [num_images, 3, H, W] until encoded
+    pixel_values: torch.Tensor | None = None  # [num_images, 3, H, W] (or [sum(image_tiles), 3, H, W]) until encoded
     image_embeds: torch.Tensor | None = None  # [num_image_tokens_total, hidden] once encoded
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -94,6 +94,8 @@ class Request:
     max_wait_s: float = 0.0  # prefill ageing: waiting longer than this (seconds) it counts as rank 0; 0 = never
     image_hashes: list[bytes] = field(default_factory=list)  # content hash per image (runtime.page_hashes)
     image_token_counts: list[int] = field(default_factory=list)  # image tokens of each image, in order
+    image_tiles: list[int] = field(default_factory=list)  # rows of pixel_values per image ([]: one each)
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (height, width), where features need it
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far (prefix cache)
     num_cached_tokens: int = 0  # tokens at the head of block_table whose KV is in place before this prefill pass
     #   (a prefix-cache hit, then the chunks already prefilled)
