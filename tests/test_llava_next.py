@@ -5,6 +5,8 @@ prefix and encoder caches hit."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,44 @@ def test_low_detail_keeps_the_whole_image_tile_only(colocated: LLM, reference: t
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
     ours = colocated.generate({"messages": messages("low")}, _greedy())[0]
     assert ours.token_ids == out[0].tolist() and ours.num_prompt_tokens == len(low.prompt_token_ids)
+
+
+def test_preemption_recomputes_without_reencoding(llava_next: Path, colocated: LLM) -> None:
+    """A decode pool too small for two tiled requests at once forces preemption: the same tokens
+    as colocated, and the preempted requests recompute from the handed-over packed image rows
+    instead of encoding their tiles again. Images of three shapes, so each carries its own count."""
+    images = [IMAGES["wide"], IMAGES["tall"], IMAGES["square"], IMAGES["large"]]
+    requests = [{"prompt": Q, "images": [image]} for image in images]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in colocated.generate(requests, params)]
+    assert colocated.engine is not None
+    longest = max(len(colocated.engine.inputs.process(r).prompt_token_ids) for r in requests) + 48
+    with LLM(model=llava_next, mode="disaggregated", num_pages=-(-longest // 4) + 4, page_size=4) as llm:
+        outputs = llm.generate(requests, params)
+        assert llm.client is not None
+        stats = llm.client.query_stats()
+    assert [o.token_ids for o in outputs] == expected
+    assert stats[("decode", 0)].num_preemptions > 0
+    assert stats[("prefill", 0)].num_encoded_images == len(images)
+    assert stats[("decode", 0)].num_encoded_images == 0
+
+
+def test_decode_killed_mid_stream_continues_token_for_token(llava_next: Path, colocated: LLM) -> None:
+    """SIGKILL on the decode worker while a tiled request streams: the request migrates (its tiles,
+    sizes and per-image count travel with it) and finishes with the tokens of an undisturbed run."""
+    from tests.test_fault_tolerance import assert_clean, checked_shutdown, make_client, wait_tokens
+
+    request_ = {"prompt": Q2, "images": [IMAGES["large"], IMAGES["tall"]]}
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    (expected,) = colocated.generate(request_, params)
+    client = make_client(llava_next)
+    try:
+        state = client.submit("next-kill", client.inputs.process(request_), params)
+        wait_tokens(state, 10)
+        os.kill(client.pool.workers[("decode", 0)].pid, signal.SIGKILL)
+        assert state.wait(120)
+        assert state.error is None and state.token_ids == expected.token_ids
+        assert client.fault_report()[0].get(("request_migrations", "decode"), 0) == 1
+        assert_clean(client)
+    finally:
+        checked_shutdown(client)

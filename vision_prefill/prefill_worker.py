@@ -123,8 +123,7 @@ class PrefillWorker(WorkerShell):
     def _prefill(self, batch: list[Request]) -> None:
         started, cpu_started = time.monotonic(), time.process_time()
         self.channel.send(messages.PrefillStarted(self.role, self.spec.index, [r.request_id for r in batch]))
-        vision = self.model.vision
-        encoded_before = 0 if vision is None else vision.num_encoded_images
+        encoded_before = self.model.num_encoded_images
         for request in batch:
             if not request.block_table:  # its first pass: cached prefix pages shared, fresh pages for the rest
                 self.prefix.allocate(request)
@@ -156,7 +155,7 @@ class PrefillWorker(WorkerShell):
             request.num_cached_tokens, request.prefill_end = request.prefill_end, 0
             self.scheduler.add_front(request)
         # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
-        encoded = 0 if vision is None else vision.num_encoded_images - encoded_before
+        encoded = self.model.num_encoded_images - encoded_before
         cpu = (time.process_time() - cpu_started) / torch.get_num_threads() if self.kv_cache.data.device.type == "cpu" else 0.0
         timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch), computed, encoded, cpu)
         self.send([token_update(request, with_events=True) for request in ready], timing)
@@ -164,11 +163,10 @@ class PrefillWorker(WorkerShell):
     # ---- stats and close ---------------------------------------------------------------------
 
     def load_report(self) -> dict[str, int]:
-        vision = self.model.vision
         return {
             "running": self.sender.num_pending, "waiting": len(self.scheduler),
             "ring_slots_used": self.sender.slots_used(), "queued_tokens": self.scheduler.queued_tokens,
-            "num_preemptions": 0, "num_encoded_images": 0 if vision is None else vision.num_encoded_images,
+            "num_preemptions": 0, "num_encoded_images": self.model.num_encoded_images,
             "ring_pages_held": sum(r.spec.num_pages - r.pages_free() for r in self.sender.rings),
             **cache_report(self.prefix, self.encoder_cache),
         }

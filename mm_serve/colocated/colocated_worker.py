@@ -63,10 +63,9 @@ class ColocatedWorker(WorkerShell):
 
     def load_report(self) -> dict[str, int]:
         sched = self.engine.scheduler
-        vision = self.engine.model.vision
         return {
             "running": len(sched.running), "waiting": len(sched.waiting), "ring_slots_used": 0,
             "queued_tokens": sum(r.num_tokens for r in sched.waiting), "num_preemptions": sched.num_preemptions,
-            "num_encoded_images": 0 if vision is None else vision.num_encoded_images,
+            "num_encoded_images": self.engine.model.num_encoded_images,
             **cache_report(self.engine.prefix, self.engine.encoder_cache),
         }

@@ -51,6 +51,7 @@ class MultimodalLM(nn.Module):
                 self.vision.out_features, cfg.text.hidden_size, cfg.vision.projector_hidden_act,
                 cfg.vision.projector_bias,
             )
+        self.num_encoded_images = 0  # images through encode_image_list (a tiled image counts once)
         # LLaVA-NeXT: the embedding after every row of an image's tile features
         self.image_newline: nn.Parameter | None = None
         if cfg.vision is not None and cfg.vision.any_resolution and vision:
@@ -81,9 +82,12 @@ class MultimodalLM(nn.Module):
         (LLaVA-1.5: one tile, its original ``sizes[i]`` unused) or its tiles ``[T, 3, H, W]`` (LLaVA-NeXT:
         the whole image, then its grid, packed with its original ``sizes[i]``), in one pass of the tower.
 
+        ``num_encoded_images`` counts the images, so tests and metrics can prove an image was encoded once.
+
         Raises:
             ValueError: no vision tower.
         """
+        self.num_encoded_images += len(images)
         vcfg = self.config.vision
         if vcfg is not None and vcfg.any_resolution:
             return self._encode_tiled(images, sizes)

@@ -20,8 +20,9 @@ from mm_serve.models.vision_towers import TOWERS
 class VisionEncoder(nn.Module):
     """``pixel_values [N, 3, H, W]`` → patch features ``[N, num_image_tokens, hidden * num_layers]``.
 
-    ``num_encoded_images`` counts images that went through the tower, so tests and
-    metrics can prove an image was encoded once.
+    ``num_encoded_tiles`` counts the ``[3, H, W]`` inputs that went through the tower (an
+    any-resolution image is several); images are counted by
+    :meth:`~mm_serve.models.llava.MultimodalLM.encode_image_list`.
     """
 
     def __init__(self, cfg: VisionConfig) -> None:
@@ -31,7 +32,7 @@ class VisionEncoder(nn.Module):
         hf_cfg = getattr(transformers, kind.config_class)(**{k: v for k, v in cfg.hf_config.items() if k != "model_type"})
         hf_cfg._attn_implementation = "sdpa"
         self.tower = getattr(transformers, kind.model_class)(hf_cfg)
-        self.num_encoded_images = 0
+        self.num_encoded_tiles = 0
 
     @property
     def out_features(self) -> int:
@@ -43,5 +44,5 @@ class VisionEncoder(nn.Module):
         pool = [hidden_states[i] for i in self.config.feature_layers]
         if self.config.select_strategy == "default":
             pool = [h[:, 1:] for h in pool]
-        self.num_encoded_images += int(pixel_values.shape[0])
+        self.num_encoded_tiles += int(pixel_values.shape[0])
         return pool[0] if len(pool) == 1 else torch.cat(pool, dim=-1)
