@@ -11,7 +11,14 @@ import numpy as np
 import zmq
 from PIL import Image
 
-from mm_serve.models.builder import TinyModelSpec, build_llama, build_llava, build_llava_next
+from mm_serve.models.builder import (
+    ONEVISION_SPEC,
+    TinyModelSpec,
+    build_llama,
+    build_llava,
+    build_llava_next,
+    build_llava_onevision,
+)
 from mm_serve.runtime.worker_channel import WorkerChannel
 
 SPECS: dict[str, TinyModelSpec] = {
@@ -30,6 +37,8 @@ SPECS: dict[str, TinyModelSpec] = {
     "qwen2": TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True, num_layers=3),
     # LLaVA-NeXT: 56 px tiles on grids up to 2x2 and 1x3 (builder's grid_pinpoints), CLIP, Llama
     "llava-next": TinyModelSpec(),
+    # LLaVA-OneVision: SigLIP (all positions), Qwen2, grids up to 4x4 pooled above anyres_max_4
+    "llava-onevision": ONEVISION_SPEC,
 }
 
 
@@ -44,6 +53,8 @@ def build_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
         return build_llama(out, seed, spec)
     if kind == "llava-next":
         return build_llava_next(out, seed, spec)
+    if kind == "llava-onevision":
+        return build_llava_onevision(out, seed, spec)
     return build_llava(out, seed, spec)
 
 

@@ -103,7 +103,8 @@ def test_an_unsupported_architecture_is_refused_naming_those_supported(tiny_llam
     (model_dir / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(CheckpointError, match=r"architecture 'GPT2LMHeadModel' is not supported; supported "
                                               r"architectures: LlavaForConditionalGeneration, "
-                                              r"LlavaNextForConditionalGeneration, LlamaForCausalLM, "
+                                              r"LlavaNextForConditionalGeneration, "
+                                              r"LlavaOnevisionForConditionalGeneration, LlamaForCausalLM, "
                                               r"MistralForCausalLM, Qwen2ForCausalLM"):
         load_model_config(model_dir)
 

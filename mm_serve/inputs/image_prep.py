@@ -3,9 +3,11 @@ image tokens each placeholder expands to.
 
 * :class:`FixedSizeImages` (LLaVA-1.5 style): one preprocessed ``[3, H, W]`` per image
   (:class:`~mm_serve.media.image_processor.ImageProcessor`), the same token count for every image.
-* :class:`AnyResImages` (LLaVA-NeXT): transformers' own ``LlavaNextImageProcessorPil`` tiles each
-  image at its best resolution (the whole image, then its grid); the tokens each image makes follow
-  from its size (:func:`~mm_serve.models.llava_next.anyres.num_image_tokens`).
+* :class:`AnyResImages` (LLaVA-NeXT, LLaVA-OneVision): transformers' own image processor of the
+  family (``LlavaNextImageProcessorPil``, ``LlavaOnevisionImageProcessorPil``) tiles each image at its
+  best resolution (the whole image, then its grid); the tokens each image makes follow from its size
+  (:func:`~mm_serve.models.llava_next.anyres.num_image_tokens`). OneVision's images that share a
+  prompt are one square-padded tile each, as its processor makes them.
 """
 
 from __future__ import annotations
@@ -48,23 +50,40 @@ class FixedSizeImages:
         return PreparedImages(self.processor(images), [self.tokens] * len(images))
 
 
+# transformers' image processor of each any-resolution family (its PIL backend: no torchvision needed)
+PROCESSORS = {"llava_next": "LlavaNextImageProcessorPil", "llava_onevision": "LlavaOnevisionImageProcessorPil"}
+
+
 class AnyResImages:
-    """LLaVA-NeXT tiling by transformers' ``LlavaNextImageProcessorPil`` (the checkpoint's
-    ``preprocessor_config.json``), tokens by the model's pinpoints."""
+    """Any-resolution tiling by transformers' image processor of the family (the checkpoint's
+    ``preprocessor_config.json``), tokens by the model's pinpoints.
 
-    def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
-        from transformers import LlavaNextImageProcessorPil
+    Raises (construction):
+        ValueError: a family without an any-resolution processor.
+    """
 
-        self.processor = LlavaNextImageProcessorPil.from_pretrained(str(model_dir))
+    def __init__(self, model_dir: str | Path, family: str, vision: VisionConfig) -> None:
+        import transformers
+
+        if family not in PROCESSORS:
+            raise ValueError(f"no any-resolution image processor for {family!r} (only {', '.join(PROCESSORS)})")
+        self.processor = getattr(transformers, PROCESSORS[family]).from_pretrained(str(model_dir))
         self.vision = vision
+        drop_first = vision.select_strategy == "default"
+        # one tile alone: its positions (and class token) less the first under ``default``, and a newline
+        self.one_tile_tokens = (vision.image_size // vision.patch_size) ** 2 + vision.class_token - drop_first + 1
 
     def __call__(self, images: Sequence[Image.Image], details: Sequence[str | None] = ()) -> PreparedImages:
         """Each image processed alone (no padding to another image's tile count). ``details[i]`` ``low``
         keeps only the whole-image tile: its features and one newline (OpenAI's low detail: fewer tokens,
-        faster); ``high`` or ``auto`` the full tiling."""
+        faster); ``high`` or ``auto`` the full tiling. OneVision: two or more images, one tile each."""
+        if len(images) > 1 and self.vision.multi_image_untiled:
+            rgbs = [to_rgb(image) for image in images]
+            pixels = self.processor(images=[rgbs], return_tensors="pt")["pixel_values"][:, 0]  # [N, 3, H, W]
+            return PreparedImages(pixels, [self.one_tile_tokens] * len(rgbs), [1] * len(rgbs),
+                                  [(int(rgb.height), int(rgb.width)) for rgb in rgbs])
         vision = self.vision
         drop_first = vision.select_strategy == "default"
-        low_tokens = (vision.image_size // vision.patch_size) ** 2 + (1 if vision.class_token else 0) - drop_first + 1
         pixels, tiles, sizes, counts = [], [], [], []
         for i, image in enumerate(images):
             rgb = to_rgb(image)
@@ -74,11 +93,16 @@ class AnyResImages:
             pixels.append(tiled[:1] if low else tiled)
             tiles.append(1 if low else int(tiled.shape[0]))
             sizes.append(size)
-            counts.append(low_tokens if low else num_image_tokens(size, vision.grid_pinpoints, vision.image_size,
-                                                                  vision.patch_size, vision.class_token, drop_first))
+            counts.append(self.one_tile_tokens if low else num_image_tokens(
+                size, vision.grid_pinpoints, vision.image_size, vision.patch_size, vision.class_token, drop_first,
+                vision.max_num_patches))
         return PreparedImages(torch.cat(pixels, dim=0), counts, tiles, sizes)
 
 
-def image_prep(model_dir: str | Path, vision: VisionConfig) -> FixedSizeImages | AnyResImages:
-    """The image preparation of a checkpoint with ``vision``."""
-    return AnyResImages(model_dir, vision) if vision.any_resolution else FixedSizeImages(model_dir, vision)
+def image_prep(model_dir: str | Path, family: str, vision: VisionConfig) -> FixedSizeImages | AnyResImages:
+    """The image preparation of a checkpoint of ``family`` (``ModelConfig.model_type``) with ``vision``.
+
+    Raises:
+        ValueError: an any-resolution ``vision`` of a family without a processor for it.
+    """
+    return AnyResImages(model_dir, family, vision) if vision.any_resolution else FixedSizeImages(model_dir, vision)

@@ -61,7 +61,7 @@ class InputProcessor:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.image_processor: FixedSizeImages | AnyResImages | None = None
         if config.vision is not None:
-            self.image_processor = image_prep(model_dir, config.vision)
+            self.image_processor = image_prep(model_dir, config.model_type, config.vision)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -7,14 +7,15 @@ same code path as any downloaded model:
   model, CLIP vision tower, projector, tokenizer + chat template,
   ``preprocessor_config.json`` and ``processor_config.json``); ``llava-siglip`` with a SigLIP tower
   (``SiglipImageProcessor`` preprocessing), ``llava-qwen2`` with a Qwen2 decoder; ``llava-next`` a
-  ``LlavaNextForConditionalGeneration`` one (any-resolution tiling);
+  ``LlavaNextForConditionalGeneration`` one (any-resolution tiling); ``llava-onevision`` a
+  ``LlavaOnevisionForConditionalGeneration`` one (SigLIP, Qwen2, tiles pooled to ``anyres_max_4``);
 * ``llama``: a plain ``LlamaForCausalLM`` directory; ``qwen2`` a ``Qwen2ForCausalLM`` one.
 
 Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llama,qwen2,bench,bench-llama}
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,llama,qwen2,bench,bench-llama}
 --out DIR [--seed S]``.
 """
 
@@ -61,6 +62,8 @@ class TinyModelSpec:
     grid_pinpoints: list[list[int]] = field(default_factory=lambda: [[56, 112], [112, 56], [112, 112], [56, 168],
                                                                      [168, 56]])
     vision_tower: str = "clip"  # or "siglip" (no class token; resize without crop, mean/std 0.5)
+    # LLaVA-OneVision only: the grid features an image keeps are pooled to about N tiles' worth
+    vision_aspect_ratio: str = "anyres_max_4"
 
 
 # A benchmark preset: large enough that prefill and decode cost real compute on a 2-core CPU.
@@ -68,6 +71,15 @@ BENCH_SPEC = TinyModelSpec(
     vocab_size=2048, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
     num_kv_heads=4, initializer_range=0.05, image_size=224, patch_size=16, vision_hidden_size=256,
     vision_intermediate_size=1024, vision_layers=4, vision_heads=4,
+)
+
+
+# LLaVA-OneVision's shape: SigLIP's last layer, every position kept ("full"), a Qwen2 decoder; tiles up
+# to 4x4, pooled above anyres_max_4 so both a pooled and an unpooled grid occur among test images
+ONEVISION_SPEC = TinyModelSpec(
+    decoder="qwen2", rope_theta=1_000_000.0, vision_tower="siglip", vision_feature_layer=-1,
+    vision_feature_select_strategy="full",
+    grid_pinpoints=[[56, 56], [56, 112], [112, 56], [112, 112], [56, 224], [224, 56], [168, 168], [224, 224]],
 )
 
 
@@ -197,31 +209,50 @@ def build_llava_next(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | N
     """Write a random-weight llava-hf ``LlavaNextForConditionalGeneration`` checkpoint (any-resolution
     tiling over ``spec.grid_pinpoints``, CLIP tower) to ``out_dir``, with its image processor's and
     processor's config files; returns the path."""
-    import torch
-    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+    return _build_anyres(out_dir, seed, spec or TinyModelSpec(), onevision=False)
 
-    spec = spec or TinyModelSpec()
+
+def build_llava_onevision(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
+    """Write a random-weight llava-hf ``LlavaOnevisionForConditionalGeneration`` checkpoint (SigLIP
+    tower, Qwen2 decoder, tiles over ``spec.grid_pinpoints`` pooled to ``spec.vision_aspect_ratio``)
+    to ``out_dir``, with its image processor's and processor's config files; returns the path."""
+    return _build_anyres(out_dir, seed, spec or ONEVISION_SPEC, onevision=True)
+
+
+def _build_anyres(out_dir: str | Path, seed: int, spec: TinyModelSpec, onevision: bool) -> Path:
+    import torch
+    import transformers
+
+    family = "LlavaOnevision" if onevision else "LlavaNext"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
-    config = LlavaNextConfig(
+    extra: dict[str, Any] = {"vision_aspect_ratio": spec.vision_aspect_ratio, "video_token_index": 3} if onevision else {}
+    config = getattr(transformers, f"{family}Config")(
         text_config=_text_config(spec, vocab), vision_config=_vision_config(spec), image_token_index=4,
         vision_feature_layer=spec.vision_feature_layer,
-        vision_feature_select_strategy=spec.vision_feature_select_strategy,  # type: ignore[arg-type]
+        vision_feature_select_strategy=spec.vision_feature_select_strategy,
         image_grid_pinpoints=spec.grid_pinpoints, projector_hidden_act="gelu",
-        tie_word_embeddings=spec.tie_word_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings, **extra,
     )
     torch.manual_seed(seed)
-    model = LlavaNextForConditionalGeneration(config)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
     model.save_pretrained(out)
     tile = {"height": spec.image_size, "width": spec.image_size}
-    preprocessor = {**_preprocessor_config(spec), "image_processor_type": "LlavaNextImageProcessor",
-                    "size": {"shortest_edge": spec.image_size}, "crop_size": tile, "do_center_crop": True,
-                    "image_grid_pinpoints": spec.grid_pinpoints, "do_pad": True}
+    if onevision:  # a square resize of each tile, no crop
+        preprocessor = {**_preprocessor_config(spec), "size": tile, "do_center_crop": False}
+        processor = {"num_image_tokens": (spec.image_size // spec.patch_size) ** 2,
+                     "vision_aspect_ratio": spec.vision_aspect_ratio}
+    else:
+        preprocessor = {**_preprocessor_config(spec), "size": {"shortest_edge": spec.image_size}, "crop_size": tile,
+                        "do_center_crop": True}
+        processor = {}
+    preprocessor.update(image_processor_type=f"{family}ImageProcessor", image_grid_pinpoints=spec.grid_pinpoints,
+                        do_pad=True)
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
-    (out / "processor_config.json").write_text(json.dumps({**_processor_config(spec),
-                                                            "processor_class": "LlavaNextProcessor"}, indent=2))
-    _write_spec(out, spec, seed, "llava-next")
+    (out / "processor_config.json").write_text(json.dumps({**_processor_config(spec), **processor,
+                                                            "processor_class": f"{family}Processor"}, indent=2))
+    _write_spec(out, spec, seed, "llava-onevision" if onevision else "llava-next")
     return out
 
 
@@ -234,6 +265,7 @@ KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
     "llava-siglip": (build_llava, TinyModelSpec(vision_tower="siglip")),
     "llava-qwen2": (build_llava, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0)),
     "llava-next": (build_llava_next, TinyModelSpec()),
+    "llava-onevision": (build_llava_onevision, ONEVISION_SPEC),
     "llama": (build_llama, TinyModelSpec()),
     "qwen2": (build_llama, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True)),
     "bench": (build_llava, BENCH_SPEC),

@@ -108,7 +108,7 @@ class MultimodalLM(nn.Module):
             if size is None:
                 raise ValueError("an any-resolution image needs its original size")
             out.append(pack_image(feats, size, vcfg.grid_pinpoints, vcfg.image_size, vcfg.image_size // vcfg.patch_size,
-                                  self.image_newline))
+                                  self.image_newline, vcfg.max_num_patches))
         return out
 
     def embed(

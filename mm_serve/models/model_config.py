@@ -74,6 +74,11 @@ class VisionConfig:
     projector_bias: bool
     # LLaVA-NeXT: the (height, width) resolutions an image may be tiled at (empty: one fixed size)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    # LLaVA-OneVision: an image's unpadded grid features are pooled (bilinear) down to about this many
+    # tiles' worth when they exceed it by 10 % (``vision_aspect_ratio`` ``anyres_max_N``; 0: never)
+    max_num_patches: int = 0
+    # LLaVA-OneVision: in a prompt of several images, each is one square-padded tile (no grid)
+    multi_image_untiled: bool = False
 
     @property
     def any_resolution(self) -> bool:
@@ -89,7 +94,7 @@ class VisionConfig:
         from mm_serve.models.llava_next.anyres import max_image_tokens
 
         return max_image_tokens(self.grid_pinpoints, self.image_size, self.patch_size, self.class_token,
-                                self.select_strategy == "default")
+                                self.select_strategy == "default", self.max_num_patches)
 
     @property
     def num_image_tokens(self) -> int:

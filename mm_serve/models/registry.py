@@ -5,14 +5,11 @@ Each family is one row of :data:`FAMILIES`: the architectures it serves, how its
 and the transformers class that is the golden reference for it. A checkpoint of any other
 architecture is refused at load with the list of those supported.
 
-========================================  =========  ============================================
-architecture                              family     decoder, tower
-========================================  =========  ============================================
-``LlavaForConditionalGeneration``         llava      Llama / Mistral / Qwen2; CLIP or SigLIP tower
-``LlavaNextForConditionalGeneration``     llava_next the same, images tiled at any resolution
-``LlamaForCausalLM``, ``MistralForCausalLM``,  decoder   the text-only decoders
-``Qwen2ForCausalLM``
-========================================  =========  ============================================
+* ``LlavaForConditionalGeneration`` (llava): Llama / Mistral / Qwen2 decoder; CLIP or SigLIP tower.
+* ``LlavaNextForConditionalGeneration`` (llava_next): the same, images tiled at any resolution.
+* ``LlavaOnevisionForConditionalGeneration`` (llava_onevision): the same, grid features pooled to
+  ``anyres_max_N`` tiles; images sharing a prompt untiled.
+* ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (decoder): text only.
 """
 
 from __future__ import annotations
@@ -63,6 +60,23 @@ def _parse_llava_next(raw: dict[str, Any]) -> Parsed:
     return text, replace(vision, grid_pinpoints=tuple((int(h), int(w)) for h, w in pinpoints))
 
 
+def _parse_llava_onevision(raw: dict[str, Any]) -> Parsed:
+    """A llava-hf LLaVA-OneVision config: a LLaVA-NeXT config plus ``vision_aspect_ratio``
+    (``anyres_max_N``: the grid features an image keeps are pooled to about N tiles' worth), and
+    the rule that images sharing a prompt are not tiled.
+
+    Raises:
+        CheckpointError: as :func:`_parse_llava_next`, or a ``vision_aspect_ratio`` other than ``anyres_max_N``.
+    """
+    text, vision = _parse_llava_next(raw)
+    assert vision is not None
+    aspect = str(raw.get("vision_aspect_ratio", "anyres_max_9"))
+    cap = aspect.removeprefix("anyres_max_")
+    if cap == aspect or not cap.isdigit() or int(cap) < 1:
+        raise CheckpointError(f"vision_aspect_ratio {aspect!r} is not supported (anyres_max_N)")
+    return text, replace(vision, max_num_patches=int(cap), multi_image_untiled=True)
+
+
 def _parse_decoder(raw: dict[str, Any]) -> Parsed:
     """A text-only decoder's config."""
     return parse_text_config(raw), None
@@ -91,6 +105,8 @@ FAMILIES: Final = (
     ModelFamily("llava", ("LlavaForConditionalGeneration",), ("llava",), _parse_llava, "LlavaForConditionalGeneration"),
     ModelFamily("llava_next", ("LlavaNextForConditionalGeneration",), ("llava_next",), _parse_llava_next,
                 "LlavaNextForConditionalGeneration"),
+    ModelFamily("llava_onevision", ("LlavaOnevisionForConditionalGeneration",), ("llava_onevision",),
+                _parse_llava_onevision, "LlavaOnevisionForConditionalGeneration"),
     ModelFamily("decoder", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), TEXT_MODEL_TYPES,
                 _parse_decoder, "AutoModelForCausalLM"),
 )

@@ -1,12 +1,15 @@
-"""Any-resolution arithmetic of LLaVA-NeXT: the tile grid an image gets and the image tokens it makes.
+"""Any-resolution arithmetic of LLaVA-NeXT and LLaVA-OneVision: the tile grid an image gets and the
+image tokens it makes.
 
 Follows transformers' ``select_best_resolution``, ``image_size_to_num_patches``,
-``get_anyres_image_grid_shape`` and ``LlavaNextProcessor._get_number_of_features`` step for step, so
-the prompt expansion here and the features the model packs always agree in count.
+``get_anyres_image_grid_shape`` and ``LlavaNextProcessor._get_number_of_features`` (OneVision: its
+processor's ``_get_unpadded_features``, with the ``anyres_max_N`` pooling) step for step, so the
+prompt expansion here and the features the model packs always agree in count.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 Size = tuple[int, int]  # (height, width), pixels
@@ -59,11 +62,28 @@ def unpadded_grid(size: Size, rows: int, cols: int) -> Size:
     return rows, cols
 
 
+POOL_TOLERANCE = 1.1  # OneVision pools only when the grid's side exceeds the cap's by more than this
+
+
+def pooled_grid(rows: int, cols: int, per_side: int, max_num_patches: int) -> Size:
+    """(rows, columns) of an unpadded ``rows`` x ``cols`` feature map after LLaVA-OneVision's
+    ``anyres_max_N`` pooling: when its area exceeds ``max_num_patches`` tiles of ``per_side`` squared
+    positions by more than ``POOL_TOLERANCE`` in side, both sides are divided by that ratio and floored
+    (transformers' ``LlavaOnevisionModel.pack_image_features``); ``max_num_patches`` 0: unchanged."""
+    if max_num_patches <= 0:
+        return rows, cols
+    ratio = math.sqrt(rows * cols / (max_num_patches * per_side**2))
+    if ratio > POOL_TOLERANCE:
+        return int(rows // ratio), int(cols // ratio)
+    return rows, cols
+
+
 def num_image_tokens(size: Size, candidates: Sequence[Sequence[int]], tile: int, patch: int,
-                     class_token: bool, drop_first: bool) -> int:
-    """Image tokens an image of ``size`` (height, width) makes: its unpadded tile features with one
-    newline per row, and the whole image's features (``tile // patch`` squared positions, plus the
-    tower's class token, less one when the ``default`` strategy drops the first position).
+                     class_token: bool, drop_first: bool, max_num_patches: int = 0) -> int:
+    """Image tokens an image of ``size`` (height, width) makes: its unpadded tile features (pooled by
+    :func:`pooled_grid` under ``max_num_patches``) with one newline per row, and the whole image's
+    features (``tile // patch`` squared positions, plus the tower's class token, less one when the
+    ``default`` strategy drops the first position).
 
     Raises:
         ValueError: no candidates.
@@ -71,13 +91,19 @@ def num_image_tokens(size: Size, candidates: Sequence[Sequence[int]], tile: int,
     per_side = tile // patch
     rows, cols = grid_shape(size, candidates, tile)
     kept_rows, kept_cols = unpadded_grid(size, rows * per_side, cols * per_side)
+    kept_rows, kept_cols = pooled_grid(kept_rows, kept_cols, per_side, max_num_patches)
     base = per_side * per_side + (1 if class_token else 0)
     return kept_rows * kept_cols + kept_rows + base - (1 if drop_first else 0)
 
 
 def max_image_tokens(candidates: Sequence[Sequence[int]], tile: int, patch: int, class_token: bool,
-                     drop_first: bool) -> int:
-    """An upper bound of :func:`num_image_tokens` over every image size: the largest grid with nothing cut."""
+                     drop_first: bool, max_num_patches: int = 0) -> int:
+    """An upper bound of :func:`num_image_tokens` over every image size: the largest grid with nothing
+    cut, and under ``max_num_patches`` at most that many tiles' positions (times the tolerance squared,
+    below which nothing is pooled) plus a newline for each of the grid's rows."""
     per_side = tile // patch
     grid = max((h // tile) * per_side * ((w // tile) * per_side + 1) for h, w in candidates)
+    if max_num_patches > 0:
+        rows = max(h // tile for h, _ in candidates) * per_side
+        grid = min(grid, int(POOL_TOLERANCE**2 * max_num_patches * per_side**2) + rows)
     return grid + per_side * per_side + (1 if class_token else 0) - (1 if drop_first else 0)

@@ -1,10 +1,11 @@
-"""LLaVA-NeXT's packing of one image's tile features into its image-token embeddings.
+"""LLaVA-NeXT's (and LLaVA-OneVision's) packing of one image's tile features into its image-token embeddings.
 
 The whole image's features come first; then the grid tiles' features are laid out as one feature
 map of the image at its best resolution, the rows and columns that only padding made are cut
 (:func:`~mm_serve.models.llava_next.anyres.unpadded_grid`), and the ``image_newline`` embedding
-follows every row. Follows transformers' ``LlavaNextModel.pack_image_features`` (the
-``spatial_unpad`` merge), so the counts of :func:`~mm_serve.models.llava_next.anyres.num_image_tokens`
+follows every row; OneVision first pools a map larger than ``anyres_max_N`` tiles (bilinear).
+Follows transformers' ``LlavaNextModel.pack_image_features`` (the ``spatial_unpad`` merge) and
+``LlavaOnevisionModel.pack_image_features``, so the counts of :func:`~mm_serve.models.llava_next.anyres.num_image_tokens`
 and these rows always agree.
 """
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
-from mm_serve.models.llava_next.anyres import Size, grid_shape, unpadded_grid
+from mm_serve.models.llava_next.anyres import Size, grid_shape, pooled_grid, unpadded_grid
 
 
 def pack_image(features: torch.Tensor, size: Size, candidates: Sequence[Sequence[int]], tile: int,
-               per_side: int, newline: torch.Tensor) -> torch.Tensor:
+               per_side: int, newline: torch.Tensor, max_num_patches: int = 0) -> torch.Tensor:
     """One image's image-token embeddings ``[tokens, hidden]``.
 
     Args:
@@ -28,6 +30,7 @@ def pack_image(features: torch.Tensor, size: Size, candidates: Sequence[Sequence
         candidates: ``image_grid_pinpoints``; ``tile``: the tower's input size, pixels.
         per_side: feature positions along one side of a tile (``tile // patch``).
         newline: ``image_newline`` ``[hidden]``.
+        max_num_patches: OneVision's ``anyres_max_N`` (:func:`~mm_serve.models.llava_next.anyres.pooled_grid`); 0: none.
 
     Raises:
         ValueError: ``features`` does not hold the tiles the grid of ``size`` makes.
@@ -46,6 +49,10 @@ def pack_image(features: torch.Tensor, size: Size, candidates: Sequence[Sequence
     kept_rows, kept_cols = unpadded_grid(size, rows * per_side, cols * per_side)
     top, left = (rows * per_side - kept_rows) // 2, (cols * per_side - kept_cols) // 2
     fmap = fmap[:, top:top + kept_rows, left:left + kept_cols]
+    pooled = pooled_grid(kept_rows, kept_cols, per_side, max_num_patches)
+    if pooled != (kept_rows, kept_cols):
+        fmap = F.interpolate(fmap[None], list(pooled), mode="bilinear")[0]
+        kept_rows, kept_cols = pooled
     column = newline.to(fmap)[:, None, None].expand(hidden, kept_rows, 1)
     packed = torch.cat([fmap, column], dim=-1).flatten(1, 2).transpose(0, 1)
     return torch.cat([base, packed], dim=0)
