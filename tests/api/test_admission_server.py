@@ -88,7 +88,7 @@ def test_a_predicted_slo_miss_is_a_fast_429_with_retry_after(admission_server: S
 
 def test_a_burst_of_large_images_is_refused_fast_and_memory_stays_bounded(admission_server: ServerProcess) -> None:
     """16 calls of 2 images at once: those past the 64 MiB budget get 503 + Retry-After at once;
-    the API process grows by less than the budget plus the bodies; a normal request then passes.
+    the API process grows by less than the budget plus the bodies (raw and parsed); a normal request then passes.
     (A call admitted past the budget may still be refused by the prediction, 429 + Retry-After:
     the seconds it spent decoding its images count in its TTFT.)"""
     url = admission_server.url
@@ -116,7 +116,9 @@ def test_a_burst_of_large_images_is_refused_fast_and_memory_stays_bounded(admiss
     assert min(t for t, _, _ in refused) < 5.0
     assert min(server_ms for _, _, server_ms in refused) < 5000.0
     growth = _rss_bytes(admission_server.proc.pid) - rss_before
-    assert growth < (64 << 20) + 16 * 12 * (1 << 20), growth  # budget + the bodies held by the server
+    # the budget, plus every body held twice while its call is handled (the request's raw bytes and the
+    # parsed strings): on a loaded machine all 16 arrive and are parsed before the first is answered
+    assert growth < (64 << 20) + 16 * 2 * len(content), growth
     r = httpx.post(f"{url}/v1/chat/completions", json=_chat(), timeout=30)
     assert r.status_code == 200
 
