@@ -12,8 +12,10 @@ import zmq
 from PIL import Image
 
 from mm_serve.models.builder import (
+    FAST_VLM_SPEC,
     ONEVISION_SPEC,
     TinyModelSpec,
+    build_fast_vlm,
     build_llama,
     build_llava,
     build_llava_next,
@@ -39,6 +41,8 @@ SPECS: dict[str, TinyModelSpec] = {
     "llava-next": TinyModelSpec(),
     # LLaVA-OneVision: SigLIP (all positions), Qwen2, grids up to 4x4 pooled above anyres_max_4
     "llava-onevision": ONEVISION_SPEC,
+    # FastVLM: a timm FastViTHD tower (stride 64, 256 px -> 16 tokens), Qwen2
+    "fast-vlm": FAST_VLM_SPEC,
 }
 
 
@@ -55,6 +59,8 @@ def build_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
         return build_llava_next(out, seed, spec)
     if kind == "llava-onevision":
         return build_llava_onevision(out, seed, spec)
+    if kind == "fast-vlm":
+        return build_fast_vlm(out, seed, spec)
     return build_llava(out, seed, spec)
 
 

@@ -9,13 +9,14 @@ same code path as any downloaded model:
   (``SiglipImageProcessor`` preprocessing), ``llava-qwen2`` with a Qwen2 decoder; ``llava-next`` a
   ``LlavaNextForConditionalGeneration`` one (any-resolution tiling); ``llava-onevision`` a
   ``LlavaOnevisionForConditionalGeneration`` one (SigLIP, Qwen2, tiles pooled to ``anyres_max_4``);
+  ``fast-vlm`` a ``FastVlmForConditionalGeneration`` one (a timm FastViTHD tower, Qwen2);
 * ``llama``: a plain ``LlamaForCausalLM`` directory; ``qwen2`` a ``Qwen2ForCausalLM`` one.
 
 Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,llama,qwen2,bench,bench-llama}
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,llama,qwen2,bench,bench-llama}
 --out DIR [--seed S]``.
 """
 
@@ -61,7 +62,7 @@ class TinyModelSpec:
     # LLaVA-NeXT only: the (height, width) resolutions an image is tiled at, multiples of image_size
     grid_pinpoints: list[list[int]] = field(default_factory=lambda: [[56, 112], [112, 56], [112, 112], [56, 168],
                                                                      [168, 56]])
-    vision_tower: str = "clip"  # or "siglip" (no class token; resize without crop, mean/std 0.5)
+    vision_tower: str = "clip"  # or "siglip" (no class token; resize without crop, mean/std 0.5), "timm" (FastViTHD)
     # LLaVA-OneVision only: the grid features an image keeps are pooled to about N tiles' worth
     vision_aspect_ratio: str = "anyres_max_4"
 
@@ -80,6 +81,15 @@ ONEVISION_SPEC = TinyModelSpec(
     decoder="qwen2", rope_theta=1_000_000.0, vision_tower="siglip", vision_feature_layer=-1,
     vision_feature_select_strategy="full",
     grid_pinpoints=[[56, 56], [56, 112], [112, 56], [112, 112], [56, 224], [224, 56], [168, 168], [224, 224]],
+)
+
+
+# FastVLM's shape: a timm FastViTHD tower (stride 64, read at its last map, "full"), a Qwen2 decoder,
+# CLIP-style resize and crop with FastVLM's mean 0 / std 1; 256 px -> 4x4 = 16 tokens per image
+FAST_VLM_SPEC = TinyModelSpec(
+    decoder="qwen2", rope_theta=1_000_000.0, vision_tower="timm", image_size=256, patch_size=64,
+    vision_hidden_size=128, vision_feature_layer=-1, vision_feature_select_strategy="full",
+    image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0],
 )
 
 
@@ -141,7 +151,7 @@ def _processor_config(spec: TinyModelSpec) -> dict[str, Any]:
     return {
         "processor_class": "LlavaProcessor", "image_token": "<image>", "patch_size": spec.patch_size,
         "vision_feature_select_strategy": spec.vision_feature_select_strategy,
-        "num_additional_image_tokens": 0 if spec.vision_tower == "siglip" else 1,
+        "num_additional_image_tokens": 1 if spec.vision_tower == "clip" else 0,
     }
 
 
@@ -149,8 +159,18 @@ def _vision_config(spec: TinyModelSpec) -> Any:
     """transformers' config of the spec's vision tower."""
     from transformers import CLIPVisionConfig, SiglipVisionConfig
 
+    if spec.vision_tower == "timm":  # FastViTHD (timm's fastvit_mci3), one block per stage, narrow
+        from transformers import TimmWrapperConfig
+
+        widths = (16, 16, 32, 32, spec.vision_hidden_size // 2)  # its last stage doubles the width
+        timm_args: dict[str, Any] = {
+            "architecture": "fastvit_mci3", "hidden_size": spec.vision_hidden_size, "do_pooling": True,
+            "global_pool": "avg", "initializer_range": spec.initializer_range,
+            "model_args": {"inference_mode": True, "layers": (1, 1, 1, 1, 1), "embed_dims": widths},
+        }
+        return TimmWrapperConfig(**timm_args)
     if spec.vision_tower not in ("clip", "siglip"):
-        raise ValueError(f"vision_tower must be clip or siglip, got {spec.vision_tower!r}")
+        raise ValueError(f"vision_tower must be clip, siglip or timm, got {spec.vision_tower!r}")
     sizes: dict[str, Any] = {"hidden_size": spec.vision_hidden_size, "intermediate_size": spec.vision_intermediate_size,
              "num_hidden_layers": spec.vision_layers, "num_attention_heads": spec.vision_heads,
              "image_size": spec.image_size, "patch_size": spec.patch_size}
@@ -256,6 +276,32 @@ def _build_anyres(out_dir: str | Path, seed: int, spec: TinyModelSpec, onevision
     return out
 
 
+def build_fast_vlm(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
+    """Write a random-weight ``FastVlmForConditionalGeneration`` checkpoint (a timm FastViTHD tower
+    built with ``pretrained=False``, Qwen2 decoder; each image ``(image_size // patch_size)**2``
+    tokens, the tower's total stride being ``patch_size``) to ``out_dir``, with ``LlavaProcessor``'s
+    config files; returns the path."""
+    import torch
+    from transformers import FastVlmConfig, FastVlmForConditionalGeneration
+
+    spec = spec or FAST_VLM_SPEC
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
+    config = FastVlmConfig(
+        text_config=_text_config(spec, vocab), vision_config=_vision_config(spec), image_token_index=4,
+        image_seq_length=(spec.image_size // spec.patch_size) ** 2, projector_hidden_act="gelu",
+        tie_word_embeddings=spec.tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = FastVlmForConditionalGeneration(config)
+    model.save_pretrained(out)
+    (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2))
+    (out / "processor_config.json").write_text(json.dumps(_processor_config(spec), indent=2))
+    _write_spec(out, spec, seed, "fast-vlm")
+    return out
+
+
 def _write_spec(out: Path, spec: TinyModelSpec, seed: int, kind: str) -> None:
     (out / "mm_serve_build.json").write_text(json.dumps({"kind": kind, "seed": seed, **asdict(spec)}, indent=2))
 
@@ -266,6 +312,7 @@ KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
     "llava-qwen2": (build_llava, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0)),
     "llava-next": (build_llava_next, TinyModelSpec()),
     "llava-onevision": (build_llava_onevision, ONEVISION_SPEC),
+    "fast-vlm": (build_fast_vlm, FAST_VLM_SPEC),
     "llama": (build_llama, TinyModelSpec()),
     "qwen2": (build_llama, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True)),
     "bench": (build_llava, BENCH_SPEC),

@@ -9,12 +9,14 @@ architecture is refused at load with the list of those supported.
 * ``LlavaNextForConditionalGeneration`` (llava_next): the same, images tiled at any resolution.
 * ``LlavaOnevisionForConditionalGeneration`` (llava_onevision): the same, grid features pooled to
   ``anyres_max_N`` tiles; images sharing a prompt untiled.
+* ``FastVlmForConditionalGeneration`` (fast_vlm): a timm tower (FastViTHD) read at its last feature map.
 * ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (decoder): text only.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,7 +37,7 @@ from mm_serve.models.model_config import (
 Parsed = tuple[TextConfig, VisionConfig | None]
 
 
-def _parse_llava(raw: dict[str, Any]) -> Parsed:
+def _parse_llava(raw: dict[str, Any], model_dir: Path) -> Parsed:
     """A llava-hf config: its ``text_config`` decoder and its tower and projector keys."""
     text = parse_text_config(dict(raw.get("text_config") or {}))
     if raw.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in (raw.get("text_config") or {}):
@@ -43,14 +45,14 @@ def _parse_llava(raw: dict[str, Any]) -> Parsed:
     return text, parse_vision_config(raw)
 
 
-def _parse_llava_next(raw: dict[str, Any]) -> Parsed:
+def _parse_llava_next(raw: dict[str, Any], model_dir: Path) -> Parsed:
     """A llava-hf LLaVA-NeXT config: a llava config plus ``image_grid_pinpoints``.
 
     Raises:
         CheckpointError: no pinpoints, or the ``full`` strategy on a tower with a class token (its
             tiles' features would not form a square grid).
     """
-    text, vision = _parse_llava(raw)
+    text, vision = _parse_llava(raw, model_dir)
     assert vision is not None
     pinpoints = raw.get("image_grid_pinpoints") or []
     if not pinpoints or any(len(p) != 2 for p in pinpoints):
@@ -60,7 +62,7 @@ def _parse_llava_next(raw: dict[str, Any]) -> Parsed:
     return text, replace(vision, grid_pinpoints=tuple((int(h), int(w)) for h, w in pinpoints))
 
 
-def _parse_llava_onevision(raw: dict[str, Any]) -> Parsed:
+def _parse_llava_onevision(raw: dict[str, Any], model_dir: Path) -> Parsed:
     """A llava-hf LLaVA-OneVision config: a LLaVA-NeXT config plus ``vision_aspect_ratio``
     (``anyres_max_N``: the grid features an image keeps are pooled to about N tiles' worth), and
     the rule that images sharing a prompt are not tiled.
@@ -68,7 +70,7 @@ def _parse_llava_onevision(raw: dict[str, Any]) -> Parsed:
     Raises:
         CheckpointError: as :func:`_parse_llava_next`, or a ``vision_aspect_ratio`` other than ``anyres_max_N``.
     """
-    text, vision = _parse_llava_next(raw)
+    text, vision = _parse_llava_next(raw, model_dir)
     assert vision is not None
     aspect = str(raw.get("vision_aspect_ratio", "anyres_max_9"))
     cap = aspect.removeprefix("anyres_max_")
@@ -77,7 +79,37 @@ def _parse_llava_onevision(raw: dict[str, Any]) -> Parsed:
     return text, replace(vision, max_num_patches=int(cap), multi_image_untiled=True)
 
 
-def _parse_decoder(raw: dict[str, Any]) -> Parsed:
+def _parse_fast_vlm(raw: dict[str, Any], model_dir: Path) -> Parsed:
+    """A FastVLM config: a llava config whose tower is a timm model (``timm_wrapper``, FastViTHD),
+    read at its last feature map (layer -1, strategy ``full``). Each image makes ``image_seq_length``
+    tokens, a square grid; the tower's input size is the image processor's crop
+    (``preprocessor_config.json``), so its patch is that size over the grid's side.
+
+    Raises:
+        CheckpointError: another tower, layer or strategy; a token count that is not a square
+            dividing the input size; no readable crop size.
+    """
+    text, vision = _parse_llava(raw, model_dir)
+    assert vision is not None
+    if vision.tower != "timm_wrapper" or vision.feature_layers != (-1,) or vision.select_strategy != "full":
+        raise CheckpointError("FastVLM needs a timm_wrapper tower read at layer -1 with strategy 'full'")
+    tokens = int(raw.get("image_seq_length", 0))
+    side = math.isqrt(tokens)
+    processor = Path(model_dir) / "preprocessor_config.json"
+    try:
+        pre = json.loads(processor.read_text())
+        crop = pre.get("crop_size") or pre.get("size") or {}
+        size = int(crop.get("height") or crop.get("shortest_edge") or 0)
+    except (OSError, json.JSONDecodeError, TypeError, ValueError, AttributeError):
+        size = 0
+    if size < 1:
+        raise CheckpointError(f"{processor}: no readable crop_size (the timm tower's input size)")
+    if tokens < 1 or side * side != tokens or size % side:
+        raise CheckpointError(f"image_seq_length {tokens} is not a square grid dividing the {size} px input")
+    return text, replace(vision, image_size=size, patch_size=size // side)
+
+
+def _parse_decoder(raw: dict[str, Any], model_dir: Path) -> Parsed:
     """A text-only decoder's config."""
     return parse_text_config(raw), None
 
@@ -90,14 +122,14 @@ class ModelFamily:
         name: the family's name (``ModelConfig.model_type`` of its checkpoints).
         architectures: the ``config.json`` ``architectures`` it serves.
         model_types: the ``model_type`` values it serves when ``architectures`` is absent.
-        parse: ``config.json`` (a dict) -> (decoder config, vision config or None).
+        parse: ``config.json`` (a dict) and the checkpoint folder -> (decoder config, vision config or None).
         reference: transformers' class name the family's outputs are tested against.
     """
 
     name: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
-    parse: Callable[[dict[str, Any]], Parsed]
+    parse: Callable[[dict[str, Any], Path], Parsed]
     reference: str
 
 
@@ -107,6 +139,8 @@ FAMILIES: Final = (
                 "LlavaNextForConditionalGeneration"),
     ModelFamily("llava_onevision", ("LlavaOnevisionForConditionalGeneration",), ("llava_onevision",),
                 _parse_llava_onevision, "LlavaOnevisionForConditionalGeneration"),
+    ModelFamily("fast_vlm", ("FastVlmForConditionalGeneration",), ("fast_vlm",), _parse_fast_vlm,
+                "FastVlmForConditionalGeneration"),
     ModelFamily("decoder", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), TEXT_MODEL_TYPES,
                 _parse_decoder, "AutoModelForCausalLM"),
 )
@@ -143,7 +177,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
     try:
         family = family_of(raw)
-        text, vision = family.parse(raw)
+        text, vision = family.parse(raw, Path(model_dir))
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
     gen_path = Path(model_dir) / "generation_config.json"

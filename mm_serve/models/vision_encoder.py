@@ -32,6 +32,7 @@ class VisionEncoder(nn.Module):
         hf_cfg = getattr(transformers, kind.config_class)(**{k: v for k, v in cfg.hf_config.items() if k != "model_type"})
         hf_cfg._attn_implementation = "sdpa"
         self.tower = getattr(transformers, kind.model_class)(hf_cfg)
+        self.final_map = kind.final_map
         self.num_encoded_tiles = 0
 
     @property
@@ -39,6 +40,9 @@ class VisionEncoder(nn.Module):
         return self.config.hidden_size * len(self.config.feature_layers)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.final_map:  # a timm tower: its last feature map [N, C, h, w] -> [N, h * w, C]
+            self.num_encoded_tiles += int(pixel_values.shape[0])
+            return self.tower(pixel_values, return_dict=True).last_hidden_state.flatten(2).transpose(1, 2)
         out = self.tower(pixel_values, output_hidden_states=True, return_dict=True)
         hidden_states = out.hidden_states
         pool = [hidden_states[i] for i in self.config.feature_layers]
