@@ -14,7 +14,7 @@ import torch
 from mm_serve import LLM, SamplingParams
 from mm_serve.kernels.paged_attention_ref import decode_attention_padded, decode_attention_ref
 from mm_serve.runtime.decode_graphs import DecodeGraphs, batch_bucket, pages_bucket
-from tests.factories import gradient_image
+from tests.factories import build_checkpoint, gradient_image
 
 Q = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 
@@ -55,6 +55,15 @@ def test_capture_needs_cuda(tiny_llava: Path) -> None:
 
 @pytest.mark.parametrize("max_batch", [64, 2], ids=["all-padded", "larger-batches-uncaptured"])
 def test_padded_step_generates_the_same_tokens(tiny_llava: Path, max_batch: int) -> None:
+    _padded_equals_plain(tiny_llava, max_batch)
+
+
+def test_padded_step_on_a_qwen2_decoder(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases through the padded step (LLaVA-OneVision's and FastVLM's decoder)."""
+    _padded_equals_plain(build_checkpoint("llava-qwen2", tmp_path / "llava-qwen2"), 64)
+
+
+def _padded_equals_plain(tiny_llava: Path, max_batch: int) -> None:
     requests = [
         {"prompt": "Serving a language model means"},
         {"prompt_token_ids": [7]},
