@@ -123,7 +123,8 @@ class PrefillWorker(WorkerShell):
     def _prefill(self, batch: list[Request]) -> None:
         started, cpu_started = time.monotonic(), time.process_time()
         self.channel.send(messages.PrefillStarted(self.role, self.spec.index, [r.request_id for r in batch]))
-        encoded_before = self.model.num_encoded_images
+        vision = self.model.vision  # the work done is priced in tower passes (a tiled image makes several)
+        encoded_before = 0 if vision is None else vision.num_encoded_tiles
         for request in batch:
             if not request.block_table:  # its first pass: cached prefix pages shared, fresh pages for the rest
                 self.prefix.allocate(request)
@@ -155,7 +156,7 @@ class PrefillWorker(WorkerShell):
             request.num_cached_tokens, request.prefill_end = request.prefill_end, 0
             self.scheduler.add_front(request)
         # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
-        encoded = self.model.num_encoded_images - encoded_before
+        encoded = 0 if vision is None else vision.num_encoded_tiles - encoded_before
         cpu = (time.process_time() - cpu_started) / torch.get_num_threads() if self.kv_cache.data.device.type == "cpu" else 0.0
         timing = messages.StepTiming("prefill", time.monotonic() - started, len(batch), computed, encoded, cpu)
         self.send([token_update(request, with_events=True) for request in ready], timing)

@@ -49,8 +49,9 @@ class AdmissionController(AdmissionLearning):
 
     def predict(self, load: LoadSource, tier: Tier, tokens: int, images: int, max_tokens: int,
                 inputs: ProcessedInputs | None = None) -> Prediction | None:
-        """The prediction for one request of ``tokens`` prompt tokens in ``tier``; None while a role has no
-        ready worker (the request then waits for one, bounded by ``api.timeout_ms``). With its
+        """The prediction for one request of ``tokens`` prompt tokens and ``images`` tower passes (its
+        images, a tiled image counting each tile: :attr:`ProcessedInputs.num_tiles`) in ``tier``; None
+        while a role has no ready worker (the request then waits for one, bounded by ``api.timeout_ms``). With its
         ``inputs``, the tokens and images the chosen prefill worker is believed to hold in its
         prefix cache are not counted in its own prefill."""
         view = load.load_view(tier, tokens, max_tokens) if inputs is None else \

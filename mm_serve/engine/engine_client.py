@@ -164,15 +164,17 @@ class EngineClient:
             num_images = 0 if inputs is None else inputs.num_images
             encode = flights.router.images_to_encode(view.prefill, image_hashes) if image_hashes and len(
                 image_hashes) == num_images else [True] * num_images
-            view = dataclasses.replace(view, in_flight=len(self.requests), cached_images=encode.count(False))
+            tiles = [1] * num_images if inputs is None else inputs.tiles_per_image
+            view = dataclasses.replace(view, in_flight=len(self.requests),
+                                       cached_images=sum(n for n, e in zip(tiles, encode, strict=True) if not e))
         if not view.cached_pages or inputs is None:
             return view
         tokens = min(view.cached_pages * self.config.kv_cache.page_size, num_tokens - 1)  # the last is computed
         key = self.prefix_key
         spans = image_spans(inputs.prompt_token_ids, key.image_token_id, inputs.image_token_counts)
         in_prefix = [i < len(spans) and spans[i][1] <= tokens for i in range(len(encode))]
-        return dataclasses.replace(view, cached_tokens=tokens,
-                                   cached_images=sum(1 for p, e in zip(in_prefix, encode, strict=True) if p or not e))
+        return dataclasses.replace(view, cached_tokens=tokens, cached_images=sum(
+            n for n, p, e in zip(inputs.tiles_per_image, in_prefix, encode, strict=True) if p or not e))
 
     def load_views(self, tier: Tier, num_tokens: int, max_tokens: int) -> list[LoadView]:
         """:meth:`load_view` as if each ready prefill worker were the one picked (no cache

@@ -115,7 +115,7 @@ class FlightTable:
         flight.prefill, flight.decode = prefill, decode
         self._wire[flight.wire_id] = flight
         tokens, images = self.router.work_left(prefill, n, flight.first.num_images, flight.page_hashes,
-                                               flight.first.image_hashes)
+                                               flight.first.image_hashes, flight.first.image_tiles)
         self.ledger.dispatched(flight.wire_id, prefill, decode, tokens, self.decode_pages(n, 1),
                                Tier.clamp(flight.first.priority), images,
                                0.0 if self.colocated else flight.first.max_wait_s,  # colocated: no ageing

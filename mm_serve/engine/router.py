@@ -131,14 +131,18 @@ class Router:
         return [not h and digest not in image_hashes[:i] for i, (h, digest) in enumerate(zip(held, image_hashes, strict=True))]
 
     def work_left(self, prefill: int, tokens: int, images: int, page_hashes: Sequence[bytes] = (),
-                  image_hashes: Sequence[bytes] = ()) -> tuple[int, int]:
-        """(prompt tokens, images) that prefill worker ``prefill`` must compute for a request sent
-        to it now with ``tokens`` tokens and ``images`` images: its believed-cached prefix and
-        images held in its encoder cache (by ``image_hashes``, one per image) left out, at least the
-        last token counted. From now on the worker is believed to hold the request's pages and images."""
+                  image_hashes: Sequence[bytes] = (), tiles: Sequence[int] = ()) -> tuple[int, int]:
+        """(prompt tokens, tower passes) that prefill worker ``prefill`` must compute for a request
+        sent to it now with ``tokens`` tokens and ``images`` images of ``tiles`` tower passes each
+        (empty: one each): its believed-cached prefix and the images held in its encoder cache (by
+        ``image_hashes``, one per image) left out, at least the last token counted. From now on the
+        worker is believed to hold the request's pages and images."""
+        passes = list(tiles) if len(tiles) == images else [1] * images
         if self.encoded is not None and len(image_hashes) == images:
-            images = sum(self.images_to_encode(prefill, image_hashes))
+            encode = self.images_to_encode(prefill, image_hashes)
+            passes = [n for n, fresh in zip(passes, encode, strict=True) if fresh]
             self.encoded.record(prefill, image_hashes)
+        images = sum(passes)
         if self.cache_aware and page_hashes:
             tokens -= min(self.cached_tokens(prefill, page_hashes), tokens - 1)
             self.prefixes.record(prefill, page_hashes)

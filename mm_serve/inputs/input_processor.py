@@ -36,6 +36,17 @@ class ProcessedInputs:
     image_tiles: list[int] = field(default_factory=list)  # rows of pixel_values per image ([]: one each)
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (height, width) where features need it
 
+    @property
+    def tiles_per_image(self) -> list[int]:
+        """Tower passes of each image: its tiles, or one where the family does not tile."""
+        return self.image_tiles if self.image_tiles else [1] * self.num_images
+
+    @property
+    def num_tiles(self) -> int:
+        """Tower passes of all the request's images: the encode work admission prices (a LLaVA-NeXT image
+        at full detail is its whole-image tile and its grid's; at ``low`` one)."""
+        return sum(self.tiles_per_image)
+
 
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (offline).

@@ -267,7 +267,7 @@ class AdmissionGate:
         client = ctx.holder.client
 
         def ready() -> bool:
-            return ctx.admission.hold_reason(client, tier, len(inputs.prompt_token_ids), inputs.num_images,
+            return ctx.admission.hold_reason(client, tier, len(inputs.prompt_token_ids), inputs.num_tiles,
                                              params.max_tokens, inputs) is None
 
         longest = min(ctx.config.slo.of(tier).ttft_s / 2, ctx.config.api.timeout_ms / 2000.0)
@@ -290,7 +290,7 @@ class AdmissionGate:
             self._check_caps(tier, prepared)
             inputs, params = prepared[0]
             prediction = ctx.admission.admit(ctx.holder.client, tier, len(inputs.prompt_token_ids),
-                                             inputs.num_images, params.max_tokens, inputs, waited,
+                                             inputs.num_tiles, params.max_tokens, inputs, waited,
                                              refuse=not committed)
         if ctx.tier_metrics is not None:
             ctx.tier_metrics.observe_admission(tier, None)

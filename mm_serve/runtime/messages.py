@@ -171,7 +171,7 @@ class StepTiming(msgspec.Struct):
     seconds: float  # prefill: wall-clock time of the batch; decode: the step's period (what a running request waited)
     requests: int  # requests in the batch
     tokens: int  # prefill: prompt tokens of the batch (image tokens included); decode: context tokens
-    images: int = 0  # prefill: images encoded
+    images: int = 0  # prefill: tower passes (images, or tiles of a tiling family's images) encoded
     # prefill on a CPU: the worker's CPU seconds over the batch per torch thread (time.process_time), which
     # time slices taken by other processes on its cores do not inflate; 0: not measured (a GPU's batch runs
     # on the device)

@@ -118,8 +118,8 @@ class Books:
     def dispatched(self, request_id: str, prefill: int, decode: int, tokens: int, pages: int, rank: int = 1,
                    images: int = 0, page_hashes: Sequence[bytes] = (), max_wait_s: float = 0.0,
                    now: float | None = None, arrived_at: float | None = None,
-                   image_hashes: Sequence[bytes] = ()) -> None:
-        tokens, images = self.router.work_left(prefill, tokens, images, page_hashes, image_hashes)
+                   image_hashes: Sequence[bytes] = (), tiles: Sequence[int] = ()) -> None:
+        tokens, images = self.router.work_left(prefill, tokens, images, page_hashes, image_hashes, tiles)
         self.ledger.dispatched(request_id, prefill, decode, tokens, pages, Tier(rank), images, max_wait_s, now,
                                arrived_at)
 

@@ -220,6 +220,21 @@ def test_an_image_sent_to_a_worker_lately_is_not_counted_as_an_image_to_encode_t
     assert plain.prefill[0].by_tier[1].images == 2 and plain.images_to_encode(0, [b"img"]) == [True]
 
 
+def test_tiled_images_are_counted_in_tower_passes_and_a_cached_one_counts_none() -> None:
+    """A LLaVA-NeXT image at full detail is 5 tower passes (its whole-image tile and a 2x2 grid), at
+    low detail 1: the queued work counts passes, and an image in the worker's encoder cache none."""
+    router = make_router(num_prefill=1, encoder_images=4)
+    router.dispatched("a", prefill=0, decode=0, tokens=120, pages=8, images=2, image_hashes=[b"big", b"low"],
+                      tiles=[5, 1])
+    assert router.prefill[0].by_tier[1].images == 6
+    router.dispatched("b", prefill=0, decode=0, tokens=120, pages=8, images=2, image_hashes=[b"big", b"new"],
+                      tiles=[5, 3])
+    assert router.prefill[0].by_tier[1].images == 6 + 3  # "big" is held there: only the new one's 3
+    plain = make_router(num_prefill=1)  # no encoder cache: every tile is encoded
+    plain.dispatched("c", prefill=0, decode=0, tokens=80, pages=6, images=1, image_hashes=[b"big"], tiles=[5])
+    assert plain.prefill[0].by_tier[1].images == 5
+
+
 def test_the_load_view_picks_the_prefix_holder_and_counts_its_cached_pages() -> None:
     router = make_router(num_prefill=2, cache_aware=True)
     router.dispatched("a", prefill=1, decode=0, tokens=40, pages=3, page_hashes=[b"p0", b"p1"])
