@@ -55,7 +55,7 @@ import yaml  # noqa: E402
 from mm_serve.bench.client import take_chunk  # noqa: E402
 from mm_serve.bench.launch import LocalServer  # noqa: E402
 from mm_serve.bench.records import RequestRecord  # noqa: E402
-from mm_serve.bench.requests import PlannedRequest, RequestFactory  # noqa: E402
+from mm_serve.bench.requests import PlannedRequest, RequestFactory, image_shapes  # noqa: E402
 from mm_serve.bench.server_metrics import parse_counters  # noqa: E402
 from mm_serve.bench.sweep import find_goodput  # noqa: E402
 from mm_serve.bench.tier_report import parse_tier_mix  # noqa: E402
@@ -293,12 +293,13 @@ class Bench:
         self.folder = folder
         self.health: dict[str, list[dict[str, Any]]] = {}  # "on 2x" -> /health admission samples
         model = load_model_config(Path(args.model)) if args.model != "embedded" else None
-        image_tokens = model.vision.num_image_tokens if model and model.vision else 576
-        image_size = model.vision.image_size if model and model.vision else 336
+        vision = model.vision if model else None
+        image_tokens = vision.max_image_tokens if vision else 576
         context = model.text.max_position_embeddings if model else 4096
         self.workload = make_workload("llava", image_tokens, context)
         mix = parse_tier_mix(args.tier_mix)
-        self.factory = RequestFactory("bench", "chat", Path(args.model) if model else None, image_size, tier_mix=mix)
+        shapes = image_shapes(vision)  # a tiling family (LLaVA-NeXT): images of mixed shapes and token counts
+        self.factory = RequestFactory("bench", "chat", Path(args.model) if model else None, shapes, tier_mix=mix)
         self.config = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
         if not (self.config.get("slo") or {}).get("tiers"):
             (ti, pi), (ts, ps) = (map(float, v.split(",")) for v in (args.slo_interactive, args.slo_standard))

@@ -6,7 +6,9 @@ with the model's own tokenizer when one is given (``tokenizer.json`` of the
 checkpoint, read with ``tokenizers``), else to ``4 * prompt_tokens`` characters (the
 workload module's estimate). The chat template adds a few tokens on top. Images
 are seeded RGB noise, ``image_size`` pixels square (the vision tower's input, so the
-server's resize is a no-op), JPEG-encoded into a ``data:`` URI.
+server's resize is a no-op), JPEG-encoded into a ``data:`` URI; for a family that tiles
+images at any resolution, each image's (width, height) is drawn from :func:`image_shapes`
+(its grid resolutions and smaller ones), so the requests' image-token counts are mixed.
 
 Every body asks for exactly ``output_tokens`` tokens (``max_tokens`` plus
 ``ignore_eos``, the vLLM extension; servers without it may stop early at EOS, and
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mm_serve.bench.tier_report import draw_tier
+from mm_serve.models.model_config import VisionConfig
 from mm_serve.workloads import RequestSpec
 
 Api = Literal["chat", "completions"]
@@ -85,13 +88,26 @@ class _TextSource:
         return doubled[start : start + num_chars].strip() or "Hello"
 
 
+def image_shapes(vision: VisionConfig | None) -> list[tuple[int, int]]:
+    """(width, height) pixels of the images a bench sends to a model with ``vision``: the tower's
+    input square for a fixed-size family (one shape); for an any-resolution family that square, each
+    of its grid resolutions and each at half size (so images make from one tile to the most)."""
+    if vision is None:
+        return [(336, 336)]
+    shapes = [(vision.image_size, vision.image_size)]
+    for height, width in vision.grid_pinpoints:
+        shapes += [(width, height), (max(1, width // 2), max(1, height // 2))]
+    return list(dict.fromkeys(shapes))
+
+
 @lru_cache(maxsize=64)
-def noise_image_uri(size: int, seed: int) -> str:
-    """A ``size`` x ``size`` RGB noise image (seeded) as a JPEG ``data:`` URI."""
+def noise_image_uri(size: int | tuple[int, int], seed: int) -> str:
+    """A ``size`` x ``size`` (or (width, height)) RGB noise image (seeded) as a JPEG ``data:`` URI."""
     import numpy as np
     from PIL import Image
 
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    width, height = (size, size) if isinstance(size, int) else size
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(pixels, "RGB").save(buf, format="JPEG", quality=85)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -101,12 +117,20 @@ class RequestFactory:
     """Builds streaming OpenAI bodies (chat or completions) for sampled request specs."""
 
     def __init__(self, model_name: str, api: Api = "chat", tokenizer_dir: Path | None = None,
-                 image_size: int = 336, ignore_eos: bool = True, tier_mix: dict[str, float] | None = None) -> None:
-        if image_size < 1:
+                 image_size: int | Sequence[tuple[int, int]] = 336, ignore_eos: bool = True,
+                 tier_mix: dict[str, float] | None = None) -> None:
+        """``image_size``: pixels of each square image, or the (width, height) shapes each image is
+        drawn from (:func:`image_shapes`).
+
+        Raises:
+            ValueError: a size under a pixel, or no shapes.
+        """
+        shapes = [(image_size, image_size)] if isinstance(image_size, int) else [tuple(s) for s in image_size]
+        if not shapes or min(min(s) for s in shapes) < 1:
             raise ValueError(f"image size must be >= 1 pixel, got {image_size}")
         self.model_name = model_name
         self.api = api
-        self.image_size = image_size
+        self.image_shapes: list[tuple[int, int]] = shapes  # type: ignore[assignment]
         self.ignore_eos = ignore_eos
         self.tier_mix = tier_mix  # tier -> share: each body asks for a drawn service_tier
         self._text = _TextSource(tokenizer_dir)
@@ -144,14 +168,18 @@ class RequestFactory:
             payload["prompt"] = text if system is None else f"{system}\n\n{text}"
         else:
             parts: list[dict[str, Any]] = [
-                {"type": "image_url", "image_url": {"url": noise_image_uri(self.image_size, rng.getrandbits(32))}}
-                for _ in range(spec.num_images)
+                {"type": "image_url", "image_url": {"url": self._image(rng)}} for _ in range(spec.num_images)
             ]
             content: str | list[dict[str, Any]] = [*parts, {"type": "text", "text": text}] if parts else text
             payload["messages"] = [{"role": "user", "content": content}]
             if system is not None:
                 payload["messages"].insert(0, {"role": "system", "content": system})
         return json.dumps(payload).encode()
+
+    def _image(self, rng: random.Random) -> str:
+        """One image: a shape drawn (when there are several), then its noise, both from ``rng``."""
+        shape = self.image_shapes[0] if len(self.image_shapes) == 1 else rng.choice(self.image_shapes)
+        return noise_image_uri(shape, rng.getrandbits(32))
 
     def _shared_text(self, num_tokens: int, salt: int) -> str:
         """The system prompt shared by every request of a plan salted ``salt`` (about ``num_tokens`` tokens)."""

@@ -43,7 +43,7 @@ class BenchSettings:
     api: Api = "chat"
     api_key: str | None = None
     tokenizer_dir: Path | None = None  # local checkpoint: exact prompt lengths
-    image_size: int = 336  # pixels of the generated images
+    image_size: int | tuple[tuple[int, int], ...] = 336  # pixels of the square images, or the (width, height) drawn from
     ignore_eos: bool = True
     unloaded_requests: int = 8
     early_stop: bool = True

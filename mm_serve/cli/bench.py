@@ -130,6 +130,7 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 
 
 def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
+    from mm_serve.bench.requests import image_shapes
     from mm_serve.bench.runner import LoadSpec
     from mm_serve.bench.session import BenchSettings
     from mm_serve.models.model_config import CheckpointError
@@ -142,6 +143,7 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
     )
 
     image_tokens, image_size, max_context = 0, 336, 4096
+    shapes: tuple[tuple[int, int], ...] = ()
     if model_dir is not None:
         try:
             shape = load_model_config(model_dir)
@@ -149,7 +151,10 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
             raise CLIError(str(exc)) from None
         max_context = shape.text.max_position_embeddings
         if shape.vision is not None:
-            image_tokens, image_size = shape.vision.num_image_tokens, shape.vision.image_size
+            # a tiling family: images of mixed shapes, the text fitted around the most tokens one can make
+            image_tokens, image_size = shape.vision.max_image_tokens, shape.vision.image_size
+            if shape.vision.any_resolution:
+                shapes = tuple(image_shapes(shape.vision))
     try:
         if args.workload in IMAGE_WORKLOADS and model_dir is None:
             raise WorkloadError(f"workload '{args.workload}' with --server needs --model DIR (image size)")
@@ -163,7 +168,7 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
     return BenchSettings(
         load=load, target=args.attainment, rate=args.rate, sweep=args.sweep, start_rate=args.start_rate,
         rel_tol=args.rate_tolerance, api=args.api, api_key=args.api_key, tokenizer_dir=model_dir,
-        image_size=image_size, ignore_eos=not args.no_ignore_eos, early_stop=not args.no_early_stop,
+        image_size=shapes or image_size, ignore_eos=not args.no_ignore_eos, early_stop=not args.no_early_stop,
         records_dir=Path(args.out) if args.out else None, tier_mix=tier_mix, tier_slo=tier_slo,
     )
 

@@ -130,3 +130,33 @@ def test_caption_repeat_sends_each_image_three_times_shuffled() -> None:
     urls = {contents[0][0]["image_url"]["url"] for contents in by_image.values()}
     assert len(urls) == 8
     assert _body(factory, rows[0], 0, salt=2)["messages"][0]["content"] != bodies[0]
+
+
+def test_a_tiling_family_is_sent_images_of_mixed_shapes() -> None:
+    """For LLaVA-NeXT the bench draws each image's (width, height) from the tower's square, the grid
+    resolutions and their halves, so image-token counts vary; a fixed-size family gets its square."""
+    import base64
+    import io
+    from dataclasses import replace
+
+    from PIL import Image
+
+    from mm_serve.bench.requests import image_shapes
+    from mm_serve.models.model_config import VisionConfig
+
+    vision = VisionConfig(hf_config={}, tower="clip_vision_model", class_token=True, image_size=56, patch_size=14,
+                          hidden_size=64, image_token_index=4, feature_layers=(-2,), feature_layer_is_list=False,
+                          select_strategy="default", projector_hidden_act="gelu", projector_bias=True)
+    assert image_shapes(vision) == [(56, 56)] and image_shapes(None) == [(336, 336)]
+    tiled = replace(vision, grid_pinpoints=((56, 112), (112, 112)))
+    shapes = image_shapes(tiled)
+    assert shapes == [(56, 56), (112, 56), (56, 28), (112, 112)]
+    factory = RequestFactory("m", image_size=shapes)
+    spec = RequestSpec(8, 4, num_images=2)
+    sizes = set()
+    for i in range(40):
+        for part in _body(factory, spec, i)["messages"][0]["content"][:2]:
+            data = base64.b64decode(part["image_url"]["url"].partition(",")[2])
+            sizes.add(Image.open(io.BytesIO(data)).size)
+    assert sizes == set(shapes)
+    assert _body(factory, spec, 3) == _body(RequestFactory("m", image_size=shapes), spec, 3)  # seeded
