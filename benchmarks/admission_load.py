@@ -24,7 +24,7 @@ Tier SLOs: the config's ``slo.tiers`` when it sets them, else ``--slo-interactiv
 ``--slo-standard`` (TTFT seconds, TPOT seconds) and the default batch tier. Not part of
 ``make test``. Usage::
 
-    make bench-models
+    make bench-models   # out/bench-llava; out/bench-next is LLaVA-NeXT (images of mixed shapes)
     python benchmarks/admission_load.py --config configs/image_chat.yaml --model out/bench-llava \\
         [--goodput auto|R] [--probe-repeats 3] [--duration 30] [--tier-mix interactive=0.3,standard=0.5,batch=0.2] [--out DIR]
 """

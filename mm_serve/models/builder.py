@@ -16,7 +16,7 @@ Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,llama,qwen2,bench,bench-llama}
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,llama,qwen2,bench,bench-next,bench-llama}
 --out DIR [--seed S]``.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,11 @@ BENCH_SPEC = TinyModelSpec(
     num_kv_heads=4, initializer_range=0.05, image_size=224, patch_size=16, vision_hidden_size=256,
     vision_intermediate_size=1024, vision_layers=4, vision_heads=4,
 )
+
+
+# The benchmark preset as LLaVA-NeXT: 224 px tiles (196 tokens each) on grids up to 2x2 and 1x3, so an
+# image makes from about 300 to about 1,000 tokens by its shape
+BENCH_NEXT_SPEC = replace(BENCH_SPEC, grid_pinpoints=[[224, 448], [448, 224], [448, 448], [224, 672], [672, 224]])
 
 
 # LLaVA-OneVision's shape: SigLIP's last layer, every position kept ("full"), a Qwen2 decoder; tiles up
@@ -316,6 +321,7 @@ KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
     "llama": (build_llama, TinyModelSpec()),
     "qwen2": (build_llama, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True)),
     "bench": (build_llava, BENCH_SPEC),
+    "bench-next": (build_llava_next, BENCH_NEXT_SPEC),
     "bench-llama": (build_llama, BENCH_SPEC),
 }
 
