@@ -27,7 +27,6 @@ REQUESTS: list[dict[str, Any]] = [
     {"prompt": Q, "images": [gradient_image(200, 190, 3)]},  # large enough to tile (and pool) where a family does
     {"prompt": Q2, "images": [gradient_image(3, 5, 4), gradient_image(80, 60, 5)]},  # tiny beside a small one
 ]
-MAX_TOKENS = 40
 KILL_TOKENS = 120  # long enough that the kill lands mid-stream on a fast machine too
 KINDS = ["llava-siglip", "llava-onevision", "fast-vlm"]
 
@@ -40,26 +39,29 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def expected(checkpoint: Path) -> tuple[list[list[int]], int]:
     """Greedy tokens (``KILL_TOKENS`` of them) of a colocated engine without prefix caching, and the
-    longest request's tokens at ``MAX_TOKENS``."""
+    longest request's tokens (prompt and output)."""
     llm = LLM(model=checkpoint, mode="colocated", num_pages=512, page_size=16, enable_prefix_caching=False)
     outputs = llm.generate(REQUESTS, SamplingParams(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True))
-    return [o.token_ids for o in outputs], max(o.num_prompt_tokens for o in outputs) + MAX_TOKENS
+    return [o.token_ids for o in outputs], max(o.num_prompt_tokens for o in outputs) + KILL_TOKENS
 
 
 def test_preempted_and_cached_requests_keep_their_tokens(checkpoint: Path,
                                                          expected: tuple[list[list[int]], int]) -> None:
     """Disaggregated, prefix caching on, a decode pool of pages for one request and a little: preempted
     requests recompute from their handed-over image rows (no image encoded twice); asked again, the
-    images hit the caches. The same tokens every time."""
+    images hit the caches. The same tokens every time.
+
+    Each request decodes ``KILL_TOKENS`` tokens, so any two of them decoding at once outgrow the pool
+    (with 40, a loaded CI machine once prefilled the OneVision requests so far apart that each decode
+    had finished before the next hand-off, and nothing was preempted)."""
     tokens, longest = expected
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model=checkpoint, mode="disaggregated", num_pages=-(-longest // 4) + 4, page_size=4) as llm:
         first = llm.generate(REQUESTS, params)
         again = llm.generate(REQUESTS, params)
         assert llm.client is not None
         stats = llm.client.query_stats()
-    prefixes = [t[:MAX_TOKENS] for t in tokens]  # greedy: the first tokens of a longer run
-    assert [o.token_ids for o in first] == prefixes and [o.token_ids for o in again] == prefixes
+    assert [o.token_ids for o in first] == tokens and [o.token_ids for o in again] == tokens
     assert stats[("decode", 0)].num_preemptions > 0 and stats[("decode", 0)].num_encoded_images == 0
     assert stats[("prefill", 0)].num_encoded_images == 5  # each image once: the second pass hit the cache
     assert sum(o.num_cached_tokens for o in again) > 0

@@ -148,13 +148,16 @@ def test_low_detail_keeps_the_whole_image_tile_only(colocated: LLM, reference: t
 def test_preemption_recomputes_without_reencoding(llava_next: Path, colocated: LLM) -> None:
     """A decode pool too small for two tiled requests at once forces preemption: the same tokens
     as colocated, and the preempted requests recompute from the handed-over packed image rows
-    instead of encoding their tiles again. Images of three shapes, so each carries its own count."""
+    instead of encoding their tiles again. Images of three shapes, so each carries its own count.
+
+    120 output tokens each: any two requests fit the pool when handed over and outgrow it while they
+    decode, and a decode lasts long enough that a loaded machine's prefills still overlap it."""
     images = [IMAGES["wide"], IMAGES["tall"], IMAGES["square"], IMAGES["large"]]
     requests = [{"prompt": Q, "images": [image]} for image in images]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in colocated.generate(requests, params)]
     assert colocated.engine is not None
-    longest = max(len(colocated.engine.inputs.process(r).prompt_token_ids) for r in requests) + 48
+    longest = max(len(colocated.engine.inputs.process(r).prompt_token_ids) for r in requests) + 120
     with LLM(model=llava_next, mode="disaggregated", num_pages=-(-longest // 4) + 4, page_size=4) as llm:
         outputs = llm.generate(requests, params)
         assert llm.client is not None
