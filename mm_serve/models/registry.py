@@ -23,6 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+from mm_serve.models.llava_next.anyres import anyres_cap
 from mm_serve.models.model_config import (
     TEXT_MODEL_TYPES,
     CheckpointError,
@@ -72,11 +73,11 @@ def _parse_llava_onevision(raw: dict[str, Any], model_dir: Path) -> Parsed:
     """
     text, vision = _parse_llava_next(raw, model_dir)
     assert vision is not None
-    aspect = str(raw.get("vision_aspect_ratio", "anyres_max_9"))
-    cap = aspect.removeprefix("anyres_max_")
-    if cap == aspect or not cap.isdigit() or int(cap) < 1:
-        raise CheckpointError(f"vision_aspect_ratio {aspect!r} is not supported (anyres_max_N)")
-    return text, replace(vision, max_num_patches=int(cap), multi_image_untiled=True)
+    try:
+        cap = anyres_cap(str(raw.get("vision_aspect_ratio", "anyres_max_9")))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    return text, replace(vision, max_num_patches=cap, multi_image_untiled=True)
 
 
 def _parse_fast_vlm(raw: dict[str, Any], model_dir: Path) -> Parsed:

@@ -171,8 +171,10 @@ class LatencyModel:
 
         const, per_tok, per_sq, per_seq = _affine(stage, 3)
 
+        passes_per_image = shape.vision.tiles_per_image if shape.vision else 1
+
         def encode(images: float) -> float:
-            w = encode_work(shape, images)
+            w = encode_work(shape, images * passes_per_image)
             return hw.encode.time(w.flops / tp, w.bytes / tp)
 
         enc_const, per_image = _affine(encode, 1)

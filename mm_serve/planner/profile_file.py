@@ -20,7 +20,9 @@ A JSON object (format ``mm-serve-profile/1``)::
 
 ``tokens`` is the prompt length of each of ``batch`` sequences (``batch`` defaults
 to 1); ``context`` is the KV length of each of ``batch`` decoding sequences; every
-``seconds`` is one forward pass (a prefill batch, one decode step, an encode batch).
+``seconds`` is one forward pass (a prefill batch, one decode step, an encode batch);
+``images`` counts tower passes, images of the tower's square input size (a tiling family's
+image takes several).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class DecodePoint:
 
 @dataclass(frozen=True)
 class EncodePoint:
-    images: int
+    images: int  # tower passes (square images of the tower's input size)
     seconds: float
 
 

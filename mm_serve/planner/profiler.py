@@ -76,7 +76,8 @@ class EngineProfiler:
 
     @torch.inference_mode()
     def encode(self, images: int) -> float | None:
-        """Seconds to encode ``images`` images (None for a text-only model)."""
+        """Seconds to encode ``images`` square images of the tower's input size, one tower pass each
+        (None for a text-only model)."""
         model = self.engine.model
         if model.vision is None:
             return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from mm_serve.models.llava_next.anyres import anyres_cap, max_image_tokens, max_tiles
 from mm_serve.planner.errors import ModelShapeError
 
 # (layers, hidden, heads, intermediate) by ViT size keyword in a tower name.
@@ -36,7 +37,15 @@ _VISION_DEFAULTS: Mapping[str, Mapping[str, int]] = MappingProxyType({
 
 @dataclass(frozen=True)
 class VisionShape:
-    """A ViT encoder plus projector; ``image_tokens`` LLM tokens come out per image."""
+    """A ViT encoder plus projector; ``image_tokens`` LLM tokens come out per image, from
+    ``tiles_per_image`` tower passes of ``image_size`` squared pixels each.
+
+    A tiling family (LLaVA-NeXT, LLaVA-OneVision) makes each image's count from its size; the planner,
+    which knows a workload's images by number only, plans every image at the most one can cost: the
+    largest grid of ``image_grid_pinpoints`` plus the whole-image tile, and the tokens of an image
+    that fills it (:func:`mm_serve.models.llava_next.anyres.max_image_tokens`). A workload of smaller
+    images needs less than planned.
+    """
 
     model_type: str
     num_layers: int  # layers actually run (up to the selected feature layer)
@@ -48,10 +57,17 @@ class VisionShape:
     has_cls: bool
     image_tokens: int
     projector_params: int
+    tiles_per_image: int = 1  # tower passes per image (1 unless the family tiles)
 
     @property
     def num_patches(self) -> int:
+        """Patches of one tower pass."""
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def pass_tokens(self) -> int:
+        """Projected rows one tower pass makes (an untiled image's tokens; a tile's patches)."""
+        return self.image_tokens if self.tiles_per_image == 1 else self.num_patches
 
     @property
     def seq_len(self) -> int:
@@ -125,6 +141,9 @@ def vision_from_hf(
     seq_len = cfg.get("image_seq_length")
     if isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len > 0:
         tokens = seq_len
+    tiles = 1
+    if cfg.get("image_grid_pinpoints"):
+        tiles, tokens = _tiling(cfg, image, patch, has_cls, strategy, where)
     return VisionShape(
         model_type=mtype,
         num_layers=_layers_run(field("num_hidden_layers"), cfg.get("vision_feature_layer", -2),
@@ -132,8 +151,33 @@ def vision_from_hf(
         hidden_size=hidden, num_heads=field("num_attention_heads"),
         intermediate_size=field("intermediate_size"), image_size=image, patch_size=patch,
         has_cls=has_cls, image_tokens=tokens,
-        projector_params=hidden * llm_hidden + llm_hidden * llm_hidden,
+        projector_params=hidden * llm_hidden + llm_hidden * llm_hidden, tiles_per_image=tiles,
     )
+
+
+def _tiling(cfg: Mapping[str, Any], image: int, patch: int, has_cls: bool, strategy: str,
+            where: str) -> tuple[int, int]:
+    """(tower passes, image tokens) of the costliest image of a LLaVA-NeXT or LLaVA-OneVision config
+    (``image_grid_pinpoints``; OneVision's ``vision_aspect_ratio`` pooling cap).
+
+    Raises:
+        ModelShapeError: pinpoints that are not ``[height, width]`` pairs of at least one tile, or a
+            ``vision_aspect_ratio`` other than ``anyres_max_N``.
+    """
+    pinpoints = cfg["image_grid_pinpoints"]
+    if not isinstance(pinpoints, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                        and v >= image for v in p) for p in pinpoints):
+        raise ModelShapeError(f"{where}: 'image_grid_pinpoints' must be a list of [height, width] "
+                              f"of at least the tower's {image} px, got {pinpoints!r}")
+    cap = 0
+    if cfg.get("model_type") == "llava_onevision":
+        try:
+            cap = anyres_cap(str(cfg.get("vision_aspect_ratio", "anyres_max_9")))
+        except ValueError as e:
+            raise ModelShapeError(f"{where}: {e}") from None
+    return (max_tiles(pinpoints, image),
+            max_image_tokens(pinpoints, image, patch, has_cls, strategy == "default", cap))
 
 
 def vision_from_tower_name(

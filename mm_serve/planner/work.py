@@ -15,7 +15,7 @@ a multiply-add being 2 FLOPs:
 These are DistServe's terms (arXiv:2401.09670, Appendix A: prefill cost in the sum
 and the sum of squares of the batch's lengths, decode cost in batch and total
 context), with the coefficients derived rather than fitted.
-All functions are linear in their count arguments (tokens, sequences, images).
+All functions are linear in their count arguments (tokens, sequences, tower passes).
 """
 
 from __future__ import annotations
@@ -74,20 +74,20 @@ def _head(shape: ModelShape, tokens: float) -> Work:
     return Work(2 * h * v * tokens, h * v * db)
 
 
-def encode_work(shape: ModelShape, images: float) -> Work:
-    """Vision tower + projector over ``images`` images (bidirectional attention).
+def encode_work(shape: ModelShape, passes: float) -> Work:
+    """Vision tower + projector over ``passes`` tower passes (bidirectional attention): an untiled
+    image is one pass, a tiled one ``shape.vision.tiles_per_image`` at most.
 
-    Per image: ``2 * params`` FLOPs per position through the tower layers,
-    ``4 * n^2 * hidden`` attention FLOPs per layer (``n`` = ViT positions), and the
-    projector's ``2 * params`` per output token. Weights are read once per batch.
-    Zero work for a text-only model.
+    Per pass: ``2 * params`` FLOPs per position through the tower layers, ``4 * n^2 * hidden``
+    attention FLOPs per layer (``n`` = ViT positions), and the projector's ``2 * params`` per output
+    row. Weights are read once per batch. Zero work for a text-only model.
     """
     vis = shape.vision
     if vis is None:
         return Work(0.0, 0.0)
     n = vis.seq_len
-    per_image = vis.num_layers * (2 * vis.layer_params * n + 4 * n * n * vis.hidden_size)
-    per_image += 2 * vis.projector_params * vis.image_tokens
-    per_image += 2 * 3 * vis.patch_size**2 * vis.hidden_size * vis.num_patches
-    act_bytes = images * vis.image_tokens * shape.hidden_size * shape.dtype_bytes
-    return Work(per_image * images, vis.params * shape.dtype_bytes + act_bytes)
+    per_pass = vis.num_layers * (2 * vis.layer_params * n + 4 * n * n * vis.hidden_size)
+    per_pass += 2 * vis.projector_params * vis.pass_tokens
+    per_pass += 2 * 3 * vis.patch_size**2 * vis.hidden_size * vis.num_patches
+    act_bytes = passes * vis.pass_tokens * shape.hidden_size * shape.dtype_bytes
+    return Work(per_pass * passes, vis.params * shape.dtype_bytes + act_bytes)

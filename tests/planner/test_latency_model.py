@@ -121,3 +121,16 @@ def test_memory_plan_kv_capacity(opt: ModelShape) -> None:
     assert two.kv_capacity_tokens > 2.4 * one.kv_capacity_tokens  # weights no longer dominate
     tiny = Hardware(**{**HW.__dict__, "memory_bytes": 20 * GIB})
     assert not memory_plan(opt, tiny, ParallelConfig(1, 1), vision=False).fits
+
+
+def test_a_tiled_image_costs_its_tower_passes(configs: Configs) -> None:
+    """A LLaVA-NeXT image encodes as 5 tower passes of the same tower: its per-image encode time is
+    that of 5 LLaVA-1.5 images' tower work, not one."""
+    base = shape_from_config(configs["llava-hf"])
+    tiled = shape_from_config({**configs["llava-hf"], "model_type": "llava_next",
+                               "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672]]})
+    assert tiled.vision is not None and tiled.vision.tiles_per_image == 5
+    one = LatencyModel(base, HW).prefill_timing(ParallelConfig())
+    five = LatencyModel(tiled, HW).prefill_timing(ParallelConfig())
+    assert encode_work(tiled, 5).flops == encode_work(base, 5).flops
+    assert five.per_image == pytest.approx(5 * one.per_image, rel=1e-9)

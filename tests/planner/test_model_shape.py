@@ -119,3 +119,51 @@ def test_element_type_from_torch_dtype_or_dtype(configs: Configs) -> None:
     assert shape_from_config({**llama, "dtype": "float32"}).dtype_bytes == 4
     assert shape_from_config({**llama, "dtype": "bfloat16"}).dtype == "bfloat16"
     assert (shape_from_config(llama).dtype, shape_from_config(llama).dtype_bytes) == ("float16", 2)
+
+
+# llava-hf/llava-v1.6-vicuna-7b-hf's vision keys (its text_config is vicuna's, as LLAVA_HF_7B's).
+NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+def test_llava_next_plans_the_costliest_image(configs: Configs) -> None:
+    """A LLaVA-NeXT image is planned at the largest grid: 2x2 tiles plus the whole image (5 tower
+    passes), 48x48 grid features with a newline per row plus the 576 base tokens = 2928 tokens,
+    transformers' ``LlavaNextProcessor`` count for a 672x672 image."""
+    shape = shape_from_config({**configs["llava-hf"], "model_type": "llava_next",
+                               "architectures": ["LlavaNextForConditionalGeneration"],
+                               "image_grid_pinpoints": NEXT_PINPOINTS})
+    assert shape.vision is not None
+    assert (shape.vision.tiles_per_image, shape.image_tokens) == (5, 48 * 48 + 48 + 576)
+    assert shape.vision.seq_len == 577 and shape.vision.pass_tokens == 576  # per tower pass as before
+
+
+@pytest.mark.parametrize("kind", ["llava-next", "llava-onevision"])
+def test_tiling_checkpoints_plan_what_the_engine_sizes_for(kind: str, tmp_path: Path) -> None:
+    """On the builder's checkpoints the planner's per-image tokens equal the most the engine's own
+    config parser lets an image make (what the ring's feature rows are sized for), and its tower
+    passes the largest grid's tiles plus one."""
+    from mm_serve.models.llava_next.anyres import num_tiles
+    from mm_serve.models.registry import load_model_config
+    from tests.factories import build_checkpoint
+
+    build_checkpoint(kind, tmp_path)
+    vision = load_model_config(tmp_path).vision
+    assert vision is not None and vision.grid_pinpoints
+    shape = load_model_shape(tmp_path)
+    assert shape.vision is not None
+    assert shape.image_tokens == vision.max_image_tokens
+    assert shape.vision.tiles_per_image == max(num_tiles((h, w), vision.grid_pinpoints, vision.image_size)
+                                               for h, w in vision.grid_pinpoints)
+
+
+@pytest.mark.parametrize("pinpoints, aspect, message", [
+    ([[336]], None, "image_grid_pinpoints"),
+    ([[100, 100]], None, "image_grid_pinpoints"),
+    (NEXT_PINPOINTS, "pad", "anyres_max_N"),
+])
+def test_malformed_tiling_keys_raise(configs: Configs, pinpoints: Any, aspect: str | None, message: str) -> None:
+    cfg = {**configs["llava-hf"], "model_type": "llava_onevision", "image_grid_pinpoints": pinpoints}
+    if aspect is not None:
+        cfg["vision_aspect_ratio"] = aspect
+    with pytest.raises(ModelShapeError, match=message):
+        shape_from_config(cfg)

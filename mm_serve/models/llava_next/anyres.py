@@ -62,6 +62,24 @@ def unpadded_grid(size: Size, rows: int, cols: int) -> Size:
     return rows, cols
 
 
+def anyres_cap(vision_aspect_ratio: str) -> int:
+    """N of LLaVA-OneVision's ``vision_aspect_ratio`` ``anyres_max_N``: the tiles' worth an image's grid
+    features are pooled down to (:func:`pooled_grid`).
+
+    Raises:
+        ValueError: any other value, or N below 1.
+    """
+    cap = vision_aspect_ratio.removeprefix("anyres_max_")
+    if cap == vision_aspect_ratio or not cap.isdigit() or int(cap) < 1:
+        raise ValueError(f"vision_aspect_ratio {vision_aspect_ratio!r} is not supported (anyres_max_N)")
+    return int(cap)
+
+
+def max_tiles(candidates: Sequence[Sequence[int]], tile: int) -> int:
+    """The most tower passes one image takes: the largest grid's tiles plus the whole-image tile."""
+    return 1 + max((h // tile) * (w // tile) for h, w in candidates)
+
+
 POOL_TOLERANCE = 1.1  # OneVision pools only when the grid's side exceeds the cap's by more than this
 
 
