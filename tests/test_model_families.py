@@ -144,3 +144,37 @@ def test_a_fast_vlm_whose_token_count_does_not_fit_its_input_is_refused(tmp_path
     (model_dir / "preprocessor_config.json").unlink()
     with pytest.raises(CheckpointError, match="no readable crop_size"):
         load_model_config(model_dir)
+
+
+def test_a_mistral_decoder_matches_transformers(tmp_path: Path) -> None:
+    """A Mistral decoder (what llava-v1.6-mistral runs; no sliding window, as Mistral 7B v0.2+): under a
+    CLIP tower, and text only as ``MistralForCausalLM``. Token for token against transformers' classes."""
+    import transformers
+
+    model_dir = build_checkpoint("llava", tmp_path / "llava-mistral")
+    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    config["text_config"] = {**config["text_config"], "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                             "sliding_window": None}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    reference = transformers.LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    assert type(reference.model.language_model).__name__ == "MistralModel"
+    llm = LLM(model=model_dir, mode="colocated", num_pages=256, page_size=16)
+    assert llm.engine is not None
+    for request in [TEXT, ONE_IMAGE, TWO_IMAGES]:
+        expected, _ = reference_generate(reference, llm.engine.inputs.process(request), NEW_TOKENS)
+        assert llm.generate(request, _greedy())[0].token_ids == expected
+    text_only = tmp_path / "mistral"
+    text_only.mkdir()
+    reference.model.language_model.config.tie_word_embeddings = False
+    lm = transformers.MistralForCausalLM(reference.model.language_model.config)
+    lm.model.load_state_dict(reference.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(reference.lm_head.state_dict())
+    lm.save_pretrained(str(text_only))
+    for name in model_dir.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(name, text_only / name.name)
+    assert load_model_config(text_only).vision is None
+    llm = LLM(model=text_only, mode="colocated", num_pages=256, page_size=16)
+    assert llm.engine is not None
+    expected, _ = reference_generate(lm.eval(), llm.engine.inputs.process(TEXT), NEW_TOKENS)
+    assert llm.generate(TEXT, _greedy())[0].token_ids == expected
