@@ -300,11 +300,41 @@ def build_fast_vlm(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | Non
     )
     torch.manual_seed(seed)
     model = FastVlmForConditionalGeneration(config)
+    _unit_variance(model.model.vision_tower, seed, spec.image_size)
     model.save_pretrained(out)
     (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2))
     (out / "processor_config.json").write_text(json.dumps(_processor_config(spec), indent=2))
     _write_spec(out, spec, seed, "fast-vlm")
     return out
+
+
+def _unit_variance(tower: Any, seed: int, image_size: int) -> None:
+    """Rescale a random timm tower so each convolution and linear layer puts out unit variance on
+    random images, and its layer scales to 1: under the initializer's 0.02 std and timm's 1e-5 layer
+    scales, FastViTHD's deep unnormalised stack puts out features of ~1e-10 that no image changes,
+    and a test checkpoint whose images cannot change its tokens proves nothing. Data-dependent
+    initialisation as in LSUV (Mishkin and Matas, "All you need is a good init", ICLR 2016), one
+    layer at a time in module order, twice.
+    """
+    import torch
+
+    probe = torch.rand(2, 3, image_size, image_size, generator=torch.Generator().manual_seed(seed))
+    layers = [m for m in tower.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    with torch.no_grad():
+        for name, param in tower.named_parameters():
+            if name.endswith("layer_scale.gamma"):
+                param.fill_(1.0)
+        for _ in range(2):
+            for layer in layers:
+                seen: list[torch.Tensor] = []
+                hook = layer.register_forward_hook(lambda _m, _i, out, into=seen: into.append(out))
+                tower(probe)
+                hook.remove()
+                std = float(seen[0].std())
+                if std > 0:
+                    layer.weight.div_(std)
+                    if layer.bias is not None:
+                        layer.bias.div_(std)
 
 
 def _write_spec(out: Path, spec: TinyModelSpec, seed: int, kind: str) -> None:
