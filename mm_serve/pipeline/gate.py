@@ -163,6 +163,8 @@ class AdmissionGate:
         tokens, count = 0, 0
         if ctx.holder.started:
             vision = ctx.holder.model_config.vision
+            # before an image is decoded its size is unknown: the fewest tokens and tower passes any image
+            # makes (a tiling family's whole-image tile alone), so this check refuses only sure misses
             per_image = 0 if vision is None else vision.num_image_tokens
             tokens, count = sum(flags) * per_image, sum(flags) if per_image else 0
             if tokens and call.chat is not None:
