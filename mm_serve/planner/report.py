@@ -7,6 +7,7 @@ from typing import Any
 
 from mm_serve.planner.placement import InstancePlacement
 from mm_serve.planner.search import PlanResult
+from mm_serve.planner.vision_shape import VisionShape
 
 
 def _gpus(ids: Sequence[int]) -> str:
@@ -38,6 +39,8 @@ def plan_dict(result: PlanResult) -> dict[str, Any]:
         "slo_ttft_s": spec.slo.ttft_s,
         "slo_tpot_s": spec.slo.tpot_s,
         "attainment": spec.attainment,
+        "image_tokens": spec.shape.image_tokens,
+        "tower_passes_per_image": spec.shape.vision.tiles_per_image if spec.shape.vision else 0,
         "nodes": spec.nodes,
         "gpus_per_node": spec.gpus_per_node,
         "affinity": spec.affinity,
@@ -73,6 +76,16 @@ def plan_dict(result: PlanResult) -> dict[str, Any]:
     }
 
 
+def _image_line(vision: VisionShape | None) -> list[str]:
+    """How each image is planned, for a model with a tower; a tiling family's at its costliest."""
+    if vision is None:
+        return []
+    if vision.tiles_per_image == 1:
+        return [f"Images: {vision.image_tokens} tokens and one tower pass each"]
+    return [f"Images: planned at the most one costs, {vision.image_tokens} tokens and "
+            f"{vision.tiles_per_image} tower passes each (the largest tile grid plus the whole image)"]
+
+
 def plan_text(result: PlanResult) -> str:
     """Human-readable summary: placement table, goodputs, colocated comparison."""
     spec, unit = result.spec, result.unit
@@ -80,6 +93,7 @@ def plan_text(result: PlanResult) -> str:
         f"Placement for {spec.shape.name} on {spec.nodes} x {spec.gpus_per_node} "
         f"{spec.hardware.name} (affinity {spec.affinity}), workload {spec.workload.name}, "
         f"SLO TTFT {spec.slo.ttft_s:g} s / TPOT {spec.slo.tpot_s:g} s at {spec.attainment:.0%}",
+        *_image_line(spec.shape.vision),
         f"Unit: {unit.num_prefill} prefill x {unit.prefill} + {unit.num_decode} decode x "
         f"{unit.decode} = {unit.gpus} GPUs, {result.unit_goodput:.2f} req/s "
         f"(phase estimate {result.estimated_unit_goodput:.2f}); replicated {result.units}x",

@@ -204,3 +204,24 @@ def test_registered_model_name_is_accepted(capsys: pytest.CaptureFixture[str]) -
     assert main([*BASE, "--model", "embedded", "--workload", "llava", "--nodes", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == "embedded" and data["per_gpu_goodput"] > 0
+
+
+def test_a_tiling_checkpoint_plans_fewer_image_requests(tmp_path: Path, configs: Configs,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The same tower and decoder as LLaVA-NeXT (llava-v1.6-vicuna-7b's keys) plan each image at 2928
+    tokens and 5 tower passes, not LLaVA-1.5's 576 and 1, so the llava workload's goodput drops."""
+    goodputs = {}
+    for name, extra in [("llava-1.5", {}), ("llava-next", {
+            "model_type": "llava_next", "architectures": ["LlavaNextForConditionalGeneration"],
+            "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]})]:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**configs["llava-hf"], **extra}))
+        args = ["plan", "--slo-ttft", "1.0", "--slo-tpot", "0.05", "--hardware", "a100-80gb", "--gpus-per-node", "2",
+                "--workload", "llava", "--num-requests", "100", "--model", str(path)]
+        assert main([*args, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        goodputs[name] = data["per_gpu_goodput"]
+        assert (data["image_tokens"], data["tower_passes_per_image"]) == ((576, 1) if name == "llava-1.5" else (2928, 5))
+    assert 0 < goodputs["llava-next"] < goodputs["llava-1.5"] / 2
+    assert main(args) == 0
+    assert "2928 tokens and 5 tower passes each" in capsys.readouterr().out
