@@ -14,12 +14,14 @@ from PIL import Image
 from mm_serve.models.builder import (
     FAST_VLM_SPEC,
     ONEVISION_SPEC,
+    QWEN2_VL_SPEC,
     TinyModelSpec,
     build_fast_vlm,
     build_llama,
     build_llava,
     build_llava_next,
     build_llava_onevision,
+    build_qwen2_vl,
 )
 from mm_serve.runtime.worker_channel import WorkerChannel
 
@@ -43,6 +45,8 @@ SPECS: dict[str, TinyModelSpec] = {
     "llava-onevision": ONEVISION_SPEC,
     # FastVLM: a timm FastViTHD tower (stride 64, 256 px -> 16 tokens), Qwen2
     "fast-vlm": FAST_VLM_SPEC,
+    # Qwen2-VL: 14 px patches merged 2x2, 4 to 64 tokens per image, Qwen2 with M-RoPE
+    "qwen2-vl": QWEN2_VL_SPEC,
 }
 
 
@@ -61,6 +65,8 @@ def build_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
         return build_llava_onevision(out, seed, spec)
     if kind == "fast-vlm":
         return build_fast_vlm(out, seed, spec)
+    if kind == "qwen2-vl":
+        return build_qwen2_vl(out, seed, spec)
     return build_llava(out, seed, spec)
 
 

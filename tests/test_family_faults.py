@@ -28,7 +28,7 @@ REQUESTS: list[dict[str, Any]] = [
     {"prompt": Q2, "images": [gradient_image(3, 5, 4), gradient_image(80, 60, 5)]},  # tiny beside a small one
 ]
 KILL_TOKENS = 120  # long enough that the kill lands mid-stream on a fast machine too
-KINDS = ["llava-siglip", "llava-onevision", "fast-vlm"]
+KINDS = ["llava-siglip", "llava-onevision", "fast-vlm", "qwen2-vl"]
 
 
 @pytest.fixture(scope="module", params=KINDS)

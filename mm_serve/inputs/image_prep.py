@@ -8,6 +8,8 @@ image tokens each placeholder expands to.
   best resolution (the whole image, then its grid); the tokens each image makes follow from its size
   (:func:`~mm_serve.models.llava_next.anyres.num_image_tokens`). OneVision's images that share a
   prompt are one square-padded tile each, as its processor makes them.
+* :class:`DynamicResolutionImages` (Qwen2-VL): each image resized to its own patch grid within the
+  checkpoint's pixel bounds; its tokens are its merged patches.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -99,10 +102,47 @@ class AnyResImages:
         return PreparedImages(torch.cat(pixels, dim=0), counts, tiles, sizes)
 
 
-def image_prep(model_dir: str | Path, family: str, vision: VisionConfig) -> FixedSizeImages | AnyResImages:
+LOW_DETAIL_PIXELS = 512 * 512  # OpenAI's low detail: a 512 x 512 image's worth
+
+
+class DynamicResolutionImages:
+    """Qwen2-VL: transformers' ``Qwen2VLImageProcessorPil`` (the checkpoint's ``preprocessor_config.json``)
+    resizes each image to whole merged patches within the pixel bounds and cuts it into patches; the
+    image makes one token per ``merge x merge`` patches.
+    """
+
+    def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
+        import transformers
+
+        self.processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+        self.vision = vision
+
+    def __call__(self, images: Sequence[Image.Image], details: Sequence[str | None] = ()) -> PreparedImages:
+        """Each image alone: its patches ``[h*w, C*T*P*P]`` (``tiles``: ``h*w`` each) and its grid ``(h, w)``
+        in patches (``sizes``). ``details[i]`` ``low`` caps it at a 512 x 512 image's pixels (within the
+        checkpoint's bounds); ``high`` and ``auto`` the checkpoint's ``max_pixels``."""
+        low_max = max(self.vision.pixel_bounds[0], min(self.vision.pixel_bounds[1], LOW_DETAIL_PIXELS))
+        pixels, tiles, grids, counts = [], [], [], []
+        for i, image in enumerate(images):
+            low = i < len(details) and details[i] == "low"
+            kwargs: dict[str, Any] = {"size": {"shortest_edge": min(self.vision.pixel_bounds[0], low_max),
+                                               "longest_edge": low_max}} if low else {}
+            out = self.processor(images=[to_rgb(image)], return_tensors="pt", **kwargs)
+            t, h, w = (int(v) for v in out["image_grid_thw"][0])
+            pixels.append(out["pixel_values"])
+            tiles.append(t * h * w)
+            grids.append((h, w))
+            counts.append(t * h * w // self.vision.merge_size**2)
+        return PreparedImages(torch.cat(pixels, dim=0), counts, tiles, grids)
+
+
+def image_prep(model_dir: str | Path, family: str, vision: VisionConfig
+               ) -> FixedSizeImages | AnyResImages | DynamicResolutionImages:
     """The image preparation of a checkpoint of ``family`` (``ModelConfig.model_type``) with ``vision``.
 
     Raises:
         ValueError: an any-resolution ``vision`` of a family without a processor for it.
     """
+    if vision.dynamic_resolution:
+        return DynamicResolutionImages(model_dir, vision)
     return AnyResImages(model_dir, family, vision) if vision.any_resolution else FixedSizeImages(model_dir, vision)

@@ -14,7 +14,12 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mm_serve.inputs.image_prep import AnyResImages, FixedSizeImages, image_prep
+from mm_serve.inputs.image_prep import (
+    AnyResImages,
+    DynamicResolutionImages,
+    FixedSizeImages,
+    image_prep,
+)
 from mm_serve.inputs.prompt_encoding import encode_chat, encode_prompt
 from mm_serve.media.offline import normalize_messages, to_pil
 from mm_serve.models.model_config import CheckpointError, ModelConfig
@@ -29,12 +34,14 @@ class ProcessedInputs:
     """Model-ready inputs of one request."""
 
     prompt_token_ids: list[int]  # image placeholders expanded
-    pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32, or every image's tiles [sum(tiles), 3, H, W]
+    pixel_values: torch.Tensor | None  # [num_images, 3, H, W] float32, or every image's tiles [sum(tiles), 3, H, W],
+    # or (Qwen2-VL) every image's patches [sum(h*w), C*T*P*P]
     num_images: int
     image_hashes: list[bytes] = field(default_factory=list)  # per image, runtime.page_hashes; [] = not hashed yet
     image_token_counts: list[int] = field(default_factory=list)  # image tokens each image expanded to, in order
     image_tiles: list[int] = field(default_factory=list)  # rows of pixel_values per image ([]: one each)
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (height, width) where features need it
+    # per image, what its features need: LLaVA-NeXT its original (height, width) in pixels, Qwen2-VL its patch grid
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def tiles_per_image(self) -> list[int]:
@@ -70,7 +77,7 @@ class InputProcessor:
     def __init__(self, model_dir: str | Path, config: ModelConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
-        self.image_processor: FixedSizeImages | AnyResImages | None = None
+        self.image_processor: FixedSizeImages | AnyResImages | DynamicResolutionImages | None = None
         if config.vision is not None:
             self.image_processor = image_prep(model_dir, config.model_type, config.vision)
 

@@ -16,7 +16,7 @@ Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,llama,qwen2,bench,bench-next,bench-llama}
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,qwen2-vl,llama,qwen2,bench,bench-next,bench-llama}
 --out DIR [--seed S]``.
 """
 
@@ -337,6 +337,54 @@ def _unit_variance(tower: Any, seed: int, image_size: int) -> None:
                         layer.bias.div_(std)
 
 
+# Qwen2-VL's shape: a ViT over 14 px patches merged 2x2 into tokens (so 28 px per token), a Qwen2 decoder
+# with M-RoPE; images resized within 4 to 64 tokens' pixels
+QWEN2_VL_SPEC = TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, patch_size=14, image_size=28,
+                              vision_hidden_size=64, vision_layers=2, vision_heads=2)
+QWEN2_VL_PIXELS = (28 * 28 * 4, 28 * 28 * 64)  # (min_pixels, max_pixels)
+
+
+def build_qwen2_vl(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
+    """Write a random-weight ``Qwen2VLForConditionalGeneration`` checkpoint (a ViT with 2-D rotary positions
+    and a 2x2 patch merger, a Qwen2 decoder with M-RoPE sections of a quarter, three eighths and three
+    eighths of its rotary pairs, as Qwen2-VL's 16/24/24 of 64) with ``Qwen2VLImageProcessor``'s config
+    (pixel bounds :data:`QWEN2_VL_PIXELS`) to ``out_dir``; returns the path.
+
+    The image token is ``<image>`` (id 4) of the builder's tokenizer (a released checkpoint's is
+    ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``, all three from its template).
+    """
+    import torch
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    spec = spec or QWEN2_VL_SPEC
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
+    text = _text_config(spec, vocab).to_dict()
+    pairs = spec.hidden_size // spec.num_heads // 2
+    temporal = pairs // 4
+    section = [temporal, (pairs - temporal) // 2, pairs - temporal - (pairs - temporal) // 2]
+    text.update(model_type="qwen2_vl_text", rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
+                                                             "mrope_section": section})
+    vision = {"depth": spec.vision_layers, "embed_dim": spec.vision_hidden_size, "hidden_size": spec.hidden_size,
+              "num_heads": spec.vision_heads, "mlp_ratio": 2, "patch_size": spec.patch_size, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, "initializer_range": spec.initializer_range}
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=4, video_token_id=3,
+                           vision_start_token_id=1, vision_end_token_id=2, tie_word_embeddings=spec.tie_word_embeddings)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config)
+    model.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=QWEN2_VL_PIXELS[0], max_pixels=QWEN2_VL_PIXELS[1], patch_size=spec.patch_size,
+                             merge_size=2, temporal_patch_size=2, image_mean=spec.image_mean,
+                             image_std=spec.image_std).save_pretrained(str(out))
+    _write_spec(out, spec, seed, "qwen2-vl")
+    return out
+
+
 def _write_spec(out: Path, spec: TinyModelSpec, seed: int, kind: str) -> None:
     (out / "mm_serve_build.json").write_text(json.dumps({"kind": kind, "seed": seed, **asdict(spec)}, indent=2))
 
@@ -350,6 +398,7 @@ KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
     "fast-vlm": (build_fast_vlm, FAST_VLM_SPEC),
     "llama": (build_llama, TinyModelSpec()),
     "qwen2": (build_llama, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True)),
+    "qwen2-vl": (build_qwen2_vl, QWEN2_VL_SPEC),
     "bench": (build_llava, BENCH_SPEC),
     "bench-next": (build_llava_next, BENCH_NEXT_SPEC),
     "bench-llama": (build_llama, BENCH_SPEC),

@@ -18,7 +18,8 @@ from mm_serve.models.model_config import ModelConfig
 from mm_serve.models.projector import MultiModalProjector
 
 if TYPE_CHECKING:  # imported where a tower is built: transformers' modeling stack takes ~3 s to import,
-    from mm_serve.models.vision_encoder import VisionEncoder  # which the API process never needs
+    from mm_serve.models.qwen2_vl.tower import MergedPatchTower  # which the API process never needs
+    from mm_serve.models.vision_encoder import VisionEncoder
 
 
 class MultimodalLM(nn.Module):
@@ -41,9 +42,13 @@ class MultimodalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.language_model = language_model or LlamaForCausalLM(cfg.text, backend)
-        self.vision: VisionEncoder | None = None
+        self.vision: VisionEncoder | MergedPatchTower | None = None
         self.projector: MultiModalProjector | None = None
-        if cfg.vision is not None and vision:
+        if cfg.vision is not None and cfg.vision.dynamic_resolution and vision:  # Qwen2-VL: the merger projects
+            from mm_serve.models.qwen2_vl.tower import MergedPatchTower
+
+            self.vision = MergedPatchTower(cfg.vision)
+        elif cfg.vision is not None and vision:
             from mm_serve.models.vision_encoder import VisionEncoder
 
             self.vision = VisionEncoder(cfg.vision)
@@ -73,14 +78,20 @@ class MultimodalLM(nn.Module):
         """
         if self.vision is None or self.projector is None:
             what = "text-only" if self.config.vision is None else "built without its vision tower"
+            if self.config.vision is not None and self.config.vision.dynamic_resolution:
+                what = "of a dynamic-resolution family (encode_image_list takes its patches and grids)"
             raise ValueError(f"this model is {what}; it cannot take images")
+        from mm_serve.models.vision_encoder import VisionEncoder
+
+        assert isinstance(self.vision, VisionEncoder)
         return self.projector(self.vision(pixel_values))
 
     def encode_image_list(self, images: Sequence[torch.Tensor],
                           sizes: Sequence[tuple[int, int] | None]) -> list[torch.Tensor]:
         """Projected embeddings ``[tokens_i, text_hidden]`` of each image, its pixels ``[3, H, W]``
         (LLaVA-1.5: one tile, its original ``sizes[i]`` unused) or its tiles ``[T, 3, H, W]`` (LLaVA-NeXT:
-        the whole image, then its grid, packed with its original ``sizes[i]``), in one pass of the tower.
+        the whole image, then its grid, packed with its original ``sizes[i]``) or its patches
+        ``[h*w, C*T*P*P]`` (Qwen2-VL, ``sizes[i]`` its patch grid ``(h, w)``), in one pass of the tower.
 
         ``num_encoded_images`` counts the images, so tests and metrics can prove an image was encoded once.
 
@@ -89,6 +100,13 @@ class MultimodalLM(nn.Module):
         """
         self.num_encoded_images += len(images)
         vcfg = self.config.vision
+        if vcfg is not None and vcfg.dynamic_resolution:  # Qwen2-VL: patches [t*h*w, C*T*P*P], sizes = patch grids
+            from mm_serve.models.qwen2_vl.tower import MergedPatchTower
+
+            if self.vision is None or any(size is None for size in sizes):
+                raise ValueError("a dynamic-resolution image needs the tower and its patch grid")
+            assert isinstance(self.vision, MergedPatchTower)
+            return self.vision.encode(images, [s for s in sizes if s is not None])
         if vcfg is not None and vcfg.any_resolution:
             return self._encode_tiled(images, sizes)
         batch = self.encode_images(torch.stack([p if p.dim() == 3 else p[0] for p in images]))

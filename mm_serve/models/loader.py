@@ -71,8 +71,9 @@ def load_model(
     except CheckpointError as exc:
         raise CheckpointError(f"{root}: {exc}") from None
     _load_part(model.language_model, lm_state, "language-model", root)
-    if model.vision is not None and model.projector is not None:
+    if model.vision is not None:
         _load_part(model.vision.tower, parts["vision"], "vision-tower", root)
+    if model.projector is not None:
         _load_part(model.projector, parts["projector"], "projector", root)
         if model.image_newline is not None:
             newline = parts["newline"].get("image_newline")

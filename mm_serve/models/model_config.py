@@ -32,6 +32,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # M-RoPE (Qwen2-VL, Wang et al. 2024, arXiv:2409.12191 §2.1): the rotary pairs split into temporal,
+    # height and width sections, each turned by its own position id; () for plain 1-D RoPE
+    mrope_section: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ class VisionConfig:
     max_num_patches: int = 0
     # LLaVA-OneVision: in a prompt of several images, each is one square-padded tile (no grid)
     multi_image_untiled: bool = False
+    # Qwen2-VL: each image resized to its own grid of patches within (min, max) pixels, every
+    # ``merge_size`` x ``merge_size`` patches merged into one token (0: a fixed-size or tiling tower)
+    merge_size: int = 0
+    pixel_bounds: tuple[int, int] = (0, 0)  # (min_pixels, max_pixels) of the image processor
+
+    @property
+    def dynamic_resolution(self) -> bool:
+        """Whether each image is resized to its own patch grid (Qwen2-VL), its tokens following from it."""
+        return self.merge_size > 0
 
     @property
     def any_resolution(self) -> bool:
@@ -89,6 +101,8 @@ class VisionConfig:
     @property
     def max_image_tokens(self) -> int:
         """The most image tokens one image can make (what a ring's feature rows are sized for)."""
+        if self.dynamic_resolution:  # the resize keeps an image within max_pixels
+            return self.pixel_bounds[1] // (self.patch_size * self.merge_size) ** 2
         if not self.grid_pinpoints:
             return self.num_image_tokens
         from mm_serve.models.llava_next.anyres import max_image_tokens
@@ -102,7 +116,10 @@ class VisionConfig:
         its class token if it has one) less the first position under the ``default`` strategy
         (transformers' ``LlavaProcessor``: patches + ``num_additional_image_tokens``, minus one for
         ``default``). For an any-resolution family, the tokens of the whole-image tile alone: the
-        fewest an image makes."""
+        fewest an image makes. For a dynamic-resolution family, one: before an image is sized its
+        count is unknown (the resize rounds to whole merged patches, so not even ``min_pixels`` bounds it)."""
+        if self.dynamic_resolution:
+            return 1
         positions = (self.image_size // self.patch_size) ** 2 + (1 if self.class_token else 0)
         return positions - (1 if self.select_strategy == "default" else 0)
 
@@ -127,6 +144,8 @@ def _rope_from(cfg: dict[str, Any]) -> RopeConfig:
     merged: dict[str, Any] = {**scaling, **params}
     theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = str(merged.get("rope_type", merged.get("type", "default")))
+    if rope_type == "mrope":  # Qwen2-VL's transformers 4.x spelling: default frequencies, sectioned positions
+        rope_type = "default"
     if rope_type not in ("default", "linear", "llama3"):
         raise CheckpointError(
             f"rope type '{rope_type}' is not supported (supported: default, linear, llama3)"
@@ -138,6 +157,7 @@ def _rope_from(cfg: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        mrope_section=tuple(int(v) for v in merged.get("mrope_section") or ()),
     )
 
 
@@ -149,7 +169,10 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")  # decoders our runner implements (Llama layers; Qwen2: q/k/v biases)
+# decoders our runner implements (Llama layers; Qwen2: q/k/v biases; Qwen2-VL's and Qwen2.5-VL's text models
+# are Qwen2 with M-RoPE)
+TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+QWEN2_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 def _served_positions(cfg: dict[str, Any]) -> int:
@@ -189,12 +212,12 @@ def parse_text_config(cfg: dict[str, Any]) -> TextConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=_served_positions(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
+            attention_bias=bool(cfg.get("attention_bias", False)) and model_type not in QWEN2_TYPES,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             rope=_rope_from(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids(cfg.get("eos_token_id")),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type in QWEN2_TYPES,
         )
     except KeyError as exc:
         raise CheckpointError(f"config.json text config lacks required key {exc}") from None

@@ -10,6 +10,8 @@ architecture is refused at load with the list of those supported.
 * ``LlavaOnevisionForConditionalGeneration`` (llava_onevision): the same, grid features pooled to
   ``anyres_max_N`` tiles; images sharing a prompt untiled.
 * ``FastVlmForConditionalGeneration`` (fast_vlm): a timm tower (FastViTHD) read at its last feature map.
+* ``Qwen2VLForConditionalGeneration`` (qwen2_vl): a ViT with 2-D rotary positions over each image's own
+  patch grid and a patch merger, a Qwen2 decoder with M-RoPE.
 * ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (decoder): text only.
 """
 
@@ -110,6 +112,50 @@ def _parse_fast_vlm(raw: dict[str, Any], model_dir: Path) -> Parsed:
     return text, replace(vision, image_size=size, patch_size=size // side)
 
 
+QWEN_VL_TEXT = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
+
+
+def _parse_qwen2_vl(raw: dict[str, Any], model_dir: Path) -> Parsed:
+    """A Qwen2-VL or Qwen2.5-VL config: a Qwen2 decoder with M-RoPE (``text_config``, or the top level as
+    transformers 4.x wrote it) and a ViT with 2-D rotary positions whose merger emits the decoder's
+    tokens; the patch size, merge size and pixel bounds from ``preprocessor_config.json``.
+
+    Raises:
+        CheckpointError: no ``mrope_section``, no image token id, or an unreadable preprocessor config.
+    """
+    text_raw = dict(raw.get("text_config") or {k: v for k, v in raw.items() if k not in ("vision_config",)})
+    text_raw["model_type"] = QWEN_VL_TEXT[str(raw.get("model_type", "qwen2_vl"))]
+    if raw.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in (raw.get("text_config") or {}):
+        text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    text = parse_text_config(text_raw)
+    if sum(text.rope.mrope_section) != text.head_dim // 2:
+        raise CheckpointError(f"a Qwen2-VL decoder needs rope mrope_section summing to head_dim / 2 = {text.head_dim // 2}, "
+                              f"got {list(text.rope.mrope_section)}")
+    vcfg = dict(raw.get("vision_config") or {})
+    image_token = raw.get("image_token_id", raw.get("image_token_index"))
+    if image_token is None:
+        raise CheckpointError("a Qwen2-VL config needs image_token_id")
+    processor = model_dir / "preprocessor_config.json"
+    try:
+        prep = json.loads(processor.read_text())
+        size = prep.get("size") or {}
+        bounds = (int(prep.get("min_pixels", size.get("shortest_edge", 56 * 56))),
+                  int(prep.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))))
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{processor}: cannot read the pixel bounds ({exc})") from None
+    patch, merge = int(prep.get("patch_size", vcfg.get("patch_size", 14))), int(prep.get("merge_size", vcfg.get("spatial_merge_size", 2)))
+    if not 0 < bounds[0] <= bounds[1] or bounds[1] < (patch * merge) ** 2:
+        raise CheckpointError(f"{processor}: pixel bounds {bounds} must hold at least one {patch * merge} px square")
+    tower = "qwen2_5_vl_vision" if raw.get("model_type") == "qwen2_5_vl" else "qwen2_vl_vision"
+    vision = VisionConfig(
+        hf_config=vcfg, tower=tower, class_token=False, image_size=patch * merge, patch_size=patch,
+        hidden_size=int(vcfg.get("hidden_size") or vcfg.get("out_hidden_size") or text.hidden_size),
+        image_token_index=int(image_token), feature_layers=(-1,), feature_layer_is_list=False, select_strategy="full",
+        projector_hidden_act="gelu", projector_bias=True, merge_size=merge, pixel_bounds=bounds,
+    )
+    return text, vision
+
+
 def _parse_decoder(raw: dict[str, Any], model_dir: Path) -> Parsed:
     """A text-only decoder's config."""
     return parse_text_config(raw), None
@@ -142,6 +188,8 @@ FAMILIES: Final = (
                 _parse_llava_onevision, "LlavaOnevisionForConditionalGeneration"),
     ModelFamily("fast_vlm", ("FastVlmForConditionalGeneration",), ("fast_vlm",), _parse_fast_vlm,
                 "FastVlmForConditionalGeneration"),
+    ModelFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",), _parse_qwen2_vl,
+                "Qwen2VLForConditionalGeneration"),
     ModelFamily("decoder", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), TEXT_MODEL_TYPES,
                 _parse_decoder, "AutoModelForCausalLM"),
 )

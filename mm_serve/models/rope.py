@@ -51,10 +51,32 @@ class RotaryEmbedding(torch.nn.Module):
         self.inv_freq = inverse_frequencies(self.rope, self.head_dim).to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)``, each ``[T, head_dim]``, for integer ``positions`` ``[T]``."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :].float()
+        """``(cos, sin)``, each ``[T, head_dim]``, for integer ``positions`` ``[T]``, or with M-RoPE
+        (``rope.mrope_section``) ``[3, T]``: temporal, height and width ids, rotary pair ``i`` turned by
+        the row of the section it falls in (transformers' ``apply_multimodal_rotary_pos_emb``). A text
+        token's three ids are equal, so ``[T]`` serves text and decode steps under M-RoPE too.
+
+        Raises:
+            ValueError: ``[3, T]`` positions without M-RoPE sections.
+        """
+        if positions.dim() == 1:
+            freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :].float()
+        else:
+            rows = self._section_rows(positions.device)
+            picked = positions.to(torch.float32)[rows]  # [head_dim / 2, T]: each pair's own position row
+            freqs = picked.t() * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _section_rows(self, device: torch.device) -> torch.Tensor:
+        """Position row (0 temporal, 1 height, 2 width) of each rotary pair ``[head_dim / 2]``."""
+        sections = self.rope.mrope_section
+        if not sections:
+            raise ValueError("3-row positions need M-RoPE (rope mrope_section)")
+        rows = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(sections)])
+        if rows.numel() != self.head_dim // 2:
+            raise ValueError(f"mrope_section {sections} covers {rows.numel()} rotary pairs, not {self.head_dim // 2}")
+        return rows.to(device)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

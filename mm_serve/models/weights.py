@@ -8,7 +8,8 @@ Accepted layouts: ``model.safetensors``, or shards listed in
   ``multi_modal_projector.*``;
 * transformers 5.x in-memory names: ``model.language_model.*``, ``lm_head.*``,
   ``model.vision_tower.*``, ``model.multi_modal_projector.*``;
-* plain Llama: ``model.*``, ``lm_head.*``.
+* plain Llama: ``model.*``, ``lm_head.*``;
+* Qwen2-VL: ``model.*`` and ``lm_head.*`` (the decoder), ``visual.*`` / ``model.visual.*`` (the tower).
 
 Every key becomes one of ``lm.<decoder key>`` (e.g. ``lm.layers.0.self_attn.q_proj.weight``,
 ``lm.lm_head.weight``), ``vision.<tower key>``, ``projector.<key>`` or ``newline.image_newline``
@@ -40,6 +41,8 @@ _PREFIX_MAP: tuple[tuple[str, str], ...] = (
     ("model.vision_tower.", "vision."),
     ("vision_tower.vision_model.", "vision."),
     ("vision_tower.", "vision."),
+    ("model.visual.", "vision."),  # Qwen2-VL: the tower, its merger included
+    ("visual.", "vision."),
     ("model.multi_modal_projector.", "projector."),
     ("multi_modal_projector.", "projector."),
     ("lm_head.", "lm.lm_head."),

@@ -8,6 +8,7 @@ import torch
 
 from mm_serve.kernels.attention_metadata import AttentionMetadata
 from mm_serve.models.llava import MultimodalLM
+from mm_serve.models.qwen2_vl.mrope import mrope_positions
 from mm_serve.runtime.encoder_cache import EncoderCache
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.page_hashes import split_tiles
@@ -35,6 +36,7 @@ class ModelRunner:
         self.page_size = kv_cache.page_size
         self.device = kv_cache.data.device
         self.graphs: DecodeGraphs | None = None
+        self.mrope = bool(model.language_model.config.rope.mrope_section)  # Qwen2-VL's M-RoPE positions
         if cuda_graphs and self.device.type == "cuda":
             from mm_serve.runtime.decode_graphs import DecodeGraphs
 
@@ -103,7 +105,7 @@ class ModelRunner:
             requests whose pass reaches their last token mean anything to a sampler).
         """
         ids: list[int] = []
-        positions: list[int] = []
+        positions: list[torch.Tensor] = []  # [n] each, or [3, n] under M-RoPE
         slots: list[int] = []
         seq_lens: list[int] = []
         prefix_lens: list[int] = []
@@ -114,7 +116,7 @@ class ModelRunner:
             cached = request.num_cached_tokens
             n = min(request.prefill_end, len(tokens)) if request.prefill_end else len(tokens)
             ids.extend(tokens[cached:n])
-            positions.extend(range(cached, n))
+            positions.append(self._rope_positions(request, cached, n))
             slots.extend(slots_for(request.block_table, cached, n, self.page_size))
             seq_lens.append(n - cached)
             prefix_lens.append(cached)
@@ -138,10 +140,35 @@ class ModelRunner:
             )
         hidden = self.model.language_model(
             self.model.embed(input_ids, image_embeds, image_mask),
-            torch.tensor(positions, dtype=torch.long, device=self.device), meta, self.kv_cache.layer_caches,
+            torch.cat(positions, dim=-1).to(self.device), meta, self.kv_cache.layer_caches,
         )
         last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
         return self.model.language_model.compute_logits(hidden[last])
+
+    def _rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of a request's tokens ``[start, end)``: ``[n]`` (int64), or under M-RoPE
+        ``[3, n]``: the prompt's from its images' grids (:func:`~mm_serve.models.qwen2_vl.mrope.mrope_positions`,
+        computed once and kept on the request, with its ``rope_delta``), each later token's its index
+        plus ``rope_delta`` in all three rows."""
+        if not self.mrope:
+            return torch.arange(start, end, dtype=torch.long)
+        self.prepare_mrope(request)
+        prompt = min(end, request.num_prompt_tokens)
+        if request.mrope_positions is not None and start < prompt:
+            head = request.mrope_positions[:, start:prompt]
+        else:  # text only: three equal rows
+            head = torch.arange(start, max(start, prompt), dtype=torch.long).expand(3, -1)
+        tail = torch.arange(max(start, prompt), end, dtype=torch.long).expand(3, -1) + request.rope_delta
+        return torch.cat([head, tail], dim=1)
+
+    def prepare_mrope(self, request: Request) -> None:
+        """Set a request's M-RoPE prompt positions and ``rope_delta`` if it has images and they are not set."""
+        vision = self.model.config.vision
+        if request.mrope_positions is not None or not request.num_images or vision is None:
+            return
+        request.mrope_positions, request.rope_delta = mrope_positions(
+            request.prompt_token_ids, vision.image_token_index, request.image_token_counts, request.image_sizes,
+            vision.merge_size)
 
     def _image_rows(
         self, request: Request, tokens: list[int], cached: int, end: int,
@@ -173,6 +200,9 @@ class ModelRunner:
         Returns:
             Logits ``[B, vocab]`` (float32).
         """
+        if self.mrope:
+            for request in requests:
+                self.prepare_mrope(request)
         if self.graphs is not None and self.graphs.supports(requests):
             return self.graphs.run(requests)
         ids, positions, slots, tables, context = (

@@ -95,12 +95,17 @@ class Request:
     image_hashes: list[bytes] = field(default_factory=list)  # content hash per image (runtime.page_hashes)
     image_token_counts: list[int] = field(default_factory=list)  # image tokens of each image, in order
     image_tiles: list[int] = field(default_factory=list)  # rows of pixel_values per image ([]: one each)
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (height, width), where features need it
+    # per image, what its features need: LLaVA-NeXT its original (height, width), Qwen2-VL its patch grid
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far (prefix cache)
     num_cached_tokens: int = 0  # tokens at the head of block_table whose KV is in place before this prefill pass
     #   (a prefix-cache hit, then the chunks already prefilled)
     prefill_end: int = 0  # a chunked prefill pass computes tokens [num_cached_tokens, prefill_end); 0 = to the end
     num_prompt_cached_tokens: int = 0  # of its prompt, tokens whose KV was reused at its first prefill (usage)
+    # M-RoPE (Qwen2-VL): the prompt's position ids [3, num_prompt_tokens] and the offset of the tokens after it,
+    # derived from the prompt and its images' grids by the model runner where first needed (never sent)
+    mrope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,152 @@
+"""Qwen2-VL (a ViT with 2-D rotary positions over each image's own patch grid, a 2x2 patch merger, a
+Qwen2 decoder with M-RoPE) against transformers' ``Qwen2VLForConditionalGeneration`` and
+``Qwen2VLProcessor``: text, images of every shape, one at the pixel floor and one at the ceiling, two
+of different sizes in one prompt, ``detail`` low. Disaggregated, preempted, cached and migrated runs are
+in tests/test_family_faults.py and test_family_caches.py (kind ``qwen2-vl``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.models.builder import QWEN2_VL_PIXELS
+from mm_serve.models.qwen2_vl.mrope import mrope_positions
+from mm_serve.models.registry import load_model_config
+from tests.factories import build_checkpoint, gradient_image
+from tests.golden import our_first_logits
+
+NEW_TOKENS = 16
+LOGITS_RTOL = 1e-4
+Q = "USER: <image>\nWhat is in this picture? ASSISTANT:"
+Q2 = "USER: <image>\nCompare this <image>\nwith the first one. ASSISTANT:"
+IMAGES = {  # (width, height)
+    "wide": gradient_image(300, 40, 3), "tall": gradient_image(30, 200, 2),
+    "tiny": gradient_image(3, 5, 4),  # scaled up to the pixel floor
+    "large": gradient_image(640, 480, 5),  # scaled down to the pixel ceiling
+    "square": gradient_image(80, 80, 6),
+}
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("text", {"prompt": "Serving a language model means"}),
+    *[(name, {"prompt": Q, "images": [image]}) for name, image in IMAGES.items()],
+    ("two-images", {"prompt": Q2, "images": [IMAGES["tall"], IMAGES["wide"]]}),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen2-vl", tmp_path_factory.mktemp("qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_vl: Path) -> torch.nn.Module:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(str(qwen2_vl), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def processor(qwen2_vl: Path) -> Any:
+    from transformers import (
+        AutoTokenizer,
+        Qwen2VLImageProcessorPil,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(str(qwen2_vl)),
+                            tokenizer=AutoTokenizer.from_pretrained(str(qwen2_vl)),
+                            video_processor=Qwen2VLVideoProcessor())
+
+
+@pytest.fixture(scope="module")
+def colocated(qwen2_vl: Path) -> LLM:
+    return LLM(model=qwen2_vl, mode="colocated", num_pages=256, page_size=16)
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _reference_tokens(reference: torch.nn.Module, inputs: ProcessedInputs) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and first logits for our processed prompt and patches."""
+    ids = torch.tensor([inputs.prompt_token_ids])
+    kwargs: dict[str, Any] = {}
+    if inputs.pixel_values is not None:
+        kwargs = {"pixel_values": inputs.pixel_values, "mm_token_type_ids": (ids == 4).int(),
+                  "image_grid_thw": torch.tensor([[1, h, w] for h, w in inputs.image_sizes])}
+    with torch.inference_mode():
+        first = reference(input_ids=ids, **kwargs).logits[0, -1]
+        out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    return out[0, ids.shape[1]:].tolist(), first
+
+
+@pytest.mark.parametrize("name, request_", CASES, ids=[c[0] for c in CASES])
+def test_tokens_equal_transformers(name: str, request_: dict[str, Any], colocated: LLM, reference: torch.nn.Module,
+                                   processor: Any) -> None:
+    """Prompt ids, patches and grids equal the processor's; first logits within 1e-4; greedy tokens equal."""
+    assert colocated.engine is not None
+    inputs = colocated.engine.inputs.process(request_)
+    theirs = processor(text=[request_["prompt"]], images=request_.get("images"), return_tensors="pt")
+    assert inputs.prompt_token_ids == theirs["input_ids"][0].tolist()
+    if inputs.pixel_values is not None:
+        assert torch.equal(inputs.pixel_values, theirs["pixel_values"])
+        assert [[1, h, w] for h, w in inputs.image_sizes] == theirs["image_grid_thw"].tolist()
+    expected, ref_logits = _reference_tokens(reference, inputs)
+    ours = our_first_logits(colocated.engine, inputs)
+    assert float((ours - ref_logits).norm() / ref_logits.norm()) <= LOGITS_RTOL
+    out = colocated.generate(request_, _greedy())[0]
+    assert out.token_ids == expected and out.num_prompt_tokens == len(inputs.prompt_token_ids)
+
+
+def test_pixel_bounds_decide_the_token_counts(colocated: LLM, qwen2_vl: Path) -> None:
+    """A tiny image is scaled up to the pixel floor, a large one down to the ceiling; the engine's
+    bounds are the checkpoint's preprocessor's."""
+    vision = load_model_config(qwen2_vl).vision
+    assert vision is not None and vision.pixel_bounds == QWEN2_VL_PIXELS and vision.merge_size == 2
+    assert colocated.engine is not None
+    token = 28 * 28  # pixels per merged token
+    tiny = colocated.engine.inputs.process({"prompt": Q, "images": [IMAGES["tiny"]]})
+    large = colocated.engine.inputs.process({"prompt": Q, "images": [IMAGES["large"]]})
+    assert tiny.image_token_counts[0] * token >= QWEN2_VL_PIXELS[0]
+    assert large.image_token_counts[0] * token <= QWEN2_VL_PIXELS[1] == vision.max_image_tokens * token
+    assert large.image_token_counts[0] > 2 * tiny.image_token_counts[0]
+
+
+def test_images_reach_the_tokens(colocated: LLM) -> None:
+    """The same prompt with two different images of one size gives different tokens (the tower's
+    features matter, so the parity above could fail)."""
+    a, b = colocated.generate([{"prompt": Q, "images": [IMAGES["square"]]},
+                               {"prompt": Q, "images": [gradient_image(80, 80, 7)]}], _greedy())
+    assert a.token_ids != b.token_ids
+
+
+def test_detail_low_caps_the_pixels(colocated: LLM, reference: torch.nn.Module) -> None:
+    """``detail: low`` caps an image at a 512 x 512 image's pixels: under this checkpoint's smaller
+    ceiling it changes nothing; the chat path takes it and stays exact."""
+    assert colocated.engine is not None
+    part = {"type": "image_url", "image_url": {"url": IMAGES["large"], "detail": "low"}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}]
+    inputs = colocated.engine.inputs.process({"messages": messages})
+    high = colocated.engine.inputs.process({"prompt": Q, "images": [IMAGES["large"]]})
+    assert inputs.image_token_counts == high.image_token_counts
+    expected, _ = _reference_tokens(reference, inputs)
+    assert colocated.generate({"messages": messages}, _greedy())[0].token_ids == expected
+
+
+def test_positions_continue_after_the_prompt() -> None:
+    """M-RoPE ids: text counts up, an image's tokens take (row, column) offsets from where the text left
+    off, the text after it resumes past the image's longer side, and ``delta`` continues the largest."""
+    ids = [7, 7, 4, 4, 4, 4, 4, 4, 7]  # 2 text, a 2x3 merged image (a 4x6 patch grid), 1 text
+    positions, delta = mrope_positions(ids, 4, [6], [(4, 6)], 2)
+    assert positions.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5],
+                                  [0, 1, 2, 2, 2, 3, 3, 3, 5],
+                                  [0, 1, 2, 3, 4, 2, 3, 4, 5]]
+    assert delta == 5 + 1 - len(ids)
+    with pytest.raises(ValueError, match="cannot have the grid"):
+        mrope_positions(ids, 4, [6], [(4, 4)], 2)
