@@ -21,6 +21,7 @@ from mm_serve.models.builder import (
     build_llava,
     build_llava_next,
     build_llava_onevision,
+    build_qwen2_5_vl,
     build_qwen2_vl,
 )
 from mm_serve.runtime.worker_channel import WorkerChannel
@@ -47,6 +48,7 @@ SPECS: dict[str, TinyModelSpec] = {
     "fast-vlm": FAST_VLM_SPEC,
     # Qwen2-VL: 14 px patches merged 2x2, 4 to 64 tokens per image, Qwen2 with M-RoPE
     "qwen2-vl": QWEN2_VL_SPEC,
+    "qwen2.5-vl": QWEN2_VL_SPEC,  # the same with Qwen2.5-VL's windowed ViT
 }
 
 
@@ -67,6 +69,8 @@ def build_checkpoint(kind: str, out: Path, seed: int = 0) -> Path:
         return build_fast_vlm(out, seed, spec)
     if kind == "qwen2-vl":
         return build_qwen2_vl(out, seed, spec)
+    if kind == "qwen2.5-vl":
+        return build_qwen2_5_vl(out, seed, spec)
     return build_llava(out, seed, spec)
 
 

@@ -16,7 +16,7 @@ from tests.factories import build_checkpoint, gradient_image
 
 Q = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 PAGE = 4
-KINDS = ["llava", "llava-siglip", "llava-next", "llava-onevision", "fast-vlm", "qwen2-vl"]
+KINDS = ["llava", "llava-siglip", "llava-next", "llava-onevision", "fast-vlm", "qwen2-vl", "qwen2.5-vl"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -1,6 +1,6 @@
 """Qwen2-VL (a ViT with 2-D rotary positions over each image's own patch grid, a 2x2 patch merger, a
-Qwen2 decoder with M-RoPE) against transformers' ``Qwen2VLForConditionalGeneration`` and
-``Qwen2VLProcessor``: text, images of every shape, one at the pixel floor and one at the ceiling, two
+Qwen2 decoder with M-RoPE) and Qwen2.5-VL (its ViT attending within windows) against transformers'
+``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` and ``Qwen2VLProcessor``: text, images of every shape, one at the pixel floor and one at the ceiling, two
 of different sizes in one prompt, ``detail`` low. Disaggregated, preempted, cached and migrated runs are
 in tests/test_family_faults.py and test_family_caches.py (kind ``qwen2-vl``)."""
 
@@ -37,16 +37,17 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint("qwen2-vl", tmp_path_factory.mktemp("qwen2_vl"))
+@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
+def qwen2_vl(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def reference(qwen2_vl: Path) -> torch.nn.Module:
-    from transformers import Qwen2VLForConditionalGeneration
+    import transformers
 
-    return Qwen2VLForConditionalGeneration.from_pretrained(str(qwen2_vl), dtype=torch.float32).eval()
+    family = load_model_config(qwen2_vl).raw["architectures"][0]
+    return getattr(transformers, family).from_pretrained(str(qwen2_vl), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

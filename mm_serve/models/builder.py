@@ -16,7 +16,7 @@ Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,qwen2-vl,llama,qwen2,bench,bench-next,bench-llama}
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,qwen2-vl,qwen2.5-vl,llama,qwen2,bench,bench-next,bench-llama}
 --out DIR [--seed S]``.
 """
 
@@ -353,35 +353,46 @@ def build_qwen2_vl(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | Non
     The image token is ``<image>`` (id 4) of the builder's tokenizer (a released checkpoint's is
     ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``, all three from its template).
     """
-    import torch
-    from transformers import (
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
+    return _build_qwen_vl(Path(out_dir), seed, spec or QWEN2_VL_SPEC, "Qwen2VL", "qwen2-vl")
 
-    spec = spec or QWEN2_VL_SPEC
-    out = Path(out_dir)
+
+def build_qwen2_5_vl(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
+    """As :func:`build_qwen2_vl`, as ``Qwen2_5_VLForConditionalGeneration``: its ViT has RMSNorm and SwiGLU
+    blocks and attends within windows of 2x2 merged tokens (56 px) but in its last block, which attends
+    over the whole image."""
+    return _build_qwen_vl(Path(out_dir), seed, spec or QWEN2_VL_SPEC, "Qwen2_5_VL", "qwen2.5-vl")
+
+
+def _build_qwen_vl(out: Path, seed: int, spec: TinyModelSpec, family: str, kind: str) -> Path:
+    import torch
+    import transformers
+
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
     text = _text_config(spec, vocab).to_dict()
     pairs = spec.hidden_size // spec.num_heads // 2
     temporal = pairs // 4
     section = [temporal, (pairs - temporal) // 2, pairs - temporal - (pairs - temporal) // 2]
-    text.update(model_type="qwen2_vl_text", rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta,
-                                                             "mrope_section": section})
-    vision = {"depth": spec.vision_layers, "embed_dim": spec.vision_hidden_size, "hidden_size": spec.hidden_size,
-              "num_heads": spec.vision_heads, "mlp_ratio": 2, "patch_size": spec.patch_size, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, "initializer_range": spec.initializer_range}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=4, video_token_id=3,
-                           vision_start_token_id=1, vision_end_token_id=2, tie_word_embeddings=spec.tie_word_embeddings)
+    text.update(model_type="qwen2_vl_text" if family == "Qwen2VL" else "qwen2_5_vl_text", rope_parameters={
+        "rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": section})
+    vision: dict[str, Any] = {"depth": spec.vision_layers, "num_heads": spec.vision_heads, "patch_size": spec.patch_size,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2, "initializer_range": spec.initializer_range}
+    if family == "Qwen2VL":
+        vision.update(embed_dim=spec.vision_hidden_size, hidden_size=spec.hidden_size, mlp_ratio=2)
+    else:
+        vision.update(hidden_size=spec.vision_hidden_size, intermediate_size=spec.vision_intermediate_size,
+                      out_hidden_size=spec.hidden_size, window_size=2 * 2 * spec.patch_size,
+                      fullatt_block_indexes=[spec.vision_layers - 1])
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text, vision_config=vision, image_token_id=4, video_token_id=3, vision_start_token_id=1,
+        vision_end_token_id=2, tie_word_embeddings=spec.tie_word_embeddings)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
     model.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=QWEN2_VL_PIXELS[0], max_pixels=QWEN2_VL_PIXELS[1], patch_size=spec.patch_size,
-                             merge_size=2, temporal_patch_size=2, image_mean=spec.image_mean,
-                             image_std=spec.image_std).save_pretrained(str(out))
-    _write_spec(out, spec, seed, "qwen2-vl")
+    transformers.Qwen2VLImageProcessorPil(
+        min_pixels=QWEN2_VL_PIXELS[0], max_pixels=QWEN2_VL_PIXELS[1], patch_size=spec.patch_size, merge_size=2,
+        temporal_patch_size=2, image_mean=spec.image_mean, image_std=spec.image_std).save_pretrained(str(out))
+    _write_spec(out, spec, seed, kind)
     return out
 
 
@@ -399,6 +410,7 @@ KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
     "llama": (build_llama, TinyModelSpec()),
     "qwen2": (build_llama, TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, tie_word_embeddings=True)),
     "qwen2-vl": (build_qwen2_vl, QWEN2_VL_SPEC),
+    "qwen2.5-vl": (build_qwen2_5_vl, QWEN2_VL_SPEC),
     "bench": (build_llava, BENCH_SPEC),
     "bench-next": (build_llava_next, BENCH_NEXT_SPEC),
     "bench-llama": (build_llama, BENCH_SPEC),

@@ -12,6 +12,7 @@ architecture is refused at load with the list of those supported.
 * ``FastVlmForConditionalGeneration`` (fast_vlm): a timm tower (FastViTHD) read at its last feature map.
 * ``Qwen2VLForConditionalGeneration`` (qwen2_vl): a ViT with 2-D rotary positions over each image's own
   patch grid and a patch merger, a Qwen2 decoder with M-RoPE.
+* ``Qwen2_5_VLForConditionalGeneration`` (qwen2_5_vl): the same with a windowed-attention ViT.
 * ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (decoder): text only.
 """
 
@@ -124,7 +125,7 @@ def _parse_qwen2_vl(raw: dict[str, Any], model_dir: Path) -> Parsed:
         CheckpointError: no ``mrope_section``, no image token id, or an unreadable preprocessor config.
     """
     text_raw = dict(raw.get("text_config") or {k: v for k, v in raw.items() if k not in ("vision_config",)})
-    text_raw["model_type"] = QWEN_VL_TEXT[str(raw.get("model_type", "qwen2_vl"))]
+    text_raw["model_type"] = QWEN_VL_TEXT.get(str(raw.get("model_type")), "qwen2_vl_text")
     if raw.get("tie_word_embeddings") is not None and "tie_word_embeddings" not in (raw.get("text_config") or {}):
         text_raw["tie_word_embeddings"] = raw["tie_word_embeddings"]
     text = parse_text_config(text_raw)
@@ -146,10 +147,11 @@ def _parse_qwen2_vl(raw: dict[str, Any], model_dir: Path) -> Parsed:
     patch, merge = int(prep.get("patch_size", vcfg.get("patch_size", 14))), int(prep.get("merge_size", vcfg.get("spatial_merge_size", 2)))
     if not 0 < bounds[0] <= bounds[1] or bounds[1] < (patch * merge) ** 2:
         raise CheckpointError(f"{processor}: pixel bounds {bounds} must hold at least one {patch * merge} px square")
-    tower = "qwen2_5_vl_vision" if raw.get("model_type") == "qwen2_5_vl" else "qwen2_vl_vision"
+    tower = "qwen2_5_vl_vision" if vcfg.get("model_type", raw.get("model_type")) in ("qwen2_5_vl_vision", "qwen2_5_vl") \
+        else "qwen2_vl_vision"
     vision = VisionConfig(
         hf_config=vcfg, tower=tower, class_token=False, image_size=patch * merge, patch_size=patch,
-        hidden_size=int(vcfg.get("hidden_size") or vcfg.get("out_hidden_size") or text.hidden_size),
+        hidden_size=int(vcfg.get("out_hidden_size") or vcfg.get("hidden_size") or text.hidden_size),
         image_token_index=int(image_token), feature_layers=(-1,), feature_layer_is_list=False, select_strategy="full",
         projector_hidden_act="gelu", projector_bias=True, merge_size=merge, pixel_bounds=bounds,
     )
@@ -190,6 +192,8 @@ FAMILIES: Final = (
                 "FastVlmForConditionalGeneration"),
     ModelFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",), _parse_qwen2_vl,
                 "Qwen2VLForConditionalGeneration"),
+    ModelFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",), _parse_qwen2_vl,
+                "Qwen2_5_VLForConditionalGeneration"),
     ModelFamily("decoder", ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), TEXT_MODEL_TYPES,
                 _parse_decoder, "AutoModelForCausalLM"),
 )
