@@ -151,3 +151,39 @@ def test_positions_continue_after_the_prompt() -> None:
     assert delta == 5 + 1 - len(ids)
     with pytest.raises(ValueError, match="cannot have the grid"):
         mrope_positions(ids, 4, [6], [(4, 4)], 2)
+
+
+def test_mm_processor_kwargs_set_the_pixel_bounds(colocated: LLM, reference: torch.nn.Module, processor: Any) -> None:
+    """``mm_processor_kwargs`` (vLLM's name) narrows the pixel bounds: the patches and grid are the
+    processor's under the same bounds, the tokens stay exact; bounds outside the checkpoint's, unknown
+    keys and min over max are refused naming the field."""
+    from mm_serve.inputs.input_processor import InvalidRequestError
+
+    assert colocated.engine is not None
+    bounds = {"min_pixels": QWEN2_VL_PIXELS[0], "max_pixels": 28 * 28 * 16}
+    request_ = {"prompt": Q, "images": [IMAGES["large"]], "mm_processor_kwargs": bounds}
+    inputs = colocated.engine.inputs.process(request_)
+    full = colocated.engine.inputs.process({"prompt": Q, "images": [IMAGES["large"]]})
+    assert inputs.image_token_counts[0] <= 16 < full.image_token_counts[0]
+    theirs = processor(text=[Q], images=[IMAGES["large"]], return_tensors="pt",
+                       size={"shortest_edge": bounds["min_pixels"], "longest_edge": bounds["max_pixels"]})
+    assert inputs.prompt_token_ids == theirs["input_ids"][0].tolist()
+    assert torch.equal(inputs.pixel_values, theirs["pixel_values"])
+    expected, _ = _reference_tokens(reference, inputs)
+    assert colocated.generate(request_, _greedy())[0].token_ids == expected
+    for kwargs, message in [({"max_pixels": QWEN2_VL_PIXELS[1] + 1}, "this model takes"),
+                            ({"min_pixels": 10}, "this model takes"),
+                            ({"min_pixels": 28 * 28 * 16, "max_pixels": 28 * 28 * 8}, "min_pixels <= max_pixels"),
+                            ({"fps": 2}, "takes min_pixels and max_pixels")]:
+        with pytest.raises(InvalidRequestError, match=message) as caught:
+            colocated.engine.inputs.process({**request_, "mm_processor_kwargs": kwargs})
+        assert caught.value.param == "mm_processor_kwargs"
+
+
+def test_mm_processor_kwargs_are_refused_where_images_have_a_fixed_size(tmp_path: Path) -> None:
+    from mm_serve.inputs.input_processor import InvalidRequestError
+
+    llm = LLM(model=build_checkpoint("llava", tmp_path / "llava"), mode="colocated", num_pages=64, page_size=16)
+    assert llm.engine is not None
+    with pytest.raises(InvalidRequestError, match="applies to models that resize"):
+        llm.engine.inputs.process({"prompt": Q, "images": [IMAGES["square"]], "mm_processor_kwargs": {"max_pixels": 9999}})

@@ -117,16 +117,18 @@ class DynamicResolutionImages:
         self.processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
         self.vision = vision
 
-    def __call__(self, images: Sequence[Image.Image], details: Sequence[str | None] = ()) -> PreparedImages:
+    def __call__(self, images: Sequence[Image.Image], details: Sequence[str | None] = (),
+                 pixel_bounds: tuple[int, int] | None = None) -> PreparedImages:
         """Each image alone: its patches ``[h*w, C*T*P*P]`` (``tiles``: ``h*w`` each) and its grid ``(h, w)``
-        in patches (``sizes``). ``details[i]`` ``low`` caps it at a 512 x 512 image's pixels (within the
-        checkpoint's bounds); ``high`` and ``auto`` the checkpoint's ``max_pixels``."""
-        low_max = max(self.vision.pixel_bounds[0], min(self.vision.pixel_bounds[1], LOW_DETAIL_PIXELS))
+        in patches (``sizes``), resized within ``pixel_bounds`` (min, max pixels; default the checkpoint's,
+        which the caller has checked these lie within). ``details[i]`` ``low`` caps an image at a 512 x 512
+        image's pixels (not below the minimum); ``high`` and ``auto`` leave the maximum."""
+        floor, ceiling = pixel_bounds or self.vision.pixel_bounds
         pixels, tiles, grids, counts = [], [], [], []
         for i, image in enumerate(images):
-            low = i < len(details) and details[i] == "low"
-            kwargs: dict[str, Any] = {"size": {"shortest_edge": min(self.vision.pixel_bounds[0], low_max),
-                                               "longest_edge": low_max}} if low else {}
+            top = max(floor, min(ceiling, LOW_DETAIL_PIXELS)) if i < len(details) and details[i] == "low" else ceiling
+            kwargs: dict[str, Any] = {} if (floor, top) == self.vision.pixel_bounds else {
+                "size": {"shortest_edge": floor, "longest_edge": top}}
             out = self.processor(images=[to_rgb(image)], return_tensors="pt", **kwargs)
             t, h, w = (int(v) for v in out["image_grid_thw"][0])
             pixels.append(out["pixel_values"])

@@ -26,7 +26,12 @@ from mm_serve.models.model_config import CheckpointError, ModelConfig
 
 
 class InvalidRequestError(ValueError):
-    """The request cannot be served as given (bad shape, too long, wrong image count, ...)."""
+    """The request cannot be served as given (bad shape, too long, wrong image count, ...); ``param``
+    names the request field at fault where it is not the prompt."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -167,9 +172,35 @@ class InputProcessor:
         if any(not 0 <= t < vocab for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
         details += [None] * (len(images) - len(details))  # the request's "images" list: auto
-        return self._with_images(ids, images, details)
+        return self._with_images(ids, images, details, self._pixel_bounds(request.get("mm_processor_kwargs")))
 
-    def _with_images(self, ids: list[int], images: list[Image.Image], details: list[str | None]) -> ProcessedInputs:
+    def _pixel_bounds(self, kwargs: Any) -> tuple[int, int] | None:
+        """The (min, max) pixels of ``mm_processor_kwargs`` (vLLM's name), the checkpoint's where one is
+        absent; None when not given.
+
+        Raises:
+            InvalidRequestError: not a dict of ``min_pixels`` / ``max_pixels`` integers, a family whose
+                images are not resized to pixel bounds, or bounds outside the checkpoint's.
+        """
+        if not kwargs:
+            return None
+        where = "mm_processor_kwargs"
+        if not isinstance(kwargs, dict) or set(kwargs) - {"min_pixels", "max_pixels"} or any(
+                isinstance(v, bool) or not isinstance(v, int) for v in kwargs.values()):
+            raise InvalidRequestError("mm_processor_kwargs takes min_pixels and max_pixels, integers", where)
+        vision = self.config.vision
+        if vision is None or not vision.dynamic_resolution:
+            raise InvalidRequestError("mm_processor_kwargs (min_pixels, max_pixels) applies to models that resize "
+                                      "each image within pixel bounds (Qwen2-VL); this model's images are not", where)
+        low, high = vision.pixel_bounds
+        bounds = (int(kwargs.get("min_pixels", low)), int(kwargs.get("max_pixels", high)))
+        if not low <= bounds[0] <= bounds[1] <= high:
+            raise InvalidRequestError(f"mm_processor_kwargs asks for {bounds[0]} to {bounds[1]} pixels per image; "
+                                      f"this model takes {low} to {high} (and min_pixels <= max_pixels)", where)
+        return bounds
+
+    def _with_images(self, ids: list[int], images: list[Image.Image], details: list[str | None],
+                     pixel_bounds: tuple[int, int] | None = None) -> ProcessedInputs:
         index = self.image_token_index
         placeholders = 0 if index is None else ids.count(index)
         if images and (self.image_processor is None or index is None):
@@ -181,7 +212,11 @@ class InputProcessor:
             )
         if not images or self.image_processor is None or self.config.vision is None:
             return ProcessedInputs(ids, None, 0)
-        prepared = self.image_processor(images, details)
+        if pixel_bounds is not None:
+            assert isinstance(self.image_processor, DynamicResolutionImages)
+            prepared = self.image_processor(images, details, pixel_bounds)
+        else:
+            prepared = self.image_processor(images, details)
         counts = iter(prepared.token_counts)
         expanded: list[int] = []
         for token in ids:

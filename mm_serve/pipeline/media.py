@@ -69,7 +69,9 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], text_c
         )
     try:
         processed = await asyncio.to_thread(inputs.process, request)
-    except (InvalidRequestError, ImageError) as exc:
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc), exc.param or param) from None
+    except ImageError as exc:
         raise bad_request(str(exc), param) from None
     except (TypeError, UnicodeError):  # e.g. lone surrogates the tokenizer cannot encode
         raise bad_request(

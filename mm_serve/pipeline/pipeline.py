@@ -87,6 +87,9 @@ async def _prompt_inputs(ctx: ServerContext, call: Call) -> list[ProcessedInputs
     api, inputs = ctx.config.api, ctx.holder.inputs
     if call.chat is not None:
         request = await chat_request(call.chat, api)
+        kwargs = getattr(call.body, "mm_processor_kwargs", None)
+        if kwargs is not None:
+            request["mm_processor_kwargs"] = kwargs.model_dump(exclude_none=True)
         return [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]
     return [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
             for prompt in call.prompts]

@@ -69,6 +69,23 @@ class StreamOptions(_Lenient):
     include_usage: bool = Field(False, strict=True)
 
 
+class MMProcessorKwargs(BaseModel):
+    """Extension (vLLM's name): the image processor's pixel bounds for this call's images, within the
+    checkpoint's own; only a dynamic-resolution family (Qwen2-VL) takes them. Unknown keys are a 400:
+    a processor option silently ignored would change nothing the user asked for."""
+
+    model_config = ConfigDict(extra="forbid")
+    min_pixels: int | None = Field(None, ge=1, strict=True)
+    max_pixels: int | None = Field(None, ge=1, strict=True)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> MMProcessorKwargs:
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise invalid("mm_processor_kwargs", f"min_pixels ({self.min_pixels}) is more than max_pixels "
+                                                 f"({self.max_pixels})")
+        return self
+
+
 def _empty(value: Any) -> bool:
     return value is None or value is False or (isinstance(value, (str, list, dict)) and not value)
 
@@ -161,6 +178,9 @@ class _SamplingFields(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    mm_processor_kwargs: MMProcessorKwargs | None = Field(
+        None, description="extension (vLLM): {min_pixels, max_pixels} for a dynamic-resolution model's images, "
+        "within the checkpoint's bounds")
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)

@@ -22,7 +22,7 @@ from tests.api.server_process import ServerProcess, data_uri
 from tests.batch.helpers import jsonl, output_rows, row, upload, wait_final, write_config
 from tests.factories import build_checkpoint, gradient_image
 
-KINDS = ["llava-siglip", "llava-next", "llava-onevision", "fast-vlm"]
+KINDS = ["llava-siglip", "llava-next", "llava-onevision", "fast-vlm", "qwen2-vl"]
 IMAGE = gradient_image(200, 120, 7)  # wider than tall: tiles (and is pooled) where a family tiles
 MAX_TOKENS = 8
 # a tiled image's whole-image tile and its newline (56 px, 14 px patches): what ``low`` leaves
@@ -63,6 +63,11 @@ def _transformers_count(kind: str, model_dir: Path, llm: LLM) -> int:
             video_processor=transformers.LlavaOnevisionVideoProcessor(), tokenizer=tokenizer, num_image_tokens=16,
             vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_4", image_token="<image>")
         images: Any = [[IMAGE]]
+    elif kind == "qwen2-vl":
+        processor = transformers.Qwen2VLProcessor(
+            image_processor=transformers.Qwen2VLImageProcessorPil.from_pretrained(str(model_dir)),
+            video_processor=transformers.Qwen2VLVideoProcessor(), tokenizer=tokenizer)
+        images = [IMAGE]
     else:
         image_processor = transformers.AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
         processor = transformers.AutoProcessor.from_pretrained(str(model_dir), image_processor=image_processor)
@@ -137,4 +142,37 @@ def test_each_family_serves_the_batch_api_and_the_caption_job(family: tuple[str,
         assert captions[name]["caption"] == r.json()["choices"][0]["message"]["content"].strip()  # the job strips
         assert captions[name]["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
         counts.add(captions[name]["prompt_tokens"])
-    assert len(counts) == (3 if kind in LOW_TOKENS else 1)  # a tiling family: each shape its own token count
+    # a tiling or dynamic-resolution family: each shape its own token count
+    assert len(counts) == (3 if kind in LOW_TOKENS or kind == "qwen2-vl" else 1)
+
+
+def test_mm_processor_kwargs_over_http(family: tuple[str, Path, str]) -> None:
+    """vLLM's ``mm_processor_kwargs`` on a chat call: on Qwen2-VL narrower pixel bounds make fewer image
+    tokens (the text equal to the offline engine's under them); bounds outside the checkpoint's, an
+    unknown key, min over max, or any bounds on a family whose images are not resized to them: a 400 in
+    OpenAI's format naming the field, and the server keeps serving."""
+    kind, model_dir, url = family
+    small = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 8}
+    bad_cases = [{"max_pixels": 10**9}, {"min_pixels": 28 * 28 * 8, "max_pixels": 28 * 28 * 4}, {"fps": 1}]
+    if kind == "qwen2-vl":
+        body = _chat_with(url, small)
+        assert body.status_code == 200, body.text
+        llm = LLM(model=model_dir, mode="colocated", num_pages=128, page_size=16)
+        greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        offline = llm.generate({"messages": _messages(None), "mm_processor_kwargs": small}, greedy)[0]
+        assert body.json()["usage"]["prompt_tokens"] == offline.num_prompt_tokens
+        assert body.json()["usage"]["prompt_tokens"] < _chat(url, _messages(None))["usage"]["prompt_tokens"]
+        assert body.json()["choices"][0]["message"]["content"] == offline.text
+    else:
+        bad_cases.append(small)
+    for kwargs in bad_cases:
+        r = _chat_with(url, kwargs)
+        assert r.status_code == 400, (kwargs, r.text)
+        assert r.json()["error"]["param"].startswith("mm_processor_kwargs"), r.json()
+    assert _chat(url, _messages(None))["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def _chat_with(url: str, mm_processor_kwargs: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": _messages(None), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "mm_processor_kwargs": mm_processor_kwargs})
