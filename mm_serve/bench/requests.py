@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,9 +92,17 @@ class _TextSource:
 def image_shapes(vision: VisionConfig | None) -> list[tuple[int, int]]:
     """(width, height) pixels of the images a bench sends to a model with ``vision``: the tower's
     input square for a fixed-size family (one shape); for an any-resolution family that square, each
-    of its grid resolutions and each at half size (so images make from one tile to the most)."""
+    of its grid resolutions and each at half size (so images make from one tile to the most); for a
+    dynamic-resolution family squares at its pixel floor, half way and its ceiling, and a wide and a
+    tall image at the ceiling."""
     if vision is None:
         return [(336, 336)]
+    if vision.dynamic_resolution:  # Qwen2-VL: squares from the pixel floor to the ceiling, and long sides
+        unit = vision.patch_size * vision.merge_size
+        low, high = (max(unit, math.isqrt(bound) // unit * unit) for bound in vision.pixel_bounds)
+        middle = max(unit, (low + high) // 2 // unit * unit)
+        return list(dict.fromkeys([(low, low), (middle, middle), (high, high), (2 * high, high // 2),
+                                   (high // 2, 2 * high)]))
     shapes = [(vision.image_size, vision.image_size)]
     for height, width in vision.grid_pinpoints:
         shapes += [(width, height), (max(1, width // 2), max(1, height // 2))]

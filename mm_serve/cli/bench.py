@@ -153,7 +153,7 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
         if shape.vision is not None:
             # a tiling family: images of mixed shapes, the text fitted around the most tokens one can make
             image_tokens, image_size = shape.vision.max_image_tokens, shape.vision.image_size
-            if shape.vision.any_resolution:
+            if shape.vision.any_resolution or shape.vision.dynamic_resolution:
                 shapes = tuple(image_shapes(shape.vision))
     try:
         if args.workload in IMAGE_WORKLOADS and model_dir is None:

@@ -16,7 +16,7 @@ Weights are drawn by transformers' own initialisers under ``torch.manual_seed``;
 ``initializer_range`` is larger than usual so that random models have peaked
 next-token distributions (greedy choices are then far from ties).
 
-Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,qwen2-vl,qwen2.5-vl,llama,qwen2,bench,bench-next,bench-llama}
+Command line: ``python -m mm_serve.models.builder {llava,llava-siglip,llava-qwen2,llava-next,llava-onevision,fast-vlm,qwen2-vl,qwen2.5-vl,llama,qwen2,bench,bench-next,bench-llama,bench-qwen2.5-vl}
 --out DIR [--seed S]``.
 """
 
@@ -65,6 +65,8 @@ class TinyModelSpec:
     vision_tower: str = "clip"  # or "siglip" (no class token; resize without crop, mean/std 0.5), "timm" (FastViTHD)
     # LLaVA-OneVision only: the grid features an image keeps are pooled to about N tiles' worth
     vision_aspect_ratio: str = "anyres_max_4"
+    # Qwen2-VL only: (min_pixels, max_pixels) each image is resized within (28 px per merged token)
+    pixel_bounds: tuple[int, int] = (28 * 28 * 4, 28 * 28 * 64)
 
 
 # A benchmark preset: large enough that prefill and decode cost real compute on a 2-core CPU.
@@ -341,14 +343,18 @@ def _unit_variance(tower: Any, seed: int, image_size: int) -> None:
 # with M-RoPE; images resized within 4 to 64 tokens' pixels
 QWEN2_VL_SPEC = TinyModelSpec(decoder="qwen2", rope_theta=1_000_000.0, patch_size=14, image_size=28,
                               vision_hidden_size=64, vision_layers=2, vision_heads=2)
-QWEN2_VL_PIXELS = (28 * 28 * 4, 28 * 28 * 64)  # (min_pixels, max_pixels)
+QWEN2_VL_PIXELS = QWEN2_VL_SPEC.pixel_bounds  # (min_pixels, max_pixels): 4 to 64 tokens per image
+
+# The benchmark preset as Qwen2.5-VL: images of 64 to 768 tokens by their size
+BENCH_QWEN_SPEC = replace(BENCH_SPEC, decoder="qwen2", rope_theta=1_000_000.0, patch_size=14, image_size=28,
+                          pixel_bounds=(28 * 28 * 64, 28 * 28 * 768))
 
 
 def build_qwen2_vl(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
     """Write a random-weight ``Qwen2VLForConditionalGeneration`` checkpoint (a ViT with 2-D rotary positions
     and a 2x2 patch merger, a Qwen2 decoder with M-RoPE sections of a quarter, three eighths and three
     eighths of its rotary pairs, as Qwen2-VL's 16/24/24 of 64) with ``Qwen2VLImageProcessor``'s config
-    (pixel bounds :data:`QWEN2_VL_PIXELS`) to ``out_dir``; returns the path.
+    (the spec's pixel bounds) to ``out_dir``; returns the path.
 
     The image token is ``<image>`` (id 4) of the builder's tokenizer (a released checkpoint's is
     ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``, all three from its template).
@@ -390,7 +396,7 @@ def _build_qwen_vl(out: Path, seed: int, spec: TinyModelSpec, family: str, kind:
     model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
     model.save_pretrained(out)
     transformers.Qwen2VLImageProcessorPil(
-        min_pixels=QWEN2_VL_PIXELS[0], max_pixels=QWEN2_VL_PIXELS[1], patch_size=spec.patch_size, merge_size=2,
+        min_pixels=spec.pixel_bounds[0], max_pixels=spec.pixel_bounds[1], patch_size=spec.patch_size, merge_size=2,
         temporal_patch_size=2, image_mean=spec.image_mean, image_std=spec.image_std).save_pretrained(str(out))
     _write_spec(out, spec, seed, kind)
     return out
@@ -414,6 +420,7 @@ KINDS: dict[str, tuple[Any, TinyModelSpec]] = {
     "bench": (build_llava, BENCH_SPEC),
     "bench-next": (build_llava_next, BENCH_NEXT_SPEC),
     "bench-llama": (build_llama, BENCH_SPEC),
+    "bench-qwen2.5-vl": (build_qwen2_5_vl, BENCH_QWEN_SPEC),
 }
 
 

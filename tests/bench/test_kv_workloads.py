@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -160,3 +161,22 @@ def test_a_tiling_family_is_sent_images_of_mixed_shapes() -> None:
             sizes.add(Image.open(io.BytesIO(data)).size)
     assert sizes == set(shapes)
     assert _body(factory, spec, 3) == _body(RequestFactory("m", image_size=shapes), spec, 3)  # seeded
+
+
+def test_a_dynamic_resolution_model_gets_images_from_its_pixel_floor_to_its_ceiling(tmp_path: Path) -> None:
+    """On Qwen2-VL the bench's shapes make from the fewest tokens the checkpoint allows to the most
+    (by its own processor), so a bench run mixes image sizes."""
+    from mm_serve.bench.requests import image_shapes
+    from mm_serve.inputs.input_processor import InputProcessor
+    from mm_serve.models.builder import QWEN2_VL_PIXELS
+    from mm_serve.models.registry import load_model_config
+    from tests.factories import build_checkpoint, gradient_image
+
+    model_dir = build_checkpoint("qwen2-vl", tmp_path / "qwen2-vl")
+    config = load_model_config(model_dir)
+    assert config.vision is not None
+    inputs = InputProcessor(model_dir, config)
+    counts = [inputs.process({"prompt": "<image>", "images": [gradient_image(w, h)]}).image_token_counts[0]
+              for w, h in image_shapes(config.vision)]
+    assert min(counts) == QWEN2_VL_PIXELS[0] // 28**2 and max(counts) == QWEN2_VL_PIXELS[1] // 28**2
+    assert len(set(counts)) >= 3
