@@ -63,6 +63,13 @@ def test_padded_step_on_a_qwen2_decoder(tmp_path: Path) -> None:
     _padded_equals_plain(build_checkpoint("llava-qwen2", tmp_path / "llava-qwen2"), 64)
 
 
+def test_padded_step_on_m_rope(tmp_path: Path) -> None:
+    """Qwen2-VL's decode steps turn each request's tokens at its index plus its M-RoPE delta: the padded
+    step (what CUDA graphs capture) feeds the same rotary positions as the plain one, whose tokens equal
+    transformers' (tests/test_qwen2_vl.py)."""
+    _padded_equals_plain(build_checkpoint("qwen2-vl", tmp_path / "qwen2-vl"), 64)
+
+
 def _padded_equals_plain(tiny_llava: Path, max_batch: int) -> None:
     requests = [
         {"prompt": "Serving a language model means"},

@@ -187,3 +187,19 @@ def test_mm_processor_kwargs_are_refused_where_images_have_a_fixed_size(tmp_path
     assert llm.engine is not None
     with pytest.raises(InvalidRequestError, match="applies to models that resize"):
         llm.engine.inputs.process({"prompt": Q, "images": [IMAGES["square"]], "mm_processor_kwargs": {"max_pixels": 9999}})
+
+
+def test_a_follow_up_turn_reuses_the_first_turns_kv(qwen2_vl: Path, colocated: LLM) -> None:
+    """A multi-turn image chat: the second turn's prompt begins with the first turn (image included), whose
+    M-RoPE positions do not depend on what follows, so its KV is reused (cached tokens reported) and the
+    answer equals an engine's without prefix caching."""
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGES["wide"]}},
+                                          {"type": "text", "text": "What is in this picture?"}]}]
+    (answer,) = colocated.generate({"messages": first}, _greedy())
+    second = [*first, {"role": "assistant", "content": answer.text},
+              {"role": "user", "content": "And what colour is it?"}]
+    (follow_up,) = colocated.generate({"messages": second}, _greedy())
+    plain = LLM(model=qwen2_vl, mode="colocated", num_pages=256, page_size=16, enable_prefix_caching=False)
+    (uncached,) = plain.generate({"messages": second}, _greedy())
+    assert follow_up.token_ids == uncached.token_ids
+    assert follow_up.num_cached_tokens >= answer.num_prompt_tokens // 16 * 16 > 0
