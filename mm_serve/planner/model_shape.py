@@ -215,6 +215,8 @@ def shape_from_config(cfg: Mapping[str, Any], name: str = "model", where: str = 
     vision = None
     if isinstance(tower, str):  # original LLaVA (liuhaotian) layout
         vision = vision_from_tower_name(tower, cfg, fields["hidden_size"], where)
+    elif isinstance(cfg.get("vision_config"), Mapping):  # Qwen2-VL as transformers 4.x wrote it: text at the top
+        vision = vision_from_hf(cfg, cfg["vision_config"], fields["hidden_size"], where)
     if fields["model_type"].startswith("llava"):
         fields["model_type"] = "llava"
         fields["gated_mlp"] = True

@@ -9,6 +9,7 @@ with Visual Instruction Tuning", 2023, §3).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -121,11 +122,45 @@ def _need(value: Any, key: str, where: str) -> int:
     return value
 
 
+# Qwen2-VL resizes each image to its own patch grid within pixel bounds that reach 16,384 tokens in released
+# checkpoints; the planner, which knows images by number only, plans each as a 1024 x 1024 photo's worth
+QWEN_PLAN_PIXELS = 1024 * 1024
+
+
+def vision_from_qwen(vision_cfg: Mapping[str, Any], llm_hidden: int, where: str) -> VisionShape:
+    """Vision shape of a Qwen2-VL / Qwen2.5-VL ``vision_config``: every image planned as
+    :data:`QWEN_PLAN_PIXELS` pixels, its ``4 t`` patches in one pass of the ViT (full attention, an upper
+    bound for Qwen2.5-VL's windowed layers), its merger making ``t`` tokens; no class token.
+
+    Raises:
+        ModelShapeError: a field is not a positive integer.
+    """
+    def field(key: str, default: int) -> int:
+        return _need(vision_cfg.get(key, default), key, where)
+
+    patch, merge = field("patch_size", 14), field("spatial_merge_size", 2)
+    qwen2 = vision_cfg.get("model_type") == "qwen2_vl_vision"
+    hidden = field("embed_dim", 1280) if qwen2 else field("hidden_size", 1280)
+    inter = hidden * field("mlp_ratio", 4) if qwen2 else field("intermediate_size", 3420)
+    tokens = QWEN_PLAN_PIXELS // (patch * merge) ** 2
+    side = int(math.isqrt(tokens * merge * merge)) * patch  # a square of about 4 t patches
+    merged = hidden * merge * merge
+    return VisionShape(
+        model_type=str(vision_cfg.get("model_type")), num_layers=field("depth", 32), hidden_size=hidden,
+        num_heads=field("num_heads", 16), intermediate_size=inter, image_size=side, patch_size=patch,
+        has_cls=False, image_tokens=tokens, projector_params=merged * merged + merged * llm_hidden,
+    )
+
+
 def vision_from_hf(
     cfg: Mapping[str, Any], vision_cfg: Mapping[str, Any], llm_hidden: int, where: str
 ) -> VisionShape:
-    """Vision shape of a llava-hf config (``vision_config`` plus top-level feature keys)."""
+    """Vision shape of a llava-hf config (``vision_config`` plus top-level feature keys), or of a
+    Qwen2-VL one (:func:`vision_from_qwen`)."""
     mtype = str(vision_cfg.get("model_type", "clip_vision_model"))
+    if mtype in ("qwen2_vl_vision", "qwen2_5_vl_vision") or cfg.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
+        return vision_from_qwen({"model_type": "qwen2_vl_vision" if cfg.get("model_type") == "qwen2_vl" else mtype,
+                                 **vision_cfg}, llm_hidden, where)
     defaults = _VISION_DEFAULTS.get(mtype, _VISION_DEFAULTS["clip_vision_model"])
 
     def field(key: str) -> int:

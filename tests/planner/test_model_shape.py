@@ -167,3 +167,34 @@ def test_malformed_tiling_keys_raise(configs: Configs, pinpoints: Any, aspect: s
         cfg["vision_aspect_ratio"] = aspect
     with pytest.raises(ModelShapeError, match=message):
         shape_from_config(cfg)
+
+
+# Qwen/Qwen2-VL-7B-Instruct's config.json as transformers 4.x wrote it: the decoder at the top level.
+QWEN2_VL_7B: dict[str, Any] = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "max_position_embeddings": 32768, "vocab_size": 152064, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "image_token_id": 151655, "tie_word_embeddings": False,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+}
+
+
+@pytest.mark.parametrize("layout", ["4.x top level", "5.x text_config"])
+def test_qwen2_vl_plans_a_photo_worth_of_merged_patches(layout: str) -> None:
+    """Qwen2-VL's ViT (32 layers of 1280, 14 px patches merged 2x2) planned for a 1024 x 1024 image:
+    1337 tokens from about 4 x 1337 patches in one pass, no class token; the decoder as Qwen2's."""
+    from mm_serve.planner.vision_shape import QWEN_PLAN_PIXELS
+
+    cfg = dict(QWEN2_VL_7B)
+    if layout == "5.x text_config":
+        text = {k: cfg.pop(k) for k in list(cfg) if k not in ("architectures", "model_type", "vision_config",
+                                                             "image_token_id", "torch_dtype")}
+        cfg["text_config"] = {**text, "model_type": "qwen2_vl_text"}
+    shape = shape_from_config(cfg)
+    assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads) == (28, 3584, 4)
+    vis = shape.vision
+    assert vis is not None and (vis.num_layers, vis.hidden_size, vis.num_heads, vis.intermediate_size) == (32, 1280, 16, 5120)
+    assert shape.image_tokens == QWEN_PLAN_PIXELS // 28**2 == 1337 and not vis.has_cls
+    assert abs(vis.num_patches - 4 * 1337) < 4 * 1337 * 0.02
