@@ -29,3 +29,26 @@ def test_prefill_workers_may_yield_a_shared_core_to_decode(tmp_path: Path) -> No
     assert apart == [("prefill", 0, [0], 5), ("decode", 0, [1], 5)]
     colocated = _specs(tmp_path, {"mode": "colocated", "compute.prefill_worker_nice": 12})
     assert [(role, nice) for role, _, _, nice in colocated] == [("colocated", 5)]  # not a prefill worker
+
+
+def test_a_rings_feature_rows_never_exceed_a_context(tmp_path: Path) -> None:
+    """Image tokens are prompt tokens: with Qwen2-VL pixel bounds that allow 16,384 tokens an image (a
+    released checkpoint's), a ring slot holds at most a context's worth of feature rows, not the images'
+    bound times the image count (gigabytes of shared memory)."""
+    import json
+
+    from mm_serve.cluster.ring_sizing import ring_specs
+    from mm_serve.config import ServiceConfig
+    from mm_serve.models.registry import load_model_config
+    from tests.factories import build_checkpoint
+
+    model_dir = build_checkpoint("qwen2-vl", tmp_path / "qwen2-vl")
+    prep = json.loads((model_dir / "preprocessor_config.json").read_text())
+    prep["size"]["longest_edge"] = 28 * 28 * 16384
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(prep))
+    model = load_model_config(model_dir)
+    assert model.vision is not None and model.vision.max_image_tokens == 16384
+    cfg = ServiceConfig()
+    (spec,) = ring_specs("t", cfg, model)
+    context = model.text.max_position_embeddings
+    assert spec.feature_rows == context * min(cfg.scheduler.ring_buffer_size, 4)

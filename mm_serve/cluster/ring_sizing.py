@@ -14,7 +14,8 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
 
     Pages: ``kv_cache.ring_pages`` (0 = a quarter of a worker's pages), never fewer
     than one maximal request needs. Feature arena: room for every slot to carry
-    ``api.max_images_per_request`` images at once, capped at 4 slots' worth when large.
+    ``api.max_images_per_request`` images at once (at most a context's worth of rows), capped at 4
+    slots' worth when large.
     """
     text = model.text
     page_size = cfg.kv_cache.page_size
@@ -23,7 +24,9 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
     num_pages = max(cfg.kv_cache.ring_pages or cfg.kv_cache.max_pages_per_gpu // 4, max_pages)
     per_request_rows = 1
     if model.vision is not None:
-        per_request_rows = max(1, cfg.api.max_images_per_request) * model.vision.max_image_tokens
+        # image tokens are prompt tokens: never more than the context holds (Qwen2-VL's bounds allow
+        # 16,384 tokens an image in released checkpoints)
+        per_request_rows = min(max(1, cfg.api.max_images_per_request) * model.vision.max_image_tokens, max_len)
     capacity = cfg.scheduler.ring_buffer_size
     feature_rows = per_request_rows * min(capacity, 4)
     meta_bytes = max_len * 5 + 16384  # msgpack ints <= 5 bytes, plus generator state and params
