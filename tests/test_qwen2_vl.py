@@ -203,3 +203,13 @@ def test_a_follow_up_turn_reuses_the_first_turns_kv(qwen2_vl: Path, colocated: L
     (uncached,) = plain.generate({"messages": second}, _greedy())
     assert follow_up.token_ids == uncached.token_ids
     assert follow_up.num_cached_tokens >= answer.num_prompt_tokens // 16 * 16 > 0
+
+
+def test_an_image_the_processor_refuses_is_a_clear_error(colocated: LLM) -> None:
+    """Qwen2-VL's processor refuses an aspect ratio over 200: an ImageError (a 400 on the API) naming the
+    image, not a bare ValueError from transformers (a 500)."""
+    from mm_serve.media.errors import ImageError
+
+    assert colocated.engine is not None
+    with pytest.raises(ImageError, match=r"image 2 \(1x3000 px\) cannot be preprocessed for this model"):
+        colocated.engine.inputs.process({"prompt": Q2, "images": [IMAGES["square"], gradient_image(1, 3000)]})

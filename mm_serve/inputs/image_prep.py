@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from mm_serve.media.errors import ImageError
 from mm_serve.media.image_loading import to_rgb
 from mm_serve.media.image_processor import ImageProcessor
 from mm_serve.models.llava_next.anyres import num_image_tokens
@@ -82,7 +83,7 @@ class AnyResImages:
         faster); ``high`` or ``auto`` the full tiling. OneVision: two or more images, one tile each."""
         if len(images) > 1 and self.vision.multi_image_untiled:
             rgbs = [to_rgb(image) for image in images]
-            pixels = self.processor(images=[rgbs], return_tensors="pt")["pixel_values"][:, 0]  # [N, 3, H, W]
+            pixels = _run(self.processor, 0, rgbs[0], images=[rgbs], return_tensors="pt")["pixel_values"][:, 0]  # [N, 3, H, W]
             return PreparedImages(pixels, [self.one_tile_tokens] * len(rgbs), [1] * len(rgbs),
                                   [(int(rgb.height), int(rgb.width)) for rgb in rgbs])
         vision = self.vision
@@ -90,7 +91,7 @@ class AnyResImages:
         pixels, tiles, sizes, counts = [], [], [], []
         for i, image in enumerate(images):
             rgb = to_rgb(image)
-            tiled = self.processor(images=[rgb], return_tensors="pt")["pixel_values"][0]  # [tiles, 3, H, W]
+            tiled = _run(self.processor, i, rgb, images=[rgb], return_tensors="pt")["pixel_values"][0]  # [tiles, 3, H, W]
             size = (int(rgb.height), int(rgb.width))
             low = i < len(details) and details[i] == "low"
             pixels.append(tiled[:1] if low else tiled)
@@ -100,6 +101,20 @@ class AnyResImages:
                 size, vision.grid_pinpoints, vision.image_size, vision.patch_size, vision.class_token, drop_first,
                 vision.max_num_patches))
         return PreparedImages(torch.cat(pixels, dim=0), counts, tiles, sizes)
+
+
+def _run(processor: Any, index: int, image: Image.Image, **kwargs: Any) -> Any:
+    """``processor(**kwargs)``, its refusal of an image (transformers raises ValueError, e.g. Qwen2-VL's
+    for an aspect ratio over 200) as an :class:`ImageError` naming the image (a 400, not a 500).
+
+    Raises:
+        ImageError: the processor cannot take the image.
+    """
+    try:
+        return processor(**kwargs)
+    except (ValueError, RuntimeError) as exc:
+        raise ImageError(f"image {index + 1} ({image.width}x{image.height} px) cannot be preprocessed for this "
+                         f"model: {str(exc)[:200]}") from None
 
 
 LOW_DETAIL_PIXELS = 512 * 512  # OpenAI's low detail: a 512 x 512 image's worth
@@ -129,7 +144,7 @@ class DynamicResolutionImages:
             top = max(floor, min(ceiling, LOW_DETAIL_PIXELS)) if i < len(details) and details[i] == "low" else ceiling
             kwargs: dict[str, Any] = {} if (floor, top) == self.vision.pixel_bounds else {
                 "size": {"shortest_edge": floor, "longest_edge": top}}
-            out = self.processor(images=[to_rgb(image)], return_tensors="pt", **kwargs)
+            out = _run(self.processor, i, image, images=[to_rgb(image)], return_tensors="pt", **kwargs)
             t, h, w = (int(v) for v in out["image_grid_thw"][0])
             pixels.append(out["pixel_values"])
             tiles.append(t * h * w)

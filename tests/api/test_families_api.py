@@ -165,6 +165,12 @@ def test_mm_processor_kwargs_over_http(family: tuple[str, Path, str]) -> None:
         assert body.json()["choices"][0]["message"]["content"] == offline.text
     else:
         bad_cases.append(small)
+    sliver = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(gradient_image(1, 3000))}},
+                                           {"type": "text", "text": "What is this?"}]}]
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={"model": "tiny", "messages": sliver, "max_tokens": 2})
+    assert r.status_code in (200, 400), r.text  # 1 x 3000 px: served, or refused by the family's processor
+    if kind == "qwen2-vl":  # its processor refuses an aspect ratio over 200
+        assert r.status_code == 400 and "cannot be preprocessed" in r.json()["error"]["message"]
     for kwargs in bad_cases:
         r = _chat_with(url, kwargs)
         assert r.status_code == 400, (kwargs, r.text)
