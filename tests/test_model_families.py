@@ -111,7 +111,8 @@ def test_an_unsupported_architecture_is_refused_naming_those_supported(tiny_llam
                                               r"architectures: LlavaForConditionalGeneration, "
                                               r"LlavaNextForConditionalGeneration, "
                                               r"LlavaOnevisionForConditionalGeneration, "
-                                              r"FastVlmForConditionalGeneration, LlamaForCausalLM, "
+                                              r"FastVlmForConditionalGeneration, Qwen2VLForConditionalGeneration, "
+                                              r"Qwen2_5_VLForConditionalGeneration, LlamaForCausalLM, "
                                               r"MistralForCausalLM, Qwen2ForCausalLM"):
         load_model_config(model_dir)
 
