@@ -213,3 +213,12 @@ def test_an_image_the_processor_refuses_is_a_clear_error(colocated: LLM) -> None
     assert colocated.engine is not None
     with pytest.raises(ImageError, match=r"image 2 \(1x3000 px\) cannot be preprocessed for this model"):
         colocated.engine.inputs.process({"prompt": Q2, "images": [IMAGES["square"], gradient_image(1, 3000)]})
+
+
+def test_a_misspelt_request_key_is_refused(colocated: LLM) -> None:
+    """A key the engine does not read is an error naming it, not silently dropped (``mm_processor_kwarg``
+    for ``mm_processor_kwargs`` would otherwise serve the checkpoint's bounds without a word)."""
+    from mm_serve.inputs.input_processor import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="unknown request key.*'mm_processor_kwarg'"):
+        colocated.generate({"prompt": Q, "images": [IMAGES["square"]], "mm_processor_kwarg": {"max_pixels": 3136}})

@@ -25,6 +25,9 @@ from mm_serve.media.offline import normalize_messages, to_pil
 from mm_serve.models.model_config import CheckpointError, ModelConfig
 
 
+REQUEST_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", "images", "mm_processor_kwargs"})
+
+
 class InvalidRequestError(ValueError):
     """The request cannot be served as given (bad shape, too long, wrong image count, ...); ``param``
     names the request field at fault where it is not the prompt."""
@@ -147,10 +150,14 @@ class InputProcessor:
 
         Raises:
             InvalidRequestError: no prompt, token ids out of range, images given to a
-                text-only model, or image count != placeholder count.
+                text-only model, image count != placeholder count, or a key not in :data:`REQUEST_KEYS`.
         """
         if not isinstance(request, dict):
             raise InvalidRequestError(f"a request must be a dict (or a prompt string), not {type(request).__name__}")
+        unknown = sorted(set(map(str, request)) - REQUEST_KEYS)
+        if unknown:  # a misspelt key would otherwise be dropped without a word
+            raise InvalidRequestError(f"unknown request key(s) {', '.join(map(repr, unknown))}; a request takes "
+                                      f"{', '.join(sorted(REQUEST_KEYS))}")
         try:
             images: list[Image.Image] = [to_pil(image) for image in request.get("images") or []]
         except ValueError as exc:

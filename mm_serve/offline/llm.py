@@ -151,7 +151,8 @@ class LLM:
         or ``{"messages": [...]}`` (chat, rendered with the checkpoint's template; image
         parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
         {"url": X}}``, ``X`` a PIL image, a path, bytes or a data URI); a bare string is
-        ``{"prompt": string}``.
+        ``{"prompt": string}``. Any of them may add ``"mm_processor_kwargs": {"min_pixels": N,
+        "max_pixels": M}`` for a Qwen2-VL checkpoint's images; another key is an error.
 
         Raises:
             InvalidRequestError: a request is malformed or too long (nothing is run).
