@@ -24,7 +24,6 @@ from mm_serve.inputs.prompt_encoding import encode_chat, encode_prompt
 from mm_serve.media.offline import normalize_messages, to_pil
 from mm_serve.models.model_config import CheckpointError, ModelConfig
 
-
 REQUEST_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", "images", "mm_processor_kwargs"})
 
 
