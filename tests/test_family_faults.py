@@ -51,9 +51,9 @@ def test_preempted_and_cached_requests_keep_their_tokens(checkpoint: Path,
     requests recompute from their handed-over image rows (no image encoded twice); asked again, the
     images hit the caches. The same tokens every time.
 
-    Each request decodes ``KILL_TOKENS`` tokens, so any two of them decoding at once outgrow the pool
-    (with 40, a loaded CI machine once prefilled the OneVision requests so far apart that each decode
-    had finished before the next hand-off, and nothing was preempted)."""
+    Each request decodes ``KILL_TOKENS`` tokens, so any two of them decoding at once outgrow the pool,
+    and a decode lasts long enough that on a loaded machine the next hand-off still arrives during it
+    (with short decodes, requests prefilled far apart each finish before the next, and none is preempted)."""
     tokens, longest = expected
     params = SamplingParams(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True)
     with LLM(model=checkpoint, mode="disaggregated", num_pages=-(-longest // 4) + 4, page_size=4) as llm:

@@ -17,7 +17,7 @@ from mm_serve import LLM, SamplingParams
 from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.models.llava_next.anyres import num_image_tokens, select_best_resolution
 from tests.factories import build_checkpoint, gradient_image
-from tests.golden import our_first_logits
+from tests.golden import assert_matches_reference, reference_generate
 
 NEW_TOKENS = 16
 LOGITS_RTOL = 1e-4
@@ -55,28 +55,17 @@ def _greedy() -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@torch.inference_mode()
-def _reference(model: torch.nn.Module, inputs: ProcessedInputs) -> tuple[list[int], torch.Tensor]:
-    ids = torch.tensor([inputs.prompt_token_ids])
-    kwargs: dict[str, Any] = {}
-    if inputs.pixel_values is not None:
-        kwargs = {"pixel_values": inputs.pixel_values, "image_sizes": torch.tensor(inputs.image_sizes)}
-    first = model(input_ids=ids, **kwargs).logits[0, -1].float()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-    return out[0, ids.shape[1]:].tolist(), first
+def _model_kwargs(inputs: ProcessedInputs) -> dict[str, Any]:
+    """transformers' image inputs for our processed images: every tile and each image's original size."""
+    if inputs.pixel_values is None:
+        return {}
+    return {"pixel_values": inputs.pixel_values, "image_sizes": torch.tensor(inputs.image_sizes)}
 
 
 @pytest.mark.parametrize("name,request_", CASES, ids=[c[0] for c in CASES])
 def test_greedy_tokens_equal_transformers(colocated: LLM, reference: torch.nn.Module, name: str,
                                           request_: dict[str, Any]) -> None:
-    assert colocated.engine is not None
-    inputs = colocated.engine.inputs.process(request_)
-    expected, ref_logits = _reference(reference, inputs)
-    ours = our_first_logits(colocated.engine, inputs)
-    assert float((ours - ref_logits).norm() / ref_logits.norm()) <= LOGITS_RTOL
-    out = colocated.generate(request_, _greedy())[0]
-    assert out.token_ids == expected and out.num_prompt_tokens == len(inputs.prompt_token_ids)
+    assert_matches_reference(colocated, reference, request_, NEW_TOKENS, _model_kwargs, LOGITS_RTOL)
 
 
 def test_each_image_makes_the_tokens_the_transformers_processor_counts(colocated: LLM, llava_next: Path) -> None:
@@ -109,7 +98,8 @@ def test_disaggregated_with_caches_equals_transformers(llava_next: Path, colocat
     same tokens; asked again, the repeated images hit the encoder and prefix caches, same tokens."""
     assert colocated.engine is not None
     requests = [r for _, r in CASES if "images" in r][:3] + [dict(CASES[-1][1])]
-    expected = [_reference(reference, colocated.engine.inputs.process(r))[0] for r in requests]
+    expected = [reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs))[0]
+                for inputs in map(colocated.engine.inputs.process, requests)]
     with LLM(model=llava_next, mode="disaggregated", num_pages=512) as llm:
         first = llm.generate(requests, _greedy())
         again = llm.generate(requests, _greedy())

@@ -16,7 +16,7 @@ from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.models.llava_next.anyres import max_image_tokens, num_image_tokens, pooled_grid
 from mm_serve.models.registry import load_model_config
 from tests.factories import build_checkpoint, gradient_image
-from tests.golden import our_first_logits
+from tests.golden import assert_matches_reference, reference_generate
 
 NEW_TOKENS = 16
 LOGITS_RTOL = 1e-4
@@ -66,26 +66,10 @@ def _model_kwargs(inputs: ProcessedInputs) -> dict[str, Any]:
             "batch_num_images": torch.tensor([len(tiles)])}
 
 
-@torch.inference_mode()
-def _reference(model: torch.nn.Module, inputs: ProcessedInputs) -> tuple[list[int], torch.Tensor]:
-    ids = torch.tensor([inputs.prompt_token_ids])
-    kwargs = _model_kwargs(inputs)
-    first = model(input_ids=ids, **kwargs).logits[0, -1].float()
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-    return out[0, ids.shape[1]:].tolist(), first
-
-
 @pytest.mark.parametrize("name,request_", CASES, ids=[c[0] for c in CASES])
 def test_greedy_tokens_equal_transformers(colocated: LLM, reference: torch.nn.Module, name: str,
                                           request_: dict[str, Any]) -> None:
-    assert colocated.engine is not None
-    inputs = colocated.engine.inputs.process(request_)
-    expected, ref_logits = _reference(reference, inputs)
-    ours = our_first_logits(colocated.engine, inputs)
-    assert float((ours - ref_logits).norm() / ref_logits.norm()) <= LOGITS_RTOL
-    out = colocated.generate(request_, _greedy())[0]
-    assert out.token_ids == expected and out.num_prompt_tokens == len(inputs.prompt_token_ids)
+    assert_matches_reference(colocated, reference, request_, NEW_TOKENS, _model_kwargs, LOGITS_RTOL)
 
 
 def test_prompt_ids_and_pixels_equal_the_transformers_processor(colocated: LLM, onevision: Path) -> None:
@@ -141,7 +125,8 @@ def test_disaggregated_with_caches_equals_transformers(onevision: Path, colocate
     assert load_model_config(onevision).model_type == "llava_onevision"
     assert colocated.engine is not None
     requests = [r for name, r in CASES if name in ("square", "wide", "two-images")]
-    expected = [_reference(reference, colocated.engine.inputs.process(r))[0] for r in requests]
+    expected = [reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs))[0]
+                for inputs in map(colocated.engine.inputs.process, requests)]
     with LLM(model=onevision, mode="disaggregated", num_pages=512) as llm:
         first = llm.generate(requests, _greedy())
         again = llm.generate(requests, _greedy())

@@ -16,7 +16,7 @@ from mm_serve import LLM, SamplingParams
 from mm_serve.models.model_config import CheckpointError
 from mm_serve.models.registry import load_model_config
 from tests.factories import build_checkpoint, gradient_image
-from tests.golden import our_first_logits, reference_generate
+from tests.golden import assert_matches_reference, reference_generate
 
 NEW_TOKENS = 16
 LOGITS_RTOL = 1e-4
@@ -53,12 +53,8 @@ def test_each_family_matches_transformers_token_for_token(family: tuple[str, Pat
     cases = [TEXT] if kind == "qwen2" else [TEXT, ONE_IMAGE, TWO_IMAGES, TINY_IMAGE]
     assert llm.engine is not None
     for request in cases:
-        inputs = llm.engine.inputs.process(request)
-        expected, ref_logits = reference_generate(reference, inputs, NEW_TOKENS)
-        ours = our_first_logits(llm.engine, inputs)
-        assert float((ours - ref_logits).norm() / ref_logits.norm()) <= LOGITS_RTOL
-        out = llm.generate(request, _greedy())[0]
-        assert out.token_ids == expected and len(expected) == NEW_TOKENS
+        out = assert_matches_reference(llm, reference, request, NEW_TOKENS, logits_rtol=LOGITS_RTOL)
+        assert len(out.token_ids) == NEW_TOKENS
 
 
 @pytest.mark.parametrize("kind", MULTIMODAL_KINDS)

@@ -18,7 +18,7 @@ from mm_serve.models.builder import QWEN2_VL_PIXELS
 from mm_serve.models.qwen2_vl.mrope import mrope_positions
 from mm_serve.models.registry import load_model_config
 from tests.factories import build_checkpoint, gradient_image
-from tests.golden import our_first_logits
+from tests.golden import assert_matches_reference, reference_generate
 
 NEW_TOKENS = 16
 LOGITS_RTOL = 1e-4
@@ -73,18 +73,14 @@ def _greedy() -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def _reference_tokens(reference: torch.nn.Module, inputs: ProcessedInputs) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and first logits for our processed prompt and patches."""
+def _model_kwargs(inputs: ProcessedInputs) -> dict[str, Any]:
+    """transformers' image inputs for our processed images: the patches, which tokens are image tokens
+    (its M-RoPE needs them) and each image's grid."""
+    if inputs.pixel_values is None:
+        return {}
     ids = torch.tensor([inputs.prompt_token_ids])
-    kwargs: dict[str, Any] = {}
-    if inputs.pixel_values is not None:
-        kwargs = {"pixel_values": inputs.pixel_values, "mm_token_type_ids": (ids == 4).int(),
-                  "image_grid_thw": torch.tensor([[1, h, w] for h, w in inputs.image_sizes])}
-    with torch.inference_mode():
-        first = reference(input_ids=ids, **kwargs).logits[0, -1]
-        out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
-    return out[0, ids.shape[1]:].tolist(), first
+    return {"pixel_values": inputs.pixel_values, "mm_token_type_ids": (ids == 4).int(),
+            "image_grid_thw": torch.tensor([[1, h, w] for h, w in inputs.image_sizes])}
 
 
 @pytest.mark.parametrize("name, request_", CASES, ids=[c[0] for c in CASES])
@@ -98,11 +94,7 @@ def test_tokens_equal_transformers(name: str, request_: dict[str, Any], colocate
     if inputs.pixel_values is not None:
         assert torch.equal(inputs.pixel_values, theirs["pixel_values"])
         assert [[1, h, w] for h, w in inputs.image_sizes] == theirs["image_grid_thw"].tolist()
-    expected, ref_logits = _reference_tokens(reference, inputs)
-    ours = our_first_logits(colocated.engine, inputs)
-    assert float((ours - ref_logits).norm() / ref_logits.norm()) <= LOGITS_RTOL
-    out = colocated.generate(request_, _greedy())[0]
-    assert out.token_ids == expected and out.num_prompt_tokens == len(inputs.prompt_token_ids)
+    assert_matches_reference(colocated, reference, request_, NEW_TOKENS, _model_kwargs, LOGITS_RTOL)
 
 
 def test_pixel_bounds_decide_the_token_counts(colocated: LLM, qwen2_vl: Path) -> None:
@@ -136,7 +128,7 @@ def test_detail_low_caps_the_pixels(colocated: LLM, reference: torch.nn.Module) 
     inputs = colocated.engine.inputs.process({"messages": messages})
     high = colocated.engine.inputs.process({"prompt": Q, "images": [IMAGES["large"]]})
     assert inputs.image_token_counts == high.image_token_counts
-    expected, _ = _reference_tokens(reference, inputs)
+    expected, _ = reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs))
     assert colocated.generate({"messages": messages}, _greedy())[0].token_ids == expected
 
 
@@ -169,7 +161,7 @@ def test_mm_processor_kwargs_set_the_pixel_bounds(colocated: LLM, reference: tor
                        size={"shortest_edge": bounds["min_pixels"], "longest_edge": bounds["max_pixels"]})
     assert inputs.prompt_token_ids == theirs["input_ids"][0].tolist()
     assert torch.equal(inputs.pixel_values, theirs["pixel_values"])
-    expected, _ = _reference_tokens(reference, inputs)
+    expected, _ = reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs))
     assert colocated.generate(request_, _greedy())[0].token_ids == expected
     for kwargs, message in [({"max_pixels": QWEN2_VL_PIXELS[1] + 1}, "this model takes"),
                             ({"min_pixels": 10}, "this model takes"),
