@@ -139,7 +139,7 @@ def vision_from_qwen(vision_cfg: Mapping[str, Any], llm_hidden: int, where: str)
         return _need(vision_cfg.get(key, default), key, where)
 
     patch, merge = field("patch_size", 14), field("spatial_merge_size", 2)
-    qwen2 = vision_cfg.get("model_type") == "qwen2_vl_vision"
+    qwen2 = vision_cfg.get("model_type", "qwen2_vl_vision") == "qwen2_vl_vision"  # else Qwen2.5-VL's fields
     hidden = field("embed_dim", 1280) if qwen2 else field("hidden_size", 1280)
     inter = hidden * field("mlp_ratio", 4) if qwen2 else field("intermediate_size", 3420)
     tokens = QWEN_PLAN_PIXELS // (patch * merge) ** 2
@@ -158,9 +158,10 @@ def vision_from_hf(
     """Vision shape of a llava-hf config (``vision_config`` plus top-level feature keys), or of a
     Qwen2-VL one (:func:`vision_from_qwen`)."""
     mtype = str(vision_cfg.get("model_type", "clip_vision_model"))
-    if mtype in ("qwen2_vl_vision", "qwen2_5_vl_vision") or cfg.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
-        return vision_from_qwen({"model_type": "qwen2_vl_vision" if cfg.get("model_type") == "qwen2_vl" else mtype,
-                                 **vision_cfg}, llm_hidden, where)
+    if mtype in ("qwen2_vl_vision", "qwen2_5_vl_vision"):
+        return vision_from_qwen(vision_cfg, llm_hidden, where)
+    if cfg.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):  # a vision_config without its model_type
+        return vision_from_qwen({**vision_cfg, "model_type": f"{cfg['model_type']}_vision"}, llm_hidden, where)
     defaults = _VISION_DEFAULTS.get(mtype, _VISION_DEFAULTS["clip_vision_model"])
 
     def field(key: str) -> int:

@@ -241,8 +241,8 @@ class HandoffMeta(msgspec.Struct):
     output_offset: int = 0  # outputs before this attempt (a migrated request)
     num_images: int = 0
     image_token_counts: list[int] = []  # image tokens of each image (the rows of its features), in order
-    # per image, what its positions need: Qwen2-VL its patch grid (h, w), whose M-RoPE positions a decode
-    # worker derives again to recompute a preempted request ([]: none needed)
+    # per image, what its features need (Request.image_sizes); a decode worker reads Qwen2-VL's patch grids
+    # to derive the M-RoPE positions of a preempted request it recomputes
     image_sizes: list[tuple[int, int]] = []
     first_logprobs: dict[int, float] | None = None
     events: dict[str, float] = {}
