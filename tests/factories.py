@@ -11,6 +11,7 @@ import numpy as np
 import zmq
 from PIL import Image
 
+from mm_serve.media.video_loading import Video
 from mm_serve.models.builder import (
     FAST_VLM_SPEC,
     KINDS,
@@ -76,6 +77,12 @@ def gradient_image(width: int, height: int, seed: int = 0) -> Image.Image:
     base = np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=2)
     noisy = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
     return Image.fromarray(noisy)
+
+
+def gradient_video(frames: int, width: int, height: int, seed: int = 0, fps: float = 2.0) -> Video:
+    """A deterministic video of ``frames`` :func:`gradient_image` frames (each its own noise), sampled at
+    ``fps``."""
+    return Video(np.stack([np.asarray(gradient_image(width, height, seed * 1000 + i)) for i in range(frames)]), fps)
 
 
 def image_in_mode(mode: str, width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:

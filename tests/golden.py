@@ -43,7 +43,13 @@ def reference_generate(model: torch.nn.Module, inputs: ProcessedInputs, new_toke
     config = GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
     )
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # else transformers fills the config's unset EOS from it and stops there
+    try:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config, **kwargs)
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert out.shape[1] == ids.shape[1] + new_tokens, "the reference stopped early"
     return out[0, ids.shape[1]:].tolist(), first
 
 
@@ -53,7 +59,7 @@ def our_first_logits(engine: LLMEngine, inputs: ProcessedInputs) -> torch.Tensor
     request = Request("logits-probe", list(inputs.prompt_token_ids), SamplingParams(max_tokens=1),
                       num_images=inputs.num_images, pixel_values=inputs.pixel_values,
                       image_token_counts=list(inputs.image_token_counts), image_tiles=list(inputs.image_tiles),
-                      image_sizes=list(inputs.image_sizes))
+                      image_sizes=list(inputs.image_sizes), image_second_per_grid=list(inputs.image_second_per_grid))
     pool = engine.kv_cache.pool
     request.block_table = pool.allocate(pages_for(request.num_tokens, engine.config.page_size))
     try:

@@ -47,8 +47,12 @@ def test_bad_images_raise_value_errors(value: object, message: str) -> None:
 
 
 def test_normalize_rejects_unknown_parts_and_malformed_messages() -> None:
-    with pytest.raises(ValueError, match="unsupported content part type 'video'"):
+    with pytest.raises(ValueError, match="unsupported content part type 'audio'"):
+        normalize_messages([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}])
+    with pytest.raises(ValueError, match="video: cannot read 'x'"):
         normalize_messages([{"role": "user", "content": [{"type": "video", "video": "x"}]}])
+    with pytest.raises(ValueError, match="videos are accepted only in user messages"):
+        normalize_messages([{"role": "assistant", "content": [{"type": "video", "video": "x"}]}])
     with pytest.raises(ValueError, match="non-empty list"):
         normalize_messages([])
     with pytest.raises(ValueError, match="'role'"):

@@ -1,7 +1,8 @@
 """Qwen2-VL (a ViT with 2-D rotary positions over each image's own patch grid, a 2x2 patch merger, a
 Qwen2 decoder with M-RoPE) and Qwen2.5-VL (its ViT attending within windows) against transformers'
-``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` and ``Qwen2VLProcessor``: text, images of every shape, one at the pixel floor and one at the ceiling, two
-of different sizes in one prompt, ``detail`` low. Disaggregated, preempted, cached and migrated runs are
+``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` and ``Qwen2VLProcessor``: text,
+images of every shape, one at the pixel floor and one at the ceiling, two of different sizes in one prompt,
+``detail`` low, short videos (alone, with an image, decoded from an MP4, sampled at a request's fps). Disaggregated, preempted, cached and migrated runs are
 in tests/test_family_faults.py and test_family_caches.py (kind ``qwen2-vl``)."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from mm_serve.inputs.input_processor import ProcessedInputs
 from mm_serve.models.builder import QWEN2_VL_PIXELS
 from mm_serve.models.qwen2_vl.mrope import mrope_positions
 from mm_serve.models.registry import load_model_config
-from tests.factories import build_checkpoint, gradient_image
+from mm_serve.media.video_loading import Video, encode_video
+from tests.factories import build_checkpoint, gradient_image, gradient_video
 from tests.golden import assert_matches_reference, reference_generate
 
 NEW_TOKENS = 16
@@ -30,10 +32,18 @@ IMAGES = {  # (width, height)
     "large": gradient_image(640, 480, 5),  # scaled down to the pixel ceiling
     "square": gradient_image(80, 80, 6),
 }
+QV = "USER: <video>\nWhat happens in this video? ASSISTANT:"
+QIV = "USER: <image>\nHere is a picture, and <video>\na video. What changes? ASSISTANT:"
+VIDEOS = {
+    "video": gradient_video(6, 84, 56, 1),  # 3 temporal patches
+    "odd-frames": gradient_video(5, 40, 70, 2, fps=1.5),  # the last frame repeated to fill a patch
+}
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("text", {"prompt": "Serving a language model means"}),
     *[(name, {"prompt": Q, "images": [image]}) for name, image in IMAGES.items()],
     ("two-images", {"prompt": Q2, "images": [IMAGES["tall"], IMAGES["wide"]]}),
+    *[(name, {"prompt": QV, "videos": [video]}) for name, video in VIDEOS.items()],
+    ("image-and-video", {"prompt": QIV, "images": [IMAGES["square"]], "videos": [VIDEOS["video"]]}),
 ]
 
 
@@ -61,7 +71,7 @@ def processor(qwen2_vl: Path) -> Any:
 
     return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(str(qwen2_vl)),
                             tokenizer=AutoTokenizer.from_pretrained(str(qwen2_vl)),
-                            video_processor=Qwen2VLVideoProcessor())
+                            video_processor=Qwen2VLVideoProcessor.from_pretrained(str(qwen2_vl)))
 
 
 @pytest.fixture(scope="module")
@@ -73,28 +83,49 @@ def _greedy() -> SamplingParams:
     return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def _model_kwargs(inputs: ProcessedInputs) -> dict[str, Any]:
-    """transformers' image inputs for our processed images: the patches, which tokens are image tokens
-    (its M-RoPE needs them) and each image's grid."""
+def _model_kwargs(inputs: ProcessedInputs, reference: torch.nn.Module | None = None) -> dict[str, Any]:
+    """transformers' inputs for our processed images and videos: their patches apart, which tokens are image
+    (1) and video (2) tokens (its M-RoPE needs them), each one's grid and (Qwen2.5-VL) each video's seconds
+    per temporal patch."""
     if inputs.pixel_values is None:
         return {}
     ids = torch.tensor([inputs.prompt_token_ids])
-    return {"pixel_values": inputs.pixel_values, "mm_token_type_ids": (ids == 4).int(),
-            "image_grid_thw": torch.tensor([[1, h, w] for h, w in inputs.image_sizes])}
+    rows = torch.split(inputs.pixel_values, inputs.image_tiles)
+    stills = [i for i, size in enumerate(inputs.image_sizes) if len(size) == 2]
+    videos = [i for i, size in enumerate(inputs.image_sizes) if len(size) == 3]
+    kwargs: dict[str, Any] = {"mm_token_type_ids": (ids == 4).int() + 2 * (ids == 5).int()}
+    if stills:
+        kwargs.update(pixel_values=torch.cat([rows[i] for i in stills]),
+                      image_grid_thw=torch.tensor([[1, *inputs.image_sizes[i]] for i in stills]))
+    if videos:
+        kwargs.update(pixel_values_videos=torch.cat([rows[i] for i in videos]),
+                      video_grid_thw=torch.tensor([list(inputs.image_sizes[i]) for i in videos]))
+        if reference is None or "2_5" in type(reference).__name__:
+            kwargs["second_per_grid_ts"] = torch.tensor([inputs.image_second_per_grid[i] for i in videos])
+    return kwargs
 
 
 @pytest.mark.parametrize("name, request_", CASES, ids=[c[0] for c in CASES])
 def test_tokens_equal_transformers(name: str, request_: dict[str, Any], colocated: LLM, reference: torch.nn.Module,
                                    processor: Any) -> None:
-    """Prompt ids, patches and grids equal the processor's; first logits within 1e-4; greedy tokens equal."""
+    """Prompt ids, patches and grids equal the processor's (a video's frames through its video processor);
+    first logits within 1e-4; greedy tokens equal."""
     assert colocated.engine is not None
     inputs = colocated.engine.inputs.process(request_)
-    theirs = processor(text=[request_["prompt"]], images=request_.get("images"), return_tensors="pt")
+    videos = [video.frames for video in request_.get("videos", [])]
+    theirs = processor(text=[request_["prompt"]], images=request_.get("images"), videos=videos or None,
+                       do_sample_frames=False, return_tensors="pt")
     assert inputs.prompt_token_ids == theirs["input_ids"][0].tolist()
-    if inputs.pixel_values is not None:
-        assert torch.equal(inputs.pixel_values, theirs["pixel_values"])
-        assert [[1, h, w] for h, w in inputs.image_sizes] == theirs["image_grid_thw"].tolist()
-    assert_matches_reference(colocated, reference, request_, NEW_TOKENS, _model_kwargs, LOGITS_RTOL)
+    kwargs = _model_kwargs(inputs, reference)
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        assert (key in kwargs) == (key in theirs)
+        if key in kwargs:
+            assert torch.equal(kwargs[key], theirs[key]), key
+    if videos:
+        assert inputs.image_second_per_grid == [0.0] * (len(inputs.image_sizes) - len(videos)) + [
+            2 / video.fps for video in request_["videos"]]
+    assert_matches_reference(colocated, reference, request_, NEW_TOKENS, lambda i: _model_kwargs(i, reference),
+                             LOGITS_RTOL)
 
 
 def test_pixel_bounds_decide_the_token_counts(colocated: LLM, qwen2_vl: Path) -> None:
@@ -128,7 +159,7 @@ def test_detail_low_caps_the_pixels(colocated: LLM, reference: torch.nn.Module) 
     inputs = colocated.engine.inputs.process({"messages": messages})
     high = colocated.engine.inputs.process({"prompt": Q, "images": [IMAGES["large"]]})
     assert inputs.image_token_counts == high.image_token_counts
-    expected, _ = reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs))
+    expected, _ = reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs, reference))
     assert colocated.generate({"messages": messages}, _greedy())[0].token_ids == expected
 
 
@@ -161,12 +192,14 @@ def test_mm_processor_kwargs_set_the_pixel_bounds(colocated: LLM, reference: tor
                        size={"shortest_edge": bounds["min_pixels"], "longest_edge": bounds["max_pixels"]})
     assert inputs.prompt_token_ids == theirs["input_ids"][0].tolist()
     assert torch.equal(inputs.pixel_values, theirs["pixel_values"])
-    expected, _ = reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs))
+    expected, _ = reference_generate(reference, inputs, NEW_TOKENS, _model_kwargs(inputs, reference))
     assert colocated.generate(request_, _greedy())[0].token_ids == expected
     for kwargs, message in [({"max_pixels": QWEN2_VL_PIXELS[1] + 1}, "this model takes"),
                             ({"min_pixels": 10}, "this model takes"),
                             ({"min_pixels": 28 * 28 * 16, "max_pixels": 28 * 28 * 8}, "min_pixels <= max_pixels"),
-                            ({"fps": 2}, "takes min_pixels and max_pixels")]:
+                            ({"num_frames": 2}, "takes min_pixels and max_pixels"),
+                            ({"fps": 0}, "fps must be a number"),
+                            ({"max_frames": 10_000}, "max_frames must be an integer in")]:
         with pytest.raises(InvalidRequestError, match=message) as caught:
             colocated.engine.inputs.process({**request_, "mm_processor_kwargs": kwargs})
         assert caught.value.param == "mm_processor_kwargs"
@@ -214,3 +247,62 @@ def test_a_misspelt_request_key_is_refused(colocated: LLM) -> None:
 
     with pytest.raises(InvalidRequestError, match="unknown request key.*'mm_processor_kwarg'"):
         colocated.generate({"prompt": Q, "images": [IMAGES["square"]], "mm_processor_kwarg": {"max_pixels": 3136}})
+
+
+def test_a_video_file_is_sampled_at_the_requested_rate(colocated: LLM, reference: torch.nn.Module) -> None:
+    """An MP4 in a chat's ``video_url`` part is decoded (PyAV) and sampled at ``mm_processor_kwargs.fps``
+    (at most ``max_frames``): fewer frames, fewer tokens, each a temporal patch of 2 frames; the tokens stay
+    exact against transformers given the same sampled frames, and the video token is counted in the prompt."""
+    assert colocated.engine is not None
+    clip = encode_video(gradient_video(16, 56, 56, 3).frames, fps=8)  # 2 s at 8 fps
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": clip}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    rates = {}
+    for fps, frames in [(2.0, 4), (4.0, 8), (8.0, 16)]:
+        inputs = colocated.engine.inputs.process({"messages": messages, "mm_processor_kwargs": {"fps": fps}})
+        t, h, w = inputs.image_sizes[0]
+        assert (t, h, w) == (frames // 2, 4, 4) and inputs.image_token_counts == [4 * t]  # 56 px: 4x4 patches
+        assert inputs.image_second_per_grid == [pytest.approx(2 / fps)]
+        rates[fps] = inputs
+    capped = colocated.engine.inputs.process({"messages": messages, "mm_processor_kwargs": {"fps": 8.0, "max_frames": 6}})
+    assert capped.image_sizes[0][0] == 3 and capped.image_second_per_grid == [pytest.approx(2 / 3)]  # 6 frames in 2 s
+    expected, _ = reference_generate(reference, rates[2.0], NEW_TOKENS, _model_kwargs(rates[2.0], reference))
+    assert colocated.generate({"messages": messages}, _greedy())[0].token_ids == expected
+
+
+def test_videos_reach_the_tokens(colocated: LLM) -> None:
+    """Two different videos of one shape give different tokens (so the video parity above could fail), and so
+    does one video at two frame rates on Qwen2.5-VL (its temporal positions follow the clock)."""
+    a, b = colocated.generate([{"prompt": QV, "videos": [gradient_video(6, 84, 56, 1)]},
+                               {"prompt": QV, "videos": [gradient_video(6, 84, 56, 9)]}], _greedy())
+    assert a.token_ids != b.token_ids
+
+
+def test_bad_videos_are_clear_errors(colocated: LLM, tmp_path: Path) -> None:
+    """Not a video, a still image, a truncated file, too long, a video where the prompt has no placeholder:
+    each an error naming the problem, and the engine serves the next request."""
+    from mm_serve.inputs.input_processor import InvalidRequestError
+
+    assert colocated.engine is not None
+    clip = encode_video(gradient_video(8, 56, 56, 4).frames, fps=4)
+    png = tmp_path / "still.png"
+    IMAGES["square"].save(png)
+    for video, message in [(b"not a video at all" * 20, "not a readable video"), (str(png), "still image"),
+                           (clip[: len(clip) // 3], "not a readable video|no decodable frame"),
+                           ([IMAGES["square"], IMAGES["wide"]], "one size")]:
+        with pytest.raises(InvalidRequestError, match=message):
+            colocated.engine.inputs.process({"prompt": QV, "videos": [video]})
+    with pytest.raises(InvalidRequestError, match=r"prompt has 0 video placeholder\(s\) \(<video>\) but 1 video"):
+        colocated.engine.inputs.process({"prompt": Q, "images": [IMAGES["square"]], "videos": [clip]})
+    (ok,) = colocated.generate({"prompt": QV, "videos": [clip]}, _greedy())
+    assert len(ok.token_ids) == NEW_TOKENS
+
+
+def test_video_positions_follow_the_clock() -> None:
+    """Qwen2.5-VL: a video's temporal positions step by ``tokens_per_second`` x seconds per temporal patch
+    (floored in float32, as transformers); Qwen2-VL (``tokens_per_second`` 0) by one."""
+    ids = [7, 5, 5, 5, 7]  # a video of 3 temporal patches of one merged token each
+    positions, _ = mrope_positions(ids, (4, 5), [3], [(3, 2, 2)], 2, [2 / 3], 4.0)
+    assert positions[0].tolist() == [0, 1, 1 + 2, 1 + 5, 2]  # floor(0, 2.67, 5.33) after the text
+    plain, _ = mrope_positions(ids, (4, 5), [3], [(3, 2, 2)], 2, [2 / 3], 0.0)
+    assert plain[0].tolist() == [0, 1, 2, 3, 2]

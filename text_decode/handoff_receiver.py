@@ -154,7 +154,9 @@ class HandoffReceiver:
         request = Request(
             request_id=handoff.request_id, prompt_token_ids=list(meta.prompt_token_ids),
             sampling_params=from_wire(meta.sampling), num_images=meta.num_images, image_embeds=embeds,
-            image_token_counts=list(meta.image_token_counts), image_sizes=[(int(h), int(w)) for h, w in meta.image_sizes],
+            image_token_counts=list(meta.image_token_counts),
+            image_sizes=[tuple(int(v) for v in size) for size in meta.image_sizes],
+            image_second_per_grid=list(meta.image_second_per_grid),
             block_table=pages, generator=None if seed is None else make_generator(seed), seed=seed,
             output_offset=meta.output_offset, events=events_from_wire(meta.events), priority=meta.priority,
         )

@@ -71,7 +71,7 @@ class HandoffSender:
             sampling=to_wire(p, frozenset()), seed=request.seed if request.generator is not None else None,
             output_offset=request.output_offset, num_images=request.num_images,
             image_token_counts=list(request.image_token_counts),
-            image_sizes=list(request.image_sizes),
+            image_sizes=list(request.image_sizes), image_second_per_grid=list(request.image_second_per_grid),
             first_logprobs=request.output_logprobs[0] if request.output_logprobs else None,
             events=events_to_wire(request.events), priority=request.priority,
         )

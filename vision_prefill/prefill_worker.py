@@ -62,8 +62,10 @@ class PrefillWorker(WorkerShell):
         request = Request(
             msg.request_id, list(msg.prompt_token_ids), params, num_images=msg.num_images, pixel_values=pixels,
             image_token_counts=list(msg.image_token_counts), image_tiles=list(msg.image_tiles),
-            image_sizes=[(int(h), int(w)) for h, w in msg.image_sizes],
-            image_hashes=list(msg.image_hashes) or image_content_hashes(pixels, msg.image_tiles, msg.image_sizes),
+            image_sizes=[tuple(int(v) for v in size) for size in msg.image_sizes],
+            image_second_per_grid=list(msg.image_second_per_grid),
+            image_hashes=list(msg.image_hashes) or image_content_hashes(pixels, msg.image_tiles, msg.image_sizes,
+                                                                        msg.image_second_per_grid),
             generator=None if params.greedy else make_generator(msg.generator_seed),
             seed=None if params.greedy else msg.generator_seed, output_offset=msg.output_offset,
             decode_index=msg.decode_index, priority=msg.priority, max_wait_s=msg.max_wait_s,

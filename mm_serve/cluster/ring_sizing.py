@@ -27,6 +27,8 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
         # image tokens are prompt tokens: never more than the context holds (Qwen2-VL's bounds allow
         # 16,384 tokens an image in released checkpoints)
         per_request_rows = min(max(1, cfg.api.max_images_per_request) * model.vision.max_image_tokens, max_len)
+        if model.vision.video_token_index is not None:  # a video's tokens grow with its frames: up to the context
+            per_request_rows = max_len
     capacity = cfg.scheduler.ring_buffer_size
     feature_rows = per_request_rows * min(capacity, 4)
     meta_bytes = max_len * 5 + 16384  # msgpack ints <= 5 bytes, plus generator state and params

@@ -34,7 +34,8 @@ class ColocatedWorker(WorkerShell):
         pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
         inputs = ProcessedInputs(list(msg.prompt_token_ids), pixels, msg.num_images, list(msg.image_hashes),
                                  list(msg.image_token_counts), list(msg.image_tiles),
-                                 [(int(h), int(w)) for h, w in msg.image_sizes])
+                                 [tuple(int(v) for v in size) for size in msg.image_sizes],
+                                 image_second_per_grid=list(msg.image_second_per_grid))
         request = self.engine.add_request(msg.request_id, inputs, from_wire(msg.sampling), msg.generator_seed,
                                           msg.output_offset, priority=msg.priority)
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)

@@ -76,11 +76,12 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=inputs.prompt_token_ids, sampling_params=params,
             num_images=inputs.num_images, pixel_values=inputs.pixel_values, image_token_counts=list(inputs.image_token_counts),
             image_tiles=list(inputs.image_tiles), image_sizes=list(inputs.image_sizes),
+            image_second_per_grid=list(inputs.image_second_per_grid),
             generator=None if params.greedy else make_generator(seed), seed=None if params.greedy else seed,
             output_offset=output_offset, stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
             priority=priority,
-            image_hashes=list(inputs.image_hashes) or image_content_hashes(inputs.pixel_values, inputs.image_tiles,
-                                                                           inputs.image_sizes),
+            image_hashes=list(inputs.image_hashes) or image_content_hashes(
+                inputs.pixel_values, inputs.image_tiles, inputs.image_sizes, inputs.image_second_per_grid),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)

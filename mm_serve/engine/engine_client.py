@@ -203,7 +203,8 @@ class EngineClient:
     def hash_images(inputs: ProcessedInputs) -> list[bytes]:
         """The content hash of each of the request's images, computed once and kept on ``inputs``."""
         if not inputs.image_hashes and inputs.pixel_values is not None:
-            inputs.image_hashes = image_content_hashes(inputs.pixel_values, inputs.image_tiles, inputs.image_sizes)
+            inputs.image_hashes = image_content_hashes(inputs.pixel_values, inputs.image_tiles, inputs.image_sizes,
+                                                       inputs.image_second_per_grid)
         return inputs.image_hashes
 
     def _page_hashes(self, token_ids: list[int], image_hashes: list[bytes], token_counts: list[int]) -> list[bytes]:
@@ -255,6 +256,7 @@ class EngineClient:
             arrival_time=time.time(), priority=int(Tier.STANDARD if tier is None else tier), max_wait_s=max_wait_s,
             image_hashes=image_hashes, image_token_counts=list(inputs.image_token_counts),
             image_tiles=list(inputs.image_tiles), image_sizes=list(inputs.image_sizes),
+            image_second_per_grid=list(inputs.image_second_per_grid),
         )
         flight = Flight(state, first, page_hashes=self._page_hashes(inputs.prompt_token_ids, image_hashes,
                                                                     inputs.image_token_counts))

@@ -9,7 +9,9 @@ image tokens each placeholder expands to.
   (:func:`~mm_serve.models.llava_next.anyres.num_image_tokens`). OneVision's images that share a
   prompt are one square-padded tile each, as its processor makes them.
 * :class:`DynamicResolutionImages` (Qwen2-VL): each image resized to its own patch grid within the
-  checkpoint's pixel bounds; its tokens are its merged patches.
+  checkpoint's pixel bounds; its tokens are its merged patches. A video is one more such image whose
+  grid has several temporal patches (``temporal_patch_size`` frames each), by transformers'
+  ``Qwen2VLVideoProcessor``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from PIL import Image
 
 from mm_serve.media.errors import ImageError
 from mm_serve.media.image_loading import to_rgb
+from mm_serve.media.video_loading import Video
 from mm_serve.media.image_processor import ImageProcessor
 from mm_serve.models.llava_next.anyres import num_image_tokens
 from mm_serve.models.model_config import VisionConfig
@@ -36,7 +39,8 @@ class PreparedImages:
     pixel_values: torch.Tensor  # [N, 3, H, W], or every image's tiles [sum(tiles), 3, H, W]
     token_counts: list[int]  # image tokens each image makes, in order
     tiles: list[int] = field(default_factory=list)  # rows of pixel_values per image ([]: one each)
-    sizes: list[tuple[int, int]] = field(default_factory=list)  # original (height, width), where features need it
+    sizes: list[tuple[int, ...]] = field(default_factory=list)  # original (height, width), or a patch grid
+    second_per_grid: list[float] = field(default_factory=list)  # per image, seconds a temporal patch spans (0: a still)
 
 
 class FixedSizeImages:
@@ -103,7 +107,7 @@ class AnyResImages:
         return PreparedImages(torch.cat(pixels, dim=0), counts, tiles, sizes)
 
 
-def _run(processor: Any, index: int, image: Image.Image, **kwargs: Any) -> Any:
+def _run(processor: Any, index: int, image: Image.Image | Video, **kwargs: Any) -> Any:
     """``processor(**kwargs)``, its refusal of an image (transformers raises ValueError, e.g. Qwen2-VL's
     for an aspect ratio over 200) as an :class:`ImageError` naming the image (a 400, not a 500).
 
@@ -113,8 +117,11 @@ def _run(processor: Any, index: int, image: Image.Image, **kwargs: Any) -> Any:
     try:
         return processor(**kwargs)
     except (ValueError, RuntimeError) as exc:
-        raise ImageError(f"image {index + 1} ({image.width}x{image.height} px) cannot be preprocessed for this "
-                         f"model: {str(exc)[:200]}") from None
+        if isinstance(image, Video):
+            what = f"a video ({image.num_frames} frames of {image.size[1]}x{image.size[0]} px)"
+        else:
+            what = f"image {index + 1} ({image.width}x{image.height} px)"
+        raise ImageError(f"{what} cannot be preprocessed for this model: {str(exc)[:200]}") from None
 
 
 LOW_DETAIL_PIXELS = 512 * 512  # OpenAI's low detail: a 512 x 512 image's worth
@@ -123,34 +130,65 @@ LOW_DETAIL_PIXELS = 512 * 512  # OpenAI's low detail: a 512 x 512 image's worth
 class DynamicResolutionImages:
     """Qwen2-VL: transformers' ``Qwen2VLImageProcessorPil`` (the checkpoint's ``preprocessor_config.json``)
     resizes each image to whole merged patches within the pixel bounds and cuts it into patches; the
-    image makes one token per ``merge x merge`` patches.
+    image makes one token per ``merge x merge`` patches. A :class:`~mm_serve.media.video_loading.Video` goes
+    through ``Qwen2VLVideoProcessor`` (``video_preprocessor_config.json``, else the image processor's file):
+    every frame resized alike within the video processor's bounds, frames grouped ``temporal_patch_size``
+    at a time (the last repeated to fill a group), one token per ``merge x merge`` patches of a group.
     """
 
     def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
         import transformers
 
-        self.processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+        self.model_dir = str(model_dir)
+        self.processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(self.model_dir)
         self.vision = vision
+        self._video_processor: Any = None
 
-    def __call__(self, images: Sequence[Image.Image], details: Sequence[str | None] = (),
+    @property
+    def video_processor(self) -> Any:
+        """The checkpoint's ``Qwen2VLVideoProcessor``, loaded on first use."""
+        if self._video_processor is None:
+            import transformers
+
+            processor = transformers.Qwen2VLVideoProcessor.from_pretrained(self.model_dir)
+            if processor.cap_pixels_per_frame is None:  # a checkpoint that predates the option: the reference's cap
+                processor.cap_pixels_per_frame = True
+            self._video_processor = processor
+        return self._video_processor
+
+    def __call__(self, images: Sequence[Image.Image | Video], details: Sequence[str | None] = (),
                  pixel_bounds: tuple[int, int] | None = None) -> PreparedImages:
-        """Each image alone: its patches ``[h*w, C*T*P*P]`` (``tiles``: ``h*w`` each) and its grid ``(h, w)``
-        in patches (``sizes``), resized within ``pixel_bounds`` (min, max pixels; default the checkpoint's,
-        which the caller has checked these lie within). ``details[i]`` ``low`` caps an image at a 512 x 512
-        image's pixels (not below the minimum); ``high`` and ``auto`` leave the maximum."""
+        """Each image alone: its patches ``[t*h*w, C*T*P*P]`` (``tiles``: ``t*h*w`` each) and its grid ``(h, w)``
+        in patches (``sizes``; a video's ``(t, h, w)``, ``t`` its temporal patches, with the seconds one spans in
+        ``second_per_grid``), an image resized within ``pixel_bounds`` (min, max pixels; default the
+        checkpoint's, which the caller has checked these lie within). ``details[i]`` ``low`` caps an image at a
+        512 x 512 image's pixels (not below the minimum); ``high`` and ``auto`` leave the maximum.
+
+        Raises:
+            ImageError: an image or video the processor cannot take."""
         floor, ceiling = pixel_bounds or self.vision.pixel_bounds
-        pixels, tiles, grids, counts = [], [], [], []
+        pixels, tiles, grids, counts, seconds = [], [], [], [], []
         for i, image in enumerate(images):
-            top = max(floor, min(ceiling, LOW_DETAIL_PIXELS)) if i < len(details) and details[i] == "low" else ceiling
-            kwargs: dict[str, Any] = {} if (floor, top) == self.vision.pixel_bounds else {
-                "size": {"shortest_edge": floor, "longest_edge": top}}
-            out = _run(self.processor, i, image, images=[to_rgb(image)], return_tensors="pt", **kwargs)
-            t, h, w = (int(v) for v in out["image_grid_thw"][0])
-            pixels.append(out["pixel_values"])
+            if isinstance(image, Video):
+                out = _run(self.video_processor, i, image, videos=[image.frames], do_sample_frames=False,
+                           return_tensors="pt")
+                t, h, w = (int(v) for v in out["video_grid_thw"][0])
+                pixels.append(out["pixel_values_videos"])
+                grids.append((t, h, w))
+                seconds.append(self.vision.temporal_patch_size / image.fps)
+            else:
+                top = max(floor, min(ceiling, LOW_DETAIL_PIXELS)) if i < len(details) and details[i] == "low" else ceiling
+                kwargs: dict[str, Any] = {} if (floor, top) == self.vision.pixel_bounds else {
+                    "size": {"shortest_edge": floor, "longest_edge": top}}
+                out = _run(self.processor, i, image, images=[to_rgb(image)], return_tensors="pt", **kwargs)
+                t, h, w = (int(v) for v in out["image_grid_thw"][0])
+                pixels.append(out["pixel_values"])
+                grids.append((h, w))
+                seconds.append(0.0)
             tiles.append(t * h * w)
-            grids.append((h, w))
             counts.append(t * h * w // self.vision.merge_size**2)
-        return PreparedImages(torch.cat(pixels, dim=0), counts, tiles, grids)
+        return PreparedImages(torch.cat(pixels, dim=0), counts, tiles, grids,
+                              seconds if any(seconds) else [])
 
 
 def image_prep(model_dir: str | Path, family: str, vision: VisionConfig

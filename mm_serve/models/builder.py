@@ -353,11 +353,13 @@ BENCH_QWEN_SPEC = replace(BENCH_SPEC, decoder="qwen2", rope_theta=1_000_000.0, p
 def build_qwen2_vl(out_dir: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
     """Write a random-weight ``Qwen2VLForConditionalGeneration`` checkpoint (a ViT with 2-D rotary positions
     and a 2x2 patch merger, a Qwen2 decoder with M-RoPE sections of a quarter, three eighths and three
-    eighths of its rotary pairs, as Qwen2-VL's 16/24/24 of 64) with ``Qwen2VLImageProcessor``'s config
-    (the spec's pixel bounds) to ``out_dir``; returns the path.
+    eighths of its rotary pairs, as Qwen2-VL's 16/24/24 of 64) with ``Qwen2VLImageProcessor``'s and
+    ``Qwen2VLVideoProcessor``'s configs (the spec's pixel bounds, for images and for each video frame) to
+    ``out_dir``; returns the path.
 
-    The image token is ``<image>`` (id 4) of the builder's tokenizer (a released checkpoint's is
-    ``<|image_pad|>`` between ``<|vision_start|>`` and ``<|vision_end|>``, all three from its template).
+    The image token is ``<image>`` (id 4) and the video token ``<video>`` (id 5) of the builder's tokenizer
+    (a released checkpoint's are ``<|image_pad|>`` and ``<|video_pad|>`` between ``<|vision_start|>`` and
+    ``<|vision_end|>``, all from its template).
     """
     return _build_qwen_vl(Path(out_dir), seed, spec or QWEN2_VL_SPEC, "Qwen2VL", "qwen2-vl")
 
@@ -374,7 +376,7 @@ def _build_qwen_vl(out: Path, seed: int, spec: TinyModelSpec, family: str, kind:
     import transformers
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style)
+    vocab = build_tokenizer(out, spec.vocab_size, style=spec.tokenizer_style, video=True)
     text = _text_config(spec, vocab).to_dict()
     pairs = spec.hidden_size // spec.num_heads // 2
     temporal = pairs // 4
@@ -390,7 +392,7 @@ def _build_qwen_vl(out: Path, seed: int, spec: TinyModelSpec, family: str, kind:
                       out_hidden_size=spec.hidden_size, window_size=2 * 2 * spec.patch_size,
                       fullatt_block_indexes=[spec.vision_layers - 1])
     config = getattr(transformers, f"{family}Config")(
-        text_config=text, vision_config=vision, image_token_id=4, video_token_id=3, vision_start_token_id=1,
+        text_config=text, vision_config=vision, image_token_id=4, video_token_id=5, vision_start_token_id=1,
         vision_end_token_id=2, tie_word_embeddings=spec.tie_word_embeddings)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForConditionalGeneration")(config)
@@ -398,6 +400,10 @@ def _build_qwen_vl(out: Path, seed: int, spec: TinyModelSpec, family: str, kind:
     transformers.Qwen2VLImageProcessorPil(
         min_pixels=spec.pixel_bounds[0], max_pixels=spec.pixel_bounds[1], patch_size=spec.patch_size, merge_size=2,
         temporal_patch_size=2, image_mean=spec.image_mean, image_std=spec.image_std).save_pretrained(str(out))
+    transformers.Qwen2VLVideoProcessor(  # video frames within the image bounds, the reference's per-frame cap
+        min_pixels=spec.pixel_bounds[0], max_pixels=spec.pixel_bounds[1], patch_size=spec.patch_size, merge_size=2,
+        temporal_patch_size=2, image_mean=spec.image_mean, image_std=spec.image_std,
+        cap_pixels_per_frame=True).save_pretrained(str(out))
     _write_spec(out, spec, seed, kind)
     return out
 

@@ -87,11 +87,12 @@ class MultimodalLM(nn.Module):
         return self.projector(self.vision(pixel_values))
 
     def encode_image_list(self, images: Sequence[torch.Tensor],
-                          sizes: Sequence[tuple[int, int] | None]) -> list[torch.Tensor]:
+                          sizes: Sequence[tuple[int, ...] | None]) -> list[torch.Tensor]:
         """Projected embeddings ``[tokens_i, text_hidden]`` of each image, its pixels ``[3, H, W]``
         (LLaVA-1.5: one tile, its original ``sizes[i]`` unused) or its tiles ``[T, 3, H, W]`` (LLaVA-NeXT:
         the whole image, then its grid, packed with its original ``sizes[i]``) or its patches
-        ``[h*w, C*T*P*P]`` (Qwen2-VL, ``sizes[i]`` its patch grid ``(h, w)``), in one pass of the tower.
+        ``[t*h*w, C*T*P*P]`` (Qwen2-VL, ``sizes[i]`` its patch grid ``(h, w)``, a video's ``(t, h, w)``), in one
+        pass of the tower.
 
         ``num_encoded_images`` counts the images, so tests and metrics can prove an image was encoded once.
 
@@ -145,7 +146,8 @@ class MultimodalLM(nn.Module):
         embeds = self.language_model.embed(input_ids)
         if self.image_token_index is None:
             return embeds
-        mask = image_mask if image_mask is not None else input_ids == self.image_token_index
+        placeholders = torch.tensor(self.config.vision.placeholder_ids, device=input_ids.device)  # type: ignore[union-attr]
+        mask = image_mask if image_mask is not None else torch.isin(input_ids, placeholders)
         count = int(mask.sum())
         supplied = 0 if image_embeds is None else int(image_embeds.shape[0])
         if count != supplied:

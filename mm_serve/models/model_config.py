@@ -86,6 +86,20 @@ class VisionConfig:
     # ``merge_size`` x ``merge_size`` patches merged into one token (0: a fixed-size or tiling tower)
     merge_size: int = 0
     pixel_bounds: tuple[int, int] = (0, 0)  # (min_pixels, max_pixels) of the image processor
+    # Qwen2-VL: the video placeholder (None: the family takes no video), frames per temporal patch, and
+    # Qwen2.5-VL's M-RoPE temporal positions per second of video (0: one per temporal patch, as Qwen2-VL)
+    video_token_index: int | None = None
+    temporal_patch_size: int = 2
+    tokens_per_second: float = 0.0
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """The token ids whose positions take visual features: the image token, and the video token
+        where the family takes videos."""
+        if self.video_token_index is None:
+            return (self.image_token_index,)
+        return (self.image_token_index, self.video_token_index)
+        return self.tokens_per_second * self.temporal_patch_size / fps if self.tokens_per_second else 1.0
 
     @property
     def dynamic_resolution(self) -> bool:

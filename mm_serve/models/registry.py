@@ -154,6 +154,10 @@ def _parse_qwen2_vl(raw: dict[str, Any], model_dir: Path) -> Parsed:
         hidden_size=int(vcfg.get("out_hidden_size") or vcfg.get("hidden_size") or text.hidden_size),
         image_token_index=int(image_token), feature_layers=(-1,), feature_layer_is_list=False, select_strategy="full",
         projector_hidden_act="gelu", projector_bias=True, merge_size=merge, pixel_bounds=bounds,
+        video_token_index=None if raw.get("video_token_id") is None else int(raw["video_token_id"]),
+        temporal_patch_size=int(prep.get("temporal_patch_size", vcfg.get("temporal_patch_size", 2))),
+        # Qwen2.5-VL spaces a video's temporal positions by time (transformers' default 4 per second)
+        tokens_per_second=float(vcfg.get("tokens_per_second", 4)) if tower == "qwen2_5_vl_vision" else 0.0,
     )
     return text, vision
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+VIDEO_TOKEN = "<video>"  # id 5 of a tokenizer built with ``video=True`` (Qwen2-VL test checkpoints)
 
 # LLaVA-1.5 conversation format: "USER: <image>\n{question} ASSISTANT: {answer}</s>".
 # Content may be a string or a list of parts ({"type": "text"|"image"|"image_url"}).
@@ -34,6 +35,7 @@ _CONVERSATION = (
     "{% elif message['role'] == 'user' %}USER: "
     "{% for part in parts %}"
     "{% if part['type'] in ('image', 'image_url') %}<image>{{ '\\n' }}"
+    "{% elif part['type'] in ('video', 'video_url') %}<video>{{ '\\n' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %} "
     "{% elif message['role'] == 'assistant' %}ASSISTANT: "
@@ -54,15 +56,16 @@ def shipped_corpus() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def train_bpe(lines: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer with :data:`SPECIAL_TOKENS` at ids 0..4 (``<s>`` = 1, ``</s>`` = 2)."""
+def train_bpe(lines: Iterable[str], vocab_size: int, extra_special: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE tokenizer with :data:`SPECIAL_TOKENS` at ids 0..4 (``<s>`` = 1, ``</s>`` = 2), then
+    ``extra_special``."""
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -70,9 +73,9 @@ def train_bpe(lines: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def train_sentencepiece_style(lines: Iterable[str], vocab_size: int) -> Tokenizer:
+def train_sentencepiece_style(lines: Iterable[str], vocab_size: int, extra_special: tuple[str, ...] = ()) -> Tokenizer:
     """A Llama-style BPE tokenizer (``▁`` word marks, byte fallback), :data:`SPECIAL_TOKENS` at
-    ids 0..4, whose post-processor prepends BOS as Llama's does."""
+    ids 0..4, then ``extra_special``, whose post-processor prepends BOS as Llama's does."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tokenizer.normalizer = None
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=True)
@@ -81,7 +84,7 @@ def train_sentencepiece_style(lines: Iterable[str], vocab_size: int) -> Tokenize
     ])
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *byte_tokens], show_progress=False,
+        vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *extra_special, *byte_tokens], show_progress=False,
     )
     tokenizer.train_from_iterator(list(lines), trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -92,6 +95,7 @@ def train_sentencepiece_style(lines: Iterable[str], vocab_size: int) -> Tokenize
 
 def save_tokenizer(
     tokenizer: Tokenizer, out_dir: str | Path, model_max_length: int = 2048, style: str = "bytelevel",
+    video: bool = False,
 ) -> None:
     """Write ``tokenizer.json`` + config files that ``AutoTokenizer.from_pretrained`` reads."""
     from transformers import PreTrainedTokenizerFast
@@ -102,7 +106,7 @@ def save_tokenizer(
         eos_token="</s>",
         unk_token="<unk>",
         pad_token="<pad>",
-        extra_special_tokens={"image_token": "<image>"},
+        extra_special_tokens={"image_token": "<image>", **({"video_token": VIDEO_TOKEN} if video else {})},
         model_max_length=model_max_length,
         add_bos_token=style == "llama",
     )
@@ -112,8 +116,10 @@ def save_tokenizer(
 
 def build_tokenizer(
     out_dir: str | Path, vocab_size: int = 512, extra_lines: Iterable[str] = (), style: str = "bytelevel",
+    video: bool = False,
 ) -> int:
     """Train on the shipped corpus (plus ``extra_lines``), save to ``out_dir``; returns the vocab size.
+    ``video``: a :data:`VIDEO_TOKEN` special at id 5 (the template's video parts).
 
     Raises:
         ValueError: ``style`` is not one of :data:`TOKENIZER_STYLES`.
@@ -121,6 +127,10 @@ def build_tokenizer(
     if style not in TOKENIZER_STYLES:
         raise ValueError(f"tokenizer style must be one of {TOKENIZER_STYLES}, got {style!r}")
     lines = [*shipped_corpus(), *extra_lines]
-    tokenizer = train_sentencepiece_style(lines, vocab_size) if style == "llama" else train_bpe(lines, vocab_size)
-    save_tokenizer(tokenizer, out_dir, style=style)
+    extra = (VIDEO_TOKEN,) if video else ()
+    if style == "llama":
+        tokenizer = train_sentencepiece_style(lines, vocab_size, extra)
+    else:
+        tokenizer = train_bpe(lines, vocab_size, extra)
+    save_tokenizer(tokenizer, out_dir, style=style, video=video)
     return tokenizer.get_vocab_size()

@@ -75,7 +75,8 @@ class PrefillRequest(msgspec.Struct, tag=True):
     image_hashes: list[bytes] = []  # content hash of each image's pixels (runtime.page_hashes); [] = not hashed
     image_token_counts: list[int] = []  # image tokens each image expanded to, in order
     image_tiles: list[int] = []  # rows of pixel_values per image ([] = one each)
-    image_sizes: list[tuple[int, int]] = []  # original (height, width) of each image, where its features need it
+    image_sizes: list[tuple[int, ...]] = []  # per image what its features need (Request.image_sizes)
+    image_second_per_grid: list[float] = []  # per image, seconds a video's temporal patch spans (Request)
 
 
 # ---- front end -> any worker -----------------------------------------------------------------
@@ -243,7 +244,8 @@ class HandoffMeta(msgspec.Struct):
     image_token_counts: list[int] = []  # image tokens of each image (the rows of its features), in order
     # per image, what its features need (Request.image_sizes); a decode worker reads Qwen2-VL's patch grids
     # to derive the M-RoPE positions of a preempted request it recomputes
-    image_sizes: list[tuple[int, int]] = []
+    image_sizes: list[tuple[int, ...]] = []
+    image_second_per_grid: list[float] = []  # and Qwen2.5-VL's video timing (Request.image_second_per_grid)
     first_logprobs: dict[int, float] | None = None
     events: dict[str, float] = {}
     priority: int = 1  # SLO tier rank (decode preempts the highest rank first)

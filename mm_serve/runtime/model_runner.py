@@ -57,7 +57,7 @@ class ModelRunner:
         cache = self.encoder_cache
         found: dict[bytes, torch.Tensor] = {}  # this batch's images by content hash
         to_encode: list[torch.Tensor] = []  # [3, H, W] each, or [tiles, 3, H, W]
-        sizes: list[tuple[int, int] | None] = []  # original (height, width) of each, where features need it
+        sizes: list[tuple[int, ...] | None] = []  # original (height, width) or patch grid of each, where features need it
         keys: list[bytes | None] = []
         for request in pending:
             assert request.pixel_values is not None
@@ -167,8 +167,8 @@ class ModelRunner:
         if request.mrope_positions is not None or not request.num_images or vision is None:
             return
         request.mrope_positions, request.rope_delta = mrope_positions(
-            request.prompt_token_ids, vision.image_token_index, request.image_token_counts, request.image_sizes,
-            vision.merge_size)
+            request.prompt_token_ids, vision.placeholder_ids, request.image_token_counts, request.image_sizes,
+            vision.merge_size, request.image_second_per_grid, vision.tokens_per_second)
 
     def _image_rows(
         self, request: Request, tokens: list[int], cached: int, end: int,
@@ -183,11 +183,12 @@ class ModelRunner:
         at or after ``end`` (a later chunk computes them).
         """
         mask = torch.zeros(end - cached, dtype=torch.bool)
-        token = getattr(self.model, "image_token_index", None)
-        if token is None or request.image_embeds is None:
+        vision = self.model.config.vision
+        if vision is None or request.image_embeds is None:
             return mask, None
         total = int(request.image_embeds.shape[0])
-        image_positions = (torch.tensor(tokens) == token).nonzero().flatten()[:total]
+        placeholders = torch.tensor(vision.placeholder_ids)  # the image token, and a video-taking family's video token
+        image_positions = torch.isin(torch.tensor(tokens), placeholders).nonzero().flatten()[:total]
         skip = int((image_positions < cached).sum())
         stop = int((image_positions < end).sum())
         mask[image_positions[skip:stop] - cached] = True

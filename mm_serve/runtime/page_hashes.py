@@ -43,11 +43,13 @@ def _int64_le(values: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def image_content_hash(pixels: torch.Tensor, size: Sequence[int] | None = None) -> bytes:
+def image_content_hash(pixels: torch.Tensor, size: Sequence[int] | None = None, second_per_grid: float = 0.0) -> bytes:
     """Hash of one preprocessed image, ``[3, H, W]`` or its tiles ``[T, 3, H, W]`` (any dtype): shape,
-    dtype and bytes, and its original ``size`` (height, width) when its features depend on it."""
+    dtype and bytes, its original ``size`` (height, width) or patch grid when its features depend on it,
+    and a video's seconds per temporal patch (its KV's positions depend on it)."""
     t = pixels.detach().contiguous().cpu()
     head = f"{tuple(t.shape)}|{t.dtype}" + ("" if size is None else f"|{tuple(int(v) for v in size)}")
+    head += f"|{float(second_per_grid)!r}" if second_per_grid else ""
     return _blake(head.encode(), t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
@@ -60,13 +62,15 @@ def split_tiles(pixel_values: torch.Tensor, tiles: Sequence[int] = ()) -> list[t
 
 
 def image_content_hashes(pixel_values: torch.Tensor | None, tiles: Sequence[int] = (),
-                         sizes: Sequence[Sequence[int]] = ()) -> list[bytes]:
+                         sizes: Sequence[Sequence[int]] = (), second_per_grid: Sequence[float] = ()) -> list[bytes]:
     """:func:`image_content_hash` of each image of ``pixel_values`` (:func:`split_tiles`), with its
-    original size when ``sizes`` are given (None: ``[]``)."""
+    original size when ``sizes`` are given and its seconds per temporal patch when ``second_per_grid`` are
+    (None: ``[]``)."""
     if pixel_values is None:
         return []
     images = split_tiles(pixel_values, tiles)
-    return [image_content_hash(p, sizes[i] if sizes else None) for i, p in enumerate(images)]
+    return [image_content_hash(p, sizes[i] if sizes else None, second_per_grid[i] if second_per_grid else 0.0)
+            for i, p in enumerate(images)]
 
 
 def cache_salt(*parts: str) -> bytes:
@@ -75,18 +79,20 @@ def cache_salt(*parts: str) -> bytes:
 
 
 def image_spans(
-    token_ids: Sequence[int], image_token_id: int | None, token_counts: Sequence[int],
+    token_ids: Sequence[int], image_token_id: int | Sequence[int] | None, token_counts: Sequence[int],
 ) -> list[tuple[int, int]]:
     """Each image's token positions ``[first, last + 1)`` in ``token_ids``.
 
     Image ``i`` owns the ``token_counts[i]`` placeholders that follow those of the images before it,
     in order of position (each image carries its own count: families whose images make different
     numbers of tokens); later placeholders (a generated token equal to the image token id, in a
-    recompute) are text, as in ``ModelRunner._image_rows``.
+    recompute) are text, as in ``ModelRunner._image_rows``. ``image_token_id`` may be several ids (the
+    image and video placeholders of a family that takes videos).
     """
     if not token_counts or image_token_id is None:
         return []
-    positions = [i for i, t in enumerate(token_ids) if t == image_token_id][: sum(token_counts)]
+    ids = {image_token_id} if isinstance(image_token_id, int) else set(image_token_id)
+    positions = [i for i, t in enumerate(token_ids) if t in ids][: sum(token_counts)]
     spans = []
     start = 0
     for count in token_counts:

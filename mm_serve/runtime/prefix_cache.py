@@ -29,10 +29,11 @@ from mm_serve.runtime.request import Request
 @dataclass(frozen=True)
 class PrefixKey:
     """What hashing a request's pages needs besides the request (its images and their token counts):
-    the chain's salt (model and dtype) and the image token id (None: a text-only model)."""
+    the chain's salt (model and dtype) and the image token id, or the image and video ids (None: a text-only
+    model)."""
 
     salt: bytes
-    image_token_id: int | None = None
+    image_token_id: int | tuple[int, ...] | None = None
 
 
 class PrefixCache:

@@ -96,7 +96,10 @@ class Request:
     image_token_counts: list[int] = field(default_factory=list)  # image tokens of each image, in order
     image_tiles: list[int] = field(default_factory=list)  # rows of pixel_values per image ([]: one each)
     # per image, what its features need: LLaVA-NeXT its original (height, width), Qwen2-VL its patch grid
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)
+    # (h, w), a video's (t, h, w)
+    image_sizes: list[tuple[int, ...]] = field(default_factory=list)
+    # per image, seconds of video a temporal patch spans (0: a still; []: no video): Qwen2.5-VL's M-RoPE
+    image_second_per_grid: list[float] = field(default_factory=list)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far (prefix cache)
     num_cached_tokens: int = 0  # tokens at the head of block_table whose KV is in place before this prefill pass
     #   (a prefix-cache hit, then the chunks already prefilled)

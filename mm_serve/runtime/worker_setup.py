@@ -66,7 +66,7 @@ def prefix_key(model_dir: str, model_config: ModelConfig, cfg: EngineConfig) -> 
     checkpoint's image token and each request's image token counts."""
     vision = model_config.vision
     return PrefixKey(cache_salt(os.path.realpath(model_dir), cfg.dtype),
-                     None if vision is None else vision.image_token_index)
+                     None if vision is None else vision.placeholder_ids)
 
 
 def make_caches(

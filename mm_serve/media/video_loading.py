@@ -1,0 +1,207 @@
+"""Decode user-supplied videos (raw bytes, ``data:video/...`` URIs, files) into sampled RGB frames.
+
+Untrusted bytes go through :func:`load_video_bytes` with PyAV (FFmpeg's demuxers and decoders), in
+two passes under :class:`VideoLimits`:
+
+1. **demux only**: the first video stream's packets are counted and their timestamps read, without
+   decoding a pixel; the frame size its codec declares, the duration and the frame count are checked
+   here, so an over-long video or a frame bomb costs a header and packet walk, not a decode;
+2. **decode**: frames are decoded in order and only the sampled ones kept (as ``uint8`` RGB), so
+   memory holds ``frames kept x height x width x 3`` bytes, never the whole video.
+
+Sampling follows transformers' ``Qwen2VLVideoProcessor.sample_frames`` and qwen-vl-utils: the video
+lasts ``D`` seconds; ``n = min(max_frames, max(2, round(D * fps)))`` frames (never more than the
+video has) are taken at the indices ``floor(i * total / n)``; their rate ``n / D`` is what
+:attr:`Video.fps` reports (Qwen2.5-VL's M-RoPE spaces temporal positions by it).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from mm_serve.media.errors import ImageError
+
+
+class VideoError(ImageError):
+    """The client sent a video that cannot be used (HTTP 400): not a video, corrupt, too long, too many
+    frames, frames too large."""
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """Limits for decoding one video and how its frames are sampled; never mutated."""
+
+    fps: float = 2.0
+    """Frames sampled per second of video (fewer when ``max_frames`` binds)."""
+    max_frames: int = 32
+    """Most frames sampled from one video."""
+    max_seconds: float = 600.0
+    """Longest accepted video, in seconds."""
+    max_frame_pixels: int = 1920 * 1080
+    """Largest accepted ``width * height`` of a frame, in pixels (checked before any frame is decoded)."""
+    max_stream_frames: int = 36_000
+    """Most frames the stream may hold (a 10-minute video at 60 fps), checked before decoding."""
+
+    def __post_init__(self) -> None:
+        if not self.fps > 0 or not self.max_seconds > 0:
+            raise ValueError(f"fps and max_seconds must be > 0, got {self.fps} and {self.max_seconds}")
+        for name in ("max_frames", "max_frame_pixels", "max_stream_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Video:
+    """Sampled frames of one video: ``frames`` ``[T, H, W, 3]`` uint8 RGB, sampled at ``fps`` frames per
+    second of the original (``T / duration``)."""
+
+    frames: np.ndarray
+    fps: float
+
+    def __post_init__(self) -> None:
+        shape = self.frames.shape
+        if self.frames.dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or not shape[0]:
+            raise VideoError(f"a video's frames must be uint8 [frames, height, width, 3] RGB, got {self.frames.dtype} "
+                             f"{list(shape)}")
+        if not self.fps > 0:
+            raise VideoError(f"a video's frame rate must be > 0, got {self.fps}")
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) of its frames, in pixels."""
+        return int(self.frames.shape[1]), int(self.frames.shape[2])
+
+
+def sample_indices(total: int, duration_s: float, fps: float, max_frames: int) -> list[int]:
+    """Indices of the frames to keep among ``total`` frames lasting ``duration_s`` seconds: ``n = min(max_frames,
+    max(2, round(duration_s * fps)), total)`` frames at ``floor(i * total / n)`` (module docstring)."""
+    n = min(max_frames, max(2, round(duration_s * fps)), total)
+    return sorted({int(i * total / n) for i in range(n)})
+
+
+def load_video_bytes(data: bytes, limits: VideoLimits) -> Video:
+    """Demux, check, decode and sample an encoded video (any container and codec this FFmpeg build reads).
+
+    Raises:
+        VideoError: empty or not a video, no video stream, corrupt, a frame over ``limits.max_frame_pixels``,
+            longer than ``limits.max_seconds``, more than ``limits.max_stream_frames`` frames, or frames
+            that change size.
+    """
+    import av
+
+    if not data:
+        raise VideoError("video data is empty")
+    try:
+        total, duration, (width, height) = _survey(av, data, limits)
+        keep = set(sample_indices(total, duration, limits.fps, limits.max_frames))
+        frames: list[np.ndarray] = []
+        with av.open(io.BytesIO(data), mode="r") as container:
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index > max(keep):
+                    break
+                if index not in keep:
+                    continue
+                if (frame.width, frame.height) != (width, height):
+                    raise VideoError(f"video frames change size ({width}x{height}, then {frame.width}x{frame.height})")
+                frames.append(frame.to_ndarray(format="rgb24"))
+    except VideoError:
+        raise
+    except Exception as exc:  # FFmpeg errors (av.FFmpegError) and anything a bad stream trips
+        raise VideoError(f"video data is not a readable video ({type(exc).__name__})") from None
+    if not frames:
+        raise VideoError("the video has no decodable frame")
+    return Video(np.stack(frames), len(frames) / duration)
+
+
+def _survey(av: object, data: bytes, limits: VideoLimits) -> tuple[int, float, tuple[int, int]]:
+    """(frames, duration in seconds, (width, height)) of the first video stream, from its packets alone.
+
+    Raises:
+        VideoError: no video stream, no frame, or a limit of ``limits`` passed.
+    """
+    with av.open(io.BytesIO(data), mode="r") as container:  # type: ignore[attr-defined]
+        if not container.streams.video:
+            raise VideoError("the data holds no video stream")
+        if container.format.name.endswith("_pipe") or container.format.name.startswith("image2"):
+            raise VideoError(f"the data is a still image ({container.format.name.removesuffix('_pipe')}), not a "
+                             "video; send it as an image_url part")
+        stream = container.streams.video[0]
+        width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+        if width < 1 or height < 1:
+            raise VideoError(f"video has an empty frame size {width}x{height}")
+        if width * height > limits.max_frame_pixels:
+            raise VideoError(f"video frames are too large: {width}x{height} = {width * height} pixels exceeds the limit "
+                             f"of {limits.max_frame_pixels}")
+        base = float(stream.time_base or 0)
+        times: list[float] = []
+        for packet in container.demux(stream):
+            if packet.pts is None or packet.size == 0:
+                continue
+            times.append(packet.pts * base)
+            if len(times) > limits.max_stream_frames:
+                raise VideoError(f"video has more than {limits.max_stream_frames} frames; refused")
+            if times[-1] - times[0] > limits.max_seconds:
+                raise VideoError(f"video is longer than the limit of {limits.max_seconds:g} s")
+    if not times:
+        raise VideoError("the video has no frame")
+    rate = float(stream.average_rate or 0)
+    step = 1.0 / rate if rate > 0 else (max(times) - min(times)) / max(1, len(times) - 1) or 1.0
+    duration = max(times) - min(times) + step
+    if duration > limits.max_seconds:
+        raise VideoError(f"video lasts {duration:.1f} s, longer than the limit of {limits.max_seconds:g} s")
+    return len(times), duration, (width, height)
+
+
+def decode_video_data_uri(uri: str, limits: VideoLimits) -> Video:
+    """Decode a ``data:video/<format>;base64,<payload>`` URI (whitespace in the payload ignored).
+
+    Raises:
+        VideoError: not a ``data:video/`` base64 URI, bad base64, or as :func:`load_video_bytes`.
+    """
+    text = uri.strip()
+    header, separator, payload = text[5:].partition(",")
+    params = [part.strip().lower() for part in header.split(";")]
+    if text[:5].lower() != "data:" or not separator or not params[0].startswith("video/") or params[-1] != "base64":
+        raise VideoError("a video data URI must be of the form data:video/<format>;base64,<data>")
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise VideoError("video data URI payload is not valid base64") from None
+    return load_video_bytes(data, limits)
+
+
+def load_video_file(path: str | os.PathLike[str], limits: VideoLimits) -> Video:
+    """Read a file and decode it with :func:`load_video_bytes`.
+
+    Raises:
+        OSError: the file cannot be read.
+        VideoError: as :func:`load_video_bytes`.
+    """
+    with open(path, "rb") as handle:
+        return load_video_bytes(handle.read(), limits)
+
+
+def encode_video(frames: np.ndarray, fps: float, codec: str = "mpeg4") -> bytes:
+    """``frames`` ``[T, H, W, 3]`` uint8 RGB encoded as an MP4 at ``fps`` (test and benchmark clips;
+    even ``H`` and ``W``, as yuv420p needs; ``fps`` rounded to whole frames per second)."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=max(1, round(fps)))
+        stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
