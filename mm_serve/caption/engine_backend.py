@@ -24,6 +24,8 @@ from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
+from mm_serve.media.video_loading import decode_video_data_uri, load_video_file
+from mm_serve.pipeline.media import video_limits
 from mm_serve.runtime.sampling_params import SamplingParams
 
 
@@ -98,9 +100,17 @@ class EngineBackend(CaptionBackend):
         )
 
     def _prepare(self, item: CaptionInput) -> ProcessedInputs:
-        """Image → model inputs, in a pool thread (decoding and preprocessing release the GIL)."""
-        image = load_item_image(item, self.max_pixels)
-        content = [{"type": "image", "image": image}, {"type": "text", "text": item.prompt}]
+        """Image (or video, sampled as the server samples one: ``api.video_fps``, ``api.max_video_frames``) →
+        model inputs, in a pool thread (decoding and preprocessing release the GIL)."""
+        if item.is_video:
+            assert item.image is not None
+            limits = video_limits(self.client.config.api)
+            data_uri = item.image[:5].lower() == "data:"
+            video = decode_video_data_uri(item.image, limits) if data_uri else load_video_file(item.image, limits)
+            part: dict[str, Any] = {"type": "video", "video": video}
+        else:
+            part = {"type": "image", "image": load_item_image(item, self.max_pixels)}
+        content = [part, {"type": "text", "text": item.prompt}]
         return self.client.inputs.process({"messages": [{"role": "user", "content": content}]})
 
     async def aclose(self) -> None:

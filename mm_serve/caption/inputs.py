@@ -2,12 +2,13 @@
 
 Every input gets a stable id, the key that resume matches on:
 
-* folder (recursive, :data:`IMAGE_SUFFIXES`, case-insensitive): the file's path
-  relative to the folder, with ``/`` separators, e.g. ``birds/0001.jpg``; inputs
+* folder (recursive, :data:`IMAGE_SUFFIXES` and :data:`VIDEO_SUFFIXES`, case-insensitive): the
+  file's path relative to the folder, with ``/`` separators, e.g. ``birds/0001.jpg``; inputs
   are sorted by that id;
-* JSONL rows ``{"id", "image", "prompt"?}``: the row's ``id`` (a string, or an
-  integer kept as its decimal string); ``image`` is a file path (relative paths
-  are taken from the JSONL file's folder) or a ``data:image/...;base64,`` URI;
+* JSONL rows ``{"id", "image" | "video", "prompt"?}``: the row's ``id`` (a string, or an
+  integer kept as its decimal string); ``image`` (``video``) is a file path (relative paths
+  are taken from the JSONL file's folder) or a ``data:image/...;base64,`` (``data:video/...``) URI;
+  a video is captioned by models that take video (Qwen2-VL);
 * OpenAI batch rows ``{"custom_id", "method": "POST", "url": "/v1/chat/completions",
   "body": {...}}``: the ``custom_id``; the body is sent as the request.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 IMAGE_SUFFIXES: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tiff", ".tif"})
+VIDEO_SUFFIXES: frozenset[str] = frozenset({".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"})
 BATCH_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 
@@ -42,7 +44,8 @@ class CaptionInput:
     Attributes:
         id: the stable id (folder-relative path, JSONL ``id`` or batch ``custom_id``).
         path: the image file as an absolute path, or None (data URI, batch row).
-        image: what to load: a file path or a ``data:`` URI; None for a batch row.
+        image: what to load: a file path or a ``data:`` URI (an image, or a video: :attr:`is_video`); None for
+            a batch row.
         prompt: the user text sent after the image; None for a batch row.
         body: the request body of a batch row, else None.
         url: the endpoint a batch row's body is for (:data:`BATCH_URL` or :data:`COMPLETIONS_URL`).
@@ -54,6 +57,15 @@ class CaptionInput:
     prompt: str | None
     body: dict[str, Any] | None = None
     url: str = BATCH_URL
+
+    @property
+    def is_video(self) -> bool:
+        """Whether :attr:`image` is a video (a ``data:video/`` URI or a file with a :data:`VIDEO_SUFFIXES` suffix)."""
+        if self.image is None:
+            return False
+        if self.image[:5].lower() == "data:":
+            return self.image[5:11].lower() == "video/"
+        return Path(self.image).suffix.lower() in VIDEO_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet
     if path.is_dir():
         items = _read_folder(path, default_prompt)
         if not items:
-            raise InputError(f"{path}: no images found ({', '.join(sorted(IMAGE_SUFFIXES))})")
+            raise InputError(f"{path}: no images or videos found ({', '.join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))})")
         return InputSet("folder", items)
     if not path.is_file():
         raise InputError(f"{path}: no such file or folder")
@@ -124,7 +136,7 @@ def parse_batch_rows(text: str, source: str, urls: frozenset[str]) -> list[Capti
 def _read_folder(root: Path, prompt: str) -> list[CaptionInput]:
     items = []
     for file in root.rglob("*"):
-        if file.suffix.lower() in IMAGE_SUFFIXES and file.is_file():
+        if file.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES and file.is_file():
             rel = file.relative_to(root).as_posix()
             items.append(CaptionInput(rel, os.path.abspath(file), str(file), prompt))
     return sorted(items, key=lambda item: item.id)
@@ -160,18 +172,25 @@ def _jsonl_item(path: Path, number: int, row: dict[str, Any], default_prompt: st
     if "custom_id" in row:
         raise InputError(f"{path}:{number}: an OpenAI batch row in a file whose first row is not one")
     item_id = _row_id(path, number, row, "id", integers=True)
-    image = row.get("image")
+    key = "video" if "video" in row and "image" not in row else "image"
+    image = row.get(key)
     if not isinstance(image, str) or not image:
-        raise InputError(f"{path}:{number}: 'image' must be a file path or a data: URI, got {image!r}")
+        raise InputError(f"{path}:{number}: '{key}' must be a file path or a data: URI, got {image!r}")
+
     prompt = row.get("prompt", default_prompt)
     if not isinstance(prompt, str) or not prompt:
         raise InputError(f"{path}:{number}: 'prompt' must be a non-empty string, got {prompt!r}")
     if image[:5].lower() == "data:":
-        return CaptionInput(item_id, None, image, prompt)
-    file = Path(image).expanduser()
-    if not file.is_absolute():
-        file = path.parent / file
-    return CaptionInput(item_id, os.path.abspath(file), str(file), prompt)
+        item = CaptionInput(item_id, None, image, prompt)
+    else:
+        file = Path(image).expanduser()
+        if not file.is_absolute():
+            file = path.parent / file
+        item = CaptionInput(item_id, os.path.abspath(file), str(file), prompt)
+    if key == "video" and not item.is_video:
+        raise InputError(f"{path}:{number}: 'video' must be a data:video/... URI or a file ending in one of "
+                         f"{', '.join(sorted(VIDEO_SUFFIXES))}")
+    return item
 
 
 def _batch_item(path: Path, number: int, row: dict[str, Any], urls: frozenset[str]) -> CaptionInput:

@@ -22,6 +22,7 @@ import base64
 import io
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,6 +40,8 @@ from mm_serve.media.errors import ImageError
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _PASS_THROUGH = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
+_VIDEO_TYPES = {".mp4": "mp4", ".m4v": "mp4", ".webm": "webm", ".mov": "quicktime", ".mkv": "x-matroska",
+                ".avi": "x-msvideo"}  # video file suffix -> its MIME subtype
 Answer = tuple[int, dict[str, Any], str | None]  # (HTTP status, JSON body, x-request-id header)
 
 
@@ -98,12 +101,14 @@ class ServerBackend(CaptionBackend):
             body = {"model": self.model, **item.body}
         else:
             try:
-                uri = await asyncio.to_thread(self._image_uri, item)
+                uri = await asyncio.to_thread(self._video_uri if item.is_video else self._image_uri, item)
             except OSError as exc:
                 return failure(time.perf_counter() - start, read_error_message(item, exc), "image_unreadable")
             except ImageError as exc:
                 return failure(time.perf_counter() - start, str(exc), "invalid_image")
-            content = [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": item.prompt}]
+            part = {"type": "video_url", "video_url": {"url": uri}} if item.is_video else {
+                "type": "image_url", "image_url": {"url": uri}}
+            content = [part, {"type": "text", "text": item.prompt}]
             body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                     "max_tokens": self.max_tokens, "temperature": self.temperature}
         try:
@@ -114,6 +119,17 @@ class ServerBackend(CaptionBackend):
         if status in (401, 403) or (status == 404 and item.body is None):
             raise FatalBackendError(f"{self.base_url}/chat/completions answered {status}: {outcome.error}")
         return outcome
+
+    @staticmethod
+    def _video_uri(item: CaptionInput) -> str:
+        """The data URI of a video input (the server decodes and checks it; in a thread)."""
+        assert item.image is not None
+        if item.image[:5].lower() == "data:":
+            return item.image
+        with open(item.image, "rb") as handle:
+            data = handle.read()
+        subtype = _VIDEO_TYPES.get(Path(item.image).suffix.lower(), "mp4")
+        return f"data:video/{subtype};base64,{base64.b64encode(data).decode('ascii')}"
 
     def _image_uri(self, item: CaptionInput) -> str:
         """Validate the image and return the data URI to send (in a thread)."""

@@ -1,6 +1,7 @@
-"""Resolve the ``image_url`` of a chat content part into an RGB Pillow image, safely.
+"""Resolve the ``image_url`` (``video_url``) of a chat content part into an RGB Pillow image (sampled
+video frames), safely.
 
-Accepted: ``data:image/...;base64,``; ``http(s)://`` under a :class:`MediaPolicy`;
+Accepted: ``data:image/...;base64,`` (``data:video/...``); ``http(s)://`` under a :class:`MediaPolicy`;
 ``file://`` under the allowed local media path. Every failure is an ``ImageError`` (400).
 
 DNS rebinding is closed: each hop resolves the host once, checks every address, then
@@ -21,6 +22,7 @@ import re
 import socket
 import stat
 from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -30,6 +32,7 @@ from PIL import Image
 
 from mm_serve.media.errors import ImageError, InvalidImageURLError
 from mm_serve.media.image_loading import decode_data_uri, load_image_bytes
+from mm_serve.media.video_loading import Video, VideoError, VideoLimits, decode_video_data_uri, load_video_bytes
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """``(host, port) -> IP address strings``, best first; raises ``MediaFetchError``."""
@@ -46,7 +49,7 @@ class MediaFetchError(ImageError):
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """Limits for resolving image URLs; one instance per server, never mutated."""
+    """Limits for resolving image (or video) URLs; one instance per server and kind, never mutated."""
 
     max_pixels: int
     """Largest accepted ``width * height`` of a decoded image, in pixels."""
@@ -62,6 +65,8 @@ class MediaPolicy:
     """Host names (ASCII; punycode for IDNs) allowed with subdomains; empty allows any."""
     allow_private_networks: bool = False
     """Allow loopback, private, link-local and other non-public addresses."""
+    kind: str = "image"
+    """What is fetched under this policy: ``image`` or ``video`` (errors name it; the Accept header asks for it)."""
 
     def __post_init__(self) -> None:
         for name, least in (("max_pixels", 1), ("max_fetch_bytes", 1), ("max_redirects", 0)):
@@ -112,6 +117,45 @@ async def load_image_url(
     return await asyncio.to_thread(load_image_bytes, data, max_pixels=policy.max_pixels)
 
 
+async def load_video_url(
+    url: str,
+    policy: MediaPolicy,
+    limits: VideoLimits,
+    client: httpx.AsyncClient | None = None,
+    *,
+    resolver: Resolver | None = None,
+) -> Video:
+    """Resolve one video URL (``data:video/...``, http(s)://, file://) to frames sampled under ``limits``
+    (:func:`~mm_serve.media.video_loading.load_video_bytes`), fetched under ``policy`` (its ``kind``
+    ``video``) as images are.
+
+    Raises:
+        VideoError: unsupported scheme, a bad data URI, not a video, a limit of ``limits`` passed, or the
+            fetch failed or was refused by ``policy`` (what :class:`MediaFetchError` says of an image).
+    """
+    text = url.strip()
+    scheme = _scheme_of(text)
+    if scheme == "data":
+        return await asyncio.to_thread(decode_video_data_uri, text, limits)
+    if scheme in ("http", "https"):
+        if client is None:
+            return (await load_media_urls([(text, limits)], policy, policy, resolver=resolver))[0]  # type: ignore[return-value]
+        try:
+            data = await _fetch(text, policy, client, resolver or _resolve)
+        except ImageError as exc:
+            raise VideoError(str(exc)) from None
+    elif scheme == "file":
+        try:
+            data = await asyncio.to_thread(_read_local_file, text, policy)
+        except ImageError as exc:
+            raise VideoError(str(exc)) from None
+    else:
+        shown = f"scheme {scheme!r}" if scheme else "no scheme"
+        raise VideoError(f"unsupported video URL ({shown}): expected data:video/<format>;base64,..., http(s)://, "
+                         "or file:// under the server's allowed local media path")
+    return await asyncio.to_thread(load_video_bytes, data, limits)
+
+
 async def load_image_urls(
     urls: list[str],
     policy: MediaPolicy,
@@ -123,11 +167,30 @@ async def load_image_urls(
 
     On the first error (in time) the other loads are cancelled and awaited, then it is raised.
     """
-    if client is None and any(_scheme_of(u.strip()) in ("http", "https") for u in urls):
+    return await load_media_urls([(u, None) for u in urls], policy, policy, client, resolver=resolver)  # type: ignore[return-value]
+
+
+async def load_media_urls(
+    items: Sequence[tuple[str, VideoLimits | None]],
+    policy: MediaPolicy,
+    video_policy: MediaPolicy,
+    client: httpx.AsyncClient | None = None,
+    *,
+    resolver: Resolver | None = None,
+) -> list[Image.Image | Video]:
+    """Resolve image and video URLs concurrently, in order, sharing one http client: ``(url, None)`` an
+    image under ``policy`` (:func:`load_image_url`), ``(url, limits)`` a video under ``video_policy``
+    (:func:`load_video_url`).
+
+    On the first error (in time) the other loads are cancelled and awaited, then it is raised.
+    """
+    if client is None and any(_scheme_of(u.strip()) in ("http", "https") for u, _ in items):
         # A private client ignores proxies and .netrc from the environment.
-        async with httpx.AsyncClient(trust_env=False, timeout=policy.fetch_timeout_s) as own_client:
-            return await load_image_urls(urls, policy, own_client, resolver=resolver)
-    loads = (load_image_url(u, policy, client, resolver=resolver) for u in urls)
+        timeout = max(policy.fetch_timeout_s, video_policy.fetch_timeout_s)
+        async with httpx.AsyncClient(trust_env=False, timeout=timeout) as own_client:
+            return await load_media_urls(items, policy, video_policy, own_client, resolver=resolver)
+    loads = (load_image_url(u, policy, client, resolver=resolver) if limits is None
+             else load_video_url(u, video_policy, limits, client, resolver=resolver) for u, limits in items)
     tasks = [asyncio.ensure_future(load) for load in loads]
     try:
         return list(await asyncio.gather(*tasks))
@@ -151,9 +214,9 @@ async def _fetch(
     try:
         return await asyncio.wait_for(_follow(url, policy, client, resolve), policy.fetch_timeout_s)
     except (asyncio.TimeoutError, httpx.TimeoutException):
-        raise MediaFetchError(f"image fetch timed out after {policy.fetch_timeout_s:g} s") from None
+        raise MediaFetchError(f"{policy.kind} fetch timed out after {policy.fetch_timeout_s:g} s") from None
     except httpx.InvalidURL as exc:
-        raise InvalidImageURLError("image URL is malformed") from exc
+        raise InvalidImageURLError(f"{policy.kind} URL is malformed") from exc
     except httpx.HTTPError as exc:
         raise MediaFetchError(f"could not fetch the image: {_shorten(repr(exc))}") from exc
 
@@ -165,29 +228,29 @@ async def _follow(
     target = httpx.URL(url)
     for _ in range(policy.max_redirects + 1):
         addresses = await _checked_addresses(target, policy, resolve)
-        response = await _send(client, target, addresses, policy.fetch_timeout_s)
+        response = await _send(client, target, addresses, policy.fetch_timeout_s, f"{policy.kind}/*")
         try:
             location = response.headers.get("location")
             if response.status_code in (301, 302, 303, 307, 308) and location:
                 target = target.join(location)  # relative to the name, not the pinned IP
                 if target.scheme not in ("http", "https"):
-                    raise MediaFetchError("image URL redirected to a non-http(s) URL; refused")
+                    raise MediaFetchError(f"{policy.kind} URL redirected to a non-http(s) URL; refused")
                 continue
             if not 200 <= response.status_code < 300:
                 status = f"{response.status_code} {_shorten(response.reason_phrase)}".rstrip()
-                raise MediaFetchError(f"image URL returned HTTP {status}")
-            return await _read_capped(response, policy.max_fetch_bytes)
+                raise MediaFetchError(f"{policy.kind} URL returned HTTP {status}")
+            return await _read_capped(response, policy.max_fetch_bytes, policy.kind)
         finally:
             await response.aclose()
-    raise MediaFetchError(f"image URL redirected more than {policy.max_redirects} times")
+    raise MediaFetchError(f"{policy.kind} URL redirected more than {policy.max_redirects} times")
 
 
 async def _send(
-    client: httpx.AsyncClient, url: httpx.URL, addresses: list[str], timeout_s: float
+    client: httpx.AsyncClient, url: httpx.URL, addresses: list[str], timeout_s: float, accept: str = "image/*"
 ) -> httpx.Response:
     """Send a streamed GET for ``url`` to each checked address in turn until one connects."""
     host = url.raw_host.decode("ascii").strip("[]")
-    headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*"}
+    headers = {"Host": url.netloc.decode("ascii"), "Accept": accept}
     extensions = {"sni_hostname": host} if url.scheme == "https" else {}
 
     def request_to(address: str) -> httpx.Request:
@@ -212,19 +275,19 @@ async def _checked_addresses(url: httpx.URL, policy: MediaPolicy, resolve: Resol
     """
     host = url.raw_host.decode("ascii").strip("[]")
     if not host:
-        raise InvalidImageURLError("image URL has no host")
+        raise InvalidImageURLError(f"{policy.kind} URL has no host")
     name = host.rstrip(".").lower()
     shown = repr(_shorten(name))
     domains = [d.lower() for d in policy.allowed_media_domains]
     if domains and not any(name == d or name.endswith("." + d) for d in domains):
-        raise MediaFetchError(f"image host {shown} is not in the allowed media domains")
+        raise MediaFetchError(f"{policy.kind} host {shown} is not in the allowed media domains")
     resolved = await resolve(host, url.port or (443 if url.scheme == "https" else 80))
     addresses = [address.partition("%")[0] for address in resolved]  # drop IPv6 scope ids
     if not addresses:
-        raise MediaFetchError(f"image host {shown} did not resolve to any address")
+        raise MediaFetchError(f"{policy.kind} host {shown} did not resolve to any address")
     if not policy.allow_private_networks:
         if not all(_is_public(ipaddress.ip_address(address)) for address in addresses):
-            raise MediaFetchError(f"image host {shown} resolves to a non-public address")
+            raise MediaFetchError(f"{policy.kind} host {shown} resolves to a non-public address")
     return addresses
 
 
@@ -247,20 +310,20 @@ async def _resolve(host: str, port: int) -> list[str]:
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise MediaFetchError(f"cannot resolve image host {_shorten(host)!r}") from exc
+        raise MediaFetchError(f"cannot resolve host {_shorten(host)!r}") from exc
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
+async def _read_capped(response: httpx.Response, max_bytes: int, kind: str = "image") -> bytes:
     """Read the body, refusing early on Content-Length and as soon as ``max_bytes`` is passed."""
     declared = response.headers.get("content-length", "").strip()
     if declared.isdigit() and (len(declared) > 18 or int(declared) > max_bytes):
-        raise MediaFetchError(f"image is larger than the {max_bytes}-byte limit (Content-Length)")
+        raise MediaFetchError(f"{kind} is larger than the {max_bytes}-byte limit (Content-Length)")
     body = bytearray()
     async for chunk in response.aiter_bytes():
         body += chunk
         if len(body) > max_bytes:
-            raise MediaFetchError(f"image is larger than the {max_bytes}-byte limit")
+            raise MediaFetchError(f"{kind} is larger than the {max_bytes}-byte limit")
     return bytes(body)
 
 
@@ -269,29 +332,29 @@ def _read_local_file(url: str, policy: MediaPolicy) -> bytes:
     ``policy.allowed_local_media_path``; otherwise, or if unreadable, MediaFetchError."""
     root = policy.allowed_local_media_path
     if root is None:
-        raise MediaFetchError("file:// image URLs are disabled on this server")
+        raise MediaFetchError(f"file:// {policy.kind} URLs are disabled on this server")
     parts = urlsplit(url)
     path = unquote(parts.path)
     if parts.netloc not in ("", "localhost") or not path.startswith("/") or "\x00" in path:
-        raise MediaFetchError("file:// image URL must be file:///<absolute path> on this host")
+        raise MediaFetchError(f"file:// {policy.kind} URL must be file:///<absolute path> on this host")
     cap = policy.max_fetch_bytes
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         resolved = Path(path).resolve()
         if not resolved.is_relative_to(root.resolve()):
-            raise MediaFetchError("file:// image path is outside the allowed media directory")
+            raise MediaFetchError(f"file:// {policy.kind} path is outside the allowed media directory")
         with open(os.open(resolved, flags), "rb") as handle:
             info = os.fstat(handle.fileno())
             regular = stat.S_ISREG(info.st_mode)
             data = handle.read(cap + 1) if regular and info.st_size <= cap else b""
     except IsADirectoryError as exc:
-        raise MediaFetchError("file:// image is not a regular file") from exc
+        raise MediaFetchError(f"file:// {policy.kind} is not a regular file") from exc
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
-        raise MediaFetchError("file:// image does not exist or cannot be read") from exc
+        raise MediaFetchError(f"file:// {policy.kind} does not exist or cannot be read") from exc
     if not regular:
-        raise MediaFetchError("file:// image is not a regular file")
+        raise MediaFetchError(f"file:// {policy.kind} is not a regular file")
     if info.st_size > cap or len(data) > cap:
-        raise MediaFetchError(f"image file is larger than the {cap}-byte limit")
+        raise MediaFetchError(f"{policy.kind} file is larger than the {cap}-byte limit")
     return data
 
 

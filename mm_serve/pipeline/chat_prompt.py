@@ -1,5 +1,5 @@
-"""A chat call's messages, read once: turns of text and image parts, the images' URLs and the
-sizes their data URIs declare, the characters of text.
+"""A chat call's messages, read once: turns of text, image and video parts, the media's URLs and the
+sizes images' data URIs declare, the characters of text.
 
 Every step that needs the messages before the images are loaded (the early admission check,
 the image budget, the text-length bound) reads this; loading the images turns it into the
@@ -15,6 +15,7 @@ from typing import Any
 from PIL import Image
 
 from mm_serve.media.image_loading import declared_size
+from mm_serve.media.video_loading import Video
 from mm_serve.media.offline import image_outside_user_message
 from mm_serve.protocol.errors import bad_request
 from mm_serve.protocol.schemas import ChatMessage
@@ -25,11 +26,12 @@ PRECHECK_TEXT_CHARS = 8192  # of each text part, tokenized by the early check (a
 @dataclass(frozen=True)
 class DeclaredImage:
     """An ``image_url`` part: its URL, and the (width, height) its data-URI header declares (None for
-    a URL or an unreadable header)."""
+    a URL or an unreadable header); or a ``video_url`` part (``is_video``; no size declared)."""
 
     url: str
     size: tuple[int, int] | None
     detail: str | None = None  # OpenAI's low | high | auto (None: auto)
+    is_video: bool = False
 
     @property
     def is_data(self) -> bool:
@@ -40,7 +42,7 @@ class DeclaredImage:
 @dataclass(frozen=True)
 class Turn:
     """One message: its role (``developer`` read as ``system``) and its content, a string or parts
-    ``("text", text)`` / ``("image", index into ChatPrompt.images)``; None for no content."""
+    ``("text", text)`` / ``("image", index into ChatPrompt.images)`` (an image or a video); None for no content."""
 
     role: str
     content: str | list[tuple[str, str | int]] | None
@@ -78,16 +80,26 @@ class ChatPrompt:
                     chars += len(part.text)
                     parts.append(("text", part.text))
                     continue
+                video = part.type == "video_url"
                 if message.role != "user":
-                    raise bad_request(image_outside_user_message(number, message.role), "messages")
+                    raise bad_request(image_outside_user_message(number, message.role, "a video" if video else "an image"),
+                                      "messages")
                 parts.append(("image", len(images)))
-                images.append(DeclaredImage(part.image_url.url, declared_size(part.image_url.url), part.image_url.detail))
+                if video:
+                    images.append(DeclaredImage(part.video_url.url, None, None, is_video=True))  # type: ignore[union-attr]
+                else:
+                    url = part.image_url.url  # type: ignore[union-attr]
+                    images.append(DeclaredImage(url, declared_size(url), part.image_url.detail))  # type: ignore[union-attr]
             turns.append(Turn(role, parts))
         return cls(turns, images, chars)
 
-    def template_messages(self, loaded: Sequence[Image.Image]) -> list[dict[str, Any]]:
-        """Template-ready messages, the images ``loaded`` (one per :attr:`images`, in order) as
-        ``{"type": "image", "image": PIL.Image}`` parts."""
+    @property
+    def num_videos(self) -> int:
+        return sum(image.is_video for image in self.images)
+
+    def template_messages(self, loaded: Sequence[Image.Image | Video]) -> list[dict[str, Any]]:
+        """Template-ready messages, the images and videos ``loaded`` (one per :attr:`images`, in order) as
+        ``{"type": "image", "image": PIL.Image}`` and ``{"type": "video", "video": Video}`` parts."""
         out: list[dict[str, Any]] = []
         for turn in self.turns:
             if turn.content is None or isinstance(turn.content, str):
@@ -95,7 +107,9 @@ class ChatPrompt:
                 continue
             parts: list[dict[str, Any]] = []
             for kind, value in turn.content:
-                if isinstance(value, int):
+                if isinstance(value, int) and self.images[value].is_video:
+                    parts.append({"type": "video", "video": loaded[value]})
+                elif isinstance(value, int):
                     detail = self.images[value].detail
                     parts.append({"type": "image", "image": loaded[value], **({"detail": detail} if detail else {})})
                 else:

@@ -42,10 +42,15 @@ def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) ->
     for an http(s) or file URL) plus what decoding and preprocessing it may take:
     ``admission.image_decode_reserve_bytes``, or less for a data URI whose header declares a
     small image (:data:`BYTES_PER_DECLARED_PIXEL` per pixel plus :data:`PREPROCESS_BYTES`), so
-    small images do not each hold the reserve sized for large ones.
+    small images do not each hold the reserve sized for large ones. A video reserves its encoded size
+    (``api.max_video_fetch_bytes`` for a URL) plus its sampled frames at their largest
+    (:func:`video_decode_bytes`).
     """
     total = 0
     for image in images:
+        if image.is_video:
+            total += (len(image.url) if image.is_data else config.api.max_video_fetch_bytes) + video_decode_bytes(config)
+            continue
         decode = config.admission.image_decode_reserve_bytes
         if image.is_data:
             encoded = len(image.url)
@@ -57,13 +62,24 @@ def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) ->
     return total
 
 
-def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1) -> float:
+def video_decode_bytes(config: ServiceConfig) -> int:
+    """Bytes one video's decoding may hold: ``api.max_video_frames`` RGB frames of
+    ``api.max_video_frame_pixels`` each, twice (the frames and the processor's resized float copy are
+    bounded by the same), plus :data:`PREPROCESS_BYTES`."""
+    return 2 * 3 * config.api.max_video_frames * config.api.max_video_frame_pixels + PREPROCESS_BYTES
+
+
+def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1, video_megapixels: float = 0.0) -> float:
     """The media work of a call (:class:`~mm_serve.admission.media_load.MediaLoad`), in megapixel
     equivalents: the declared megapixels of its images (:data:`UNDECLARED_IMAGE_MEGAPIXELS` for one
-    that declares none) plus :data:`CALL_MEGAPIXELS` per prompt."""
+    that declares none), ``video_megapixels`` per video (the frames it may sample at their largest),
+    plus :data:`CALL_MEGAPIXELS` per prompt."""
     total = CALL_MEGAPIXELS * max(1, prompts)
     for image in images:
-        total += UNDECLARED_IMAGE_MEGAPIXELS if image.size is None else image.size[0] * image.size[1] / 1e6
+        if image.is_video:
+            total += video_megapixels
+        else:
+            total += UNDECLARED_IMAGE_MEGAPIXELS if image.size is None else image.size[0] * image.size[1] / 1e6
     return total
 
 
@@ -218,9 +234,11 @@ class AdmissionGate:
                 return await load()
 
         images = call.chat.images if call.chat is not None else []
+        api = self.config.api
+        video_megapixels = api.max_video_frames * api.max_video_frame_pixels / 1e6
         with self.counted(call.tier):
             return await within_deadline(held(), self.ctx.decision_deadline(call.arrival, call.tier), recheck,
-                                         self.ctx.media_load, media_size(images, call.num_prompts))
+                                         self.ctx.media_load, media_size(images, call.num_prompts, video_megapixels))
 
     def check_work(self, call: Call, prepared: Prepared) -> None:
         """The work limit for the call's ``prepared`` prompts (each run ``params.n`` times).

@@ -1,22 +1,26 @@
-"""A call's media work: fetch and decode its images, render and tokenize its prompts.
+"""A call's media work: fetch and decode its images and videos, render and tokenize its prompts.
 
-Runs off the event loop where it is heavy (tokenizing and preprocessing in a thread; image
-fetches are async), and enforces ``api.max_images_per_request`` and ``api.max_request_length``.
+Runs off the event loop where it is heavy (decoding, tokenizing and preprocessing in a thread; fetches
+are async), and enforces ``api.max_images_per_request``, ``api.max_videos_per_request``, the video
+limits and ``api.max_request_length``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from mm_serve.config import APIConfig
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
-from mm_serve.media.fetch import MediaPolicy, load_image_urls
+from mm_serve.media.fetch import MediaPolicy, load_media_urls
+from mm_serve.media.video_loading import VideoError, VideoLimits
 from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.protocol.errors import bad_request
 
+MAX_STREAM_FPS = 60  # a video may hold this many frames per second of api.max_video_seconds (a frame bomb: more)
 MAX_CHARS_PER_TOKEN = 32  # a cheap bound checked before tokenizing (no tokenizer yields fewer tokens)
 
 
@@ -30,24 +34,46 @@ def media_policy(api: APIConfig) -> MediaPolicy:
     )
 
 
+def video_policy(api: APIConfig) -> MediaPolicy:
+    """The video-fetch policy: the image policy's rules with ``api.max_video_fetch_bytes``."""
+    return replace(media_policy(api), max_fetch_bytes=api.max_video_fetch_bytes, kind="video")
+
+
+def video_limits(api: APIConfig) -> VideoLimits:
+    """How the service decodes and samples a video unless a request says otherwise (``mm_processor_kwargs``)."""
+    return VideoLimits(fps=api.video_fps, max_frames=api.max_video_frames, max_seconds=api.max_video_seconds,
+                       max_frame_pixels=api.max_video_frame_pixels,
+                       max_stream_frames=max(1, round(api.max_video_seconds * MAX_STREAM_FPS)))
+
+
 def check_image_count(prompt: ChatPrompt, api: APIConfig) -> None:
     """Raises:
-        APIError: 400 ``too_many_images`` past ``api.max_images_per_request``."""
-    if len(prompt.images) > api.max_images_per_request:
-        raise bad_request(f"{len(prompt.images)} images in one request; the limit is {api.max_images_per_request}",
+        APIError: 400 ``too_many_images`` past ``api.max_images_per_request`` (``too_many_videos`` past
+            ``api.max_videos_per_request``)."""
+    videos = prompt.num_videos
+    images = len(prompt.images) - videos
+    if images > api.max_images_per_request:
+        raise bad_request(f"{images} images in one request; the limit is {api.max_images_per_request}",
                           "messages", "too_many_images")
+    if videos > api.max_videos_per_request:
+        raise bad_request(f"{videos} videos in one request; the limit is {api.max_videos_per_request} "
+                          "(api.max_videos_per_request)", "messages", "too_many_videos")
 
 
-async def chat_request(prompt: ChatPrompt, api: APIConfig) -> dict[str, Any]:
-    """The input processor's request for a chat call: its messages with the images loaded.
+async def chat_request(prompt: ChatPrompt, api: APIConfig, limits: VideoLimits | None = None) -> dict[str, Any]:
+    """The input processor's request for a chat call: its messages with the images and videos loaded (videos
+    sampled under ``limits``, default :func:`video_limits`).
 
     Raises:
-        APIError: 400 for too many images, or an image that cannot be loaded.
+        APIError: 400 for too many images or videos, or one that cannot be loaded.
     """
     check_image_count(prompt, api)
-    urls = [image.url for image in prompt.images]
+    limits = limits or video_limits(api)
+    items = [(image.url, limits if image.is_video else None) for image in prompt.images]
     try:
-        loaded = await load_image_urls(urls, media_policy(api)) if urls else []
+        loaded = await load_media_urls(items, media_policy(api), video_policy(api)) if items else []
+    except VideoError as exc:
+        raise bad_request(str(exc), "messages", "invalid_video") from None
     except ImageError as exc:
         raise bad_request(str(exc), "messages", "invalid_image") from None
     return {"messages": prompt.template_messages(loaded)}

@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from mm_serve.admission.predictor import Prediction
 from mm_serve.admission.rejection import Rejection
 from mm_serve.engine.engine_client import EngineClient
-from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.pipeline.call import Body, Call, check_model
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.gate import AdmissionGate, Gate, OpenGate, Prepared
 from mm_serve.pipeline.generation import Generation, engine_id
-from mm_serve.pipeline.media import chat_request, process_inputs
+from mm_serve.pipeline.media import chat_request, process_inputs, video_limits
 from mm_serve.pipeline.origin import CallOrigin
 from mm_serve.pipeline.refusal import from_rejection
+from mm_serve.protocol.errors import bad_request
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,15 @@ async def _prompt_inputs(ctx: ServerContext, call: Call) -> list[ProcessedInputs
     """The call's media work: each prompt processed (images loaded, templated, tokenized)."""
     api, inputs = ctx.config.api, ctx.holder.inputs
     if call.chat is not None:
-        request = await chat_request(call.chat, api)
-        kwargs = getattr(call.body, "mm_processor_kwargs", None)
-        if kwargs is not None:
-            request["mm_processor_kwargs"] = kwargs.model_dump(exclude_none=True)
+        given = getattr(call.body, "mm_processor_kwargs", None)
+        kwargs = {} if given is None else given.model_dump(exclude_none=True)
+        try:
+            limits = inputs.video_limits(kwargs, video_limits(api))
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), exc.param or "messages") from None
+        request = await chat_request(call.chat, api, limits)
+        if kwargs:
+            request["mm_processor_kwargs"] = kwargs
         return [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]
     return [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
             for prompt in call.prompts]

@@ -42,7 +42,18 @@ class ImagePart(_Lenient):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: str = Field(min_length=1, description="data:video/...;base64, URI, http(s) URL, or allowed file:// URL")
+
+
+class VideoPart(_Lenient):
+    """Extension (vLLM's form): a video, for models that take video (Qwen2-VL)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 def invalid(name: str, message: str, code: str | None = None) -> PydanticCustomError:
@@ -70,14 +81,17 @@ class StreamOptions(_Lenient):
 
 
 class MMProcessorKwargs(BaseModel):
-    """Extension (vLLM's name): the image processor's pixel bounds for this call's images, within the
-    checkpoint's own; only a dynamic-resolution family (Qwen2-VL) takes them. Unknown keys are a 400:
-    a processor option silently ignored would change nothing the user asked for."""
+    """Extension (vLLM's names): the image processor's pixel bounds for this call's images, within the
+    checkpoint's own, and how its videos are sampled (frames per second, most frames, within the server's
+    ``api.max_video_frames``); only a dynamic-resolution family (Qwen2-VL) takes them. Unknown keys are a
+    400: a processor option silently ignored would change nothing the user asked for."""
 
     model_config = ConfigDict(extra="forbid")
     min_pixels: int | None = Field(None, ge=1, strict=True)
     max_pixels: int | None = Field(None, ge=1, strict=True)  # against the model's bounds and min_pixels:
     # the input processor (InputProcessor._pixel_bounds), which offline requests go through too
+    fps: float | None = Field(None, gt=0, le=60)
+    max_frames: int | None = Field(None, ge=1, strict=True)  # against api.max_video_frames: the input processor
 
 
 def _empty(value: Any) -> bool:

@@ -149,11 +149,12 @@ def test_each_family_serves_the_batch_api_and_the_caption_job(family: tuple[str,
 def test_mm_processor_kwargs_over_http(family: tuple[str, Path, str]) -> None:
     """vLLM's ``mm_processor_kwargs`` on a chat call: on Qwen2-VL narrower pixel bounds make fewer image
     tokens (the text equal to the offline engine's under them); bounds outside the checkpoint's, an
-    unknown key, min over max, or any bounds on a family whose images are not resized to them: a 400 in
-    OpenAI's format naming the field, and the server keeps serving."""
+    unknown key, min over max, a zero fps, or any bounds (or video sampling) on a family whose images are not
+    resized to them: a 400 in OpenAI's format naming the field, and the server keeps serving."""
     kind, model_dir, url = family
     small = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 8}
-    bad_cases = [{"max_pixels": 10**9}, {"min_pixels": 28 * 28 * 8, "max_pixels": 28 * 28 * 4}, {"fps": 1}]
+    bad_cases = [{"max_pixels": 10**9}, {"min_pixels": 28 * 28 * 8, "max_pixels": 28 * 28 * 4}, {"fps": 0},
+                 {"num_frames": 4}]
     if kind == "qwen2-vl":
         body = _chat_with(url, small)
         assert body.status_code == 200, body.text
@@ -163,8 +164,8 @@ def test_mm_processor_kwargs_over_http(family: tuple[str, Path, str]) -> None:
         assert body.json()["usage"]["prompt_tokens"] == offline.num_prompt_tokens
         assert body.json()["usage"]["prompt_tokens"] < _chat(url, _messages(None))["usage"]["prompt_tokens"]
         assert body.json()["choices"][0]["message"]["content"] == offline.text
-    else:
-        bad_cases.append(small)
+    else:  # pixel bounds and video sampling on a family that takes neither
+        bad_cases += [small, {"fps": 1}]
     sliver = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(gradient_image(1, 3000))}},
                                            {"type": "text", "text": "What is this?"}]}]
     r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={"model": "tiny", "messages": sliver, "max_tokens": 2})

@@ -21,7 +21,7 @@ def _error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def test_usage_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "out.jsonl")
     assert "no such file or folder" in _error(capsys, str(tmp_path / "missing"), "--out", out)
-    assert "no images found" in _error(capsys, str(tmp_path), "--out", out)
+    assert "no images or videos found" in _error(capsys, str(tmp_path), "--out", out)
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"id": "a", "image": "a.png"}\n{"id": "a", "image": "b.png"}\n')
     assert "duplicate id 'a'" in _error(capsys, str(dup), "--out", out)
