@@ -3,7 +3,7 @@ an allowed ``file://`` URL) served with the offline engine's text and prompt tok
 request's ``mm_processor_kwargs.fps``; every bad video a 400 in OpenAI's error format (not a video, a still
 image, truncated, too long, more frames than the server samples, too many videos, an unreachable URL, a
 private address, a path outside the media folder) while the server keeps serving; a video row through
-the Batch API and a video file through the caption job."""
+the Batch API and a video file through the caption job (via the server and in-process)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_a_video_row_through_the_batch_api_and_a_video_file_through_the_caption_
         server: tuple[Path, str, Path], tmp_path: Path) -> None:
     """A Batch API row with a video: the chat route's text and tokens. A folder of an image and a video
     captioned through the server: one row each, the video's caption the chat route's."""
-    _, url, media = server
+    model_dir, url, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     body = {"model": "tiny", "messages": _messages(_uri(CLIP)), "max_tokens": MAX_TOKENS, "temperature": 0}
     batch = wait_final(client, client.batches.create(input_file_id=upload(client, jsonl([row("v0", body)])),
@@ -156,3 +156,13 @@ def test_a_video_row_through_the_batch_api_and_a_video_file_through_the_caption_
     chat = _post(url, _messages(_uri(CLIP), "Describe the image."), ignore_eos=False).json()
     assert captions["clip.mp4"]["caption"] == chat["choices"][0]["message"]["content"].strip()
     assert captions["clip.mp4"]["prompt_tokens"] == chat["usage"]["prompt_tokens"]
+    # the in-process engine (no server) samples the video as the server does: the same rows
+    engine_file = tmp_path / "engine-captions.jsonl"
+    done = subprocess.run([sys.executable, "-m", "mm_serve.cli.main", "caption", str(folder), "--out", str(engine_file),
+                           "--model", str(model_dir), "--max-tokens", str(MAX_TOKENS), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    engine = {r["id"]: r for r in map(json.loads, engine_file.read_text().splitlines())}
+    for name in ("clip.mp4", "still.png"):
+        assert (engine[name]["caption"], engine[name]["prompt_tokens"]) == (
+            captions[name]["caption"], captions[name]["prompt_tokens"])
