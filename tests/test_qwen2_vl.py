@@ -15,10 +15,10 @@ import torch
 
 from mm_serve import LLM, SamplingParams
 from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.media.video_loading import encode_video
 from mm_serve.models.builder import QWEN2_VL_PIXELS
 from mm_serve.models.qwen2_vl.mrope import mrope_positions
 from mm_serve.models.registry import load_model_config
-from mm_serve.media.video_loading import Video, encode_video
 from tests.factories import build_checkpoint, gradient_image, gradient_video
 from tests.golden import assert_matches_reference, reference_generate
 

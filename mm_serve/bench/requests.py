@@ -8,7 +8,9 @@ workload module's estimate). The chat template adds a few tokens on top. Images
 are seeded RGB noise, ``image_size`` pixels square (the vision tower's input, so the
 server's resize is a no-op), JPEG-encoded into a ``data:`` URI; for a family that tiles
 images at any resolution, each image's (width, height) is drawn from :func:`image_shapes`
-(its grid resolutions and smaller ones), so the requests' image-token counts are mixed.
+(its grid resolutions and smaller ones), so the requests' image-token counts are mixed. Videos are
+:data:`CLIP_FRAMES` frames of seeded noise at :data:`CLIP_FPS` frames per second (MP4, MPEG-4 Part 2),
+at the smaller of those shapes (:func:`video_shapes`), in a ``data:video/mp4`` URI.
 
 Every body asks for exactly ``output_tokens`` tokens (``max_tokens`` plus
 ``ignore_eos``, the vLLM extension; servers without it may stop early at EOS, and
@@ -89,6 +91,38 @@ class _TextSource:
         return doubled[start : start + num_chars].strip() or "Hello"
 
 
+CLIP_FRAMES = 8  # a bench video: 2 s at 4 fps; the server's default 2 fps samples 4 frames, 2 temporal patches
+CLIP_FPS = 4
+
+
+def video_shapes(vision: VisionConfig) -> list[tuple[int, int]]:
+    """(width, height) pixels of a bench video's frames: the squares of :func:`image_shapes` but its largest
+    (a video's tokens are its frames' times the temporal patches)."""
+    squares = [shape for shape in image_shapes(vision) if shape[0] == shape[1]]
+    return squares[:-1] if len(squares) > 1 else squares
+
+
+def video_tokens(vision: VisionConfig, fps: float = 2.0) -> int:
+    """The most tokens a bench video makes when a server samples it at ``fps``: its temporal patches
+    times its largest frame's merged patches."""
+    unit = vision.patch_size * max(1, vision.merge_size)
+    sampled = min(CLIP_FRAMES, max(2, round(CLIP_FRAMES / CLIP_FPS * fps)))
+    patches = -(-sampled // vision.temporal_patch_size)
+    return patches * max((w // unit) * (h // unit) for w, h in video_shapes(vision))
+
+
+@lru_cache(maxsize=16)
+def noise_video_uri(size: tuple[int, int], seed: int) -> str:
+    """A :data:`CLIP_FRAMES`-frame (width, height) RGB noise video (seeded) at :data:`CLIP_FPS` as an MP4 ``data:`` URI."""
+    import numpy as np
+
+    from mm_serve.media.video_loading import encode_video
+
+    width, height = size
+    frames = np.random.default_rng(seed).integers(0, 256, (CLIP_FRAMES, height, width, 3), dtype=np.uint8)
+    return "data:video/mp4;base64," + base64.b64encode(encode_video(frames, CLIP_FPS)).decode()
+
+
 def image_shapes(vision: VisionConfig | None) -> list[tuple[int, int]]:
     """(width, height) pixels of the images a bench sends to a model with ``vision``: the tower's
     input square for a fixed-size family (one shape); for an any-resolution family that square, each
@@ -127,9 +161,10 @@ class RequestFactory:
 
     def __init__(self, model_name: str, api: Api = "chat", tokenizer_dir: Path | None = None,
                  image_size: int | Sequence[tuple[int, int]] = 336, ignore_eos: bool = True,
-                 tier_mix: dict[str, float] | None = None) -> None:
+                 tier_mix: dict[str, float] | None = None, video_shapes: Sequence[tuple[int, int]] = ((224, 224),)
+                 ) -> None:
         """``image_size``: pixels of each square image, or the (width, height) shapes each image is
-        drawn from (:func:`image_shapes`).
+        drawn from (:func:`image_shapes`); ``video_shapes``: the frame shapes each video is drawn from.
 
         Raises:
             ValueError: a size under a pixel, or no shapes.
@@ -140,6 +175,7 @@ class RequestFactory:
         self.model_name = model_name
         self.api = api
         self.image_shapes: list[tuple[int, int]] = shapes  # type: ignore[assignment]
+        self.video_shapes = [tuple(s) for s in video_shapes]
         self.ignore_eos = ignore_eos
         self.tier_mix = tier_mix  # tier -> share: each body asks for a drawn service_tier
         self._text = _TextSource(tokenizer_dir)
@@ -172,13 +208,13 @@ class RequestFactory:
         if self.tier_mix:
             payload["service_tier"] = draw_tier(self.tier_mix, index, salt)
         if self.api == "completions":
-            if spec.num_images or spec.conversation_id is not None:
+            if spec.num_images or spec.num_videos or spec.conversation_id is not None:
                 raise ValueError("image and conversation workloads need the chat API (--api chat)")
             payload["prompt"] = text if system is None else f"{system}\n\n{text}"
         else:
             parts: list[dict[str, Any]] = [
                 {"type": "image_url", "image_url": {"url": self._image(rng)}} for _ in range(spec.num_images)
-            ]
+            ] + [{"type": "video_url", "video_url": {"url": self._video(rng)}} for _ in range(spec.num_videos)]
             content: str | list[dict[str, Any]] = [*parts, {"type": "text", "text": text}] if parts else text
             payload["messages"] = [{"role": "user", "content": content}]
             if system is not None:
@@ -189,6 +225,11 @@ class RequestFactory:
         """One image: a shape drawn (when there are several), then its noise, both from ``rng``."""
         shape = self.image_shapes[0] if len(self.image_shapes) == 1 else rng.choice(self.image_shapes)
         return noise_image_uri(shape, rng.getrandbits(32))
+
+    def _video(self, rng: random.Random) -> str:
+        """One video: a frame shape drawn, then its noise, both from ``rng``."""
+        shape = rng.choice(self.video_shapes)
+        return noise_video_uri(shape, rng.getrandbits(32))  # type: ignore[arg-type]
 
     def _shared_text(self, num_tokens: int, salt: int) -> str:
         """The system prompt shared by every request of a plan salted ``salt`` (about ``num_tokens`` tokens)."""

@@ -44,6 +44,7 @@ class BenchSettings:
     api_key: str | None = None
     tokenizer_dir: Path | None = None  # local checkpoint: exact prompt lengths
     image_size: int | tuple[tuple[int, int], ...] = 336  # pixels of the square images, or the (width, height) drawn from
+    video_shapes: tuple[tuple[int, int], ...] = ((224, 224),)  # (width, height) of a video's frames, drawn from
     ignore_eos: bool = True
     unloaded_requests: int = 8
     early_stop: bool = True
@@ -97,7 +98,7 @@ def measure(name: str, url: str, settings: BenchSettings, slo: SLO | None,
 
     model = model_id or served_model_id(url, settings.api_key)
     factory = RequestFactory(model, settings.api, settings.tokenizer_dir, settings.image_size,
-                             settings.ignore_eos, settings.tier_mix)
+                             settings.ignore_eos, settings.tier_mix, settings.video_shapes)
     endpoint = Endpoint(url, factory.path, settings.api_key, settings.timeout_s)
     runner = LoadRunner(endpoint, factory, settings.load, slo, settings.target, settings.early_stop,
                         on_run=lambda run: log(format_run(name, run)),

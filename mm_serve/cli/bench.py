@@ -50,8 +50,9 @@ def register(subparsers: Any) -> None:
                    "long documents, short summaries), llava, long-multimodal (2-4 images and a long document), "
                    "caption, multiturn-llava (5-turn image chat, each turn sent after "
                    "the previous answer with the whole history), shared-prompt (one 400-token system prompt), "
-                   "caption-repeat (each image 3 times), or a JSONL file (conversation_id/turn for "
-                   "multi-turn traffic); rates are requests/s for every workload")
+                   "caption-repeat (each image 3 times), short-video (a 2 s clip and a question, for a model "
+                   "that takes video), or a JSONL file (conversation_id/turn for multi-turn traffic); rates are "
+                   "requests/s for every workload")
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", type=float, metavar="R", help="one run at R requests/s")
     load.add_argument("--sweep", action="store_true", help="find the goodput by searching the rate")
@@ -130,20 +131,22 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 
 
 def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
-    from mm_serve.bench.requests import image_shapes
+    from mm_serve.bench.requests import image_shapes, video_shapes, video_tokens
     from mm_serve.bench.runner import LoadSpec
     from mm_serve.bench.session import BenchSettings
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.registry import load_model_config
     from mm_serve.workloads import (
         IMAGE_WORKLOADS,
+        VIDEO_WORKLOADS,
         WorkloadError,
         is_conversational,
         make_workload,
     )
 
-    image_tokens, image_size, max_context = 0, 336, 4096
+    image_tokens, image_size, max_context, tokens_per_video = 0, 336, 4096, 0
     shapes: tuple[tuple[int, int], ...] = ()
+    frames: tuple[tuple[int, int], ...] = ((224, 224),)
     if model_dir is not None:
         try:
             shape = load_model_config(model_dir)
@@ -155,20 +158,23 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
             image_tokens, image_size = shape.vision.max_image_tokens, shape.vision.image_size
             if shape.vision.any_resolution or shape.vision.dynamic_resolution:
                 shapes = tuple(image_shapes(shape.vision))
+            if shape.vision.video_token_index is not None:  # a family that takes video: short clips of mixed sizes
+                frames, tokens_per_video = tuple(video_shapes(shape.vision)), video_tokens(shape.vision)
     try:
-        if args.workload in IMAGE_WORKLOADS and model_dir is None:
+        if (args.workload in IMAGE_WORKLOADS or args.workload in VIDEO_WORKLOADS) and model_dir is None:
             raise WorkloadError(f"workload '{args.workload}' with --server needs --model DIR (image size)")
-        workload = make_workload(args.workload, image_tokens, max_context)
+        workload = make_workload(args.workload, image_tokens, max_context, tokens_per_video)
         load = LoadSpec(workload, args.seed, args.duration, args.num_requests, burstiness=args.burstiness)
     except WorkloadError as exc:
         raise CLIError(str(exc)) from None
-    if args.api == "completions" and (args.workload in IMAGE_WORKLOADS or is_conversational(workload)):
-        raise CLIError("image and conversation workloads need --api chat")
+    if args.api == "completions" and (args.workload in IMAGE_WORKLOADS or args.workload in VIDEO_WORKLOADS
+                                      or is_conversational(workload)):
+        raise CLIError("image, video and conversation workloads need --api chat")
     tier_mix, tier_slo = _tier_settings(args)
     return BenchSettings(
         load=load, target=args.attainment, rate=args.rate, sweep=args.sweep, start_rate=args.start_rate,
         rel_tol=args.rate_tolerance, api=args.api, api_key=args.api_key, tokenizer_dir=model_dir,
-        image_size=shapes or image_size, ignore_eos=not args.no_ignore_eos, early_stop=not args.no_early_stop,
+        image_size=shapes or image_size, video_shapes=frames, ignore_eos=not args.no_ignore_eos, early_stop=not args.no_early_stop,
         records_dir=Path(args.out) if args.out else None, tier_mix=tier_mix, tier_slo=tier_slo,
     )
 

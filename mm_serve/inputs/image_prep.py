@@ -26,8 +26,8 @@ from PIL import Image
 
 from mm_serve.media.errors import ImageError
 from mm_serve.media.image_loading import to_rgb
-from mm_serve.media.video_loading import Video
 from mm_serve.media.image_processor import ImageProcessor
+from mm_serve.media.video_loading import Video
 from mm_serve.models.llava_next.anyres import num_image_tokens
 from mm_serve.models.model_config import VisionConfig
 
@@ -87,12 +87,15 @@ class AnyResImages:
         faster); ``high`` or ``auto`` the full tiling. OneVision: two or more images, one tile each."""
         if len(images) > 1 and self.vision.multi_image_untiled:
             rgbs = [to_rgb(image) for image in images]
-            pixels = _run(self.processor, 0, rgbs[0], images=[rgbs], return_tensors="pt")["pixel_values"][:, 0]  # [N, 3, H, W]
-            return PreparedImages(pixels, [self.one_tile_tokens] * len(rgbs), [1] * len(rgbs),
+            batch = _run(self.processor, 0, rgbs[0], images=[rgbs], return_tensors="pt")["pixel_values"][:, 0]  # [N, 3, H, W]
+            return PreparedImages(batch, [self.one_tile_tokens] * len(rgbs), [1] * len(rgbs),
                                   [(int(rgb.height), int(rgb.width)) for rgb in rgbs])
         vision = self.vision
         drop_first = vision.select_strategy == "default"
-        pixels, tiles, sizes, counts = [], [], [], []
+        pixels: list[torch.Tensor] = []
+        tiles: list[int] = []
+        sizes: list[tuple[int, ...]] = []
+        counts: list[int] = []
         for i, image in enumerate(images):
             rgb = to_rgb(image)
             tiled = _run(self.processor, i, rgb, images=[rgb], return_tensors="pt")["pixel_values"][0]  # [tiles, 3, H, W]
@@ -167,7 +170,11 @@ class DynamicResolutionImages:
         Raises:
             ImageError: an image or video the processor cannot take."""
         floor, ceiling = pixel_bounds or self.vision.pixel_bounds
-        pixels, tiles, grids, counts, seconds = [], [], [], [], []
+        pixels: list[torch.Tensor] = []
+        tiles: list[int] = []
+        grids: list[tuple[int, ...]] = []
+        counts: list[int] = []
+        seconds: list[float] = []
         for i, image in enumerate(images):
             if isinstance(image, Video):
                 out = _run(self.video_processor, i, image, videos=[image.frames], do_sample_frames=False,

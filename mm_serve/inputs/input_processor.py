@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -267,15 +268,17 @@ class InputProcessor:
         if videos and video_id is None:
             raise InvalidRequestError("this model does not take video (video input is served for Qwen2-VL and "
                                       "Qwen2.5-VL checkpoints)")
-        for kind, index, given, token in (("image", image_id, images, self.image_token),
-                                          ("video", video_id, videos, self.video_token)):
+        checks: list[tuple[str, int | None, int, str | None]] = [
+            ("image", image_id, len(images), self.image_token), ("video", video_id, len(videos), self.video_token)]
+        for kind, index, given, shown in checks:
             found = 0 if index is None else ids.count(index)
-            if found != len(given):
-                raise InvalidRequestError(f"prompt has {found} {kind} placeholder(s) ({token}) but {len(given)} "
+            if found != given:
+                raise InvalidRequestError(f"prompt has {found} {kind} placeholder(s) ({shown}) but {given} "
                                           f"{kind}(s) were given")
         if not media or self.image_processor is None or vision is None:
             return ProcessedInputs(ids, None, 0)
-        queues = {image_id: iter(images), video_id: iter((v, None) for v in videos)}
+        queues: dict[int | None, Iterator[tuple[Image.Image | Video, str | None]]] = {
+            image_id: iter(images), video_id: iter((v, None) for v in videos)}
         ordered = [next(queues[t]) for t in ids if t in queues]  # in prompt order
         items = [m for m, _ in ordered]
         item_details = [d for _, d in ordered]

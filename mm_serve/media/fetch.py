@@ -21,8 +21,7 @@ import os
 import re
 import socket
 import stat
-from collections.abc import Awaitable, Callable
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -32,7 +31,13 @@ from PIL import Image
 
 from mm_serve.media.errors import ImageError, InvalidImageURLError
 from mm_serve.media.image_loading import decode_data_uri, load_image_bytes
-from mm_serve.media.video_loading import Video, VideoError, VideoLimits, decode_video_data_uri, load_video_bytes
+from mm_serve.media.video_loading import (
+    Video,
+    VideoError,
+    VideoLimits,
+    decode_video_data_uri,
+    load_video_bytes,
+)
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """``(host, port) -> IP address strings``, best first; raises ``MediaFetchError``."""
@@ -167,7 +172,8 @@ async def load_image_urls(
 
     On the first error (in time) the other loads are cancelled and awaited, then it is raised.
     """
-    return await load_media_urls([(u, None) for u in urls], policy, policy, client, resolver=resolver)  # type: ignore[return-value]
+    loaded = await load_media_urls([(u, None) for u in urls], policy, policy, client, resolver=resolver)
+    return [image for image in loaded if isinstance(image, Image.Image)]
 
 
 async def load_media_urls(
@@ -191,7 +197,7 @@ async def load_media_urls(
             return await load_media_urls(items, policy, video_policy, own_client, resolver=resolver)
     loads = (load_image_url(u, policy, client, resolver=resolver) if limits is None
              else load_video_url(u, video_policy, limits, client, resolver=resolver) for u, limits in items)
-    tasks = [asyncio.ensure_future(load) for load in loads]
+    tasks: list[asyncio.Future[Image.Image | Video]] = [asyncio.ensure_future(load) for load in loads]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

@@ -22,6 +22,7 @@ import binascii
 import io
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -198,7 +199,7 @@ def encode_video(frames: np.ndarray, fps: float, codec: str = "mpeg4") -> bytes:
 
     out = io.BytesIO()
     with av.open(out, mode="w", format="mp4") as container:
-        stream = container.add_stream(codec, rate=max(1, round(fps)))
+        stream: Any = container.add_stream(codec, rate=max(1, round(fps)))
         stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
         stream.pix_fmt = "yuv420p"
         for frame in frames:

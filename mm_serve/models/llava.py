@@ -113,7 +113,7 @@ class MultimodalLM(nn.Module):
         batch = self.encode_images(torch.stack([p if p.dim() == 3 else p[0] for p in images]))
         return list(batch)
 
-    def _encode_tiled(self, images: Sequence[torch.Tensor], sizes: Sequence[tuple[int, int] | None]) -> list[torch.Tensor]:
+    def _encode_tiled(self, images: Sequence[torch.Tensor], sizes: Sequence[tuple[int, ...] | None]) -> list[torch.Tensor]:
         """LLaVA-NeXT: every tile of every image through the tower in one pass, then each image's
         tiles packed (:func:`~mm_serve.models.llava_next.packing.pack_image`)."""
         from mm_serve.models.llava_next.packing import pack_image
@@ -126,7 +126,7 @@ class MultimodalLM(nn.Module):
         for feats, size in zip(features, sizes, strict=True):
             if size is None:
                 raise ValueError("an any-resolution image needs its original size")
-            out.append(pack_image(feats, size, vcfg.grid_pinpoints, vcfg.image_size, vcfg.image_size // vcfg.patch_size,
+            out.append(pack_image(feats, (size[0], size[1]), vcfg.grid_pinpoints, vcfg.image_size, vcfg.image_size // vcfg.patch_size,
                                   self.image_newline, vcfg.max_num_patches))
         return out
 

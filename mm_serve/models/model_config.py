@@ -99,7 +99,6 @@ class VisionConfig:
         if self.video_token_index is None:
             return (self.image_token_index,)
         return (self.image_token_index, self.video_token_index)
-        return self.tokens_per_second * self.temporal_patch_size / fps if self.tokens_per_second else 1.0
 
     @property
     def dynamic_resolution(self) -> bool:

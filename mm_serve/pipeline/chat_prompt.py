@@ -15,8 +15,8 @@ from typing import Any
 from PIL import Image
 
 from mm_serve.media.image_loading import declared_size
-from mm_serve.media.video_loading import Video
 from mm_serve.media.offline import image_outside_user_message
+from mm_serve.media.video_loading import Video
 from mm_serve.protocol.errors import bad_request
 from mm_serve.protocol.schemas import ChatMessage
 

@@ -56,7 +56,7 @@ class Handoff:
 def build_requests(specs: Sequence[RequestSpec], arrivals: Sequence[float]) -> list[SimRequest]:
     """Fresh :class:`SimRequest` objects, one per (spec, arrival time in seconds)."""
     return [
-        SimRequest(i, t, s.total_prompt_tokens, s.output_tokens, s.num_images)
+        SimRequest(i, t, s.total_prompt_tokens, s.output_tokens, s.num_images + s.num_videos)
         for i, (s, t) in enumerate(zip(specs, arrivals, strict=True))
     ]
 

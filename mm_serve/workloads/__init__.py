@@ -24,6 +24,7 @@ from mm_serve.workloads.arrivals import (
 from mm_serve.workloads.builtin import (
     BUILTIN_WORKLOADS,
     IMAGE_WORKLOADS,
+    VIDEO_WORKLOADS,
     CaptionWorkload,
     ChatbotWorkload,
     CodeWorkload,
@@ -45,6 +46,7 @@ from mm_serve.workloads.spec import RequestSpec, Workload, WorkloadError, is_con
 __all__ = [
     "BUILTIN_WORKLOADS",
     "IMAGE_WORKLOADS",
+    "VIDEO_WORKLOADS",
     "MAX_BURSTINESS",
     "MIN_BURSTINESS",
     "CaptionRepeatWorkload",

@@ -24,6 +24,8 @@ long-multimodal  2-4 images (uniform) + a document,          log-normal median 6
                  log-normal median 900, sigma 0.5, in        in [8, 256]
                  [200, 2048], + a question as in llava
 caption          1 image + a fixed 12-token instruction      uniform integer in [20, 40]
+short-video      1 short video (``video_tokens``) + a        log-normal median 64, sigma 0.6,
+                 question as in llava                        in [8, 256]
 ===============  ==========================================  =================================
 
 The chatbot mix matches the ShareGPT statistics reported by Kwon et al. (vLLM,
@@ -44,7 +46,9 @@ the model's context (median 1,600 tokens, 80 % between 1,000 and 2,500 with a 4K
 context, so that prefill is the bulk of the work) and the summary is short (median 96 tokens). Its
 lengths are our shape, not a fit: the data set cannot be downloaded here.
 ``long-multimodal`` is ours: several images plus a long document and a question
-(a report with figures, a slide deck), for prefill-heavy multimodal traffic.
+(a report with figures, a slide deck), for prefill-heavy multimodal traffic. ``short-video`` too:
+a few-second clip and a question about it (models that take video, Qwen2-VL); the bench sends
+clips whose frames the server samples into a few temporal patches (:mod:`mm_serve.bench.requests`).
 
 The workloads whose requests share content (``multiturn-llava``, ``shared-prompt``,
 ``caption-repeat``) are in :mod:`mm_serve.workloads.shared_content`; JSONL workload files
@@ -179,18 +183,47 @@ class LongMultimodalWorkload:
         return rows
 
 
+@dataclass(frozen=True)
+class ShortVideoWorkload:
+    """One short video plus a question; short answers (see the module table)."""
+
+    video_tokens: int
+    max_context: int = 4096
+    name: str = "short-video"
+
+    def sample(self, n: int, seed: int) -> list[RequestSpec]:
+        rng = random.Random(f"short-video:{seed}")
+        rows = []
+        for _ in range(n):
+            question = lognormal_int(rng, 24, 0.5, 4, 128)
+            output = lognormal_int(rng, 64, 0.6, 8, 256)
+            text, output = fit_context(question, output, self.max_context - self.video_tokens)
+            rows.append(RequestSpec(text, output, num_videos=1, video_tokens=self.video_tokens))
+        return rows
+
+
 BUILTIN_WORKLOADS = ("chatbot", "code", "summarization", "llava", "long-multimodal", "caption",
-                     "multiturn-llava", "shared-prompt", "caption-repeat")
+                     "multiturn-llava", "shared-prompt", "caption-repeat", "short-video")
+VIDEO_WORKLOADS = ("short-video",)  # need a model that takes video
 IMAGE_WORKLOADS = ("llava", "long-multimodal", "caption", "multiturn-llava", "caption-repeat")  # need a vision tower
 SUMMARIZATION_MIN_CONTEXT = 768 + 16 + 512  # shortest document, shortest summary, room for the tail
 
 
-def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4096) -> Workload:
+def make_workload(name_or_path: str, image_tokens: int = 0, max_context: int = 4096,
+                  video_tokens: int = 0) -> Workload:
     """A built-in workload by name (:data:`BUILTIN_WORKLOADS`), or a JSONL workload file by path.
 
     ``image_tokens`` (LLM tokens per image, from the model shape) is required by
-    the image workloads (:data:`IMAGE_WORKLOADS`); raises :class:`WorkloadError` otherwise.
+    the image workloads (:data:`IMAGE_WORKLOADS`), ``video_tokens`` (per video) by the video ones
+    (:data:`VIDEO_WORKLOADS`); raises :class:`WorkloadError` otherwise.
     """
+    if name_or_path in VIDEO_WORKLOADS:
+        if video_tokens <= 0:
+            raise WorkloadError(f"workload '{name_or_path}' needs a model that takes video (Qwen2-VL, Qwen2.5-VL)")
+        if video_tokens + 4 + 40 > max_context:
+            raise WorkloadError(f"workload '{name_or_path}': a video is {video_tokens} tokens, more than the model's "
+                                f"{max_context}-token context holds with a question and an answer")
+        return ShortVideoWorkload(video_tokens, max_context=max_context)
     if name_or_path == "chatbot":
         return ChatbotWorkload(max_context=max_context)
     if name_or_path == "code":

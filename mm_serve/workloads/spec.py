@@ -38,11 +38,13 @@ class RequestSpec:
     turn: int = 0  # 0-based position in its conversation
     image_seed: int | None = None  # specs with the same seed send the same image bytes; None = fresh
     shared_prefix_tokens: int = 0  # the first this many of prompt_tokens: a system prompt shared by all
+    num_videos: int = 0
+    video_tokens: int = 0  # LLM tokens per video (its temporal patches' tokens, e.g. 2 x 256)
 
     @property
     def total_prompt_tokens(self) -> int:
-        """Prompt tokens the LLM prefills: text plus image tokens (a turn's history excluded)."""
-        return self.prompt_tokens + self.num_images * self.image_tokens
+        """Prompt tokens the LLM prefills: text plus image and video tokens (a turn's history excluded)."""
+        return self.prompt_tokens + self.num_images * self.image_tokens + self.num_videos * self.video_tokens
 
 
 class Workload(Protocol):

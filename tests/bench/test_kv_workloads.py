@@ -180,3 +180,35 @@ def test_a_dynamic_resolution_model_gets_images_from_its_pixel_floor_to_its_ceil
               for w, h in image_shapes(config.vision)]
     assert min(counts) == QWEN2_VL_PIXELS[0] // 28**2 and max(counts) == QWEN2_VL_PIXELS[1] // 28**2
     assert len(set(counts)) >= 3
+
+
+def test_the_short_video_workload_sends_clips_the_model_turns_into_the_tokens_it_plans(tmp_path: Path) -> None:
+    """``short-video`` on Qwen2.5-VL: each request one MP4 clip of a drawn frame size, which the server's
+    default sampling (2 fps) makes into at most the tokens the workload planned per video; refused for a
+    model that takes no video, and seeded."""
+    from mm_serve.bench.requests import CLIP_FRAMES, video_shapes, video_tokens
+    from mm_serve.inputs.input_processor import InputProcessor
+    from mm_serve.media.video_loading import VideoLimits, decode_video_data_uri
+    from mm_serve.models.registry import load_model_config
+    from mm_serve.workloads import WorkloadError, make_workload
+    from tests.factories import build_checkpoint
+
+    model_dir = build_checkpoint("qwen2.5-vl", tmp_path / "qwen2.5-vl")
+    config = load_model_config(model_dir)
+    assert config.vision is not None
+    planned = video_tokens(config.vision)
+    workload = make_workload("short-video", 0, 4096, planned)
+    specs = workload.sample(6, seed=1)
+    assert all(s.num_videos == 1 and s.total_prompt_tokens == s.prompt_tokens + planned for s in specs)
+    assert workload.sample(6, seed=1) == specs
+    factory = RequestFactory("m", video_shapes=video_shapes(config.vision))
+    inputs = InputProcessor(model_dir, config)
+    counts = set()
+    for i, spec in enumerate(specs):
+        (part, _) = _body(factory, spec, i)["messages"][0]["content"]
+        video = decode_video_data_uri(part["video_url"]["url"], VideoLimits())
+        assert video.frames.shape[0] == CLIP_FRAMES // 2  # 2 s at the default 2 fps
+        counts.add(inputs.process({"prompt": "<video>", "videos": [video]}).image_token_counts[0])
+    assert max(counts) == planned and len(counts) == len(video_shapes(config.vision)) == 2  # mixed sizes
+    with pytest.raises(WorkloadError, match="takes video"):
+        make_workload("short-video", 576, 4096, 0)
