@@ -9,9 +9,9 @@ placeholder (the video token) expands to its temporal patches' tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
