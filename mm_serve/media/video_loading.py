@@ -192,13 +192,14 @@ def load_video_file(path: str | os.PathLike[str], limits: VideoLimits) -> Video:
         return load_video_bytes(handle.read(), limits)
 
 
-def encode_video(frames: np.ndarray, fps: float, codec: str = "mpeg4") -> bytes:
-    """``frames`` ``[T, H, W, 3]`` uint8 RGB encoded as an MP4 at ``fps`` (test and benchmark clips;
-    even ``H`` and ``W``, as yuv420p needs; ``fps`` rounded to whole frames per second)."""
+def encode_video(frames: np.ndarray, fps: float, codec: str = "mpeg4", container_format: str = "mp4") -> bytes:
+    """``frames`` ``[T, H, W, 3]`` uint8 RGB encoded with ``codec`` in a ``container_format`` file at ``fps``
+    (test and benchmark clips; even ``H`` and ``W``, as yuv420p needs; ``fps`` rounded to whole frames per
+    second; ``libvpx`` in ``webm``)."""
     import av
 
     out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
+    with av.open(out, mode="w", format=container_format) as container:
         stream: Any = container.add_stream(codec, rate=max(1, round(fps)))
         stream.width, stream.height = int(frames.shape[2]), int(frames.shape[1])
         stream.pix_fmt = "yuv420p"
