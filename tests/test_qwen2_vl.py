@@ -37,6 +37,9 @@ QIV = "USER: <image>\nHere is a picture, and <video>\na video. What changes? ASS
 VIDEOS = {
     "video": gradient_video(6, 84, 56, 1),  # 3 temporal patches
     "odd-frames": gradient_video(5, 40, 70, 2, fps=1.5),  # the last frame repeated to fill a patch
+    # 10 temporal patches a second apart: Qwen2.5-VL's temporal ids (4 a second) pass the text after the video,
+    # and generation continues from the last token, not the largest id (transformers' generate)
+    "long": gradient_video(20, 56, 56, 5, fps=2.0),
 }
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("text", {"prompt": "Serving a language model means"}),
@@ -165,7 +168,7 @@ def test_detail_low_caps_the_pixels(colocated: LLM, reference: torch.nn.Module) 
 
 def test_positions_continue_after_the_prompt() -> None:
     """M-RoPE ids: text counts up, an image's tokens take (row, column) offsets from where the text left
-    off, the text after it resumes past the image's longer side, and ``delta`` continues the largest."""
+    off, the text after it resumes past the image's longer side, and ``delta`` continues the last token's."""
     ids = [7, 7, 4, 4, 4, 4, 4, 4, 7]  # 2 text, a 2x3 merged image (a 4x6 patch grid), 1 text
     positions, delta = mrope_positions(ids, 4, [6], [(4, 6)], 2)
     assert positions.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5],
@@ -306,3 +309,5 @@ def test_video_positions_follow_the_clock() -> None:
     assert positions[0].tolist() == [0, 1, 1 + 2, 1 + 5, 2]  # floor(0, 2.67, 5.33) after the text
     plain, _ = mrope_positions(ids, (4, 5), [3], [(3, 2, 2)], 2, [2 / 3], 0.0)
     assert plain[0].tolist() == [0, 1, 2, 3, 2]
+    _, delta = mrope_positions(ids, (4, 5), [3], [(3, 2, 2)], 2, [2 / 3], 4.0)
+    assert delta == 2 + 1 - len(ids)  # from the last token (2), not the video's largest temporal id (6)

@@ -9,10 +9,12 @@ two passes under :class:`VideoLimits`:
 2. **decode**: frames are decoded in order and only the sampled ones kept (as ``uint8`` RGB), so
    memory holds ``frames kept x height x width x 3`` bytes, never the whole video.
 
-Sampling follows transformers' ``Qwen2VLVideoProcessor.sample_frames`` and qwen-vl-utils: the video
-lasts ``D`` seconds; ``n = min(max_frames, max(2, round(D * fps)))`` frames (never more than the
-video has) are taken at the indices ``floor(i * total / n)``; their rate ``n / D`` is what
-:attr:`Video.fps` reports (Qwen2.5-VL's M-RoPE spaces temporal positions by it).
+Sampling follows transformers' ``Qwen2VLVideoProcessor.sample_frames`` over the metadata its PyAV reader
+makes: the video holds ``total`` frames at ``rate`` frames a second (the stream's average rate);
+``n = total / rate * fps`` frames, at least ``min_frames`` (4), at most ``max_frames`` and the video's own,
+rounded down to whole temporal patches (2 frames), are taken at the indices ``floor(i * total / n)``; their
+rate ``n / total * rate`` (``VideoMetadata.sampled_fps``) is what :attr:`Video.fps` reports (Qwen2.5-VL's
+M-RoPE spaces temporal positions by it). A video of one frame keeps it.
 """
 
 from __future__ import annotations
@@ -83,11 +85,22 @@ class Video:
         return int(self.frames.shape[1]), int(self.frames.shape[2])
 
 
-def sample_indices(total: int, duration_s: float, fps: float, max_frames: int) -> list[int]:
-    """Indices of the frames to keep among ``total`` frames lasting ``duration_s`` seconds: ``n = min(max_frames,
-    max(2, round(duration_s * fps)), total)`` frames at ``floor(i * total / n)`` (module docstring)."""
-    n = min(max_frames, max(2, round(duration_s * fps)), total)
-    return sorted({int(i * total / n) for i in range(n)})
+MIN_FRAMES = 4  # transformers' Qwen2VLVideoProcessor.min_frames
+TEMPORAL_PATCH = 2  # frames per temporal patch: the sampled count is a multiple of it
+
+
+def sample_indices(total: int, rate: float, fps: float, max_frames: int) -> list[int]:
+    """Indices of the frames to keep among ``total`` frames at ``rate`` frames a second: ``n`` frames (module
+    docstring) at ``floor(i * total / n)``, as ``Qwen2VLVideoProcessor.sample_frames`` with ``fps`` (in float32,
+    as its ``torch.arange``)."""
+    import torch
+
+    cap = min(max_frames, total) // TEMPORAL_PATCH * TEMPORAL_PATCH
+    if cap < TEMPORAL_PATCH:  # one frame (or a cap of one): keep the first
+        return [0]
+    n = min(max(total / rate * fps, MIN_FRAMES), cap, total)
+    n = max(TEMPORAL_PATCH, int(n // TEMPORAL_PATCH * TEMPORAL_PATCH))
+    return sorted(set(torch.arange(0, total, total / n).int().tolist()))
 
 
 def load_video_bytes(data: bytes, limits: VideoLimits) -> Video:
@@ -103,8 +116,8 @@ def load_video_bytes(data: bytes, limits: VideoLimits) -> Video:
     if not data:
         raise VideoError("video data is empty")
     try:
-        total, duration, (width, height) = _survey(av, data, limits)
-        keep = set(sample_indices(total, duration, limits.fps, limits.max_frames))
+        total, rate, (width, height) = _survey(av, data, limits)
+        keep = set(sample_indices(total, rate, limits.fps, limits.max_frames))
         frames: list[np.ndarray] = []
         with av.open(io.BytesIO(data), mode="r") as container:
             for index, frame in enumerate(container.decode(container.streams.video[0])):
@@ -121,21 +134,26 @@ def load_video_bytes(data: bytes, limits: VideoLimits) -> Video:
         raise VideoError(f"video data is not a readable video ({type(exc).__name__})") from None
     if not frames:
         raise VideoError("the video has no decodable frame")
-    return Video(np.stack(frames), len(frames) / duration)
+    return Video(np.stack(frames), len(frames) / total * rate)
 
 
 def _survey(av: object, data: bytes, limits: VideoLimits) -> tuple[int, float, tuple[int, int]]:
-    """(frames, duration in seconds, (width, height)) of the first video stream, from its packets alone.
+    """(frames, frames a second, (width, height)) of the first video stream, from its packets alone.
+
+    A packet's time is its presentation time, else its decode time; a raw stream without either counts
+    its packets at the stream's rate. The rate is the stream's average (what transformers' PyAV reader
+    reads), else the packets' mean over their span; the length checked is that span.
 
     Raises:
-        VideoError: no video stream, no frame, or a limit of ``limits`` passed.
+        VideoError: no video stream, a still image, no frame, or a limit of ``limits`` passed.
     """
     with av.open(io.BytesIO(data), mode="r") as container:  # type: ignore[attr-defined]
         if not container.streams.video:
             raise VideoError("the data holds no video stream")
-        if container.format.name.endswith("_pipe") or container.format.name.startswith("image2"):
-            raise VideoError(f"the data is a still image ({container.format.name.removesuffix('_pipe')}), not a "
-                             "video; send it as an image_url part")
+        name = container.format.name
+        if name.endswith("_pipe") or name.startswith("image2"):
+            raise VideoError(f"the data is a still image ({name.removesuffix('_pipe')}), not a video; send it as "
+                             "an image_url part")
         stream = container.streams.video[0]
         width, height = int(stream.codec_context.width), int(stream.codec_context.height)
         if width < 1 or height < 1:
@@ -144,23 +162,24 @@ def _survey(av: object, data: bytes, limits: VideoLimits) -> tuple[int, float, t
             raise VideoError(f"video frames are too large: {width}x{height} = {width * height} pixels exceeds the limit "
                              f"of {limits.max_frame_pixels}")
         base = float(stream.time_base or 0)
+        average = float(stream.average_rate or 0)
         times: list[float] = []
         for packet in container.demux(stream):
-            if packet.pts is None or packet.size == 0:
+            if packet.size == 0:
                 continue
-            times.append(packet.pts * base)
+            stamp = packet.pts if packet.pts is not None else packet.dts
+            times.append(stamp * base if stamp is not None and base else len(times) / (average or 25.0))
             if len(times) > limits.max_stream_frames:
                 raise VideoError(f"video has more than {limits.max_stream_frames} frames; refused")
             if times[-1] - times[0] > limits.max_seconds:
                 raise VideoError(f"video is longer than the limit of {limits.max_seconds:g} s")
     if not times:
         raise VideoError("the video has no frame")
-    rate = float(stream.average_rate or 0)
-    step = 1.0 / rate if rate > 0 else (max(times) - min(times)) / max(1, len(times) - 1) or 1.0
-    duration = max(times) - min(times) + step
-    if duration > limits.max_seconds:
-        raise VideoError(f"video lasts {duration:.1f} s, longer than the limit of {limits.max_seconds:g} s")
-    return len(times), duration, (width, height)
+    if len(times) == 1 and name == "gif":
+        raise VideoError("the data is a still image (a GIF of one frame), not a video; send it as an image_url part")
+    span = max(times) - min(times)
+    rate = average if average > 0 else ((len(times) - 1) / span if span > 0 else 1.0)
+    return len(times), rate, (width, height)
 
 
 def decode_video_data_uri(uri: str, limits: VideoLimits) -> Video:

@@ -28,26 +28,31 @@ def _clip(frames: int = 12, fps: float = 4, width: int = 64, height: int = 48, c
     return encode_video(gradient_video(frames, width, height, 1).frames, fps, codec, container_format)
 
 
-def test_sample_indices_follow_transformers() -> None:
-    """``floor(i * total / n)`` for ``n = min(max_frames, max(2, round(duration * fps)), total)`` frames, as
-    ``Qwen2VLVideoProcessor.sample_frames`` picks them."""
-    import torch
+def test_sample_indices_are_transformers_own() -> None:
+    """The frames kept are those ``Qwen2VLVideoProcessor.sample_frames`` picks with ``fps`` (at least 4, whole
+    temporal patches, at most ``max_frames`` and the video's), over videos of every length and rate."""
+    from transformers import Qwen2VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
 
-    assert sample_indices(30, 3.0, 2.0, 32) == [0, 5, 10, 15, 20, 25]
-    assert sample_indices(30, 3.0, 2.0, 4) == [0, 7, 15, 22]
-    assert sample_indices(3, 0.1, 2.0, 32) == [0, 1]  # never fewer than two where the video has them
-    assert sample_indices(1, 0.5, 2.0, 32) == [0]
-    for total, n in [(30, 6), (97, 13), (8, 8)]:
-        ours = sample_indices(total, total / 10, n / (total / 10), 768)
-        assert ours == torch.arange(0, total, total / n).int().tolist()
+    processor = Qwen2VLVideoProcessor()
+    for total in (2, 3, 5, 8, 30, 97, 240, 1000):
+        for seconds in (0.25, 1.0, 3.7, 12.0, 60.0):
+            for fps, most in ((2.0, 32), (1.0, 768), (4.0, 6), (0.5, 32), (8.0, 3)):
+                rate = total / seconds
+                metadata = VideoMetadata(total_num_frames=total, fps=rate, duration=seconds)
+                theirs = processor.sample_frames(metadata, fps=fps, max_frames=most).tolist()
+                assert sample_indices(total, rate, fps, most) == theirs, (total, seconds, fps, most)
+    assert sample_indices(1, 2.0, 2.0, 32) == [0]  # one frame: kept (their sampler finds no whole patch)
 
 
 def test_an_mp4_is_sampled_at_the_requested_rate_and_cap() -> None:
     data = _clip(12, fps=4)  # 3 s
     video = load_video_bytes(data, VideoLimits(fps=2.0))
     assert video.frames.shape == (6, 48, 64, 3) and video.frames.dtype == np.uint8 and video.fps == pytest.approx(2.0)
-    capped = load_video_bytes(data, VideoLimits(fps=4.0, max_frames=3))
-    assert capped.num_frames == 3 and capped.fps == pytest.approx(1.0)
+    capped = load_video_bytes(data, VideoLimits(fps=4.0, max_frames=5))  # whole temporal patches: 4
+    assert capped.num_frames == 4 and capped.fps == pytest.approx(4 / 12 * 4)
+    short = load_video_bytes(_clip(3, fps=4), VideoLimits(fps=2.0))  # 0.75 s: at least 4 frames, but it has 3
+    assert short.num_frames == 2
     uri = "data:video/mp4;base64," + base64.b64encode(data).decode()
     assert np.array_equal(decode_video_data_uri(uri, VideoLimits(fps=2.0)).frames, video.frames)
 

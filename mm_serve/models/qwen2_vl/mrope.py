@@ -7,9 +7,11 @@ its ``t x (h / merge) x (w / merge)`` grid, take ``start + (floor(ti * step), hi
 the text before it left off and ``step`` 1 but for Qwen2.5-VL's videos, whose temporal patches are spaced by
 time: ``step = tokens_per_second * seconds per temporal patch`` (float32, as transformers computes it); the text after the image resumes
 at ``start + max(h, w) / merge``. After the prompt,
-token ``i`` (a generated one) sits at ``i + delta`` in all three rows, ``delta`` being the prompt's
-largest id plus one less its length (transformers' ``Qwen2VLModel.get_rope_index`` and its
-``mrope_position_deltas``).
+token ``i`` (a generated one) sits at ``i + delta`` in all three rows, ``delta`` being the prompt's last
+token's largest id plus one less its length: transformers' ``generate`` continues each row from the last
+token's (for a prompt that ends in text, as chat templates do, its three ids are equal). For images that is
+also the prompt's largest id (``get_rope_index``'s ``mrope_position_deltas``); a Qwen2.5-VL video's
+temporal ids may pass the text after it, and ``generate`` still continues from the last token.
 """
 
 from __future__ import annotations
@@ -68,5 +70,5 @@ def mrope_positions(token_ids: Sequence[int], placeholder_ids: int | Sequence[in
         current += max(h, w)
         cursor, used = start + count, used + count
     positions[:, cursor:] = torch.arange(current, current + total - cursor)
-    largest = int(positions.max()) if total else -1
-    return positions, largest + 1 - total
+    last = int(positions[:, -1].max()) if total else -1
+    return positions, last + 1 - total
