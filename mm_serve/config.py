@@ -132,8 +132,8 @@ class APIConfig(_Frozen):
     max_video_frame_pixels: int = Field(1280 * 720, ge=1, description="Videos whose frames have more pixels are a 400 (checked before decoding); with max_video_frames it bounds a decoded video's memory.")
     max_video_fetch_bytes: int = Field(64 << 20, ge=1024, description="Largest video fetched from an http(s) URL or read from a file:// URL, in bytes.")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1/* and /internal/stats (--api-key); printable ASCII without spaces (it travels in a header); null = no key.")
-    allowed_local_media_path: str | None = Field(None, description="A folder whose images requests may name as file:// URLs (--allowed-local-media-path); null = no file:// URLs.")
-    allowed_media_domains: list[str] = Field(default_factory=list, description="Hosts http(s) images may be fetched from (--allowed-media-domains); empty = any public host.")
+    allowed_local_media_path: str | None = Field(None, description="A folder whose images and videos requests may name as file:// URLs (--allowed-local-media-path); null = no file:// URLs.")
+    allowed_media_domains: list[str] = Field(default_factory=list, description="Hosts http(s) images and videos may be fetched from (--allowed-media-domains); empty = any public host.")
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="The API process's event loop (uvicorn's --loop): 'auto' takes uvloop when it is installed (a dependency on Linux and macOS), else asyncio's.")
     http_parser: Literal["auto", "h11", "httptools"] = Field("auto", description="The API process's HTTP/1.1 implementation (uvicorn's --http): 'auto' takes httptools (C, a dependency) when it is installed, else h11 (pure Python).")
 

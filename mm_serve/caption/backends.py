@@ -93,6 +93,6 @@ def load_item_image(item: CaptionInput, max_pixels: int) -> Image.Image:
 
 
 def read_error_message(item: CaptionInput, exc: OSError) -> str:
-    """The error text for an image file that cannot be read."""
+    """The error text for an image (or video) file that cannot be read."""
     reason = exc.strerror or str(exc)
-    return f"cannot read image file {item.image}: {reason}"
+    return f"cannot read {'video' if item.is_video else 'image'} file {item.image}: {reason}"

@@ -26,9 +26,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prefill-workers", type=int, default=None, metavar="N")
     p.add_argument("--decode-workers", type=int, default=None, metavar="M")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="allow file:// images under DIR")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="allow file:// images and videos under DIR")
     p.add_argument("--allowed-media-domains", nargs="*", default=None, metavar="DOMAIN",
-                   help="only fetch http(s) images from these hosts")
+                   help="only fetch http(s) images and videos from these hosts")
     p.add_argument("--shutdown-grace-s", type=float, default=None, metavar="S",
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish while new ones get 503 "
                         "(api.shutdown_grace_s, default 30; a second signal stops at once)")

@@ -27,7 +27,7 @@ from PIL import Image
 from mm_serve.media.errors import ImageError
 from mm_serve.media.image_loading import to_rgb
 from mm_serve.media.image_processor import ImageProcessor
-from mm_serve.media.video_loading import Video
+from mm_serve.media.video_loading import Video, VideoError
 from mm_serve.models.llava_next.anyres import num_image_tokens
 from mm_serve.models.model_config import VisionConfig
 
@@ -121,10 +121,10 @@ def _run(processor: Any, index: int, image: Image.Image | Video, **kwargs: Any) 
         return processor(**kwargs)
     except (ValueError, RuntimeError) as exc:
         if isinstance(image, Video):
-            what = f"a video ({image.num_frames} frames of {image.size[1]}x{image.size[0]} px)"
-        else:
-            what = f"image {index + 1} ({image.width}x{image.height} px)"
-        raise ImageError(f"{what} cannot be preprocessed for this model: {str(exc)[:200]}") from None
+            raise VideoError(f"a video ({image.num_frames} frames of {image.size[1]}x{image.size[0]} px) cannot be "
+                             f"preprocessed for this model: {str(exc)[:200]}") from None
+        raise ImageError(f"image {index + 1} ({image.width}x{image.height} px) cannot be preprocessed for this model: "
+                         f"{str(exc)[:200]}") from None
 
 
 LOW_DETAIL_PIXELS = 512 * 512  # OpenAI's low detail: a 512 x 512 image's worth

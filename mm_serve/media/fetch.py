@@ -32,6 +32,7 @@ from PIL import Image
 from mm_serve.media.errors import ImageError, InvalidImageURLError
 from mm_serve.media.image_loading import decode_data_uri, load_image_bytes
 from mm_serve.media.video_loading import (
+    Reserve,
     Video,
     VideoError,
     VideoLimits,
@@ -129,10 +130,11 @@ async def load_video_url(
     client: httpx.AsyncClient | None = None,
     *,
     resolver: Resolver | None = None,
+    reserve: Reserve | None = None,
 ) -> Video:
     """Resolve one video URL (``data:video/...``, http(s)://, file://) to frames sampled under ``limits``
-    (:func:`~mm_serve.media.video_loading.load_video_bytes`), fetched under ``policy`` (its ``kind``
-    ``video``) as images are.
+    (:func:`~mm_serve.media.video_loading.load_video_bytes`, which gives ``reserve`` the bytes its decoding
+    will hold), fetched under ``policy`` (its ``kind`` ``video``) as images are.
 
     Raises:
         VideoError: unsupported scheme, a bad data URI, not a video, a limit of ``limits`` passed, or the
@@ -141,10 +143,12 @@ async def load_video_url(
     text = url.strip()
     scheme = _scheme_of(text)
     if scheme == "data":
-        return await asyncio.to_thread(decode_video_data_uri, text, limits)
+        return await asyncio.to_thread(decode_video_data_uri, text, limits, reserve)
     if scheme in ("http", "https"):
         if client is None:
-            return (await load_media_urls([(text, limits)], policy, policy, resolver=resolver))[0]  # type: ignore[return-value]
+            loaded = await load_media_urls([(text, limits)], policy, policy, resolver=resolver, reserve=reserve)
+            assert isinstance(loaded[0], Video)
+            return loaded[0]
         try:
             data = await _fetch(text, policy, client, resolver or _resolve)
         except ImageError as exc:
@@ -158,7 +162,7 @@ async def load_video_url(
         shown = f"scheme {scheme!r}" if scheme else "no scheme"
         raise VideoError(f"unsupported video URL ({shown}): expected data:video/<format>;base64,..., http(s)://, "
                          "or file:// under the server's allowed local media path")
-    return await asyncio.to_thread(load_video_bytes, data, limits)
+    return await asyncio.to_thread(load_video_bytes, data, limits, reserve)
 
 
 async def load_image_urls(
@@ -183,10 +187,11 @@ async def load_media_urls(
     client: httpx.AsyncClient | None = None,
     *,
     resolver: Resolver | None = None,
+    reserve: Reserve | None = None,
 ) -> list[Image.Image | Video]:
     """Resolve image and video URLs concurrently, in order, sharing one http client: ``(url, None)`` an
     image under ``policy`` (:func:`load_image_url`), ``(url, limits)`` a video under ``video_policy``
-    (:func:`load_video_url`).
+    (:func:`load_video_url`, with ``reserve``).
 
     On the first error (in time) the other loads are cancelled and awaited, then it is raised.
     """
@@ -194,9 +199,10 @@ async def load_media_urls(
         # A private client ignores proxies and .netrc from the environment.
         timeout = max(policy.fetch_timeout_s, video_policy.fetch_timeout_s)
         async with httpx.AsyncClient(trust_env=False, timeout=timeout) as own_client:
-            return await load_media_urls(items, policy, video_policy, own_client, resolver=resolver)
+            return await load_media_urls(items, policy, video_policy, own_client, resolver=resolver, reserve=reserve)
     loads = (load_image_url(u, policy, client, resolver=resolver) if limits is None
-             else load_video_url(u, video_policy, limits, client, resolver=resolver) for u, limits in items)
+             else load_video_url(u, video_policy, limits, client, resolver=resolver, reserve=reserve)
+             for u, limits in items)
     tasks: list[asyncio.Future[Image.Image | Video]] = [asyncio.ensure_future(load) for load in loads]
     try:
         return list(await asyncio.gather(*tasks))

@@ -102,6 +102,8 @@ def to_video(value: Any, limits: VideoLimits, fps: Any = None) -> Video:
         raise ValueError(f"video: {exc}") from None
     except OSError as exc:
         raise ValueError(f"video: cannot read {value!r}: {exc.strerror or exc}") from None
+    if isinstance(value, list | tuple):
+        raise ValueError("a video given as a list must be a non-empty list of PIL images (its frames)")
     raise ValueError(f"a video must be a file path, a data URI, bytes, a Video or a list of PIL frames, not "
                      f"{type(value).__name__}")
 

@@ -23,6 +23,7 @@ import base64
 import binascii
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,10 @@ class Video:
         return int(self.frames.shape[1]), int(self.frames.shape[2])
 
 
+Reserve = Callable[[int], None]
+"""Called with the bytes a video's decoding will hold, once its packets are surveyed and before any frame is
+decoded; raises to refuse (the API's image budget, :class:`~mm_serve.admission.byte_budget.Hold`)."""
+
 MIN_FRAMES = 4  # transformers' Qwen2VLVideoProcessor.min_frames
 TEMPORAL_PATCH = 2  # frames per temporal patch: the sampled count is a multiple of it
 
@@ -103,8 +108,16 @@ def sample_indices(total: int, rate: float, fps: float, max_frames: int) -> list
     return sorted(set(torch.arange(0, total, total / n).int().tolist()))
 
 
-def load_video_bytes(data: bytes, limits: VideoLimits) -> Video:
-    """Demux, check, decode and sample an encoded video (any container and codec this FFmpeg build reads).
+def decoded_bytes(frames: int, width: int, height: int) -> int:
+    """Bytes ``frames`` sampled frames of ``width x height`` hold while they become model inputs: the RGB
+    frames, the video processor's copy of them and its float32 normalised frames (resized, but never
+    assumed smaller than they were): 6 x 3 bytes a pixel."""
+    return frames * width * height * 3 * 6
+
+
+def load_video_bytes(data: bytes, limits: VideoLimits, reserve: Reserve | None = None) -> Video:
+    """Demux, check, decode and sample an encoded video (any container and codec this FFmpeg build reads);
+    ``reserve`` is given :func:`decoded_bytes` of the frames to keep before any is decoded.
 
     Raises:
         VideoError: empty or not a video, no video stream, corrupt, a frame over ``limits.max_frame_pixels``,
@@ -117,8 +130,15 @@ def load_video_bytes(data: bytes, limits: VideoLimits) -> Video:
         raise VideoError("video data is empty")
     try:
         total, rate, (width, height) = _survey(av, data, limits)
-        keep = set(sample_indices(total, rate, limits.fps, limits.max_frames))
-        frames: list[np.ndarray] = []
+    except VideoError:
+        raise
+    except Exception as exc:  # FFmpeg errors (av.FFmpegError) and anything a bad stream trips
+        raise VideoError(f"video data is not a readable video ({type(exc).__name__})") from None
+    keep = set(sample_indices(total, rate, limits.fps, limits.max_frames))
+    if reserve is not None:  # may refuse: raised as it is
+        reserve(decoded_bytes(len(keep), width, height))
+    frames: list[np.ndarray] = []
+    try:
         with av.open(io.BytesIO(data), mode="r") as container:
             for index, frame in enumerate(container.decode(container.streams.video[0])):
                 if index > max(keep):
@@ -182,8 +202,9 @@ def _survey(av: object, data: bytes, limits: VideoLimits) -> tuple[int, float, t
     return len(times), rate, (width, height)
 
 
-def decode_video_data_uri(uri: str, limits: VideoLimits) -> Video:
-    """Decode a ``data:video/<format>;base64,<payload>`` URI (whitespace in the payload ignored).
+def decode_video_data_uri(uri: str, limits: VideoLimits, reserve: Reserve | None = None) -> Video:
+    """Decode a ``data:video/<format>;base64,<payload>`` URI (whitespace in the payload ignored), as
+    :func:`load_video_bytes`.
 
     Raises:
         VideoError: not a ``data:video/`` base64 URI, bad base64, or as :func:`load_video_bytes`.
@@ -197,7 +218,7 @@ def decode_video_data_uri(uri: str, limits: VideoLimits) -> Video:
         data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise VideoError("video data URI payload is not valid base64") from None
-    return load_video_bytes(data, limits)
+    return load_video_bytes(data, limits, reserve)
 
 
 def load_video_file(path: str | os.PathLike[str], limits: VideoLimits) -> Video:

@@ -15,11 +15,13 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol, TypeVar
 
 from mm_serve.admission.bounds import check_queues, check_work
+from mm_serve.admission.byte_budget import Hold
 from mm_serve.admission.predictor import Prediction
 from mm_serve.admission.rejection import Rejection
 from mm_serve.config import ServiceConfig
 from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.media.video_loading import Reserve
 from mm_serve.pipeline.call import Call
 from mm_serve.pipeline.chat_prompt import DeclaredImage
 from mm_serve.pipeline.context import ServerContext
@@ -33,6 +35,7 @@ BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making
 PREPROCESS_BYTES = 4 << 20  # the resized, normalised tensor and its intermediates, per image
 UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
 CALL_MEGAPIXELS = 0.05  # media work of templating and tokenizing one prompt, in megapixels of image decoding
+VIDEO_SURVEY_BYTES = 4 << 20  # a video's demuxer buffers while its packets are walked, before its frames are known
 
 
 def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) -> int:
@@ -43,13 +46,13 @@ def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) ->
     ``admission.image_decode_reserve_bytes``, or less for a data URI whose header declares a
     small image (:data:`BYTES_PER_DECLARED_PIXEL` per pixel plus :data:`PREPROCESS_BYTES`), so
     small images do not each hold the reserve sized for large ones. A video reserves its encoded size
-    (``api.max_video_fetch_bytes`` for a URL) plus its sampled frames at their largest
-    (:func:`video_decode_bytes`).
+    (``api.max_video_fetch_bytes`` for a URL) plus :data:`VIDEO_SURVEY_BYTES` for walking its packets; what
+    its frames will hold is added once they are known (:meth:`AdmissionGate.media`).
     """
     total = 0
     for image in images:
         if image.is_video:
-            total += (len(image.url) if image.is_data else config.api.max_video_fetch_bytes) + video_decode_bytes(config)
+            total += (len(image.url) if image.is_data else config.api.max_video_fetch_bytes) + VIDEO_SURVEY_BYTES
             continue
         decode = config.admission.image_decode_reserve_bytes
         if image.is_data:
@@ -60,13 +63,6 @@ def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) ->
             encoded = config.api.max_image_fetch_bytes
         total += encoded + decode
     return total
-
-
-def video_decode_bytes(config: ServiceConfig) -> int:
-    """Bytes one video's decoding may hold: ``api.max_video_frames`` RGB frames of
-    ``api.max_video_frame_pixels`` each, twice (the frames and the processor's resized float copy are
-    bounded by the same), plus :data:`PREPROCESS_BYTES`."""
-    return 2 * 3 * config.api.max_video_frames * config.api.max_video_frame_pixels + PREPROCESS_BYTES
 
 
 def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1, video_megapixels: float = 0.0) -> float:
@@ -96,7 +92,7 @@ class Gate(Protocol):
 
     def precheck(self, call: Call) -> Callable[[float], None]: ...
 
-    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[], Awaitable[T]],
+    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[Reserve | None], Awaitable[T]],
                     release_body: Callable[[], None]) -> tuple[T, bool]: ...
 
     def check_work(self, call: Call, prepared: Prepared) -> None: ...
@@ -116,11 +112,11 @@ class OpenGate:
         """Nothing to check; the returned re-check does nothing."""
         return lambda _: None
 
-    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[], Awaitable[T]],
+    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[Reserve | None], Awaitable[T]],
                     release_body: Callable[[], None]) -> tuple[T, bool]:
         """Run the media work (no budget, no deadline)."""
         release_body()
-        return await load(), False
+        return await load(None), False
 
     def check_work(self, call: Call, prepared: Prepared) -> None:
         """Nothing: no work limit."""
@@ -207,21 +203,24 @@ class AdmissionGate:
             check()
         return at_deadline
 
-    def hold_images(self, call: Call) -> AbstractContextManager[None]:
-        """A context manager holding the call's image bytes (see :func:`image_reservation`).
+    def hold_images(self, call: Call) -> AbstractContextManager[Hold | None]:
+        """A context manager holding the call's image bytes (see :func:`image_reservation`); it gives the
+        :class:`~mm_serve.admission.byte_budget.Hold` (None for a call without messages).
 
         Raises (on entry):
             Rejection: 503 ``image_bytes`` when they do not fit the budget.
         """
         if call.chat is None:
             return nullcontext()
-        images = call.chat.images
-        return self.ctx.image_budget.hold(image_reservation(images, self.config), f"{len(images)} image(s)")
+        videos = call.chat.num_videos
+        what = f"{len(call.chat.images) - videos} image(s)" + (f" and {videos} video(s)" if videos else "")
+        return self.ctx.image_budget.hold(image_reservation(call.chat.images, self.config), what)
 
-    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[], Awaitable[T]],
+    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[Reserve | None], Awaitable[T]],
                     release_body: Callable[[], None]) -> tuple[T, bool]:
-        """Run the call's media work ``load()`` under its image bytes' hold (taken over from its body's,
-        ``release_body``), decided by its decision deadline with ``recheck``
+        """Run the call's media work ``load(reserve)`` under its image bytes' hold (taken over from its body's,
+        ``release_body``; ``reserve`` grows it by what each video's frames will hold, once known), decided by
+        its decision deadline with ``recheck``
         (:func:`~mm_serve.pipeline.decision_deadline.within_deadline`); returns (its result,
         committed: decided at the deadline).
 
@@ -230,8 +229,8 @@ class AdmissionGate:
         """
         async def held() -> T:
             release_body()  # the images' own reservation takes over from the body's
-            with self.hold_images(call):
-                return await load()
+            with self.hold_images(call) as hold:
+                return await load(None if hold is None else lambda nbytes: hold.grow(nbytes, "a video's frames"))
 
         images = call.chat.images if call.chat is not None else []
         api = self.config.api

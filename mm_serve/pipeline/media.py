@@ -16,7 +16,7 @@ from mm_serve.config import APIConfig
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
 from mm_serve.media.fetch import MediaPolicy, load_media_urls
-from mm_serve.media.video_loading import VideoError, VideoLimits
+from mm_serve.media.video_loading import Reserve, VideoError, VideoLimits
 from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.protocol.errors import bad_request
 
@@ -60,18 +60,24 @@ def check_image_count(prompt: ChatPrompt, api: APIConfig) -> None:
                           "(api.max_videos_per_request)", "messages", "too_many_videos")
 
 
-async def chat_request(prompt: ChatPrompt, api: APIConfig, limits: VideoLimits | None = None) -> dict[str, Any]:
+async def chat_request(prompt: ChatPrompt, api: APIConfig, limits: VideoLimits | None = None,
+                       reserve: Reserve | None = None, takes_video: bool = True) -> dict[str, Any]:
     """The input processor's request for a chat call: its messages with the images and videos loaded (videos
-    sampled under ``limits``, default :func:`video_limits`).
+    sampled under ``limits``, default :func:`video_limits`, each giving ``reserve`` the bytes its decoding
+    holds).
 
     Raises:
-        APIError: 400 for too many images or videos, or one that cannot be loaded.
+        APIError: 400 for too many images or videos, a video to a model that takes none (before it is
+            fetched), or one that cannot be loaded.
     """
     check_image_count(prompt, api)
+    if prompt.num_videos and not takes_video:
+        raise bad_request("this model does not take video (video input is served for Qwen2-VL and Qwen2.5-VL "
+                          "checkpoints)", "messages", "invalid_video")
     limits = limits or video_limits(api)
     items = [(image.url, limits if image.is_video else None) for image in prompt.images]
     try:
-        loaded = await load_media_urls(items, media_policy(api), video_policy(api)) if items else []
+        loaded = await load_media_urls(items, media_policy(api), video_policy(api), reserve=reserve) if items else []
     except VideoError as exc:
         raise bad_request(str(exc), "messages", "invalid_video") from None
     except ImageError as exc:
@@ -97,6 +103,8 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], text_c
         processed = await asyncio.to_thread(inputs.process, request)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.param or param) from None
+    except VideoError as exc:  # the processor refused a video (e.g. Qwen2-VL's aspect ratio over 200)
+        raise bad_request(str(exc), param, "invalid_video") from None
     except ImageError as exc:
         raise bad_request(str(exc), param) from None
     except (TypeError, UnicodeError):  # e.g. lone surrogates the tokenizer cannot encode

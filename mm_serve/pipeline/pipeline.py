@@ -23,6 +23,7 @@ from mm_serve.admission.predictor import Prediction
 from mm_serve.admission.rejection import Rejection
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
+from mm_serve.media.video_loading import Reserve
 from mm_serve.pipeline.call import Body, Call, check_model
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.gate import AdmissionGate, Gate, OpenGate, Prepared
@@ -69,7 +70,8 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     gate.refuse_if_draining()
     recheck = gate.precheck(call)
     origin.mark("precheck")
-    processed, committed = await gate.media(call, recheck, lambda: _prompt_inputs(ctx, call), origin.release_body)
+    processed, committed = await gate.media(call, recheck, lambda reserve: _prompt_inputs(ctx, call, reserve),
+                                            origin.release_body)
     origin.mark("media")  # images fetched and decoded, the prompts templated and tokenized
     vocab = ctx.holder.model_config.text.vocab_size
     prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len, vocab))
@@ -83,8 +85,9 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     return AdmittedCall(call, prediction, _submit(ctx, client, call, prepared, prediction))
 
 
-async def _prompt_inputs(ctx: ServerContext, call: Call) -> list[ProcessedInputs]:
-    """The call's media work: each prompt processed (images loaded, templated, tokenized)."""
+async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None = None) -> list[ProcessedInputs]:
+    """The call's media work: each prompt processed (images and videos loaded, each video's decoding given
+    to ``reserve``; templated, tokenized)."""
     api, inputs = ctx.config.api, ctx.holder.inputs
     if call.chat is not None:
         given = getattr(call.body, "mm_processor_kwargs", None)
@@ -93,7 +96,9 @@ async def _prompt_inputs(ctx: ServerContext, call: Call) -> list[ProcessedInputs
             limits = inputs.video_limits(kwargs, video_limits(api))
         except InvalidRequestError as exc:
             raise bad_request(str(exc), exc.param or "messages") from None
-        request = await chat_request(call.chat, api, limits)
+        vision = ctx.holder.model_config.vision
+        takes_video = vision is not None and vision.video_token_index is not None
+        request = await chat_request(call.chat, api, limits, reserve, takes_video)
         if kwargs:
             request["mm_processor_kwargs"] = kwargs
         return [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]

@@ -90,7 +90,7 @@ class MMProcessorKwargs(BaseModel):
     min_pixels: int | None = Field(None, ge=1, strict=True)
     max_pixels: int | None = Field(None, ge=1, strict=True)  # against the model's bounds and min_pixels:
     # the input processor (InputProcessor._pixel_bounds), which offline requests go through too
-    fps: float | None = Field(None, gt=0, le=60)
+    fps: float | None = Field(None, gt=0, le=60, strict=True)  # a number: not "2", not true
     max_frames: int | None = Field(None, ge=1, strict=True)  # against api.max_video_frames: the input processor
 
 

@@ -172,6 +172,11 @@ def test_mm_processor_kwargs_over_http(family: tuple[str, Path, str]) -> None:
     assert r.status_code in (200, 400), r.text  # 1 x 3000 px: served, or refused by the family's processor
     if kind == "qwen2-vl":  # its processor refuses an aspect ratio over 200
         assert r.status_code == 400 and "cannot be preprocessed" in r.json()["error"]["message"]
+    if kind != "qwen2-vl":  # a video to a family that takes none: refused before it is fetched
+        video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://video.invalid/a.mp4"}}]}]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"model": "tiny", "messages": video})
+        assert r.status_code == 400 and "does not take video" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "invalid_video"
     for kwargs in bad_cases:
         r = _chat_with(url, kwargs)
         assert r.status_code == 400, (kwargs, r.text)

@@ -86,20 +86,23 @@ def test_a_video_is_served_as_the_offline_engine_serves_it(server: tuple[Path, s
 
 
 @pytest.mark.parametrize("case", [
-    "not-a-video", "still-image", "truncated", "too-long", "too-many-frames", "fps-zero", "two-videos",
-    "unreachable", "private-address", "outside-media", "no-url", "assistant-video",
+    "not-a-video", "still-image", "one-frame-gif", "truncated", "too-long", "too-many-frames", "fps-zero",
+    "fps-string", "two-videos", "unreachable", "private-address", "outside-media", "no-url", "assistant-video",
 ])
 def test_bad_video_input_is_a_400_and_the_server_keeps_serving(server: tuple[Path, str, Path], case: str) -> None:
     _, url, _ = server
     png = data_uri(gradient_image(40, 40)).split(",", 1)[1]
+    gif = data_uri(gradient_image(40, 40), "GIF").split(",", 1)[1]
     extra: dict[str, Any] = {}
     messages = {
         "not-a-video": _messages(_uri(b"definitely not a video" * 40)),
         "still-image": _messages(f"data:video/mp4;base64,{png}"),
+        "one-frame-gif": _messages(f"data:video/gif;base64,{gif}"),
         "truncated": _messages(_uri(CLIP[: len(CLIP) // 3])),
         "too-long": _messages(_uri(LONG)),
         "too-many-frames": _messages(_uri(CLIP)),
         "fps-zero": _messages(_uri(CLIP)),
+        "fps-string": _messages(_uri(CLIP)),
         "two-videos": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": _uri(CLIP)}}] * 2}],
         "unreachable": _messages("http://video-host.invalid/clip.mp4"),
         "private-address": _messages("http://10.1.2.3/clip.mp4"),
@@ -112,19 +115,38 @@ def test_bad_video_input_is_a_400_and_the_server_keeps_serving(server: tuple[Pat
         extra = {"mm_processor_kwargs": {"max_frames": 1000}}  # the server samples at most 32
     elif case == "fps-zero":
         extra = {"mm_processor_kwargs": {"fps": 0}}
+    elif case == "fps-string":
+        extra = {"mm_processor_kwargs": {"fps": "2"}}
     r = _post(url, messages, **extra)
     assert r.status_code == 400, (case, r.status_code, r.text)
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"], error
-    expected = {"not-a-video": "not a readable video", "still-image": "still image", "too-long": "longer than",
+    expected = {"not-a-video": "not a readable video", "still-image": "still image", "one-frame-gif": "still image",
+                "too-long": "longer than",
                 "too-many-frames": "max_frames", "two-videos": "videos in one request", "private-address":
                 "non-public address", "outside-media": "outside the allowed media", "assistant-video": "user messages"}
     if case in expected:
         assert expected[case] in error["message"], error
-    if case in ("too-many-frames", "fps-zero"):
+    if case in ("too-many-frames", "fps-zero", "fps-string"):
         assert error["param"].startswith("mm_processor_kwargs"), error
     ok = _post(url, _messages(_uri(CLIP)))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def test_a_burst_of_small_videos_is_served(server: tuple[Path, str, Path]) -> None:
+    """20 small clips at once on an idle server: each reserves its bytes, its packet walk and then what its
+    few frames hold (not a worst-case video's), so all fit the image budget and are answered 200."""
+    import asyncio
+
+    _, url, _ = server
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            bodies = [{"model": "tiny", "messages": _messages(_uri(CLIP)), "max_tokens": 2} for _ in range(20)]
+            answers = await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=b) for b in bodies))
+            return [a.status_code for a in answers]
+
+    assert asyncio.run(burst()) == [200] * 20
 
 
 def test_a_video_row_through_the_batch_api_and_a_video_file_through_the_caption_job(
