@@ -102,3 +102,12 @@ def test_a_video_checks_its_frames() -> None:
         Video(np.zeros((2, 4, 4, 3), dtype=np.uint8), 0.0)
     with pytest.raises(ValueError, match="fps and max_seconds"):
         VideoLimits(fps=0)
+
+
+def test_a_raw_stream_without_timestamps_is_counted_at_its_rate() -> None:
+    """A raw H.264 elementary stream (no container, no packet times): its packets are counted at the stream's
+    rate, so it is sampled like the same frames in an MP4, not refused as frameless."""
+    frames = gradient_video(12, 64, 48, 3).frames
+    raw = encode_video(frames, 4, "libx264", "h264")
+    video = load_video_bytes(raw, VideoLimits(fps=2.0))
+    assert 2 <= video.num_frames <= 12 and video.num_frames % 2 == 0 and video.size == (48, 64)
