@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from mm_serve.inputs.input_processor import load_tokenizer
-from mm_serve.runtime.detokenizer import IncrementalDetokenizer, held_tail
+from mm_serve.runtime.detokenizer import IncrementalDetokenizer
+from mm_serve.runtime.stop_strings import StopStrings
 
 TEXT = "Caf\u00e9 na\u00efve \U0001f642 \u6771\u4eac \u041c\u043e\u0441\u043a\u0432\u0430 \U0001f680 done."
 
@@ -51,11 +52,18 @@ def test_held_prefix_is_released_when_it_turns_out_not_to_be_a_stop(tokenizer) -
     assert out + detok.finish() == text
 
 
-def test_held_tail() -> None:
-    assert held_tail("abc", ("cde",)) == 1
-    assert held_tail("abcd", ("cde",)) == 2
-    assert held_tail("abc", ("xyz",)) == 0
-    assert held_tail("ab", ("b", "abx")) == 2
+def test_stop_strings_find_the_earliest_and_hold_the_longest_but_one() -> None:
+    """The earliest occurrence wins (of two starting together, the first listed); a search from ``start``
+    sees only occurrences starting there or later; the held tail is ``longest - 1`` characters."""
+    stops = StopStrings(["cde", "c", "abcd", "ab"])
+    assert stops.first("xabcdef") == (1, "abcd")  # "abcd" and "ab" start at 1: the first listed
+    assert stops.first("xxcde") == (2, "cde")
+    assert stops.first("xabcdef", 3) == (3, "cde")
+    assert stops.first("nothing here") is None and stops.hold == 3
+    many = StopStrings([f"stop-{i:04d}" for i in range(2000)] + ["END"])
+    assert many.first("a long answer. END and more") == (15, "END")
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStrings(["ok", ""])
 
 
 class _CountingTokenizer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mm_serve.config import APIConfig
 from mm_serve.ground.tiers import Tier
 from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.protocol.errors import APIError, bad_request
@@ -49,13 +50,16 @@ class Call:
     logprobs: int | None
 
     @classmethod
-    def parse(cls, body: Body, default_tier: Tier, arrival: float) -> Call:
-        """Read ``body`` once.
+    def parse(cls, body: Body, default_tier: Tier, arrival: float, api: APIConfig | None = None) -> Call:
+        """Read ``body`` once (within ``api``'s request limits, when given).
 
         Raises:
             APIError: 400 for an unknown ``service_tier``, an image outside a user message, an empty
-                prompt, more than :data:`MAX_PROMPTS` prompts, or a stream of several prompts.
+                prompt, more than :data:`MAX_PROMPTS` prompts, a stream of several prompts, or more stop
+                strings, stop characters, messages or content parts than ``api`` allows.
         """
+        if api is not None:
+            check_limits(body, api)
         try:
             tier = tier_of(body.service_tier, default_tier)
         except ValueError as exc:
@@ -151,3 +155,29 @@ def check_model(requested: str, served: str, model_dir: str) -> None:
     if requested not in (served, model_dir):
         raise APIError(404, f"the model '{requested}' does not exist; this server serves '{served}'",
                        "not_found_error", "model", "model_not_found")
+
+
+def check_limits(body: Body, api: APIConfig) -> None:
+    """The per-request limits on what costs work for every token or every part: the count and total length
+    of ``stop`` (``api.max_stop_strings``, ``api.max_stop_chars``), and a chat call's messages and content
+    parts (``api.max_messages``, ``api.max_content_parts``).
+
+    Raises:
+        APIError: 400 naming the limit (codes ``stop_limit``, ``messages_limit``, ``content_parts_limit``).
+    """
+    stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    if len(stops) > api.max_stop_strings:
+        raise bad_request(f"{len(stops)} stop strings in one request; the limit is {api.max_stop_strings} "
+                          "(api.max_stop_strings)", "stop", "stop_limit")
+    chars = sum(len(stop) for stop in stops)
+    if chars > api.max_stop_chars:
+        raise bad_request(f"the stop strings hold {chars} characters together; the limit is {api.max_stop_chars} "
+                          "(api.max_stop_chars)", "stop", "stop_limit")
+    if isinstance(body, ChatCompletionRequest):
+        if len(body.messages) > api.max_messages:
+            raise bad_request(f"{len(body.messages)} messages in one request; the limit is {api.max_messages} "
+                              "(api.max_messages)", "messages", "messages_limit")
+        parts = sum(len(m.content) for m in body.messages if isinstance(m.content, list))
+        if parts > api.max_content_parts:
+            raise bad_request(f"{parts} content parts in one request; the limit is {api.max_content_parts} "
+                              "(api.max_content_parts)", "messages", "content_parts_limit")

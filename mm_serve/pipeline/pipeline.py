@@ -65,7 +65,7 @@ async def admit_call(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admi
 async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> AdmittedCall:
     origin.mark("parse")  # the body read, parsed and validated
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
-    call = Call.parse(body, ctx.config.slo.default, origin.arrival)
+    call = Call.parse(body, ctx.config.slo.default, origin.arrival, ctx.config.api)
     gate: Gate = AdmissionGate(ctx) if ctx.admission_gate else OpenGate()
     gate.refuse_if_draining()
     recheck = gate.precheck(call)

@@ -6,8 +6,11 @@ Guarantees for the text deltas it emits, concatenated:
   multi-byte character split across tokens: text ending in U+FFFD is held back
   until the character completes);
 * no prefix of a stop string is emitted before it is known not to become a stop
-  string (the longest tail of the text that is a prefix of a stop string is held);
-* a stop string that spans tokens is found and cut, with everything after it.
+  string (the last ``longest stop - 1`` characters are held, vLLM's rule);
+* a stop string that spans tokens is found and cut, with everything after it, by an
+  Aho-Corasick automaton over the stop strings (:mod:`mm_serve.runtime.stop_strings`) that
+  scans only the window a step can complete one in: the cost of a step does not grow with
+  the number of stop strings.
 
 Each step decodes only a short window of ids, not the whole output: the ids
 from ``prefix_offset`` (the start of the previous step's new tokens) to the end,
@@ -25,16 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-def held_tail(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
+from mm_serve.runtime.stop_strings import StopStrings
 
 
 class IncrementalDetokenizer:
@@ -43,6 +37,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self._matcher = StopStrings(stops) if stops else None
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""  # decoded text, cut at a stop string once found
@@ -63,18 +58,18 @@ class IncrementalDetokenizer:
         self.token_ids.extend(token_ids)
         pending = self._pending()
         full = self._decoded + pending
-        if self.stops:
-            at, which = self._find_stop(full)
-            if which is not None:
-                self.text = full[:at]
-                self.stop_string = which
+        if self._matcher is not None:
+            found = self._matcher.first(full, max(0, self.sent - self._matcher.longest))
+            if found is not None:
+                self.text = full[: found[0]]
+                self.stop_string = found[1]
                 return self._emit(len(self.text))
         self.text = full
         safe = len(full)
         while safe > self.sent and full[safe - 1] == "\ufffd":
             safe -= 1
-        if self.stops:
-            safe -= held_tail(full[:safe], self.stops)
+        if self._matcher is not None:
+            safe = max(self.sent, safe - self._matcher.hold)
         return self._emit(safe)
 
     def finish(self) -> str:
@@ -102,12 +97,3 @@ class IncrementalDetokenizer:
         delta = self.text[self.sent : upto]
         self.sent = upto
         return delta
-
-    def _find_stop(self, text: str) -> tuple[int, str | None]:
-        search_from = max(0, self.sent - max(len(s) for s in self.stops))
-        best, which = len(text), None
-        for stop in self.stops:
-            at = text.find(stop, search_from)
-            if at != -1 and at < best:
-                best, which = at, stop
-        return best, which

@@ -200,3 +200,39 @@ def test_503_when_no_worker_can_take_the_request(unstarted_app: TestClient) -> N
 def test_image_part_conversion_keeps_image_sizes() -> None:
     img = Image.open(io.BytesIO(PNG))
     assert img.size == (32, 32)
+
+
+def test_each_request_limit_serves_at_it_and_refuses_past_it(server: ServerProcess) -> None:
+    """``api.max_stop_strings`` (64), ``api.max_stop_chars`` (8192), ``api.max_messages`` (2048) and
+    ``api.max_content_parts`` (4096) at their defaults: a call at each limit is served, one past it is a 400
+    naming the limit, its param and its code."""
+    def post(body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+
+    long_stop = ["q" * 4096, "z" * 4096]  # 8192 characters that never occur
+    at_limit = [
+        _chat(stop=[f"never-{i}" for i in range(64)]),
+        _chat(stop=long_stop),
+        _chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 1023
+              + [{"role": "user", "content": "hi"}, {"role": "user", "content": "ok"}], max_tokens=1),
+        _chat(messages=[{"role": "user", "content": [{"type": "text", "text": ""}] * 4095 + [{"type": "text", "text": "hi"}]}],
+              max_tokens=1),
+    ]
+    past = [
+        (_chat(stop=[f"never-{i}" for i in range(65)]), "stop", "stop_limit", "api.max_stop_strings"),
+        (_chat(stop=[*long_stop, "!"]), "stop", "stop_limit", "api.max_stop_chars"),
+        (_chat(messages=[{"role": "user", "content": "hi"}] * 2049), "messages", "messages_limit", "api.max_messages"),
+        (_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 4097}]), "messages",
+         "content_parts_limit", "api.max_content_parts"),
+    ]
+    for i, body in enumerate(at_limit):
+        r = post(body)
+        if i == 2:  # 2,048 messages pass their limit; their ~21,000 tokens then meet api.max_request_length's
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        else:
+            assert r.status_code == 200, r.text[:300]
+    for body, param, code, key in past:
+        r = post(body)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, code) and key in error["message"], error

@@ -69,10 +69,10 @@ def test_stop_string_split_across_two_updates(tokenizer: Any) -> None:
     ids = encode(tokenizer, "abc STOP def")
     state = make_state(tokenizer, ("STOP",))
     assert state.apply(TokenUpdate("req", 0, ids[:5])) is False  # "abc S"
-    assert state.take_text() == "abc "  # "S" is held: it may start the stop string
+    assert state.take_text() == "ab"  # the last len("STOP") - 1 characters are held: they may start it
     assert state.apply(TokenUpdate("req", 5, ids[5:])) is True  # "TOP def"
     assert (state.finish_reason, state.stop_reason) == ("stop", "STOP")
-    assert state.text == "abc " and state.take_text() == "" and state.token_ids == ids
+    assert state.text == "abc " and state.take_text() == "c " and state.token_ids == ids  # the held rest, up to it
     assert state.apply(TokenUpdate("req", len(ids), [99], finish_reason="length")) is False
     assert state.finish_reason == "stop" and state.token_ids == ids
 
