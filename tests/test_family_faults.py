@@ -8,8 +8,6 @@ and test_fault_tolerance.py."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,7 @@ import pytest
 
 from mm_serve import LLM, SamplingParams
 from tests.factories import build_checkpoint, gradient_image
-from tests.test_fault_tolerance import assert_clean, checked_shutdown, make_client, wait_tokens
+from tests.test_fault_tolerance import assert_decode_kill_migrates
 
 Q = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 Q2 = "USER: <image>\nCompare this <image>\nwith the first one. ASSISTANT:"
@@ -70,15 +68,5 @@ def test_preempted_and_cached_requests_keep_their_tokens(checkpoint: Path,
 def test_decode_killed_mid_stream_migrates_with_the_same_tokens(checkpoint: Path,
                                                                 expected: tuple[list[list[int]], int]) -> None:
     tokens, _ = expected
-    client = make_client(checkpoint)
-    try:
-        state = client.submit("family-kill", client.inputs.process(REQUESTS[3]),
-                              SamplingParams(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True))
-        wait_tokens(state, 5)
-        os.kill(client.pool.workers[("decode", 0)].pid, signal.SIGKILL)
-        assert state.wait(120)
-        assert state.error is None and state.token_ids == tokens[3]
-        assert client.fault_report()[0].get(("request_migrations", "decode"), 0) == 1
-        assert_clean(client)
-    finally:
-        checked_shutdown(client)
+    assert_decode_kill_migrates(checkpoint, REQUESTS[3],
+                                SamplingParams(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True), tokens[3])

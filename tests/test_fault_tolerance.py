@@ -103,6 +103,24 @@ def assert_clean(client: EngineClient) -> None:
     assert [r.pages_free() for r in client.pool.rings] == [r.spec.num_pages for r in client.pool.rings]
 
 
+def assert_decode_kill_migrates(model: Path, request: dict[str, Any], params: SamplingParams, expected: list[int],
+                                after_tokens: int = 5) -> None:
+    """On a fresh 1P1D service of ``model``: submit ``request``, SIGKILL the decode worker once ``after_tokens``
+    tokens have streamed; the request migrates once and ends with ``expected``, and nothing is left held
+    (:func:`assert_clean`, :func:`checked_shutdown`)."""
+    client = make_client(model)
+    try:
+        state = client.submit(new_id("decode-kill"), client.inputs.process(request), params)
+        wait_tokens(state, after_tokens)
+        os.kill(client.pool.workers[("decode", 0)].pid, signal.SIGKILL)
+        assert state.wait(120)
+        assert state.error is None and state.token_ids == expected
+        assert client.fault_report()[0].get(("request_migrations", "decode"), 0) == 1
+        assert_clean(client)
+    finally:
+        checked_shutdown(client)
+
+
 def new_id(tag: str) -> str:
     """Ids are never reused on the shared service: a late update of an old request must not match."""
     return f"{tag}-{uuid.uuid4().hex[:8]}"

@@ -5,8 +5,6 @@ prefix and encoder caches hit."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -161,19 +159,9 @@ def test_preemption_recomputes_without_reencoding(llava_next: Path, colocated: L
 def test_decode_killed_mid_stream_continues_token_for_token(llava_next: Path, colocated: LLM) -> None:
     """SIGKILL on the decode worker while a tiled request streams: the request migrates (its tiles,
     sizes and per-image count travel with it) and finishes with the tokens of an undisturbed run."""
-    from tests.test_fault_tolerance import assert_clean, checked_shutdown, make_client, wait_tokens
+    from tests.test_fault_tolerance import assert_decode_kill_migrates
 
     request_ = {"prompt": Q2, "images": [IMAGES["large"], IMAGES["tall"]]}
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     (expected,) = colocated.generate(request_, params)
-    client = make_client(llava_next)
-    try:
-        state = client.submit("next-kill", client.inputs.process(request_), params)
-        wait_tokens(state, 10)
-        os.kill(client.pool.workers[("decode", 0)].pid, signal.SIGKILL)
-        assert state.wait(120)
-        assert state.error is None and state.token_ids == expected.token_ids
-        assert client.fault_report()[0].get(("request_migrations", "decode"), 0) == 1
-        assert_clean(client)
-    finally:
-        checked_shutdown(client)
+    assert_decode_kill_migrates(llava_next, request_, params, expected.token_ids, after_tokens=10)

@@ -7,8 +7,6 @@ caching, whose parity with transformers tests/test_qwen2_vl.py proves."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ from mm_serve import LLM, SamplingParams
 from mm_serve.media.video_loading import encode_video
 from mm_serve.models.registry import load_model_config
 from tests.factories import build_checkpoint, gradient_image, gradient_video
-from tests.test_fault_tolerance import assert_clean, checked_shutdown, make_client, wait_tokens
+from tests.test_fault_tolerance import assert_decode_kill_migrates
 
 QV = "USER: <video>\nWhat happens in this video? ASSISTANT:"
 QIV = "USER: <image>\nHere is a picture, and <video>\na video. What changes? ASSISTANT:"
@@ -99,14 +97,4 @@ def test_decode_killed_mid_video_stream_migrates_with_the_same_tokens(
     """The decode worker is SIGKILLed mid-stream: the request is prefilled again elsewhere (its positions
     re-derived from the grids and the rate it carries) and ends with the fault-free tokens."""
     tokens, _ = expected
-    client = make_client(checkpoint)
-    try:
-        state = client.submit("video-kill", client.inputs.process(REQUESTS[2]), _greedy())
-        wait_tokens(state, 5)
-        os.kill(client.pool.workers[("decode", 0)].pid, signal.SIGKILL)
-        assert state.wait(120)
-        assert state.error is None and state.token_ids == tokens[2]
-        assert client.fault_report()[0].get(("request_migrations", "decode"), 0) == 1
-        assert_clean(client)
-    finally:
-        checked_shutdown(client)
+    assert_decode_kill_migrates(checkpoint, REQUESTS[2], _greedy(), tokens[2])

@@ -127,6 +127,15 @@ def SummarizationWorkload(max_context: int = 4096) -> TextWorkload:  # noqa: N80
                         LogNormalLength(96, 0.5, 16, 400), max_context, prompt_room=512)
 
 
+def question_and_answer(rng: random.Random, room: int, answer_median: int, answer_lo: int) -> tuple[int, int]:
+    """(question, answer) tokens of a request about one image or video: a question log-normal median 24,
+    sigma 0.5, in [4, 128], an answer log-normal ``answer_median``, sigma 0.6, in [``answer_lo``, 256], both
+    fitted to the ``room`` tokens its media leaves (:func:`fit_context`)."""
+    question = lognormal_int(rng, 24, 0.5, 4, 128)
+    answer = lognormal_int(rng, answer_median, 0.6, answer_lo, 256)
+    return fit_context(question, answer, room)
+
+
 @dataclass(frozen=True)
 class LlavaWorkload:
     """One image plus a short question, short answer (see the module table)."""
@@ -139,9 +148,7 @@ class LlavaWorkload:
         rng = random.Random(f"llava:{seed}")
         rows = []
         for _ in range(n):
-            question = lognormal_int(rng, 24, 0.5, 4, 128)
-            output = lognormal_int(rng, 48, 0.6, 4, 256)
-            text, output = fit_context(question, output, self.max_context - self.image_tokens)
+            text, output = question_and_answer(rng, self.max_context - self.image_tokens, 48, 4)
             rows.append(RequestSpec(text, output, 1, self.image_tokens))
         return rows
 
@@ -195,9 +202,7 @@ class ShortVideoWorkload:
         rng = random.Random(f"short-video:{seed}")
         rows = []
         for _ in range(n):
-            question = lognormal_int(rng, 24, 0.5, 4, 128)
-            output = lognormal_int(rng, 64, 0.6, 8, 256)
-            text, output = fit_context(question, output, self.max_context - self.video_tokens)
+            text, output = question_and_answer(rng, self.max_context - self.video_tokens, 64, 8)
             rows.append(RequestSpec(text, output, num_videos=1, video_tokens=self.video_tokens))
         return rows
 
