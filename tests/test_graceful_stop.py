@@ -92,3 +92,42 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
     assert not list(Path(tempfile.gettempdir()).glob(f"mmsrv-{instance}-*"))
     assert "stopping: new requests get 503" in log.read_text()
     assert "mm-serve: stopped (workers and shared memory released)" in log.read_text()
+
+
+def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path, tmp_path: Path) -> None:
+    """A second SIGINT stops at once: a call still decoding gets 503 ``service_unavailable`` in OpenAI's
+    error JSON with Retry-After (uvicorn sent a plain-text 500 from the cancelled task), and nothing of the
+    instance is left."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
+             "--served-model-name", "tiny", "--shutdown-grace-s", "60"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    answers: list[httpx.Response] = []
+    try:
+        deadline = time.monotonic() + 180
+        while "is ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        workers = [int(w["pid"]) for w in httpx.get(f"{url}/internal/stats", timeout=5).json().values()]
+        call = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "Tell me", "max_tokens": LONG, "n": 4, "ignore_eos": True})))
+        call.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert call.is_alive()  # draining: the call is still decoding
+        proc.send_signal(signal.SIGINT)
+        call.join(60)
+        assert proc.wait(60) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (answer,) = answers
+    assert answer.status_code == 503 and answer.headers["content-type"] == "application/json", answer.text
+    assert answer.json()["error"]["code"] == "service_unavailable" and int(answer.headers["retry-after"]) >= 1
+    time.sleep(0.5)
+    assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]

@@ -24,6 +24,14 @@ def scope_authorized(headers: list[tuple[bytes, bytes]], key: str | None) -> boo
     return api_key_ok(value.decode("latin-1"), key)
 
 
+KEYED_PREFIXES = ("/v1/", "/internal/")  # the routes that take api.api_key; /health, /metrics, /version, /docs do not
+
+
+def keyed_path(path: str) -> bool:
+    """Whether a request to ``path`` needs the key (checked on its headers before its body is read)."""
+    return path.startswith(KEYED_PREFIXES)
+
+
 def unauthorized() -> APIError:
     """The 401 for a missing or wrong key (``WWW-Authenticate: Bearer`` comes with it)."""
     return APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",

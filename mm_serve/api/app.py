@@ -21,6 +21,7 @@ from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS
 from mm_serve.api.api_key import api_key_ok, unauthorized
 from mm_serve.api.arrival import ArrivalTimeMiddleware
 from mm_serve.api.body_limit import BodyLimitMiddleware
+from mm_serve.api.cancelled_answer import CancelledAnswerMiddleware
 from mm_serve.api.chat import create_chat_completion
 from mm_serve.api.completions import create_completion
 from mm_serve.api.error_handlers import install_error_handlers
@@ -118,6 +119,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
                        api_key=ctx.config.api.api_key, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
                        read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s)
     app.add_middleware(ArrivalTimeMiddleware)
+    app.add_middleware(CancelledAnswerMiddleware)  # outermost
 
     async def require_key(request: Request) -> None:
         if not api_key_ok(request.headers.get("authorization", ""), ctx.config.api.api_key):

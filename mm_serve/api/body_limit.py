@@ -11,7 +11,7 @@ from typing import Any
 
 from mm_serve.admission.byte_budget import IMAGE_RETRY_AFTER_S, ByteBudget
 from mm_serve.admission.rejection import Rejection
-from mm_serve.api.api_key import scope_authorized, unauthorized
+from mm_serve.api.api_key import keyed_path, scope_authorized, unauthorized
 from mm_serve.api.body_hold import AheadByClient, BodyHold
 from mm_serve.api.error_handlers import error_response
 from mm_serve.pipeline.refusal import from_rejection
@@ -34,9 +34,10 @@ class BodyLimitMiddleware:
     ``Content-Length`` before a byte is read (a chunked body as it arrives, at most the budget's
     capacity), so a burst of large uploads is refused with 503 ``image_bytes`` at once instead of
     being read and parsed first. The handler hands the reservation back when its own image
-    reservation takes over (:func:`release_body`), else it ends with the request. Such a body is
-    read here, before the route runs: a call without the ``api_key`` gets its 401 before it holds
-    anything, and one whose body sends no byte for ``idle_timeout_s``, or is not complete
+    reservation takes over (:func:`release_body`), else it ends with the request. A call to a route
+    that takes the ``api_key`` (``/v1/*``, ``/internal/*``) without it gets its 401 here, on its
+    headers, before a byte of its body is read or held (a file upload too). A generation body is
+    read here, before the route runs: one whose body sends no byte for ``idle_timeout_s``, or is not complete
     ``read_timeout_s`` after arrival, gets 408 ``body_timeout`` and its connection is closed, so
     stalled uploads cannot keep the budget; one still arriving when the service starts shutting
     down (``stopping()`` returns the ``Retry-After`` seconds, None while serving) gets that 503
@@ -73,13 +74,13 @@ class BodyLimitMiddleware:
         limit, key = self.path_limits.get(path, (self.max_body_bytes, "api.max_body_bytes"))
         length = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
         declared = int(length) if length is not None and length.isdigit() else None
+        if keyed_path(path) and not scope_authorized(scope.get("headers", []), self.api_key):
+            await self._answer(scope, receive, send, unauthorized())
+            return
         if declared is not None and declared > limit:
             await self._answer(scope, receive, send, _too_large(limit, key))
             return
         guarded = path in self.budget_paths
-        if guarded and not scope_authorized(scope.get("headers", []), self.api_key):
-            await self._answer(scope, receive, send, unauthorized())
-            return
         held = BodyHold(self.budget if guarded else None)
         scope.setdefault("state", {})["release_body"] = held.release
         client = str((scope.get("client") or ("",))[0])

@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.pipeline.context import ServerContext
     from mm_serve.server.app import build_app
     from mm_serve.server.draining_server import DrainingServer
+    from mm_serve.server.guarded_http import HTTPLimits, guarded_h11
 
     try:
         cfg = load_config(args.config, _overrides(args))
@@ -149,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
     name = cfg.served_model_name or str(cfg.model)
     ctx = ServerContext(holder=holder, config=cfg, served_model_name=name)
     app = build_app(ctx)
+    http: Any = cfg.api.http_parser if cfg.api.http_parser == "httptools" else guarded_h11(HTTPLimits(
+        cfg.api.max_header_bytes, cfg.api.header_timeout_s, cfg.api.max_connections))
     server = DrainingServer(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
-                                           loop=cfg.api.event_loop, http=cfg.api.http_parser,
+                                           loop=cfg.api.event_loop, http=http, timeout_keep_alive=cfg.api.keep_alive_timeout_s,
                                            timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s,
                              ctx.media_load.in_flight)
 
