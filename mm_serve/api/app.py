@@ -117,7 +117,8 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes, path_limits=path_limits,
                        budget=ctx.image_budget, budget_paths=GENERATION_PATHS, on_refused=metrics.observe_rejected,
                        api_key=ctx.config.api.api_key, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
-                       read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s)
+                       read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s,
+                       wait_s=ctx.config.admission.image_wait_s)
     app.add_middleware(ArrivalTimeMiddleware)
     app.add_middleware(CancelledAnswerMiddleware)  # outermost
 
@@ -196,6 +197,7 @@ def _service_routes(app: FastAPI, ctx: ServerContext, registry: CollectorRegistr
                                          **ctx.admission.report(), "held": _held(ctx),
                                          "image_bytes_in_flight": ctx.image_budget.reserved,
                                          "max_image_bytes_in_flight": ctx.image_budget.capacity,
+                                         "image_calls_waiting": ctx.image_budget.waiting,
                                          "attainment_feedback": ctx.admission.feedback_report()},
                               caches=cache_health(dict(ctx.holder.client.stats)),
                               event_loop=_loop_name()).model_dump()

@@ -17,25 +17,20 @@ class BodyHold:
         self.ahead = 0  # of the held bytes, those held before they arrived (from the Content-Length)
         self._lock = threading.Lock()
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` (capped at the capacity) would fit the budget now (nothing reserved)."""
+    async def add_waiting(self, nbytes: int, wait_s: float) -> bool:
+        """Hold ``nbytes`` more (the total capped at the budget's capacity, so a body larger than it passes
+        alone), waiting up to ``wait_s`` seconds for room behind the calls that came first; False when they
+        did not fit in time."""
         if self.budget is None:
             return True
-        return self.budget.capacity - self.budget.reserved >= min(nbytes, self.budget.capacity)
-
-    def add(self, nbytes: int) -> bool:
-        """Hold ``nbytes`` more (the total capped at the budget's capacity, so a body larger than
-        it passes alone); False when they do not fit now."""
-        if self.budget is None:
+        more = min(nbytes, self.budget.capacity - self.held)
+        if more <= 0:
             return True
+        if not await self.budget.reserve_waiting(more, wait_s):
+            return False
         with self._lock:
-            more = min(nbytes, self.budget.capacity - self.held)
-            if more <= 0:
-                return True
-            if not self.budget.try_reserve(more):
-                return False
             self.held += more
-            return True
+        return True
 
     def release(self) -> None:
         """Give the held bytes back (once; later calls do nothing)."""

@@ -32,8 +32,9 @@ class BodyLimitMiddleware:
     With ``budget``, the bodies of requests to ``budget_paths`` (the generation endpoints, whose
     images are in their bodies) hold their size in it while they are read and parsed: the
     ``Content-Length`` before a byte is read (a chunked body as it arrives, at most the budget's
-    capacity), so a burst of large uploads is refused with 503 ``image_bytes`` at once instead of
-    being read and parsed first. The handler hands the reservation back when its own image
+    capacity): a body that does not fit waits for room, first come first served, up to ``wait_s``
+    (``admission.image_wait_s``), then is refused with 429 ``image_bytes`` and ``Retry-After``
+    before a byte of it is read, so a burst of large uploads never grows memory past the budget. The handler hands the reservation back when its own image
     reservation takes over (:func:`release_body`), else it ends with the request. A call to a route
     that takes the ``api_key`` (``/v1/*``, ``/internal/*``) without it gets its 401 here, on its
     headers, before a byte of its body is read or held (a file upload too). A generation body is
@@ -53,8 +54,9 @@ class BodyLimitMiddleware:
                  budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
                  on_refused: Callable[[int], None] | None = None, api_key: str | None = None,
                  idle_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
-                 stopping: Callable[[], int | None] = lambda: None) -> None:
+                 stopping: Callable[[], int | None] = lambda: None, wait_s: float = 10.0) -> None:
         self.app = app
+        self.wait_s = wait_s
         self.max_body_bytes = max_body_bytes
         self.path_limits = dict(path_limits or {})
         self.budget = budget
@@ -86,11 +88,8 @@ class BodyLimitMiddleware:
         client = str((scope.get("client") or ("",))[0])
         try:
             if declared is not None and guarded and self.budget is not None:
-                if not held.fits(declared):
-                    await self._refuse_busy(scope, receive, send, declared)
-                    return
                 held.ahead = self._ahead.take(client, declared, self.budget.capacity // AHEAD_SHARE)
-                if not held.add(held.ahead):
+                if not await held.add_waiting(held.ahead, self.wait_s):
                     self._ahead.give(client, held.ahead)
                     held.ahead = 0
                     await self._refuse_busy(scope, receive, send, declared)
@@ -135,7 +134,7 @@ class BodyLimitMiddleware:
             covered = min(len(chunk), held.ahead)  # of this chunk, held before it came
             held.ahead -= covered
             self._ahead.give(client, covered)
-            if not held.add(len(chunk) - covered):
+            if not await held.add_waiting(len(chunk) - covered, self.wait_s):
                 await self._refuse_busy(scope, receive, send, seen)
                 return
             chunks.append(chunk)
@@ -224,10 +223,11 @@ class BodyLimitMiddleware:
     async def _refuse_busy(self, scope: Scope, receive: Any, send: Any, nbytes: int) -> None:
         assert self.budget is not None
         rejection = Rejection(
-            503, "image_bytes",
+            429, "image_bytes",
             f"too many request bodies and images are being read and decoded at once: this body needs {nbytes} "
             f"bytes and {self.budget.reserved} of {self.budget.capacity} (admission.max_image_bytes_in_flight) "
-            "are in use; retry shortly", IMAGE_RETRY_AFTER_S)
+            f"are in use after {self.wait_s:g} s of waiting (admission.image_wait_s); retry shortly",
+            IMAGE_RETRY_AFTER_S)
         await self._answer(scope, receive, send, from_rejection(rejection))
 
     async def _answer(self, scope: Scope, receive: Any, send: Any, error: APIError) -> None:

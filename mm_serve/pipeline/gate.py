@@ -9,9 +9,10 @@ never-refused tier, the queue caps and the latency prediction. Every refusal is 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext
 from typing import Protocol, TypeVar
 
 from mm_serve.admission.bounds import check_queues, check_work
@@ -21,6 +22,8 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.config import ServiceConfig
 from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.models.llava_next.anyres import grid_shape
+from mm_serve.models.model_config import VisionConfig
 from mm_serve.media.video_loading import Reserve
 from mm_serve.pipeline.call import Call
 from mm_serve.pipeline.chat_prompt import DeclaredImage
@@ -32,20 +35,40 @@ T = TypeVar("T")
 Prepared = Sequence[tuple[ProcessedInputs, SamplingParams]]  # a call's prompts, each with its parameters
 
 BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
-PREPROCESS_BYTES = 4 << 20  # the resized, normalised tensor and its intermediates, per image
+PREPROCESS_COPIES = 2  # the float32 tensor the image processor returns and its one intermediate copy at a time
 UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
 CALL_MEGAPIXELS = 0.05  # media work of templating and tokenizing one prompt, in megapixels of image decoding
 VIDEO_SURVEY_BYTES = 4 << 20  # a video's demuxer buffers while its packets are walked, before its frames are known
 
 
-def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) -> int:
+def preprocessed_bytes(vision: VisionConfig, width: int, height: int) -> int:
+    """Bytes of the float32 pixel tensor the model's image processor makes of one ``width`` x ``height`` image:
+    a fixed-size tower's one ``image_size``-square tile; an any-resolution tower's (LLaVA-NeXT, OneVision)
+    tiles of the best resolution for the image (transformers' ``select_best_resolution``) plus its base tile;
+    a dynamic-resolution tower's (Qwen2-VL) image resized within its pixel bounds, ``temporal_patch_size``
+    copies of it (an upper bound: the resize rounds each side to whole merged patches)."""
+    channels_bytes = 3 * 4
+    if vision.dynamic_resolution:
+        floor, ceiling = vision.pixel_bounds
+        factor = vision.patch_size * vision.merge_size
+        pixels = min(max(width * height, floor), ceiling)
+        side = math.isqrt(pixels) + factor  # rounded up to whole merged patches
+        return side * side * channels_bytes * vision.temporal_patch_size
+    tiles = 1
+    if vision.any_resolution:
+        rows, columns = grid_shape((height, width), vision.grid_pinpoints, vision.image_size)
+        tiles += rows * columns
+    return tiles * vision.image_size ** 2 * channels_bytes
+
+
+def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig, vision: VisionConfig | None) -> int:
     """Bytes to reserve for a call's ``images`` before any is fetched.
 
     Each image reserves its encoded size (a data URI's length; ``api.max_image_fetch_bytes``
-    for an http(s) or file URL) plus what decoding and preprocessing it may take:
-    ``admission.image_decode_reserve_bytes``, or less for a data URI whose header declares a
-    small image (:data:`BYTES_PER_DECLARED_PIXEL` per pixel plus :data:`PREPROCESS_BYTES`), so
-    small images do not each hold the reserve sized for large ones. A video reserves its encoded size
+    for an http(s) or file URL) plus what decoding and preprocessing it will hold: for a data URI whose
+    header declares its size, :data:`BYTES_PER_DECLARED_PIXEL` per pixel plus :data:`PREPROCESS_COPIES` of
+    the model's preprocessed tensor for it (:func:`preprocessed_bytes`), at most
+    ``admission.image_decode_reserve_bytes``; else that reserve. A video reserves its encoded size
     (``api.max_video_fetch_bytes`` for a URL) plus :data:`VIDEO_SURVEY_BYTES` for walking its packets; what
     its frames will hold is added once they are known (:meth:`AdmissionGate.media`).
     """
@@ -57,8 +80,10 @@ def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig) ->
         decode = config.admission.image_decode_reserve_bytes
         if image.is_data:
             encoded = len(image.url)
-            if image.size is not None:
-                decode = min(decode, BYTES_PER_DECLARED_PIXEL * image.size[0] * image.size[1] + PREPROCESS_BYTES)
+            if image.size is not None and vision is not None:
+                width, height = image.size
+                decode = min(decode, BYTES_PER_DECLARED_PIXEL * width * height
+                             + PREPROCESS_COPIES * preprocessed_bytes(vision, width, height))
         else:
             encoded = config.api.max_image_fetch_bytes
         total += encoded + decode
@@ -203,18 +228,21 @@ class AdmissionGate:
             check()
         return at_deadline
 
-    def hold_images(self, call: Call) -> AbstractContextManager[Hold | None]:
-        """A context manager holding the call's image bytes (see :func:`image_reservation`); it gives the
+    def hold_images(self, call: Call) -> AbstractAsyncContextManager[Hold | None]:
+        """An async context manager holding the call's image bytes (see :func:`image_reservation`), waiting
+        up to ``admission.image_wait_s`` for room; it gives the
         :class:`~mm_serve.admission.byte_budget.Hold` (None for a call without messages).
 
         Raises (on entry):
-            Rejection: 503 ``image_bytes`` when they do not fit the budget.
+            Rejection: 429 ``image_bytes`` when they did not fit the budget in time.
         """
         if call.chat is None:
             return nullcontext()
         videos = call.chat.num_videos
         what = f"{len(call.chat.images) - videos} image(s)" + (f" and {videos} video(s)" if videos else "")
-        return self.ctx.image_budget.hold(image_reservation(call.chat.images, self.config), what)
+        vision = self.ctx.holder.model_config.vision
+        return self.ctx.image_budget.hold(image_reservation(call.chat.images, self.config, vision), what,
+                                          self.config.admission.image_wait_s)
 
     async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[Reserve | None], Awaitable[T]],
                     release_body: Callable[[], None]) -> tuple[T, bool]:
@@ -225,11 +253,11 @@ class AdmissionGate:
         committed: decided at the deadline).
 
         Raises:
-            Rejection: 503 ``image_bytes``, or 429 at the deadline.
+            Rejection: 429 ``image_bytes`` (no room in time), or 429 at the deadline.
         """
         async def held() -> T:
             release_body()  # the images' own reservation takes over from the body's
-            with self.hold_images(call) as hold:
+            async with self.hold_images(call) as hold:
                 return await load(None if hold is None else lambda nbytes: hold.grow(nbytes, "a video's frames"))
 
         images = call.chat.images if call.chat is not None else []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from mm_serve.admission.bounds import call_work, check_queues, check_work
@@ -79,37 +81,67 @@ def test_queue_caps_refuse_with_429_and_retry_after() -> None:
     assert info.value.reason == "queued_tokens" and "admission.max_queued_prompt_tokens" in info.value.message
 
 
-def test_byte_budget_refuses_what_does_not_fit_and_releases_on_exit() -> None:
-    budget = ByteBudget(1000)
-    with budget.hold(600, "1 image(s)"):
-        assert budget.reserved == 600
-        with pytest.raises(Rejection) as info:
-            with budget.hold(500, "2 image(s)"):
-                pass
-        assert (info.value.status, info.value.reason, info.value.retry_after_s) == (503, "image_bytes", 1)
-        assert "2 image(s) need 500 bytes and 600 of 1000" in info.value.message
-        assert budget.reserved == 600
-    assert budget.reserved == 0
-    with pytest.raises(RuntimeError), budget.hold(1000, "x"):
-        raise RuntimeError("decode failed")
-    assert budget.reserved == 0
+def test_byte_budget_queues_what_does_not_fit_then_refuses_it_with_429() -> None:
+    """A hold that does not fit waits for room, first come first served: served when another releases within
+    ``wait_s``, refused with 429 ``image_bytes`` (Retry-After 1) when none does; a cancelled waiter holds
+    nothing; everything goes back on exit, an exception included."""
+
+    async def scenario() -> None:
+        budget = ByteBudget(1000)
+        async with budget.hold(600, "1 image(s)", 0.0):
+            assert budget.reserved == 600
+            with pytest.raises(Rejection) as info:
+                async with budget.hold(500, "2 image(s)", 0.2):
+                    pass
+            assert (info.value.status, info.value.reason, info.value.retry_after_s) == (429, "image_bytes", 1)
+            assert "2 image(s) need 500 bytes and 600 of 1000" in info.value.message
+            assert budget.reserved == 600 and budget.waiting == 0
+        order: list[str] = []
+
+        async def call(name: str, nbytes: int, hold_s: float) -> None:
+            async with budget.hold(nbytes, name, 5.0):
+                order.append(name)
+                await asyncio.sleep(hold_s)
+
+        first = asyncio.create_task(call("a", 700, 0.2))
+        await asyncio.sleep(0.01)
+        queued = [asyncio.create_task(call(name, 600, 0.05)) for name in ("b", "c")]
+        small = asyncio.create_task(call("d", 100, 0.0))  # fits now, but waits behind b and c (no jumping the queue)
+        await asyncio.sleep(0.01)
+        assert budget.waiting == 3 and order == ["a"]
+        cancelled = asyncio.create_task(call("e", 900, 0.0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(first, *queued, small, cancelled, return_exceptions=True)
+        assert order == ["a", "b", "c", "d"] and budget.reserved == 0 and budget.waiting == 0
+        with pytest.raises(RuntimeError):
+            async with budget.hold(1000, "x", 0.0):
+                raise RuntimeError("decode failed")
+        assert budget.reserved == 0
+
+    asyncio.run(scenario())
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         ByteBudget(0)
 
 
 def test_a_call_needing_more_than_the_whole_budget_runs_alone() -> None:
-    """Images that need more than ``capacity`` hold all of it: refused while anything else is held
-    (503, retry), served when the budget is empty, never refused for good."""
-    budget = ByteBudget(1000)
-    with budget.hold(10, "1 image(s)"), pytest.raises(Rejection):
-        with budget.hold(4000, "3 image(s)"):
-            pass
-    with budget.hold(4000, "3 image(s)"):
-        assert budget.reserved == 1000
-        with pytest.raises(Rejection):
-            with budget.hold(1, "1 image(s)"):
-                pass
-    assert budget.reserved == 0
+    """Images that need more than ``capacity`` hold all of it: refused while anything else is held past
+    the wait (429, retry), served when the budget is empty, never refused for good."""
+
+    async def scenario() -> None:
+        budget = ByteBudget(1000)
+        async with budget.hold(10, "1 image(s)", 0.0):
+            with pytest.raises(Rejection):
+                async with budget.hold(4000, "3 image(s)", 0.05):
+                    pass
+        async with budget.hold(4000, "3 image(s)", 0.0):
+            assert budget.reserved == 1000
+            with pytest.raises(Rejection):
+                async with budget.hold(1, "1 image(s)", 0.05):
+                    pass
+        assert budget.reserved == 0
+
+    asyncio.run(scenario())
 
 
 def test_an_unknown_service_tier_is_quoted_short_in_its_error() -> None:

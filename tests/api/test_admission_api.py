@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image
 from fastapi.testclient import TestClient
 
 from mm_serve.config import load_config
@@ -16,10 +17,12 @@ from mm_serve.engine.router import Router
 from mm_serve.media.image_loading import declared_size
 from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.pipeline.context import ServerContext
+from mm_serve.models.registry import load_model_config
 from mm_serve.pipeline.gate import (
     BYTES_PER_DECLARED_PIXEL,
-    PREPROCESS_BYTES,
+    PREPROCESS_COPIES,
     image_reservation,
+    preprocessed_bytes,
 )
 from mm_serve.protocol.schemas import ChatMessage
 from mm_serve.runtime import messages
@@ -75,21 +78,26 @@ def test_a_call_over_the_work_limit_is_a_400_naming_the_limit(unstarted: TestCli
     assert unstarted.post("/v1/chat/completions", json=_chat(n=2)).status_code == 503  # under it
 
 
-def test_images_over_the_byte_budget_get_503_with_retry_after(tiny_llava: Path) -> None:
-    """A call whose images do not fit what other calls hold now is refused (503, retry); one
-    that needs more than the whole budget runs alone, holding all of it."""
+def test_images_over_the_byte_budget_wait_then_get_429_with_retry_after(tiny_llava: Path) -> None:
+    """A call whose images do not fit what other calls hold now waits ``admission.image_wait_s`` for room,
+    then is refused (429 ``image_bytes``, retry); one that needs more than the whole budget runs alone,
+    holding all of it."""
     cfg = load_config(None, {"model": str(tiny_llava), "admission.max_image_bytes_in_flight": 1 << 20,
-                             "admission.image_decode_reserve_bytes": 600 << 10})
+                             "admission.image_decode_reserve_bytes": 600 << 10, "admission.image_wait_s": 0.5})
     ctx = ServerContext(holder=EngineHolder(tiny_llava, cfg), config=cfg, served_model_name="tiny")
     client = TestClient(build_app(ctx, start_engine=False))
-    image = {"type": "image_url", "image_url": {"url": data_uri(gradient_image(32, 32))}}
+    flat = Image.new("RGB", (1500, 1500), (90, 20, 200))  # a few KB of PNG declaring 2.25 M pixels: the whole reserve
+    image = {"type": "image_url", "image_url": {"url": data_uri(flat)}}
     one = [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]
     two = [{"role": "user", "content": [image, image, {"type": "text", "text": "hi"}]}]
-    assert image_reservation(ChatPrompt.parse([ChatMessage(**m) for m in two]).images, cfg) > 1 << 20  # more than the budget
+    vision = ctx.holder.model_config.vision
+    assert image_reservation(ChatPrompt.parse([ChatMessage(**m) for m in two]).images, cfg, vision) > 1 << 20
     assert ctx.image_budget.try_reserve(700 << 10)  # another call's images being decoded
+    start = time.monotonic()
     r = client.post("/v1/chat/completions", json=_chat(messages=one))
     error = r.json()["error"]
-    assert r.status_code == 503 and error["code"] == "image_bytes" and r.headers["retry-after"] == "1"
+    assert r.status_code == 429 and error["code"] == "image_bytes" and r.headers["retry-after"] == "1"
+    assert 0.5 <= time.monotonic() - start < 5
     assert "admission.max_image_bytes_in_flight" in error["message"] and "716800 of 1048576" in error["message"]
     ctx.image_budget.release(700 << 10)
     for messages_ in (one, two):
@@ -99,19 +107,24 @@ def test_images_over_the_byte_budget_get_503_with_retry_after(tiny_llava: Path) 
     assert ctx.image_budget.reserved == 0
 
 
-def test_small_data_uri_images_reserve_by_their_declared_size() -> None:
-    """A small image's header lets it reserve far less than admission.image_decode_reserve_bytes;
-    a large one, a URL, or a header that cannot be read reserves the whole reserve."""
+def test_small_data_uri_images_reserve_by_their_declared_size(tiny_llava: Path) -> None:
+    """A small image's header lets it reserve far less than admission.image_decode_reserve_bytes: its
+    decoded pixels and the model's preprocessed tensor for it; a large one, a URL, or a header that cannot
+    be read reserves the whole reserve."""
     cfg = load_config(None)
     reserve = cfg.admission.image_decode_reserve_bytes
+    vision = load_model_config(tiny_llava).vision
+    assert vision is not None
 
     def reserved(url: str) -> int:
         message = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": url}}])
-        return image_reservation(ChatPrompt.parse([message]).images, cfg)
+        return image_reservation(ChatPrompt.parse([message]).images, cfg, vision)
 
     small = data_uri(gradient_image(64, 48))
-    assert reserved(small) == len(small) + BYTES_PER_DECLARED_PIXEL * 64 * 48 + PREPROCESS_BYTES
-    assert reserved(small) < reserve / 8
+    tensor = 3 * vision.image_size ** 2 * 4  # one float32 tile
+    assert preprocessed_bytes(vision, 64, 48) == tensor
+    assert reserved(small) == len(small) + BYTES_PER_DECLARED_PIXEL * 64 * 48 + PREPROCESS_COPIES * tensor
+    assert reserved(small) < 200_000  # the 4 MiB per image held before made 200 such calls overflow 512 MiB
     large = data_uri(gradient_image(2000, 1800))
     assert reserved(large) == len(large) + reserve  # 16 B x 3.6 M pixels is more than the reserve
     assert reserved("data:image/png;base64,AAAA") == len("data:image/png;base64,AAAA") + reserve
