@@ -16,15 +16,18 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.params import Depends as DependsParam
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge
+from pydantic import BaseModel
 
 from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS
 from mm_serve.api.api_key import api_key_ok, unauthorized
 from mm_serve.api.arrival import ArrivalTimeMiddleware
-from mm_serve.api.body_limit import BodyLimitMiddleware
+from mm_serve.api.body_limit import BODY_FILE, BodyLimitMiddleware
+from mm_serve.api.body_parser import INLINE_PARSE_BYTES, BodyParser
 from mm_serve.api.cancelled_answer import CancelledAnswerMiddleware
 from mm_serve.api.chat import create_chat_completion
 from mm_serve.api.completions import create_completion
 from mm_serve.api.error_handlers import install_error_handlers
+from mm_serve.api.openapi_bodies import request_body_spec, with_request_schemas
 from mm_serve.ground.roles import Role
 from mm_serve.ground.tiers import NEVER_REFUSED, Tier
 from mm_serve.ground.version import VERSION
@@ -105,9 +108,11 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
         finally:
             for extension in extensions:
                 await extension.close()
+            await asyncio.to_thread(parser.close)
             if start_engine:
                 await asyncio.to_thread(ctx.holder.stop)
 
+    parser = BodyParser(ctx.config.api)
     app = _fastapi(title="mm-serve", version=VERSION, lifespan=lifespan,
                    description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
     registry = CollectorRegistry()
@@ -118,7 +123,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
                        budget=ctx.image_budget, budget_paths=GENERATION_PATHS, on_refused=metrics.observe_rejected,
                        api_key=ctx.config.api.api_key, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
                        read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s,
-                       wait_s=ctx.config.admission.image_wait_s)
+                       wait_s=ctx.config.admission.image_wait_s, spool_bytes=INLINE_PARSE_BYTES)
     app.add_middleware(ArrivalTimeMiddleware)
     app.add_middleware(CancelledAnswerMiddleware)  # outermost
 
@@ -129,7 +134,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     auth = [Depends(require_key)]
     for extension in extensions:
         extension.add_routes(app, auth)
-    _openai_routes(app, ctx, auth)
+    _openai_routes(app, ctx, auth, parser)
     _service_routes(app, ctx, registry, auth)
     return app
 
@@ -158,18 +163,30 @@ def _wire_metrics(ctx: ServerContext, registry: CollectorRegistry) -> ServiceMet
     return metrics
 
 
-def _openai_routes(app: FastAPI, ctx: ServerContext, auth: list[DependsParam]) -> None:
-    """``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``."""
+def _openai_routes(app: FastAPI, ctx: ServerContext, auth: list[DependsParam], parser: BodyParser) -> None:
+    """``/v1/chat/completions``, ``/v1/completions`` (their bodies parsed by ``parser``) and ``/v1/models``."""
+
+    def parsed(model: type[BaseModel]) -> Any:
+        """The route's body as ``model``, parsed off the event loop when large (:class:`BodyParser`)."""
+
+        async def dependency(request: Request) -> BaseModel:
+            return await parser.parse(await request.body(), request.headers.get("content-type"), model,
+                                      request.scope.get("state", {}).get(BODY_FILE))
+
+        return Depends(dependency)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS, dependencies=auth,
-              summary="Chat completion (text and images); set stream=true for SSE chunks")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+              summary="Chat completion (text and images); set stream=true for SSE chunks",
+              openapi_extra=request_body_spec(ChatCompletionRequest))
+    async def chat(request: Request, body: ChatCompletionRequest = parsed(ChatCompletionRequest)) -> Any:
         return await create_chat_completion(body, request, ctx)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS, dependencies=auth,
-              summary="Text completion; set stream=true for SSE chunks")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+              summary="Text completion; set stream=true for SSE chunks", openapi_extra=request_body_spec(CompletionRequest))
+    async def completions(request: Request, body: CompletionRequest = parsed(CompletionRequest)) -> Any:
         return await create_completion(body, request, ctx)
+
+    with_request_schemas(app, [ChatCompletionRequest, CompletionRequest])
 
     def card() -> ModelCard:
         return ModelCard(id=ctx.served_model_name, created=ctx.created, max_model_len=ctx.context_len,

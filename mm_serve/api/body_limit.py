@@ -13,11 +13,13 @@ from mm_serve.admission.byte_budget import IMAGE_RETRY_AFTER_S, ByteBudget
 from mm_serve.admission.rejection import Rejection
 from mm_serve.api.api_key import keyed_path, scope_authorized, unauthorized
 from mm_serve.api.body_hold import AheadByClient, BodyHold
+from mm_serve.api.body_spool import BodySpool
 from mm_serve.api.error_handlers import error_response
 from mm_serve.pipeline.refusal import from_rejection
 from mm_serve.protocol.errors import APIError, unavailable
 
 Scope = dict[str, Any]
+BODY_FILE = "body_file"  # scope["state"] key: the path of a body spooled to a file (its replayed body is then empty)
 STOP_CHECK_S = 0.25  # a body being read notices the service shutting down within this long
 AHEAD_SHARE = 4  # one client address holds at most 1/AHEAD_SHARE of the budget for body bytes not yet arrived
 
@@ -54,9 +56,11 @@ class BodyLimitMiddleware:
                  budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
                  on_refused: Callable[[int], None] | None = None, api_key: str | None = None,
                  idle_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
-                 stopping: Callable[[], int | None] = lambda: None, wait_s: float = 10.0) -> None:
+                 stopping: Callable[[], int | None] = lambda: None, wait_s: float = 10.0,
+                 spool_bytes: int = 256 << 10) -> None:
         self.app = app
         self.wait_s = wait_s
+        self.spool_bytes = spool_bytes
         self.max_body_bytes = max_body_bytes
         self.path_limits = dict(path_limits or {})
         self.budget = budget
@@ -111,45 +115,62 @@ class BodyLimitMiddleware:
         """Read the whole body, then run the app on it. Its first ``held.ahead`` bytes are held
         already (as they arrive they leave ``client``'s share of bytes held ahead of arrival); each
         byte past them is held as it arrives. ``timed``: within the idle and read timeouts, and
-        the stop check."""
+        the stop check. A body past ``spool_bytes`` goes to a :class:`BodySpool` as it arrives (never
+        joined in this process): the app then finds its path in ``scope["state"][BODY_FILE]`` and an
+        empty body; the file is deleted when the app returns."""
         chunks: list[bytes] = []
         seen = 0
+        spool: BodySpool | None = None
         deadline = time.monotonic() + self.read_timeout_s if timed else math.inf
-        while True:
-            try:
-                message = await self._timed_receive(receive, deadline)
-            except _ServiceStopping as stopping:
-                await self._answer(scope, receive, send, _stopping(stopping.retry_after_s))
-                return
-            except asyncio.TimeoutError:
-                await self._answer(scope, receive, send, self._timed_out(seen, timed))
-                return
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > limit:
-                await self._answer(scope, receive, send, _too_large(limit, key))
-                return
-            covered = min(len(chunk), held.ahead)  # of this chunk, held before it came
-            held.ahead -= covered
-            self._ahead.give(client, covered)
-            if not await held.add_waiting(len(chunk) - covered, self.wait_s):
-                await self._refuse_busy(scope, receive, send, seen)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        replayed = False
+        try:
+            while True:
+                try:
+                    message = await self._timed_receive(receive, deadline)
+                except _ServiceStopping as stopping:
+                    await self._answer(scope, receive, send, _stopping(stopping.retry_after_s))
+                    return
+                except asyncio.TimeoutError:
+                    await self._answer(scope, receive, send, self._timed_out(seen, timed))
+                    return
+                if message["type"] != "http.request":  # the client went away
+                    return
+                chunk = message.get("body", b"")
+                seen += len(chunk)
+                if seen > limit:
+                    await self._answer(scope, receive, send, _too_large(limit, key))
+                    return
+                covered = min(len(chunk), held.ahead)  # of this chunk, held before it came
+                held.ahead -= covered
+                self._ahead.give(client, covered)
+                if not await held.add_waiting(len(chunk) - covered, self.wait_s):
+                    await self._refuse_busy(scope, receive, send, seen)
+                    return
+                if spool is None and seen > self.spool_bytes:
+                    spool = BodySpool()
+                    for earlier in chunks:
+                        spool.write(earlier)
+                    chunks.clear()
+                if spool is not None:
+                    spool.write(chunk)
+                else:
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            replayed = False
+            if spool is not None:
+                scope.setdefault("state", {})[BODY_FILE] = spool.path
 
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # after the body: wait for a disconnect, as the server would
+            async def replay() -> Any:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return await receive()  # after the body: wait for a disconnect, as the server would
 
-        await self.app(scope, replay, send)
+            await self.app(scope, replay, send)
+        finally:
+            if spool is not None:
+                spool.close()
 
     async def _watched(self, scope: Scope, receive: Any, send: Any) -> None:
         """Run the app on a body it reads itself (a file upload, streamed to disk by its form

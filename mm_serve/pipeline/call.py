@@ -21,6 +21,7 @@ from mm_serve.runtime.sampling_params import MAX_SEED, SamplingParams
 
 DEFAULT_PRECHECK_TOKENS = 16  # max_tokens the early admission check assumes when the call sets none
 MAX_PROMPTS = 64  # prompts in one completions call
+MAX_CHARS_PER_TOKEN = 32  # a cheap bound checked before tokenizing (no tokenizer yields fewer tokens)
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -69,7 +70,7 @@ class Call:
             return cls(body, tier, arrival, body.max_completion_tokens or body.max_tokens,
                        ChatPrompt.parse(body.messages), [], logprobs)
         prompts = _prompts(body.prompt)
-        if len(prompts) > MAX_PROMPTS:
+        if len(prompts) > MAX_PROMPTS:  # also in check_limits, which a call without ``api`` skips
             raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS}", "prompt")
         if body.stream and len(prompts) > 1:
             raise bad_request("streaming supports one prompt per request", "prompt")
@@ -158,13 +159,25 @@ def check_model(requested: str, served: str, model_dir: str) -> None:
 
 
 def check_limits(body: Body, api: APIConfig) -> None:
-    """The per-request limits on what costs work for every token or every part: the count and total length
-    of ``stop`` (``api.max_stop_strings``, ``api.max_stop_chars``), and a chat call's messages and content
-    parts (``api.max_messages``, ``api.max_content_parts``).
+    """The per-request limits on what costs work for every token, part or character: ``n``
+    (``api.max_n``), the alternatives per token (``api.max_logprobs``), the count and total length of
+    ``stop`` (``api.max_stop_strings``, ``api.max_stop_chars``), a chat call's messages and content parts
+    (``api.max_messages``, ``api.max_content_parts``), a completions call's prompts (:data:`MAX_PROMPTS`),
+    and the text no prompt within ``api.max_request_length`` tokens can hold (:func:`check_text_chars`;
+    a prompt of token ids longer than it). Checked where the body is parsed, so that what passes is
+    bounded before it reaches the event loop (:mod:`mm_serve.api.body_parser`).
 
     Raises:
-        APIError: 400 naming the limit (codes ``stop_limit``, ``messages_limit``, ``content_parts_limit``).
+        APIError: 400 naming the limit (codes ``n_limit``, ``logprobs_limit``, ``stop_limit``,
+            ``messages_limit``, ``content_parts_limit``, ``context_length_exceeded``).
     """
+    if body.n > api.max_n:
+        raise bad_request(f"n is {body.n}; the limit is {api.max_n} (api.max_n)", "n", "n_limit")
+    top = body.top_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs
+    if top is not None and top > api.max_logprobs:
+        name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+        raise bad_request(f"{name} is {top}; the limit is {api.max_logprobs} (api.max_logprobs)", name,
+                          "logprobs_limit")
     stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if len(stops) > api.max_stop_strings:
         raise bad_request(f"{len(stops)} stop strings in one request; the limit is {api.max_stop_strings} "
@@ -181,3 +194,32 @@ def check_limits(body: Body, api: APIConfig) -> None:
         if parts > api.max_content_parts:
             raise bad_request(f"{parts} content parts in one request; the limit is {api.max_content_parts} "
                               "(api.max_content_parts)", "messages", "content_parts_limit")
+        text = sum(len(m.content) if isinstance(m.content, str) else
+                   sum(len(p.text) for p in m.content if p.type == "text") for m in body.messages if m.content)
+        check_text_chars(text, api.max_request_length, "messages")
+        return
+    prompts = [body.prompt] if isinstance(body.prompt, str) or not body.prompt or isinstance(body.prompt[0], int) \
+        else body.prompt
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS}", "prompt")
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_text_chars(len(prompt), api.max_request_length, "prompt")
+        elif len(prompt) > api.max_request_length:
+            raise bad_request(f"the prompt has {len(prompt)} tokens, more than api.max_request_length "
+                              f"({api.max_request_length})", "prompt", "context_length_exceeded")
+
+
+def check_text_chars(chars: int, max_request_length: int, param: str) -> None:
+    """A cheap bound before tokenizing: no tokenizer makes fewer than one token per
+    :data:`MAX_CHARS_PER_TOKEN` characters, so more text than that many per token of
+    ``api.max_request_length`` cannot fit.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` naming ``param``.
+    """
+    if chars > max_request_length * MAX_CHARS_PER_TOKEN:
+        raise bad_request(
+            f"the prompt has {chars} characters, more than api.max_request_length ({max_request_length} "
+            f"tokens) can hold at {MAX_CHARS_PER_TOKEN} characters per token", param, "context_length_exceeded",
+        )

@@ -17,11 +17,11 @@ from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError,
 from mm_serve.media.errors import ImageError
 from mm_serve.media.fetch import MediaPolicy, load_media_urls
 from mm_serve.media.video_loading import Reserve, VideoError, VideoLimits
+from mm_serve.pipeline.call import check_text_chars
 from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.protocol.errors import bad_request
 
 MAX_STREAM_FPS = 60  # a video may hold this many frames per second of api.max_video_seconds (a frame bomb: more)
-MAX_CHARS_PER_TOKEN = 32  # a cheap bound checked before tokenizing (no tokenizer yields fewer tokens)
 
 
 def media_policy(api: APIConfig) -> MediaPolicy:
@@ -94,11 +94,7 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], text_c
         APIError: 400 for an invalid prompt or one over the prompt cap.
     """
     param = "messages" if "messages" in request else "prompt"
-    if text_chars > max_request_length * MAX_CHARS_PER_TOKEN:
-        raise bad_request(
-            f"the prompt has {text_chars} characters, more than api.max_request_length ({max_request_length} "
-            f"tokens) can hold at {MAX_CHARS_PER_TOKEN} characters per token", param, "context_length_exceeded",
-        )
+    check_text_chars(text_chars, max_request_length, param)
     try:
         processed = await asyncio.to_thread(inputs.process, request)
     except InvalidRequestError as exc:

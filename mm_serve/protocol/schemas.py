@@ -151,7 +151,7 @@ class _SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(strict=True)]] | None = Field(
         None, description="extension (vLLM): token ids that end the output, in [0, vocab size)")
-    n: int = Field(1, ge=1, le=16, strict=True)
+    n: int = Field(1, ge=1, strict=True, description="choices per prompt, at most api.max_n (16)")
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, strict=True)
@@ -191,7 +191,7 @@ class ChatCompletionRequest(_SamplingFields):
         "within the checkpoint's bounds")
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = Field(False, strict=True)
-    top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, strict=True, description="at most api.max_logprobs (20)")
 
     @model_validator(mode="before")
     @classmethod
@@ -209,7 +209,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, strict=True)
-    logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    logprobs: int | None = Field(None, ge=0, strict=True, description="at most api.max_logprobs (20)")
 
     @model_validator(mode="before")
     @classmethod
