@@ -136,3 +136,27 @@ def test_seed_leaves_room_for_every_choice() -> None:
     assert SamplingParams(seed=MAX_SEED - 3, n=4).n == 4
     with pytest.raises(ValueError, match=f"seed must be at most {MAX_SEED - 3} with n = 4"):
         SamplingParams(seed=MAX_SEED - 2, n=4)
+
+
+def test_the_batched_draw_picks_what_torch_multinomial_picks_row_by_row() -> None:
+    """Sampler.sample draws every sampled row's exponential noise from its own generator and takes one
+    argmax over the batch: the tokens equal ``torch.multinomial(softmax(filtered / T), 1, generator)`` row by
+    row (the draw it replaced), over 300 batches of mixed greedy, temperature, top-k and top-p rows."""
+    sampler = Sampler()
+    rng = torch.Generator().manual_seed(7)
+    for batch in range(300):
+        rows = 1 + batch % 9
+        logits = torch.randn(rows, 691, generator=rng) * 4
+        params = [SamplingParams(max_tokens=4, temperature=[0.0, 0.7, 1.0, 1.6][(batch + r) % 4],
+                                 top_k=[0, 5, 50][(batch + 2 * r) % 3], top_p=[1.0, 0.9, 0.3][(batch + r) % 3])
+                  for r in range(rows)]
+        seeds = [batch * 31 + r for r in range(rows)]
+        got = sampler.sample(logits, params, [torch.Generator().manual_seed(s) for s in seeds])
+        want = []
+        for r, p in enumerate(params):
+            if p.greedy:
+                want.append(int(torch.argmax(logits[r])))
+                continue
+            probs = torch.softmax(filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p), dim=-1)
+            want.append(int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seeds[r])).item()))
+        assert got == want, batch

@@ -82,17 +82,23 @@ class Sampler:
             ValueError: a random (temperature > 0) row has no generator.
         """
         tokens = torch.argmax(logits, dim=-1).tolist()
-        host: torch.Tensor | None = None  # sampled rows draw on the CPU: generators are CPU ones
-        for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
-            if p.greedy:
-                continue
+        rows = [row for row, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return tokens
+        host = logits.float().cpu()  # sampled rows draw on the CPU: generators are CPU ones
+        probs = torch.empty(len(rows), host.shape[-1])
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            p, gen = params[row], generators[row]
             if gen is None:
                 raise ValueError("a sampled (temperature > 0) request needs a generator")
-            if host is None:
-                host = logits.float().cpu()
-            scaled = filter_top_k_top_p(host[row] / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=gen).item())
+            probs[i] = torch.softmax(filter_top_k_top_p(host[row] / p.temperature, p.top_k, p.top_p), dim=-1)
+            noise[i].exponential_(1, generator=gen)
+        # torch.multinomial(probs[i], 1, generator=gen) draws exactly this, one row at a time: q ~ Exp(1) from
+        # the generator, then argmax(p / q) (ATen's Distributions.cpp, the Gumbel-max trick in exponential
+        # form); dividing and taking the argmax of every row at once picks the same tokens for less
+        for row, token in zip(rows, torch.argmax(probs / noise, dim=-1).tolist(), strict=True):
+            tokens[row] = token
         return tokens
 
     @staticmethod

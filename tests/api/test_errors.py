@@ -203,11 +203,25 @@ def test_image_part_conversion_keeps_image_sizes() -> None:
 
 
 def test_each_request_limit_serves_at_it_and_refuses_past_it(server: ServerProcess) -> None:
-    """``api.max_stop_strings`` (64), ``api.max_stop_chars`` (8192), ``api.max_messages`` (2048) and
-    ``api.max_content_parts`` (4096) at their defaults: a call at each limit is served, one past it is a 400
-    naming the limit, its param and its code."""
-    def post(body: dict[str, Any]) -> httpx.Response:
-        return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    """``api.max_stop_strings`` (64), ``api.max_stop_chars`` (8192), ``api.max_messages`` (2048),
+    ``api.max_content_parts`` (4096), ``api.max_n`` (16), ``api.max_logprobs`` (20, chat and completions) and
+    the text ``api.max_request_length`` can hold (8192 x 32 characters) at their defaults: a call at each
+    limit is served, one past it is a 400 naming the limit, its param and its code."""
+    def post(body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
+        return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+    completion = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    r = post({**completion, "logprobs": 20}, "/v1/completions")
+    top = r.json()["choices"][0]["logprobs"]["top_logprobs"][0]  # keyed by text: tokens that decode alike merge
+    assert r.status_code == 200 and 15 <= len(top) <= 20, r.text[:300]
+    r = post({**completion, "logprobs": 21}, "/v1/completions")
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["param"], error["code"]) == ("logprobs", "logprobs_limit")
+    assert "api.max_logprobs" in error["message"]
+    r = post({**completion, "prompt": "a" * (8192 * 32 + 1)}, "/v1/completions")
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    assert "api.max_request_length" in error["message"]
 
     long_stop = ["q" * 4096, "z" * 4096]  # 8192 characters that never occur
     at_limit = [
@@ -217,6 +231,8 @@ def test_each_request_limit_serves_at_it_and_refuses_past_it(server: ServerProce
               + [{"role": "user", "content": "hi"}, {"role": "user", "content": "ok"}], max_tokens=1),
         _chat(messages=[{"role": "user", "content": [{"type": "text", "text": ""}] * 4095 + [{"type": "text", "text": "hi"}]}],
               max_tokens=1),
+        _chat(n=16, temperature=1.0, max_tokens=2),
+        _chat(logprobs=True, top_logprobs=20, max_tokens=2),
     ]
     past = [
         (_chat(stop=[f"never-{i}" for i in range(65)]), "stop", "stop_limit", "api.max_stop_strings"),
@@ -224,6 +240,10 @@ def test_each_request_limit_serves_at_it_and_refuses_past_it(server: ServerProce
         (_chat(messages=[{"role": "user", "content": "hi"}] * 2049), "messages", "messages_limit", "api.max_messages"),
         (_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 4097}]), "messages",
          "content_parts_limit", "api.max_content_parts"),
+        (_chat(n=17), "n", "n_limit", "api.max_n"),
+        (_chat(logprobs=True, top_logprobs=21), "top_logprobs", "logprobs_limit", "api.max_logprobs"),
+        (_chat(messages=[{"role": "user", "content": "a" * (8192 * 32 + 1)}]), "messages", "context_length_exceeded",
+         "api.max_request_length"),
     ]
     for i, body in enumerate(at_limit):
         r = post(body)
@@ -231,6 +251,10 @@ def test_each_request_limit_serves_at_it_and_refuses_past_it(server: ServerProce
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
         else:
             assert r.status_code == 200, r.text[:300]
+        if i == 4:
+            assert len(r.json()["choices"]) == 16
+        if i == 5:
+            assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
     for body, param, code, key in past:
         r = post(body)
         assert r.status_code == 400, r.text[:300]
