@@ -144,7 +144,7 @@ class APIConfig(_Frozen):
     http_parser: Literal["auto", "h11", "httptools"] = Field("auto", description="The API process's HTTP/1.1 implementation: 'auto' and 'h11' take uvicorn's h11 protocol with this section's header, connection and error limits (mm_serve/server/guarded_http.py); 'httptools' takes uvicorn's httptools (C) protocol, whose parsing is faster but which has none of them (no 431, no header timeout, no connection cap, plain-text 400s): only behind a proxy that enforces them.")
     max_header_bytes: int = Field(32 << 10, ge=1024, le=1 << 24, description="Most bytes in a request's line and headers together; more gets 431 (code header_too_large) and the connection is closed.")
     header_timeout_s: float = Field(10.0, gt=0, le=3600, description="A connection whose request line and headers are not complete this long after it opened, or after their first byte on a kept-alive connection, is closed.")
-    keep_alive_timeout_s: float = Field(5.0, gt=0, le=3600, description="An idle kept-alive connection is closed after this long (uvicorn's --timeout-keep-alive).")
+    keep_alive_timeout_s: int = Field(5, ge=1, le=3600, description="An idle kept-alive connection is closed after this long (uvicorn's --timeout-keep-alive).")
     max_connections: int = Field(2048, ge=1, le=1 << 20, description="Most open connections: a request on a connection opened past it gets 429 (code too_many_connections) with Retry-After and the connection is closed.")
 
     @field_validator("api_key")

@@ -22,9 +22,9 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.config import ServiceConfig
 from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.media.video_loading import Reserve
 from mm_serve.models.llava_next.anyres import grid_shape
 from mm_serve.models.model_config import VisionConfig
-from mm_serve.media.video_loading import Reserve
 from mm_serve.pipeline.call import Call
 from mm_serve.pipeline.chat_prompt import DeclaredImage
 from mm_serve.pipeline.context import ServerContext

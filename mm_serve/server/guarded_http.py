@@ -97,13 +97,14 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.conn = _BoundedConnection(self.limits.max_header_bytes)
+        self.bounded = _BoundedConnection(self.limits.max_header_bytes)
+        self.conn = self.bounded
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
-            self.conn.refuse_next = APIError(
+            self.bounded.refuse_next = APIError(
                 429, f"too many open connections: {len(self.connections) - 1} are open and the limit is "
                      f"{self.limits.max_connections} (api.max_connections); retry shortly",
                 "rate_limit_error", code="too_many_connections",
@@ -137,7 +138,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a refused head, as OpenAI's error JSON with the refusal's status."""
-        error = self.conn.refusal or APIError(400, f"malformed HTTP request: {msg}", code="malformed_request")
+        error = self.bounded.refusal or APIError(400, f"malformed HTTP request: {msg}", code="malformed_request")
         body = json.dumps(error.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]

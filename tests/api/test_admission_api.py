@@ -7,17 +7,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from PIL import Image
 from fastapi.testclient import TestClient
+from PIL import Image
 
 from mm_serve.config import load_config
 from mm_serve.engine.engine_holder import EngineHolder
 from mm_serve.engine.load_ledger import LoadLedger
 from mm_serve.engine.router import Router
 from mm_serve.media.image_loading import declared_size
+from mm_serve.models.registry import load_model_config
 from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.pipeline.context import ServerContext
-from mm_serve.models.registry import load_model_config
 from mm_serve.pipeline.gate import (
     BYTES_PER_DECLARED_PIXEL,
     PREPROCESS_COPIES,
