@@ -171,7 +171,8 @@ def _openai_routes(app: FastAPI, ctx: ServerContext, auth: list[DependsParam], p
 
         async def dependency(request: Request) -> BaseModel:
             return await parser.parse(await request.body(), request.headers.get("content-type"), model,
-                                      request.scope.get("state", {}).get(BODY_FILE))
+                                      request.scope.get("state", {}).get(BODY_FILE),
+                                      request.headers.get("content-encoding"))
 
         return Depends(dependency)
 

@@ -17,6 +17,21 @@ class BodyHold:
         self.ahead = 0  # of the held bytes, those held before they arrived (from the Content-Length)
         self._lock = threading.Lock()
 
+    def add_now(self, nbytes: int) -> bool:
+        """Hold ``nbytes`` more if they fit now, ahead of the calls waiting (a body partly held must not wait
+        behind them: they may be waiting for what it holds); the total capped at the budget's capacity.
+        False when they do not fit."""
+        if self.budget is None:
+            return True
+        more = min(nbytes, self.budget.capacity - self.held)
+        if more <= 0:
+            return True
+        if not self.budget.try_reserve(more):
+            return False
+        with self._lock:
+            self.held += more
+        return True
+
     async def add_waiting(self, nbytes: int, wait_s: float) -> bool:
         """Hold ``nbytes`` more (the total capped at the budget's capacity, so a body larger than it passes
         alone), waiting up to ``wait_s`` seconds for room behind the calls that came first; False when they

@@ -34,9 +34,11 @@ class BodyLimitMiddleware:
     With ``budget``, the bodies of requests to ``budget_paths`` (the generation endpoints, whose
     images are in their bodies) hold their size in it while they are read and parsed: the
     ``Content-Length`` before a byte is read (a chunked body as it arrives, at most the budget's
-    capacity): a body that does not fit waits for room, first come first served, up to ``wait_s``
-    (``admission.image_wait_s``), then is refused with 429 ``image_bytes`` and ``Retry-After``
-    before a byte of it is read, so a burst of large uploads never grows memory past the budget. The handler hands the reservation back when its own image
+    capacity): a body announced by its ``Content-Length`` that does not fit waits for room, first come
+    first served, up to ``wait_s`` (``admission.image_wait_s``), then is refused with 429 ``image_bytes``
+    and ``Retry-After`` before a byte of it is read, so a burst of large uploads never grows memory past
+    the budget; bytes held as they arrive never wait (a body holding part of the budget while it waits
+    could be what the calls ahead of it wait for): no room, and it is refused with that 429 at once. The handler hands the reservation back when its own image
     reservation takes over (:func:`release_body`), else it ends with the request. A call to a route
     that takes the ``api_key`` (``/v1/*``, ``/internal/*``) without it gets its 401 here, on its
     headers, before a byte of its body is read or held (a file upload too). A generation body is
@@ -142,10 +144,10 @@ class BodyLimitMiddleware:
                 covered = min(len(chunk), held.ahead)  # of this chunk, held before it came
                 held.ahead -= covered
                 self._ahead.give(client, covered)
-                if not await held.add_waiting(len(chunk) - covered, self.wait_s):
+                if not held.add_now(len(chunk) - covered):  # never waits holding part of a body
                     await self._refuse_busy(scope, receive, send, seen)
                     return
-                if spool is None and seen > self.spool_bytes:
+                if spool is None and timed and seen > self.spool_bytes:  # generation bodies only (parsed by BodyParser)
                     spool = BodySpool()
                     for earlier in chunks:
                         spool.write(earlier)

@@ -67,6 +67,8 @@ def parse_body(body: bytes, content_type: str | None, model: type[M], api: APICo
                                                         "ctx": {"error": exc.msg}}])) from None
     except RecursionError:
         raise bad_request("request body is nested too deeply") from None
+    except ValueError as exc:  # not UTF-8/16/32 (UnicodeDecodeError), an integer past Python's 4300 digits
+        raise bad_request(f"request body is not valid JSON: {str(exc)[:200]}") from None
     if data is None:
         raise validation_error(RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required",
                                                         "input": None}]))
@@ -90,6 +92,9 @@ def _parse_in_process(source: bytes | str, content_type: str | None, model: type
         return "ok", parse_body(body, content_type, model, api)
     except APIError as exc:
         return "error", (exc.status, exc.message, exc.type, exc.param, exc.code)
+    except Exception as exc:  # noqa: BLE001 - anything else a body can make the parser raise is the body's fault
+        return "error", (400, f"request body could not be parsed: {type(exc).__name__}: {str(exc)[:200]}",
+                         "invalid_request_error", None, None)
 
 
 class BodyParser:
@@ -102,14 +107,19 @@ class BodyParser:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    async def parse(self, body: bytes, content_type: str | None, model: type[M], body_file: str | None = None) -> M:
+    async def parse(self, body: bytes, content_type: str | None, model: type[M], body_file: str | None = None,
+                    content_encoding: str | None = None) -> M:
         """``body`` as ``model`` within the per-request limits; ``body_file``: the body was spooled to this
         file instead (:class:`~mm_serve.api.body_spool.BodySpool`), which the parse process reads.
 
         Raises:
-            APIError: 400 as :func:`parse_body`; 503 when the parse process died on this body (it is
-                started again for the next one).
+            APIError: 415 for a ``Content-Encoding`` other than ``identity`` (bodies are not decompressed:
+                a small gzip body could expand past ``api.max_body_bytes``); 400 as :func:`parse_body`; 503
+                when the parse process died on this body (it is started again for the next one).
         """
+        if content_encoding and content_encoding.strip().lower() != "identity":
+            raise APIError(415, f"request bodies are not decompressed: send it without Content-Encoding "
+                                f"(got {content_encoding[:50]!r})", code="unsupported_content_encoding")
         if body_file is None and len(body) <= self.inline_bytes:
             return parse_body(body, content_type, model, self.api)
         pool = self._started()

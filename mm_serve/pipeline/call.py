@@ -21,6 +21,7 @@ from mm_serve.runtime.sampling_params import MAX_SEED, SamplingParams
 
 DEFAULT_PRECHECK_TOKENS = 16  # max_tokens the early admission check assumes when the call sets none
 MAX_PROMPTS = 64  # prompts in one completions call
+MAX_MODEL_CHARS = 4096  # the longest model name (a path) a call may name
 MAX_CHARS_PER_TOKEN = 32  # a cheap bound checked before tokenizing (no tokenizer yields fewer tokens)
 
 Body = ChatCompletionRequest | CompletionRequest
@@ -71,7 +72,8 @@ class Call:
                        ChatPrompt.parse(body.messages), [], logprobs)
         prompts = _prompts(body.prompt)
         if len(prompts) > MAX_PROMPTS:  # also in check_limits, which a call without ``api`` skips
-            raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS}", "prompt")
+            raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS} (fixed)", "prompt",
+                              "prompts_limit")
         if body.stream and len(prompts) > 1:
             raise bad_request("streaming supports one prompt per request", "prompt")
         return cls(body, tier, arrival, body.max_tokens, None, prompts, body.logprobs)
@@ -104,7 +106,7 @@ class Call:
                 f"(image tokens included) and max_tokens is {max_tokens}, {prompt_len + max_tokens} in all",
                 "max_tokens", "context_length_exceeded",
             )
-        stop = body.stop if isinstance(body.stop, list) else ([body.stop] if body.stop else [])
+        stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", "stop")
         stop_ids = body.stop_token_ids or []
@@ -154,14 +156,16 @@ def check_model(requested: str, served: str, model_dir: str) -> None:
     """Raises:
         APIError: 404 unless ``requested`` names the served model (its name or its folder)."""
     if requested not in (served, model_dir):
-        raise APIError(404, f"the model '{requested}' does not exist; this server serves '{served}'",
+        shown = requested if len(requested) <= 200 else f"{requested[:200]}... ({len(requested)} characters)"
+        raise APIError(404, f"the model '{shown}' does not exist; this server serves '{served}'",
                        "not_found_error", "model", "model_not_found")
 
 
 def check_limits(body: Body, api: APIConfig) -> None:
     """The per-request limits on what costs work for every token, part or character: ``n``
     (``api.max_n``), the alternatives per token (``api.max_logprobs``), the count and total length of
-    ``stop`` (``api.max_stop_strings``, ``api.max_stop_chars``), a chat call's messages and content parts
+    ``stop`` (``api.max_stop_strings``, ``api.max_stop_chars``) and of ``stop_token_ids``
+    (``api.max_stop_token_ids``), a chat call's messages and content parts
     (``api.max_messages``, ``api.max_content_parts``), a completions call's prompts (:data:`MAX_PROMPTS`),
     and the text no prompt within ``api.max_request_length`` tokens can hold (:func:`check_text_chars`;
     a prompt of token ids longer than it). Checked where the body is parsed, so that what passes is
@@ -171,6 +175,9 @@ def check_limits(body: Body, api: APIConfig) -> None:
         APIError: 400 naming the limit (codes ``n_limit``, ``logprobs_limit``, ``stop_limit``,
             ``messages_limit``, ``content_parts_limit``, ``context_length_exceeded``).
     """
+    if len(body.model) > MAX_MODEL_CHARS:
+        raise bad_request(f"the model name has {len(body.model)} characters; no name or path served is longer than "
+                          f"{MAX_MODEL_CHARS}", "model", "model_not_found")
     if body.n > api.max_n:
         raise bad_request(f"n is {body.n}; the limit is {api.max_n} (api.max_n)", "n", "n_limit")
     top = body.top_logprobs if isinstance(body, ChatCompletionRequest) else body.logprobs
@@ -186,6 +193,10 @@ def check_limits(body: Body, api: APIConfig) -> None:
     if chars > api.max_stop_chars:
         raise bad_request(f"the stop strings hold {chars} characters together; the limit is {api.max_stop_chars} "
                           "(api.max_stop_chars)", "stop", "stop_limit")
+    stop_ids = len(body.stop_token_ids or [])
+    if stop_ids > api.max_stop_token_ids:
+        raise bad_request(f"{stop_ids} stop_token_ids in one request; the limit is {api.max_stop_token_ids} "
+                          "(api.max_stop_token_ids)", "stop_token_ids", "stop_limit")
     if isinstance(body, ChatCompletionRequest):
         if len(body.messages) > api.max_messages:
             raise bad_request(f"{len(body.messages)} messages in one request; the limit is {api.max_messages} "
@@ -201,7 +212,8 @@ def check_limits(body: Body, api: APIConfig) -> None:
     prompts = [body.prompt] if isinstance(body.prompt, str) or not body.prompt or isinstance(body.prompt[0], int) \
         else body.prompt
     if len(prompts) > MAX_PROMPTS:
-        raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS}", "prompt")
+        raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS} (fixed)", "prompt",
+                          "prompts_limit")
     for prompt in prompts:
         if isinstance(prompt, str):
             check_text_chars(len(prompt), api.max_request_length, "prompt")

@@ -53,8 +53,8 @@ def check_image_count(prompt: ChatPrompt, api: APIConfig) -> None:
     videos = prompt.num_videos
     images = len(prompt.images) - videos
     if images > api.max_images_per_request:
-        raise bad_request(f"{images} images in one request; the limit is {api.max_images_per_request}",
-                          "messages", "too_many_images")
+        raise bad_request(f"{images} images in one request; the limit is {api.max_images_per_request} "
+                          "(api.max_images_per_request)", "messages", "too_many_images")
     if videos > api.max_videos_per_request:
         raise bad_request(f"{videos} videos in one request; the limit is {api.max_videos_per_request} "
                           "(api.max_videos_per_request)", "messages", "too_many_videos")

@@ -22,6 +22,8 @@ from mm_serve.protocol.schemas import (
     Usage,
 )
 
+FAILED_RETRY_AFTER_S = 1  # a request that failed (its workers lost or stopped): retry, on this server or another
+
 
 def finish_reason(reason: str | None) -> Literal["stop", "length"] | None:
     """The OpenAI finish reason: ``stop`` or ``length``; anything else (abort, error) is None."""
@@ -57,7 +59,7 @@ async def wait_all(ctx: ServerContext, admitted: AdmittedCall, gone: Callable[[]
         raise
     failure = next((g.failure() for g in admitted.generations if g.failure()), None)
     if failure:
-        raise unavailable(f"the request failed: {failure}")
+        raise unavailable(f"the request failed: {failure}", FAILED_RETRY_AFTER_S)
 
 
 def chat_response(ctx: ServerContext, admitted: AdmittedCall) -> ChatCompletionResponse:

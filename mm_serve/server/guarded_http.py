@@ -30,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import STATUS_PHRASES, H11Protocol
 from mm_serve.protocol.errors import APIError
 
 CONNECTION_RETRY_AFTER_S = 1
+LINGER_S = 2.0  # after answering a request whose body is still arriving, how long the rest is discarded
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,6 @@ class HTTPLimits:
     max_connections: int = 2048
 
 
-def head_bytes(request: h11.Request) -> int:
-    """The size in bytes of a parsed request's head as sent: its request line and header lines,
-    each with its CRLF, and the blank line."""
-    line = len(request.method) + len(request.target) + len(b"HTTP/") + len(request.http_version) + 4
-    return line + sum(len(name) + len(value) + 4 for name, value in request.headers.raw_items()) + 2
-
-
 class _BoundedConnection(h11.Connection):
     """h11's server side that also refuses a complete head over ``max_header_bytes`` (h11 itself refuses
     only an incomplete one past it) and, when told, the next request (a connection over the cap);
@@ -59,6 +53,15 @@ class _BoundedConnection(h11.Connection):
         self.max_header_bytes = max_header_bytes
         self.refusal: APIError | None = None
         self.refuse_next: APIError | None = None
+        self._arrived = 0  # bytes received since this request began (its head first)
+
+    def receive_data(self, data: bytes) -> None:
+        self._arrived += len(data)
+        super().receive_data(data)
+
+    def start_next_cycle(self) -> None:
+        super().start_next_cycle()
+        self._arrived = len(self.trailing_data[0])  # a pipelined request's bytes already here
 
     def next_event(self) -> Any:
         try:
@@ -67,7 +70,7 @@ class _BoundedConnection(h11.Connection):
             self.refusal = self.refusal or _protocol_error(exc, self.max_header_bytes)
             raise
         if isinstance(event, h11.Request):
-            size = head_bytes(event)
+            size = self._arrived - len(self.trailing_data[0])  # as sent: whitespace h11 drops counts too
             if size > self.max_header_bytes:
                 self.refusal = _too_large(self.max_header_bytes, f"{size} bytes")
             elif self.refuse_next is not None:
@@ -90,6 +93,36 @@ def _protocol_error(exc: h11.RemoteProtocolError, max_header_bytes: int) -> APIE
                     f"malformed HTTP request: {exc}", code="malformed_request")
 
 
+class _LingeringTransport:
+    """The connection's transport, except that closing it while the client may still be sending a body the app
+    did not read (an error answered on the headers) sends the response and a FIN, then discards what still
+    arrives for :data:`LINGER_S` before it closes (Apache's lingering close): a close with unread bytes
+    would make the kernel reset the connection, and the client could lose the answer. A kept-alive
+    connection whose body was left unread is closed so too (:meth:`GuardedH11Protocol.on_response_complete`)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.lingering or self._transport.is_closing() or not self._protocol.body_unread():
+            if not self.lingering:
+                self._transport.close()
+            return
+        self.lingering = True
+        if self._transport.can_write_eof():
+            self._transport.write_eof()
+        self._transport.resume_reading()  # uvicorn paused it past 64 KiB unread: the rest must flow to be dropped
+        self._protocol.loop.call_later(LINGER_S, self._transport.close)
+
+
 class GuardedH11Protocol(H11Protocol):
     """:class:`H11Protocol` with :class:`HTTPLimits` (set by :func:`guarded_h11`); see the module."""
 
@@ -102,7 +135,7 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
         if len(self.connections) > self.limits.max_connections:
             self.bounded.refuse_next = APIError(
                 429, f"too many open connections: {len(self.connections) - 1} are open and the limit is "
@@ -115,7 +148,20 @@ class GuardedH11Protocol(H11Protocol):
         self._stop_head_timer()
         super().connection_lost(exc)
 
+    def body_unread(self) -> bool:
+        """Whether the current request's body is still arriving, unread by the app."""
+        return self.bounded.their_state is h11.SEND_BODY
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, then a lingering close if the request's body is still arriving: the app answered without
+        reading it, so the connection cannot serve another request."""
+        super().on_response_complete()
+        if self.body_unread() and not self.transport.is_closing():
+            self.transport.close()
+
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():  # lingering: what still arrives is discarded
+            return
         if self.conn.their_state is h11.IDLE and self._head_timer is None:
             self._arm_head_timer()  # the first byte of a head on a kept-alive connection
         super().data_received(data)
@@ -137,7 +183,16 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a refused head, as OpenAI's error JSON with the refusal's status."""
+        """uvicorn's answer to a refused head or body, as OpenAI's error JSON with the refusal's status. A request
+        whose app is already running (a bad chunk after the head) has its app's answer dropped, or, when that
+        answer has begun, the connection is just closed."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:
+                self.transport.close()
+                return
+            cycle.disconnected = True  # what the app sends now goes nowhere
+            cycle.message_event.set()
         error = self.bounded.refusal or APIError(400, f"malformed HTTP request: {msg}", code="malformed_request")
         body = json.dumps(error.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -135,3 +135,66 @@ def test_connections_past_the_cap_get_429_and_the_server_serves_on(guarded: Serv
             sock.close()
     time.sleep(0.3)
     assert httpx.get(f"{guarded.url}/health", timeout=10).status_code == 200
+
+
+def test_a_head_padded_with_whitespace_counts_as_sent(guarded: ServerProcess) -> None:
+    """The head's size is what arrived, not what h11 kept: 40 KB of spaces inside one header value gets 431."""
+    with _connect(guarded) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nx-pad: " + b" " * 40_000 + b"b\r\n\r\n")
+        status, _, body = _answer(_read_all(sock))
+    assert status == 431 and body["error"]["code"] == "header_too_large"
+
+
+def test_an_unread_body_still_arriving_is_dropped_then_its_connection_closed(guarded: ServerProcess) -> None:
+    """A request answered without its body being read (GET /health announcing 60 MB), whose body then trickles
+    in a byte a second, is answered and its connection closed about 2 s later (a lingering close), not kept
+    open for as long as the bytes come (which let a client hold a connection slot for ever)."""
+    with _connect(guarded) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\ncontent-length: 60000000\r\n\r\n")
+        assert sock.recv(12) == b"HTTP/1.1 200"
+        start = time.monotonic()
+        closed = None
+        for _ in range(10):
+            time.sleep(0.5)
+            try:
+                sock.sendall(b"x")
+                sock.settimeout(0.05)
+                while chunk := sock.recv(65536):  # the rest of the answer, then the end
+                    pass
+                closed = time.monotonic() - start
+                break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = time.monotonic() - start
+                break
+    assert closed is not None and closed < 4.0, closed
+
+
+def test_a_refused_body_the_client_is_still_sending_gets_its_answer_not_a_reset(guarded: ServerProcess) -> None:
+    """A 20 MB chat body without the key is refused on its headers; the client, still sending, reads the 401
+    (the server drops the rest before closing instead of resetting the connection)."""
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * (20 << 20) + b'"}]}'
+    for _ in range(3):
+        r = httpx.post(f"{guarded.url}/v1/chat/completions", content=body, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(("content", "headers", "status", "fragment"), [
+    (b'{"model":"tiny","prompt":"hi\xff","max_tokens":2}', {}, 400, "not valid JSON"),
+    (b'{"model":"tiny","prompt":"hi","zz":' + b"9" * 5000 + b"}", {}, 400, "not valid JSON"),
+    (b'{"model":"tiny","prompt":"hi","max_tokens":2}', {"content-encoding": "gzip"}, 415, "Content-Encoding"),
+    (json.dumps({"model": "tiny", "prompt": "hi", "stop_token_ids": [1] * 1025}).encode(), {}, 400,
+     "api.max_stop_token_ids"),
+    (json.dumps({"model": "tiny", "prompt": "hi", "stop_token_ids": [1] * 3_000_000}).encode(), {}, 400,
+     "api.max_stop_token_ids"),
+    (json.dumps({"model": "m" * 5000, "prompt": "hi"}).encode(), {}, 400, "5000 characters"),
+])
+def test_bodies_that_fail_to_parse_get_4xx_json(guarded: ServerProcess, content: bytes, headers: dict[str, str],
+                                                status: int, fragment: str) -> None:
+    """Invalid UTF-8, an integer past Python's 4300 digits, a compressed body, too many stop_token_ids (inline
+    and in the parse process) and an overlong model name: each a 4xx naming why, never a 500."""
+    r = httpx.post(f"{guarded.url}/v1/completions", content=content, timeout=60,
+                   headers={"content-type": "application/json", "authorization": f"Bearer {KEY}", **headers})
+    assert r.status_code == status and fragment in r.json()["error"]["message"], r.text[:300]

@@ -101,3 +101,26 @@ def test_uploads_past_the_disk_bound_get_413_until_files_are_deleted(batch_serve
     for file_id in kept:
         assert httpx.delete(f"{batch_server.url}/v1/files/{file_id}", headers=HEADERS).json()["deleted"] is True
     assert _upload(batch_server, chunk).status_code == 200
+
+
+def test_a_chunked_upload_past_the_spool_size_is_stored_whole(batch_server: ServerProcess) -> None:
+    """A 300 KiB input file sent with chunked transfer encoding (no Content-Length; past the 256 KiB at which
+    generation bodies are spooled for the parse process) is stored byte for byte, then deleted."""
+    lines = [row(f"r{i}", scene_body(i % 5, max_tokens=2)) for i in range(2000)]
+    data = jsonl(lines)
+    while len(data) < 300 << 10:
+        lines += lines
+        data = jsonl([{**line, "custom_id": f"c{i}"} for i, line in enumerate(lines)])
+    data = data[: data.rindex(b"\n", 0, 300 << 10) + 1]
+    boundary = "b0undary"
+    form = (f'--{boundary}\r\ncontent-disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\ncontent-disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+            "content-type: application/jsonl\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    chunks = iter([form[i:i + 65536] for i in range(0, len(form), 65536)])  # an iterator: httpx sends it chunked
+    r = httpx.post(f"{batch_server.url}/v1/files", content=chunks, timeout=30,
+                   headers={**HEADERS, "content-type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 200, r.text[:300]
+    file_id = r.json()["id"]
+    assert r.json()["bytes"] == len(data) > 256 << 10
+    assert httpx.get(f"{batch_server.url}/v1/files/{file_id}/content", headers=HEADERS, timeout=30).content == data
+    assert httpx.delete(f"{batch_server.url}/v1/files/{file_id}", headers=HEADERS).json()["deleted"] is True
