@@ -159,7 +159,7 @@ def test_an_unread_body_still_arriving_is_dropped_then_its_connection_closed(gua
             try:
                 sock.sendall(b"x")
                 sock.settimeout(0.05)
-                while chunk := sock.recv(65536):  # the rest of the answer, then the end
+                while sock.recv(65536):  # the rest of the answer, then the end
                     pass
                 closed = time.monotonic() - start
                 break
