@@ -103,6 +103,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
             ctx.holder.start_background()
             for extension in extensions:
                 extension.start()
+            await asyncio.to_thread(parser.start)
         try:
             yield
         finally:

@@ -122,7 +122,9 @@ class BodyParser:
                                 f"(got {content_encoding[:50]!r})", code="unsupported_content_encoding")
         if body_file is None and len(body) <= self.inline_bytes:
             return parse_body(body, content_type, model, self.api)
-        pool = self._started()
+        pool = self._pool
+        if pool is None:  # (re)started in a thread: a fork is no work for the event loop
+            pool = await asyncio.to_thread(self.start)
         source: bytes | str = body if body_file is None else body_file
         try:
             kind, value = await asyncio.wrap_future(pool.submit(_parse_in_process, source, content_type, model,
@@ -138,11 +140,14 @@ class BodyParser:
             raise APIError(*value)
         return value  # type: ignore[no-any-return]
 
-    def _started(self) -> concurrent.futures.ProcessPoolExecutor:
+    def start(self) -> concurrent.futures.ProcessPoolExecutor:
+        """The parse process's pool, started (its process spawned and its imports done) if it was not: the
+        app calls it once at start, in a thread, so that no request waits for a process to be forked."""
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
                     max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                self._pool.submit(is_json, "application/json").result()  # spawned, and this module imported
             return self._pool
 
     def close(self) -> None:
