@@ -24,7 +24,9 @@ import concurrent.futures
 import email.message
 import json
 import multiprocessing
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +38,7 @@ from mm_serve.pipeline.call import check_limits
 from mm_serve.protocol.errors import APIError, bad_request, validation_error
 
 INLINE_PARSE_BYTES = 256 << 10
+PARENT_CHECK_S = 0.5  # how often the parse process checks that the API process is alive
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -97,6 +100,18 @@ def _parse_in_process(source: bytes | str, content_type: str | None, model: type
                          "invalid_request_error", None, None)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """The parse process's initializer: a thread that ends the process once the API process ``parent`` is gone
+    (SIGKILLed, its shutdown never ran; the pool's pipes alone do not wake an idle worker)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="mm-serve-parent-watch", daemon=True).start()
+
+
 class BodyParser:
     """Parses request bodies for the routes: inline up to ``inline_bytes``, else in the parse process
     (see the module). :meth:`close` stops the process."""
@@ -146,7 +161,8 @@ class BodyParser:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent,
+                    initargs=(os.getpid(),))
                 self._pool.submit(is_json, "application/json").result()  # spawned, and this module imported
             return self._pool
 

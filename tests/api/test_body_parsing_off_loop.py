@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import psutil
@@ -88,7 +89,6 @@ def test_the_parse_process_is_one_child_and_a_spooled_body_leaves_no_file(server
     """Large bodies went to one parse process (a child of the API process, beside the workers), and the
     files they were spooled to are gone."""
     import tempfile
-    from pathlib import Path
 
     from mm_serve.api.body_spool import SPOOL_PREFIX
 
@@ -96,3 +96,16 @@ def test_the_parse_process_is_one_child_and_a_spooled_body_leaves_no_file(server
     parsers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
     assert len(parsers) == 1, [c.cmdline() for c in children]
     assert not list(Path(tempfile.gettempdir()).glob(f"{SPOOL_PREFIX}*"))
+
+
+def test_the_parse_process_ends_with_a_killed_api_process(tiny_llava: Path, tmp_path: Path) -> None:
+    """SIGKILL to the API process (no shutdown runs): its parse process exits by itself within a few seconds."""
+    proc = ServerProcess(tiny_llava, log_dir=tmp_path)
+    try:
+        proc.wait_ready()
+        (parser,) = [c for c in psutil.Process(proc.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        proc.proc.kill()
+        proc.proc.wait()
+        parser.wait(10)  # psutil.TimeoutExpired if it outlives its parent
+    finally:
+        proc.stop()
