@@ -21,31 +21,29 @@ class BodyHold:
         """Hold ``nbytes`` more if they fit now, ahead of the calls waiting (a body partly held must not wait
         behind them: they may be waiting for what it holds); the total capped at the budget's capacity.
         False when they do not fit."""
-        if self.budget is None:
-            return True
-        more = min(nbytes, self.budget.capacity - self.held)
-        if more <= 0:
-            return True
-        if not self.budget.try_reserve(more):
+        more = self._more(nbytes)
+        if more and self.budget is not None and not self.budget.try_reserve(more):
             return False
-        with self._lock:
-            self.held += more
+        self._took(more)
         return True
 
     async def add_waiting(self, nbytes: int, wait_s: float) -> bool:
         """Hold ``nbytes`` more (the total capped at the budget's capacity, so a body larger than it passes
         alone), waiting up to ``wait_s`` seconds for room behind the calls that came first; False when they
         did not fit in time."""
-        if self.budget is None:
-            return True
-        more = min(nbytes, self.budget.capacity - self.held)
-        if more <= 0:
-            return True
-        if not await self.budget.reserve_waiting(more, wait_s):
+        more = self._more(nbytes)
+        if more and self.budget is not None and not await self.budget.reserve_waiting(more, wait_s):
             return False
-        with self._lock:
-            self.held += more
+        self._took(more)
         return True
+
+    def _more(self, nbytes: int) -> int:
+        """Of ``nbytes`` more, what the budget must hold: the total capped at its capacity (0 without a budget)."""
+        return 0 if self.budget is None else max(0, min(nbytes, self.budget.capacity - self.held))
+
+    def _took(self, nbytes: int) -> None:
+        with self._lock:
+            self.held += nbytes
 
     def release(self) -> None:
         """Give the held bytes back (once; later calls do nothing)."""

@@ -71,9 +71,7 @@ class Call:
             return cls(body, tier, arrival, body.max_completion_tokens or body.max_tokens,
                        ChatPrompt.parse(body.messages), [], logprobs)
         prompts = _prompts(body.prompt)
-        if len(prompts) > MAX_PROMPTS:  # also in check_limits, which a call without ``api`` skips
-            raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS} (fixed)", "prompt",
-                              "prompts_limit")
+        _check_prompt_count(len(prompts))  # also in check_limits, which a call without ``api`` skips
         if body.stream and len(prompts) > 1:
             raise bad_request("streaming supports one prompt per request", "prompt")
         return cls(body, tier, arrival, body.max_tokens, None, prompts, body.logprobs)
@@ -135,21 +133,32 @@ def engine_seed(seed: int | None) -> int | None:
     return None if seed is None else seed % (MAX_SEED - 14)
 
 
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A completions ``prompt`` as its prompts: one text, one list of token ids, or several of either (an
+    empty list: none)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _check_prompt_count(count: int) -> None:
+    """Raises:
+        APIError: 400 ``prompts_limit`` past :data:`MAX_PROMPTS`."""
+    if count > MAX_PROMPTS:
+        raise bad_request(f"{count} prompts in one request; the limit is {MAX_PROMPTS} (fixed)", "prompt",
+                          "prompts_limit")
+
+
 def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[dict[str, Any]]:
     """A completions ``prompt`` as engine requests, one per prompt.
 
     Raises:
         APIError: 400 for an empty list.
     """
-    if isinstance(prompt, str):
-        return [{"prompt": prompt}]
-    if not prompt:
+    prompts = _prompt_list(prompt)
+    if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [{"prompt_token_ids": list(prompt)}]
-    if all(isinstance(p, str) for p in prompt):
-        return [{"prompt": p} for p in prompt]
-    return [{"prompt_token_ids": list(p)} for p in prompt]  # type: ignore[arg-type]
+    return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
 
 
 def check_model(requested: str, served: str, model_dir: str) -> None:
@@ -209,11 +218,8 @@ def check_limits(body: Body, api: APIConfig) -> None:
                    sum(len(p.text) for p in m.content if p.type == "text") for m in body.messages if m.content)
         check_text_chars(text, api.max_request_length, "messages")
         return
-    prompts = [body.prompt] if isinstance(body.prompt, str) or not body.prompt or isinstance(body.prompt[0], int) \
-        else body.prompt
-    if len(prompts) > MAX_PROMPTS:
-        raise bad_request(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS} (fixed)", "prompt",
-                          "prompts_limit")
+    prompts = _prompt_list(body.prompt)
+    _check_prompt_count(len(prompts))
     for prompt in prompts:
         if isinstance(prompt, str):
             check_text_chars(len(prompt), api.max_request_length, "prompt")
