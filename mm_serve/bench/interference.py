@@ -4,9 +4,12 @@ alone and while such a call streams beside them (``benchmarks/stop_list_interfer
 from __future__ import annotations
 
 import json
+import multiprocessing
 import statistics
-import threading
 import time
+from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
 
 import httpx
 
@@ -39,38 +42,51 @@ def heavy_body(model: str, with_stops: bool, api: APIConfig | None = None) -> di
             "stream": True, "ignore_eos": True, **({"stop": stops} if with_stops else {})}
 
 
+def _stream_heavy(url: str, model: str, with_stops: bool, done: Event, lines: Synchronized, refused: Queue) -> None:
+    """Send :func:`heavy_body` calls one after another until ``done``, counting streamed lines in ``lines``; a
+    refusal is put on ``refused`` and ends the loop. Runs in its own process (:func:`beside`)."""
+    while not done.is_set():
+        with httpx.stream("POST", f"{url}/v1/completions", json=heavy_body(model, with_stops), timeout=600) as r:
+            if r.status_code != 200:
+                r.read()
+                refused.put(f"HTTP {r.status_code} {r.text[:300]}")
+                return
+            for _ in r.iter_lines():
+                with lines.get_lock():
+                    lines.value += 1
+                if done.is_set():
+                    return
+
+
 def beside(url: str, model: str, probes: int, with_stops: bool) -> list[Timing]:
-    """``probes`` probes while :func:`heavy_body` calls stream one after another.
+    """``probes`` probes while :func:`heavy_body` calls stream one after another from another process (another
+    user: reading its 16 streams in this process would hold the GIL from the probes and time the client).
 
     Raises:
         RuntimeError: the heavy calls were refused or did not stream during the probes.
     """
-    done = threading.Event()
-    lines: list[int] = []
-    refused: list[str] = []
-
-    def heavy() -> None:
-        while not done.is_set():
-            with httpx.stream("POST", f"{url}/v1/completions", json=heavy_body(model, with_stops), timeout=600) as r:
-                if r.status_code != 200:
-                    r.read()
-                    refused.append(f"HTTP {r.status_code} {r.text[:300]}")
-                    return
-                for _ in r.iter_lines():
-                    lines.append(1)
-                    if done.is_set():
-                        return
-
-    thread = threading.Thread(target=heavy, daemon=True)
-    thread.start()
-    time.sleep(2.0)  # its choices are decoding
-    before = len(lines)
-    out = [probe(url, model) for _ in range(probes)]
-    streamed = len(lines) - before
-    done.set()
-    thread.join(60)
-    if refused or streamed < 10:
-        raise RuntimeError(f"the heavy call was not streaming beside the probes: {refused or streamed}")
+    context = multiprocessing.get_context("spawn")
+    done, lines, refused = context.Event(), context.Value("q", 0), context.Queue()
+    heavy = context.Process(target=_stream_heavy, args=(url, model, with_stops, done, lines, refused), daemon=True)
+    heavy.start()
+    try:
+        deadline = time.monotonic() + 60
+        while lines.value < 50 and heavy.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # its choices are decoding
+        before = lines.value
+        out = [probe(url, model) for _ in range(probes)]
+        streamed = lines.value - before
+    finally:
+        done.set()
+        heavy.join(60)
+        if heavy.is_alive():
+            heavy.kill()
+            heavy.join()
+    problem = refused.get() if not refused.empty() else None
+    refused.close()
+    if problem or streamed < 10:
+        raise RuntimeError(f"the heavy call was not streaming beside the probes: {problem or streamed}")
     return out
 
 

@@ -86,13 +86,18 @@ class Sampler:
         if not rows:
             return tokens
         host = logits.float().cpu()  # sampled rows draw on the CPU: generators are CPU ones
-        probs = torch.empty(len(rows), host.shape[-1])
+        temperature = torch.tensor([params[row].temperature for row in rows], dtype=torch.float32)
+        scaled = host[rows] / temperature.unsqueeze(1)  # [R, V]: one division and one softmax for every row
+        for i, row in enumerate(rows):
+            p = params[row]
+            if 0 < p.top_k < scaled.shape[-1] or p.top_p < 1.0:
+                scaled[i] = filter_top_k_top_p(scaled[i], p.top_k, p.top_p)
+        probs = torch.softmax(scaled, dim=-1)
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows):
-            p, gen = params[row], generators[row]
+            gen = generators[row]
             if gen is None:
                 raise ValueError("a sampled (temperature > 0) request needs a generator")
-            probs[i] = torch.softmax(filter_top_k_top_p(host[row] / p.temperature, p.top_k, p.top_p), dim=-1)
             noise[i].exponential_(1, generator=gen)
         # torch.multinomial(probs[i], 1, generator=gen) draws exactly this, one row at a time: q ~ Exp(1) from
         # the generator, then argmax(p / q) (ATen's Distributions.cpp, the Gumbel-max trick in exponential
