@@ -1,11 +1,13 @@
-"""Does a worst-case legal stop list slow other streams? Short streamed completions' TTFT and TPOT on the
+"""Does a call at the per-request limits slow other streams? Short streamed completions' TTFT and TPOT on the
 embedded model, alone and while a call with the most stop strings the server takes (``api.max_stop_strings``
-of ``api.max_stop_chars`` characters together) and ``n`` = 16 streams beside them, in one run.
+of ``api.max_stop_chars`` characters together) and the most log-probabilities streams beside them: with one
+choice, and with ``api.max_n`` (16), in one run.
 
     python benchmarks/stop_list_interference.py [--probes 12] [--out /tmp/stoplist]
 
-Prints the medians alone, beside the same n = 16 call without stop strings (the control: what sharing the
-decode batch costs) and beside it with the stop list, and their ratios.
+Prints the medians alone; beside the stop-list call (n = 1); beside an n = 16 call without stop strings (the
+control: what 16 more sequences in the decode batch cost); beside the n = 16 call with the stop list; and
+their ratios.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mm_serve.bench.interference import Timing, beside, median, probe
+from mm_serve.bench.interference import Timing, beside, heavy_body, median, probe
 from mm_serve.bench.launch import LocalServer
 
 
@@ -26,14 +28,17 @@ def main() -> None:
         url = server.url
         probe(url, "bench")  # warm
         alone = [probe(url, "bench") for _ in range(args.probes)]
-        control = beside(url, "bench", args.probes, with_stops=False)
-        loaded = beside(url, "bench", args.probes, with_stops=True)
+        one = beside(url, "bench", args.probes, heavy_body("bench", n=1))
+        control = beside(url, "bench", args.probes, heavy_body("bench", with_stops=False))
+        loaded = beside(url, "bench", args.probes, heavy_body("bench"))
     rows: tuple[tuple[str, list[Timing]], ...] = (
-        ("alone", alone), ("beside n=16, no stop", control), ("beside n=16, stop list", loaded))
+        ("alone", alone), ("beside n=1, stop list", one), ("beside n=16, no stop", control),
+        ("beside n=16, stop list", loaded))
     for name, values in rows:
         print(f"{name:>22}: TTFT p50 {median(values, 0) * 1e3:7.1f} ms, TPOT p50 {median(values, 1) * 1e3:6.2f} ms")
     for i, what in ((0, "TTFT"), (1, "TPOT")):
-        print(f"{what}: beside the stop list / alone {median(loaded, i) / median(alone, i):.2f}x; "
+        print(f"{what}: beside the n=1 stop-list call / alone {median(one, i) / median(alone, i):.2f}x; "
+              f"beside n=16 with the stop list / alone {median(loaded, i) / median(alone, i):.2f}x, "
               f"/ beside the same call without it {median(loaded, i) / median(control, i):.2f}x")
 
 
