@@ -148,12 +148,11 @@ class BodyLimitMiddleware:
                     await self._refuse_busy(scope, receive, send, seen)
                     return
                 if spool is None and timed and seen > self.spool_bytes:  # generation bodies only (parsed by BodyParser)
-                    spool = BodySpool()
-                    for earlier in chunks:
-                        spool.write(earlier)
+                    spool = BodySpool()  # here: a creation cancelled in a thread would leave its file
+                    await asyncio.to_thread(spool.write_all, chunks)
                     chunks.clear()
-                if spool is not None:
-                    spool.write(chunk)
+                if spool is not None:  # a write can wait for the disk (its dirty pages): never on the loop
+                    await asyncio.to_thread(spool.write, chunk)
                 else:
                     chunks.append(chunk)
                 if not message.get("more_body", False):
