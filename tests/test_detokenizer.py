@@ -108,3 +108,16 @@ def test_streamed_text_equals_transformers_decode(checkpoint: str, request: pyte
         detok = IncrementalDetokenizer(tok)
         streamed = "".join(detok.add([t]) for t in ids) + detok.finish()
         assert streamed == tok.decode(ids, skip_special_tokens=True), ids
+
+
+@pytest.mark.parametrize("step", [1, 3], ids=["token-by-token", "three-at-a-time"])
+def test_min_tokens_ignores_stop_strings_ending_within_its_tokens(tokenizer, step: int) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's rule: a stop string counts only where it ends in the text of a token past the first ``min_tokens``
+    (an occurrence inside them is passed over; the next one stops the text), however the tokens arrive."""
+    text = "one stop two stop three"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    first_end = next(k for k in range(1, len(ids) + 1) if "stop" in tokenizer.decode(ids[:k]))
+    for min_tokens, cut in ((0, "one "), (first_end, "one stop two ")):
+        detok = IncrementalDetokenizer(tokenizer, ("stop",), min_tokens=min_tokens)
+        out = "".join(detok.add(ids[i:i + step]) for i in range(0, len(ids), step)) + detok.finish()
+        assert detok.stop_string == "stop" and out == cut, (min_tokens, out)

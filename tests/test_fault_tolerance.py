@@ -12,11 +12,13 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mm_serve import LLM
 from mm_serve.config import ConfigError, config_from_dict
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
@@ -26,6 +28,10 @@ from tests.test_disaggregation import shm_segments
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=200, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+# every logit adjustment at once; min_tokens runs past the kill below, so the migrated attempt keeps the rest of it
+PENALIZED = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, min_tokens=30, stop_token_ids=(6,),
+                           logit_bias=((5, 1.5), (6, 4.0)), repetition_penalty=1.3, frequency_penalty=0.4,
+                           presence_penalty=0.2)
 
 
 def make_client(model: Path, **overrides: Any) -> EngineClient:
@@ -133,7 +139,7 @@ def run_all(client: EngineClient, tag: str, inputs: list[Any], params: SamplingP
     return states
 
 
-@pytest.mark.parametrize("params", [LONG, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("params", [LONG, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"])
 def test_decode_killed_mid_stream_continues_token_for_token(shared: EngineClient, params: SamplingParams) -> None:
     client, counts = shared, Counts(shared)
     inputs = image_request(client, 1)
@@ -143,10 +149,29 @@ def test_decode_killed_mid_stream_continues_token_for_token(shared: EngineClient
     os.kill(client.pool.workers[("decode", 0)].pid, signal.SIGKILL)
     assert state.wait(120)
     assert state.error is None and state.token_ids == reference.token_ids and state.text == reference.text
-    assert 20 <= len(state.token_ids) == 200 and state.finish_reason == "length"
+    if params is PENALIZED:  # the stop token, pushed up by its bias, ends the output once min_tokens allows
+        assert 30 < len(state.token_ids) < 200 and 6 not in state.token_ids[:30] and state.token_ids[-1] == 6
+        assert state.finish_reason == "stop"
+    else:
+        assert 20 <= len(state.token_ids) == 200 and state.finish_reason == "length"
     assert counts[("request_migrations", "decode")] == 1 and counts[("worker_restarts", "decode")] == 1
     assert state.delayed_by_fault and not reference.delayed_by_fault  # admission learns nothing from it
     assert_clean(client)
+
+
+def test_logit_adjustments_give_the_colocated_engine_s_tokens(shared: EngineClient, tiny_llava: Path) -> None:
+    """Greedy with every logit adjustment (``PENALIZED`` with a later stop token): the disaggregated service (the
+    first token sampled on the prefill worker, the rest on the decode worker) gives the colocated engine's
+    tokens, and the adjustments change them."""
+    params = replace(PENALIZED, stop_token_ids=(), logit_bias=((5, 1.5),), max_tokens=80)
+    plain = replace(params, min_tokens=0, logit_bias=(), repetition_penalty=1.0, frequency_penalty=0.0,
+                    presence_penalty=0.0)
+    request = {"prompt": "Describe <image> number 1 in detail", "images": [gradient_image(41, 36, 1)]}
+    (adjusted,) = run_all(shared, "adjusted", [shared.inputs.process(request)], params)
+    (unadjusted,) = run_all(shared, "plain", [shared.inputs.process(request)], plain)
+    (colocated,) = LLM(tiny_llava, mode="colocated").generate([request], params)
+    assert colocated.token_ids == adjusted.token_ids and len(colocated.token_ids) == 80
+    assert unadjusted.token_ids != adjusted.token_ids
 
 
 def test_prefill_killed_with_a_queue_loses_nothing(shared: EngineClient) -> None:

@@ -78,7 +78,9 @@ class LLMEngine:
             image_tiles=list(inputs.image_tiles), image_sizes=list(inputs.image_sizes),
             image_second_per_grid=list(inputs.image_second_per_grid),
             generator=None if params.greedy else make_generator(seed), seed=None if params.greedy else seed,
-            output_offset=output_offset, stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop) if params.stop else None,
+            output_offset=output_offset,
+            stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
+            if params.stop else None,
             priority=priority,
             image_hashes=list(inputs.image_hashes) or image_content_hashes(
                 inputs.pixel_values, inputs.image_tiles, inputs.image_sizes, inputs.image_second_per_grid),
@@ -106,7 +108,7 @@ class LLMEngine:
                 self.prefix.commit(request, request.num_tokens)  # KV in place: shareable from now on
         else:
             batch, logits = plan.decode, self.runner.decode(plan.decode)
-        tokens, logprobs = sample_requests(self.sampler, logits, batch)
+        tokens, logprobs = sample_requests(self.sampler, logits, batch, self.eos_token_ids)
         return batch, process_step(batch, tokens, logprobs, self.stops, self.scheduler.finish)
 
     def output_text(self, request: Request) -> str:

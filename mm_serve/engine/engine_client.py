@@ -241,7 +241,8 @@ class EngineClient:
         self.inputs.check_context(n, params.max_tokens, self.context_limit)
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop))
+        state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop,
+                                                                             min_tokens=params.min_tokens))
         state.num_images = inputs.num_images
         state.tier, state.predicted_ttft_s = tier, predicted_ttft_s
         if arrival_time is not None:

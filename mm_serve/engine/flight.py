@@ -68,7 +68,8 @@ class Flight:
         if self.attempt == 0:
             return msgspec.structs.replace(self.first, decode_index=decode_index)
         received = self.state.token_ids[: self.base]
-        sampling = msgspec.structs.replace(self.first.sampling, max_tokens=self.remaining_tokens())
+        sampling = msgspec.structs.replace(self.first.sampling, max_tokens=self.remaining_tokens(),
+                                           min_tokens=max(0, self.first.sampling.min_tokens - self.base))
         return msgspec.structs.replace(
             self.first, request_id=self.wire_id, prompt_token_ids=list(self.first.prompt_token_ids) + received,
             sampling=sampling, decode_index=decode_index, arrival_time=arrival_time, output_offset=self.base,

@@ -112,12 +112,20 @@ class Call:
         if bad_ids:
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}) (the vocabulary), "
                               f"got {bad_ids[:5]}", "stop_token_ids")
+        bias = {int(key): value for key, value in (body.logit_bias or {}).items()}  # keys checked: decimal strings
+        bad_ids = [t for t in bias if t >= vocab_size]
+        if bad_ids:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}) (the vocabulary), "
+                              f"got {bad_ids[:5]}", "logit_bias")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
                 seed=engine_seed(body.seed), stop=tuple(stop), stop_token_ids=tuple(stop_ids),
-                ignore_eos=body.ignore_eos, logprobs=self.logprobs, n=body.n,
+                ignore_eos=body.ignore_eos, logprobs=self.logprobs, n=body.n, min_tokens=body.min_tokens or 0,
+                logit_bias=tuple(sorted(bias.items())), presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
@@ -174,7 +182,7 @@ def check_limits(body: Body, api: APIConfig) -> None:
     """The per-request limits on what costs work for every token, part or character: ``n``
     (``api.max_n``), the alternatives per token (``api.max_logprobs``), the count and total length of
     ``stop`` (``api.max_stop_strings``, ``api.max_stop_chars``) and of ``stop_token_ids``
-    (``api.max_stop_token_ids``), a chat call's messages and content parts
+    (``api.max_stop_token_ids``), ``logit_bias`` (``api.max_logit_bias``), a chat call's messages and content parts
     (``api.max_messages``, ``api.max_content_parts``), a completions call's prompts (:data:`MAX_PROMPTS`),
     and the text no prompt within ``api.max_request_length`` tokens can hold (:func:`check_text_chars`;
     a prompt of token ids longer than it). Checked where the body is parsed, so that what passes is
@@ -182,7 +190,7 @@ def check_limits(body: Body, api: APIConfig) -> None:
 
     Raises:
         APIError: 400 naming the limit (codes ``n_limit``, ``logprobs_limit``, ``stop_limit``,
-            ``messages_limit``, ``content_parts_limit``, ``context_length_exceeded``).
+            ``logit_bias_limit``, ``messages_limit``, ``content_parts_limit``, ``context_length_exceeded``).
     """
     if len(body.model) > MAX_MODEL_CHARS:
         raise bad_request(f"the model name has {len(body.model)} characters; no name or path served is longer than "
@@ -206,6 +214,10 @@ def check_limits(body: Body, api: APIConfig) -> None:
     if stop_ids > api.max_stop_token_ids:
         raise bad_request(f"{stop_ids} stop_token_ids in one request; the limit is {api.max_stop_token_ids} "
                           "(api.max_stop_token_ids)", "stop_token_ids", "stop_limit")
+    biased = len(body.logit_bias or {})
+    if biased > api.max_logit_bias:
+        raise bad_request(f"logit_bias has {biased} entries; the limit is {api.max_logit_bias} (api.max_logit_bias)",
+                          "logit_bias", "logit_bias_limit")
     if isinstance(body, ChatCompletionRequest):
         if len(body.messages) > api.max_messages:
             raise bad_request(f"{len(body.messages)} messages in one request; the limit is {api.max_messages} "

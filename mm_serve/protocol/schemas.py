@@ -118,14 +118,10 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 # name -> whether a value asks for nothing (then it is accepted and ignored)
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "tools": _empty, "tool_choice": _is("none", "auto"), "functions": _empty, "function_call": _is("none", "auto"),
-    "parallel_tool_calls": _is(True), "response_format": _text_format, "logit_bias": _empty, "prediction": _empty,
-    "audio": _empty, "modalities": _is(["text"]), "best_of": _one, "presence_penalty": _zero,
-    "frequency_penalty": _zero,
+    "parallel_tool_calls": _is(True), "response_format": _text_format, "prediction": _empty,
+    "audio": _empty, "modalities": _is(["text"]), "best_of": _one,
 }
-UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {
-    "echo": _empty, "suffix": _empty, "logit_bias": _empty, "best_of": _one, "presence_penalty": _zero,
-    "frequency_penalty": _zero,
-}
+UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _empty, "suffix": _empty, "best_of": _one}
 
 
 def _refuse(data: Any, unsupported: dict[str, Callable[[Any], bool]]) -> Any:
@@ -155,6 +151,19 @@ class _SamplingFields(_Lenient):
     stream: bool = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, strict=True)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a decimal string) -> bias in [-100, 100] added to its logit before sampling; "
+        "at most api.max_logit_bias (1024) entries")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                           description="subtracted from a token's logit once it is in the output")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                            description="times a token's count in the output, subtracted from its logit")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=10.0, allow_inf_nan=False,
+        description="extension (vLLM): divides the positive (multiplies the negative) logits of tokens in the prompt "
+        "or the output; 1 = off")
+    min_tokens: int | None = Field(None, ge=0, strict=True, description="extension (vLLM): stop tokens, EOS and "
+                                   "stop strings take effect only after this many output tokens (at most max_tokens)")
     user: str | None = None
     service_tier: str | None = Field(
         None, description="SLO tier: priority -> interactive, default -> standard, flex -> batch, auto or absent -> "
@@ -168,6 +177,18 @@ class _SamplingFields(_Lenient):
             check_service_tier(value)
         except ValueError as exc:
             raise invalid("service_tier", str(exc), "invalid_service_tier") from None
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids written as decimal strings (OpenAI's form), biases finite numbers in [-100, 100]."""
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
+                raise invalid("logit_bias", f"logit_bias keys are token ids as decimal strings, such as \"50256\"; "
+                                            f"got {key[:40]!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100]; {key!r} has {bias!r}")
         return value
 
     @model_validator(mode="after")

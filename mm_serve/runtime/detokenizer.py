@@ -10,7 +10,9 @@ Guarantees for the text deltas it emits, concatenated:
 * a stop string that spans tokens is found and cut, with everything after it, by an
   Aho-Corasick automaton over the stop strings (:mod:`mm_serve.runtime.stop_strings`) that
   scans only the window a step can complete one in: the cost of a step does not grow with
-  the number of stop strings.
+  the number of stop strings;
+* with ``min_tokens``, a stop string counts only where it ends in the text of a token after
+  the first ``min_tokens`` (vLLM checks stop strings only once more tokens than that are out).
 
 Each step decodes only a short window of ids, not the whole output: the ids
 from ``prefix_offset`` (the start of the previous step's new tokens) to the end,
@@ -34,9 +36,12 @@ from mm_serve.runtime.stop_strings import StopStrings
 class IncrementalDetokenizer:
     """Feed output token ids; get safe-to-send text deltas and stop-string detection."""
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self.min_tokens = min_tokens
+        self._stops_from = 0  # a stop string must end at or after this character (the text of min_tokens tokens)
         self._matcher = StopStrings(stops) if stops else None
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
@@ -55,11 +60,16 @@ class IncrementalDetokenizer:
         """Append tokens; returns the new text that is safe to send now."""
         if self.stopped:
             return ""
+        short = self.min_tokens - len(self.token_ids)  # tokens still to come before stop strings count
+        if self._matcher is not None and 0 < short < len(token_ids):  # the boundary falls inside: one side each
+            return self.add(token_ids[:short]) + self.add(token_ids[short:])
         self.token_ids.extend(token_ids)
         pending = self._pending()
         full = self._decoded + pending
-        if self._matcher is not None:
-            found = self._matcher.first(full, max(0, self.sent - self._matcher.longest))
+        if self._matcher is not None and len(self.token_ids) <= self.min_tokens:
+            self._stops_from = len(full)
+        elif self._matcher is not None:
+            found = self._matcher.first(full, max(0, self.sent - self._matcher.longest), self._stops_from)
             if found is not None:
                 self.text = full[: found[0]]
                 self.stop_string = found[1]

@@ -48,6 +48,11 @@ class SamplingMsg(msgspec.Struct, frozen=True):
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None
+    min_tokens: int = 0
+    logit_bias: list[tuple[int, float]] = []
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 # ---- front end -> prefill worker -------------------------------------------------------------

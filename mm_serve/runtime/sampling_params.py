@@ -9,6 +9,9 @@ MAX_TOP_K = 2**31 - 1  # any value at or above the vocabulary size keeps every t
 MAX_TOKENS = 2**31 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_SEED = 2**63 - 1024  # the HTTP API's bound too: seeds of n > 1 choices (seed + i) stay int64
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one token's logit_bias
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty (either sign)
+MAX_REPETITION_PENALTY = 10.0
 
 
 def _check_int(name: str, value: object, low: int, high: int, note: str = "") -> None:
@@ -36,6 +39,14 @@ class SamplingParams:
     seeded by ``seed``: the same seed gives the same tokens whatever else is in
     the batch.
 
+    Before any of that (greedy too) the logits are adjusted as vLLM does, in this order
+    (:mod:`mm_serve.runtime.logit_controls`): stop tokens (EOS unless ``ignore_eos``) are
+    masked while fewer than ``min_tokens`` tokens are out, ``logit_bias`` is added
+    (token id -> bias in [-100, 100], OpenAI's), the repetition penalty divides positive
+    (multiplies negative) logits of every token in the prompt or the output (Keskar et al.
+    2019, "CTRL", eq. in §4.1), and OpenAI's penalties subtract ``frequency_penalty`` times
+    a token's count in the output plus ``presence_penalty`` once it occurs there.
+
     Raises:
         ValueError: any field out of range (the message names the field and value).
     """
@@ -50,6 +61,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top log-probabilities to return per token
     n: int = 1
+    min_tokens: int = 0  # stop tokens and stop strings take effect only after this many output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids distinct
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +93,24 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, MAX_TOKEN_ID)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, "(at most max_tokens)")
+        _check_real("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_real("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_real("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = tuple((token, value) for token, value in bias)
+        for token, value in pairs:
+            _check_int("logit_bias token id", token, 0, MAX_TOKEN_ID)
+            _check_real("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if len({token for token, _ in pairs}) != len(pairs):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in pairs))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any of ``min_tokens``, ``logit_bias`` or the penalties changes the logits."""
+        return bool(self.min_tokens or self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -17,7 +17,9 @@ def to_wire(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingMs
     return SamplingMsg(
         max_tokens=params.max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
         top_k=params.top_k, seed=params.seed, stop_token_ids=sorted(stops), ignore_eos=params.ignore_eos,
-        logprobs=params.logprobs,
+        logprobs=params.logprobs, min_tokens=params.min_tokens, logit_bias=list(params.logit_bias),
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
     )
 
 
@@ -26,4 +28,7 @@ def from_wire(msg: SamplingMsg) -> SamplingParams:
     return SamplingParams(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
         seed=msg.seed, stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=True, logprobs=msg.logprobs,
+        min_tokens=msg.min_tokens, logit_bias=tuple((int(t), float(v)) for t, v in msg.logit_bias),
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty,
     )

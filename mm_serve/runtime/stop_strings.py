@@ -33,14 +33,17 @@ class StopStrings:
                 self._automaton.add_word(stop, (index, stop))
         self._automaton.make_automaton()
 
-    def first(self, text: str, start: int = 0) -> tuple[int, str] | None:
-        """The earliest occurrence of a stop string in ``text`` that starts at or after ``start``: (its start, the
-        stop string; of several starting there, the first in the list); None when there is none.
+    def first(self, text: str, start: int = 0, end_after: int = 0) -> tuple[int, str] | None:
+        """The earliest occurrence of a stop string in ``text`` that starts at or after ``start`` and ends after
+        character ``end_after`` (its last character at index ``end_after`` or later): (its start, the stop
+        string; of several starting there, the first in the list); None when there is none.
 
         Cost: linear in ``len(text) - start`` plus the occurrences found.
         """
         best: tuple[int, int, str] | None = None
         for end, (index, stop) in self._automaton.iter(text, start):
+            if end < end_after:
+                continue
             at = end - len(stop) + 1
             if best is None or (at, index) < best[:2]:
                 best = (at, index, stop)

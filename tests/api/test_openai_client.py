@@ -116,6 +116,23 @@ def test_text_chat_and_completions_equal_offline(client: openai.OpenAI, offline:
     assert c.choices[0].text == exp.text and c.usage.completion_tokens == len(exp.token_ids)
 
 
+def test_logit_adjustments_equal_offline_streamed_and_not(client: openai.OpenAI, offline: LLM) -> None:
+    """logit_bias, presence / frequency penalties (OpenAI's fields) and repetition_penalty, min_tokens (vLLM's,
+    through ``extra_body``) give the offline engine's tokens, streamed and not; min_tokens holds off a stop
+    token that the bias makes the most likely one."""
+    kwargs = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0,
+              "logit_bias": {"9": 2.5, "17": 5.0}, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+              "extra_body": {"repetition_penalty": 1.2, "min_tokens": 6, "stop_token_ids": [17]}}
+    full = client.completions.create(**kwargs)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    exp = offline.generate({"prompt": "The quick brown fox"}, SamplingParams(
+        max_tokens=24, temperature=0.0, logit_bias=((9, 2.5), (17, 5.0)), presence_penalty=0.5, frequency_penalty=0.3,
+        repetition_penalty=1.2, min_tokens=6, stop_token_ids=(17,)))[0]
+    assert full.choices[0].text == streamed == exp.text and full.usage.completion_tokens == len(exp.token_ids)
+    assert 6 < len(exp.token_ids) < 24 and exp.token_ids[-1] == 17 and 17 not in exp.token_ids[:6]
+    assert full.choices[0].finish_reason == "stop"
+
+
 def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     kwargs = {"model": "tiny", "messages": _image_message("Tell me.", data_uri(gradient_image(50, 50, 3))),
               "max_tokens": 40, "temperature": 0}
