@@ -17,7 +17,7 @@ from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
-from mm_serve.runtime.page_hashes import image_content_hashes
+from mm_serve.runtime.page_hashes import image_content_hashes, salted
 from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
@@ -64,8 +64,9 @@ class PrefillWorker(WorkerShell):
             image_token_counts=list(msg.image_token_counts), image_tiles=list(msg.image_tiles),
             image_sizes=[tuple(int(v) for v in size) for size in msg.image_sizes],
             image_second_per_grid=list(msg.image_second_per_grid),
-            image_hashes=list(msg.image_hashes) or image_content_hashes(pixels, msg.image_tiles, msg.image_sizes,
-                                                                        msg.image_second_per_grid),
+            cache_salt=msg.cache_salt,
+            image_hashes=list(msg.image_hashes) or [salted(h, msg.cache_salt) for h in image_content_hashes(
+                pixels, msg.image_tiles, msg.image_sizes, msg.image_second_per_grid)],
             generator=None if params.greedy else make_generator(msg.generator_seed),
             seed=None if params.greedy else msg.generator_seed, output_offset=msg.output_offset,
             decode_index=msg.decode_index, priority=msg.priority, max_wait_s=msg.max_wait_s,

@@ -35,7 +35,7 @@ class ColocatedWorker(WorkerShell):
         inputs = ProcessedInputs(list(msg.prompt_token_ids), pixels, msg.num_images, list(msg.image_hashes),
                                  list(msg.image_token_counts), list(msg.image_tiles),
                                  [tuple(int(v) for v in size) for size in msg.image_sizes],
-                                 image_second_per_grid=list(msg.image_second_per_grid))
+                                 image_second_per_grid=list(msg.image_second_per_grid), cache_salt=msg.cache_salt)
         request = self.engine.add_request(msg.request_id, inputs, from_wire(msg.sampling), msg.generator_seed,
                                           msg.output_offset, priority=msg.priority)
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)

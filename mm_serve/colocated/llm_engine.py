@@ -16,7 +16,7 @@ from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.malloc_tuning import tune_malloc_for_inference
 from mm_serve.runtime.model_runner import ModelRunner
-from mm_serve.runtime.page_hashes import image_content_hashes
+from mm_serve.runtime.page_hashes import image_content_hashes, salted
 from mm_serve.runtime.post_step import StopCriteria, process_step
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
@@ -81,9 +81,9 @@ class LLMEngine:
             output_offset=output_offset,
             stop_matcher=IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens)
             if params.stop else None,
-            priority=priority,
-            image_hashes=list(inputs.image_hashes) or image_content_hashes(
-                inputs.pixel_values, inputs.image_tiles, inputs.image_sizes, inputs.image_second_per_grid),
+            priority=priority, cache_salt=inputs.cache_salt,
+            image_hashes=list(inputs.image_hashes) or [salted(h, inputs.cache_salt) for h in image_content_hashes(
+                inputs.pixel_values, inputs.image_tiles, inputs.image_sizes, inputs.image_second_per_grid)],
         )
         self.requests[request_id] = request
         self.scheduler.add(request)

@@ -34,7 +34,7 @@ from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError,
 from mm_serve.models.registry import load_model_config
 from mm_serve.runtime import messages
 from mm_serve.runtime.detokenizer import IncrementalDetokenizer
-from mm_serve.runtime.page_hashes import image_content_hashes, image_spans, page_hash_chain
+from mm_serve.runtime.page_hashes import image_content_hashes, image_spans, page_hash_chain, salted
 from mm_serve.runtime.sampling_params import SamplingParams
 from mm_serve.runtime.sampling_wire import to_wire
 from mm_serve.runtime.worker_setup import prefix_key
@@ -152,7 +152,8 @@ class EngineClient:
         image_hashes: list[bytes] = []
         if inputs is not None:
             image_hashes = self.hash_images(inputs)
-            hashes = self._page_hashes(inputs.prompt_token_ids, image_hashes, inputs.image_token_counts)
+            hashes = self._page_hashes(inputs.prompt_token_ids, image_hashes, inputs.image_token_counts,
+                                       inputs.cache_salt)
         flights = self.flights
         with flights.lock:
             prefills, decodes = flights.ready_candidates()
@@ -201,21 +202,24 @@ class EngineClient:
 
     @staticmethod
     def hash_images(inputs: ProcessedInputs) -> list[bytes]:
-        """The content hash of each of the request's images, computed once and kept on ``inputs``."""
+        """The content hash of each of the request's images (:func:`salted` with its ``cache_salt``: the
+        encoder cache's key), computed once and kept on ``inputs``."""
         if not inputs.image_hashes and inputs.pixel_values is not None:
-            inputs.image_hashes = image_content_hashes(inputs.pixel_values, inputs.image_tiles, inputs.image_sizes,
-                                                       inputs.image_second_per_grid)
+            inputs.image_hashes = [salted(h, inputs.cache_salt) for h in image_content_hashes(
+                inputs.pixel_values, inputs.image_tiles, inputs.image_sizes, inputs.image_second_per_grid)]
         return inputs.image_hashes
 
-    def _page_hashes(self, token_ids: list[int], image_hashes: list[bytes], token_counts: list[int]) -> list[bytes]:
+    def _page_hashes(self, token_ids: list[int], image_hashes: list[bytes], token_counts: list[int],
+                     request_salt: bytes = b"") -> list[bytes]:
         """The prompt's full-page hashes as its prefill worker computes them (for cache-aware
-        routing; [] when routing is not cache-aware)."""
+        routing; [] when routing is not cache-aware), from the root :func:`salted` with ``request_salt``."""
         router = self.flights.router
         if router is None or not router.cache_aware:
             return []
         key = self.prefix_key
         spans = image_spans(token_ids, key.image_token_id, token_counts[: len(image_hashes)])
-        return page_hash_chain(token_ids, self.config.kv_cache.page_size, key.salt, image_hashes[: len(spans)], spans)
+        return page_hash_chain(token_ids, self.config.kv_cache.page_size, salted(key.salt, request_salt),
+                               image_hashes[: len(spans)], spans)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -257,10 +261,10 @@ class EngineClient:
             arrival_time=time.time(), priority=int(Tier.STANDARD if tier is None else tier), max_wait_s=max_wait_s,
             image_hashes=image_hashes, image_token_counts=list(inputs.image_token_counts),
             image_tiles=list(inputs.image_tiles), image_sizes=list(inputs.image_sizes),
-            image_second_per_grid=list(inputs.image_second_per_grid),
+            image_second_per_grid=list(inputs.image_second_per_grid), cache_salt=inputs.cache_salt,
         )
         flight = Flight(state, first, page_hashes=self._page_hashes(inputs.prompt_token_ids, image_hashes,
-                                                                    inputs.image_token_counts))
+                                                                    inputs.image_token_counts, inputs.cache_salt))
         try:
             self.flights.add(flight)
         except ValueError as exc:

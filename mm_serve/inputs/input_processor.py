@@ -58,6 +58,7 @@ class ProcessedInputs:
     image_sizes: list[tuple[int, ...]] = field(default_factory=list)
     # per image, seconds of video one temporal patch spans (0: a still image; []: no video); Qwen2.5-VL's M-RoPE
     image_second_per_grid: list[float] = field(default_factory=list)
+    cache_salt: bytes = b""  # runtime.page_hashes.request_salt of the request's cache_salt; b"": shared caches
 
     @property
     def tiles_per_image(self) -> list[int]:

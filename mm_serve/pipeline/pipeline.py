@@ -32,6 +32,7 @@ from mm_serve.pipeline.media import chat_request, process_inputs, video_limits
 from mm_serve.pipeline.origin import CallOrigin
 from mm_serve.pipeline.refusal import from_rejection
 from mm_serve.protocol.errors import bad_request
+from mm_serve.runtime.page_hashes import request_salt
 
 
 @dataclass(frozen=True)
@@ -101,9 +102,14 @@ async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None
         request = await chat_request(call.chat, api, limits, reserve, takes_video)
         if kwargs:
             request["mm_processor_kwargs"] = kwargs
-        return [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]
-    return [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
-            for prompt in call.prompts]
+        processed = [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]
+    else:
+        processed = [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
+                     for prompt in call.prompts]
+    if call.body.cache_salt is not None:
+        for one in processed:  # before anything hashes its images or pages
+            one.cache_salt = request_salt(call.body.cache_salt)
+    return processed
 
 
 def _submit(ctx: ServerContext, client: EngineClient, call: Call, prepared: Prepared,

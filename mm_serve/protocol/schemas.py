@@ -164,6 +164,10 @@ class _SamplingFields(_Lenient):
         "or the output; 1 = off")
     min_tokens: int | None = Field(None, ge=0, strict=True, description="extension (vLLM): stop tokens, EOS and "
                                    "stop strings take effect only after this many output tokens (at most max_tokens)")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=1024, description="extension (vLLM): requests share cached KV pages and image "
+        "embeddings only with requests of the same salt (none: with every request without one), so one tenant's "
+        "prompts are never reported, or timed, as cached for another")
     user: str | None = None
     service_tier: str | None = Field(
         None, description="SLO tier: priority -> interactive, default -> standard, flex -> batch, auto or absent -> "

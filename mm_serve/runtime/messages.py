@@ -82,6 +82,7 @@ class PrefillRequest(msgspec.Struct, tag=True):
     image_tiles: list[int] = []  # rows of pixel_values per image ([] = one each)
     image_sizes: list[tuple[int, ...]] = []  # per image what its features need (Request.image_sizes)
     image_second_per_grid: list[float] = []  # per image, seconds a video's temporal patch spans (Request)
+    cache_salt: bytes = b""  # page_hashes.request_salt of its cache_salt (Request.cache_salt); b"": none
 
 
 # ---- front end -> any worker -----------------------------------------------------------------

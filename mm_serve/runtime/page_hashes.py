@@ -6,7 +6,7 @@ A full page's hash chains (vLLM's automatic prefix caching; STYLE.md pattern 11)
                       image tokens overlap page p)
 
 with ``h_{-1}`` = BLAKE2b-256 of a salt naming whatever else changes KV (the model and
-its dtype). Two prompts share page ``p`` only if every token *and every image* up to and
+its dtype), hashed again with a request's ``cache_salt`` when it has one (:func:`salted`). Two prompts share page ``p`` only if every token *and every image* up to and
 including page ``p`` is the same, so identical text around different images never shares
 KV. Every hash is the full 256-bit digest (a hash folded to 30 bits collides after ~46 k
 images; 256 bits never in practice).
@@ -76,6 +76,21 @@ def image_content_hashes(pixel_values: torch.Tensor | None, tiles: Sequence[int]
 def cache_salt(*parts: str) -> bytes:
     """The root of every chain: a hash of what else changes KV (e.g. model path, dtype)."""
     return _blake("|".join(parts).encode())
+
+
+def request_salt(text: str) -> bytes:
+    """A request's ``cache_salt`` (vLLM's field; any string) as the bytes :func:`salted` takes: its hash."""
+    return _blake(b"cache_salt|", text.encode("utf-8", "surrogatepass"))
+
+
+def salted(digest: bytes, salt: bytes) -> bytes:
+    """``digest`` (a chain's root, an image's content hash) made private to requests of ``salt`` (b"": as it is).
+
+    Requests of different salts then share no KV page (every chain starts from a different root) and no
+    encoder-cache entry (every image hashes differently), so neither a ``cached_tokens`` count nor a TTFT
+    can tell one tenant what another sent (vLLM's ``cache_salt``, its prefix-caching design's multi-tenant
+    isolation)."""
+    return _blake(digest, salt) if salt else digest
 
 
 def image_spans(

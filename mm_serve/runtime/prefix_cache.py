@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from mm_serve.kernels.page_pool import PagePool, PagePoolExhaustedError
 from mm_serve.runtime.kv_cache import pages_for
-from mm_serve.runtime.page_hashes import image_spans, page_hash_chain
+from mm_serve.runtime.page_hashes import image_spans, page_hash_chain, salted
 from mm_serve.runtime.request import Request
 
 
@@ -63,7 +63,8 @@ class PrefixCache:
         if len(request.page_hashes) < len(tokens) // self.page_size:
             spans = image_spans(tokens, self.key.image_token_id, request.image_token_counts[: len(request.image_hashes)])
             request.page_hashes = page_hash_chain(
-                tokens, self.page_size, self.key.salt, request.image_hashes[: len(spans)], spans,
+                tokens, self.page_size, salted(self.key.salt, request.cache_salt), request.image_hashes[: len(spans)],
+                spans,
                 start=request.page_hashes,
             )
         return request.page_hashes
