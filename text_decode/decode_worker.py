@@ -21,6 +21,7 @@ from mm_serve.runtime.model_runner import ModelRunner
 from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, sample_requests
+from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_setup import load_for_worker
 from mm_serve.runtime.worker_shell import WorkerShell
 from mm_serve.text_decode.handoff_receiver import HandoffReceiver
@@ -47,6 +48,7 @@ class DecodeWorker(WorkerShell):
         self.receiver = HandoffReceiver(self.rings, self.kv_cache, self._handoff_failed, open_ring)
         self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, cfg)
         self.sampler = Sampler()
+        self.grammars = GrammarBook(spec.model_dir)  # EOS: in each request's stop tokens (sampling_wire)
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
         self.requests: dict[str, Request] = {}
         self._aborted_at: dict[str, float] = {}  # aborts of hand-offs not seen yet: id -> monotonic time
@@ -129,7 +131,7 @@ class DecodeWorker(WorkerShell):
                 logits = self.runner.prefill(plan.prefill)
             else:
                 logits = self.runner.decode(plan.decode)
-            tokens, logprobs = sample_requests(self.sampler, logits, batch)
+            tokens, logprobs = sample_requests(self.sampler, logits, batch, grammars=self.grammars)
         except Exception as exc:  # one bad step fails its requests, not the worker
             print(f"[decode {self.spec.index}] step of {len(batch)} failed: {exc!r}", flush=True)
             for request in batch:

@@ -22,6 +22,7 @@ from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
 from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_setup import cache_report, load_for_worker, make_caches
 from mm_serve.runtime.worker_shell import WorkerShell
 from mm_serve.transport.doorbell import DoorbellRingers
@@ -51,6 +52,7 @@ class PrefillWorker(WorkerShell):
         self.scheduler = PrefillScheduler(cfg.prefill_token_budget, cfg.prefill_batch_size,
                                           chunk_tokens=cfg.prefill_chunk_tokens)
         self.sampler = Sampler()
+        self.grammars = GrammarBook(spec.model_dir)  # EOS: in each request's stop tokens
         # EOS is folded into each request's stop tokens by the front end (sampling_wire)
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
 
@@ -147,7 +149,7 @@ class PrefillWorker(WorkerShell):
         for request in batch:  # the KV computed is in place: later requests (and chunks) may share it
             self.prefix.commit(request, request.prefill_end or request.num_tokens)
         ready = [batch[i] for i in done]
-        tokens, logprobs = sample_requests(self.sampler, logits[done], ready) if ready else ([], [])
+        tokens, logprobs = sample_requests(self.sampler, logits[done], ready, grammars=self.grammars) if ready else ([], [])
         now = time.time()
         for request in ready:
             request.stamp(LifetimeEvent.PREFILL_END, now)

@@ -21,6 +21,7 @@ from mm_serve.runtime.post_step import StopCriteria, process_step
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
 from mm_serve.runtime.sampling_params import SamplingParams
+from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_setup import load_model_for, make_caches, make_kv_cache
 from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
 
@@ -51,6 +52,7 @@ class LLMEngine:
         self.max_model_len = self.config.context_limit(self.model_config.text)
         self.eos_token_ids = self.inputs.eos_token_ids
         self.stops = StopCriteria(self.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarBook(self.model_dir, self.eos_token_ids, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(self.config.seed)
 
@@ -108,7 +110,7 @@ class LLMEngine:
                 self.prefix.commit(request, request.num_tokens)  # KV in place: shareable from now on
         else:
             batch, logits = plan.decode, self.runner.decode(plan.decode)
-        tokens, logprobs = sample_requests(self.sampler, logits, batch, self.eos_token_ids)
+        tokens, logprobs = sample_requests(self.sampler, logits, batch, self.eos_token_ids, self.grammars)
         return batch, process_step(batch, tokens, logprobs, self.stops, self.scheduler.finish)
 
     def output_text(self, request: Request) -> str:

@@ -53,6 +53,7 @@ class SamplingMsg(msgspec.Struct, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured: tuple[str, str] | None = None  # (kind, text) of a grammar (runtime.structured_output)
 
 
 # ---- front end -> prefill worker -------------------------------------------------------------

@@ -36,6 +36,7 @@ def check_stop(request: Request, token: int, criteria: StopCriteria) -> RequestS
     """Finished status after ``token`` was appended to ``request``'s outputs, or None to continue.
 
     Order: EOS (unless ``ignore_eos``) and ``stop_token_ids`` → ``FINISHED_STOPPED``; a
+    structured request's grammar complete (its matcher terminated) → ``FINISHED_STOPPED``; a
     stop string seen by the request's ``stop_matcher`` → ``FINISHED_STOPPED`` (also when
     the same token reaches the length limit, as the front end's stop-string cut and vLLM
     do); ``max_tokens`` or the context length reached → ``FINISHED_LENGTH``. Sets
@@ -44,6 +45,10 @@ def check_stop(request: Request, token: int, criteria: StopCriteria) -> RequestS
     params = request.sampling_params
     if (not params.ignore_eos and token in criteria.eos_token_ids) or token in params.stop_token_ids:
         request.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
+    grammar = request.grammar_matcher
+    if grammar is not None and grammar.is_terminated():  # type: ignore[attr-defined]  # its grammar is complete
+        request.stop_reason = token if token in params.stop_token_ids else None
         return RequestStatus.FINISHED_STOPPED
     matcher = request.stop_matcher
     if matcher is not None:

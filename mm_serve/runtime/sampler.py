@@ -18,6 +18,7 @@ import torch
 
 from mm_serve.runtime.logit_controls import adjust_logits
 from mm_serve.runtime.sampling_params import SamplingParams
+from mm_serve.runtime.structured_output import GrammarBook
 
 if TYPE_CHECKING:
     from mm_serve.runtime.request import Request
@@ -128,17 +129,32 @@ class Sampler:
 
 def sample_requests(
     sampler: Sampler, logits: torch.Tensor, batch: list[Request], eos_token_ids: frozenset[int] = frozenset(),
+    grammars: GrammarBook | None = None,
 ) -> tuple[list[int], list[dict[int, float] | None]]:
     """Next token and (if asked) log-probabilities for each request of a step (``logits`` ``[B, V]``),
     in batch order. Each token is picked from the logits as the request adjusts them
     (:func:`~mm_serve.runtime.logit_controls.adjust_logits`: ``min_tokens``, with ``eos_token_ids``
     as stop tokens unless it ignores EOS; ``logit_bias``; penalties), each sampled request drawing from
     its own ``generator``, re-seeded with :func:`position_seed` of its ``seed`` and the position of the
-    token it draws (``output_offset`` + outputs so far) when the request has a seed. Log-probabilities
-    are the model's own (before the adjustments, as vLLM's default)."""
+    token it draws (``output_offset`` + outputs so far) when the request has a seed. A structured request's
+    tokens are restricted to those its grammar allows (``grammars``' mask, before the adjustments) and
+    each is fed to its matcher. Log-probabilities are the model's own (before the adjustments, as vLLM's
+    default).
+
+    Raises:
+        ValueError: a structured request without ``grammars`` (the process has no grammar book).
+    """
     params = [r.sampling_params for r in batch]
     for r in batch:
         if r.generator is not None and r.seed is not None:
             r.generator.manual_seed(position_seed(r.seed, r.output_offset + len(r.output_token_ids)))
-    tokens = sampler.sample(adjust_logits(logits, batch, eos_token_ids), params, [r.generator for r in batch])
+    chosen = logits
+    if any(p.structured is not None for p in params):
+        if grammars is None:
+            raise ValueError("a structured request reached a process without a grammar book")
+        chosen = logits.float().clone()
+        grammars.mask(chosen, batch)
+    tokens = sampler.sample(adjust_logits(chosen, batch, eos_token_ids), params, [r.generator for r in batch])
+    if grammars is not None:
+        grammars.accept(batch, tokens)
     return tokens, sampler.logprobs(logits, tokens, [p.logprobs for p in params])

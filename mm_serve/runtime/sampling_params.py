@@ -39,6 +39,10 @@ class SamplingParams:
     seeded by ``seed``: the same seed gives the same tokens whatever else is in
     the batch.
 
+    With ``structured`` the output follows a grammar (JSON schema, any JSON object, a regular
+    expression or a list of choices): tokens it does not allow next are masked first
+    (:mod:`mm_serve.runtime.structured_output`).
+
     Before any of that (greedy too) the logits are adjusted as vLLM does, in this order
     (:mod:`mm_serve.runtime.logit_controls`): stop tokens (EOS unless ``ignore_eos``) are
     masked while fewer than ``min_tokens`` tokens are out, ``logit_bias`` is added
@@ -66,6 +70,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
+    structured: tuple[str, str] | None = None  # (kind, text): a grammar the output follows (runtime.structured_output)
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +110,12 @@ class SamplingParams:
         if len({token for token, _ in pairs}) != len(pairs):
             raise ValueError("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in pairs))
+        if self.structured is not None:
+            kind, text = self.structured
+            if kind not in ("json", "json_object", "regex", "choice") or not isinstance(text, str):
+                raise ValueError(f"structured must be (kind, text) with kind json, json_object, regex or choice, "
+                                 f"got {self.structured!r:.200}")
+            object.__setattr__(self, "structured", (kind, text))
 
     @property
     def adjusts_logits(self) -> bool:

@@ -19,7 +19,7 @@ def to_wire(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingMs
         top_k=params.top_k, seed=params.seed, stop_token_ids=sorted(stops), ignore_eos=params.ignore_eos,
         logprobs=params.logprobs, min_tokens=params.min_tokens, logit_bias=list(params.logit_bias),
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty,
+        repetition_penalty=params.repetition_penalty, structured=params.structured,
     )
 
 
@@ -31,4 +31,5 @@ def from_wire(msg: SamplingMsg) -> SamplingParams:
         min_tokens=msg.min_tokens, logit_bias=tuple((int(t), float(v)) for t, v in msg.logit_bias),
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty,
+        structured=None if msg.structured is None else (msg.structured[0], msg.structured[1]),
     )
