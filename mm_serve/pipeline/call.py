@@ -17,6 +17,7 @@ from mm_serve.pipeline.chat_prompt import ChatPrompt
 from mm_serve.protocol.errors import APIError, bad_request
 from mm_serve.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from mm_serve.protocol.service_tier import tier_of
+from mm_serve.protocol.structured_outputs import StructuredOutputError, grammar_of
 from mm_serve.runtime.sampling_params import MAX_SEED, SamplingParams
 
 DEFAULT_PRECHECK_TOKENS = 16  # max_tokens the early admission check assumes when the call sets none
@@ -41,6 +42,7 @@ class Call:
             ``{"prompt_token_ids": ids}``), one per prompt; empty for chat.
         logprobs: the log-probabilities to return per token (chat: ``top_logprobs`` when
             ``logprobs`` is set; completions: ``logprobs``); None for none.
+        grammar: the structured output it asks for, ``((kind, text), field)`` (None: free text).
     """
 
     body: Body
@@ -50,6 +52,7 @@ class Call:
     chat: ChatPrompt | None
     prompts: list[dict[str, Any]]
     logprobs: int | None
+    grammar: tuple[tuple[str, str], str] | None = None
 
     @classmethod
     def parse(cls, body: Body, default_tier: Tier, arrival: float, api: APIConfig | None = None) -> Call:
@@ -66,15 +69,22 @@ class Call:
             tier = tier_of(body.service_tier, default_tier)
         except ValueError as exc:
             raise bad_request(str(exc), "service_tier", "invalid_service_tier") from None
+        try:
+            grammar = grammar_of(body)
+        except StructuredOutputError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        if grammar is not None and api is not None and len(grammar[0][1]) > api.max_grammar_chars:
+            raise bad_request(f"the {grammar[1]} grammar has {len(grammar[0][1])} characters; the limit is "
+                              f"{api.max_grammar_chars} (api.max_grammar_chars)", grammar[1], "grammar_limit")
         if isinstance(body, ChatCompletionRequest):
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             return cls(body, tier, arrival, body.max_completion_tokens or body.max_tokens,
-                       ChatPrompt.parse(body.messages), [], logprobs)
+                       ChatPrompt.parse(body.messages), [], logprobs, grammar)
         prompts = _prompts(body.prompt)
         _check_prompt_count(len(prompts))  # also in check_limits, which a call without ``api`` skips
         if body.stream and len(prompts) > 1:
             raise bad_request("streaming supports one prompt per request", "prompt")
-        return cls(body, tier, arrival, body.max_tokens, None, prompts, body.logprobs)
+        return cls(body, tier, arrival, body.max_tokens, None, prompts, body.logprobs, grammar)
 
     @property
     def num_prompts(self) -> int:
@@ -126,6 +136,7 @@ class Call:
                 logit_bias=tuple(sorted(bias.items())), presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                structured=None if self.grammar is None else self.grammar[0],
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None

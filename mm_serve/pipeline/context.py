@@ -19,6 +19,7 @@ from mm_serve.engine.engine_holder import EngineHolder
 from mm_serve.ground.tiers import NEVER_REFUSED, Tier
 from mm_serve.metrics.tier_metrics import TierMetrics
 from mm_serve.protocol.errors import unavailable
+from mm_serve.runtime.structured_output import GrammarBook
 
 WARMING_RETRY_S = 5  # Retry-After while the workers load the model (seconds; a start takes ~5-30 s)
 
@@ -43,6 +44,7 @@ class ServerContext:
     seen_images: SeenImages = field(init=False)  # image URLs sent lately (the early check counts the others)
     media_load: MediaLoad = field(init=False)  # calls fetching/decoding images or tokenizing now (the decision deadline)
     tier_metrics: TierMetrics | None = None  # set by build_app
+    grammars: GrammarBook = field(init=False)  # compiles (and so checks) the grammars calls ask for
 
     def __post_init__(self) -> None:
         self.image_budget = ByteBudget(self.config.admission.max_image_bytes_in_flight)
@@ -50,6 +52,7 @@ class ServerContext:
         self.dispatch_hold = DispatchHold()
         self.seen_images = SeenImages()
         self.media_load = MediaLoad()
+        self.grammars = GrammarBook(self.holder.model_dir)
 
     @property
     def context_len(self) -> int:

@@ -16,6 +16,7 @@ as an :class:`~mm_serve.protocol.errors.APIError` in OpenAI's format.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from mm_serve.pipeline.origin import CallOrigin
 from mm_serve.pipeline.refusal import from_rejection
 from mm_serve.protocol.errors import bad_request
 from mm_serve.runtime.page_hashes import request_salt
+from mm_serve.runtime.structured_output import GrammarError
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     origin.mark("parse")  # the body read, parsed and validated
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     call = Call.parse(body, ctx.config.slo.default, origin.arrival, ctx.config.api)
+    if call.grammar is not None:
+        await _compile_grammar(ctx, *call.grammar)
     gate: Gate = AdmissionGate(ctx) if ctx.admission_gate else OpenGate()
     gate.refuse_if_draining()
     recheck = gate.precheck(call)
@@ -84,6 +88,19 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     prediction = gate.admit(call, prepared, committed)
     origin.mark("admit")
     return AdmittedCall(call, prediction, _submit(ctx, client, call, prepared, prediction))
+
+
+async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str) -> None:
+    """Compile the grammar a call asks for, in a thread (the workers' compilers do the same; this one
+    finds a grammar that cannot be compiled before any work is done for the call).
+
+    Raises:
+        APIError: 400 ``invalid_grammar`` naming the field and xgrammar's reason.
+    """
+    try:
+        await asyncio.to_thread(ctx.grammars.compile, spec, ctx.holder.model_config.text.vocab_size)
+    except GrammarError as exc:
+        raise bad_request(f"the {param} grammar cannot be compiled: {exc}", param, "invalid_grammar") from None
 
 
 async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None = None) -> list[ProcessedInputs]:

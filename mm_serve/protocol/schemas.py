@@ -19,6 +19,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from mm_serve.protocol.service_tier import check_service_tier
+from mm_serve.protocol.structured_outputs import StructuredFields
 
 
 class _Lenient(BaseModel):
@@ -106,10 +107,6 @@ def _zero(value: Any) -> bool:
     return value is None or (type(value) in (int, float) and value == 0)
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _is(*allowed: Any) -> Callable[[Any], bool]:
     return lambda value: _empty(value) or any(value == a and type(value) is type(a) for a in allowed)
 
@@ -118,7 +115,7 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 # name -> whether a value asks for nothing (then it is accepted and ignored)
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "tools": _empty, "tool_choice": _is("none", "auto"), "functions": _empty, "function_call": _is("none", "auto"),
-    "parallel_tool_calls": _is(True), "response_format": _text_format, "prediction": _empty,
+    "parallel_tool_calls": _is(True), "prediction": _empty,
     "audio": _empty, "modalities": _is(["text"]), "best_of": _one,
 }
 UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _empty, "suffix": _empty, "best_of": _one}
@@ -134,7 +131,7 @@ def _refuse(data: Any, unsupported: dict[str, Callable[[Any], bool]]) -> Any:
     return data
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(StructuredFields):
     model: str
     max_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
