@@ -14,31 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 from mm_serve import LLM, SamplingParams  # noqa: E402
-from mm_serve.models.builder import BENCH_SPEC, TinyModelSpec, build_llama  # noqa: E402
-
-LARGE_SPEC = TinyModelSpec(
-    vocab_size=2048, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=16, num_kv_heads=8,
-    initializer_range=0.02,
-)
-
-
-def _model_dir(name: str) -> Path:
-    if Path(name).is_dir():
-        return Path(name)
-    spec = {"bench": BENCH_SPEC, "large": LARGE_SPEC}.get(name, TinyModelSpec())
-    out = Path(tempfile.gettempdir()) / f"mm_serve_bench_{name}_llama"
-    if not (out / "config.json").is_file():
-        build_llama(out, seed=0, spec=spec)
-    return out
+from mm_serve.bench.llama_checkpoints import llama_checkpoint  # noqa: E402
 
 
 def _prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -92,7 +75,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 
-    model_dir = _model_dir(args.model)
+    model_dir = llama_checkpoint(args.model)
     llm = LLM(model=model_dir, mode="colocated", num_pages=2048, max_running=64, device=args.device,
               enforce_eager=args.enforce_eager, cpu_gemm=args.cpu_gemm, cpu_kernels=args.cpu_kernels)
     reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(args.device)

@@ -45,24 +45,27 @@ class GrammarError(ValueError):
     """A grammar xgrammar cannot compile (the message names the problem), or an unknown kind."""
 
 
-# One character of a JSON string as it is written: any but a control character, a quote or a backslash,
-# or an escape (RFC 8259 §7).
-_JSON_CHAR = r'(?:[^\x00-\x1f"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+# One character of a JSON string as it is written (RFC 8259 §7): a printable ASCII character but a quote or a
+# backslash, any other Unicode scalar value (written as the characters themselves: xgrammar matches them as
+# their UTF-8 bytes; surrogates excluded, their 3-byte forms are not UTF-8), or an escape.
+_JSON_CHAR = ('(?:[\\x20\\x21\\x23-\\x5b\\x5d-\\x7e\u0080-\ud7ff\ue000-\uffff\U00010000-\U0010ffff]'
+              '|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})')
 
 
-def bounded_strings_as_patterns(schema: Any) -> Any:
-    """``schema`` with each string schema bounded by ``minLength`` / ``maxLength`` (and no ``pattern``,
-    ``format``, ``enum`` or ``const`` of its own) given the equivalent ``pattern`` instead: the same strings,
+def strings_as_patterns(schema: Any) -> Any:
+    """``schema`` with each string schema (with no ``pattern``, ``format``, ``enum`` or ``const`` of its own)
+    given the ``pattern`` of its ``minLength`` / ``maxLength`` (none: any length) instead: the same strings,
     counted in characters, written as valid JSON. xgrammar (0.2.9) lets a length-bounded string hold raw
-    control characters, which no JSON parser accepts (RFC 8259 §7); its strings with a pattern follow it.
+    control characters, which no JSON parser accepts (RFC 8259 §7), and its "any character" admits the
+    3-byte forms of surrogates, which decode as three replacement characters (a string over its length);
+    its strings with a pattern follow the pattern.
     """
     if isinstance(schema, list):
-        return [bounded_strings_as_patterns(item) for item in schema]
+        return [strings_as_patterns(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: bounded_strings_as_patterns(value) for key, value in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & set(out):
+    out = {key: strings_as_patterns(value) for key, value in schema.items()}
+    if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
         low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
         out["pattern"] = f"^{_JSON_CHAR}{{{low},{'' if high is None else int(high)}}}$"
     return out
@@ -118,7 +121,7 @@ class GrammarBook:
         compiler = self._compiler_for(vocab_size)
         try:
             if kind == "json":
-                schema = bounded_strings_as_patterns(json.loads(text))
+                schema = strings_as_patterns(json.loads(text))
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)

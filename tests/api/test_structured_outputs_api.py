@@ -1,0 +1,140 @@
+"""Structured outputs with the official openai client: JSON schemas of every kind (parsed and validated with
+``jsonschema``), JSON objects, regular expressions and choices, streamed and not, disaggregated and colocated,
+through a decode-worker kill; and the 400s for what cannot be compiled."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.api.server_process import ServerProcess
+from tests.api.test_fault_api import decode_pid, start
+from tests.schemas_gen import random_schema
+
+PROMPT = [{"role": "user", "content": "Describe the scene as JSON."}]
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _json_schema_call(client: openai.OpenAI, seed: int, stream: bool) -> tuple[str, str | None]:
+    """(text, finish_reason) of a sampled chat call asking for ``random_schema(seed)``."""
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": f"s{seed}", "schema": random_schema(seed), "strict": True}}
+    kwargs: Any = {"model": "tiny", "messages": PROMPT, "max_tokens": 200, "temperature": 1.0, "seed": seed,
+                   "response_format": fmt}
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        return r.choices[0].message.content or "", r.choices[0].finish_reason
+    text, reason = "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def _run_schemas(server: ServerProcess, seeds: range) -> list[tuple[int, str, str | None]]:
+    client = _client(server)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = {seed: pool.submit(_json_schema_call, client, seed, seed % 2 == 1) for seed in seeds}
+        return [(seed, *future.result()) for seed, future in futures.items()]
+
+
+def _assert_valid(results: list[tuple[int, str, str | None]]) -> None:
+    for seed, text, reason in results:
+        assert reason == "stop", (seed, text, reason)
+        jsonschema.validate(json.loads(text), random_schema(seed))
+
+
+def test_json_schemas_of_every_kind_parse_and_validate(server: ServerProcess) -> None:
+    """60 schemas (nested objects, arrays, enums, required fields, bounded integers and numbers, bounded
+    strings), half streamed: every output parses and validates, and ends because its grammar was complete."""
+    _assert_valid(_run_schemas(server, range(60)))
+
+
+def test_json_object_regex_and_choice(server: ServerProcess) -> None:
+    """A JSON object's keys and strings have no bound, and a random model closes them only when a quote wins
+    among hundreds of allowed tokens: of ten sampled calls some run out of tokens (``length``: a prefix of a
+    JSON object); each that ends by itself (``stop``) is a JSON object."""
+    client = _client(server)
+    reasons = []
+    for seed in range(10):
+        r = client.completions.create(model="tiny", prompt="a purple circle and", max_tokens=300, temperature=1.0,
+                                      seed=seed, extra_body={"response_format": {"type": "json_object"}})
+        reasons.append(r.choices[0].finish_reason)
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].text), dict), r.choices[0].text
+        else:
+            assert r.choices[0].finish_reason == "length" and r.choices[0].text.startswith("{")
+    assert "stop" in reasons, reasons
+    r = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=20, temperature=1.0, seed=4,  # type: ignore[arg-type]
+                                       extra_body={"guided_regex": r"(red|blue) [0-9]{2}"})
+    assert re.fullmatch(r"(red|blue) [0-9]{2}", r.choices[0].message.content or ""), r.choices[0].message.content
+    choices = ["yes", 'no "quoted"', "maybe\nnot"]
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=20, temperature=1.0, seed=seed,  # type: ignore[arg-type]
+                                           extra_body={"structured_outputs": {"choice": choices}})
+        assert r.choices[0].message.content in choices
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format", "invalid_grammar"),
+    ({"guided_regex": "a(b"}, "guided_regex", "invalid_grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", None),
+    ({"guided_choice": []}, "guided_choice", None),
+    ({"guided_json": "{not json"}, "guided_json", None),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", None),
+    ({"guided_regex": "a" * 300_000}, "guided_regex", "grammar_limit"),
+])
+def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
+                                                            code: str | None) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": PROMPT, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == code, error
+    if code == "invalid_grammar":
+        assert ("frobnicate" in error["message"]) or ("parenthesis" in error["message"]), error["message"]
+
+
+@pytest.fixture
+def faulty(tiny_llava: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = start(tiny_llava, tmp_path, 3)
+    try:
+        yield proc
+    finally:
+        assert proc.stop() == 0
+
+
+def test_json_schemas_hold_through_a_decode_kill(faulty: ServerProcess) -> None:
+    """40 schema calls in flight while the decode worker is SIGKILLed: the requests it held migrate, their
+    grammars rebuilt from the tokens already streamed; every output still parses and validates."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pid = decode_pid(faulty)
+        running = pool.submit(_run_schemas, faulty, range(100, 140))
+        while not running.done() and _tokens_out(faulty) < 200:
+            pass
+        os.kill(pid, signal.SIGKILL)
+        results = running.result()
+    _assert_valid(results)
+    migrations = httpx.get(f"{faulty.url}/metrics", timeout=10).text
+    assert re.search(r'mm_serve_request_migrations_total\{role="decode"\} [1-9]', migrations), "no request migrated"
+
+
+def _tokens_out(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    found = re.search(r"^mm_serve_generation_tokens_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0

@@ -1,0 +1,71 @@
+"""Grammar-constrained decoding in the engine: the same tokens colocated and disaggregated (the first token
+sampled on the prefill worker under the grammar, the rest on the decode worker, whose matcher is rebuilt
+from it), with requests preempted and recomputed; every output parses and validates; and the schema rewrite
+that keeps xgrammar's strings valid JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from mm_serve import LLM, SamplingParams
+from mm_serve.runtime.structured_output import GrammarBook, GrammarError, choice_ebnf, strings_as_patterns
+from tests.schemas_gen import random_schema
+
+PROMPT = {"messages": [{"role": "user", "content": "Describe the scene as JSON."}]}
+N = 24
+
+
+def _params(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=150, temperature=0.0 if seed % 3 == 0 else 1.0, seed=seed,
+                          structured=("json", json.dumps(random_schema(seed))))
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llava: Path) -> list[list[int]]:
+    llm = LLM(tiny_llava, mode="colocated")
+    outputs = llm.generate([PROMPT] * N, [_params(s) for s in range(N)])
+    for seed, out in enumerate(outputs):
+        assert out.finish_reason == "stop", (seed, out.text)
+        jsonschema.validate(json.loads(out.text), random_schema(seed))
+        assert "\ufffd" not in out.text
+    return [o.token_ids for o in outputs]
+
+
+def test_disaggregated_and_preempted_requests_give_the_colocated_tokens(tiny_llava: Path,
+                                                                          colocated: list[list[int]]) -> None:
+    """A decode pool of 48 four-token pages (one long request and a little): requests are preempted and
+    recompute, their matchers kept."""
+    with LLM(tiny_llava, mode="disaggregated", num_pages=48, page_size=4) as llm:
+        outputs = llm.generate([PROMPT] * N, [_params(s) for s in range(N)])
+        assert llm.client is not None
+        preempted = llm.client.query_stats()[("decode", 0)].num_preemptions
+    assert [o.token_ids for o in outputs] == colocated
+    assert preempted > 0
+
+
+def test_strings_are_compiled_as_patterns_of_json_characters() -> None:
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 3}, "b": {"type": "string"}, "c": {"type": "string", "enum": ["x"]},
+        "d": {"type": "array", "items": {"type": "string", "minLength": 2, "maxLength": 2}}}}
+    out = strings_as_patterns(schema)
+    assert out["properties"]["a"]["pattern"].endswith("{0,3}$") and "maxLength" not in out["properties"]["a"]
+    assert out["properties"]["b"]["pattern"].endswith("{0,}$")
+    assert out["properties"]["c"] == {"type": "string", "enum": ["x"]}
+    pattern = re.compile(out["properties"]["d"]["items"]["pattern"])
+    assert pattern.fullmatch('ab') and pattern.fullmatch('\\"\\u00e9') and pattern.fullmatch("é😀")
+    assert not pattern.fullmatch("a\x0b") and not pattern.fullmatch('a"') and not pattern.fullmatch("abc")
+
+
+def test_choices_are_escaped_and_bad_grammars_name_the_problem(tiny_llava: Path) -> None:
+    assert choice_ebnf(['say "hi"', "a\\b\n"]) == 'root ::= "say \\"hi\\"" | "a\\\\b\\n"'
+    book = GrammarBook(tiny_llava)
+    book.compile(("choice", json.dumps(['say "hi"', "a\\b\n"])), 512)
+    with pytest.raises(GrammarError, match="frobnicate"):
+        book.compile(("json", '{"type": "frobnicate"}'), 512)
+    with pytest.raises(GrammarError, match="parenthesis"):
+        book.compile(("regex", "a(b"), 512)
