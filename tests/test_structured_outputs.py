@@ -13,7 +13,12 @@ import jsonschema
 import pytest
 
 from mm_serve import LLM, SamplingParams
-from mm_serve.runtime.structured_output import GrammarBook, GrammarError, choice_ebnf, strings_as_patterns
+from mm_serve.runtime.structured_output import (
+    GrammarBook,
+    GrammarError,
+    choice_ebnf,
+    strings_as_patterns,
+)
 from tests.schemas_gen import random_schema
 
 PROMPT = {"messages": [{"role": "user", "content": "Describe the scene as JSON."}]}
