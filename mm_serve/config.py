@@ -126,6 +126,8 @@ class APIConfig(_Frozen):
     max_stop_chars: int = Field(8192, ge=1, le=1 << 24, description="Most characters in one request's stop strings together; more is a 400 (code stop_limit). A stream holds back the longest stop string's length less one character until it knows they start no stop string.")
     max_stop_token_ids: int = Field(1024, ge=1, le=1 << 20, description="Most stop_token_ids in one request; more is a 400 (code stop_limit).")
     max_grammar_chars: int = Field(262144, ge=1, le=1 << 26, description="Most characters of the grammar a call asks for (a response_format JSON schema, guided_json, guided_regex, guided_choice as JSON); more is a 400 (code grammar_limit).")
+    max_tools: int = Field(128, ge=1, le=1 << 16, description="Most tools in one chat call (OpenAI's limit); more is a 400 (code tools_limit).")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field("auto", description="How tool calls are found in what a model writes with tool_choice auto (--tool-call-parser, vLLM's names): 'hermes' reads <tool_call>{...}</tool_call> blocks (Qwen2, Hermes), 'llama3_json' a JSON answer with name and parameters (Llama 3.1); 'auto' takes llama3_json for a Llama decoder, else hermes.")
     max_logit_bias: int = Field(1024, ge=1, le=1 << 20, description="Most logit_bias entries (tokens) in one request; more is a 400 (code logit_bias_limit).")
     max_messages: int = Field(2048, ge=1, le=1 << 24, description="Most messages in one chat call; more is a 400 (code messages_limit).")
     max_n: int = Field(16, ge=1, le=16, description="Most choices (n) one call may ask for per prompt (the engine's own bound is 16); more is a 400 (code n_limit).")

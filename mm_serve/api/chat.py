@@ -13,6 +13,7 @@ from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.generation import Generation
 from mm_serve.pipeline.pipeline import AdmittedCall
 from mm_serve.pipeline.responses import finish_reason, timeout_message
+from mm_serve.pipeline.tool_stream import ToolStream
 from mm_serve.protocol.logprobs_format import chat_logprobs
 from mm_serve.protocol.schemas import (
     ChatChunkChoice,
@@ -43,6 +44,7 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
 
     sent_tokens = [0] * len(gen.states)
     closed = [False] * len(gen.states)
+    calls = ToolStream(ctx, admitted.call, len(gen.states))
     try:
         yield emit([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                     for i in range(len(gen.states))])
@@ -51,22 +53,21 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
             if closed[i]:
                 continue
             text = state.take_text()
-            logprobs = None
-            if text or state.finished:  # a chunk goes out: the log-probabilities of the tokens since the last
-                new_tokens = state.token_ids[sent_tokens[i]:]
-                if top_n is not None and new_tokens:
-                    logprobs = chat_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n)
-                sent_tokens[i] = len(state.token_ids)
-            if state.finished:
-                if state.failure:
-                    yield error_event(f"the request failed: {state.failure}")
-                    yield DONE
-                    return
-                closed[i] = True
-                yield emit([ChatChunkChoice(index=i, delta=DeltaMessage(content=text or None), logprobs=logprobs,
-                                            finish_reason=finish_reason(state.finish_reason))])
-            elif text:
-                yield emit([ChatChunkChoice(index=i, delta=DeltaMessage(content=text), logprobs=logprobs)])
+            if state.finished and state.failure:
+                yield error_event(f"the request failed: {state.failure}")
+                yield DONE
+                return
+            delta, reason = calls.step(i, text, finish_reason(state.finish_reason) if state.finished else None)
+            if delta is None and not state.finished:
+                continue  # held: a tool call is read whole
+            logprobs = None  # the log-probabilities of the tokens since the last chunk
+            new_tokens = state.token_ids[sent_tokens[i]:]
+            if top_n is not None and new_tokens:
+                logprobs = chat_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n)
+            sent_tokens[i] = len(state.token_ids)
+            closed[i] = state.finished
+            yield emit([ChatChunkChoice(index=i, delta=delta or DeltaMessage(), logprobs=logprobs,
+                                        finish_reason=reason)])
         if include_usage:
             chunk.choices = []
             chunk.usage = gen.usage()

@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="Ray cluster to join with cluster.backend ray (cluster.address; default auto: "
                         "the cluster `ray start` made on this machine)")
+    p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=None,
+                   help="how tool calls are found in free output (api.tool_call_parser; default auto: by the "
+                        "checkpoint's decoder)")
     p.add_argument("--no-admission", action="store_true",
                    help="no latency prediction at admission (admission.predict false); the hard bounds stay")
     p.set_defaults(func=run)
@@ -54,7 +57,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "api.allowed_local_media_path": args.allowed_local_media_path,
         "api.allowed_media_domains": args.allowed_media_domains, "api.shutdown_grace_s": args.shutdown_grace_s,
         "batch.data_dir": args.batch_data_dir, "cluster.backend": args.cluster_backend,
-        "cluster.address": args.ray_address,
+        "cluster.address": args.ray_address, "api.tool_call_parser": args.tool_call_parser,
         "admission.predict": False if args.no_admission else None,
     }
     return {k: v for k, v in pairs.items() if v is not None}

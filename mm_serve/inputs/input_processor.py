@@ -28,7 +28,8 @@ from mm_serve.media.offline import normalize_messages, to_pil, to_video
 from mm_serve.media.video_loading import Video, VideoLimits
 from mm_serve.models.model_config import CheckpointError, ModelConfig
 
-REQUEST_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", "images", "videos", "mm_processor_kwargs"})
+REQUEST_KEYS = frozenset({"prompt", "prompt_token_ids", "messages", "images", "videos", "mm_processor_kwargs",
+                          "tools"})
 VIDEO_KWARGS = ("fps", "max_frames")  # mm_processor_kwargs that say how a video is sampled
 OFFLINE_MAX_VIDEO_FRAMES = 768  # transformers' Qwen2VLVideoProcessor.max_frames
 
@@ -137,7 +138,8 @@ class InputProcessor:
         index = None if self.config.vision is None else self.config.vision.video_token_index
         return None if index is None else str(self.tokenizer.convert_ids_to_tokens(index))
 
-    def render_chat(self, messages: list[dict[str, Any]], video_limits: VideoLimits | None = None
+    def render_chat(self, messages: list[dict[str, Any]], video_limits: VideoLimits | None = None,
+                    tools: list[dict[str, Any]] | None = None,
                     ) -> tuple[str, list[Image.Image | Video], list[str], list[str | None]]:
         """Render ``messages`` with the chat template; returns the prompt, the images and videos in order,
         the user messages' text parts in order (tokenized as text, :mod:`prompt_encoding`), and each
@@ -146,7 +148,7 @@ class InputProcessor:
         Image parts are ``{"type": "image", "image": X}`` or ``{"type": "image_url", "image_url":
         {"url": X}}`` with ``X`` a PIL image, a path, bytes or a data URI; video parts ``{"type": "video",
         "video": V}`` or ``{"type": "video_url", ...}`` (:mod:`mm_serve.media.offline`), sampled under
-        ``video_limits``.
+        ``video_limits``. ``tools`` (OpenAI's ``tools``) go to the template as Hugging Face templates take them.
 
         Raises:
             InvalidRequestError: malformed messages, an unknown part type, an unusable image or video.
@@ -156,7 +158,8 @@ class InputProcessor:
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                        tokenize=False)
         except Exception as exc:  # jinja errors, missing template
             raise InvalidRequestError(f"cannot render chat template: {exc}") from None
         details = [p.get("detail") for m in messages if isinstance(m.get("content"), list)
@@ -190,7 +193,8 @@ class InputProcessor:
             raise InvalidRequestError(str(exc)) from None
         details: list[str | None] = []
         if "messages" in request:
-            prompt, chat_media, user_texts, details = self.render_chat(request["messages"], limits)
+            prompt, chat_media, user_texts, details = self.render_chat(request["messages"], limits,
+                                                                       request.get("tools"))
             images = chat_media + images
             ids = encode_chat(self.tokenizer, prompt, user_texts)
         elif "prompt_token_ids" in request:

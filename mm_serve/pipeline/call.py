@@ -18,6 +18,7 @@ from mm_serve.protocol.errors import APIError, bad_request
 from mm_serve.protocol.schemas import ChatCompletionRequest, CompletionRequest
 from mm_serve.protocol.service_tier import tier_of
 from mm_serve.protocol.structured_outputs import StructuredOutputError, grammar_of
+from mm_serve.protocol.tools import ToolError, tool_grammar, tool_mode
 from mm_serve.runtime.sampling_params import MAX_SEED, SamplingParams
 
 DEFAULT_PRECHECK_TOKENS = 16  # max_tokens the early admission check assumes when the call sets none
@@ -42,7 +43,9 @@ class Call:
             ``{"prompt_token_ids": ids}``), one per prompt; empty for chat.
         logprobs: the log-probabilities to return per token (chat: ``top_logprobs`` when
             ``logprobs`` is set; completions: ``logprobs``); None for none.
-        grammar: the structured output it asks for, ``((kind, text), field)`` (None: free text).
+        grammar: the structured output it asks for, ``((kind, text), field)`` (None: free text); a named
+            or required ``tool_choice`` asks for one too (:mod:`mm_serve.protocol.tools`).
+        tool_mode: how a chat call's tool calls are made: ``named``, ``required``, ``auto`` or None.
     """
 
     body: Body
@@ -53,6 +56,7 @@ class Call:
     prompts: list[dict[str, Any]]
     logprobs: int | None
     grammar: tuple[tuple[str, str], str] | None = None
+    tool_mode: str | None = None
 
     @classmethod
     def parse(cls, body: Body, default_tier: Tier, arrival: float, api: APIConfig | None = None) -> Call:
@@ -78,8 +82,9 @@ class Call:
                               f"{api.max_grammar_chars} (api.max_grammar_chars)", grammar[1], "grammar_limit")
         if isinstance(body, ChatCompletionRequest):
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            mode, grammar = _tools(body, grammar, api)
             return cls(body, tier, arrival, body.max_completion_tokens or body.max_tokens,
-                       ChatPrompt.parse(body.messages), [], logprobs, grammar)
+                       ChatPrompt.parse(body.messages), [], logprobs, grammar, mode)
         prompts = _prompts(body.prompt)
         _check_prompt_count(len(prompts))  # also in check_limits, which a call without ``api`` skips
         if body.stream and len(prompts) > 1:
@@ -97,6 +102,25 @@ class Call:
         asks, else :data:`DEFAULT_PRECHECK_TOKENS` (the rest of the context is not known yet; a
         lower bound is what an early refusal may rest on)."""
         return self.max_tokens or DEFAULT_PRECHECK_TOKENS
+
+    def check_values(self, vocab_size: int) -> None:
+        """What can be checked before the prompt is processed: token ids in ``stop_token_ids`` and
+        ``logit_bias`` within the vocabulary, ``min_tokens`` at most a ``max_tokens`` given (a bad value is
+        a 400 before any admission work, never a 429 for a call that could not run).
+
+        Raises:
+            APIError: 400 naming the field.
+        """
+        body = self.body
+        for name, ids in (("stop_token_ids", body.stop_token_ids or []),
+                          ("logit_bias", [int(k) for k in body.logit_bias or {}])):  # keys are decimal strings
+            bad_ids = [t for t in ids if not 0 <= t < vocab_size]
+            if bad_ids:
+                raise bad_request(f"{name} must hold token ids in [0, {vocab_size}) (the vocabulary), "
+                                  f"got {bad_ids[:5]}", name)
+        if body.min_tokens and self.max_tokens is not None and body.min_tokens > self.max_tokens:
+            raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+                              "min_tokens")
 
     def sampling_params(self, prompt_len: int, context_len: int, vocab_size: int) -> SamplingParams:
         """The sampling parameters of one prompt of ``prompt_len`` tokens; ``max_tokens`` defaults to
@@ -117,16 +141,9 @@ class Call:
         stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", "stop")
+        self.check_values(vocab_size)
         stop_ids = body.stop_token_ids or []
-        bad_ids = [t for t in stop_ids if not 0 <= t < vocab_size]
-        if bad_ids:
-            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}) (the vocabulary), "
-                              f"got {bad_ids[:5]}", "stop_token_ids")
         bias = {int(key): value for key, value in (body.logit_bias or {}).items()}  # keys checked: decimal strings
-        bad_ids = [t for t in bias if t >= vocab_size]
-        if bad_ids:
-            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}) (the vocabulary), "
-                              f"got {bad_ids[:5]}", "logit_bias")
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -140,6 +157,30 @@ class Call:
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+
+
+def _tools(body: ChatCompletionRequest, grammar: tuple[tuple[str, str], str] | None, api: APIConfig | None,
+           ) -> tuple[str | None, tuple[tuple[str, str], str] | None]:
+    """A chat call's tool mode, and its grammar with a named or required ``tool_choice``'s.
+
+    Raises:
+        APIError: 400 for more tools than ``api.max_tools`` (``tools_limit``), a ``tool_choice`` without tools
+            or naming an undeclared function, or a forced tool choice beside another structured output.
+    """
+    if body.tools and api is not None and len(body.tools) > api.max_tools:
+        raise bad_request(f"{len(body.tools)} tools in one request; the limit is {api.max_tools} (api.max_tools)",
+                          "tools", "tools_limit")
+    try:
+        mode = tool_mode(body.tools, body.tool_choice)
+        forced = tool_grammar(body.tools or [], body.tool_choice, body.parallel_tool_calls) if mode else None
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    if forced is None:
+        return mode, grammar
+    if grammar is not None:
+        raise bad_request(f"a {mode} tool_choice makes the output a tool call; it cannot also follow {grammar[1]}",
+                          "tool_choice")
+    return mode, (forced, "tool_choice")
 
 
 def engine_seed(seed: int | None) -> int | None:

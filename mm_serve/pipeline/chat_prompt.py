@@ -8,6 +8,7 @@ template-ready messages the input processor renders (:meth:`ChatPrompt.template_
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,16 @@ class DeclaredImage:
         return self.url.lstrip()[:5].lower() == "data:"
 
 
+def _template_call(name: str, arguments: str) -> dict[str, Any]:
+    """A call of the history as chat templates take it (Hugging Face's convention): its arguments as an
+    object where they are JSON, else as the text they are."""
+    try:
+        parsed: Any = json.loads(arguments)
+    except ValueError:
+        parsed = arguments
+    return {"type": "function", "function": {"name": name, "arguments": parsed}}
+
+
 @dataclass(frozen=True)
 class Turn:
     """One message: its role (``developer`` read as ``system``) and its content, a string or parts
@@ -46,6 +57,8 @@ class Turn:
 
     role: str
     content: str | list[tuple[str, str | int]] | None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, as chat templates take them
+    tool_call_id: str | None = None  # a tool turn's call
 
 
 @dataclass(frozen=True)
@@ -70,9 +83,10 @@ class ChatPrompt:
         for number, message in enumerate(messages):
             role = "system" if message.role == "developer" else message.role
             content = message.content
+            calls = [_template_call(c.function.name, c.function.arguments) for c in message.tool_calls or []] or None
             if content is None or isinstance(content, str):
-                chars += len(content or "")
-                turns.append(Turn(role, content))
+                chars += len(content or "") + sum(len(c.function.arguments) for c in message.tool_calls or [])
+                turns.append(Turn(role, content, calls, message.tool_call_id))
                 continue
             parts: list[tuple[str, str | int]] = []
             for part in content:
@@ -90,7 +104,7 @@ class ChatPrompt:
                 else:
                     url = part.image_url.url  # type: ignore[union-attr]
                     images.append(DeclaredImage(url, declared_size(url), part.image_url.detail))  # type: ignore[union-attr]
-            turns.append(Turn(role, parts))
+            turns.append(Turn(role, parts, calls, message.tool_call_id))
         return cls(turns, images, chars)
 
     @property
@@ -102,8 +116,13 @@ class ChatPrompt:
         ``{"type": "image", "image": PIL.Image}`` and ``{"type": "video", "video": Video}`` parts."""
         out: list[dict[str, Any]] = []
         for turn in self.turns:
+            extra: dict[str, Any] = {}
+            if turn.tool_calls:
+                extra["tool_calls"] = turn.tool_calls
+            if turn.tool_call_id is not None:
+                extra["tool_call_id"] = turn.tool_call_id
             if turn.content is None or isinstance(turn.content, str):
-                out.append({"role": turn.role, "content": turn.content or ""})
+                out.append({"role": turn.role, "content": turn.content or "", **extra})
                 continue
             parts: list[dict[str, Any]] = []
             for kind, value in turn.content:
@@ -114,7 +133,7 @@ class ChatPrompt:
                     parts.append({"type": "image", "image": loaded[value], **({"detail": detail} if detail else {})})
                 else:
                     parts.append({"type": kind, "text": value})
-            out.append({"role": turn.role, "content": parts})
+            out.append({"role": turn.role, "content": parts, **extra})
         return out
 
     def uncached_text_floor(self, unseen: Sequence[bool], tokenizer: Any) -> int:

@@ -69,6 +69,7 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     origin.mark("parse")  # the body read, parsed and validated
     check_model(body.model, ctx.served_model_name, str(ctx.holder.model_dir))
     call = Call.parse(body, ctx.config.slo.default, origin.arrival, ctx.config.api)
+    call.check_values(ctx.holder.model_config.text.vocab_size)
     if call.grammar is not None:
         await _compile_grammar(ctx, *call.grammar)
     gate: Gate = AdmissionGate(ctx) if ctx.admission_gate else OpenGate()
@@ -119,6 +120,9 @@ async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None
         request = await chat_request(call.chat, api, limits, reserve, takes_video)
         if kwargs:
             request["mm_processor_kwargs"] = kwargs
+        tools = getattr(call.body, "tools", None)
+        if tools:
+            request["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
         processed = [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]
     else:
         processed = [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)

@@ -10,10 +10,10 @@ from typing import Literal
 
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.pipeline import AdmittedCall
+from mm_serve.pipeline.tool_answer import answer_message
 from mm_serve.protocol.errors import unavailable
 from mm_serve.protocol.logprobs_format import chat_logprobs, completion_logprobs
 from mm_serve.protocol.schemas import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionResponse,
     CompletionChoice,
@@ -66,11 +66,12 @@ def chat_response(ctx: ServerContext, admitted: AdmittedCall) -> ChatCompletionR
     """The ``chat.completion`` body of a finished chat call."""
     generation, top_n = admitted.generations[0], admitted.call.logprobs
     tokenizer = ctx.holder.inputs.tokenizer
-    choices = [
-        ChatChoice(index=i, message=AssistantMessage(content=s.text), finish_reason=finish_reason(s.finish_reason),
-                   logprobs=None if top_n is None else chat_logprobs(tokenizer, s.token_ids, s.logprobs, top_n))
-        for i, s in enumerate(generation.states)
-    ]
+    choices = []
+    for i, s in enumerate(generation.states):
+        message, reason = answer_message(ctx, admitted.call, s.text, finish_reason(s.finish_reason))
+        choices.append(ChatChoice(
+            index=i, message=message, finish_reason=reason,
+            logprobs=None if top_n is None else chat_logprobs(tokenizer, s.token_ids, s.logprobs, top_n)))
     return ChatCompletionResponse(model=ctx.served_model_name, choices=choices, usage=generation.usage(),
                                   service_tier=admitted.call.tier.label)
 

@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from mm_serve.protocol.service_tier import check_service_tier
 from mm_serve.protocol.structured_outputs import StructuredFields
+from mm_serve.protocol.tools import DeltaToolCall, Tool, ToolCall, ToolChoice
 
 
 class _Lenient(BaseModel):
@@ -64,16 +65,23 @@ def invalid(name: str, message: str, code: str | None = None) -> PydanticCustomE
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
-        """Only an assistant turn may have no content (OpenAI's rule: it may carry tool calls instead)."""
+        """Only an assistant turn may have no content (OpenAI's rule: it may carry tool calls instead); a tool
+        turn names the call it answers; only an assistant turn carries calls."""
         if self.content is None and self.role != "assistant":
             raise invalid("messages", f"a {self.role} message needs 'content' (a string or a list of parts); "
                                       "null is allowed only for assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise invalid("messages", "a tool message needs 'tool_call_id', the id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise invalid("messages", f"a {self.role} message cannot carry tool_calls (only assistant messages do)")
         return self
 
 
@@ -114,8 +122,7 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 # OpenAI parameters this server does not implement: asking for them is a 400, not a silent no-op.
 # name -> whether a value asks for nothing (then it is accepted and ignored)
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "tools": _empty, "tool_choice": _is("none", "auto"), "functions": _empty, "function_call": _is("none", "auto"),
-    "parallel_tool_calls": _is(True), "prediction": _empty,
+    "functions": _empty, "function_call": _is("none", "auto"), "prediction": _empty,
     "audio": _empty, "modalities": _is(["text"]), "best_of": _one,
 }
 UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _empty, "suffix": _empty, "best_of": _one}
@@ -214,6 +221,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, ge=0, strict=True, description="at most api.max_logprobs (20)")
+    tools: list[Tool] | None = Field(None, description="functions the model may call, rendered by the chat "
+                                     "template; at most api.max_tools")
+    tool_choice: ToolChoice | None = Field(None, description="none | auto (the default with tools: calls found "
+                                           "by api.tool_call_parser) | required | {type: function, function: "
+                                           "{name}} (both enforced by a grammar)")
+    parallel_tool_calls: bool = Field(True, strict=True, description="with tool_choice required: more than one "
+                                      "call allowed")
 
     @model_validator(mode="before")
     @classmethod
@@ -268,13 +282,24 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = []
+
+    @model_serializer(mode="wrap")
+    def _calls_when_any(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if not out.get("tool_calls"):
+            out.pop("tool_calls", None)
+        return out
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: FinishReason | None
 
 
 def _completion_id(prefix: str) -> str:
@@ -297,11 +322,12 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:
         out: dict[str, Any] = handler(self)
-        for key in ("role", "content"):
+        for key in ("role", "content", "tool_calls"):
             if out.get(key) is None:
                 out.pop(key, None)
         return out
@@ -311,7 +337,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

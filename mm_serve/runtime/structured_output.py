@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,17 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(literal(c) for c in choices)
 
 
+def _fast_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer for xgrammar's vocabulary: straight from its ``tokenizer.json`` when it has
+    one (a millisecond; ``AutoTokenizer`` takes ~2 s resolving the checkpoint's configs, inside a worker's
+    step), else through ``AutoTokenizer``."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (model_dir / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 class GrammarBook:
     """One process's compiler (and its cache) and its requests' matchers, over ``model_dir``'s tokenizer.
 
@@ -103,11 +115,12 @@ class GrammarBook:
         with self._lock:
             if self._compiler is None or self._vocab != vocab_size:
                 import xgrammar
-                from transformers import AutoTokenizer
 
-                tokenizer = self._tokenizer or AutoTokenizer.from_pretrained(self.model_dir)
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(self.eos_token_ids) or None)
+                tokenizer = self._tokenizer or _fast_tokenizer(Path(self.model_dir))
+                with warnings.catch_warnings():  # "stop_token_ids ... automatically detected": every matcher is
+                    warnings.simplefilter("ignore", UserWarning)  # given its request's stop tokens (matcher())
+                    info = xgrammar.TokenizerInfo.from_huggingface(
+                        tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(self.eos_token_ids) or None)
                 self._compiler, self._vocab = xgrammar.GrammarCompiler(info, max_threads=1), vocab_size
             return self._compiler
 

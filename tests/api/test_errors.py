@@ -83,8 +83,8 @@ CASES: list[tuple[str, Any, int]] = [
     ("empty body", b"", 400),
     ("stream as a string", _chat(stream="yes"), 400),
     ("temperature NaN", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400),
-    ("tools (unsupported)", _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400),
-    ("json response_format (unsupported)", _chat(response_format={"type": "json_object"}), 400),
+    ("functions (unsupported)", _chat(functions=[{"name": "f", "parameters": {}}]), 400),
+    ("prediction (unsupported)", _chat(prediction={"type": "content", "content": "x"}), 400),
     ("logit_bias key not a token id", _chat(logit_bias={"five": 1}), 400),
     ("logit_bias token past the vocabulary", _chat(logit_bias={"99999999": 1}), 400),
     ("logit_bias value over 100", _chat(logit_bias={"5": 101}), 400),
@@ -125,7 +125,6 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
         assert "not valid Unicode" in error["message"] and "TextEncodeInput" not in error["message"]
     if "(unsupported)" in name:
         param = name.split()[1] if name.startswith("completions") else name.split()[0]
-        param = {"json": "response_format"}.get(param, param)
         assert error["message"] == f"'{param}' is not supported by this server", error["message"]
         assert error["param"] == param
     if name == "prompt plus max_tokens over context":
@@ -133,8 +132,8 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
 
 
 def test_values_of_unsupported_parameters_that_ask_for_nothing_are_accepted(server: ServerProcess) -> None:
-    harmless = _chat(tool_choice="none", response_format={"type": "text", "x": 1}, presence_penalty=0,
-                     frequency_penalty=0.0, best_of=1, logit_bias={}, tools=[], modalities=["text"], max_tokens=2)
+    harmless = _chat(function_call="none", functions=[], prediction=None, best_of=1, modalities=["text"],
+                     max_tokens=2)
     assert httpx.post(f"{server.url}/v1/chat/completions", json=harmless, timeout=30).status_code == 200
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "echo": False, "suffix": "", "best_of": 1}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200

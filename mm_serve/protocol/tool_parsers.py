@@ -1,0 +1,81 @@
+"""Tool calls found in what a model wrote freely (``tool_choice: "auto"``), one parser per checkpoint family's
+format, as vLLM's ``--tool-call-parser``:
+
+- ``hermes`` (Hermes 2 Pro, Qwen2 / Qwen2.5, and most chat templates with tool support): each call is
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; the text before the first is the content.
+- ``llama3_json`` (Llama 3.1 / 3.2): the whole answer is one call ``{"name": ..., "parameters": {...}}``, or
+  several separated by ``;``, optionally after ``<|python_tag|>``; anything else is plain content.
+
+:func:`parser_name` picks one from a checkpoint's decoder (``api.tool_call_parser: auto``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+
+from mm_serve.protocol.tools import FunctionCall, ToolCall
+
+Parsed = tuple[str | None, list[ToolCall]]  # (content, calls)
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _call(obj: object, arguments_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return ToolCall(function=FunctionCall(name=obj["name"], arguments=text))
+
+
+def parse_hermes(text: str) -> Parsed:
+    """Calls in ``<tool_call>`` blocks (the last may lack its closing tag); unparsable blocks are skipped.
+    With no call, the whole text is the content."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return text, []
+    calls = []
+    for body in _HERMES.findall(text[start:]):
+        try:
+            call = _call(json.loads(body), "arguments")
+        except ValueError:
+            call = None
+        if call is not None:
+            calls.append(call)
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def parse_llama3_json(text: str) -> Parsed:
+    """The answer as one or more ``;``-separated JSON calls (``parameters``), else plain content."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _call(obj, "parameters")
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
+    return None, calls
+
+
+PARSERS: dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+
+
+def parser_name(configured: str, decoder_type: str) -> str:
+    """The parser to use: ``configured`` unless it is ``auto``; then ``llama3_json`` for a Llama decoder and
+    ``hermes`` for the rest (Qwen2, Mistral and most templates with tools write Hermes-style blocks)."""
+    if configured != "auto":
+        return configured
+    return "llama3_json" if decoder_type == "llama" else "hermes"

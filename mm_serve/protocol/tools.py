@@ -1,0 +1,149 @@
+"""Tool calling on chat completions: the ``tools`` a call declares, its ``tool_choice``, the grammar that
+enforces a required or named choice, and the ``tool_calls`` of the answer.
+
+How each ``tool_choice`` is served (vLLM's scheme):
+
+- ``"none"``: the tools are rendered into the prompt by the chat template, the answer is text.
+- ``"auto"`` (the default when tools are given): the model writes freely; the checkpoint family's parser
+  (:mod:`mm_serve.protocol.tool_parsers`) finds the calls in what it wrote.
+- ``{"type": "function", "function": {"name": N}}``: the output is constrained to a JSON object valid
+  against ``N``'s ``parameters`` schema; it is the call's arguments.
+- ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects, one per
+  call, each name a declared function and its parameters valid against that function's schema (one call
+  unless ``parallel_tool_calls``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GrammarSpec = tuple[str, str]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call in an answer (and in an assistant message of the history)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a call: the first carries its ``id``, ``type`` and ``name``, the rest argument
+    text (OpenAI's stream format)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class ToolError(ValueError):
+    """The tool fields of a call are inconsistent; ``param`` names the field (a 400)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _parameters(function: FunctionDef) -> dict[str, Any]:
+    return function.parameters if function.parameters is not None else {"type": "object"}
+
+
+def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
+    """``"named"``, ``"required"``, ``"auto"`` or None (no tools, or ``"none"``): how the answer's calls are
+    made (module docstring).
+
+    Raises:
+        ToolError: a ``tool_choice`` other than ``"none"`` without tools, or naming an undeclared function.
+    """
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolError("tool_choice needs tools", "tool_choice")
+        return None
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none":
+        return None
+    if choice == "required":
+        return "required"
+    assert isinstance(choice, NamedToolChoice)
+    if choice.function.name not in {t.function.name for t in tools}:
+        raise ToolError(f"tool_choice names the function {choice.function.name!r}, which is not among the tools",
+                        "tool_choice")
+    return "named"
+
+
+def tool_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -> GrammarSpec | None:
+    """The JSON-schema grammar that enforces a named or required ``choice`` over ``tools`` (None otherwise)."""
+    mode = tool_mode(tools, choice)
+    if mode == "named":
+        assert isinstance(choice, NamedToolChoice)
+        function = next(t.function for t in tools if t.function.name == choice.function.name)
+        return "json", json.dumps(_parameters(function))
+    if mode != "required":
+        return None
+    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                       "parameters": _parameters(t.function)},
+                      "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}
+    schema: dict[str, Any] = {"type": "array", "items": one, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return "json", json.dumps(schema)
+
+
+def constrained_calls(mode: str, text: str, named: str | None) -> list[ToolCall] | None:
+    """The calls of an output made under a named or required grammar, or None when it does not parse (an
+    output cut at ``max_tokens``)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if mode == "named":  # the text itself: streamed argument deltas add up to it
+        return [ToolCall(function=FunctionCall(name=str(named), arguments=text))]
+    if not isinstance(value, list):
+        return None
+    return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
+            for c in value if isinstance(c, dict) and "name" in c and "parameters" in c]

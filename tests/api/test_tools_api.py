@@ -1,0 +1,134 @@
+"""Tool calls with the official openai client: a required and a named tool choice give calls of declared
+functions with arguments valid against their schemas, streamed deltas add up to the same calls, the
+follow-up turn with the tool's answer is taken; the 400s; and tools rendered by a chat template that
+knows them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from mm_serve.inputs.input_processor import InputProcessor
+from mm_serve.models.registry import load_model_config
+from tests.api.server_process import ServerProcess
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"tz": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
+        "required": ["tz"], "additionalProperties": False}
+TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                "parameters": WEATHER}},
+              {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+                                                "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _valid(calls: Any) -> list[tuple[str, str]]:
+    out = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        out.append((call.function.name, call.function.arguments))
+    return out
+
+
+def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[list[tuple[str, str]], str | None]:
+    """The calls a stream's deltas add up to (by index: id, name and argument pieces), and its finish reason."""
+    calls: dict[int, dict[str, str]] = {}
+    reason = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            reason = choice.finish_reason or reason
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += delta.id or ""
+                entry["name"] += (delta.function.name or "") if delta.function else ""
+                entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_forced_tool_calls_are_valid_streamed_or_not(client: openai.OpenAI, choice: Any) -> None:
+    """Sampled, four seeds; odd seeds allow parallel calls (a random model may append calls to the array until
+    max_tokens; these seeds close it, and two of them make two calls)."""
+    for seed in range(4):
+        kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice,
+                       "max_tokens": 200, "temperature": 1.0, "seed": seed, "parallel_tool_calls": seed % 2 == 1}
+        r = client.chat.completions.create(**kwargs)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        calls = _valid(r.choices[0].message.tool_calls)
+        assert len(calls) >= 1 and (seed % 2 == 1 or len(calls) == 1)
+        if isinstance(choice, dict):
+            assert [name for name, _ in calls] == ["get_time"]
+        assert _streamed(client, **kwargs) == (calls, "tool_calls")
+
+
+def test_the_follow_up_turn_with_the_tool_answer_is_taken(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       max_tokens=200, temperature=0)
+    call = r.choices[0].message.tool_calls[0]  # type: ignore[index]
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": "sunny, 21 C"})}]
+    follow = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    assert follow.choices[0].finish_reason in ("stop", "length") and not follow.choices[0].message.tool_calls
+    auto = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    assert auto.choices[0].message.content == follow.choices[0].message.content  # no call in what it wrote
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", None),
+    ({"tool_choice": "required"}, "tool_choice", None),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", None),
+    ({"tools": [TOOLS[0]] * 129}, "tools", "tools_limit"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", None),
+    ({"messages": MESSAGES + [{"role": "tool", "content": "42"}]}, "messages", None),
+])
+def test_bad_tool_fields_are_400s_naming_the_field(server: ServerProcess, body: dict, param: str,
+                                                    code: str | None) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].split(".")[0] == param and error["code"] == code, error
+
+
+HERMES_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments}"
+    " | tojson }}</tool_call>{% endfor %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_tools_and_the_history_s_calls_reach_a_template_that_renders_them(tiny_llava: Path, tmp_path: Path) -> None:
+    """A checkpoint whose chat template renders tools (Hermes style): the prompt holds each tool's schema,
+    the assistant's earlier call with its arguments as an object, and the tool's answer."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llava, model)
+    (model / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    processor = InputProcessor(model, load_model_config(model))
+    history = MESSAGES + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}]
+    prompt = processor.render_chat(history, tools=TOOLS)[0]
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in prompt or '"get_weather"' in prompt
+    assert '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>' in prompt
+    assert "<|tool|>12:00" in prompt and prompt.endswith("<|assistant|>")

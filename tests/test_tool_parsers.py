@@ -1,0 +1,91 @@
+"""The tool-call parsers on outputs as the model families write them (Qwen2.5 / Hermes 2 Pro blocks, Llama 3.1
+JSON), and the grammar of a required or named tool choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mm_serve.protocol.tool_parsers import parse_hermes, parse_llama3_json, parser_name
+from mm_serve.protocol.tools import (
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolError,
+    constrained_calls,
+    tool_grammar,
+    tool_mode,
+)
+
+QWEN_TWO_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                  '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": '
+                  '"Europe/Paris"}}\n</tool_call>')
+HERMES_UNCLOSED = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}'
+LLAMA_ONE = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TWO = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}'
+
+
+def _calls(parsed: tuple) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in parsed[1]]
+
+
+def test_hermes_reads_every_block_and_keeps_the_text_before_as_content() -> None:
+    parsed = parse_hermes(QWEN_TWO_CALLS)
+    assert parsed[0] == "I will look both up."
+    assert _calls(parsed) == [("get_weather", {"city": "Paris", "unit": "celsius"}),
+                              ("get_time", {"tz": "Europe/Paris"})]
+    assert _calls(parse_hermes(HERMES_UNCLOSED)) == [("get_time", {"tz": "UTC"})]
+    assert parse_hermes(HERMES_UNCLOSED)[0] is None
+    assert parse_hermes("no call here") == ("no call here", [])
+    assert parse_hermes("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    first, second = parse_hermes(QWEN_TWO_CALLS)[1]
+    assert first.id != second.id and first.id.startswith("call_")
+
+
+def test_llama3_json_reads_one_or_several_calls_and_nothing_from_prose() -> None:
+    assert _calls(parse_llama3_json(LLAMA_ONE)) == [("get_weather", {"city": "Paris"})]
+    assert parse_llama3_json(LLAMA_ONE)[0] is None
+    assert _calls(parse_llama3_json(LLAMA_TWO)) == [("a", {"x": 1}), ("b", {})]
+    assert parse_llama3_json("The weather is fine.") == ("The weather is fine.", [])
+    assert parse_llama3_json('{"city": "Paris"}') == ('{"city": "Paris"}', [])  # JSON, but not a call
+    assert parse_llama3_json(LLAMA_ONE + " and more") == (LLAMA_ONE + " and more", [])
+
+
+def test_the_parser_follows_the_decoder_unless_configured() -> None:
+    assert parser_name("auto", "llama") == "llama3_json"
+    assert parser_name("auto", "qwen2") == "hermes" and parser_name("auto", "mistral") == "hermes"
+    assert parser_name("hermes", "llama") == "hermes"
+
+
+TOOLS = [Tool(type="function", function=FunctionDef(name="get_weather", parameters={
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+    Tool(type="function", function=FunctionDef(name="get_time"))]
+
+
+def test_tool_modes_and_their_grammars() -> None:
+    named = NamedToolChoice(type="function", function=NamedFunction(name="get_weather"))
+    assert tool_mode(TOOLS, None) == "auto" and tool_mode(TOOLS, "none") is None
+    assert tool_mode(TOOLS, "required") == "required" and tool_mode(TOOLS, named) == "named"
+    assert tool_grammar(TOOLS, named, True) == ("json", json.dumps(TOOLS[0].function.parameters))
+    kind, text = tool_grammar(TOOLS, "required", False)  # type: ignore[misc]
+    schema = json.loads(text)
+    assert kind == "json" and schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert [o["properties"]["name"]["const"] for o in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
+    assert "maxItems" not in json.loads(tool_grammar(TOOLS, "required", True)[1])  # type: ignore[index]
+    assert tool_grammar(TOOLS, "auto", True) is None
+    with pytest.raises(ToolError, match="not among the tools"):
+        tool_mode(TOOLS, NamedToolChoice(type="function", function=NamedFunction(name="nope")))
+    with pytest.raises(ToolError, match="needs tools"):
+        tool_mode(None, "required")
+
+
+def test_constrained_outputs_become_calls() -> None:
+    (call,) = constrained_calls("named", '{"city": "Oslo"}', "get_weather")  # type: ignore[misc]
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Oslo"}')
+    calls = constrained_calls("required", '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", '
+                                          '"parameters": {"city": "Rome"}}]', None)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [
+        ("get_time", {}), ("get_weather", {"city": "Rome"})]
+    assert constrained_calls("named", '{"city": "Os', "get_weather") is None  # cut at max_tokens
