@@ -86,3 +86,11 @@ def configured_server(model_dir: Path, config: dict, folder: Path) -> Iterator[S
         yield proc
     finally:
         proc.stop()
+
+
+def chat_error(server: ServerProcess, body: dict, status: int = 400) -> dict:
+    """POST ``body`` (with the model ``tiny`` and ``max_tokens`` 4 unless given) to ``server``'s chat
+    completions; assert the answer's ``status``; return its OpenAI ``error`` object."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={"model": "tiny", "max_tokens": 4, **body})
+    assert r.status_code == status, r.text
+    return r.json()["error"]

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.server_process import ServerProcess
+from tests.api.server_process import ServerProcess, chat_error
 from tests.api.test_fault_api import decode_pid, start
 from tests.schemas_gen import random_schema
 
@@ -102,10 +102,7 @@ def test_json_object_regex_and_choice(server: ServerProcess) -> None:
 ])
 def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                             code: str | None) -> None:
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": PROMPT, "max_tokens": 4, **body})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
+    error = chat_error(server, {"messages": PROMPT, **body})
     assert error["param"] == param and error["code"] == code, error
     if code == "invalid_grammar":
         assert ("frobnicate" in error["message"]) or ("parenthesis" in error["message"]), error["message"]

@@ -10,14 +10,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 
 from mm_serve.inputs.input_processor import InputProcessor
 from mm_serve.models.registry import load_model_config
-from tests.api.server_process import ServerProcess
+from tests.api.server_process import ServerProcess, chat_error
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -103,10 +102,7 @@ def test_the_follow_up_turn_with_the_tool_answer_is_taken(client: openai.OpenAI)
 ])
 def test_bad_tool_fields_are_400s_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                     code: str | None) -> None:
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4, **body})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
+    error = chat_error(server, {"messages": MESSAGES, **body})
     assert error["param"].split(".")[0] == param and error["code"] == code, error
 
 
