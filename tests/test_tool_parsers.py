@@ -7,7 +7,12 @@ import json
 
 import pytest
 
-from mm_serve.protocol.tool_parsers import parse_hermes, parse_llama3_json, parser_name
+from mm_serve.protocol.tool_parsers import (
+    parse_hermes,
+    parse_llama3_json,
+    parser_name,
+    sure_content,
+)
 from mm_serve.protocol.tools import (
     FunctionDef,
     NamedFunction,
@@ -33,7 +38,7 @@ def _calls(parsed: tuple) -> list[tuple[str, dict]]:
 
 def test_hermes_reads_every_block_and_keeps_the_text_before_as_content() -> None:
     parsed = parse_hermes(QWEN_TWO_CALLS)
-    assert parsed[0] == "I will look both up."
+    assert parsed[0] == "I will look both up.\n"  # the text before the first block, as vLLM's parser
     assert _calls(parsed) == [("get_weather", {"city": "Paris", "unit": "celsius"}),
                               ("get_time", {"tz": "Europe/Paris"})]
     assert _calls(parse_hermes(HERMES_UNCLOSED)) == [("get_time", {"tz": "UTC"})]
@@ -89,3 +94,30 @@ def test_constrained_outputs_become_calls() -> None:
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [
         ("get_time", {}), ("get_weather", {"city": "Rome"})]
     assert constrained_calls("named", '{"city": "Os', "get_weather") is None  # cut at max_tokens
+
+
+@pytest.mark.parametrize("parser,text,sure", [
+    ("hermes", "Sure, one moment.", 17),
+    ("hermes", "Sure.\n<tool_", 6),  # the end may become a <tool_call>
+    ("hermes", "Sure.\n<tool_call>{\"name\"", 6),
+    ("hermes", "\n<tool_call>{", 0),  # only blank text before the call: no content
+    ("hermes", "a <toolbox", 10),
+    ("llama3_json", "The answer is 4", 15),
+    ("llama3_json", '  {"name": "f"', 0),
+    ("llama3_json", "<|python", 0),
+    ("llama3_json", "<|pyx", 5),
+])
+def test_what_a_stream_may_send_as_content_before_the_end(parser: str, text: str, sure: int) -> None:
+    assert sure_content(parser, text) == sure
+
+
+@pytest.mark.parametrize("text", [QWEN_TWO_CALLS, HERMES_UNCLOSED, "plain text <tool", "x <tool_call>{bad}"])
+def test_the_content_a_hermes_stream_sends_never_passes_the_answer_s_content(text: str) -> None:
+    """Growing the text a character at a time, what is sure is a prefix of the final content (or of the
+    text, when it holds no call)."""
+    content, calls = parse_hermes(text)
+    final = (content or "") if calls else text
+    sent = 0
+    for end in range(len(text) + 1):
+        sent = max(sent, sure_content("hermes", text[:end]))
+        assert final.startswith(text[:sent]), (end, text[:sent])

@@ -45,8 +45,8 @@ def parse_hermes(text: str) -> Parsed:
             calls.append(call)
     if not calls:
         return text, []
-    content = text[:start].strip()
-    return content or None, calls
+    content = text[:start]  # as vLLM's hermes parser: the text before the first block, None when blank
+    return content if content.strip() else None, calls
 
 
 def parse_llama3_json(text: str) -> Parsed:
@@ -71,6 +71,29 @@ def parse_llama3_json(text: str) -> Parsed:
 
 
 PARSERS: dict[str, Callable[[str], Parsed]] = {"hermes": parse_hermes, "llama3_json": parse_llama3_json}
+HERMES_START = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+
+
+def sure_content(parser: str, text: str) -> int:
+    """How many characters at the start of ``text`` (an output so far) are content whatever comes next, so a
+    stream may send them: ``hermes``, the text before a ``<tool_call>`` (or before what may be the start of
+    one at its end); ``llama3_json``, all of it once it starts with something other than a call (``{`` or
+    ``<|python_tag|>``), else nothing. Blank text is never sure (an answer that is only calls has no
+    content)."""
+    if parser == "hermes":
+        start = text.find(HERMES_START)
+        if start < 0:
+            start = len(text)
+            for keep in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+                if text.endswith(HERMES_START[:keep]):
+                    start = len(text) - keep
+                    break
+    else:
+        head = text.lstrip()
+        call_like = head.startswith("{") or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)
+        start = 0 if call_like else len(text)
+    return start if text[:start].strip() else 0
 
 
 def parser_name(configured: str, decoder_type: str) -> str:

@@ -92,6 +92,17 @@ def test_the_follow_up_turn_with_the_tool_answer_is_taken(client: openai.OpenAI)
     assert auto.choices[0].message.content == follow.choices[0].message.content  # no call in what it wrote
 
 
+def test_an_auto_choice_streams_its_text_as_it_comes(client: openai.OpenAI) -> None:
+    """With tools and tool_choice auto, an answer that holds no call streams as content deltas (not held to the
+    end), adding up to the JSON answer's content."""
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 40, "temperature": 0}
+    full = client.chat.completions.create(**kwargs)
+    pieces = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kwargs)
+              if c.choices and c.choices[0].delta.content]
+    assert full.choices[0].message.tool_calls is None or not full.choices[0].message.tool_calls
+    assert "".join(pieces) == full.choices[0].message.content and len(pieces) > 3
+
+
 @pytest.mark.parametrize("body,param,code", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", None),
     ({"tool_choice": "required"}, "tool_choice", None),
