@@ -67,7 +67,7 @@ def test_strings_are_compiled_as_patterns_of_json_characters() -> None:
 
 
 def test_choices_are_escaped_and_bad_grammars_name_the_problem(tiny_llava: Path) -> None:
-    assert choice_ebnf(['say "hi"', "a\\b\n"]) == 'root ::= "say \\"hi\\"" | "a\\\\b\\n"'
+    assert choice_ebnf(['say "hi"', "a\\b\n"]) == 'root ::= "say \\"hi\\"" | "a\\\\b\\x0a"'
     book = GrammarBook(tiny_llava)
     book.compile(("choice", json.dumps(['say "hi"', "a\\b\n"])), 512)
     with pytest.raises(GrammarError, match="frobnicate"):

@@ -57,6 +57,8 @@ class HandoffSender:
         self.kv_cache = kv_cache
         self._release = release or self._free_pages
         self.pending: list[PendingHandoff] = []
+        self.failed: list[tuple[Request, str]] = []  # hand-offs that can never be published, and why (the caller
+        # reports them and clears the list)
         self._on_publish = on_publish
         self._checksum = checksum
         self._open_ring = open_ring or ring_opener(None, "producer")
@@ -87,7 +89,13 @@ class HandoffSender:
         published: list[Request] = []
         still: list[PendingHandoff] = []
         for item in self.pending:
-            if self._try_publish(item):
+            try:
+                sent = self._try_publish(item)
+            except ValueError as exc:  # does not fit the ring's slots: this request fails, not the worker
+                self._drop(item)
+                self.failed.append((item.request, f"its hand-off does not fit the ring: {exc}"))
+                continue
+            if sent:
                 if self._on_publish is not None:
                     self._on_publish(item.decode_index)
                 published.append(item.request)
@@ -133,12 +141,16 @@ class HandoffSender:
         for item in self.pending:
             if item.request.request_id == request_id:
                 self.pending.remove(item)
-                if item.ring_pages is not None:
-                    rows = 0 if item.request.image_embeds is None else int(item.request.image_embeds.shape[0])
-                    self.rings[item.decode_index].free_unpublished(item.ring_pages, item.feature_offset, rows)
-                self._release(item.request)
+                self._drop(item)
                 return item.request
         return None
+
+    def _drop(self, item: PendingHandoff) -> None:
+        """Free a hand-off's ring allocation (when it has one) and its local pages."""
+        if item.ring_pages is not None:
+            rows = 0 if item.request.image_embeds is None else int(item.request.image_embeds.shape[0])
+            self.rings[item.decode_index].free_unpublished(item.ring_pages, item.feature_offset, rows)
+        self._release(item.request)
 
     def replace_ring(self, decode_index: int, spec: RingSpec) -> list[str]:
         """Decode worker ``decode_index`` was restarted with a fresh ring: drop every pending

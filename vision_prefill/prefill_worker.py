@@ -100,6 +100,10 @@ class PrefillWorker(WorkerShell):
     def step(self) -> None:
         busy = self.busy()
         self.sender.pump()
+        for request, reason in self.sender.failed:
+            print(f"[prefill {self.spec.index}] {request.request_id!r}: {reason}", flush=True)
+            self.channel.send(messages.RequestFailed(request.request_id, reason))
+        self.sender.failed.clear()
         if not self.sender.pending:
             batch = self.scheduler.next_batch(self._fits)
             if batch:

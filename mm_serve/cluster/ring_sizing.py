@@ -31,7 +31,9 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
             per_request_rows = max_len
     capacity = cfg.scheduler.ring_buffer_size
     feature_rows = per_request_rows * min(capacity, 4)
-    meta_bytes = max_len * 5 + 16384  # msgpack ints <= 5 bytes, plus generator state and params
+    api = cfg.api  # msgpack ints <= 5 bytes; a (token, bias) pair <= 15; a grammar's characters <= 4 bytes each
+    meta_bytes = (max_len * 5 + 16384 + api.max_stop_token_ids * 5 + api.max_logit_bias * 15
+                  + api.max_grammar_chars * 4)
     specs = []
     for p in range(cfg.compute.prefill_workers):
         for d in range(cfg.compute.decode_workers):

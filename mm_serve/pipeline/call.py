@@ -177,6 +177,10 @@ def _tools(body: ChatCompletionRequest, grammar: tuple[tuple[str, str], str] | N
         raise bad_request(str(exc), exc.param) from None
     if forced is None:
         return mode, grammar
+    if api is not None and len(forced[1]) > api.max_grammar_chars:
+        raise bad_request(f"the {mode} tool_choice's grammar (the tools' parameter schemas) has {len(forced[1])} "
+                          f"characters; the limit is {api.max_grammar_chars} (api.max_grammar_chars)", "tools",
+                          "grammar_limit")
     if grammar is not None:
         raise bad_request(f"a {mode} tool_choice makes the output a tool call; it cannot also follow {grammar[1]}",
                           "tool_choice")

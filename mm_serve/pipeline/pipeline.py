@@ -17,6 +17,7 @@ as an :class:`~mm_serve.protocol.errors.APIError` in OpenAI's format.
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -98,10 +99,34 @@ async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str
     Raises:
         APIError: 400 ``invalid_grammar`` naming the field and xgrammar's reason.
     """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def compile_it() -> None:  # on a daemon thread: a compile under way never holds up the server's exit
+        try:
+            ctx.grammars.compile(spec, ctx.holder.model_config.text.vocab_size)
+            outcome: BaseException | None = None
+        except BaseException as exc:  # handed to the awaiting call
+            outcome = exc
+        try:
+            loop.call_soon_threadsafe(_settle, done, outcome)
+        except RuntimeError:  # the loop has closed (the server stopped meanwhile)
+            pass
+
+    threading.Thread(target=compile_it, name="grammar-compile", daemon=True).start()
     try:
-        await asyncio.to_thread(ctx.grammars.compile, spec, ctx.holder.model_config.text.vocab_size)
+        await done
     except GrammarError as exc:
         raise bad_request(f"the {param} grammar cannot be compiled: {exc}", param, "invalid_grammar") from None
+
+
+def _settle(future: asyncio.Future[None], outcome: BaseException | None) -> None:
+    if future.done():  # the call was cancelled meanwhile
+        return
+    if outcome is None:
+        future.set_result(None)
+    else:
+        future.set_exception(outcome)
 
 
 async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None = None) -> list[ProcessedInputs]:

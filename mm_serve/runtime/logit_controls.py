@@ -5,7 +5,8 @@ For one row of logits ``l`` ``[V]`` of a request with outputs ``o`` so far (ever
 migration too: they are the tail of its prompt then) and prompt ``p``:
 
 1. ``min_tokens``: while this attempt has fewer than ``min_tokens`` outputs, ``l[t] = -inf`` for every stop
-   token ``t`` (EOS unless ``ignore_eos``, and ``stop_token_ids``), as vLLM's ``MinTokensLogitsProcessor``.
+   token ``t`` (EOS unless ``ignore_eos``, and ``stop_token_ids``), as vLLM's ``MinTokensLogitsProcessor``;
+   unless no other token is left (a structured output's grammar is complete and allows only a stop token).
 2. ``logit_bias``: ``l[t] += bias[t]`` (OpenAI's ``logit_bias``).
 3. repetition penalty ``r`` (Keskar et al. 2019, "CTRL", §4.1; vLLM's and transformers' form): for every
    token in ``p`` or ``o``, ``l[t] = l[t] / r`` where ``l[t] > 0``, else ``l[t] * r``.
@@ -85,8 +86,10 @@ def adjust_row(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[
     if len(request.output_token_ids) < params.min_tokens:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         masked = [t for t in stops if 0 <= t < vocab]
-        if masked:
-            logits[masked] = float("-inf")
+        kept = logits.clone()
+        kept[masked] = float("-inf")
+        if masked and bool(torch.isfinite(kept).any()):  # a grammar that allows only a stop token now wins
+            logits.copy_(kept)
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long, device=logits.device)
         bias = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=logits.dtype, device=logits.device)

@@ -53,30 +53,93 @@ _JSON_CHAR = ('(?:[\\x20\\x21\\x23-\\x5b\\x5d-\\x7e\u0080-\ud7ff\ue000-\uffff\U0
               '|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{4})')
 
 
-def strings_as_patterns(schema: Any) -> Any:
+MAX_OPTIONAL_PROPERTIES = 256  # in one object: xgrammar's compile time grows ~cubically with them (0.25 s at 300,
+# 8 s at 1000 on a 2-core machine); required properties compile in linear time
+MAX_OPTIONAL_PROPERTIES_TOTAL = 1024  # over the whole schema
+# keywords xgrammar (0.2.9) does not enforce: an output could break them, so a schema using one is refused
+UNSUPPORTED_KEYWORDS = ("patternProperties", "propertyNames", "not", "if", "then", "else", "dependentSchemas",
+                        "dependentRequired", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains",
+                        "maxContains", "uniqueItems")
+# where a schema holds schemas: keyword -> how (one schema, a list of them, or a name -> schema map)
+_ONE = ("additionalProperties", "items", "additionalItems", "contains")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "$defs", "definitions")
+
+
+def _length(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GrammarError(f"{key} must be a non-negative integer, got {value!r:.40}")
+    return value
+
+
+def strings_as_patterns(schema: Any, counted: list[int] | None = None) -> Any:
     """``schema`` with each string schema (with no ``pattern``, ``format``, ``enum`` or ``const`` of its own)
     given the ``pattern`` of its ``minLength`` / ``maxLength`` (none: any length) instead: the same strings,
     counted in characters, written as valid JSON. xgrammar (0.2.9) lets a length-bounded string hold raw
     control characters, which no JSON parser accepts (RFC 8259 §7), and its "any character" admits the
     3-byte forms of surrogates, which decode as three replacement characters (a string over its length);
-    its strings with a pattern follow the pattern.
+    its strings with a pattern follow the pattern. Only the places that hold schemas are walked (not
+    ``const``, ``enum``, ``default`` or ``examples`` values).
+
+    Raises:
+        GrammarError: a keyword in :data:`UNSUPPORTED_KEYWORDS`, a ``$ref`` outside the schema, a length
+            that is not a non-negative integer, or more optional properties than
+            :data:`MAX_OPTIONAL_PROPERTIES` in one object (:data:`MAX_OPTIONAL_PROPERTIES_TOTAL` in all).
     """
-    if isinstance(schema, list):
-        return [strings_as_patterns(item) for item in schema]
+    counted = [0] if counted is None else counted
     if not isinstance(schema, dict):
         return schema
-    out = {key: strings_as_patterns(value) for key, value in schema.items()}
+    for key in UNSUPPORTED_KEYWORDS:
+        if key in schema:
+            raise GrammarError(f"the JSON Schema keyword {key!r} is not supported by the grammar engine "
+                               "(an output could break it)")
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        raise GrammarError(f"only $ref within the schema (#/...) is supported, got {ref!r:.80}")
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        required = schema.get("required")
+        optional = len(set(properties) - set(required if isinstance(required, list) else []))
+        counted[0] += optional
+        if optional > MAX_OPTIONAL_PROPERTIES or counted[0] > MAX_OPTIONAL_PROPERTIES_TOTAL:
+            raise GrammarError(f"too many optional properties to compile in bounded time ({optional} in one "
+                               f"object, {counted[0]} so far; at most {MAX_OPTIONAL_PROPERTIES} and "
+                               f"{MAX_OPTIONAL_PROPERTIES_TOTAL}): list more of them in required")
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strings_as_patterns(out[key], counted)
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [strings_as_patterns(item, counted) for item in out[key]]
+    if isinstance(out.get("items"), list):  # draft-4 tuple form
+        out["items"] = [strings_as_patterns(item, counted) for item in out["items"]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strings_as_patterns(sub, counted) for name, sub in out[key].items()}
     if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
-        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = f"^{_JSON_CHAR}{{{low},{'' if high is None else int(high)}}}$"
+        low = _length(out.pop("minLength", 0), "minLength")
+        high = out.pop("maxLength", None)
+        high = None if high is None else _length(high, "maxLength")
+        if high is not None and high < low:
+            raise GrammarError(f"maxLength ({high}) is below minLength ({low})")
+        out["pattern"] = f"^{_JSON_CHAR}{{{low},{'' if high is None else high}}}$"
     return out
 
 
 def choice_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly ``choices`` (each a string literal, escaped)."""
+    """An EBNF grammar whose language is exactly ``choices`` (each a string literal: quotes, backslashes and
+    control characters escaped)."""
     def literal(text: str) -> str:
-        escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-        return '"' + escaped.replace("\t", "\\t") + '"'
+        out = []
+        for ch in text:
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\x{ord(ch):02x}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
 
     return "root ::= " + " | ".join(literal(c) for c in choices)
 

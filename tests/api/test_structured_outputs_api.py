@@ -98,14 +98,41 @@ def test_json_object_regex_and_choice(server: ServerProcess) -> None:
     ({"guided_choice": []}, "guided_choice", None),
     ({"guided_json": "{not json"}, "guided_json", None),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", None),
-    ({"guided_regex": "a" * 300_000}, "guided_regex", "grammar_limit"),
+    ({"guided_regex": "a" * 40_000}, "guided_regex", "grammar_limit"),
+    ({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}},
+     "guided_json", "invalid_grammar"),  # 300 optional properties: ~0.25 s to compile, 1,000 would take 8 s
+    ({"guided_json": {"type": "string", "minLength": "x"}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "string", "maxLength": 2.5}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "object", "patternProperties": {"^a": {"type": "integer"}}}}, "guided_json",
+     "invalid_grammar"),
+    ({"guided_json": {"$ref": "http://example.com/s.json"}}, "guided_json", "invalid_grammar"),
 ])
 def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                             code: str | None) -> None:
     error = chat_error(server, {"messages": PROMPT, **body})
     assert error["param"] == param and error["code"] == code, error
     if code == "invalid_grammar":
-        assert ("frobnicate" in error["message"]) or ("parenthesis" in error["message"]), error["message"]
+        words = ("frobnicate", "parenthesis", "optional properties", "minLength", "maxLength", "patternProperties",
+                 "$ref")
+        assert any(word in error["message"] for word in words), error["message"]
+
+
+@pytest.mark.parametrize("body,check", [
+    ({"guided_json": {"type": "integer", "minimum": 0, "maximum": 999, "description": "x" * 30_000}},  # near
+     # the limit: its hand-off fits
+     lambda text: isinstance(json.loads(text), int)),
+    ({"guided_json": {"const": {"type": "string", "maxLength": 2}}},  # a value, not a schema: left as it is
+     lambda text: json.loads(text) == {"type": "string", "maxLength": 2}),
+    ({"guided_choice": ["a\u0000b", "tab\there"]}, lambda text: text in ["a\u0000b", "tab\there"]),
+    ({"guided_choice": ["yes", "no"], "min_tokens": 10}, lambda text: text in ["yes", "no"]),  # the grammar wins
+])
+def test_grammars_at_the_edges_are_served(server: ServerProcess, body: dict, check: Any) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": PROMPT, "max_tokens": 60, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and check(choice["message"]["content"]), choice
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
 @pytest.fixture

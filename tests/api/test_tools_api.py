@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -76,6 +77,19 @@ def test_forced_tool_calls_are_valid_streamed_or_not(client: openai.OpenAI, choi
         if isinstance(choice, dict):
             assert [name for name, _ in calls] == ["get_time"]
         assert _streamed(client, **kwargs) == (calls, "tool_calls")
+
+
+def test_a_required_choice_among_the_most_tools_is_served(client: openai.OpenAI, server: ServerProcess) -> None:
+    """``api.max_tools`` (128) small tools under tool_choice required: the grammar (~29 KB) is under the limit
+    and travels to the decode worker with the request."""
+    tools: Any = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}} for i in range(128)]
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=60, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls or []
+    assert call.function.name in {f"f{i}" for i in range(128)} and isinstance(json.loads(call.function.arguments)["x"], int)
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
 def test_the_follow_up_turn_with_the_tool_answer_is_taken(client: openai.OpenAI) -> None:

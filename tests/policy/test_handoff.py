@@ -293,3 +293,24 @@ def test_a_higher_tier_handoff_displaces_a_running_lower_tier_request(rings: Rin
     assert scheduler.num_displaced == 1 and [r.request_id for r in scheduler.running] == ["inter", "std"]
     assert scheduler.pool.num_free == 0
     recv_cache.pool.check_integrity()
+
+
+def test_a_handoff_too_large_for_the_slots_fails_its_request_not_the_worker(rings: RingFactory) -> None:
+    """A request whose meta cannot fit a slot (the front end bounds what a request carries; this is the
+    last guard): the sender drops it, frees both sides and reports it in ``failed``; the next request is
+    published."""
+    producer, _ = rings.create(meta_bytes=512)
+    send_cache = make_kv_cache()
+    sender, _ = sender_for(producer, send_cache)
+    huge = prefilled_request(send_cache, "huge", 3, 40)
+    huge.sampling_params = SamplingParams(max_tokens=4, structured=("regex", "a" * 2000))
+    sender.add(huge)
+    sender.add(prefilled_request(send_cache, "fine", 3, 41))
+    published = sender.pump()
+    assert [r.request_id for r in published] == ["fine"] and sender.pending == []
+    ((failed, reason),) = sender.failed
+    assert failed is huge and "does not fit" in reason and huge.block_table == []
+    assert send_cache.pool.num_free == 8
+    send_cache.pool.check_integrity()
+    producer.check_integrity()
+    assert producer.pages_free() == producer.spec.num_pages - 1  # only fine's page is held
