@@ -36,6 +36,19 @@ def _chat(**overrides: Any) -> dict[str, Any]:
             "temperature": 0, **overrides}
 
 
+def _wait_idle(url: str, timeout_s: float = 20.0) -> None:
+    """Until no request runs or waits on any worker and no image bytes are held (or ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        busy = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith(("mm_serve_requests_running{", "mm_serve_requests_waiting{")))
+        held = httpx.get(f"{url}/health", timeout=10).json()["admission"]["image_bytes_in_flight"]
+        if busy == 0 and held == 0:
+            return
+        time.sleep(0.05)
+
+
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -134,6 +147,7 @@ def test_a_call_still_decoding_its_images_at_the_decision_deadline_is_decided_th
         *[{"type": "image_url", "image_url": {"url": big}}] * 3, {"type": "text", "text": "what is it?"}]}])
 
     def attempt(delay_s: float) -> tuple[httpx.Response, str, dict[str, str]]:
+        _wait_idle(url)  # "an idle service": nothing of an earlier test (or attempt) still running or held
         busy = threading.Thread(target=lambda: httpx.post(
             f"{url}/v1/chat/completions", json=_chat(max_tokens=500, ignore_eos=True), timeout=120))
         starter = threading.Thread(target=lambda: (time.sleep(delay_s), busy.start()))
