@@ -77,9 +77,8 @@ class Call:
             grammar = grammar_of(body)
         except StructuredOutputError as exc:
             raise bad_request(str(exc), exc.param) from None
-        if grammar is not None and api is not None and len(grammar[0][1]) > api.max_grammar_chars:
-            raise bad_request(f"the {grammar[1]} grammar has {len(grammar[0][1])} characters; the limit is "
-                              f"{api.max_grammar_chars} (api.max_grammar_chars)", grammar[1], "grammar_limit")
+        if grammar is not None:
+            _check_grammar_size(grammar[0][1], grammar[1], api)
         if isinstance(body, ChatCompletionRequest):
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
             mode, grammar = _tools(body, grammar, api)
@@ -122,13 +121,14 @@ class Call:
             raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({self.max_tokens})",
                               "min_tokens")
 
-    def sampling_params(self, prompt_len: int, context_len: int, vocab_size: int) -> SamplingParams:
+    def sampling_params(self, prompt_len: int, context_len: int) -> SamplingParams:
         """The sampling parameters of one prompt of ``prompt_len`` tokens; ``max_tokens`` defaults to
-        the rest of the context (as vLLM).
+        the rest of the context (as vLLM). Token ids are not checked here: :meth:`check_values` does, once
+        for the call, before its prompts are processed.
 
         Raises:
-            APIError: 400 when prompt plus ``max_tokens`` exceeds the context, a stop string is empty,
-                a ``stop_token_ids`` entry is outside ``[0, vocab_size)``, or a parameter is out of range.
+            APIError: 400 when prompt plus ``max_tokens`` exceeds the context, a stop string is empty, or a
+                parameter is out of range.
         """
         body = self.body
         max_tokens = self.max_tokens or max(1, context_len - prompt_len)  # a full context: refused below
@@ -141,7 +141,6 @@ class Call:
         stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", "stop")
-        self.check_values(vocab_size)
         stop_ids = body.stop_token_ids or []
         bias = {int(key): value for key, value in (body.logit_bias or {}).items()}  # keys checked: decimal strings
         try:
@@ -157,6 +156,15 @@ class Call:
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+
+
+def _check_grammar_size(text: str, param: str, api: APIConfig | None) -> None:
+    """Raises:
+        APIError: 400 ``grammar_limit`` when the grammar ``text`` that ``param`` asks for is over
+            ``api.max_grammar_chars`` (for a forced tool choice, ``tools``: their parameter schemas)."""
+    if api is not None and len(text) > api.max_grammar_chars:
+        raise bad_request(f"the {param} grammar has {len(text)} characters; the limit is {api.max_grammar_chars} "
+                          "(api.max_grammar_chars)", param, "grammar_limit")
 
 
 def _tools(body: ChatCompletionRequest, grammar: tuple[tuple[str, str], str] | None, api: APIConfig | None,
@@ -177,10 +185,7 @@ def _tools(body: ChatCompletionRequest, grammar: tuple[tuple[str, str], str] | N
         raise bad_request(str(exc), exc.param) from None
     if forced is None:
         return mode, grammar
-    if api is not None and len(forced[1]) > api.max_grammar_chars:
-        raise bad_request(f"the {mode} tool_choice's grammar (the tools' parameter schemas) has {len(forced[1])} "
-                          f"characters; the limit is {api.max_grammar_chars} (api.max_grammar_chars)", "tools",
-                          "grammar_limit")
+    _check_grammar_size(forced[1], "tools", api)
     if grammar is not None:
         raise bad_request(f"a {mode} tool_choice makes the output a tool call; it cannot also follow {grammar[1]}",
                           "tool_choice")

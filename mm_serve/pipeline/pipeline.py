@@ -80,8 +80,7 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     processed, committed = await gate.media(call, recheck, lambda reserve: _prompt_inputs(ctx, call, reserve),
                                             origin.release_body)
     origin.mark("media")  # images fetched and decoded, the prompts templated and tokenized
-    vocab = ctx.holder.model_config.text.vocab_size
-    prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len, vocab))
+    prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len))
                 for inputs in processed]
     gate.check_work(call, prepared)
     client = ctx.client_or_503()
@@ -153,8 +152,9 @@ async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None
         processed = [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
                      for prompt in call.prompts]
     if call.body.cache_salt is not None:
+        salt = request_salt(call.body.cache_salt)
         for one in processed:  # before anything hashes its images or pages
-            one.cache_salt = request_salt(call.body.cache_salt)
+            one.cache_salt = salt
     return processed
 
 

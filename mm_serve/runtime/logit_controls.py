@@ -86,10 +86,11 @@ def adjust_row(logits: torch.Tensor, request: Request, eos_token_ids: frozenset[
     if len(request.output_token_ids) < params.min_tokens:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         masked = [t for t in stops if 0 <= t < vocab]
-        kept = logits.clone()
-        kept[masked] = float("-inf")
-        if masked and bool(torch.isfinite(kept).any()):  # a grammar that allows only a stop token now wins
-            logits.copy_(kept)
+        if masked:
+            kept = logits.clone()
+            kept[masked] = float("-inf")
+            if bool(torch.isfinite(kept).any()):  # a grammar that allows only a stop token now wins
+                logits.copy_(kept)
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long, device=logits.device)
         bias = torch.tensor([b for t, b in params.logit_bias if t < vocab], dtype=logits.dtype, device=logits.device)
