@@ -32,6 +32,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mm_serve.runtime.logit_controls import split_outputs
+
 if TYPE_CHECKING:
     import torch
 
@@ -161,7 +163,7 @@ class GrammarBook:
     Built lazily: nothing is loaded until the first structured request (the vocabulary size is the logits'
     width then, which may exceed the tokenizer's).
 
-    Raises (:meth:`compile`, :meth:`prepare`):
+    Raises (:meth:`compile`, :meth:`matcher`):
         GrammarError: the spec does not compile.
     """
 
@@ -228,8 +230,7 @@ class GrammarBook:
         stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
         matcher = xgrammar.GrammarMatcher(self.compile(params.structured, vocab_size),
                                           override_stop_tokens=stops or None, terminate_without_stop_token=not stops)
-        cut = len(request.prompt_token_ids) - request.output_offset
-        for token in request.prompt_token_ids[cut:] + request.output_token_ids:
+        for token in split_outputs(request)[1]:
             if not matcher.accept_token(token):
                 raise GrammarError(f"output token {token} of {request.request_id!r} is outside its grammar")
         request.grammar_matcher = matcher
