@@ -142,7 +142,8 @@ class APIConfig(_Frozen):
     max_video_seconds: float = Field(600.0, gt=0, description="Longer videos are a 400 (checked on the container's packets, before any frame is decoded).")
     max_video_frame_pixels: int = Field(1280 * 720, ge=1, description="Videos whose frames have more pixels are a 400 (checked before decoding); with max_video_frames it bounds a decoded video's memory.")
     max_video_fetch_bytes: int = Field(64 << 20, ge=1024, description="Largest video fetched from an http(s) URL or read from a file:// URL, in bytes.")
-    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1/* and /internal/stats (--api-key); printable ASCII without spaces (it travels in a header); null = no key.")
+    api_key: str | list[str] | None = Field(None, description="Require 'Authorization: Bearer <key>' on /v1/* and /internal/stats (--api-key, which may be given more than once); a list accepts any of its keys (one per tenant); printable ASCII without spaces (it travels in a header); null = no key.")
+    cache_salt_by_api_key: bool = Field(False, description="Salt every generation call's prefix- and encoder-cache hashes by the API key it came with (one tenant per key; a call's own cache_salt is salted within its key's): no tenant's prompts or images are ever reported or timed as cached for another. Needs api_key.")
     allowed_local_media_path: str | None = Field(None, description="A folder whose images and videos requests may name as file:// URLs (--allowed-local-media-path); null = no file:// URLs.")
     allowed_media_domains: list[str] = Field(default_factory=list, description="Hosts http(s) images and videos may be fetched from (--allowed-media-domains); empty = any public host.")
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="The API process's event loop (uvicorn's --loop): 'auto' takes uvloop when it is installed (a dependency on Linux and macOS), else asyncio's.")
@@ -154,12 +155,27 @@ class APIConfig(_Frozen):
 
     @field_validator("api_key")
     @classmethod
-    def _sendable_key(cls, value: str | None) -> str | None:
-        """A key clients can send in a header: printable ASCII, no spaces (HTTP clients encode a
-        header otherwise, and it would never match); empty means none."""
-        if value and not (value.isascii() and value.isprintable() and " " not in value):
-            raise ValueError("api_key must be printable ASCII without spaces (it travels in the Authorization header)")
+    def _sendable_key(cls, value: str | list[str] | None) -> str | list[str] | None:
+        """Keys clients can send in a header: printable ASCII, no spaces (HTTP clients encode a
+        header otherwise, and it would never match); an empty string means none."""
+        if isinstance(value, list) and not all(value):
+            raise ValueError("api_key's list holds an empty key")
+        for key in [value] if isinstance(value, str) else value or []:
+            if not (key.isascii() and key.isprintable() and " " not in key):
+                raise ValueError("api_key must be printable ASCII without spaces (it travels in the Authorization header)")
         return value
+
+    @model_validator(mode="after")
+    def _salt_needs_key(self) -> APIConfig:
+        if self.cache_salt_by_api_key and not self.api_keys:
+            raise ValueError("cache_salt_by_api_key needs api_key (the keys are the tenants)")
+        return self
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys ``api_key`` accepts (one string or a list), () when none is required."""
+        value = self.api_key
+        return (value,) if isinstance(value, str) and value else tuple(value or ())
 
 
 class FaultConfig(_Frozen):

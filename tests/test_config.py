@@ -185,3 +185,27 @@ def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_p
         load_config(path, {"api.port": 8124})
     path.write_text("api:\n  port: 9000\n")
     assert load_config(path, {"api.port": 8124}).api.port == 8124
+
+
+def test_api_keys_one_or_several_and_salting_by_key_needs_them() -> None:
+    """``api.api_key`` takes one key or a list (one per tenant); an empty key in a list, a key with a
+    space, and salting by key without any key are errors naming the rule."""
+    assert load_config(None, {"api.api_key": "a"}).api.api_keys == ("a",)
+    assert load_config(None, {"api.api_key": ["a", "b"]}).api.api_keys == ("a", "b")
+    assert load_config(None, {"api.api_key": ""}).api.api_keys == ()
+    for value, fragment in ((["a", ""], "empty key"), (["a", "b c"], "without spaces")):
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(None, {"api.api_key": value})
+    with pytest.raises(ConfigError, match="cache_salt_by_api_key needs api_key"):
+        load_config(None, {"api.cache_salt_by_api_key": True})
+    assert load_config(None, {"api.api_key": ["a", "b"], "api.cache_salt_by_api_key": True}).api.cache_salt_by_api_key
+
+
+def test_api_key_flag_given_twice_is_a_list_of_tenants() -> None:
+    from mm_serve.cli.main import build_parser
+    from mm_serve.cli.serve import _overrides
+
+    args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b", "--cache-salt-by-api-key"])
+    cfg = load_config(None, _overrides(args))
+    assert cfg.api.api_keys == ("a", "b") and cfg.api.cache_salt_by_api_key
+    assert load_config(None, _overrides(build_parser().parse_args(["serve", "--api-key", "a"]))).api.api_key == "a"

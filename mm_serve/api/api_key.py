@@ -8,20 +8,28 @@ import hmac
 from mm_serve.protocol.errors import APIError
 
 
-def api_key_ok(authorization: str, key: str | None) -> bool:
-    """Whether an ``Authorization`` header value carries ``Bearer <key>`` (compared in constant
-    time); always True when no key is set."""
-    if not key:
-        return True
-    token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
-    return hmac.compare_digest(token.encode(), key.encode())
+def matching_key(authorization: str, keys: tuple[str, ...]) -> str | None:
+    """The key of ``keys`` an ``Authorization`` header value carries as ``Bearer <key>``, or None.
+    Every key is compared, each in constant time, so the time taken tells nothing of which matched."""
+    token = (authorization[7:] if authorization.lower().startswith("bearer ") else "").encode()
+    found = None
+    for key in keys:
+        if hmac.compare_digest(token, key.encode()):
+            found = key
+    return found
 
 
-def scope_authorized(headers: list[tuple[bytes, bytes]], key: str | None) -> bool:
+def api_key_ok(authorization: str, keys: tuple[str, ...]) -> bool:
+    """Whether an ``Authorization`` header value carries one of ``keys`` (:func:`matching_key`);
+    always True when there are none."""
+    return not keys or matching_key(authorization, keys) is not None
+
+
+def scope_authorized(headers: list[tuple[bytes, bytes]], keys: tuple[str, ...]) -> bool:
     """:func:`api_key_ok` on the ``Authorization`` header of raw ASGI ``headers`` (latin-1, as HTTP
     sends them)."""
     value = next((v for name, v in headers if name == b"authorization"), b"")
-    return api_key_ok(value.decode("latin-1"), key)
+    return api_key_ok(value.decode("latin-1"), keys)
 
 
 KEYED_PREFIXES = ("/v1/", "/internal/")  # the routes that take api.api_key; /health, /metrics, /version, /docs do not

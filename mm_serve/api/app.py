@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge
 from pydantic import BaseModel
 
 from mm_serve.admission.attainment_feedback import FEEDBACK_SLOS
-from mm_serve.api.api_key import api_key_ok, unauthorized
+from mm_serve.api.api_key import matching_key, unauthorized
 from mm_serve.api.arrival import ArrivalTimeMiddleware
 from mm_serve.api.body_limit import BODY_FILE, BodyLimitMiddleware
 from mm_serve.api.body_parser import INLINE_PARSE_BYTES, BodyParser
@@ -122,15 +122,22 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     path_limits = {path: limit for extension in extensions for path, limit in extension.body_limits().items()}
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes, path_limits=path_limits,
                        budget=ctx.image_budget, budget_paths=GENERATION_PATHS, on_refused=metrics.observe_rejected,
-                       api_key=ctx.config.api.api_key, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
+                       api_keys=ctx.config.api.api_keys, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
                        read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s,
                        wait_s=ctx.config.admission.image_wait_s, spool_bytes=INLINE_PARSE_BYTES)
     app.add_middleware(ArrivalTimeMiddleware)
     app.add_middleware(CancelledAnswerMiddleware)  # outermost
 
+    keys = ctx.config.api.api_keys
+
     async def require_key(request: Request) -> None:
-        if not api_key_ok(request.headers.get("authorization", ""), ctx.config.api.api_key):
+        if not keys:
+            return
+        key = matching_key(request.headers.get("authorization", ""), keys)
+        if key is None:
             raise unauthorized()
+        if ctx.config.api.cache_salt_by_api_key:
+            request.state.tenant = key  # read by http_origin: the call's caches are salted by it
 
     auth = [Depends(require_key)]
     for extension in extensions:

@@ -72,6 +72,8 @@ def arrival_time(request: Any) -> float:
 
 def http_origin(request: Request) -> CallOrigin:
     """The :class:`CallOrigin` of an HTTP call: its stamped arrival, its phase marks, its body's hold
-    on the image budget, and its client's disconnect check."""
+    on the image budget, its client's disconnect check, and its tenant (the API key it came with,
+    set by the key check when ``api.cache_salt_by_api_key`` is on)."""
     return CallOrigin(arrival_time(request), lambda phase: mark_phase(request, phase),
-                      lambda: release_body(request), request.is_disconnected)
+                      lambda: release_body(request), request.is_disconnected,
+                      getattr(request.state, "tenant", ""))

@@ -56,7 +56,7 @@ class BodyLimitMiddleware:
 
     def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None,
                  budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
-                 on_refused: Callable[[int], None] | None = None, api_key: str | None = None,
+                 on_refused: Callable[[int], None] | None = None, api_keys: tuple[str, ...] = (),
                  idle_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
                  stopping: Callable[[], int | None] = lambda: None, wait_s: float = 10.0,
                  spool_bytes: int = 256 << 10) -> None:
@@ -68,7 +68,7 @@ class BodyLimitMiddleware:
         self.budget = budget
         self.budget_paths = budget_paths
         self.on_refused = on_refused
-        self.api_key = api_key
+        self.api_keys = api_keys
         self.idle_timeout_s = idle_timeout_s
         self.read_timeout_s = read_timeout_s
         self.stopping = stopping
@@ -82,7 +82,7 @@ class BodyLimitMiddleware:
         limit, key = self.path_limits.get(path, (self.max_body_bytes, "api.max_body_bytes"))
         length = next((value for name, value in scope.get("headers", []) if name == b"content-length"), None)
         declared = int(length) if length is not None and length.isdigit() else None
-        if keyed_path(path) and not scope_authorized(scope.get("headers", []), self.api_key):
+        if keyed_path(path) and not scope_authorized(scope.get("headers", []), self.api_keys):
             await self._answer(scope, receive, send, unauthorized())
             return
         if declared is not None and declared > limit:

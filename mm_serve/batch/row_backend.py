@@ -45,13 +45,15 @@ class RowBackend(CaptionBackend):
     Args:
         ctx: the server's context (engine holder, config, served model name).
         slots: the shared in-flight cap (``batch.max_in_flight_rows`` permits).
+        tenant: whose caches the rows may share (:attr:`CallOrigin.tenant`); "" for the shared ones.
     """
 
     name = "server engine"
 
-    def __init__(self, ctx: ServerContext, slots: asyncio.Semaphore) -> None:
+    def __init__(self, ctx: ServerContext, slots: asyncio.Semaphore, tenant: str = "") -> None:
         self.ctx = ctx
         self.slots = slots
+        self.tenant = tenant
 
     @property
     def default_concurrency(self) -> int:
@@ -99,7 +101,7 @@ class RowBackend(CaptionBackend):
         if body.get("service_tier") in (None, "auto"):
             body["service_tier"] = "batch"
         body.pop("stream_options", None)
-        origin = CallOrigin.internal()
+        origin = CallOrigin.internal(self.tenant)
         try:
             request = (CompletionRequest if item.url == COMPLETIONS_URL else ChatCompletionRequest).model_validate(body)
         except ValidationError as exc:

@@ -164,7 +164,11 @@ class BatchRunner:
                 counts[0 if row_succeeded(row) else 1] += 1
                 self.store.update_batch(record.id, completed=counts[0], failed=counts[1])
 
-            job = CaptionJob(todo, "openai-batch", self.backend, out, concurrency=self.backend.default_concurrency,
+            # with api.cache_salt_by_api_key a batch is a tenant of its own: its rows share caches with each
+            # other, never with another batch or an interactive key (batches are not kept per key)
+            tenant = f"batch:{record.id}" if self.ctx.config.api.cache_salt_by_api_key else ""
+            backend = RowBackend(self.ctx, self.backend.slots, tenant)
+            job = CaptionJob(todo, "openai-batch", backend, out, concurrency=backend.default_concurrency,
                              skipped=len(items) - len(todo), on_row=count)
             try:
                 await job.run(stop)

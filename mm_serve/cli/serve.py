@@ -25,7 +25,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
     p.add_argument("--prefill-workers", type=int, default=None, metavar="N")
     p.add_argument("--decode-workers", type=int, default=None, metavar="M")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (api.api_key); give it once per tenant to accept several")
+    p.add_argument("--cache-salt-by-api-key", action="store_true", default=None,
+                   help="one tenant per API key: no prefix- or encoder-cache entry is shared across keys "
+                        "(api.cache_salt_by_api_key)")
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR", help="allow file:// images and videos under DIR")
     p.add_argument("--allowed-media-domains", nargs="*", default=None, metavar="DOMAIN",
                    help="only fetch http(s) images and videos from these hosts")
@@ -53,7 +57,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     pairs = {
         "model": args.model, "served_model_name": args.served_model_name, "api.host": args.host,
         "api.port": args.port, "mode": args.mode, "compute.prefill_workers": args.prefill_workers,
-        "compute.decode_workers": args.decode_workers, "api.api_key": args.api_key,
+        "compute.decode_workers": args.decode_workers,
+        "api.api_key": args.api_key[0] if args.api_key and len(args.api_key) == 1 else args.api_key,
+        "api.cache_salt_by_api_key": args.cache_salt_by_api_key,
         "api.allowed_local_media_path": args.allowed_local_media_path,
         "api.allowed_media_domains": args.allowed_media_domains, "api.shutdown_grace_s": args.shutdown_grace_s,
         "batch.data_dir": args.batch_data_dir, "cluster.backend": args.cluster_backend,
@@ -172,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"mm-serve: error: workers failed to start:\n{holder.start_error}", file=sys.stderr, flush=True)
             server.should_exit = True
         else:
-            print(_banner(cfg.api.host, cfg.api.port, name, cfg.api.api_key, holder.model_config.vision is not None),
+            print(_banner(cfg.api.host, cfg.api.port, name, next(iter(cfg.api.api_keys), None), holder.model_config.vision is not None),
                   flush=True)
 
     print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)

@@ -30,14 +30,18 @@ class CallOrigin:
             ``"precheck"``, ``"media"``, ``"hold"``, ``"admit"``).
         release_body: gives the body's hold on the image budget back (its images' own take over).
         gone: whether the client went away (a disconnected HTTP client).
+        tenant: whose caches the call may share (with ``api.cache_salt_by_api_key``, its API key);
+            "" for the shared ones.
     """
 
     arrival: float
     mark: Callable[[str], None] = _nothing
     release_body: Callable[[], None] = field(default=lambda: None)
     gone: Callable[[], Awaitable[bool]] = _never_gone
+    tenant: str = ""
 
     @classmethod
-    def internal(cls) -> CallOrigin:
-        """A call made inside the service (a batch row, a caption input): arrived now, never gone."""
-        return cls(time.monotonic())
+    def internal(cls, tenant: str = "") -> CallOrigin:
+        """A call made inside the service (a batch row, a caption input) for ``tenant``: arrived now,
+        never gone."""
+        return cls(time.monotonic(), tenant=tenant)

@@ -77,7 +77,7 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     gate.refuse_if_draining()
     recheck = gate.precheck(call)
     origin.mark("precheck")
-    processed, committed = await gate.media(call, recheck, lambda reserve: _prompt_inputs(ctx, call, reserve),
+    processed, committed = await gate.media(call, recheck, lambda reserve: _prompt_inputs(ctx, call, origin.tenant, reserve),
                                             origin.release_body)
     origin.mark("media")  # images fetched and decoded, the prompts templated and tokenized
     prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len))
@@ -128,9 +128,10 @@ def _settle(future: asyncio.Future[None], outcome: BaseException | None) -> None
         future.set_exception(outcome)
 
 
-async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None = None) -> list[ProcessedInputs]:
+async def _prompt_inputs(ctx: ServerContext, call: Call, tenant: str,
+                         reserve: Reserve | None = None) -> list[ProcessedInputs]:
     """The call's media work: each prompt processed (images and videos loaded, each video's decoding given
-    to ``reserve``; templated, tokenized)."""
+    to ``reserve``; templated, tokenized), its caches salted by its ``cache_salt`` and ``tenant``."""
     api, inputs = ctx.config.api, ctx.holder.inputs
     if call.chat is not None:
         given = getattr(call.body, "mm_processor_kwargs", None)
@@ -151,10 +152,9 @@ async def _prompt_inputs(ctx: ServerContext, call: Call, reserve: Reserve | None
     else:
         processed = [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
                      for prompt in call.prompts]
-    if call.body.cache_salt is not None:
-        salt = request_salt(call.body.cache_salt)
-        for one in processed:  # before anything hashes its images or pages
-            one.cache_salt = salt
+    salt = request_salt(call.body.cache_salt, tenant)
+    for one in processed:  # before anything hashes its images or pages
+        one.cache_salt = salt
     return processed
 
 

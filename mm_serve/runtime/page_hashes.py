@@ -78,9 +78,16 @@ def cache_salt(*parts: str) -> bytes:
     return _blake("|".join(parts).encode())
 
 
-def request_salt(text: str) -> bytes:
-    """A request's ``cache_salt`` (vLLM's field; any string) as the bytes :func:`salted` takes: its hash."""
-    return _blake(b"cache_salt|", text.encode("utf-8", "surrogatepass"))
+def request_salt(text: str | None, tenant: str = "") -> bytes:
+    """A request's ``cache_salt`` (vLLM's field; any string) and its ``tenant`` (with
+    ``api.cache_salt_by_api_key``, the API key it came with; "" for none) as the bytes :func:`salted`
+    takes: their hash, b"" when it has neither. Each part is length-prefixed, so no two different
+    pairs hash alike."""
+    if text is None and not tenant:
+        return b""
+    parts = [part.encode("utf-8", "surrogatepass") for part in (tenant, text or "")]
+    return _blake(b"cache_salt|", *(len(part).to_bytes(8, "little") + part for part in parts),
+                  b"" if text is None else b"|salted")
 
 
 def salted(digest: bytes, salt: bytes) -> bytes:

@@ -1,6 +1,6 @@
 """The HTTP layer's own limits, over raw sockets to a real server: head size (431), head time (closed),
 connection cap (429), the API key before any body byte (401), malformed HTTP (400), all in OpenAI's
-error JSON."""
+error JSON; and its keys as tenants (``api.cache_salt_by_api_key``: no cache shared across keys)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.server_process import ServerProcess, configured_server
+from tests.api.server_process import ServerProcess, configured_server, data_uri
+from tests.factories import gradient_image
 
 HEADER_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 12
 KEY = "sekret"
+OTHER_KEY = "tenant-b-key"
 
 
 @pytest.fixture(scope="module")
 def guarded(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    config = {"model": str(tiny_llava), "api": {"api_key": KEY, "header_timeout_s": HEADER_TIMEOUT_S,
+    config = {"model": str(tiny_llava), "api": {"api_key": [KEY, OTHER_KEY], "cache_salt_by_api_key": True,
+                                                 "header_timeout_s": HEADER_TIMEOUT_S,
                                                  "max_connections": MAX_CONNECTIONS}}
     with configured_server(tiny_llava, config, tmp_path_factory.mktemp("guarded")) as proc:
         yield proc
@@ -198,3 +201,50 @@ def test_bodies_that_fail_to_parse_get_4xx_json(guarded: ServerProcess, content:
     r = httpx.post(f"{guarded.url}/v1/completions", content=content, timeout=60,
                    headers={"content-type": "application/json", "authorization": f"Bearer {KEY}", **headers})
     assert r.status_code == status and fragment in r.json()["error"]["message"], r.text[:300]
+
+
+def _cached_call(server: ServerProcess, key: str, salt: str | None = None) -> tuple[str, int]:
+    """(answer, cached_tokens) of a greedy image question sent with ``key`` (and ``cache_salt`` ``salt``)."""
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(gradient_image(56, 48, 777))}},
+        {"type": "text", "text": "Describe the picture in a few words, please. " * 6}]}]}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _encoder_misses(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("mm_serve_encoder_cache_misses_total"))
+
+
+def _settled_misses(server: ServerProcess, least: float) -> float:
+    """The encoder-cache misses once at least ``least`` (the workers' counters reach /metrics with their
+    next stats, every 0.5 s), and 0.6 s more to catch any later one."""
+    deadline = time.monotonic() + 5
+    while _encoder_misses(server) < least and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.6)
+    return _encoder_misses(server)
+
+
+def test_each_api_key_is_a_tenant_whose_caches_no_other_key_reads(guarded: ServerProcess) -> None:
+    """Either key is accepted. Tenant A's second call is served from its pages; tenant B's identical
+    call reports no cached token and encodes the image again (an encoder-cache miss), yet answers the
+    same; then B hits its own. The same ``cache_salt`` under two keys shares nothing either."""
+    text, cached = _cached_call(guarded, KEY)
+    assert cached == 0
+    again, cached_a = _cached_call(guarded, KEY)
+    assert again == text and cached_a > 0
+    misses = _settled_misses(guarded, 1)  # A's image, encoded once
+    other, cached_b = _cached_call(guarded, OTHER_KEY)
+    assert other == text and cached_b == 0
+    assert _settled_misses(guarded, misses + 1) == misses + 1  # B's image was not read from A's entry
+    assert _cached_call(guarded, OTHER_KEY) == (text, cached_a)
+    assert _cached_call(guarded, KEY, salt="shared")[1] == 0
+    assert _cached_call(guarded, OTHER_KEY, salt="shared")[1] == 0
+    assert _cached_call(guarded, OTHER_KEY, salt="shared")[1] == cached_a
