@@ -74,3 +74,25 @@ def test_choices_are_escaped_and_bad_grammars_name_the_problem(tiny_llava: Path)
         book.compile(("json", '{"type": "frobnicate"}'), 512)
     with pytest.raises(GrammarError, match="parenthesis"):
         book.compile(("regex", "a(b"), 512)
+
+
+def test_a_prefetched_grammar_is_compiled_off_the_step_and_a_bad_one_fails_where_it_samples(tiny_llava: Path) -> None:
+    """``prefetch`` compiles on a thread of its own: the matcher built after it needs no compile of its own
+    (the thread is gone and the compiler's cache holds the grammar); a spec that does not compile is not
+    raised by the prefetch, but by the matcher, with xgrammar's reason."""
+    import threading
+
+    from mm_serve.runtime.request import Request
+
+    book = GrammarBook(tiny_llava)
+    good = Request("good", [1, 2, 3], SamplingParams(max_tokens=8, structured=("json", json.dumps(random_schema(5)))))
+    bad = Request("bad", [1, 2, 3], SamplingParams(max_tokens=8, structured=("json", '{"type": "frobnicate"}')))
+    for request in (good, bad):
+        book.prefetch(request, 512)
+    assert any(t.name == "grammar-prefetch" for t in threading.enumerate()) or not book._compiling
+    matcher = book.matcher(good, 512)
+    assert not matcher.is_terminated() and not book._compiling.get((good.sampling_params.structured, 512))
+    with pytest.raises(GrammarError, match="frobnicate"):
+        book.matcher(bad, 512)
+    book.prefetch(good, 512)  # it has its matcher: nothing to do
+    assert not book._compiling

@@ -81,6 +81,7 @@ class DecodeWorker(WorkerShell):
     def _adopt(self, request: Request) -> None:
         """A claimed hand-off joins the running set (at once: the next claim sees it)."""
         self.requests[request.request_id] = request
+        self.grammars.prefetch(request, self.model_config.text.vocab_size)  # compiled beside the next forward pass
         self.scheduler.add_running(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

@@ -75,6 +75,7 @@ class PrefillWorker(WorkerShell):
         )
         request.stamp(LifetimeEvent.ARRIVED, msg.arrival_time)
         request.stamp(LifetimeEvent.PREFILL_QUEUED)
+        self.grammars.prefetch(request, self.model_config.text.vocab_size)  # compiled while it queues and prefills
         self.scheduler.add(request)
 
     def abort(self, request_id: str) -> None:

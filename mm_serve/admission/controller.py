@@ -105,7 +105,8 @@ class AdmissionController(AdmissionLearning):
         return promise.arrived_at + self.config.slo.of(promise.tier).ttft_s * factor - now
 
     def admit(self, load: LoadSource, tier: Tier, tokens: int, images: int, max_tokens: int,
-              inputs: ProcessedInputs | None = None, waited_s: float = 0.0, refuse: bool = True) -> Prediction | None:
+              inputs: ProcessedInputs | None = None, waited_s: float = 0.0, refuse: bool = True,
+              grammar_s: float = 0.0) -> Prediction | None:
         """Predict, and refuse a request whose prediction exceeds its tier's SLO × (1 + margin),
         that would push running requests of a tighter tier on its decode worker past their TPOT SLO,
         or that, prefilled before queued requests of a looser tier, would make one of them late
@@ -114,6 +115,8 @@ class AdmissionController(AdmissionLearning):
         ``waited_s``, the seconds since the call arrived (decoding its images, the dispatch hold, a
         front end too busy to get to it), is part of its TTFT: it is added to the prediction.
         ``refuse=False``: predict only (a call already admitted at its decision deadline).
+        ``grammar_s``, what compiling its structured-output grammar took the front end (the prefill
+        worker compiles it again before it samples the first token; ~0 once cached), is added too.
 
         Raises:
             Rejection: 429 ``ttft_slo`` or ``tpot_slo``; the message names the SLO, the prediction and
@@ -121,7 +124,7 @@ class AdmissionController(AdmissionLearning):
                 request it would make late, the time until that one is due), at least a second.
         """
         self.note_call(tier)
-        prediction = _waited(self.predict(load, tier, tokens, images, max_tokens, inputs), waited_s)
+        prediction = _waited(self.predict(load, tier, tokens, images, max_tokens, inputs), waited_s, grammar_s)
         if prediction is None or not refuse or not self.config.admission.predict or tier == NEVER_REFUSED:
             return prediction
         if prediction.idle:  # alone, refusing protects no one; and an idle service must keep learning
@@ -300,8 +303,11 @@ def _work(work: PrefillWork) -> QueueAhead:
 P = TypeVar("P", Prediction, Prediction | None)
 
 
-def _waited(prediction: P, waited_s: float) -> P:
-    """``prediction`` with the ``waited_s`` seconds since its call arrived added to its TTFT."""
-    if prediction is None or waited_s <= 0:
+def _waited(prediction: P, waited_s: float, grammar_s: float = 0.0) -> P:
+    """``prediction`` with the ``waited_s`` seconds since its call arrived and the ``grammar_s`` its
+    grammar's compile will take added to its TTFT."""
+    waited_s, grammar_s = max(0.0, waited_s), max(0.0, grammar_s)
+    if prediction is None or waited_s + grammar_s == 0:
         return prediction
-    return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + waited_s, waited_s=waited_s)
+    return dataclasses.replace(prediction, ttft_s=prediction.ttft_s + waited_s + grammar_s, waited_s=waited_s,
+                               grammar_s=grammar_s)

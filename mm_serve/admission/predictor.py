@@ -88,6 +88,7 @@ class Prediction:
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
     decode_tightest: Tier | None = None  # tightest tier live on its decode worker (None: none)
     waited_s: float = 0.0  # seconds from the call's arrival to this prediction (images, hold, a busy front end; in ``ttft_s``)
+    grammar_s: float = 0.0  # seconds its prefill worker will spend compiling its grammar before the first token (in ``ttft_s``)
     tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker
     # the queued looser request that this one, served before it, would make miss its TTFT SLO (the worst; None: none)
     makes_late: LateRequest | None = None
@@ -272,10 +273,11 @@ class LatencyPredictor:
 
     def observe_finished(self, prediction: Prediction, prefill_span_s: float | None, tpot_s: float | None) -> None:
         """A finished request's measured span from dispatch to first token and TPOT (seconds; None
-        when not measured) against its prediction: refits the transit (from a request predicted
+        when not measured; the span less the prediction's grammar compile) against its prediction: refits the transit (from a request predicted
         to wait for nothing: its span less its own prefill) and the two corrections (the span
         less the transit against the queue + prefill part)."""
         if prefill_span_s is not None:
+            prefill_span_s -= prediction.grammar_s  # priced apart from the queue and the prefill
             if prediction.queue_s <= 0:
                 residual = max(0.0, prefill_span_s - prediction.ttft_base_s)
                 self.transit_s += TRANSIT_WEIGHT * (residual - self.transit_s)

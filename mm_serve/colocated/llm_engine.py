@@ -88,6 +88,7 @@ class LLMEngine:
                 inputs.pixel_values, inputs.image_tiles, inputs.image_sizes, inputs.image_second_per_grid)],
         )
         self.requests[request_id] = request
+        self.grammars.prefetch(request, self.model_config.text.vocab_size)  # compiled while it queues and prefills
         self.scheduler.add(request)
         return request
 

@@ -46,6 +46,8 @@ class Call:
         grammar: the structured output it asks for, ``((kind, text), field)`` (None: free text); a named
             or required ``tool_choice`` asks for one too (:mod:`mm_serve.protocol.tools`).
         tool_mode: how a chat call's tool calls are made: ``named``, ``required``, ``auto`` or None.
+        grammar_compile_s: seconds the front end took to compile :attr:`grammar` (0: none, or cached);
+            admission adds it to the TTFT prediction for the prefill worker's own compile.
     """
 
     body: Body
@@ -57,6 +59,7 @@ class Call:
     logprobs: int | None
     grammar: tuple[tuple[str, str], str] | None = None
     tool_mode: str | None = None
+    grammar_compile_s: float = 0.0
 
     @classmethod
     def parse(cls, body: Body, default_tier: Tier, arrival: float, api: APIConfig | None = None) -> Call:

@@ -338,7 +338,7 @@ class AdmissionGate:
             inputs, params = prepared[0]
             prediction = ctx.admission.admit(ctx.holder.client, tier, len(inputs.prompt_token_ids),
                                              inputs.num_tiles, params.max_tokens, inputs, waited,
-                                             refuse=not committed)
+                                             refuse=not committed, grammar_s=call.grammar_compile_s)
         if ctx.tier_metrics is not None:
             ctx.tier_metrics.observe_admission(tier, None)
         return prediction

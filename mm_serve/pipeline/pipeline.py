@@ -17,7 +17,9 @@ as an :class:`~mm_serve.protocol.errors.APIError` in OpenAI's format.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -72,7 +74,7 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     call = Call.parse(body, ctx.config.slo.default, origin.arrival, ctx.config.api)
     call.check_values(ctx.holder.model_config.text.vocab_size)
     if call.grammar is not None:
-        await _compile_grammar(ctx, *call.grammar)
+        call = dataclasses.replace(call, grammar_compile_s=await _compile_grammar(ctx, *call.grammar))
     gate: Gate = AdmissionGate(ctx) if ctx.admission_gate else OpenGate()
     gate.refuse_if_draining()
     recheck = gate.precheck(call)
@@ -91,22 +93,26 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     return AdmittedCall(call, prediction, _submit(ctx, client, call, prepared, prediction))
 
 
-async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str) -> None:
+async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str) -> float:
     """Compile the grammar a call asks for, in a thread (the workers' compilers do the same; this one
-    finds a grammar that cannot be compiled before any work is done for the call).
+    finds a grammar that cannot be compiled before any work is done for the call). Returns the seconds
+    the compile took (~0 for a grammar compiled before: xgrammar's compiler caches by grammar).
 
     Raises:
         APIError: 400 ``invalid_grammar`` naming the field and xgrammar's reason.
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
+    took = [0.0]
 
     def compile_it() -> None:  # on a daemon thread: a compile under way never holds up the server's exit
+        start = time.perf_counter()
         try:
             ctx.grammars.compile(spec, ctx.holder.model_config.text.vocab_size)
             outcome: BaseException | None = None
         except BaseException as exc:  # handed to the awaiting call
             outcome = exc
+        took[0] = time.perf_counter() - start
         try:
             loop.call_soon_threadsafe(_settle, done, outcome)
         except RuntimeError:  # the loop has closed (the server stopped meanwhile)
@@ -117,6 +123,7 @@ async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str
         await done
     except GrammarError as exc:
         raise bad_request(f"the {param} grammar cannot be compiled: {exc}", param, "invalid_grammar") from None
+    return took[0]
 
 
 def _settle(future: asyncio.Future[None], outcome: BaseException | None) -> None:

@@ -175,6 +175,7 @@ class GrammarBook:
         self._compiler: Any = None
         self._vocab = 0
         self._lock = threading.Lock()  # the front end compiles from threads
+        self._compiling: dict[tuple[GrammarSpec, int], threading.Event] = {}  # prefetches under way
 
     def _compiler_for(self, vocab_size: int) -> Any:
         with self._lock:
@@ -189,12 +190,47 @@ class GrammarBook:
                 self._compiler, self._vocab = xgrammar.GrammarCompiler(info, max_threads=1), vocab_size
             return self._compiler
 
+    def prefetch(self, request: Request, vocab_size: int) -> None:
+        """Start compiling ``request``'s grammar (if it has one) on a thread of its own, when the request
+        reaches the worker, so that its first sampling finds it compiled, or waits only for the rest,
+        instead of compiling inside the step every request of the batch waits for (xgrammar compiles
+        without the GIL; vLLM compiles asynchronously too). A spec compiled before is a cache hit."""
+        spec = request.sampling_params.structured
+        if spec is None or request.grammar_matcher is not None:
+            return
+        key = (spec, vocab_size)
+        with self._lock:
+            if key in self._compiling:
+                return
+            done = threading.Event()
+            self._compiling[key] = done
+
+        def run() -> None:
+            try:
+                self._compile_now(spec, vocab_size)
+            except GrammarError:
+                pass  # raised again, with its reason, where the request samples
+            finally:
+                with self._lock:
+                    self._compiling.pop(key, None)
+                done.set()
+
+        threading.Thread(target=run, name="grammar-prefetch", daemon=True).start()
+
     def compile(self, spec: GrammarSpec, vocab_size: int) -> Any:
-        """The compiled grammar of ``spec`` for a ``vocab_size``-wide logits row (cached by the compiler).
+        """The compiled grammar of ``spec`` for a ``vocab_size``-wide logits row (cached by the compiler),
+        after the :meth:`prefetch` of it under way, if any, has finished.
 
         Raises:
             GrammarError: an unknown kind, or the spec does not compile (xgrammar's reason in the message).
         """
+        with self._lock:
+            pending = self._compiling.get((spec, vocab_size))
+        if pending is not None:
+            pending.wait()
+        return self._compile_now(spec, vocab_size)
+
+    def _compile_now(self, spec: GrammarSpec, vocab_size: int) -> Any:
         kind, text = spec
         compiler = self._compiler_for(vocab_size)
         try:

@@ -463,6 +463,25 @@ def test_the_time_a_call_has_already_waited_counts_in_its_ttft() -> None:
         controller.precheck(_TwoPrefillClient(two), interactive, 16, waited_s=0.9)  # type: ignore[arg-type]
 
 
+def test_a_grammar_compile_counts_in_the_ttft_and_is_not_learned_as_queue_or_prefill() -> None:
+    """A call whose grammar took the front end 0.95 s to compile (its prefill worker compiles it again
+    before the first token) is predicted that much later and refused for a 1 s TTFT SLO; a finished
+    request's span less its grammar time is what teaches the TTFT correction (its compile is no sign
+    that the queue or the prefill run slow)."""
+    cfg = load_config(None, {"slo.tiers.interactive": {"ttft_ms": 1000, "tpot_ms": 100}})
+    controller = AdmissionController(cfg)
+    client = _Client(_queued_router({1: 10}))  # not idle
+    plain = controller.admit(client, Tier.INTERACTIVE, 20, 0, 16)  # type: ignore[arg-type]
+    assert plain is not None and plain.grammar_s == 0.0
+    with pytest.raises(Rejection, match=f"the predicted TTFT is {plain.ttft_s + 0.95:.3f} s"):
+        controller.admit(client, Tier.INTERACTIVE, 20, 0, 16, grammar_s=0.95)  # type: ignore[arg-type]
+    predictor = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096)
+    p = dataclasses.replace(predictor.predict(QueueAhead(2, 500, 2), 250, 1, 10, 3000), grammar_s=0.4)
+    for _ in range(30):
+        predictor.observe_finished(p, prefill_span_s=predictor.transit_s + p.ttft_base_s + 0.4, tpot_s=None)
+    assert predictor.ttft_corrections[Tier.STANDARD].value == pytest.approx(1.0, abs=0.02)
+
+
 def test_with_the_batch_in_progress_known_ttft_is_its_rest_then_the_batches_up_to_its_own() -> None:
     """A prefill worker that reports its batches: the new request waits for what is left of the
     batch in progress (the fit's seconds for it less the time it has run), then for the full
