@@ -277,6 +277,37 @@ def test_chunked_prefill_equals_transformers(tiny_llava: Path, reference_tokens:
     assert stats[("prefill", 0)].kv_pages_used == 0 and stats[("prefill", 0)].pages_integrity_ok
 
 
+def test_prompt_logprobs_over_chunks_and_images_equal_transformers(tiny_llava: Path) -> None:
+    """``prompt_logprobs`` of image prompts prefilled in chunks of 24 (images straddle chunk ends), with
+    their pages cached by an earlier call: every prompt token's log-probability after the first equals
+    transformers' log-softmax of the logits at the position before (1e-4), with the 3 best; colocated
+    in-process gives the same; the outputs are those without the field."""
+    import dataclasses
+
+    params = dataclasses.replace(GREEDY, max_tokens=2, prompt_logprobs=3)
+    cases = [CASES[0], CASES[2], CASES[3]]
+    reference = load_reference(tiny_llava, multimodal=True)
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, prefill_chunk_tokens=24) as llm:
+        plain = llm.generate(cases, dataclasses.replace(GREEDY, max_tokens=2))
+        outs = llm.generate(cases, params)
+        processed = [llm.inputs.process(case) for case in cases]
+    colocated = LLM(model=tiny_llava, mode="colocated").generate(cases, params)
+    for out, alone, same, inputs in zip(outs, plain, colocated, processed, strict=True):
+        assert out.token_ids == alone.token_ids and out.num_cached_tokens == 0
+        ids = inputs.prompt_token_ids
+        with torch.inference_mode():
+            kwargs = {} if inputs.pixel_values is None else {"pixel_values": inputs.pixel_values}
+            logp = torch.log_softmax(reference(input_ids=torch.tensor([ids]), **kwargs).logits[0].float(), -1)
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(ids) and got[0] is None
+        assert [entry[ids[p]] for p, entry in enumerate(got) if entry] == pytest.approx(
+            [float(logp[p - 1, ids[p]]) for p in range(1, len(ids))], abs=1e-4)
+        best = torch.topk(logp[:-1], 3).indices.tolist()
+        assert all(set(best[p - 1]) <= set(got[p]) for p in range(1, len(ids)))  # type: ignore[arg-type]
+        assert same.prompt_logprobs is not None and [sorted(e) for e in same.prompt_logprobs[1:]] == \
+            [sorted(e) for e in got[1:]]  # type: ignore[union-attr]
+
+
 def test_paced_decode_steps_keep_their_interval_free_the_core_and_the_tokens(
     tiny_llava: Path, reference_tokens: list[list[int]],
 ) -> None:

@@ -12,7 +12,7 @@ from mm_serve.api.call_route import serve_call
 from mm_serve.api.sse import DONE, error_event, event
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.pipeline import AdmittedCall
-from mm_serve.pipeline.responses import finish_reason, timeout_message
+from mm_serve.pipeline.responses import echo_logprobs, echo_text, finish_reason, timeout_message
 from mm_serve.protocol.logprobs_format import completion_logprobs
 from mm_serve.protocol.schemas import CompletionRequest, dump
 
@@ -29,6 +29,7 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
     closed = [False] * len(gen.states)
     sent_tokens, offsets = [0] * len(gen.states), [0] * len(gen.states)
     tokenizer, top_n = ctx.holder.inputs.tokenizer, admitted.call.logprobs
+    echo, echoed = echo_text(ctx, admitted, 0), [False] * len(gen.states)
     try:
         async for i in gen.changes(ctx.deadline(), raw.is_disconnected):
             state = gen.states[i]
@@ -42,12 +43,15 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
             if state.finished:
                 closed[i] = True
             if text or state.finished:
-                logprobs = None
+                logprobs, before = None, None
+                if not echoed[i]:  # the prompt goes first, in the choice's first chunk
+                    echoed[i], text, offsets[i] = True, echo + text, len(echo)
+                    before = echo_logprobs(ctx, admitted, 0, state)
                 new_tokens = state.token_ids[sent_tokens[i]:]  # the tokens since the last chunk
-                if top_n is not None and new_tokens:
+                if top_n is not None and (new_tokens or before is not None):
                     part = completion_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n,
-                                               offsets[i])
-                    offsets[i] += sum(len(token) for token in part.tokens)
+                                               offsets[i], before)
+                    offsets[i] += sum(len(token) for token in part.tokens[len(part.tokens) - len(new_tokens):])
                     logprobs = dump(part)
                 sent_tokens[i] = len(state.token_ids)
                 choice = {"index": i, "text": text, "logprobs": logprobs,

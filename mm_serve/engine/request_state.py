@@ -41,6 +41,8 @@ class RequestState:
         self.tier: Tier | None = None  # the SLO tier it is served in (None: not counted per tier)
         self.predicted_ttft_s: float | None = None  # the admission controller's prediction, seconds
         self.cached_tokens = 0  # prompt tokens whose KV the prefill reused (prefix cache), <= num_prompt_tokens
+        # per prompt token (None first), when its params asked (prompt_logprobs): the first attempt's that sent them
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         # moved to a new attempt after a worker fault, or parked while a role had no ready worker: its
         # latency measures the fault, not the load (the admission controller does not learn from it)
         self.delayed_by_fault = False
@@ -82,6 +84,8 @@ class RequestState:
             self.logprobs.extend(update.logprobs)
         if update.events:
             self.events.update(update.events)
+        if update.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = update.prompt_logprobs
         if update.cached_tokens is not None and not self._cached_reported:  # the first prefill's figure
             self._cached_reported = True
             self.cached_tokens = min(update.cached_tokens, self.num_prompt_tokens)

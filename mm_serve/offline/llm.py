@@ -208,7 +208,7 @@ class LLM:
             raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [
             RequestOutput(request_id=rid, num_prompt_tokens=states[0].num_prompt_tokens,
-                          num_cached_tokens=states[0].cached_tokens, outputs=[
+                          num_cached_tokens=states[0].cached_tokens, prompt_logprobs=states[0].prompt_logprobs, outputs=[
                 CompletionOutput(index=i, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
                                  stop_reason=s.stop_reason, logprobs=s.logprobs or None)
                 for i, s in enumerate(states)
@@ -228,7 +228,8 @@ class LLM:
             ))
             self.engine.release(sub_id)
         cached = min(done[sub_ids[0]].num_prompt_cached_tokens, n_prompt)
-        return RequestOutput(request_id=rid, num_prompt_tokens=n_prompt, outputs=outputs, num_cached_tokens=cached)
+        return RequestOutput(request_id=rid, num_prompt_tokens=n_prompt, outputs=outputs, num_cached_tokens=cached,
+                             prompt_logprobs=done[sub_ids[0]].prompt_logprobs)
 
     @staticmethod
     def _params_for(batch: list[dict[str, Any]], sampling_params: Any) -> list[SamplingParams]:

@@ -25,6 +25,8 @@ class RequestOutput:
     num_prompt_tokens: int  # image tokens included
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first completion's prefill)
+    # with SamplingParams.prompt_logprobs: per prompt token, {token id: log-probability} (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -156,6 +156,7 @@ class Call:
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 structured=None if self.grammar is None else self.grammar[0],
+                prompt_logprobs=self.logprobs if getattr(body, "echo", None) else None,
             )
         except ValueError as exc:
             raise bad_request(str(exc)) from None

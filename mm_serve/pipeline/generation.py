@@ -54,6 +54,7 @@ class Generation:
         self.tier = tier
         self.request_id = request_id or uuid.uuid4().hex
         self.num_prompt_tokens = len(inputs.prompt_token_ids)
+        self.prompt_token_ids = list(inputs.prompt_token_ids)
         self.states: list[RequestState] = []
         self._queue: asyncio.Queue[int] = asyncio.Queue()
         loop = asyncio.get_running_loop()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
+from mm_serve.engine.request_state import RequestState
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.pipeline import AdmittedCall
 from mm_serve.pipeline.tool_answer import answer_message
@@ -17,6 +18,7 @@ from mm_serve.protocol.schemas import (
     ChatChoice,
     ChatCompletionResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
     Usage,
@@ -84,18 +86,42 @@ def completion_response(ctx: ServerContext, admitted: AdmittedCall) -> Completio
     for p, generation in enumerate(admitted.generations):
         prompt_tokens += generation.num_prompt_tokens
         cached_tokens += generation.cached_tokens
+        echo = echo_text(ctx, admitted, p)
         for i, s in enumerate(generation.states):
             completion_tokens += len(s.token_ids)
             logprobs = None
             if call.logprobs is not None:
-                logprobs = completion_logprobs(tokenizer, s.token_ids, s.logprobs, call.logprobs)
-            choices.append(CompletionChoice(index=p * call.body.n + i, text=s.text, logprobs=logprobs,
+                logprobs = completion_logprobs(tokenizer, s.token_ids, s.logprobs, call.logprobs, len(echo),
+                                               echo_logprobs(ctx, admitted, p, s))
+            choices.append(CompletionChoice(index=p * call.body.n + i, text=echo + s.text, logprobs=logprobs,
                                             finish_reason=finish_reason(s.finish_reason)))
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                   total_tokens=prompt_tokens + completion_tokens,
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
     return CompletionResponse(model=ctx.served_model_name, choices=choices, usage=usage,
                               service_tier=call.tier.label)
+
+
+def echo_text(ctx: ServerContext, admitted: AdmittedCall, p: int) -> str:
+    """The text a completions call with ``echo`` puts before prompt ``p``'s choices: the prompt as sent
+    (token ids decoded, special tokens kept); "" without ``echo``."""
+    if not getattr(admitted.call.body, "echo", None):
+        return ""
+    prompt = admitted.call.prompts[p]
+    if "prompt" in prompt:
+        return str(prompt["prompt"])
+    return str(ctx.holder.inputs.tokenizer.decode(prompt["prompt_token_ids"]))
+
+
+def echo_logprobs(ctx: ServerContext, admitted: AdmittedCall, p: int, state: RequestState) -> CompletionLogprobs | None:
+    """The log-probabilities of prompt ``p``'s tokens (the first one's null) for a completions call with
+    ``echo`` and ``logprobs`` (computed by the prefill pass: ``prompt_logprobs``); None without ``echo``."""
+    call = admitted.call
+    if not getattr(call.body, "echo", None) or call.logprobs is None:
+        return None
+    prompt_ids = admitted.generations[p].prompt_token_ids
+    entries = state.prompt_logprobs or [None] * len(prompt_ids)
+    return completion_logprobs(ctx.holder.inputs.tokenizer, prompt_ids, entries, call.logprobs)
 
 
 async def answer(ctx: ServerContext, admitted: AdmittedCall, gone: Callable[[], Awaitable[bool]],

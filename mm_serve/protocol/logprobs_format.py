@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from mm_serve.protocol.schemas import ChoiceLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
@@ -34,17 +35,19 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
     return ChoiceLogprobs(content=content)
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], top_n: int,
-                        start_offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: Sequence[dict[int, float] | None],
+                        top_n: int, start_offset: int = 0, before: CompletionLogprobs | None = None) -> CompletionLogprobs:
     """The legacy completions ``logprobs`` object for ``token_ids``, whose first token's text starts at
-    character ``start_offset`` of the completion (a stream's later chunks)."""
-    out = CompletionLogprobs()
+    character ``start_offset`` of the choice's text (a stream's later chunks; after an echoed prompt),
+    appended to ``before`` (an echoed prompt's). A None entry (an echoed prompt's first token, which
+    nothing predicts) has a null log-probability and null alternatives, as OpenAI writes it."""
+    out = before if before is not None else CompletionLogprobs()
     offset = start_offset
     for token_id, entry in zip(token_ids, entries, strict=False):
         text = _text(tokenizer, token_id)
         out.tokens.append(text)
-        out.token_logprobs.append(finite(entry.get(token_id, FLOOR)))
-        out.top_logprobs.append({_text(tokenizer, t): finite(lp) for t, lp in _top(entry, top_n)})
+        out.token_logprobs.append(None if entry is None else finite(entry.get(token_id, FLOOR)))
+        out.top_logprobs.append(None if entry is None else {_text(tokenizer, t): finite(lp) for t, lp in _top(entry, top_n)})
         out.text_offset.append(offset)
         offset += len(text)
     return out

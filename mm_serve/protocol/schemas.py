@@ -125,7 +125,7 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "functions": _empty, "function_call": _is("none", "auto"), "prediction": _empty,
     "audio": _empty, "modalities": _is(["text"]), "best_of": _one,
 }
-UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _empty, "suffix": _empty, "best_of": _one}
+UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"suffix": _empty, "best_of": _one}
 
 
 def _refuse(data: Any, unsupported: dict[str, Callable[[Any], bool]]) -> Any:
@@ -246,6 +246,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, strict=True)
     logprobs: int | None = Field(None, ge=0, strict=True, description="at most api.max_logprobs (20)")
+    echo: bool | None = Field(None, strict=True, description="the prompt's text before each choice's; with logprobs, "
+                              "its tokens' log-probabilities too (the first token's null)")
 
     @model_validator(mode="before")
     @classmethod
@@ -352,8 +354,8 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 

@@ -54,6 +54,7 @@ class SamplingMsg(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured: tuple[str, str] | None = None  # (kind, text) of a grammar (runtime.structured_output)
+    prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs
 
 
 # ---- front end -> prefill worker -------------------------------------------------------------
@@ -170,6 +171,8 @@ class TokenUpdate(msgspec.Struct):
     stop_reason: int | None = None
     events: dict[str, float] | None = None  # lifetime events, time.time() seconds
     cached_tokens: int | None = None  # on the first update: prompt tokens whose KV came from the prefix cache
+    # on the first update, when asked (SamplingParams.prompt_logprobs): one entry per prompt token, None first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class StepTiming(msgspec.Struct):

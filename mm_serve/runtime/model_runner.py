@@ -13,10 +13,13 @@ from mm_serve.runtime.encoder_cache import EncoderCache
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.page_hashes import split_tiles
 from mm_serve.runtime.request import Request
+from mm_serve.runtime.sampler import Sampler
 from mm_serve.runtime.step_inputs import decode_inputs, slots_for
 
 if TYPE_CHECKING:
     from mm_serve.runtime.decode_graphs import DecodeGraphs
+
+PROMPT_LOGPROB_ROWS = 256  # prompt positions per LM-head pass for prompt_logprobs (bounds the [rows, vocab] logits)
 
 
 class ModelRunner:
@@ -142,8 +145,26 @@ class ModelRunner:
             self.model.embed(input_ids, image_embeds, image_mask),
             torch.cat(positions, dim=-1).to(self.device), meta, self.kv_cache.layer_caches,
         )
-        last = torch.tensor(seq_lens, device=self.device).cumsum(0) - 1
-        return self.model.language_model.compute_logits(hidden[last])
+        ends = torch.tensor(seq_lens, device=self.device).cumsum(0)
+        for i, request in enumerate(requests):
+            if request.wants_prompt_logprobs:
+                self._prompt_logprobs(request, hidden[int(ends[i]) - seq_lens[i]: int(ends[i])], prefix_lens[i])
+        return self.model.language_model.compute_logits(hidden[ends - 1])
+
+    def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, start: int) -> None:
+        """Add to ``request.prompt_logprobs`` the entries of the prompt tokens this pass predicts: the
+        hidden state at position ``p`` (``hidden`` ``[n, hidden]`` holds positions ``start .. start+n-1``)
+        gives the log-probability of prompt token ``p + 1``, with the ``prompt_logprobs`` best
+        (:meth:`Sampler.logprobs`, vLLM's ``prompt_logprobs``). Rows go through the LM head 256 at a time."""
+        prompt, top_n = request.prompt_token_ids, request.sampling_params.prompt_logprobs
+        if start == 0 or request.prompt_logprobs is None:
+            request.prompt_logprobs = [None]  # the first token has no context to be predicted from
+        stop = min(hidden.shape[0], len(prompt) - 1 - start)  # rows whose next token is in the prompt
+        for lo in range(0, max(0, stop), PROMPT_LOGPROB_ROWS):
+            hi = min(stop, lo + PROMPT_LOGPROB_ROWS)
+            logits = self.model.language_model.compute_logits(hidden[lo:hi])
+            targets = prompt[start + lo + 1: start + hi + 1]
+            request.prompt_logprobs.extend(Sampler.logprobs(logits, targets, [top_n] * len(targets)))
 
     def _rope_positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """Rotary positions of a request's tokens ``[start, end)``: ``[n]`` (int64), or under M-RoPE

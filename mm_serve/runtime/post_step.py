@@ -103,6 +103,7 @@ def token_update(request: Request, with_events: bool = False) -> messages.TokenU
         request.stop_reason if reason == "stop" and isinstance(request.stop_reason, int) else None,
         events_to_wire(request.events) if with_events or reason is not None else None,
         request.num_prompt_cached_tokens if start == 0 and request.output_token_ids else None,
+        request.prompt_logprobs if start == 0 and request.output_token_ids else None,
     )
     request.num_sent_tokens = len(request.output_token_ids)
     return update

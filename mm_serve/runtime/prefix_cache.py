@@ -72,7 +72,7 @@ class PrefixCache:
     def match(self, request: Request) -> list[int]:
         """Cached pages ``request`` can reuse now: the longest cached run of its page hashes,
         leaving at least its last token to compute. Read-only."""
-        if not self.enabled:
+        if not self.enabled or request.wants_prompt_logprobs:  # every prompt position's logits are needed
             return []
         usable = (request.num_tokens - 1) // self.page_size
         return self.pool.lookup(self.hashes(request)[:usable])

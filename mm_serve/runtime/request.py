@@ -112,6 +112,8 @@ class Request:
     # derived from the prompt and its images' grids by the model runner where first needed (never sent)
     mrope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token (None for the first), filled by the prefill passes
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -125,6 +127,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not yet sent: a first prefill (no output yet,
+        not a migration's), which computes every prompt position (no prefix-cache hit)."""
+        return (self.sampling_params.prompt_logprobs is not None and self.output_offset == 0
+                and not self.output_token_ids)
 
     @property
     def prefill_done(self) -> bool:

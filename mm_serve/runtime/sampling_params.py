@@ -71,6 +71,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
     structured: tuple[str, str] | None = None  # (kind, text): a grammar the output follows (runtime.structured_output)
+    # log-probabilities of each prompt token but the first (the token plus this many best; vLLM's
+    # prompt_logprobs): computed by the prefill pass, which then reads no KV from the prefix cache
+    prompt_logprobs: int | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +87,8 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, MAX_SEED)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, 20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
         _check_int("n", self.n, 1, 16)
         if self.seed is not None and self.seed + self.n - 1 > MAX_SEED:
             raise ValueError(f"seed must be at most {MAX_SEED - self.n + 1} with n = {self.n} (choice i draws "

@@ -20,6 +20,7 @@ def to_wire(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingMs
         logprobs=params.logprobs, min_tokens=params.min_tokens, logit_bias=list(params.logit_bias),
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, structured=params.structured,
+        prompt_logprobs=params.prompt_logprobs,
     )
 
 
@@ -32,4 +33,5 @@ def from_wire(msg: SamplingMsg) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty,
         structured=None if msg.structured is None else (msg.structured[0], msg.structured[1]),
+        prompt_logprobs=msg.prompt_logprobs,
     )

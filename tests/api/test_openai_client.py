@@ -293,3 +293,59 @@ def test_streamed_logprobs_equal_the_non_streamed_ones(client: openai.OpenAI) ->
                                                           stream=True)]
     content = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in content] == [(e.token, e.logprob) for e in chat.choices[0].logprobs.content]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_transformers_computes_them(
+        client: openai.OpenAI, tiny_llava: Path) -> None:
+    """``echo`` with ``logprobs``: the text is the prompt's then the completion's; the prompt's tokens come
+    first, the first with null log-probability, the rest equal transformers' log-softmax of the logits
+    before each (to 1e-4), with the best alternatives; twice (the second time its pages are cached, and
+    the prefill still computes every position), streamed and not, disaggregated."""
+    import torch
+
+    from tests.golden import load_reference
+
+    prompt = "a purple square and a small green circle on the left"
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    for stream in (False, False, True):
+        if stream:
+            chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                                    logprobs=2, echo=True, stream=True))
+            parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            tokens = [t for p in parts for t in p.tokens]
+            values = [v for p in parts for v in p.token_logprobs]
+            tops = [v for p in parts for v in p.top_logprobs]
+            offsets = [v for p in parts for v in p.text_offset]
+        else:
+            done = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
+                                             echo=True)
+            text, lp = done.choices[0].text, done.choices[0].logprobs
+            tokens, values, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+            assert done.usage.prompt_tokens_details.cached_tokens == 0  # every position computed
+        assert text == prompt + plain.choices[0].text
+        assert tokens[-4:] == plain.choices[0].logprobs.tokens and values[-4:] == plain.choices[0].logprobs.token_logprobs
+        assert offsets[-4:] == [len(prompt) + o for o in plain.choices[0].logprobs.text_offset]
+        n_prompt = len(tokens) - 4
+        assert values[0] is None and tops[0] is None and all(len(t) >= 1 for t in tops[1:n_prompt]), tops
+    ids = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                    logprobs=0).choices[0].logprobs
+    reference = load_reference(tiny_llava, multimodal=True)
+    from mm_serve.inputs.input_processor import InputProcessor
+    from mm_serve.models.registry import load_model_config
+
+    prompt_ids = InputProcessor(tiny_llava, load_model_config(tiny_llava)).tokenizer(prompt)["input_ids"]
+    assert len(prompt_ids) == n_prompt
+    with torch.inference_mode():
+        logp = torch.log_softmax(reference(input_ids=torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    expected = [float(logp[p - 1, prompt_ids[p]]) for p in range(1, len(prompt_ids))]
+    assert values[1:n_prompt] == pytest.approx(expected, abs=1e-4)
+    assert ids.token_logprobs[1:n_prompt] == pytest.approx(expected, abs=1e-4)
+
+
+def test_echo_without_logprobs_prepends_the_prompt_to_every_choice(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt=["one two", "three"], max_tokens=3, temperature=0, echo=True,
+                                  n=2)
+    plain = client.completions.create(model="tiny", prompt=["one two", "three"], max_tokens=3, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [p + c.text for p, c in zip(["one two"] * 2 + ["three"] * 2, plain.choices)]
+    assert r.usage.completion_tokens == plain.usage.completion_tokens
