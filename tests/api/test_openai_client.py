@@ -347,5 +347,5 @@ def test_echo_without_logprobs_prepends_the_prompt_to_every_choice(client: opena
     r = client.completions.create(model="tiny", prompt=["one two", "three"], max_tokens=3, temperature=0, echo=True,
                                   n=2)
     plain = client.completions.create(model="tiny", prompt=["one two", "three"], max_tokens=3, temperature=0, n=2)
-    assert [c.text for c in r.choices] == [p + c.text for p, c in zip(["one two"] * 2 + ["three"] * 2, plain.choices)]
+    assert [c.text for c in r.choices] == [p + c.text for p, c in zip(["one two"] * 2 + ["three"] * 2, plain.choices, strict=True)]
     assert r.usage.completion_tokens == plain.usage.completion_tokens
