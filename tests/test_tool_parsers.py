@@ -121,3 +121,55 @@ def test_the_content_a_hermes_stream_sends_never_passes_the_answer_s_content(tex
     for end in range(len(text) + 1):
         sent = max(sent, sure_content("hermes", text[:end]))
         assert final.startswith(text[:sent]), (end, text[:sent])
+
+
+REQUIRED_TWO = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris }", "unit": "celsius"}}, '
+                '{"name": "get_time", "parameters": {"tz": "UTC"}}]')
+
+
+def _grown(parser: str, text: str) -> tuple[list[tuple[str, str]], int]:
+    """Feed ``text`` one character at a time to :func:`growing_calls` (``required``: :func:`call_spans` with
+    ``parameters``), as a stream would: the (name, arguments) each call's pieces add up to, and how many
+    argument pieces there were. A call's arguments only ever grow."""
+    from mm_serve.protocol.call_spans import call_spans
+    from mm_serve.protocol.tool_parsers import growing_calls
+
+    seen: list[list[str]] = []
+    pieces = 0
+    for n in range(1, len(text) + 1):
+        prefix = text[:n]
+        spans = [(0, s) for s in call_spans(prefix, "parameters")] if parser == "required" else \
+            growing_calls(parser, prefix)
+        for k, (offset, span) in enumerate(spans):
+            arguments = span.arguments(prefix[offset:])
+            if k == len(seen):
+                seen.append([span.name, ""])
+            assert seen[k][0] == span.name and arguments.startswith(seen[k][1]), (prefix, seen)
+            pieces += arguments != seen[k][1]
+            seen[k][1] = arguments
+    return [(name, arguments) for name, arguments in seen], pieces
+
+
+@pytest.mark.parametrize("parser,text,parse", [
+    ("hermes", QWEN_TWO_CALLS, parse_hermes),
+    ("hermes", HERMES_UNCLOSED, parse_hermes),
+    ("llama3_json", LLAMA_ONE, parse_llama3_json),
+    ("llama3_json", LLAMA_TWO, parse_llama3_json),
+    ("required", REQUIRED_TWO, lambda t: (None, constrained_calls("required", t, None))),
+], ids=["hermes-two", "hermes-unclosed", "llama-one", "llama-two", "required-two"])
+def test_arguments_read_as_they_are_written_add_up_to_the_parsed_calls(parser: str, text: str, parse) -> None:  # type: ignore[no-untyped-def]
+    """Recorded outputs of each format, a character at a time: every call is announced once its name is out,
+    its arguments grow piece by piece (a brace inside a string does not end them), and they add up to
+    exactly the arguments text of the parsed answer (what the JSON answer carries)."""
+    grown, pieces = _grown(parser, text)
+    parsed = [(c.function.name, c.function.arguments) for c in parse(text)[1]]
+    assert grown == parsed and pieces >= sum(len(a) for _, a in parsed) // 2
+    assert all(json.loads(arguments) is not None for _, arguments in grown)
+
+
+def test_a_hermes_block_whose_arguments_never_end_streams_no_call() -> None:
+    from mm_serve.protocol.tool_parsers import growing_calls
+
+    bad = '<tool_call>{"name": "f", "arguments": {"x": }</tool_call>'
+    assert growing_calls("hermes", bad) == [] and parse_hermes(bad)[1] == []
+    assert [s.name for _, s in growing_calls("hermes", bad + QWEN_TWO_CALLS)] == ["get_weather", "get_time"]

@@ -15,18 +15,30 @@ import json
 import re
 from collections.abc import Callable
 
+from mm_serve.protocol.call_spans import CallSpan, call_spans
 from mm_serve.protocol.tools import FunctionCall, ToolCall
 
 Parsed = tuple[str | None, list[ToolCall]]  # (content, calls)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-def _call(obj: object, arguments_key: str) -> ToolCall | None:
+def _call(obj: object, arguments_key: str, raw: str | None = None) -> ToolCall | None:
+    """The call ``obj`` (a parsed JSON object) names, None if it names none. Its arguments are ``raw``, their
+    text as written (:func:`~mm_serve.protocol.call_spans.call_spans`: what a stream sent), when that was
+    found; else the parsed value written again as JSON."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get(arguments_key, obj.get("arguments", obj.get("parameters", {})))
+    if raw is not None and isinstance(arguments, dict) and json.loads(raw) == arguments:
+        return ToolCall(function=FunctionCall(name=obj["name"], arguments=raw))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return ToolCall(function=FunctionCall(name=obj["name"], arguments=text))
+
+
+def _raw_arguments(body: str, key: str, at: int = 0) -> str | None:
+    """The text of the arguments of the call object at ``body[at:]``, if it has the usual head (name first)."""
+    spans = call_spans(body, key, at, limit=1)
+    return spans[0].arguments(body) if spans and spans[0].end is not None else None
 
 
 def parse_hermes(text: str) -> Parsed:
@@ -38,7 +50,7 @@ def parse_hermes(text: str) -> Parsed:
     calls = []
     for body in _HERMES.findall(text[start:]):
         try:
-            call = _call(json.loads(body), "arguments")
+            call = _call(json.loads(body), "arguments", _raw_arguments(body, "arguments"))
         except ValueError:
             call = None
         if call is not None:
@@ -60,7 +72,7 @@ def parse_llama3_json(text: str) -> Parsed:
             obj, end = decoder.raw_decode(body, at)
         except ValueError:
             return text, []
-        call = _call(obj, "parameters")
+        call = _call(obj, "parameters", _raw_arguments(body, "parameters", at))
         if call is None:
             return text, []
         calls.append(call)
@@ -94,6 +106,30 @@ def sure_content(parser: str, text: str) -> int:
         call_like = head.startswith("{") or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head)
         start = 0 if call_like else len(text)
     return start if text[:start].strip() else 0
+
+
+def growing_calls(parser: str, text: str) -> list[tuple[int, CallSpan]]:
+    """The calls ``parser`` would read in ``text`` (an output so far) whose head is out, each with the offset
+    its span is relative to (``span.arguments(text[offset:])``): for a stream's argument deltas. ``hermes``:
+    one per ``<tool_call>`` block (read up to its ``</tool_call>`` once that is out); ``llama3_json``: the
+    ``;``-separated calls of an answer that starts as one."""
+    if parser == "hermes":
+        found: list[tuple[int, CallSpan]] = []
+        at = text.find(HERMES_START)
+        while at >= 0:
+            close = text.find("</tool_call>", at)
+            block = text[: close if close >= 0 else len(text)]
+            found.extend((0, span) for span in call_spans(block, "arguments", at + len(HERMES_START), limit=1)
+                         if close < 0 or span.end is not None)  # a closed block whose arguments never ended: none
+            at = text.find(HERMES_START, close) if close >= 0 else -1
+        return found
+    head = text.lstrip()
+    if head.startswith(PYTHON_TAG):
+        head = head[len(PYTHON_TAG):].lstrip()
+    if not head.startswith("{"):
+        return []
+    offset = len(text) - len(head)
+    return [(offset, span) for span in call_spans(head, "parameters")]
 
 
 def parser_name(configured: str, decoder_type: str) -> str:

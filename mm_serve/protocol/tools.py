@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mm_serve.protocol.call_spans import call_spans
+
 GrammarSpec = tuple[str, str]
 
 
@@ -145,5 +147,9 @@ def constrained_calls(mode: str, text: str, named: str | None) -> list[ToolCall]
         return [ToolCall(function=FunctionCall(name=str(named), arguments=text))]
     if not isinstance(value, list):
         return None
-    return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])))
-            for c in value if isinstance(c, dict) and "name" in c and "parameters" in c]
+    calls = [c for c in value if isinstance(c, dict) and "name" in c and "parameters" in c]
+    spans = call_spans(text, "parameters")
+    if len(spans) == len(calls) and all(s.end is not None and s.name == c["name"] for s, c in zip(spans, calls, strict=True)):
+        # the arguments as written: what a stream sent as argument deltas
+        return [ToolCall(function=FunctionCall(name=s.name, arguments=s.arguments(text))) for s in spans]
+    return [ToolCall(function=FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"]))) for c in calls]

@@ -46,9 +46,12 @@ def _valid(calls: Any) -> list[tuple[str, str]]:
     return out
 
 
-def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[list[tuple[str, str]], str | None]:
-    """The calls a stream's deltas add up to (by index: id, name and argument pieces), and its finish reason."""
+def _streamed(client: openai.OpenAI, pieces: list[int] | None = None,
+              **kwargs: Any) -> tuple[list[tuple[str, str]], str | None]:
+    """The calls a stream's deltas add up to (by index: id, name and argument pieces), and its finish reason;
+    the number of argument pieces of each call appended to ``pieces``."""
     calls: dict[int, dict[str, str]] = {}
+    counts: dict[int, int] = {}
     reason = None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
@@ -58,7 +61,10 @@ def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[list[tuple[str, str
                 entry["id"] += delta.id or ""
                 entry["name"] += (delta.function.name or "") if delta.function else ""
                 entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+                counts[delta.index] = counts.get(delta.index, 0) + bool(delta.function and delta.function.arguments)
     assert all(c["id"].startswith("call_") for c in calls.values())
+    if pieces is not None:
+        pieces.extend(counts[k] for k in sorted(counts))
     return [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], reason
 
 
@@ -66,7 +72,9 @@ def _streamed(client: openai.OpenAI, **kwargs: Any) -> tuple[list[tuple[str, str
                          ids=["required", "named"])
 def test_forced_tool_calls_are_valid_streamed_or_not(client: openai.OpenAI, choice: Any) -> None:
     """Sampled, four seeds; odd seeds allow parallel calls (a random model may append calls to the array until
-    max_tokens; these seeds close it, and two of them make two calls)."""
+    max_tokens; these seeds close it, and two of them make two calls). Streamed, every call's arguments come
+    in pieces as they are written (not whole at the end), and add up to the JSON answer's."""
+    pieces: list[int] = []
     for seed in range(4):
         kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice,
                        "max_tokens": 200, "temperature": 1.0, "seed": seed, "parallel_tool_calls": seed % 2 == 1}
@@ -76,7 +84,8 @@ def test_forced_tool_calls_are_valid_streamed_or_not(client: openai.OpenAI, choi
         assert len(calls) >= 1 and (seed % 2 == 1 or len(calls) == 1)
         if isinstance(choice, dict):
             assert [name for name, _ in calls] == ["get_time"]
-        assert _streamed(client, **kwargs) == (calls, "tool_calls")
+        assert _streamed(client, pieces, **kwargs) == (calls, "tool_calls")
+    assert min(pieces) >= 3, pieces
 
 
 def test_a_required_choice_among_the_most_tools_is_served(client: openai.OpenAI, server: ServerProcess) -> None:
