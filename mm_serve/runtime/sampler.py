@@ -156,5 +156,5 @@ def sample_requests(
         grammars.mask(chosen, batch)
     tokens = sampler.sample(adjust_logits(chosen, batch, eos_token_ids), params, [r.generator for r in batch])
     if grammars is not None:
-        grammars.accept(batch, tokens)
+        tokens = grammars.accept(batch, tokens)
     return tokens, sampler.logprobs(logits, tokens, [p.logprobs for p in params])

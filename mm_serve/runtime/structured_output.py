@@ -32,6 +32,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mm_serve.runtime.json_closing import JsonClosing
 from mm_serve.runtime.logit_controls import split_outputs
 
 if TYPE_CHECKING:
@@ -176,6 +177,8 @@ class GrammarBook:
         self._vocab = 0
         self._lock = threading.Lock()  # the front end compiles from threads
         self._compiling: dict[tuple[GrammarSpec, int], threading.Event] = {}  # prefetches under way
+        self._decoded: list[bytes] = []
+        self._single_byte: dict[bytes, int] = {}
 
     def _compiler_for(self, vocab_size: int) -> Any:
         with self._lock:
@@ -188,6 +191,8 @@ class GrammarBook:
                     info = xgrammar.TokenizerInfo.from_huggingface(
                         tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(self.eos_token_ids) or None)
                 self._compiler, self._vocab = xgrammar.GrammarCompiler(info, max_threads=1), vocab_size
+                self._decoded = [bytes(piece) for piece in info.decoded_vocab]  # each token's bytes as written
+                self._single_byte = {piece: i for i, piece in enumerate(self._decoded) if len(piece) == 1}
             return self._compiler
 
     def prefetch(self, request: Request, vocab_size: int) -> None:
@@ -263,13 +268,16 @@ class GrammarBook:
             return state
         params = request.sampling_params
         assert params.structured is not None
-        stops = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
+        stops = self._matcher_stops(request)
         matcher = xgrammar.GrammarMatcher(self.compile(params.structured, vocab_size),
                                           override_stop_tokens=stops or None, terminate_without_stop_token=not stops)
+        closing = JsonClosing(object_only=True) if params.structured[0] == "json_object" else None
         for token in split_outputs(request)[1]:
             if not matcher.accept_token(token):
                 raise GrammarError(f"output token {token} of {request.request_id!r} is outside its grammar")
-        request.grammar_matcher = matcher
+            if closing is not None and token < len(self._decoded):
+                closing.feed(self._decoded[token])
+        request.grammar_matcher, request.json_closing = matcher, closing
         return matcher
 
     def mask(self, logits: torch.Tensor, batch: list[Request]) -> None:
@@ -286,10 +294,41 @@ class GrammarBook:
             self.matcher(batch[i], vocab).fill_next_token_bitmask(bitmask, i)
         xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
 
-    @staticmethod
-    def accept(batch: list[Request], tokens: list[int]) -> None:
-        """Feed each structured request's sampled token to its matcher (after :meth:`mask`)."""
-        for request, token in zip(batch, tokens, strict=True):
+    def accept(self, batch: list[Request], tokens: list[int]) -> list[int]:
+        """Feed each structured request's sampled token to its matcher (after :meth:`mask`); returns the
+        tokens, where a ``json_object`` request's would leave too few tokens to close its JSON, the first
+        byte of the shortest closing instead (:meth:`_closable`)."""
+        out = list(tokens)
+        for i, (request, token) in enumerate(zip(batch, tokens, strict=True)):
             matcher: Any = request.grammar_matcher
-            if matcher is not None and not matcher.is_terminated():
-                matcher.accept_token(token)
+            if matcher is None or matcher.is_terminated():
+                continue
+            spec = request.sampling_params.structured
+            if spec is not None and spec[0] == "json_object":
+                out[i] = token = self._closable(request, token)
+            matcher.accept_token(token)
+        return out
+
+    def _closable(self, request: Request, token: int) -> int:
+        """``token``, or the token of the next byte of the shortest closing of ``request``'s JSON when after
+        ``token`` that closing would no longer fit in the tokens left (one byte per token): so a
+        ``json_object`` output is always complete JSON by its ``max_tokens``
+        (:mod:`mm_serve.runtime.json_closing`), unless ``max_tokens`` is below 2. A closing written so ends
+        with the last token: ``finish_reason`` is ``length``, as for any output the budget ended."""
+        closing = request.json_closing
+        assert isinstance(closing, JsonClosing)  # built with the matcher
+        left = request.sampling_params.max_tokens - len(request.output_token_ids) - 1  # tokens after this one
+        trial = closing.clone()
+        trial.feed(self._decoded[token] if token < len(self._decoded) else b"")
+        rest = closing.rest()
+        forced = self._single_byte.get(rest[:1])
+        if len(trial.rest()) <= left or not rest or forced is None:
+            request.json_closing = trial
+            return token
+        closing.feed(rest[:1])
+        return forced
+
+    def _matcher_stops(self, request: Request) -> list[int]:
+        """The tokens that end ``request``'s output (EOS folded in unless ``ignore_eos``)."""
+        params = request.sampling_params
+        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids)))
