@@ -20,7 +20,6 @@ import openai
 import pytest
 
 from tests.api.server_process import ServerProcess, chat_error
-from tests.api.test_fault_api import decode_pid, start
 from tests.schemas_gen import random_schema
 
 PROMPT = [{"role": "user", "content": "Describe the scene as JSON."}]
@@ -54,15 +53,11 @@ def _run_schemas(server: ServerProcess, seeds: range) -> list[tuple[int, str, st
 
 
 def _assert_valid(results: list[tuple[int, str, str | None]]) -> None:
+    """Every output parses and validates against its schema (nested objects, arrays, enums, required fields,
+    bounded integers, numbers and strings: :func:`random_schema`), and ended because its grammar was complete."""
     for seed, text, reason in results:
         assert reason == "stop", (seed, text, reason)
         jsonschema.validate(json.loads(text), random_schema(seed))
-
-
-def test_json_schemas_of_every_kind_parse_and_validate(server: ServerProcess) -> None:
-    """60 schemas (nested objects, arrays, enums, required fields, bounded integers and numbers, bounded
-    strings), half streamed: every output parses and validates, and ends because its grammar was complete."""
-    _assert_valid(_run_schemas(server, range(60)))
 
 
 def test_json_object_regex_and_choice(server: ServerProcess) -> None:
@@ -139,27 +134,37 @@ def test_grammars_at_the_edges_are_served(server: ServerProcess, body: dict, che
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
-@pytest.fixture
-def faulty(tiny_llava: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = start(tiny_llava, tmp_path, 3)
+@pytest.fixture(params=["disaggregated", "colocated"])
+def faulty(tiny_llava: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    config = tmp_path / "fault.yaml"
+    config.write_text(f"mode: {request.param}\n"
+                      "fault:\n  heartbeat_timeout_s: 2.0\n  restart_backoff_s: 0.1\n  max_migrations: 3\n")
+    proc = ServerProcess(tiny_llava, "--config", str(config), log_dir=tmp_path)
+    proc.wait_ready()
+    proc.mode = request.param  # type: ignore[attr-defined]
     try:
         yield proc
     finally:
         assert proc.stop() == 0
 
 
-def test_json_schemas_hold_through_a_decode_kill(faulty: ServerProcess) -> None:
-    """40 schema calls in flight while the decode worker is SIGKILLed: the requests it held migrate, their
-    grammars rebuilt from the tokens already streamed; every output still parses and validates."""
+def test_200_json_schemas_hold_through_a_worker_kill_in_both_modes(faulty: ServerProcess) -> None:
+    """200 schema calls (half streamed), 8 in flight, with the worker that decodes (the decode worker, or the
+    colocated one) SIGKILLed once 400 tokens are out: the requests it held migrate, their grammars rebuilt
+    from the tokens already streamed; every output parses, validates and ended because its grammar was
+    complete."""
+    role = "decode0" if faulty.mode == "disaggregated" else "colocated0"  # type: ignore[attr-defined]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(_run_schemas, faulty, range(100, 140))
-        while not running.done() and _tokens_out(faulty) < 200:
+        running = pool.submit(_run_schemas, faulty, range(100, 300))
+        while not running.done() and _tokens_out(faulty) < 400:
             time.sleep(0.02)
-        os.kill(decode_pid(faulty), signal.SIGKILL)  # read now: a slow machine may have restarted it already
+        pid = int(httpx.get(f"{faulty.url}/internal/stats", timeout=10).json()[role]["pid"])
+        os.kill(pid, signal.SIGKILL)  # read now: a slow machine may have restarted it already
         results = running.result()
+    assert len(results) == 200
     _assert_valid(results)
     migrations = httpx.get(f"{faulty.url}/metrics", timeout=10).text
-    assert re.search(r'mm_serve_request_migrations_total\{role="decode"\} [1-9]', migrations), "no request migrated"
+    assert re.search(r'mm_serve_request_migrations_total\{role="\w+"\} [1-9]', migrations), "no request migrated"
 
 
 def _tokens_out(server: ServerProcess) -> float:
