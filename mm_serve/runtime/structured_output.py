@@ -25,6 +25,7 @@ model cannot loop on spaces and newlines inside a valid document.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -158,6 +159,18 @@ def _fast_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+@functools.lru_cache(maxsize=256)
+def _rewritten_schema(text: str) -> str:
+    """A JSON schema's text as compiled (:func:`strings_as_patterns`), once per schema: xgrammar's cache is
+    keyed by this text, so a schema seen before costs a lookup, not a walk.
+
+    Raises:
+        GrammarError: as :func:`strings_as_patterns`.
+        ValueError: ``text`` is not JSON.
+    """
+    return json.dumps(strings_as_patterns(json.loads(text)))
+
+
 class GrammarBook:
     """One process's compiler (and its cache) and its requests' matchers, over ``model_dir``'s tokenizer.
 
@@ -240,8 +253,7 @@ class GrammarBook:
         compiler = self._compiler_for(vocab_size)
         try:
             if kind == "json":
-                schema = strings_as_patterns(json.loads(text))
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+                return compiler.compile_json_schema(_rewritten_schema(text), any_whitespace=False)
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
