@@ -90,7 +90,7 @@ CASES: list[tuple[str, Any, int]] = [
     ("logit_bias value over 100", _chat(logit_bias={"5": 101}), 400),
     ("min_tokens over max_tokens", _chat(min_tokens=5, max_tokens=2), 400),
     ("repetition_penalty zero", _chat(repetition_penalty=0), 400),
-    ("completions echo (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "echo": True}, 400),
+    ("completions echo not a boolean", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "echo": "yes"}, 400),
     ("completions suffix (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "suffix": "end"}, 400),
     ("presence_penalty over 2", _chat(presence_penalty=2.5), 400),
     ("completions frequency_penalty under -2", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "frequency_penalty": -3}, 400),
