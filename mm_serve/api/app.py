@@ -117,6 +117,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     app = _fastapi(title="mm-serve", version=VERSION, lifespan=lifespan,
                    description="OpenAI-compatible multimodal serving with prefill/decode disaggregation.")
     registry = CollectorRegistry()
+    app.state.registry = registry  # what /metrics renders; extensions read it (the console's dashboard)
     metrics = _wire_metrics(ctx, registry)
     install_error_handlers(app, metrics.observe_rejected)
     path_limits = {path: limit for extension in extensions for path, limit in extension.body_limits().items()}

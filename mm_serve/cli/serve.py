@@ -122,6 +122,7 @@ def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool) 
         draw, content = "", '"The capital of France is"'
     return (
         f"mm-serve is ready at {url}  (model: {name})\n"
+        f"Playground: {url}/playground   Dashboard: {url}/dashboard\n"
         f"Try it:\n{draw}"
         f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": {content}}}], "

@@ -53,7 +53,7 @@ def test_banner_with_working_curl_example(server: ServerProcess, tmp_path: Path)
     """The banner's "Try it" lines, run as a shell would (drawing scene.png, then the curl), get a
     200 chat completion about the image."""
     text = server.output()
-    assert f"mm-serve is ready at {server.url}" in text
+    assert f"mm-serve is ready at {server.url}" in text and f"Playground: {server.url}/playground" in text
     lines = text.split("Try it:\n", 1)[1].split("\nHealth:", 1)[0].splitlines()
     commands = "\n".join(lines).replace("\\\n", " ")
     draw, curl = [c.strip() for c in commands.splitlines()]
