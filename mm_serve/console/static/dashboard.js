@@ -5,6 +5,7 @@
 
 const KEY_STORE = "mm-serve-api-key";
 const POLL_MS = 1000;
+const WATERFALL_ROWS = 20;
 const $ = (id) => document.getElementById(id);
 const PHASE_COLOURS = {"front end": "#9aa5b8", "queue": "#f2b134", "encode": "#8e6ad8", "prefill": "#2f6fde",
                        "hand-off": "#e0598b", "decode queue": "#f5d58a", "decode": "#1f9d55"};
@@ -126,8 +127,9 @@ function drawWaterfall(data) {
   }
   const box = $("waterfall");
   box.replaceChildren();
-  const longest = Math.max(1e-3, ...data.recent.map((r) => r.e2e_s));
-  for (const request of data.recent) {
+  const shown = data.recent.slice(0, WATERFALL_ROWS);
+  const longest = Math.max(1e-3, ...shown.map((r) => r.e2e_s));
+  for (const request of shown) {
     const row = document.createElement("div");
     row.className = "row";
     row.dataset.request = request.id;
