@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from mm_serve.models.named_models import EMBEDDED_MODEL_DIR
-from tests.api.server_process import ServerProcess
+from tests.api.server_process import ServerProcess, configured_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 API_KEY = "console-key"
@@ -61,16 +61,10 @@ def page(browser: Any) -> Iterator[Any]:
 def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The embedded model behind an API key, with a small prefill-queue cap (a long question gets a 429) and
     quick restarts (the dashboard test kills a worker)."""
-    folder = tmp_path_factory.mktemp("console")
-    (folder / "config.yaml").write_text(
-        f"api:\n  api_key: {API_KEY}\nadmission:\n  max_queued_prompt_tokens: {MAX_QUEUED_PROMPT_TOKENS}\n"
-        "fault:\n  heartbeat_timeout_s: 2.0\n  restart_backoff_s: 0.5\n")
-    proc = ServerProcess(EMBEDDED_MODEL_DIR, "--config", str(folder / "config.yaml"), log_dir=folder)
-    try:
-        proc.wait_ready()
+    config = {"api": {"api_key": API_KEY}, "admission": {"max_queued_prompt_tokens": MAX_QUEUED_PROMPT_TOKENS},
+              "fault": {"heartbeat_timeout_s": 2.0, "restart_backoff_s": 0.5}}
+    with configured_server(EMBEDDED_MODEL_DIR, config, tmp_path_factory.mktemp("console")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def screenshot(page: Any, name: str, tmp_path: Path) -> None:

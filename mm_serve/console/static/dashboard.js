@@ -3,28 +3,13 @@
 // server), the workers' states, the caches, and where each recent request's time went.
 "use strict";
 
-const KEY_STORE = "mm-serve-api-key";
 const POLL_MS = 1000;
 const WATERFALL_ROWS = 20;
 const $ = (id) => document.getElementById(id);
 const PHASE_COLOURS = {"front end": "#9aa5b8", "queue": "#f2b134", "encode": "#8e6ad8", "prefill": "#2f6fde",
                        "hand-off": "#e0598b", "decode queue": "#f5d58a", "decode": "#1f9d55"};
 const TIER_COLOURS = {interactive: "#c2410c", standard: "#2f6fde", batch: "#6b7385"};
-let key = sessionStorage.getItem(KEY_STORE) || "";
 let timer = null;
-
-function askForKey(reason) {
-  $("app").classList.add("hidden");
-  $("key-form").classList.remove("hidden");
-  $("key-reason").textContent = reason;
-}
-
-$("key-form").addEventListener("submit", (event) => {
-  event.preventDefault();
-  key = $("api-key").value.trim();
-  sessionStorage.setItem(KEY_STORE, key);
-  poll();
-});
 
 const pct = (v) => (v === null || v === undefined ? "-" : (100 * v).toFixed(1) + " %");
 const secs = (v) => (v === null || v === undefined ? "-" : v < 1 ? Math.round(v * 1000) + " ms" : v.toFixed(2) + " s");
@@ -155,14 +140,13 @@ function drawWaterfall(data) {
 async function poll() {
   clearTimeout(timer);
   try {
-    const r = await fetch("/internal/dashboard", {headers: key ? {Authorization: "Bearer " + key} : {}});
+    const r = await fetch("/internal/dashboard", {headers: ConsoleKey.headers()});
     if (r.status === 401) {
-      askForKey(key ? "That key was not accepted." : "This server needs an API key.");
+      ConsoleKey.ask($("app"), ConsoleKey.set ? "That key was not accepted." : "This server needs an API key.", poll);
       return;
     }
     const data = await r.json();
-    $("key-form").classList.add("hidden");
-    $("app").classList.remove("hidden");
+    ConsoleKey.accepted($("app"));
     $("status").textContent = data.model + " · " + data.status;
     $("updated").textContent = "updated " + new Date(data.time * 1000).toLocaleTimeString();
     drawTiles(data);

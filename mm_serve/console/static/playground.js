@@ -4,22 +4,10 @@
 // one, is kept in this tab's session storage.
 "use strict";
 
-const KEY_STORE = "mm-serve-api-key";
 const $ = (id) => document.getElementById(id);
-const state = {key: sessionStorage.getItem(KEY_STORE) || "", info: null, messages: [], pending: [], busy: false};
-
-function headers() {
-  const h = {"Content-Type": "application/json"};
-  if (state.key) h.Authorization = "Bearer " + state.key;
-  return h;
-}
-
-function askForKey(reason) {
-  $("app").classList.add("hidden");
-  $("key-form").classList.remove("hidden");
-  $("key-reason").textContent = reason;
-  $("api-key").focus();
-}
+const state = {info: null, messages: [], pending: [], busy: false};
+const headers = () => ConsoleKey.headers({"Content-Type": "application/json"});
+const askForKey = (reason) => ConsoleKey.ask($("app"), reason, loadInfo);
 
 async function loadInfo() {
   let r;
@@ -30,12 +18,11 @@ async function loadInfo() {
     return;
   }
   if (r.status === 401) {
-    askForKey(state.key ? "That key was not accepted." : "This server needs an API key.");
+    askForKey(ConsoleKey.set ? "That key was not accepted." : "This server needs an API key.");
     return;
   }
   state.info = await r.json();
-  $("key-form").classList.add("hidden");
-  $("app").classList.remove("hidden");
+  ConsoleKey.accepted($("app"));
   $("model").textContent = state.info.model + (state.info.vision ? "" : " (text only)");
   const tier = $("tier");
   for (const name of state.info.tiers) tier.add(new Option(name, name));
@@ -44,13 +31,6 @@ async function loadInfo() {
   $("question").placeholder = state.info.vision ? "Ask something. Paste, drop or attach images." : "Ask something.";
   $("question").focus();
 }
-
-$("key-form").addEventListener("submit", (event) => {
-  event.preventDefault();
-  state.key = $("api-key").value.trim();
-  sessionStorage.setItem(KEY_STORE, state.key);
-  loadInfo();
-});
 
 // ---- images -------------------------------------------------------------------------------------
 
