@@ -125,6 +125,7 @@ class APIConfig(_Frozen):
     max_stop_strings: int = Field(64, ge=1, le=65536, description="Most stop strings in one request (OpenAI allows 4); more is a 400 (code stop_limit).")
     max_stop_chars: int = Field(8192, ge=1, le=1 << 24, description="Most characters in one request's stop strings together; more is a 400 (code stop_limit). A stream holds back the longest stop string's length less one character until it knows they start no stop string.")
     max_stop_token_ids: int = Field(1024, ge=1, le=1 << 20, description="Most stop_token_ids in one request; more is a 400 (code stop_limit).")
+    max_grammar_compile_s: float = Field(2.0, gt=0, le=60, description="Seconds the front end may take to compile a call's grammar (each worker compiles it again, in about as long, while the request waits); a grammar not compiled by then is a 400 (code grammar_too_complex), and the same grammar is refused at once afterwards. Keep it well under fault.heartbeat_timeout_s.")
     max_grammar_chars: int = Field(32768, ge=1, le=1 << 22, description="Most characters of the grammar a call asks for (a response_format JSON schema, guided_json, guided_regex, guided_choice as JSON, a required or named tool_choice's parameter schemas); more is a 400 (code grammar_limit). It travels with the request to the decode worker: each hand-off ring slot holds 4 bytes a character of it.")
     max_tools: int = Field(128, ge=1, le=1 << 16, description="Most tools in one chat call (OpenAI's limit); more is a 400 (code tools_limit).")
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = Field("auto", description="How tool calls are found in what a model writes with tool_choice auto (--tool-call-parser, vLLM's names): 'hermes' reads <tool_call>{...}</tool_call> blocks (Qwen2, Hermes), 'llama3_json' a JSON answer with name and parameters (Llama 3.1); 'auto' takes llama3_json for a Llama decoder, else hermes.")
@@ -157,9 +158,10 @@ class APIConfig(_Frozen):
     @classmethod
     def _sendable_key(cls, value: str | list[str] | None) -> str | list[str] | None:
         """Keys clients can send in a header: printable ASCII, no spaces (HTTP clients encode a
-        header otherwise, and it would never match); an empty string means none."""
-        if isinstance(value, list) and not all(value):
-            raise ValueError("api_key's list holds an empty key")
+        header otherwise, and it would never match); an empty key is an error (an unset variable must not turn
+        the check off)."""
+        if value == "" or (isinstance(value, list) and not all(value)):
+            raise ValueError("an empty api_key would turn the key check off: give a key, or null for none")
         for key in [value] if isinstance(value, str) else value or []:
             if not (key.isascii() and key.isprintable() and " " not in key):
                 raise ValueError("api_key must be printable ASCII without spaces (it travels in the Authorization header)")

@@ -144,6 +144,8 @@ class Call:
         stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", "stop")
+        if self.grammar is not None and self.grammar[0][0] == "json_object" and max_tokens < 2:
+            raise bad_request("a JSON object needs max_tokens of at least 2 ({} is the shortest)", "max_tokens")
         stop_ids = body.stop_token_ids or []
         bias = {int(key): value for key, value in (body.logit_bias or {}).items()}  # keys checked: decimal strings
         try:

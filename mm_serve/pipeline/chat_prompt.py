@@ -45,7 +45,7 @@ def _template_call(name: str, arguments: str) -> dict[str, Any]:
     object where they are JSON, else as the text they are."""
     try:
         parsed: Any = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: kept as text
         parsed = arguments
     return {"type": "function", "function": {"name": name, "arguments": parsed}}
 

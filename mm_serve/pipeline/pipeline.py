@@ -99,8 +99,17 @@ async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str
     the compile took (~0 for a grammar compiled before: xgrammar's compiler caches by grammar).
 
     Raises:
-        APIError: 400 ``invalid_grammar`` naming the field and xgrammar's reason.
+        APIError: 400 ``invalid_grammar`` naming the field and xgrammar's reason; 400
+            ``grammar_too_complex`` when it takes longer than ``api.max_grammar_compile_s`` (the compile
+            goes on in its thread; the grammar is remembered and refused at once when sent again).
     """
+    limit = ctx.config.api.max_grammar_compile_s
+    too_complex = (f"the {param} grammar did not compile within api.max_grammar_compile_s ({limit:g} s): make it "
+                   "simpler (fewer nested or optional parts)")
+    if ctx.grammars.known_slow(spec):
+        raise bad_request(too_complex, param, "grammar_too_complex")
+    vocab_size = ctx.holder.model_config.text.vocab_size
+    await asyncio.to_thread(ctx.grammars.warm, vocab_size)  # once per process: not the grammar's time
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     took = [0.0]
@@ -108,7 +117,7 @@ async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str
     def compile_it() -> None:  # on a daemon thread: a compile under way never holds up the server's exit
         start = time.perf_counter()
         try:
-            ctx.grammars.compile(spec, ctx.holder.model_config.text.vocab_size)
+            ctx.grammars.compile(spec, vocab_size)
             outcome: BaseException | None = None
         except BaseException as exc:  # handed to the awaiting call
             outcome = exc
@@ -120,7 +129,11 @@ async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str
 
     threading.Thread(target=compile_it, name="grammar-compile", daemon=True).start()
     try:
-        await done
+        await asyncio.wait_for(asyncio.shield(done), limit)
+    except TimeoutError:
+        ctx.grammars.mark_slow(spec)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome, when it comes, is read
+        raise bad_request(too_complex, param, "grammar_too_complex") from None
     except GrammarError as exc:
         raise bad_request(f"the {param} grammar cannot be compiled: {exc}", param, "invalid_grammar") from None
     return took[0]

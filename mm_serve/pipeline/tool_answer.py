@@ -30,7 +30,11 @@ def tool_calls_of(ctx: ServerContext, call: Call, text: str) -> tuple[str | None
         calls = constrained_calls(call.tool_mode, text, named_function(call))
         return (None, calls) if calls else (text, [])
     if call.tool_mode == "auto":
-        return PARSERS[call_parser(ctx)](text)
+        content, calls = PARSERS[call_parser(ctx)](text)
+        declared = {tool.function.name for tool in getattr(call.body, "tools", None) or []}
+        if any(c.function.name not in declared for c in calls):  # not a call of this request's tools: text
+            return text, []
+        return content, calls
     return text, []
 
 

@@ -31,6 +31,7 @@ class ToolStream:
         self.sent = [0] * choices  # characters of each choice's text sent as content (auto)
         self.parser = call_parser(ctx) if self.mode == "auto" else ""
         self.calls: list[list[list[str]]] = [[] for _ in range(choices)]  # per choice, per call: [name, arguments sent]
+        self.declared = {tool.function.name for tool in getattr(call.body, "tools", None) or []}
 
     def step(self, i: int, text: str, reason: FinishReason | None) -> tuple[DeltaMessage | None, FinishReason | None]:
         """Choice ``i``'s new ``text`` (``reason`` set when it finished): the delta to send (None: nothing
@@ -70,6 +71,8 @@ class ToolStream:
             if self.mode == "required" else growing_calls(self.parser, text)
         deltas = []
         for k, (offset, span) in enumerate(spans):
+            if span.name not in self.declared:  # not a call of this request's tools (auto): none streamed from here
+                break
             arguments = span.arguments(text[offset:])
             if k == len(self.calls[i]):
                 self.calls[i].append([span.name, arguments])

@@ -56,13 +56,13 @@ def call_spans(text: str, key: str, at: int = 0, limit: int | None = None) -> li
             break
         try:
             name = json.loads(f'"{match.group(1)}"')
-        except ValueError:  # a bad escape: not a call head
+        except (ValueError, RecursionError):  # a bad escape: not a call head
             at = match.end()
             continue
         start = match.end()
         try:
             _, end = _DECODER.raw_decode(text, start)
-        except ValueError:  # not ended yet (or never: cut at max_tokens)
+        except (ValueError, RecursionError):  # not ended yet (or never: cut at max_tokens)
             spans.append(CallSpan(name, start, None))
             break
         spans.append(CallSpan(name, start, end))

@@ -75,6 +75,8 @@ def _schema_text(schema: dict[str, Any] | str | bool, param: str) -> str:
             schema = json.loads(schema)
         except ValueError as exc:
             raise bad_request(f"{param} must be a JSON schema (an object, or a string of JSON): {exc}", param) from None
+        except RecursionError:
+            raise bad_request(f"{param} is nested too deeply", param) from None
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"{param} must be a JSON schema object", param)
     return json.dumps(schema)

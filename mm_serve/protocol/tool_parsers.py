@@ -51,7 +51,7 @@ def parse_hermes(text: str) -> Parsed:
     for body in _HERMES.findall(text[start:]):
         try:
             call = _call(json.loads(body), "arguments", _raw_arguments(body, "arguments"))
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is not None:
             calls.append(call)
@@ -70,7 +70,7 @@ def parse_llama3_json(text: str) -> Parsed:
     while at < len(body):
         try:
             obj, end = decoder.raw_decode(body, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         call = _call(obj, "parameters", _raw_arguments(body, "parameters", at))
         if call is None:

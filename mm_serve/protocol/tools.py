@@ -99,8 +99,13 @@ def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None
     made (module docstring).
 
     Raises:
-        ToolError: a ``tool_choice`` other than ``"none"`` without tools, or naming an undeclared function.
+        ToolError: a ``tool_choice`` other than ``"none"`` without tools, or naming an undeclared function; two
+            tools of one name.
     """
+    names = [t.function.name for t in tools or []]
+    if len(set(names)) < len(names):
+        twice = next(name for name in names if names.count(name) > 1)
+        raise ToolError(f"two tools are named {twice!r}; each function needs a name of its own", "tools")
     if not tools:
         if choice not in (None, "none"):
             raise ToolError("tool_choice needs tools", "tool_choice")
@@ -141,7 +146,7 @@ def constrained_calls(mode: str, text: str, named: str | None) -> list[ToolCall]
     output cut at ``max_tokens``)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if mode == "named":  # the text itself: streamed argument deltas add up to it
         return [ToolCall(function=FunctionCall(name=str(named), arguments=text))]

@@ -30,6 +30,7 @@ import json
 import re
 import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,10 @@ _JSON_CHAR = ('(?:[\\x20\\x21\\x23-\\x5b\\x5d-\\x7e\u0080-\ud7ff\ue000-\uffff\U0
 MAX_OPTIONAL_PROPERTIES = 256  # in one object: xgrammar's compile time grows ~cubically with them (0.25 s at 300,
 # 8 s at 1000 on a 2-core machine); required properties compile in linear time
 MAX_OPTIONAL_PROPERTIES_TOTAL = 1024  # over the whole schema
+SLOW_REMEMBERED = 1024  # grammars remembered as too slow to compile (refused at once when sent again)
+MAX_SCHEMA_DEPTH = 64  # schemas within schemas: xgrammar's compile time grows ~cubically with the nesting
+# (0.03 s at 64 levels, 0.2 s at 128, 9 s at 450 on a 2-core machine)
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")  # (?= (?! (?<= (?<!: xgrammar ignores them (the output could break them)
 # keywords xgrammar (0.2.9) does not enforce: an output could break them, so a schema using one is refused
 UNSUPPORTED_KEYWORDS = ("patternProperties", "propertyNames", "not", "if", "then", "else", "dependentSchemas",
                         "dependentRequired", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains",
@@ -76,7 +81,7 @@ def _length(value: Any, key: str) -> int:
     return value
 
 
-def strings_as_patterns(schema: Any, counted: list[int] | None = None) -> Any:
+def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: int = 0) -> Any:
     """``schema`` with each string schema (with no ``pattern``, ``format``, ``enum`` or ``const`` of its own)
     given the ``pattern`` of its ``minLength`` / ``maxLength`` (none: any length) instead: the same strings,
     counted in characters, written as valid JSON. xgrammar (0.2.9) lets a length-bounded string hold raw
@@ -87,12 +92,21 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None) -> Any:
 
     Raises:
         GrammarError: a keyword in :data:`UNSUPPORTED_KEYWORDS`, a ``$ref`` outside the schema, a length
-            that is not a non-negative integer, or more optional properties than
-            :data:`MAX_OPTIONAL_PROPERTIES` in one object (:data:`MAX_OPTIONAL_PROPERTIES_TOTAL` in all).
+            that is not a non-negative integer, more optional properties than :data:`MAX_OPTIONAL_PROPERTIES`
+            in one object (:data:`MAX_OPTIONAL_PROPERTIES_TOTAL` in all), schemas nested deeper than
+            :data:`MAX_SCHEMA_DEPTH`, a ``pattern`` with a lookaround, or a ``required`` property an object
+            with ``properties`` does not list (neither is enforced).
     """
     counted = [0] if counted is None else counted
     if not isinstance(schema, dict):
         return schema
+    if depth > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"the schema nests schemas more than {MAX_SCHEMA_DEPTH} levels deep (its compile time "
+                           "grows fast with the nesting)")
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str) and _LOOKAROUND.search(pattern):
+        raise GrammarError(f"the pattern {pattern!r:.80} has a lookaround assertion, which the grammar engine "
+                           "does not enforce")
     for key in UNSUPPORTED_KEYWORDS:
         if key in schema:
             raise GrammarError(f"the JSON Schema keyword {key!r} is not supported by the grammar engine "
@@ -101,26 +115,32 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None) -> Any:
     if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
         raise GrammarError(f"only $ref within the schema (#/...) is supported, got {ref!r:.80}")
     properties = schema.get("properties")
+    required = schema.get("required")
+    required = required if isinstance(required, list) else []
+    missing = [name for name in required if not isinstance(properties, dict) or name not in properties]
+    if missing:
+        raise GrammarError(f"required property {missing[0]!r:.60} is not in properties (the grammar engine "
+                           "would leave it out)")
     if isinstance(properties, dict):
-        required = schema.get("required")
-        optional = len(set(properties) - set(required if isinstance(required, list) else []))
+        optional = len(set(properties) - set(required))
         counted[0] += optional
         if optional > MAX_OPTIONAL_PROPERTIES or counted[0] > MAX_OPTIONAL_PROPERTIES_TOTAL:
             raise GrammarError(f"too many optional properties to compile in bounded time ({optional} in one "
                                f"object, {counted[0]} so far; at most {MAX_OPTIONAL_PROPERTIES} and "
                                f"{MAX_OPTIONAL_PROPERTIES_TOTAL}): list more of them in required")
     out = dict(schema)
+    deeper = depth + 1
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = strings_as_patterns(out[key], counted)
+            out[key] = strings_as_patterns(out[key], counted, deeper)
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [strings_as_patterns(item, counted) for item in out[key]]
+            out[key] = [strings_as_patterns(item, counted, deeper) for item in out[key]]
     if isinstance(out.get("items"), list):  # draft-4 tuple form
-        out["items"] = [strings_as_patterns(item, counted) for item in out["items"]]
+        out["items"] = [strings_as_patterns(item, counted, deeper) for item in out["items"]]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: strings_as_patterns(sub, counted) for name, sub in out[key].items()}
+            out[key] = {name: strings_as_patterns(sub, counted, deeper) for name, sub in out[key].items()}
     if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
         low = _length(out.pop("minLength", 0), "minLength")
         high = out.pop("maxLength", None)
@@ -192,6 +212,25 @@ class GrammarBook:
         self._compiling: dict[tuple[GrammarSpec, int], threading.Event] = {}  # prefetches under way
         self._decoded: list[bytes] = []
         self._single_byte: dict[bytes, int] = {}
+        self._slow: OrderedDict[GrammarSpec, None] = OrderedDict()  # specs that compiled too slowly (most recent last)
+
+    def warm(self, vocab_size: int) -> None:
+        """Build the compiler for ``vocab_size``-wide logits now (the vocabulary's tables: up to seconds for a
+        large vocabulary), so that a later compile's time is the grammar's own."""
+        self._compiler_for(vocab_size)
+
+    def mark_slow(self, spec: GrammarSpec) -> None:
+        """Remember that ``spec`` took too long to compile (the last :data:`SLOW_REMEMBERED` such specs)."""
+        with self._lock:
+            self._slow[spec] = None
+            self._slow.move_to_end(spec)
+            while len(self._slow) > SLOW_REMEMBERED:
+                self._slow.popitem(last=False)
+
+    def known_slow(self, spec: GrammarSpec) -> bool:
+        """Whether ``spec`` was marked by :meth:`mark_slow`."""
+        with self._lock:
+            return spec in self._slow
 
     def _compiler_for(self, vocab_size: int) -> Any:
         with self._lock:

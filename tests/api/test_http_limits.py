@@ -1,6 +1,7 @@
 """The HTTP layer's own limits, over raw sockets to a real server: head size (431), head time (closed),
 connection cap (429), the API key before any body byte (401), malformed HTTP (400), all in OpenAI's
-error JSON; and its keys as tenants (``api.cache_salt_by_api_key``: no cache shared across keys)."""
+error JSON; its keys as tenants (``api.cache_salt_by_api_key``: no cache shared across keys); and its bound
+on a grammar's compile time."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ HEADER_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 12
 KEY = "sekret"
 OTHER_KEY = "tenant-b-key"
+GRAMMAR_COMPILE_S = 0.01
 
 
 @pytest.fixture(scope="module")
 def guarded(tiny_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config = {"model": str(tiny_llava), "api": {"api_key": [KEY, OTHER_KEY], "cache_salt_by_api_key": True,
+                                                 "max_grammar_compile_s": GRAMMAR_COMPILE_S,
                                                  "header_timeout_s": HEADER_TIMEOUT_S,
                                                  "max_connections": MAX_CONNECTIONS}}
     with configured_server(tiny_llava, config, tmp_path_factory.mktemp("guarded")) as proc:
@@ -248,3 +251,23 @@ def test_each_api_key_is_a_tenant_whose_caches_no_other_key_reads(guarded: Serve
     assert _cached_call(guarded, KEY, salt="shared")[1] == 0
     assert _cached_call(guarded, OTHER_KEY, salt="shared")[1] == 0
     assert _cached_call(guarded, OTHER_KEY, salt="shared")[1] == cached_a
+
+
+def test_a_grammar_slower_to_compile_than_the_limit_is_a_400_and_refused_at_once_again(guarded: ServerProcess) -> None:
+    """Four objects of 250 optional properties (within the per-object and total bounds) take longer than
+    ``api.max_grammar_compile_s`` (10 ms here): 400 ``grammar_too_complex`` naming the key, and the same
+    grammar sent again is refused without compiling; a small grammar is served."""
+    slow = {"type": "object", "properties": {f"o{k}": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(250)}} for k in range(4)}, "required": [f"o{k}" for k in range(4)]}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "guided_json": slow}
+    for _ in range(2):
+        start = time.monotonic()
+        r = httpx.post(f"{guarded.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "grammar_too_complex", r.text
+        assert "api.max_grammar_compile_s" in r.json()["error"]["message"]
+    assert time.monotonic() - start < 1.0  # the second: no compile
+    body["guided_json"] = None
+    body["guided_choice"] = ["yes", "no"]
+    r = httpx.post(f"{guarded.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no"), r.text

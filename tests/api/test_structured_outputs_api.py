@@ -45,6 +45,13 @@ def _json_schema_call(client: openai.OpenAI, seed: int, stream: bool) -> tuple[s
     return text, reason
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 def _run_schemas(server: ServerProcess, seeds: range) -> list[tuple[int, str, str | None]]:
     client = _client(server)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -105,6 +112,12 @@ def test_json_object_regex_and_choice(server: ServerProcess) -> None:
     ({"guided_json": {"type": "object", "patternProperties": {"^a": {"type": "integer"}}}}, "guided_json",
      "invalid_grammar"),
     ({"guided_json": {"$ref": "http://example.com/s.json"}}, "guided_json", "invalid_grammar"),
+    ({"response_format": {"type": "json_object"}, "max_tokens": 1}, "max_tokens", None),  # {} needs 2
+    ({"guided_json": _nested(70)}, "guided_json", "invalid_grammar"),  # 9 s at 450 levels: bounded
+    ({"guided_json": {"type": "string", "pattern": "^(?!b)[ab]$"}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "object", "required": ["z"]}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", None),  # past the JSON parser's stack
+    ({"structured_outputs": {"json": "{\"a\": " * 3000 + "1" + "}" * 3000}}, "structured_outputs.json", None),
 ])
 def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                             code: str | None) -> None:
@@ -112,8 +125,19 @@ def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess
     assert error["param"] == param and error["code"] == code, error
     if code == "invalid_grammar":
         words = ("frobnicate", "parenthesis", "optional properties", "minLength", "maxLength", "patternProperties",
-                 "$ref")
+                 "$ref", "levels deep", "lookaround", "not in properties")
         assert any(word in error["message"] for word in words), error["message"]
+
+
+def test_a_history_call_with_arguments_nested_past_the_parser_is_taken_as_text(server: ServerProcess) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    history = PROMPT + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}, {"role": "user", "content": "and?"}]
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": history, "max_tokens": 3})
+    assert r.status_code in (200, 400), r.text  # the template's own limits may refuse it; never a 500
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("body,check", [

@@ -6,6 +6,7 @@ knows them."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,7 @@ def test_an_auto_choice_streams_its_text_as_it_comes(client: openai.OpenAI) -> N
     ({"tools": [TOOLS[0]] * 129}, "tools", "tools_limit"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools", None),
     ({"messages": MESSAGES + [{"role": "tool", "content": "42"}]}, "messages", None),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", None),  # two functions of one name
 ])
 def test_bad_tool_fields_are_400s_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                     code: str | None) -> None:
@@ -162,3 +164,17 @@ def test_tools_and_the_history_s_calls_reach_a_template_that_renders_them(tiny_l
     assert json.dumps(TOOLS[0], ensure_ascii=False) in prompt or '"get_weather"' in prompt
     assert '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}</tool_call>' in prompt
     assert "<|tool|>12:00" in prompt and prompt.endswith("<|assistant|>")
+
+
+def test_an_auto_call_of_an_undeclared_function_is_text(client: openai.OpenAI) -> None:
+    """The model (forced here by a regex) writes a Llama-3 JSON call of a function the request did not
+    declare: the answer is that text as content, with no tool call, streamed or not."""
+    text = '{"name": "rm_rf", "parameters": {}}'
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 40, "temperature": 0,
+                   "extra_body": {"guided_regex": re.escape(text)}}
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
