@@ -7,7 +7,7 @@ from mm_serve.pipeline.call import Call
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.protocol.schemas import AssistantMessage, ChatCompletionRequest, FinishReason
 from mm_serve.protocol.tool_parsers import PARSERS, parser_name
-from mm_serve.protocol.tools import NamedToolChoice, ToolCall, constrained_calls
+from mm_serve.protocol.tools import NamedToolChoice, ToolCall, constrained_calls, partial_calls
 
 
 def named_function(call: Call) -> str | None:
@@ -25,9 +25,12 @@ def call_parser(ctx: ServerContext) -> str:
 
 def tool_calls_of(ctx: ServerContext, call: Call, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of an output of ``call``: under a named or required grammar the output is the calls
-    (none when it does not parse: cut at ``max_tokens``); ``auto``, what the checkpoint's parser finds."""
+    (an output cut at ``max_tokens``: the calls as far as they were written, the last one's arguments cut,
+    as a stream sent them); ``auto``, what the checkpoint's parser finds."""
     if call.tool_mode in ("named", "required"):
         calls = constrained_calls(call.tool_mode, text, named_function(call))
+        if calls is None:  # cut short
+            calls = partial_calls(call.tool_mode, text, named_function(call))
         return (None, calls) if calls else (text, [])
     if call.tool_mode == "auto":
         content, calls = PARSERS[call_parser(ctx)](text)
@@ -40,8 +43,11 @@ def tool_calls_of(ctx: ServerContext, call: Call, text: str) -> tuple[str | None
 
 def answer_message(ctx: ServerContext, call: Call, text: str, reason: FinishReason | None,
                    ) -> tuple[AssistantMessage, FinishReason | None]:
-    """The assistant message of one choice and its finish reason (``tool_calls`` when it has calls)."""
+    """The assistant message of one choice and its finish reason: ``tool_calls`` when it has calls, ``length``
+    when a forced choice's calls were cut short by ``max_tokens`` (they are given as far as written)."""
     content, calls = tool_calls_of(ctx, call, text)
     if not calls:
         return AssistantMessage(content=text), reason
-    return AssistantMessage(content=content, tool_calls=calls), "tool_calls"
+    cut = reason == "length" and call.tool_mode in ("named", "required") and \
+        constrained_calls(call.tool_mode, text, named_function(call)) is None
+    return AssistantMessage(content=content, tool_calls=calls), "length" if cut else "tool_calls"

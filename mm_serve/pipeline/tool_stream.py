@@ -12,7 +12,7 @@ import uuid
 
 from mm_serve.pipeline.call import Call
 from mm_serve.pipeline.context import ServerContext
-from mm_serve.pipeline.tool_answer import answer_message, call_parser, named_function, tool_calls_of
+from mm_serve.pipeline.tool_answer import answer_message, call_parser, named_function
 from mm_serve.protocol.call_spans import CallSpan, call_spans
 from mm_serve.protocol.schemas import DeltaMessage, FinishReason
 from mm_serve.protocol.tool_parsers import growing_calls, sure_content
@@ -42,8 +42,7 @@ class ToolStream:
             return (DeltaMessage(content=text) if text else None), reason
         if self.mode == "named":
             if reason is not None:
-                _, calls = tool_calls_of(self.ctx, self.call, self.text[i])
-                reason = "tool_calls" if calls else reason
+                reason = answer_message(self.ctx, self.call, self.text[i], reason)[1]
             if not text:
                 return None, reason
             function = DeltaFunctionCall(name=self.named, arguments=text) if first else DeltaFunctionCall(arguments=text)

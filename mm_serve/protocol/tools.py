@@ -141,6 +141,16 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -
     return "json", json.dumps(schema)
 
 
+def partial_calls(mode: str, text: str, named: str | None) -> list[ToolCall]:
+    """The calls of an output made under a named or required grammar and cut short (at ``max_tokens``), as
+    far as they were written: named, the text is its arguments so far; required, each call whose name is
+    out, with its arguments so far (:func:`~mm_serve.protocol.call_spans.call_spans`)."""
+    if mode == "named":
+        return [ToolCall(function=FunctionCall(name=str(named), arguments=text))] if text else []
+    return [ToolCall(function=FunctionCall(name=s.name, arguments=s.arguments(text)))
+            for s in call_spans(text, "parameters")]
+
+
 def constrained_calls(mode: str, text: str, named: str | None) -> list[ToolCall] | None:
     """The calls of an output made under a named or required grammar, or None when it does not parse (an
     output cut at ``max_tokens``)."""

@@ -178,3 +178,16 @@ def test_an_auto_call_of_an_undeclared_function_is_text(client: openai.OpenAI) -
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     assert not any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_forced_calls_cut_by_max_tokens_are_the_same_streamed_or_not(client: openai.OpenAI, choice: Any) -> None:
+    """Cut at 30 tokens, a forced choice's answer has ``finish_reason`` length and the calls as far as they
+    were written (the last one's arguments cut), the same calls a stream's deltas add up to."""
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice, "max_tokens": 30,
+                   "temperature": 0}
+    r = client.chat.completions.create(**kwargs)
+    calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None and calls
+    assert _streamed(client, **kwargs) == (calls, "length")
