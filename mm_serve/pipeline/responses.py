@@ -121,7 +121,21 @@ def echo_logprobs(ctx: ServerContext, admitted: AdmittedCall, p: int, state: Req
         return None
     prompt_ids = admitted.generations[p].prompt_token_ids
     entries = state.prompt_logprobs or [None] * len(prompt_ids)
-    return completion_logprobs(ctx.holder.inputs.tokenizer, prompt_ids, entries, call.logprobs)
+    out = completion_logprobs(ctx.holder.inputs.tokenizer, prompt_ids, entries, call.logprobs)
+    out.text_offset = _aligned_offsets(out.tokens, echo_text(ctx, admitted, p))
+    return out
+
+
+def _aligned_offsets(tokens: list[str], text: str) -> list[int]:
+    """Where each of ``tokens`` (their texts, one by one) starts in ``text``: found at the running position or
+    one character on (a token decoded alone may drop its leading space); a token not there (a special token
+    such as ``<s>``, which the text does not hold) is placed at the running position and takes no room."""
+    offsets, at = [], 0
+    for token in tokens:
+        found = text.find(token, at, at + len(token) + 1) if token else -1
+        offsets.append(found if found >= 0 else at)
+        at = found + len(token) if found >= 0 else at
+    return offsets
 
 
 async def answer(ctx: ServerContext, admitted: AdmittedCall, gone: Callable[[], Awaitable[bool]],

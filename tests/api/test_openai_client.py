@@ -328,6 +328,8 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_transformers_computes_them(
         assert offsets[-4:] == [len(prompt) + o for o in plain.choices[0].logprobs.text_offset]
         n_prompt = len(tokens) - 4
         assert values[0] is None and tops[0] is None and all(len(t) >= 1 for t in tops[1:n_prompt]), tops
+        for token, offset in zip(tokens[:n_prompt], offsets[:n_prompt], strict=True):  # each where the text holds it
+            assert text[offset:].startswith((token, token.lstrip())) or token == "<s>", (token, offset, text)
     ids = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True,
                                     logprobs=0).choices[0].logprobs
     reference = load_reference(tiny_llava, multimodal=True)
