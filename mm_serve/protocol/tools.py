@@ -91,7 +91,10 @@ class ToolError(ValueError):
 
 
 def _parameters(function: FunctionDef) -> dict[str, Any]:
-    return function.parameters if function.parameters is not None else {"type": "object"}
+    """The schema of ``function``'s arguments; a function declared without ``parameters`` takes none: ``{}``."""
+    if function.parameters is not None:
+        return function.parameters
+    return {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
