@@ -6,7 +6,8 @@ Phases, in seconds from the call's arrival: ``front end`` (parse, media, admissi
 sent the request), ``queue`` (waiting in the prefill or colocated worker's queue), ``encode`` (the vision
 tower), ``prefill`` (the LLM prefill, to the first token), ``hand-off`` (the KV through the ring to the
 decode worker), ``decode queue`` (until its first decode step) and ``decode`` (first decode step to the
-last token). A phase whose events a path does not
+last token). The colocated worker stamps no batch events: its wait and prefill are one phase,
+``queue + prefill``. A phase whose events a path does not
 stamp (no image: no encode; colocated: no hand-off) is left out.
 """
 
@@ -45,6 +46,13 @@ def phases(events: dict[str, float], arrival_wall: float, finish_wall: float) ->
         end = next((at[e.value] for e in ends if e.value in at), None)
         if start is not None and end is not None and end >= start:
             out.append({"name": name, "start_s": max(0.0, start - arrival_wall), "end_s": max(0.0, end - arrival_wall)})
+    names = {phase["name"] for phase in out}
+    queued = at.get(E.PREFILL_QUEUED.value, at.get(E.ARRIVED.value))
+    first = at.get(E.PREFILL_END.value)
+    if not names & {"queue", "encode", "prefill"} and queued is not None and first is not None and first >= queued:
+        # a worker that stamps no batch events (the colocated one): its wait and prefill as one phase
+        out.insert(1, {"name": "queue + prefill", "start_s": max(0.0, queued - arrival_wall),
+                       "end_s": max(0.0, first - arrival_wall)})
     return out
 
 

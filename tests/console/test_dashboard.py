@@ -123,3 +123,21 @@ def test_the_series_are_differences_of_registry_snapshots() -> None:
     assert points[-2]["ttft"]["p50"] == pytest.approx(0.15) and points[-2]["ttft"]["p99"] <= 0.2
     assert points[-1]["attainment"] == {"interactive": pytest.approx(0.5)}
     assert points[-1]["refusals"] == {"ttft_slo": 3.0} and points[-2]["refusals"] == {}
+
+
+def test_waterfall_phases_disaggregated_and_colocated() -> None:
+    """A disaggregated request's events give each phase in order; a colocated one's (queued, first token,
+    finished only) give its wait and prefill as one phase."""
+    from mm_serve.console.recent import phases
+
+    t0 = 1000.0
+    events = {"arrived": t0 + 0.01, "prefill_queued": t0 + 0.012, "encode_begin": t0 + 0.02, "encode_end": t0 + 0.03,
+              "prefill_begin": t0 + 0.03, "prefill_end": t0 + 0.05, "handoff_begin": t0 + 0.05,
+              "handoff_end": t0 + 0.06, "first_decode": t0 + 0.065, "finished": t0 + 0.2}
+    got = [(p["name"], round(p["start_s"], 3), round(p["end_s"], 3)) for p in phases(events, t0, t0 + 0.2)]
+    assert got == [("front end", 0.0, 0.01), ("queue", 0.012, 0.02), ("encode", 0.02, 0.03),
+                   ("prefill", 0.03, 0.05), ("hand-off", 0.05, 0.06), ("decode queue", 0.06, 0.065),
+                   ("decode", 0.065, 0.2)]
+    colocated = {"arrived": t0 + 0.01, "prefill_queued": t0 + 0.012, "prefill_end": t0 + 0.04}
+    got = [(p["name"], round(p["start_s"], 3), round(p["end_s"], 3)) for p in phases(colocated, t0, t0 + 0.1)]
+    assert got == [("front end", 0.0, 0.01), ("queue + prefill", 0.012, 0.04), ("decode", 0.04, 0.1)]

@@ -82,3 +82,32 @@ def test_the_playground_streams_the_greedy_answer_and_shows_refusals(page: Any, 
     ok = _ask(page, "What is in the picture?")
     assert ok.get_attribute("data-status") is None and ok.locator(".stats").count() == 1
     assert page.outside == [] and all(url.startswith(console_server.url) for url in page.requests), page.requests
+
+
+def test_images_go_in_the_order_chosen_and_new_chat_drops_a_reply_in_flight(
+        page: Any, console_server: ServerProcess, tmp_path: Path) -> None:
+    """Two images, the first much larger (read later): the call's image parts keep the order they were chosen
+    in. New chat while a reply streams: the next call's messages hold nothing of the old conversation."""
+    page.goto(f"{console_server.url}/playground")
+    page.fill("#api-key", API_KEY)
+    page.click("#key-form button")
+    page.locator("#app").wait_for()
+    big, small = tmp_path / "big.bmp", tmp_path / "small.png"
+    image, _ = draw_scene(random.Random(1), size=(512, 512))
+    image.save(big, format="BMP")  # uncompressed: ~1 MB, read long after the small one
+    _scene(small)
+    page.set_input_files("#attach", [str(big), str(small)])
+    page.wait_for_function("document.querySelectorAll('#thumbs img').length === 2")
+    page.fill("#max-tokens", "200")
+    page.fill("#question", "Describe both.")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    urls = [part["image_url"]["url"] for part in sent.value.post_data_json["messages"][0]["content"][:2]]
+    assert [len(u) for u in urls] == sorted((len(u) for u in urls), reverse=True)  # the big one first
+    page.click("#new-chat")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.fill("#question", "A new question.")
+        page.click("#send")
+    assert sent.value.post_data_json["messages"] == [{"role": "user", "content": "A new question."}]
+    page.locator(".message.assistant[data-done]").wait_for(timeout=60_000)
+    assert page.locator(".message").count() == 2  # the question and its answer only

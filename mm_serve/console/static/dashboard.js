@@ -6,7 +6,7 @@
 const POLL_MS = 1000;
 const WATERFALL_ROWS = 20;
 const $ = (id) => document.getElementById(id);
-const PHASE_COLOURS = {"front end": "#9aa5b8", "queue": "#f2b134", "encode": "#8e6ad8", "prefill": "#2f6fde",
+const PHASE_COLOURS = {"front end": "#9aa5b8", "queue": "#f2b134", "queue + prefill": "#7a9fe6", "encode": "#8e6ad8", "prefill": "#2f6fde",
                        "hand-off": "#e0598b", "decode queue": "#f5d58a", "decode": "#1f9d55"};
 const TIER_COLOURS = {interactive: "#c2410c", standard: "#2f6fde", batch: "#6b7385"};
 let timer = null;
@@ -147,14 +147,18 @@ async function poll() {
     }
     const data = await r.json();
     ConsoleKey.accepted($("app"));
+    $("app").classList.remove("stale");
+    $("updated").classList.remove("stale");
     $("status").textContent = data.model + " · " + data.status;
     $("updated").textContent = "updated " + new Date(data.time * 1000).toLocaleTimeString();
     drawTiles(data);
     drawWorkers(data);
     drawWaterfall(data);
     drawCharts(data);
-  } catch (err) {
-    $("updated").textContent = "not updated: " + err.message;
+  } catch (err) {  // the server is away: what is shown is from before, and says so
+    $("app").classList.add("stale");
+    $("updated").classList.add("stale");
+    $("updated").textContent = "server not reachable, showing " + $("updated").textContent.replace(/^server not reachable, showing /, "");
   }
   timer = setTimeout(poll, POLL_MS);
 }

@@ -5,26 +5,51 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = {info: null, messages: [], pending: [], busy: false};
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"];  // what the server decodes
+const RETRY_MS = 2000;
+// conversation: bumped by New chat, so a reply still streaming for an earlier one is dropped, not carried over
+const state = {info: null, messages: [], pending: [], busy: false, conversation: 0, inflight: null};
 const headers = () => ConsoleKey.headers({"Content-Type": "application/json"});
 const askForKey = (reason) => ConsoleKey.ask($("app"), reason, loadInfo);
 
+function notice(text) {
+  let box = $("notice");
+  if (!box) {
+    box = document.createElement("p");
+    box.id = "notice";
+    box.className = "keyform";
+    document.querySelector("header").after(box);
+  }
+  box.textContent = text;
+  box.classList.toggle("hidden", !text);
+}
+
 async function loadInfo() {
-  let r;
+  let r, info = null;
   try {
     r = await fetch("/internal/console", {headers: headers()});
+    if (r.ok) info = await r.json();
   } catch (err) {
-    askForKey("The server could not be reached: " + err.message);
+    notice("The server could not be reached (" + err.message + "); trying again.");
+    setTimeout(loadInfo, RETRY_MS);
     return;
   }
   if (r.status === 401) {
+    notice("");
     askForKey(ConsoleKey.set ? "That key was not accepted." : "This server needs an API key.");
     return;
   }
-  state.info = await r.json();
+  if (!info || !Array.isArray(info.tiers)) {
+    notice("The server answered " + r.status + " " + r.statusText + "; trying again.");
+    setTimeout(loadInfo, RETRY_MS);
+    return;
+  }
+  notice("");
+  state.info = info;
   ConsoleKey.accepted($("app"));
   $("model").textContent = state.info.model + (state.info.vision ? "" : " (text only)");
   const tier = $("tier");
+  tier.replaceChildren(new Option("auto", "auto"));
   for (const name of state.info.tiers) tier.add(new Option(name, name));
   $("detail-label").classList.toggle("hidden", !state.info.detail);
   $("attach-label").classList.toggle("hidden", !state.info.vision);
@@ -34,14 +59,21 @@ async function loadInfo() {
 
 // ---- images -------------------------------------------------------------------------------------
 
-function addImages(files) {
+const readAsDataURL = (file) => new Promise((resolve, reject) => {
+  const reader = new FileReader();
+  reader.onload = () => resolve(reader.result);
+  reader.onerror = () => reject(reader.error);
+  reader.readAsDataURL(file);
+});
+
+// Images in the order they were chosen (each read whole before the next is added).
+async function addImages(files) {
   if (!state.info || !state.info.vision) return;
-  for (const file of files) {
-    if (!file.type.startsWith("image/")) continue;
-    const reader = new FileReader();
-    reader.onload = () => { state.pending.push(reader.result); drawThumbs(); };
-    reader.readAsDataURL(file);
-  }
+  const chosen = [...files].filter((file) => IMAGE_TYPES.includes(file.type));
+  const skipped = files.length - chosen.length;
+  notice(skipped ? skipped + " file(s) left out: the server takes PNG, JPEG, WebP, GIF and BMP images." : "");
+  for (const url of await Promise.all(chosen.map(readAsDataURL))) state.pending.push(url);
+  drawThumbs();
 }
 
 function drawThumbs() {
@@ -134,9 +166,10 @@ async function showRefusal(div, response) {
 
 function callBody() {
   const body = {model: state.info.model, messages: state.messages, stream: true,
-                stream_options: {include_usage: true}, max_tokens: Number($("max-tokens").value),
-                temperature: Number($("temperature").value)};
-  if ($("seed").value !== "") body.seed = Number($("seed").value);
+                stream_options: {include_usage: true}};
+  for (const [field, id] of [["max_tokens", "max-tokens"], ["temperature", "temperature"], ["seed", "seed"]]) {
+    if ($(id).value.trim() !== "") body[field] = Number($(id).value);  // empty: the server's default
+  }
   if ($("tier").value !== "auto") body.service_tier = $("tier").value;
   return body;
 }
@@ -174,15 +207,24 @@ async function send() {
   drawThumbs();
   state.busy = true;
   $("send").disabled = true;
+  const conversation = state.conversation;
+  const controller = new AbortController();
+  state.inflight = controller;
   const div = bubble("assistant", "");
   const out = div.querySelector(".text");
   const started = performance.now();
   let first = null, usage = null, tier = null, reply = "", failed = null;
+  const giveBack = () => {  // not answered: the question goes back to the composer, out of the conversation
+    state.messages.pop();
+    if (!$("question").value) $("question").value = text;
+    state.pending.unshift(...images);
+    drawThumbs();
+  };
   try {
     const response = await fetch("/v1/chat/completions", {method: "POST", headers: headers(),
-                                                          body: JSON.stringify(callBody())});
+                                                          body: JSON.stringify(callBody()), signal: controller.signal});
     if (!response.ok) {
-      state.messages.pop();  // not answered: the next question goes without it
+      giveBack();
       await showRefusal(div, response);
       return;
     }
@@ -198,6 +240,7 @@ async function send() {
       }
     });
     const ended = performance.now();
+    if (conversation !== state.conversation) return;  // New chat was clicked meanwhile
     if (failed !== null) {
       div.classList.add("failure");
       out.textContent = reply + "\n[the request failed: " + failed + "]";
@@ -214,21 +257,32 @@ async function send() {
       "tier": tier,
     });
   } catch (err) {
+    if (conversation !== state.conversation) return;
     div.classList.add("failure");
-    out.textContent = "The server could not be reached: " + err.message;
-    state.messages.pop();
+    out.textContent = reply ? reply + "\n[the connection broke while the answer streamed: " + err.message + "]"
+      : "The server could not be reached: " + err.message;
+    giveBack();
   } finally {
     div.dataset.done = "1";
-    state.busy = false;
-    $("send").disabled = false;
+    if (state.inflight === controller) {
+      state.inflight = null;
+      state.busy = false;
+      $("send").disabled = false;
+    }
   }
 }
 
 $("composer").addEventListener("submit", (event) => { event.preventDefault(); send(); });
 $("question").addEventListener("keydown", (event) => {
+  if (event.isComposing || event.keyCode === 229) return;  // Enter that ends an IME composition
   if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); send(); }
 });
 $("new-chat").addEventListener("click", () => {
+  state.conversation += 1;
+  if (state.inflight) state.inflight.abort();  // its reply belongs to the conversation left behind
+  state.inflight = null;
+  state.busy = false;
+  $("send").disabled = false;
   state.messages = [];
   $("conversation").replaceChildren();
 });
