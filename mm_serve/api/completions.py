@@ -46,7 +46,7 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
                 logprobs, before = None, None
                 if not echoed[i]:  # the prompt goes first, in the choice's first chunk
                     echoed[i], text, offsets[i] = True, echo + text, len(echo)
-                    before = echo_logprobs(ctx, admitted, 0, state)
+                    before = echo_logprobs(ctx, admitted, 0, state, echo)
                 new_tokens = state.token_ids[sent_tokens[i]:]  # the tokens since the last chunk
                 if top_n is not None and (new_tokens or before is not None):
                     part = completion_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n,

@@ -38,8 +38,7 @@ _PHASES = (
 def phases(events: dict[str, float], arrival_wall: float, finish_wall: float) -> list[dict[str, Any]]:
     """The phases of one request (``name``, ``start_s``, ``end_s`` from its arrival) from its ``events``
     (event value -> ``time.time()`` seconds), its arrival and its finish (``time.time()`` seconds)."""
-    at = {**events, "": arrival_wall}
-    at.setdefault(E.FINISHED.value, finish_wall)
+    at = {E.FINISHED.value: finish_wall, **events}
     out = []
     for name, starts, ends in _PHASES:
         start = next((at[e.value] for e in starts if e.value in at), arrival_wall if not starts else None)

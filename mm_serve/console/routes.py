@@ -62,14 +62,15 @@ class Console:
         self.history = MetricsHistory(app.state.registry)
         self.ctx.holder.client.finish_listeners.append(self.recent.observe)
         files = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES}
+        pages = {name: (STATIC / f"{name}.html").read_text() for name in ("playground", "dashboard")}
 
         @app.get("/playground", include_in_schema=False)
         async def playground() -> HTMLResponse:
-            return HTMLResponse((STATIC / "playground.html").read_text())
+            return HTMLResponse(pages["playground"])
 
         @app.get("/dashboard", include_in_schema=False)
         async def dashboard() -> HTMLResponse:
-            return HTMLResponse((STATIC / "dashboard.html").read_text())
+            return HTMLResponse(pages["dashboard"])
 
         @app.get("/console/static/{name}", include_in_schema=False)
         async def asset(name: str) -> FileResponse:

@@ -92,7 +92,7 @@ def completion_response(ctx: ServerContext, admitted: AdmittedCall) -> Completio
             logprobs = None
             if call.logprobs is not None:
                 logprobs = completion_logprobs(tokenizer, s.token_ids, s.logprobs, call.logprobs, len(echo),
-                                               echo_logprobs(ctx, admitted, p, s))
+                                               echo_logprobs(ctx, admitted, p, s, echo))
             choices.append(CompletionChoice(index=p * call.body.n + i, text=echo + s.text, logprobs=logprobs,
                                             finish_reason=finish_reason(s.finish_reason)))
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -113,16 +113,18 @@ def echo_text(ctx: ServerContext, admitted: AdmittedCall, p: int) -> str:
     return str(ctx.holder.inputs.tokenizer.decode(prompt["prompt_token_ids"]))
 
 
-def echo_logprobs(ctx: ServerContext, admitted: AdmittedCall, p: int, state: RequestState) -> CompletionLogprobs | None:
+def echo_logprobs(ctx: ServerContext, admitted: AdmittedCall, p: int, state: RequestState,
+                  echo: str) -> CompletionLogprobs | None:
     """The log-probabilities of prompt ``p``'s tokens (the first one's null) for a completions call with
-    ``echo`` and ``logprobs`` (computed by the prefill pass: ``prompt_logprobs``); None without ``echo``."""
+    ``echo`` and ``logprobs`` (computed by the prefill pass: ``prompt_logprobs``), their offsets in ``echo``
+    (its :func:`echo_text`); None without ``echo``."""
     call = admitted.call
     if not getattr(call.body, "echo", None) or call.logprobs is None:
         return None
     prompt_ids = admitted.generations[p].prompt_token_ids
     entries = state.prompt_logprobs or [None] * len(prompt_ids)
     out = completion_logprobs(ctx.holder.inputs.tokenizer, prompt_ids, entries, call.logprobs)
-    out.text_offset = _aligned_offsets(out.tokens, echo_text(ctx, admitted, p))
+    out.text_offset = _aligned_offsets(out.tokens, echo)
     return out
 
 

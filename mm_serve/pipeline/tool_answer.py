@@ -23,31 +23,31 @@ def call_parser(ctx: ServerContext) -> str:
     return parser_name(ctx.config.api.tool_call_parser, str(decoder))
 
 
-def tool_calls_of(ctx: ServerContext, call: Call, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of an output of ``call``: under a named or required grammar the output is the calls
-    (an output cut at ``max_tokens``: the calls as far as they were written, the last one's arguments cut,
-    as a stream sent them); ``auto``, what the checkpoint's parser finds."""
+def tool_calls_of(ctx: ServerContext, call: Call, text: str) -> tuple[str | None, list[ToolCall], bool]:
+    """(content, calls, whole) of an output of ``call``: under a named or required grammar the output is the
+    calls (an output cut short: the calls as far as they were written, the last one's arguments cut, as a
+    stream sent them, and ``whole`` False); ``auto``, what the checkpoint's parser finds."""
     if call.tool_mode in ("named", "required"):
         calls = constrained_calls(call.tool_mode, text, named_function(call))
-        if calls is None:  # cut short
+        whole = calls is not None
+        if calls is None:
             calls = partial_calls(call.tool_mode, text, named_function(call))
-        return (None, calls) if calls else (text, [])
+        return (None, calls, whole) if calls else (text, [], whole)
     if call.tool_mode == "auto":
         content, calls = PARSERS[call_parser(ctx)](text)
         declared = {tool.function.name for tool in getattr(call.body, "tools", None) or []}
         if any(c.function.name not in declared for c in calls):  # not a call of this request's tools: text
-            return text, []
-        return content, calls
-    return text, []
+            return text, [], True
+        return content, calls, True
+    return text, [], True
 
 
 def answer_message(ctx: ServerContext, call: Call, text: str, reason: FinishReason | None,
                    ) -> tuple[AssistantMessage, FinishReason | None]:
     """The assistant message of one choice and its finish reason: ``tool_calls`` when it has calls, ``length``
     when a forced choice's calls were cut short by ``max_tokens`` (they are given as far as written)."""
-    content, calls = tool_calls_of(ctx, call, text)
+    content, calls, whole = tool_calls_of(ctx, call, text)
     if not calls:
         return AssistantMessage(content=text), reason
-    cut = reason == "length" and call.tool_mode in ("named", "required") and \
-        constrained_calls(call.tool_mode, text, named_function(call)) is None
-    return AssistantMessage(content=content, tool_calls=calls), "length" if cut else "tool_calls"
+    return AssistantMessage(content=content, tool_calls=calls), "length" if reason == "length" and not whole \
+        else "tool_calls"
