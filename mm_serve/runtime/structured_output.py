@@ -94,8 +94,8 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
         GrammarError: a keyword in :data:`UNSUPPORTED_KEYWORDS`, a ``$ref`` outside the schema, a length
             that is not a non-negative integer, more optional properties than :data:`MAX_OPTIONAL_PROPERTIES`
             in one object (:data:`MAX_OPTIONAL_PROPERTIES_TOTAL` in all), schemas nested deeper than
-            :data:`MAX_SCHEMA_DEPTH`, a ``pattern`` with a lookaround, or a ``required`` property an object
-            with ``properties`` does not list (neither is enforced).
+            :data:`MAX_SCHEMA_DEPTH`, a ``pattern`` with a lookaround, or a ``required`` property that the
+            object's ``properties`` (if any) does not list (xgrammar enforces neither).
     """
     counted = [0] if counted is None else counted
     if not isinstance(schema, dict):
