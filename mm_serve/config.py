@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mm_serve.ground.dtypes import DTypeName
+from mm_serve.ground.dtypes import DTypeChoice
 from mm_serve.ground.slo import SLO
 from mm_serve.ground.tiers import Tier, TierLabel
 from mm_serve.runtime.engine_config import DEFAULT_ENGINE as _E
@@ -321,11 +321,12 @@ class ServiceConfig(_Frozen):
     model: str = Field("embedded", description="Model directory (a llava-hf or Llama checkpoint), or a registered name such as 'embedded' (--model).")
     served_model_name: str | None = Field(None, description="The model id clients send and /v1/models lists (--served-model-name); null = the model value.")
     mode: Literal["disaggregated", "colocated"] = Field("disaggregated", description="'disaggregated': prefill and decode worker processes joined by the hand-off ring; 'colocated': one continuous-batching worker doing both, the baseline (--mode).")
-    dtype: DTypeName = Field(_E.dtype, description="Weights, activations and KV cache element type.")
+    dtype: DTypeChoice = Field(_E.dtype, description="Weights, activations, KV cache, ring pages and features element type; auto: the checkpoint's own (config.json dtype / torch_dtype, float32 when it declares none). The sampler works in float32 whatever this is.")
     seed: int = Field(_E.seed, description="Seed of the sampling generators of requests that bring no seed.")
     enforce_eager: bool = Field(_E.enforce_eager, description="Never capture decode steps in CUDA graphs (on a GPU they are captured by default; no effect on a CPU).")
     cpu_gemm: Literal["onednn", "torch"] = Field(_E.cpu_gemm, description="float32 on a CPU: 'onednn' runs linear layers from weights packed once for oneDNN (mm_serve/kernels/cpu_linear.py; layers under ~0.5 M weights also keep their plain copy, which MKL runs faster for 1-2 rows), 'torch' uses torch's default F.linear (MKL).")
     cpu_kernels: Literal["compiled", "torch"] = Field(_E.cpu_kernels, description="float32 on a CPU: 'compiled' runs decode attention (RoPE, K/V write, attention read in place from the KV pages) and RMSNorm from C++ kernels built once (kernels/csrc, compiled with c++ or $CXX and ninja by `make install`, else at the first start, into $MM_SERVE_CACHE_DIR, else $XDG_CACHE_HOME/mm-serve, else ~/.cache/mm-serve; falls back to 'torch' with one warning where they cannot be built), 'torch' uses torch ops (pages gathered, then SDPA).")
+    attention_backend: Literal["auto", "flex", "torch"] = Field(_E.attention_backend, description="Attention over the paged KV cache: 'auto' takes flash-attn on a GPU where it is installed, the compiled C++ decode kernel for float32 on a CPU (cpu_kernels compiled), else the torch reference; 'flex' is FlexAttention everywhere (block masks over the pages in place, one call per layer for a whole prefill batch; compiled on a GPU, eager on a CPU, where it is exact but slow: for tests); 'torch' is the reference (pages gathered into a padded copy, then SDPA). docs/attention.md.")
     compute: ComputeConfig = ComputeConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     kv_cache: KVCacheConfig = KVCacheConfig()

@@ -8,6 +8,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# torch's inductor (eager FlexAttention imports it, torch.compile writes there) makes a folder under
+# /tmp unless told where: a folder of this session's, removed at its end.
+_INDUCTOR_DIR = tempfile.mkdtemp(prefix="mm-serve-tests-inductor-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_DIR)
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -38,6 +46,10 @@ def tiny_llava_sp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Text-only Llama checkpoint, 3 layers, GQA 4/1, llama3 RoPE scaling."""
     return build_checkpoint("llama", tmp_path_factory.mktemp("tiny_llama"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_INDUCTOR_DIR, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

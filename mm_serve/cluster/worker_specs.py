@@ -25,7 +25,7 @@ def engine_sizing(cfg: ServiceConfig, device: str = "cpu") -> EngineConfig:
         decode_step_interval_s=cfg.scheduler.decode_step_interval_ms / 1000.0,
         dtype=cfg.dtype, device=device, seed=cfg.seed,
         enforce_eager=cfg.enforce_eager, cpu_gemm=cfg.cpu_gemm,
-        cpu_kernels=cfg.cpu_kernels, enable_prefix_caching=cfg.kv_cache.enable_prefix_caching,
+        cpu_kernels=cfg.cpu_kernels, attention_backend=cfg.attention_backend, enable_prefix_caching=cfg.kv_cache.enable_prefix_caching,
         encoder_cache_bytes=cfg.cache.encoder_cache_bytes,
     )
 

@@ -38,6 +38,7 @@ class LLMEngine:
         if self.config.device == "cpu":
             tune_malloc_for_inference()  # activations stay mapped between passes (malloc_tuning.py)
         self.model_config = load_model_config(self.model_dir)
+        self.config = self.config.for_checkpoint(self.model_config.raw)  # dtype auto: the checkpoint's
         self.model = load_model_for(str(self.model_dir), self.config)
         self.inputs = InputProcessor(self.model_dir, self.model_config)
         self.tokenizer = self.inputs.tokenizer

@@ -28,6 +28,7 @@ from mm_serve.engine.load_view import LoadView
 from mm_serve.engine.receiver import Receiver
 from mm_serve.engine.request_state import RequestState
 from mm_serve.engine.router import Router
+from mm_serve.ground.dtypes import resolve_dtype
 from mm_serve.ground.roles import Role
 from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
@@ -58,8 +59,10 @@ class EngineClient:
     def __init__(self, model_dir: str | Path, config: ServiceConfig, inputs: InputProcessor | None = None) -> None:
         check_supported(config)
         self.model_dir = Path(model_dir)
-        self.config = config
         self.model_config = load_model_config(self.model_dir)
+        # dtype auto becomes the checkpoint's here, once, before any worker, ring or cache is sized
+        config = config.model_copy(update={"dtype": resolve_dtype(config.dtype, self.model_config.raw)})
+        self.config = config
         self.inputs = inputs or InputProcessor(self.model_dir, self.model_config)
         self.pool = WorkerPool(self.model_dir, config, self.model_config)
         self.colocated = self.pool.colocated

@@ -7,8 +7,9 @@ by :func:`torch_dtype`, so the ground floor stays light.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +22,38 @@ DTYPE_NAMES: tuple[DTypeName, ...] = get_args(DTypeName)
 
 DTYPE_BYTES: MappingProxyType[str, int] = MappingProxyType({"float32": 4, "bfloat16": 2, "float16": 2})
 """Bytes per element of each :data:`DTypeName`."""
+
+
+DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
+"""What a config may ask for: a :data:`DTypeName`, or ``auto`` (the checkpoint's own, :func:`resolve_dtype`)."""
+
+DTYPE_CHOICES: tuple[DTypeChoice, ...] = get_args(DTypeChoice)
+
+
+def checkpoint_dtype(raw: Mapping[str, Any]) -> DTypeName:
+    """The element type a checkpoint's ``config.json`` (``raw``) declares: its ``dtype`` (transformers 5)
+    or ``torch_dtype`` (earlier), at the top level or, for a multimodal checkpoint, in ``text_config``;
+    ``float32`` when none is declared or the one declared is not a :data:`DTypeName`."""
+    for section in (raw, raw.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = section.get(key) if isinstance(section, Mapping) else None
+            if isinstance(value, str) and value.removeprefix("torch.") in DTYPE_BYTES:
+                return cast("DTypeName", value.removeprefix("torch."))
+    return "float32"
+
+
+def resolve_dtype(choice: str, raw: Mapping[str, Any]) -> DTypeName:
+    """The element type to serve with: ``choice`` itself, or for ``auto`` the checkpoint's
+    (:func:`checkpoint_dtype` of its ``config.json`` ``raw``), as vLLM's ``--dtype auto`` does.
+
+    Raises:
+        ValueError: ``choice`` is not one of :data:`DTYPE_CHOICES`.
+    """
+    if choice == "auto":
+        return checkpoint_dtype(raw)
+    if choice not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {choice!r}")
+    return cast("DTypeName", choice)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -31,6 +31,7 @@ def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: st
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     pack_cpu_linears: bool = True, compiled_cpu_kernels: bool = True, vision: bool = True,
+    attention_backend: str = "auto",
 ) -> MultimodalLM:
     """Load a llava-hf or Llama checkpoint into our runner, in eval mode.
 
@@ -41,7 +42,8 @@ def load_model(
     tower's included, runs from oneDNN-packed weights (:mod:`mm_serve.kernels.cpu_linear`). With
     ``compiled_cpu_kernels`` (a CPU), float32 decode attention reads the paged cache in
     place with the compiled kernel (:mod:`mm_serve.kernels.cpu_paged_attention`) and RMSNorm runs as
-    one compiled op (:mod:`mm_serve.kernels.cpu_extension`, built on first use).
+    one compiled op (:mod:`mm_serve.kernels.cpu_extension`, built on first use). ``attention_backend``
+    (auto, flex, torch) is :func:`~mm_serve.kernels.backend_select.select_attention_backend`'s ``choice``.
 
     Raises:
         CheckpointError: missing files, unsupported architecture, or weights that
@@ -50,7 +52,8 @@ def load_model(
     root = Path(model_dir)
     cfg = load_model_config(root)
     torch_device = torch.device(device)
-    backend = select_attention_backend(torch_device, compiled_cpu=compiled_cpu_kernels and dtype == torch.float32)
+    backend = select_attention_backend(
+        torch_device, compiled_cpu=compiled_cpu_kernels and dtype == torch.float32, choice=attention_backend)
     # The decoder (the bulk of the weights) is built without initialising its
     # parameters; the vision tower is built normally for its non-persistent buffers.
     with torch.device("meta"):

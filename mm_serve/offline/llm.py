@@ -45,7 +45,7 @@ _SERVICE_KEYS = {
     "decode_cpus": "compute.decode_cpus", "threads_per_worker": "compute.threads_per_worker",
     "dtype": "dtype", "seed": "seed", "max_images_per_request": "api.max_images_per_request",
     "enforce_eager": "enforce_eager", "cpu_gemm": "cpu_gemm",
-    "cpu_kernels": "cpu_kernels", "enable_prefix_caching": "kv_cache.enable_prefix_caching",
+    "cpu_kernels": "cpu_kernels", "attention_backend": "attention_backend", "enable_prefix_caching": "kv_cache.enable_prefix_caching",
     "encoder_cache_bytes": "cache.encoder_cache_bytes",
 }
 

@@ -8,11 +8,12 @@ as it is (a frozen msgspec struct, validated again when decoded there).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from mm_serve.ground.dtypes import DTYPE_NAMES, DTypeName, torch_dtype
+from mm_serve.ground.dtypes import DTYPE_CHOICES, DTypeChoice, resolve_dtype, torch_dtype
 
 if TYPE_CHECKING:  # torch is imported only where a dtype is needed (the config loads without it)
     import torch
@@ -37,12 +38,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk_tokens: int = 2048  # prefill worker: longer prompts are prefilled in chunks of this many tokens; 0 = never
     decode_step_interval_s: float = 0.0  # decode worker: a decode step starts at least this long after the previous one began; 0 = at once
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
-    dtype: DTypeName = "float32"
+    dtype: DTypeChoice = "auto"  # "auto": the checkpoint's (for_checkpoint resolves it before a model loads)
     device: str = "cpu"
     seed: int = 0  # seeds generators of requests that bring no seed
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
     cpu_gemm: Literal["onednn", "torch"] = "onednn"  # float32 on a CPU: "onednn" (packed weights, mm_serve/kernels/cpu_linear.py) or "torch" (F.linear)
     cpu_kernels: Literal["compiled", "torch"] = "compiled"  # float32 CPU: "compiled" (decode attention + RMSNorm from kernels/csrc) or "torch"
+    attention_backend: Literal["auto", "flex", "torch"] = "auto"  # mm_serve.kernels.backend_select
     enable_prefix_caching: bool = True  # reuse the KV of cached full pages (kv_cache.enable_prefix_caching)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # image embeddings kept by content hash; 0 = off (cache.encoder_cache_bytes)
 
@@ -72,8 +74,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
         if not isinstance(self.cpu_kernels, str) or self.cpu_kernels not in ("compiled", "torch"):
             raise ValueError(f"cpu_kernels must be 'compiled' or 'torch', got {self.cpu_kernels!r}")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        if not isinstance(self.attention_backend, str) or self.attention_backend not in ("auto", "flex", "torch"):
+            raise ValueError(f"attention_backend must be 'auto', 'flex' or 'torch', got {self.attention_backend!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -105,9 +109,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Decode attention and RMSNorm run the compiled kernels: ``cpu_kernels`` compiled, float32, a CPU."""
         return self.cpu_kernels == "compiled" and self.device.startswith("cpu") and self.dtype == "float32"
 
+    def for_checkpoint(self, raw: Mapping[str, Any]) -> EngineConfig:
+        """This sizing with ``dtype: auto`` replaced by the element type the checkpoint's
+        ``config.json`` (``raw``) declares (:func:`~mm_serve.ground.dtypes.resolve_dtype`)."""
+        return self if self.dtype != "auto" else self.replace(dtype=resolve_dtype(self.dtype, raw))
+
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The ``torch.dtype`` of :attr:`dtype`."""
+        """The ``torch.dtype`` of :attr:`dtype`.
+
+        Raises:
+            ValueError: :attr:`dtype` is still ``auto`` (:meth:`for_checkpoint` was not applied).
+        """
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved against a checkpoint first (EngineConfig.for_checkpoint)")
         return torch_dtype(self.dtype)
 
     def context_limit(self, text: TextConfig) -> int:

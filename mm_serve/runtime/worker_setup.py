@@ -39,7 +39,7 @@ def load_model_for(model_dir: str, cfg: EngineConfig, vision: bool = True) -> Mu
     """
     return load_model(
         model_dir, cfg.torch_dtype, cfg.device, pack_cpu_linears=cfg.pack_cpu_linears,
-        compiled_cpu_kernels=cfg.compiled_cpu_kernels, vision=vision,
+        compiled_cpu_kernels=cfg.compiled_cpu_kernels, attention_backend=cfg.attention_backend, vision=vision,
     )
 
 
