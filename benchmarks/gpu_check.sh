@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # GPU checks in one run, for a machine with CUDA (the CPU CI never runs this):
 #   1. tests/test_cuda.py: our runner on the GPU == transformers on the GPU (greedy ids, first-step
-#      logits), a batch of mixed cases, and the disaggregated service with GPU KV caches and a host ring;
-#   2. decode throughput on the GPU, ours (CUDA graphs, and eager) vs transformers' generate (bench and
-#      large models);
+#      logits) in float32, bfloat16 and float16, a batch of mixed cases, FlexAttention compiled inside
+#      CUDA graphs, and the disaggregated service with GPU KV caches and a host ring;
+#   2. decode throughput of the ~0.9 B model (`large`) with ~1,000-token contexts at batch 1 and 64, ours vs
+#      transformers' generate, with the fraction of the HBM bandwidth limit beside each figure: float32,
+#      bfloat16, and bfloat16 on FlexAttention;
 #   3. the whole test suite with CUDA present (everything must still pass where CUDA is visible).
 # Usage: OUT=DIR PYTHON=python3 benchmarks/gpu_check.sh   (torch with CUDA and the project's deps installed,
 # dev extra included: pytest-xdist and pytest-timeout too). Results of a run: benchmarks/results/.
-# Each step has its own time limit so that one slow step cannot eat the others' time; FULL_SUITE_S=0 skips 3.
+# Each step has its own time limit so that one slow step cannot eat the others' time (all within 10
+# minutes); FULL_SUITE_S=0 skips 3.
 set -u
 OUT=${OUT:-/tmp/mm_serve_gpu_check}
 PY=${PYTHON:-python3}
@@ -30,12 +33,12 @@ step() {  # step NAME SECONDS COMMAND...
     "$PY" -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
 
-step cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs
-step decode_bench_cuda 80 "$PY" benchmarks/decode_throughput.py --model bench --device cuda --threads 8
-step decode_bench_cuda_eager 80 "$PY" benchmarks/decode_throughput.py --model bench --device cuda --threads 8 \
-    --enforce-eager
-step decode_large_cuda 150 "$PY" benchmarks/decode_throughput.py --model large --device cuda --threads 8 \
-    --batches 1,8,32,64
-if [ "${FULL_SUITE_S:-180}" -gt 0 ]; then
-    OMP_NUM_THREADS=2 step full_suite "${FULL_SUITE_S:-180}" "$PY" -m pytest -q -p no:cacheprovider -n 4 --timeout 150 tests
+step cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs
+LARGE=(benchmarks/decode_throughput.py --model large --device cuda --threads 8 --batches 1,64 --prompt-len 900,1100
+       --new-tokens 64)
+step decode_large_fp32 100 "$PY" "${LARGE[@]}" --dtype float32
+step decode_large_bf16 90 "$PY" "${LARGE[@]}" --dtype bfloat16
+step decode_large_bf16_flex 120 "$PY" "${LARGE[@]}" --dtype bfloat16 --attention-backend flex
+if [ "${FULL_SUITE_S:-120}" -gt 0 ]; then
+    OMP_NUM_THREADS=2 step full_suite "${FULL_SUITE_S:-120}" "$PY" -m pytest -q -p no:cacheprovider -n 4 --timeout 150 tests
 fi

@@ -117,3 +117,27 @@ def test_disaggregated_on_cuda_matches_transformers_and_colocated_sampling(
         assert [o.token_ids for o in outs] == [expected[n] for n, _ in CASES]
         disagg_sampled = llm.generate(CASES[1][1], sampled)[0].token_ids
     assert disagg_sampled == cuda_llm.generate(CASES[1][1], sampled)[0].token_ids
+
+
+def test_flex_on_cuda_matches_transformers_with_cuda_graphs(tiny_llava: Path, expected: dict[str, list[int]]) -> None:
+    """FlexAttention compiled on the GPU, decode steps in CUDA graphs: transformers' greedy ids, alone and batched."""
+    from mm_serve.kernels.flex_paged_attention import FlexPagedAttention
+
+    llm = LLM(model=tiny_llava, mode="colocated", num_pages=256, page_size=16, device="cuda", attention_backend="flex")
+    backend = llm.engine.model.language_model.backend
+    assert type(backend) is FlexPagedAttention and backend.compiled
+    assert llm.engine.runner.graphs is not None
+    requests = [r for _, r in CASES]
+    for (name, request), out in zip(CASES, llm.generate(requests, _greedy()), strict=True):
+        assert out.token_ids == expected[name], name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_on_cuda_matches_transformers(tiny_llava: Path, dtype: str) -> None:
+    """bf16/fp16 weights, KV pages and features on the GPU: transformers' greedy ids in the same dtype, case by case."""
+    reference = load_reference(tiny_llava, multimodal=True).to("cuda", getattr(torch, dtype))
+    llm = LLM(model=tiny_llava, mode="colocated", num_pages=256, page_size=16, device="cuda", dtype=dtype)
+    assert llm.engine.kv_cache.data.dtype == getattr(torch, dtype)
+    for name, request in CASES:
+        want, _ = reference_generate(reference, llm.engine.inputs.process(request), NEW_TOKENS)
+        assert llm.generate(request, _greedy())[0].token_ids == want, name
