@@ -128,7 +128,7 @@ def test_flex_on_cuda_matches_transformers_with_cuda_graphs(tiny_llava: Path, ex
     assert type(backend) is FlexPagedAttention and backend.compiled
     assert llm.engine.runner.graphs is not None
     requests = [r for _, r in CASES]
-    for (name, request), out in zip(CASES, llm.generate(requests, _greedy()), strict=True):
+    for (name, _), out in zip(CASES, llm.generate(requests, _greedy()), strict=True):
         assert out.token_ids == expected[name], name
 
 
