@@ -47,5 +47,6 @@ def test_only_the_asked_parts_are_read(tiny_llava: Path) -> None:
 def test_only_the_decode_role_loads_without_the_tower(tiny_llava: Path, role: str, tower: bool) -> None:
     spec = WorkerSpec(role=role, index=0, model_dir=str(tiny_llava), sizing=EngineConfig(num_pages=16),
                       control_address="", output_address="")
-    _, model, _ = load_for_worker(spec)
+    _, sizing, model, _ = load_for_worker(spec)
+    assert sizing.dtype == "float32"  # auto: the checkpoint's
     assert (model.vision is not None) == tower and (model.projector is not None) == tower

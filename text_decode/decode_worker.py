@@ -40,8 +40,8 @@ class DecodeWorker(WorkerShell):
     accepts = messages.ToDecode
 
     def load(self) -> None:
-        spec, cfg = self.spec, self.spec.sizing
-        self.model_config, self.model, self.kv_cache = load_for_worker(spec)
+        spec = self.spec
+        self.model_config, cfg, self.model, self.kv_cache = load_for_worker(spec)
         self.runner = ModelRunner(self.model, self.kv_cache, cuda_graphs=cfg.use_cuda_graphs, max_running=cfg.max_running)
         open_ring = ring_opener(self.link, "consumer")
         self.rings = [open_ring(r) for r in spec.rings]

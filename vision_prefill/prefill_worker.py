@@ -40,8 +40,8 @@ class PrefillWorker(WorkerShell):
     accepts = messages.ToPrefill
 
     def load(self) -> None:
-        spec, cfg = self.spec, self.spec.sizing
-        self.model_config, self.model, self.kv_cache = load_for_worker(spec)
+        spec = self.spec
+        self.model_config, cfg, self.model, self.kv_cache = load_for_worker(spec)
         self.prefix, self.encoder_cache = make_caches(spec.model_dir, self.model_config, cfg, self.kv_cache)
         self.runner = ModelRunner(self.model, self.kv_cache, encoder_cache=self.encoder_cache)
         open_ring = ring_opener(self.link, "producer")

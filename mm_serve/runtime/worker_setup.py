@@ -52,12 +52,15 @@ def make_kv_cache(model_config: ModelConfig, cfg: EngineConfig) -> PagedKVCache:
     )
 
 
-def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, MultimodalLM, PagedKVCache]:
+def load_for_worker(spec: WorkerSpec) -> tuple[ModelConfig, EngineConfig, MultimodalLM, PagedKVCache]:
     """Load the checkpoint (a decode worker's without the vision tower and projector: it receives
-    image embeddings, never pixels) and allocate this worker's paged KV cache."""
+    image embeddings, never pixels) and allocate this worker's paged KV cache. Returns the
+    checkpoint's config, the sizing the worker runs with (``dtype: auto`` settled against the
+    checkpoint, as the front end settles it), the model and the cache."""
     model_config = load_model_config(spec.model_dir)
-    model = load_model_for(spec.model_dir, spec.sizing, vision=spec.role.prefills)
-    return model_config, model, make_kv_cache(model_config, spec.sizing)
+    sizing = spec.sizing.for_checkpoint(model_config.raw)
+    model = load_model_for(spec.model_dir, sizing, vision=spec.role.prefills)
+    return model_config, sizing, model, make_kv_cache(model_config, sizing)
 
 
 def prefix_key(model_dir: str, model_config: ModelConfig, cfg: EngineConfig) -> PrefixKey:
