@@ -23,6 +23,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                   help="weights, KV cache, ring pages and features (dtype; default auto: the checkpoint's own)")
+    p.add_argument("--attention-backend", choices=["auto", "flex", "torch"], default=None,
+                   help="attention over the KV pages (attention_backend; docs/attention.md)")
     p.add_argument("--prefill-workers", type=int, default=None, metavar="N")
     p.add_argument("--decode-workers", type=int, default=None, metavar="M")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -56,7 +60,8 @@ def register(subparsers: Any) -> None:
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     pairs = {
         "model": args.model, "served_model_name": args.served_model_name, "api.host": args.host,
-        "api.port": args.port, "mode": args.mode, "compute.prefill_workers": args.prefill_workers,
+        "api.port": args.port, "mode": args.mode, "dtype": args.dtype, "attention_backend": args.attention_backend,
+        "compute.prefill_workers": args.prefill_workers,
         "compute.decode_workers": args.decode_workers,
         "api.api_key": args.api_key[0] if args.api_key and len(args.api_key) == 1 else args.api_key,
         "api.cache_salt_by_api_key": args.cache_salt_by_api_key,
