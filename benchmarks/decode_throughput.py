@@ -64,7 +64,9 @@ def _hf(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> fl
 def _decode_rate(run, batch: int, new_tokens: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
     full = min(run(new_tokens) for _ in range(repeats))
     prefill = min(run(1) for _ in range(repeats))
-    return batch * (new_tokens - 1) / max(full - prefill, 1e-9)
+    if full <= prefill:  # the machine's noise exceeded the decode time: no reading (printed as nan)
+        return float("nan")
+    return batch * (new_tokens - 1) / (full - prefill)
 
 
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM peak of cards by name (vendor data sheets, SXM)
