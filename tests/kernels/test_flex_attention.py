@@ -247,3 +247,23 @@ def test_golden_cases_with_flex_match_transformers(tiny_llava: Path) -> None:
     assert llm.engine.prefix.hit_tokens > 0
     pool = llm.engine.kv_cache.pool
     assert pool.num_free == pool.num_pages
+
+
+def test_chunked_disaggregated_prefill_on_flex_matches_transformers(tiny_llava: Path) -> None:
+    """The prefill worker on FlexAttention prefills a ~330-token prompt with two images in chunks of 24
+    tokens (each chunk attends to the earlier ones through the cached pages, chunk ends inside pages
+    and inside images), hands it to a decode worker on FlexAttention: transformers' greedy tokens."""
+    from tests.factories import gradient_image
+    from tests.golden import load_reference, reference_generate
+    from tests.test_golden_parity import LONG, Q2
+
+    reference = load_reference(tiny_llava, multimodal=True)
+    request = {"prompt": LONG + " " + Q2, "images": [gradient_image(200, 90, 2), gradient_image(33, 120, 3)]}
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=96, attention_backend="flex",
+             prefill_chunk_tokens=24) as llm:
+        assert llm.client is not None
+        inputs = llm.client.inputs.process(request)
+        assert len(inputs.prompt_token_ids) > 300
+        expected, _ = reference_generate(reference, inputs, 16)
+        out = llm.generate(request, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+        assert out.token_ids == expected
