@@ -81,9 +81,14 @@ def _peak_gbps(device: str, given: float) -> float:
 
 
 def _hbm_fraction(llm: LLM, prompts: list[list[int]], new_tokens: int, rate: float, peak_gbps: float) -> float:
-    """Bytes a decode step must read (weights once, each row's KV at its mean context) over the step time
-    ``batch / rate`` seconds, as a fraction of ``peak_gbps``."""
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.model.language_model.parameters())
+    """Bytes a decode step must read (weights once, but of an untied embedding table only its ``batch``
+    rows; each row's KV at its mean context) over the step time ``batch / rate`` seconds, as a fraction
+    of ``peak_gbps``."""
+    model = llm.engine.model.language_model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.embed_tokens.weight
+    if all(p is not table for n, p in model.named_parameters(remove_duplicate=False) if n != "embed_tokens.weight"):
+        weights -= table.numel() * table.element_size() - len(prompts) * table[0].numel() * table.element_size()
     kv = sum(len(p) + new_tokens / 2 for p in prompts) * llm.engine.kv_cache.bytes_per_token
     step_s = len(prompts) / rate
     return (weights + kv) / step_s / (peak_gbps * 1e9)
@@ -113,9 +118,11 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     model_dir = llama_checkpoint(args.model)
-    low, high = (int(x) for x in args.prompt_len.split(","))
-    pages = max(2048, 64 * -(-(high + args.new_tokens) // 16) + 64)
-    llm = LLM(model=model_dir, mode="colocated", num_pages=pages, max_running=64, device=args.device,
+    bounds = [int(x) for x in args.prompt_len.split(",")]
+    low, high = bounds[0], bounds[-1]  # one number: every prompt that long
+    batches = [int(b) for b in args.batches.split(",")]
+    pages = max(2048, max(batches) * -(-(high + args.new_tokens) // 16) + 64)
+    llm = LLM(model=model_dir, mode="colocated", num_pages=pages, max_running=max(64, *batches), device=args.device,
               enforce_eager=args.enforce_eager, cpu_gemm=args.cpu_gemm, cpu_kernels=args.cpu_kernels,
               dtype=args.dtype, attention_backend=args.attention_backend)
     reference = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype)).eval().to(args.device)
@@ -130,7 +137,7 @@ def main() -> None:
     print(f"KV cache: {llm.engine.kv_cache.bytes_per_token} bytes/token, "
           f"{llm.engine.kv_cache.bytes_per_page} bytes/page (page_size {llm.engine.config.page_size})")
     print(f"{'batch':>5} | {'mm-serve tok/s':>14} | {'of limit':>8} | {'transformers tok/s':>18} | ratio")
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in batches:
         prompts = _prompts(batch, vocab, seed=batch, lengths=(low, high))
         _ours(llm, prompts, 2)  # warm-up
         ours = _decode_rate(lambda n, p=prompts: _ours(llm, p, n), batch, args.new_tokens, args.repeats)

@@ -105,15 +105,28 @@ def _with_declared_dtype(src: Path, dst: Path, dtype: str | None) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("declared,served", [("bfloat16", torch.bfloat16), ("float16", torch.float16), (None, torch.float32)])
-def test_dtype_auto_takes_the_checkpoints(tiny_llama: Path, tmp_path: Path, declared: str | None, served: torch.dtype) -> None:
+@pytest.mark.parametrize("declared", ["bfloat16", "float16", None])
+def test_dtype_auto_on_a_cpu_is_float32(tiny_llama: Path, tmp_path: Path, declared: str | None) -> None:
+    """auto takes the checkpoint's type on a GPU only: on a CPU the fast kernels are float32."""
     model_dir = _with_declared_dtype(tiny_llama, tmp_path / "ckpt", declared)
     llm = LLM(model=model_dir, mode="colocated", num_pages=64, dtype="auto")
     assert llm.engine is not None
-    assert llm.engine.config.dtype == str(served).removeprefix("torch.")
-    assert llm.engine.kv_cache.data.dtype == served
-    assert next(llm.engine.model.parameters()).dtype == served
+    assert llm.engine.config.dtype == "float32"
+    assert llm.engine.kv_cache.data.dtype == torch.float32
+    assert next(llm.engine.model.parameters()).dtype == torch.float32
     assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(4))[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("declared,served", [("bfloat16", "bfloat16"), ("float16", "float16"), (None, "float32")])
+def test_dtype_auto_on_a_gpu_takes_the_checkpoints(tiny_llama: Path, tmp_path: Path, declared: str | None,
+                                                   served: str) -> None:
+    from mm_serve.models.registry import load_model_config
+    from mm_serve.runtime.engine_config import EngineConfig
+
+    raw = load_model_config(_with_declared_dtype(tiny_llama, tmp_path / "ckpt", declared)).raw
+    assert EngineConfig(device="cuda:0").for_checkpoint(raw).dtype == served
+    assert EngineConfig(device="cpu").for_checkpoint(raw).dtype == "float32"
+    assert EngineConfig(device="cuda:0", dtype="float32").for_checkpoint(raw).dtype == "float32"
 
 
 def test_dtype_choice_is_validated() -> None:
@@ -121,8 +134,10 @@ def test_dtype_choice_is_validated() -> None:
     from mm_serve.ground.dtypes import resolve_dtype
 
     with pytest.raises(ValueError, match="dtype must be one of"):
-        resolve_dtype("float64", {})
-    assert resolve_dtype("auto", {"text_config": {"dtype": "bfloat16"}}) == "bfloat16"
-    assert resolve_dtype("float16", {"dtype": "bfloat16"}) == "float16"
+        resolve_dtype("float64", {}, on_gpu=False)
+    assert resolve_dtype("auto", {"text_config": {"dtype": "bfloat16"}}, on_gpu=True) == "bfloat16"
+    assert resolve_dtype("auto", {"torch_dtype": "torch.float16"}, on_gpu=True) == "float16"
+    assert resolve_dtype("auto", {"dtype": "bfloat16"}, on_gpu=False) == "float32"
+    assert resolve_dtype("float16", {"dtype": "bfloat16"}, on_gpu=False) == "float16"
     with pytest.raises(ConfigError, match="dtype"):
         load_config(overrides={"dtype": "int8"})

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     profile = {
         "format": "mm-serve-profile/1", "name": f"cpu-{args.threads}thread",
         "device": f"{os.cpu_count()} CPU cores, {args.threads} torch thread(s), torch {torch.__version__}",
-        "memory_bytes": 16 * 2**30, "model": str(Path(model_dir).resolve()), "dtype": "float32", **rows,
+        "memory_bytes": 16 * 2**30, "model": str(Path(model_dir).resolve()), "dtype": engine.config.dtype, **rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2))

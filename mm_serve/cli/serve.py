@@ -111,7 +111,8 @@ def _python() -> str:
         return str(exe)
 
 
-def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool) -> str:
+def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool, dtype: str = "float32",
+            attention: str = "auto") -> str:
     """What to print once every worker is ready: the URL and a first request to paste.
 
     A model that sees gets an image question about a scene drawn by the embedded model's
@@ -126,7 +127,7 @@ def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool) 
     else:
         draw, content = "", '"The capital of France is"'
     return (
-        f"mm-serve is ready at {url}  (model: {name})\n"
+        f"mm-serve is ready at {url}  (model: {name}, {dtype}, attention {attention})\n"
         f"Playground: {url}/playground   Dashboard: {url}/dashboard\n"
         f"Try it:\n{draw}"
         f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
@@ -155,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, _overrides(args))
         model_dir = resolve_model(cfg.model)
+        if cfg.attention_backend == "flex" and not (cfg.compute.prefill_gpus or cfg.compute.decode_gpus):
+            raise CLIError("attention_backend flex runs eager FlexAttention on a CPU: dense scores over every page "
+                           "of the cache (gigabytes and seconds a pass), for tests only; serve on a CPU with auto "
+                           "(docs/attention.md)")
         if cfg.api.allowed_local_media_path and not Path(cfg.api.allowed_local_media_path).is_dir():
             raise CLIError(f"--allowed-local-media-path {cfg.api.allowed_local_media_path} is not a directory")
         _check_http_stack(cfg.api.event_loop, cfg.api.http_parser)
@@ -184,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"mm-serve: error: workers failed to start:\n{holder.start_error}", file=sys.stderr, flush=True)
             server.should_exit = True
         else:
-            print(_banner(cfg.api.host, cfg.api.port, name, next(iter(cfg.api.api_keys), None), holder.model_config.vision is not None),
+            print(_banner(cfg.api.host, cfg.api.port, name, next(iter(cfg.api.api_keys), None), holder.model_config.vision is not None,
+                          holder.client.config.dtype, cfg.attention_backend),
                   flush=True)
 
     print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)

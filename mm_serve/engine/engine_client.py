@@ -60,8 +60,10 @@ class EngineClient:
         check_supported(config)
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
-        # dtype auto becomes the checkpoint's here, once, before any worker, ring or cache is sized
-        config = config.model_copy(update={"dtype": resolve_dtype(config.dtype, self.model_config.raw)})
+        # dtype auto is settled here, once, before any worker, ring or cache is sized (one type for every pair)
+        on_gpu = bool(config.compute.prefill_gpus or config.compute.decode_gpus)
+        dtype = resolve_dtype(config.dtype, self.model_config.raw, on_gpu)
+        config = config.model_copy(update={"dtype": dtype})
         self.config = config
         self.inputs = inputs or InputProcessor(self.model_dir, self.model_config)
         self.pool = WorkerPool(self.model_dir, config, self.model_config)

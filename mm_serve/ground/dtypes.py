@@ -25,7 +25,8 @@ DTYPE_BYTES: MappingProxyType[str, int] = MappingProxyType({"float32": 4, "bfloa
 
 
 DTypeChoice = Literal["auto", "float32", "bfloat16", "float16"]
-"""What a config may ask for: a :data:`DTypeName`, or ``auto`` (the checkpoint's own, :func:`resolve_dtype`)."""
+"""What a config may ask for: a :data:`DTypeName`, or ``auto`` (on a GPU the checkpoint's own, on a CPU
+float32: :func:`resolve_dtype`)."""
 
 DTYPE_CHOICES: tuple[DTypeChoice, ...] = get_args(DTypeChoice)
 
@@ -42,15 +43,19 @@ def checkpoint_dtype(raw: Mapping[str, Any]) -> DTypeName:
     return "float32"
 
 
-def resolve_dtype(choice: str, raw: Mapping[str, Any]) -> DTypeName:
-    """The element type to serve with: ``choice`` itself, or for ``auto`` the checkpoint's
-    (:func:`checkpoint_dtype` of its ``config.json`` ``raw``), as vLLM's ``--dtype auto`` does.
+def resolve_dtype(choice: str, raw: Mapping[str, Any], on_gpu: bool) -> DTypeName:
+    """The element type to serve with: ``choice`` itself, or for ``auto``:
+
+    * on a GPU (``on_gpu``: a worker of the pair runs on CUDA), the checkpoint's
+      (:func:`checkpoint_dtype` of its ``config.json`` ``raw``);
+    * on a CPU, float32: the compiled attention kernel and the packed linear layers are
+      float32, and a half type decodes slower there (docs/attention.md has the figures).
 
     Raises:
         ValueError: ``choice`` is not one of :data:`DTYPE_CHOICES`.
     """
     if choice == "auto":
-        return checkpoint_dtype(raw)
+        return checkpoint_dtype(raw) if on_gpu else "float32"
     if choice not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {choice!r}")
     return cast("DTypeName", choice)

@@ -168,7 +168,7 @@ def decode_block_mask(block_tables: torch.Tensor, context_lens: torch.Tensor, ge
     mask_mod = _page_mask(geometry, lambda b, q: b, lambda b, q: ends[b], pages_of)
     return flex.BlockMask.from_kv_blocks(
         partial[:, None, None], partial_indices, full[:, None, None], full_indices,
-        BLOCK_SIZE=(1, size), mask_mod=mask_mod, seq_lengths=(1, geometry.kv_len),
+        BLOCK_SIZE=(1, size), mask_mod=mask_mod, seq_lengths=(1, geometry.kv_len), compute_q_blocks=False,
     )
 
 
@@ -227,7 +227,7 @@ def prefill_block_mask(
     mask_mod = _page_mask(geometry, lambda b, q: owner_dev[q], lambda b, q: position[q], pages_of)
     return flex.BlockMask.from_kv_blocks(
         *indices(partial_rows), *indices(full_rows), BLOCK_SIZE=(q_block, size), mask_mod=mask_mod,
-        seq_lengths=(total, geometry.kv_len),
+        seq_lengths=(total, geometry.kv_len), compute_q_blocks=False,  # forward only: no query-side transpose
     )
 
 
@@ -237,21 +237,24 @@ class FlexPagedAttention(TorchRefAttention):
     place from the paged cache, one FlexAttention call per layer.
 
     ``compiled``: run ``torch.compile(flex_attention)`` (a fused kernel; on CUDA the reason to use
-    this backend) instead of eager FlexAttention (dense scores; exact, for CPU tests).
+    this backend) instead of eager FlexAttention (dense scores over every page of the cache: exact,
+    but memory and time grow with the whole cache, so for CPU tests only). ``dynamic``: compile for
+    dynamic shapes (the default: every prefill length and decode batch would otherwise compile a
+    kernel of its own, and past torch's recompile limit fall back to eager); the CPU tests compile
+    static shapes, as torch 2.14's CPU template miscompiles dynamic prefill shapes.
 
     Raises:
         RuntimeError: this PyTorch has no FlexAttention (checked at construction).
     """
 
-    def __init__(self, compiled: bool = False) -> None:
+    def __init__(self, compiled: bool = False, dynamic: bool = True) -> None:
         if not flex_available():
             raise RuntimeError("FlexAttention needs PyTorch >= 2.5 (torch.nn.attention.flex_attention)")
         flex = _flex_module().flex_attention
         self.compiled = compiled
         if not compiled:  # eager is chosen knowingly here (exact, for CPU tests): no warning per process
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
-        # one compiled kernel per shape (dynamic shapes miscompile the CPU template of torch 2.14's prefill)
-        self._attend = torch.compile(flex, dynamic=False) if compiled else flex
+        self._attend = torch.compile(flex, dynamic=dynamic) if compiled else flex
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):  # type: ignore[no-untyped-def]
         page_size = k_cache.shape[1]
@@ -285,6 +288,8 @@ class FlexPagedAttention(TorchRefAttention):
                 raise ValueError("decode attention needs block_tables and context_lens")
             return geometry, decode_block_mask(meta.block_tables, meta.context_lens, geometry)
         prefix_lens = meta.prefix_lens or [0] * len(meta.seq_lens)
+        if any(prefix_lens) and meta.block_tables is None:
+            raise ValueError("prefill over a cached prefix needs block_tables and prefix_lens")
         if meta.block_tables is not None:
             tables = [row[: -(-(p + n) // geometry.page_size)] for row, p, n in
                       zip(meta.block_tables.tolist(), prefix_lens, meta.seq_lens, strict=True)]

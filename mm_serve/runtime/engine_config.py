@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk_tokens: int = 2048  # prefill worker: longer prompts are prefilled in chunks of this many tokens; 0 = never
     decode_step_interval_s: float = 0.0  # decode worker: a decode step starts at least this long after the previous one began; 0 = at once
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
-    dtype: DTypeChoice = "auto"  # "auto": the checkpoint's (for_checkpoint resolves it before a model loads)
+    dtype: DTypeChoice = "auto"  # "auto": the checkpoint's on a GPU, float32 on a CPU (for_checkpoint, before a model loads)
     device: str = "cpu"
     seed: int = 0  # seeds generators of requests that bring no seed
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on a GPU
@@ -111,8 +111,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def for_checkpoint(self, raw: Mapping[str, Any]) -> EngineConfig:
         """This sizing with ``dtype: auto`` replaced by the element type the checkpoint's
-        ``config.json`` (``raw``) declares (:func:`~mm_serve.ground.dtypes.resolve_dtype`)."""
-        return self if self.dtype != "auto" else self.replace(dtype=resolve_dtype(self.dtype, raw))
+        ``config.json`` (``raw``) declares on a CUDA device, float32 on a CPU
+        (:func:`~mm_serve.ground.dtypes.resolve_dtype`)."""
+        if self.dtype != "auto":
+            return self
+        return self.replace(dtype=resolve_dtype(self.dtype, raw, on_gpu=self.device.startswith("cuda")))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -21,6 +21,17 @@ def test_dtype_and_attention_backend_flags_set_their_keys() -> None:
     assert load_config(None, _overrides(build_parser().parse_args(["serve"]))).dtype == "auto"
 
 
+def test_serving_flex_on_a_cpu_is_refused(tiny_llava: Path) -> None:
+    """Eager FlexAttention scores every page of the cache: the service refuses it on a CPU, before any worker starts."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava),
+                           "--attention-backend", "flex"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "attention_backend flex" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_served_in_bfloat16_equals_transformers_in_bfloat16(tiny_llava: Path, tmp_path: Path) -> None:
     from transformers import LlavaForConditionalGeneration
 

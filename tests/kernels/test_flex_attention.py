@@ -178,7 +178,7 @@ def test_compiled_flex_equals_reference() -> None:
     cannot see (a page shared by two sequences of one query block was once listed twice)."""
     rng = random.Random(3)
     cache = _cache(16, num_pages=32, layers=2)
-    backend = FlexPagedAttention(compiled=True)
+    backend = FlexPagedAttention(compiled=True, dynamic=False)
     contexts = [5, 16, 33, 70]
     tables = _tables(rng, contexts, 16, cache.num_pages, shared=1, sharers=[1, 2])
 
