@@ -141,3 +141,20 @@ def test_dtype_choice_is_validated() -> None:
     assert resolve_dtype("float16", {"dtype": "bfloat16"}, on_gpu=False) == "float16"
     with pytest.raises(ConfigError, match="dtype"):
         load_config(overrides={"dtype": "int8"})
+
+
+@pytest.mark.parametrize("declared", ["garbage", "torch.bfloat16", 16])
+def test_a_checkpoint_declaring_an_unknown_dtype_is_a_checkpoint_error(tiny_llama: Path, tmp_path: Path,
+                                                                      declared: object) -> None:
+    """transformers would fail on it later with a bare AttributeError; we name the file and the value."""
+    from mm_serve.models.model_config import CheckpointError
+    from mm_serve.models.registry import load_model_config
+
+    model_dir = _with_declared_dtype(tiny_llama, tmp_path / "ckpt", None)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["dtype"] = declared
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json: dtype .* is not a torch element type"):
+        load_model_config(model_dir)
+    with pytest.raises(CheckpointError, match="is not a torch element type"):
+        LLM(model=model_dir, mode="colocated", num_pages=16)

@@ -219,11 +219,32 @@ def family_of(raw: dict[str, Any]) -> ModelFamily:
     return family
 
 
+def _check_declared_dtype(raw: dict[str, Any], path: Path) -> None:
+    """Refuse a ``dtype`` / ``torch_dtype`` (top level or ``text_config``) that names no torch element type:
+    transformers would fail on it later with a bare AttributeError.
+
+    Raises:
+        CheckpointError: the value is not the name of a ``torch.dtype`` (``float16``, ``bfloat16``, ...) or ``auto``.
+    """
+    import torch
+
+    text = raw.get("text_config")
+    for section in (raw, text if isinstance(text, dict) else {}):
+        for key in ("dtype", "torch_dtype"):
+            value = section.get(key)
+            if value is None or value == "auto":
+                continue
+            if not isinstance(value, str) or not isinstance(getattr(torch, value, None), torch.dtype):
+                raise CheckpointError(f"{path}: {key} {value!r} is not a torch element type "
+                                      "(such as float32, bfloat16, float16)")
+
+
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read ``model_dir/config.json`` through its family (and ``generation_config.json`` for EOS ids).
 
     Raises:
-        CheckpointError: no config.json, invalid JSON, or an unsupported architecture.
+        CheckpointError: no config.json, invalid JSON, a declared dtype that is no torch type, or an
+            unsupported architecture.
     """
     path = Path(model_dir) / "config.json"
     if not path.is_file():
@@ -232,6 +253,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: invalid JSON: {exc}") from None
+    _check_declared_dtype(raw, path)
     try:
         family = family_of(raw)
         text, vision = family.parse(raw, Path(model_dir))
