@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mm_serve.ground.dtypes import DTypeChoice
+from mm_serve.ground.dtypes import DTypeChoice, DTypeName, resolve_dtype
 from mm_serve.ground.slo import SLO
 from mm_serve.ground.tiers import Tier, TierLabel
 from mm_serve.runtime.engine_config import DEFAULT_ENGINE as _E
@@ -55,6 +55,11 @@ class ComputeConfig(_Frozen):
         if any(v < 0 for v in value) or len(set(value)) != len(value):
             raise ValueError(f"must be distinct non-negative device/core ids, got {value}")
         return value
+
+    @property
+    def uses_gpus(self) -> bool:
+        """Whether any worker runs on a CUDA device (``prefill_gpus`` or ``decode_gpus`` given)."""
+        return bool(self.prefill_gpus or self.decode_gpus)
 
     @model_validator(mode="after")
     def _gpu_counts(self) -> ComputeConfig:
@@ -337,6 +342,12 @@ class ServiceConfig(_Frozen):
     admission: AdmissionConfig = AdmissionConfig()
     batch: BatchConfig = BatchConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    def serving_dtype(self, raw: dict[str, Any]) -> DTypeName:
+        """The element type every worker and ring of this service uses for the checkpoint whose
+        ``config.json`` is ``raw``: :attr:`dtype`, with ``auto`` settled by
+        :func:`~mm_serve.ground.dtypes.resolve_dtype` (the checkpoint's with GPU workers, else float32)."""
+        return resolve_dtype(self.dtype, raw, self.compute.uses_gpus)
 
     @model_validator(mode="after")
     def _placement_matches_workers(self) -> ServiceConfig:

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, _overrides(args))
         model_dir = resolve_model(cfg.model)
-        if cfg.attention_backend == "flex" and not (cfg.compute.prefill_gpus or cfg.compute.decode_gpus):
+        if cfg.attention_backend == "flex" and not cfg.compute.uses_gpus:
             raise CLIError("attention_backend flex runs eager FlexAttention on a CPU: dense scores over every page "
                            "of the cache (gigabytes and seconds a pass), for tests only; serve on a CPU with auto "
                            "(docs/attention.md)")

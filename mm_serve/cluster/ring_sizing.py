@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from mm_serve.cluster.worker_specs import engine_sizing
 from mm_serve.config import ServiceConfig
-from mm_serve.ground.dtypes import resolve_dtype
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.transport.ring_spec import RingSpec
@@ -41,7 +40,7 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
             specs.append(RingSpec(
                 name=f"mmsrv-{instance}-p{p}d{d}", num_pages=num_pages,
                 page_shape=(text.num_layers, 2, page_size, text.num_kv_heads, text.head_dim),
-                dtype=resolve_dtype(cfg.dtype, model.raw, bool(cfg.compute.prefill_gpus or cfg.compute.decode_gpus)), feature_rows=feature_rows, feature_dim=text.hidden_size, capacity=capacity,
+                dtype=cfg.serving_dtype(model.raw), feature_rows=feature_rows, feature_dim=text.hidden_size, capacity=capacity,
                 max_pages_per_handoff=max_pages, meta_bytes=meta_bytes,
             ))
     return specs

@@ -43,7 +43,7 @@ def check_supported(cfg: ServiceConfig) -> None:
                 f"compute.{role}_tensor_parallel / {role}_pipeline_parallel > 1 is not supported by the runtime "
                 "yet (the planner models it); run more instances with TP = PP = 1 instead"
             )
-    if (compute.prefill_gpus or compute.decode_gpus) and cfg.cluster.backend == "local":
+    if compute.uses_gpus and cfg.cluster.backend == "local":
         import torch  # with Ray, each worker's node has the GPU Ray gives it
 
         if not torch.cuda.is_available():

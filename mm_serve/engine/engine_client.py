@@ -28,7 +28,6 @@ from mm_serve.engine.load_view import LoadView
 from mm_serve.engine.receiver import Receiver
 from mm_serve.engine.request_state import RequestState
 from mm_serve.engine.router import Router
-from mm_serve.ground.dtypes import resolve_dtype
 from mm_serve.ground.roles import Role
 from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
@@ -61,9 +60,7 @@ class EngineClient:
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
         # dtype auto is settled here, once, before any worker, ring or cache is sized (one type for every pair)
-        on_gpu = bool(config.compute.prefill_gpus or config.compute.decode_gpus)
-        dtype = resolve_dtype(config.dtype, self.model_config.raw, on_gpu)
-        config = config.model_copy(update={"dtype": dtype})
+        config = config.model_copy(update={"dtype": config.serving_dtype(self.model_config.raw)})
         self.config = config
         self.inputs = inputs or InputProcessor(self.model_dir, self.model_config)
         self.pool = WorkerPool(self.model_dir, config, self.model_config)

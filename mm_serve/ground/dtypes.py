@@ -7,7 +7,7 @@ by :func:`torch_dtype`, so the ground floor stays light.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
@@ -31,15 +31,23 @@ float32: :func:`resolve_dtype`)."""
 DTYPE_CHOICES: tuple[DTypeChoice, ...] = get_args(DTypeChoice)
 
 
-def checkpoint_dtype(raw: Mapping[str, Any]) -> DTypeName:
-    """The element type a checkpoint's ``config.json`` (``raw``) declares: its ``dtype`` (transformers 5)
-    or ``torch_dtype`` (earlier), at the top level or, for a multimodal checkpoint, in ``text_config``;
-    ``float32`` when none is declared or the one declared is not a :data:`DTypeName`."""
-    for section in (raw, raw.get("text_config") or {}):
+def declared_dtypes(raw: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` of each element type a checkpoint's ``config.json`` (``raw``) declares, in the
+    order they count: ``dtype`` (transformers 5), then ``torch_dtype`` (earlier), at the top level,
+    then in a multimodal checkpoint's ``text_config``."""
+    text = raw.get("text_config")
+    for section in (raw, text if isinstance(text, Mapping) else {}):
         for key in ("dtype", "torch_dtype"):
-            value = section.get(key) if isinstance(section, Mapping) else None
-            if isinstance(value, str) and value.removeprefix("torch.") in DTYPE_BYTES:
-                return cast("DTypeName", value.removeprefix("torch."))
+            if section.get(key) is not None:
+                yield key, section[key]
+
+
+def checkpoint_dtype(raw: Mapping[str, Any]) -> DTypeName:
+    """The element type a checkpoint's ``config.json`` (``raw``) declares first (:func:`declared_dtypes`)
+    among the :data:`DTypeName` s; ``float32`` when it declares none of them."""
+    for _, value in declared_dtypes(raw):
+        if isinstance(value, str) and value.removeprefix("torch.") in DTYPE_BYTES:
+            return cast("DTypeName", value.removeprefix("torch."))
     return "float32"
 
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from mm_serve.kernels.attention_metadata import AttentionMetadata
-from mm_serve.kernels.paged_attention_ref import TorchRefAttention, scatter_kv
+from mm_serve.kernels.paged_attention_ref import TorchRefAttention
 
 PREFILL_Q_BLOCK = 128  # queries per block of a prefill block mask (FlexAttention's default block size)
 
@@ -198,11 +198,11 @@ def prefill_block_mask(
         first, last = int(owner[lo]), int(owner[hi - 1])
         partial: list[int] = []
         full: list[int] = []
+        alone = first == last  # only then can a page be full for every query of the block
         for s in range(first, last + 1):
             q_lo, q_hi = max(lo, starts[s]), min(hi, starts[s + 1])  # this sequence's queries in the block
             low_pos = prefix_lens[s] + q_lo - starts[s]
             high_pos = prefix_lens[s] + q_hi - 1 - starts[s]
-            alone = first == last
             for lp in range(high_pos // size + 1):
                 block = block_tables[s][lp] * per_page
                 (full if alone and (lp + 1) * size - 1 <= low_pos else partial).append(block)
@@ -257,10 +257,7 @@ class FlexPagedAttention(TorchRefAttention):
         self._attend = torch.compile(flex, dynamic=dynamic) if compiled else flex
 
     def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):  # type: ignore[no-untyped-def]
-        page_size = k_cache.shape[1]
-        if "slots" not in meta.plan:
-            meta.plan["slots"] = (meta.slot_mapping // page_size, meta.slot_mapping % page_size)
-        scatter_kv(key, value, k_cache, v_cache, *meta.plan["slots"])
+        self.write_pass_kv(key, value, k_cache, v_cache, meta)
         if "flex" not in meta.plan:  # the first layer of the pass builds the mask every layer reuses
             meta.plan["flex"] = self._plan(k_cache, meta)
         geometry, block_mask = meta.plan["flex"]

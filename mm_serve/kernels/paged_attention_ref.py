@@ -267,11 +267,19 @@ class TorchRefAttention(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping):  # type: ignore[no-untyped-def]
         write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):  # type: ignore[no-untyped-def]
-        page_size = k_cache.shape[1]
-        if "slots" not in meta.plan:  # the first layer of the pass derives what every layer reuses
+    @staticmethod
+    def write_pass_kv(  # type: ignore[no-untyped-def]
+        key, value, k_cache, v_cache, meta: AttentionMetadata,
+    ) -> None:
+        """Store this pass's ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping``; the page ids and
+        offsets are derived by the pass's first layer and kept in ``meta.plan`` for the others."""
+        if "slots" not in meta.plan:
+            page_size = k_cache.shape[1]
             meta.plan["slots"] = (meta.slot_mapping // page_size, meta.slot_mapping % page_size)
         scatter_kv(key, value, k_cache, v_cache, *meta.plan["slots"])
+
+    def forward(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale):  # type: ignore[no-untyped-def]
+        self.write_pass_kv(key, value, k_cache, v_cache, meta)
         if meta.has_prefix:
             return self.prefill_with_prefix(query, key, value, k_cache, v_cache, meta, scale)
         if meta.is_prefill:

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+from mm_serve.ground.dtypes import declared_dtypes
 from mm_serve.models.llava_next.anyres import anyres_cap
 from mm_serve.models.model_config import (
     TEXT_MODEL_TYPES,
@@ -228,15 +229,10 @@ def _check_declared_dtype(raw: dict[str, Any], path: Path) -> None:
     """
     import torch
 
-    text = raw.get("text_config")
-    for section in (raw, text if isinstance(text, dict) else {}):
-        for key in ("dtype", "torch_dtype"):
-            value = section.get(key)
-            if value is None or value == "auto":
-                continue
-            if not isinstance(value, str) or not isinstance(getattr(torch, value, None), torch.dtype):
-                raise CheckpointError(f"{path}: {key} {value!r} is not a torch element type "
-                                      "(such as float32, bfloat16, float16)")
+    for key, value in declared_dtypes(raw):
+        if value != "auto" and (not isinstance(value, str) or not isinstance(getattr(torch, value, None), torch.dtype)):
+            raise CheckpointError(f"{path}: {key} {value!r} is not a torch element type "
+                                  "(such as float32, bfloat16, float16)")
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
