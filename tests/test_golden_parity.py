@@ -85,6 +85,40 @@ def test_batch_mixing_all_cases_matches_transformers(llava_llm: LLM, llava_refer
     llava_llm.engine.kv_cache.pool.check_integrity()
 
 
+@pytest.mark.parametrize("num_pages", [256, 48], ids=["roomy", "preempting"])
+def test_mixed_steps_in_small_chunks_match_transformers(
+    tiny_llava: Path, llava_reference: torch.nn.Module, num_pages: int,
+) -> None:
+    """Every case twice, at once, through mixed steps of 40 tokens with at most 4 running: later
+    requests are prefilled in chunks (cut through prompts and images, over prefix-cache hits of
+    their twin) beside the decodes of earlier ones, and each gives transformers' tokens; with 48
+    pages, requests are also preempted and recomputed in chunks."""
+    llm = LLM(model=tiny_llava, mode="colocated", num_pages=num_pages, page_size=16, max_running=4,
+              mixed_step_tokens=40)
+    scheduler = llm.engine.scheduler
+    steps: list[tuple[int, int, int]] = []  # (prefill tokens, chunks short of the end, decodes) per step
+    schedule = scheduler.schedule
+
+    def recording_schedule():  # type: ignore[no-untyped-def]
+        plan = schedule()
+        tokens = sum((r.prefill_end or r.num_tokens) - r.num_cached_tokens for r in plan.prefill)
+        steps.append((tokens, sum(1 for r in plan.prefill if not r.prefill_done), len(plan.decode)))
+        return plan
+
+    scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    requests = [r for _, r in LLAVA_CASES]
+    expected = [reference_generate(llava_reference, llm.engine.inputs.process(r), NEW_TOKENS)[0] for r in requests]
+    outputs = llm.generate(requests + requests, _greedy())
+    assert [o.token_ids for o in outputs] == expected + expected
+    assert all(tokens + decodes <= 40 for tokens, _, decodes in steps)
+    assert sum(1 for tokens, _, decodes in steps if tokens and decodes) > 20  # prefill rode along with decodes
+    assert sum(chunks for _, chunks, _ in steps) > 10
+    assert (scheduler.num_preemptions > 0) == (num_pages == 48)
+    assert llm.engine.prefix.hit_tokens > 0 or num_pages == 48  # twins hit unless the small pool evicted them
+    assert llm.engine.kv_cache.pool.num_free == num_pages and scheduler.prefilling == []
+    llm.engine.kv_cache.pool.check_integrity()
+
+
 def test_image_tokens_counted_in_prompt(llava_llm: LLM) -> None:
     out = llava_llm.generate({"prompt": Q2, "images": [gradient_image(40, 40), gradient_image(50, 30)]}, _greedy())[0]
     text_only = llava_llm.engine.inputs.tokenizer(Q2).input_ids

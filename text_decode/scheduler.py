@@ -1,8 +1,17 @@
 """Continuous-batching scheduler over a paged KV cache (Orca, Yu et al. OSDI 2022; vLLM, Kwon et al. SOSP 2023).
 
-Each step is either a prefill step (new or preempted requests, FCFS, within a
-token budget and a batch-size cap) or a decode step (one token for every
-running request). Prefill is given priority, as in vLLM's default policy.
+Without mixed steps (``mixed_step_tokens`` 0), each step is either a prefill step (new or
+preempted requests, FCFS, whole prompts within a token budget and a batch-size cap) or a
+decode step (one token for every running request). Prefill is given priority, as in
+vLLM's default policy before chunked prefill.
+
+With mixed steps (Agrawal et al., Sarathi-Serve, OSDI 2024; vLLM's chunked-prefill
+scheduler), every step decodes one token of each running request whose prefill is done
+and fills the rest of a budget of ``mixed_step_tokens`` tokens with prefill chunks: first
+the next chunk of each request whose prefill is under way (in admission order), then new
+or preempted requests from the waiting queue (FCFS, within the batch-size cap), the last
+one cut to what is left of the budget. A burst of long prompts then costs each running
+request one budget-sized step per token, not a stall for the whole burst.
 When a decode step lacks pages, the most recently admitted running request of
 the lowest SLO tier (highest ``Request.priority``) is preempted by recompute:
 its pages are freed and it goes back to the waiting queue, ahead of every
@@ -30,7 +39,8 @@ from mm_serve.runtime.request import Request, RequestStatus
 
 @dataclass
 class SchedulerOutput:
-    """What the runner does this step: prefill ``prefill`` or decode ``decode`` (never both)."""
+    """What the runner does this step: prefill ``prefill`` (each up to its ``prefill_end``) and
+    decode ``decode`` (both only with mixed steps)."""
 
     prefill: list[Request] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
@@ -49,7 +59,7 @@ class ContinuousBatchingScheduler:
 
     def __init__(
         self, pool: PagePool, page_size: int, max_running: int, prefill_token_budget: int,
-        prefill_batch_size: int, prefix: PrefixCache | None = None,
+        prefill_batch_size: int, prefix: PrefixCache | None = None, mixed_step_tokens: int = 0,
     ) -> None:
         self.pool = pool
         self.prefix = prefix
@@ -57,6 +67,8 @@ class ContinuousBatchingScheduler:
         self.max_running = max_running
         self.prefill_token_budget = prefill_token_budget
         self.prefill_batch_size = prefill_batch_size
+        self.mixed_step_tokens = mixed_step_tokens  # tokens per mixed step; 0: prefill and decode steps apart
+        self.prefilling: list[Request] = []  # running requests whose prefill is under way (a chunk is left)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -64,11 +76,13 @@ class ContinuousBatchingScheduler:
 
     @classmethod
     def from_config(
-        cls, pool: PagePool, cfg: EngineConfig, prefix: PrefixCache | None = None,
+        cls, pool: PagePool, cfg: EngineConfig, prefix: PrefixCache | None = None, mixed: bool = False,
     ) -> ContinuousBatchingScheduler:
         """A scheduler over ``pool`` with ``cfg``'s page size, running cap and prefill budget
-        (and ``prefix``, a prefix cache over the same pool)."""
-        return cls(pool, cfg.page_size, cfg.max_running, cfg.prefill_token_budget, cfg.prefill_batch_size, prefix)
+        (and ``prefix``, a prefix cache over the same pool); with ``mixed``, ``cfg``'s
+        ``mixed_step_tokens`` (the colocated engine's)."""
+        return cls(pool, cfg.page_size, cfg.max_running, cfg.prefill_token_budget, cfg.prefill_batch_size, prefix,
+                   cfg.mixed_step_tokens if mixed else 0)
 
     @property
     def num_unfinished(self) -> int:
@@ -94,20 +108,62 @@ class ContinuousBatchingScheduler:
         return len(self.running) < self.max_running and self.pool.can_allocate(num_pages)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work; see the module docstring for the policy."""
+        """Pick this step's work and set each prefill request's ``prefill_end`` (0: to its last
+        token); see the module docstring for the policy."""
+        if self.mixed_step_tokens:
+            return self._schedule_mixed()
         prefill = self._admit_prefill()
         if prefill:
             return SchedulerOutput(prefill=prefill)
         preempted = self._reserve_decode_pages()
         return SchedulerOutput(decode=list(self.running), preempted=preempted)
 
-    def _admit_prefill(self) -> list[Request]:
+    def _schedule_mixed(self) -> SchedulerOutput:
+        preempted = self._reserve_decode_pages()
+        budget = self.mixed_step_tokens - sum(1 for r in self.running if r not in self.prefilling)
+        chunks: list[Request] = []
+        for request in self.prefilling:
+            if budget <= 0:
+                break
+            budget -= self._set_chunk(request, budget)
+            chunks.append(request)
+        admitted = self._admit_prefill(budget, len(chunks)) if budget > 0 else []
+        decode = [r for r in self.running if r not in self.prefilling and r not in admitted]
+        self.prefilling.extend(r for r in admitted if r.prefill_end)
+        chunks = [r for r in chunks if r in self.running]  # less any displaced by a higher tier
+        return SchedulerOutput(prefill=chunks + admitted, decode=decode, preempted=preempted)
+
+    @staticmethod
+    def _set_chunk(request: Request, budget: int) -> int:
+        """Set ``request.prefill_end`` for a pass of at most ``budget`` tokens from where its KV
+        ends (0 when the pass reaches its last token); returns the pass's tokens."""
+        left = request.num_tokens - request.num_cached_tokens
+        request.prefill_end = 0 if left <= budget else request.num_cached_tokens + budget
+        return min(left, budget)
+
+    def chunk_done(self, requests: list[Request]) -> None:
+        """Record a mixed step's prefill pass of ``requests``: the KV of each now ends at its
+        ``prefill_end``; one whose pass reached its last token decodes from the next step."""
+        for request in requests:
+            if request.prefill_end and request.prefill_end < request.num_tokens:
+                request.num_cached_tokens, request.prefill_end = request.prefill_end, 0
+            elif request in self.prefilling:
+                self.prefilling.remove(request)
+
+    def _admit_prefill(self, budget: int | None = None, batch_size: int = 0) -> list[Request]:
+        """Move waiting requests to the running set with pages for all their tokens, FCFS. With a
+        ``budget`` (mixed steps: tokens left in the step; ``batch_size`` requests already in its
+        prefill), admission stops when it is spent and the last one admitted runs a chunk;
+        without, whole prompts up to the prefill token budget (the first one always)."""
         batch: list[Request] = []
         tokens = 0
-        while self.waiting and len(self.running) < self.max_running and len(batch) < self.prefill_batch_size:
+        while (self.waiting and len(self.running) < self.max_running
+               and batch_size + len(batch) < self.prefill_batch_size):
             request = self.waiting[0]
             n = request.num_tokens
-            if batch and tokens + n > self.prefill_token_budget:
+            if budget is not None and tokens >= budget:
+                break
+            if budget is None and batch and tokens + n > self.prefill_token_budget:
                 break
             need = self.prefix.pages_needed(request) if self.prefix else pages_for(n, self.page_size)
             if not self.pool.can_allocate(need) and not self.displace(need, request.priority):
@@ -116,11 +172,12 @@ class ContinuousBatchingScheduler:
                 self.prefix.allocate(request)
             else:
                 request.block_table = self.pool.allocate(need)
+                request.num_cached_tokens = 0
             request.status = RequestStatus.RUNNING
             self.waiting.popleft()
             self.running.append(request)
             batch.append(request)
-            tokens += n
+            tokens += n if budget is None else self._set_chunk(request, budget - tokens)
         return batch
 
     def _reserve_decode_pages(self) -> list[Request]:
@@ -168,6 +225,7 @@ class ContinuousBatchingScheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._free(request)
+        request.prefill_end = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -194,8 +252,12 @@ class ContinuousBatchingScheduler:
     def _free(self, request: Request) -> None:
         """Return a running request's pages; with a prefix cache, its full pages with computed KV
         (every token but the last sampled one, once it has outputs) are registered first."""
+        computed = request.num_tokens - 1 if request.output_token_ids else 0
+        if request in self.prefilling:  # a chunked prefill under way: its KV ends where its chunks did
+            self.prefilling.remove(request)
+            computed = request.num_cached_tokens
         if self.prefix is None:
             self.pool.free(request.block_table)
-            request.block_table = []
-            return
-        self.prefix.release(request, request.num_tokens - 1 if request.output_token_ids else 0)
+        else:
+            self.prefix.release(request, computed)
+        request.block_table = []

@@ -22,6 +22,7 @@ def engine_sizing(cfg: ServiceConfig, device: str = "cpu") -> EngineConfig:
         page_size=cfg.kv_cache.page_size, num_pages=cfg.kv_cache.max_pages_per_gpu,
         max_running=cfg.scheduler.decode_max_concurrent, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_batch_size=cfg.scheduler.prefill_batch_size, prefill_chunk_tokens=cfg.scheduler.prefill_chunk_tokens,
+        mixed_step_tokens=cfg.scheduler.mixed_step_tokens,
         decode_step_interval_s=cfg.scheduler.decode_step_interval_ms / 1000.0,
         dtype=cfg.dtype, device=device, seed=cfg.seed,
         enforce_eager=cfg.enforce_eager, cpu_gemm=cfg.cpu_gemm,

@@ -66,7 +66,8 @@ class ColocatedWorker(WorkerShell):
         sched = self.engine.scheduler
         return {
             "running": len(sched.running), "waiting": len(sched.waiting), "ring_slots_used": 0,
-            "queued_tokens": sum(r.num_tokens for r in sched.waiting), "num_preemptions": sched.num_preemptions,
+            "queued_tokens": sum(r.num_tokens for r in sched.waiting)
+            + sum(r.num_tokens - r.num_cached_tokens for r in sched.prefilling), "num_preemptions": sched.num_preemptions,
             "num_encoded_images": self.engine.model.num_encoded_images,
             **cache_report(self.engine.prefix, self.engine.encoder_cache),
         }

@@ -48,7 +48,7 @@ class LLMEngine:
             self.model, self.kv_cache, cuda_graphs=self.config.use_cuda_graphs, max_running=self.config.max_running,
             encoder_cache=self.encoder_cache,
         )
-        self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, self.config, self.prefix)
+        self.scheduler = ContinuousBatchingScheduler.from_config(self.kv_cache.pool, self.config, self.prefix, mixed=True)
         self.sampler = Sampler()
         self.max_model_len = self.config.context_limit(self.model_config.text)
         self.eos_token_ids = self.inputs.eos_token_ids
@@ -101,18 +101,26 @@ class LLMEngine:
         return self.step_all()[1]
 
     def step_all(self) -> tuple[list[Request], list[Request]]:
-        """Run one scheduler step; returns (requests that got a token, requests that finished)."""
+        """Run one scheduler step; returns (requests that got a token, requests that finished).
+
+        With mixed steps a request whose pass was a chunk short of its last token gets no token
+        (its KV so far is committed to the prefix cache, and its next chunk runs next step).
+        """
         plan = self.scheduler.schedule()
         if plan.empty:
             return [], []
         if plan.prefill:
             self.runner.encode_images(plan.prefill)
-            batch, logits = plan.prefill, self.runner.prefill(plan.prefill)
-            for request in batch:
-                self.prefix.commit(request, request.num_tokens)  # KV in place: shareable from now on
-        else:
-            batch, logits = plan.decode, self.runner.decode(plan.decode)
-        tokens, logprobs = sample_requests(self.sampler, logits, batch, self.eos_token_ids, self.grammars)
+        logits = self.runner.mixed(plan.prefill, plan.decode)
+        for request in plan.prefill:  # KV in place: shareable from now on
+            self.prefix.commit(request, request.prefill_end or request.num_tokens)
+        rows = [i for i, r in enumerate(plan.prefill) if r.prefill_done]
+        batch = [plan.prefill[i] for i in rows] + plan.decode
+        rows += range(len(plan.prefill), len(plan.prefill) + len(plan.decode))
+        self.scheduler.chunk_done(plan.prefill)  # a chunk's request: its KV ends at its prefill_end now
+        if not batch:
+            return [], []
+        tokens, logprobs = sample_requests(self.sampler, logits[rows], batch, self.eos_token_ids, self.grammars)
         return batch, process_step(batch, tokens, logprobs, self.stops, self.scheduler.finish)
 
     def output_text(self, request: Request) -> str:

@@ -22,6 +22,12 @@ class AttentionMetadata:
     Decode (``is_prefill=False``): one new token per sequence (``T == B``); it
     attends to the first ``context_lens[i]`` tokens of the sequence in the
     paged cache, its own K/V included (written before attention runs).
+
+    Mixed (a prefill description with ``decode`` set): the pass's ``T`` rows are this
+    prefill's tokens, then one token per sequence of ``decode`` (a decode description).
+    The layers run their projections and MLP over all ``T`` rows at once and each part's
+    attention on its own rows (``LlamaAttention``): chunked prefill fused with decode
+    (Agrawal et al., Sarathi-Serve, OSDI 2024).
     """
 
     is_prefill: bool
@@ -32,6 +38,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor | None = None  # decode: [B] int64, tokens in cache incl. the new one
     graph_safe: bool = False  # decode: static shapes, no host reads (the pass is captured in a CUDA graph)
     plan: dict[str, Any] = field(default_factory=dict)  # what a backend derives once per pass, reused by every layer
+    decode: AttentionMetadata | None = None  # mixed pass: the decode rows that follow this prefill's rows
 
     @property
     def has_prefix(self) -> bool:
@@ -40,4 +47,5 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
+        """Rows of the pass this description covers (a mixed pass's prefill rows only)."""
         return int(self.slot_mapping.shape[0])

@@ -63,18 +63,34 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
         k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend,
     ) -> torch.Tensor:
-        tokens = x.shape[0]
+        """``[T, hidden]`` for ``x`` ``[T, hidden]``; in a mixed pass (``meta.decode`` set) the
+        projections run over all rows, each part's attention over its own rows."""
         qkv = self.qkv_proj(x)
+        if meta.decode is None:
+            out = self._attend(qkv, cos, sin, meta, k_cache, v_cache, backend)
+        else:
+            rows = meta.num_tokens  # the prefill rows come first
+            out = torch.cat([
+                self._attend(qkv[:rows], cos[:rows], sin[:rows], meta, k_cache, v_cache, backend),
+                self._attend(qkv[rows:], cos[rows:], sin[rows:], meta.decode, k_cache, v_cache, backend),
+            ])
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+
+    def _attend(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attention ``[n, num_heads, head_dim]`` of the rows ``qkv`` ``[n, q_size + 2 kv_size]`` that ``meta`` describes."""
+        tokens = qkv.shape[0]
         fused = backend.fused_decode(qkv, cos, sin, self.num_heads, k_cache, v_cache, meta, self.scale)
         if fused is not None:  # RoPE, K/V write and attention in one kernel
-            return self.o_proj(fused.reshape(tokens, self.num_heads * self.head_dim))
+            return fused
         qk_size = self.q_size + self.kv_size
         # RoPE on the query and key heads together (they are adjacent in the fused output)
         qk = apply_rotary(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
 
 
 class LlamaMLP(nn.Module):

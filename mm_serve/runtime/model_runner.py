@@ -107,6 +107,21 @@ class ModelRunner:
             Logits ``[B, vocab]`` (float32) at each request's last computed position (only those of
             requests whose pass reaches their last token mean anything to a sampler).
         """
+        return self.mixed(requests, [])
+
+    @torch.inference_mode()
+    def mixed(self, prefill: list[Request], decode: list[Request]) -> torch.Tensor:
+        """One pass over ``prefill``'s tokens (as :meth:`prefill`: chunks or whole prompts) and one
+        new token of each of ``decode`` (as :meth:`decode`): the linear layers see every row at once,
+        attention runs per part (chunked prefill fused with decode; Agrawal et al., Sarathi-Serve,
+        OSDI 2024). Either list may be empty; without prefill rows this is :meth:`decode`.
+
+        Returns:
+            Logits ``[len(prefill) + len(decode), vocab]`` (float32): each prefill request's at its
+            last computed position, then each decode request's.
+        """
+        if not prefill:
+            return self.decode(decode)
         ids: list[int] = []
         positions: list[torch.Tensor] = []  # [n] each, or [3, n] under M-RoPE
         slots: list[int] = []
@@ -114,7 +129,7 @@ class ModelRunner:
         prefix_lens: list[int] = []
         embeds: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
-        for request in requests:
+        for request in prefill:
             tokens = request.all_token_ids
             cached = request.num_cached_tokens
             n = min(request.prefill_end, len(tokens)) if request.prefill_end else len(tokens)
@@ -127,29 +142,52 @@ class ModelRunner:
             masks.append(mask)
             if rows is not None:
                 embeds.append(rows)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        image_embeds = torch.cat(embeds, dim=0) if embeds else None
-        image_mask = torch.cat(masks).to(self.device) if getattr(self.model, "image_token_index", None) is not None else None
         meta = AttentionMetadata(
             is_prefill=True, seq_lens=seq_lens,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
         )
         if any(prefix_lens):
-            width = max(len(r.block_table) for r in requests)
+            width = max(len(r.block_table) for r in prefill)
             meta.prefix_lens = prefix_lens
             meta.block_tables = torch.tensor(
-                [r.block_table + [0] * (width - len(r.block_table)) for r in requests], dtype=torch.long,
+                [r.block_table + [0] * (width - len(r.block_table)) for r in prefill], dtype=torch.long,
                 device=self.device,
             )
+        if decode:
+            meta.decode = self._decode_metadata(decode, ids, positions)
+            masks.append(torch.zeros(len(decode), dtype=torch.bool))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        image_embeds = torch.cat(embeds, dim=0) if embeds else None
+        image_mask = torch.cat(masks).to(self.device) if getattr(self.model, "image_token_index", None) is not None else None
         hidden = self.model.language_model(
             self.model.embed(input_ids, image_embeds, image_mask),
             torch.cat(positions, dim=-1).to(self.device), meta, self.kv_cache.layer_caches,
         )
         ends = torch.tensor(seq_lens, device=self.device).cumsum(0)
-        for i, request in enumerate(requests):
+        for i, request in enumerate(prefill):
             if request.wants_prompt_logprobs:
                 self._prompt_logprobs(request, hidden[int(ends[i]) - seq_lens[i]: int(ends[i])], prefix_lens[i])
-        return self.model.language_model.compute_logits(hidden[ends - 1])
+        last = torch.cat([ends - 1, torch.arange(len(decode), device=self.device) + int(ends[-1])])
+        return self.model.language_model.compute_logits(hidden[last])
+
+    def _decode_metadata(
+        self, requests: list[Request], ids: list[int], positions: list[torch.Tensor],
+    ) -> AttentionMetadata:
+        """The decode part of a mixed pass; appends its token ids to ``ids`` and its positions
+        (``[B]``, or ``[3, B]`` under M-RoPE, three equal rows) to ``positions``."""
+        if self.mrope:
+            for request in requests:
+                self.prepare_mrope(request)
+        step_ids, step_positions, slots, tables, context = decode_inputs(requests, self.page_size)
+        ids.extend(step_ids)
+        rope = torch.tensor(step_positions, dtype=torch.long)
+        positions.append(rope.expand(3, -1) if self.mrope else rope)
+        return AttentionMetadata(
+            is_prefill=False, seq_lens=[1] * len(requests),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
+            context_lens=torch.tensor(context, dtype=torch.long, device=self.device),
+        )
 
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, start: int) -> None:
         """Add to ``request.prompt_logprobs`` the entries of the prompt tokens this pass predicts: the

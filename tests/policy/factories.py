@@ -63,16 +63,17 @@ def create_requests(num_requests: int, num_tokens: int, max_tokens: int = 16) ->
 
 def make_scheduler(
     num_pages: int = 16, page_size: int = PAGE_SIZE, max_running: int = 8, prefill_token_budget: int = 64,
-    prefill_batch_size: int = 8, prefix_caching: bool = False,
+    prefill_batch_size: int = 8, prefix_caching: bool = False, mixed_step_tokens: int = 0,
 ) -> ContinuousBatchingScheduler:
     """A continuous-batching scheduler over a fresh ``PagePool(num_pages)`` (with a prefix cache
-    over it when ``prefix_caching``)."""
+    over it when ``prefix_caching``; mixed steps of ``mixed_step_tokens`` when not 0)."""
     pool = PagePool(num_pages)
     prefix = None
     if prefix_caching:
         prefix = make_prefix_cache(page_size=page_size)
         prefix.pool = pool
-    return ContinuousBatchingScheduler(pool, page_size, max_running, prefill_token_budget, prefill_batch_size, prefix)
+    return ContinuousBatchingScheduler(pool, page_size, max_running, prefill_token_budget, prefill_batch_size, prefix,
+                                       mixed_step_tokens)
 
 
 IMAGE_TOKEN = 99  # the image placeholder id of the prefix-cache factories' requests
