@@ -86,18 +86,11 @@ class SchedulerConfig(_Frozen):
     decode_max_concurrent: int = Field(_E.max_running, ge=1, le=4096, description="Max running requests per decode worker.")
     ring_buffer_size: int = Field(16, ge=2, le=1 << 16, description="Hand-off ring slots per (prefill, decode) pair; a power of two.")
     prefill_chunk_tokens: int = Field(_E.prefill_chunk_tokens, strict=True, ge=0, le=1 << 20, description="A prompt with more tokens than this is prefilled in chunks of this size, one per prefill step, so shorter requests behind it wait for one chunk, not the whole prompt (chunked prefill; prefill workers). 0 never splits.")
-    mixed_step_tokens: int = Field(_E.mixed_step_tokens, strict=True, ge=0, le=1 << 20, description="Colocated mode: each step decodes one token of every running request and fills the rest of this many tokens with prefill chunks (chunked prefill fused with decode, Sarathi-Serve), so a burst of long prompts delays running requests by one step of this size per token instead of stalling them; 0 runs whole-prompt prefill steps apart from decode steps. Must exceed decode_max_concurrent.")
+    mixed_step_tokens: int = Field(_E.mixed_step_tokens, strict=True, ge=0, le=1 << 20, description="Colocated mode: each step decodes one token of every running request and fills the rest of this many tokens with prefill chunks (chunked prefill fused with decode, Sarathi-Serve), so a burst of long prompts delays running requests by one step of this size per token instead of stalling them; A step whose decodes fill the budget still prefills one KV page's worth of tokens, so prompts never starve. 0 runs whole-prompt prefill steps apart from decode steps.")
     decode_step_interval_ms: float = Field(0.0, strict=True, ge=0.0, le=1000.0, description="Decode workers start a decode step at least this long after the previous one began (0 = at once): the worker sleeps out the rest, so a prefill worker sharing its core gets that time. Set it below the TPOT SLO (e.g. 50 ms for 70 ms) where a decode worker shares a core with a prefill worker and prompts are long (summarization); every running request then gets a token at most every max(interval, step) instead of as fast as the core allows. Must be below slo.tiers.interactive.tpot_ms.")
     prefill_routing: Literal["cache_aware", "least_queued"] = Field("cache_aware", description="How the router picks a prefill worker: 'cache_aware' prefers the worker holding the longest cached prefix of the request (SGLang's cache_aware policy) unless it is much busier; 'least_queued' takes the one with the fewest queued prompt tokens.")
     prefill_speed_routing: bool = Field(True, strict=True, description="Weigh each prefill worker's queued work by its measured speed (the admission predictor's per-worker factor), so the router picks the worker that would finish the request first; false: plain queued tokens.")
     cache_aware_balance_tokens: int = Field(2048, strict=True, ge=0, le=1 << 24, description="cache_aware routing: the worker with the longest cached prefix is passed over when its queued prompt tokens (plus the request's own, weighed by each worker's measured speed) exceed the least-queued worker's by more than this.")
-
-    @model_validator(mode="after")
-    def _mixed_budget_above_running(self) -> SchedulerConfig:
-        if self.mixed_step_tokens and self.mixed_step_tokens <= self.decode_max_concurrent:
-            raise ValueError(f"mixed_step_tokens ({self.mixed_step_tokens}) must be 0 or above decode_max_concurrent "
-                             f"({self.decode_max_concurrent}): every running request's decode token counts against it")
-        return self
 
     @field_validator("ring_buffer_size")
     @classmethod
@@ -309,6 +302,14 @@ class AdmissionConfig(_Frozen):
     decide_within_ms: int = Field(15, strict=True, ge=0, le=600_000, description="A call whose images are still being decoded (or prompts tokenized) this long after its arrival is admitted or refused then, on the early check (docs/admission.md); 0 = always decide after that work, however long it takes.")
 
 
+class PlacementConfig(_Frozen):
+    """How ``mm-serve serve`` picks the placement when the config pins none (docs/planner.md, "The placement at start")."""
+
+    auto: bool = Field(True, strict=True, description="(--no-auto-placement sets false) When none of mode, compute.prefill_workers, compute.decode_workers, compute.prefill_cpus, compute.decode_cpus, compute.prefill_gpus and compute.decode_gpus is given (in the file or as flags) and cluster.backend is local, `mm-serve serve` profiles this machine once (cached; the path is printed), asks the planner for the placement with the best goodput for placement.workload at the default tier's SLOs, and runs it: colocated on every core, or N prefill + M decode workers on their planned cores. It prints the choice and each candidate's predicted goodput, and /health reports them. false: the config's placement keys as they are (their defaults: 1 prefill + 1 decode worker).")
+    workload: str = Field("auto", min_length=1, description="The traffic the placement is planned for: a workload `mm-serve bench` knows (chatbot, code, summarization, llava, long-multimodal, caption, ...) or a JSONL workload file; auto = llava for a model with a vision tower, else chatbot.")
+    profile_dir: str | None = Field(None, description="Where machine profiles are cached; null = $MM_SERVE_PROFILE_DIR, else $MM_SERVE_CACHE_DIR/profiles, else $XDG_CACHE_HOME/mm-serve/profiles, else ~/.cache/mm-serve/profiles.")
+
+
 class ClusterConfig(_Frozen):
     """Where the workers run: local processes on this machine, or Ray actors on the nodes of a
     Ray cluster (docs/multi_node.md)."""
@@ -350,6 +351,7 @@ class ServiceConfig(_Frozen):
     admission: AdmissionConfig = AdmissionConfig()
     batch: BatchConfig = BatchConfig()
     cluster: ClusterConfig = ClusterConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     def serving_dtype(self, raw: dict[str, Any]) -> DTypeName:
         """The element type every worker and ring of this service uses for the checkpoint whose

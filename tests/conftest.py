@@ -13,8 +13,10 @@ import tempfile  # noqa: E402
 
 # torch's inductor (eager FlexAttention imports it, torch.compile writes there) makes a folder under
 # /tmp unless told where: a folder of this session's, removed at its end.
-_INDUCTOR_DIR = tempfile.mkdtemp(prefix="mm-serve-tests-inductor-")
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_DIR)
+_SESSION_DIR = tempfile.mkdtemp(prefix="mm-serve-tests-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _SESSION_DIR)
+# machine profiles of servers that pick their placement (mm_serve.planner.auto_placement): this session's too
+os.environ.setdefault("MM_SERVE_PROFILE_DIR", os.path.join(_SESSION_DIR, "profiles"))
 
 from pathlib import Path  # noqa: E402
 
@@ -49,7 +51,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    shutil.rmtree(_INDUCTOR_DIR, ignore_errors=True)
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -33,7 +33,7 @@ def test_docs_configuration_md_is_current() -> None:
 def test_every_key_is_in_the_reference_once_with_a_description() -> None:
     rows = [row for section in collect() for row in section.rows]
     assert sorted(row.key for row in rows) == sorted(_leaf_keys(ServiceConfig))
-    assert len(rows) == len(set(row.key for row in rows)) == 119
+    assert len(rows) == len(set(row.key for row in rows)) == 123
     assert [row.key for row in rows if not row.description] == []
 
 
@@ -60,7 +60,7 @@ def test_sections_follow_the_models() -> None:
     sections = collect()
     assert [s.prefix for s in sections] == [
         "", "compute", "scheduler", "kv_cache", "cache", "api", "fault", "slo", "slo.tiers",
-        "slo.tiers.interactive", "slo.tiers.standard", "slo.tiers.batch", "admission", "batch", "cluster"]
+        "slo.tiers.interactive", "slo.tiers.standard", "slo.tiers.batch", "admission", "batch", "cluster", "placement"]
     assert sections[1].text == "Worker counts and placement of the prefill and decode domains."
 
 

@@ -44,7 +44,7 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
-             "--served-model-name", "tiny", "--shutdown-grace-s", "60"],
+             "--served-model-name", "tiny", "--shutdown-grace-s", "60", "--no-auto-placement"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
             start_new_session=True,  # its own process group, as under systemd or a container runtime
         )
@@ -104,7 +104,7 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
-             "--served-model-name", "tiny", "--shutdown-grace-s", "60"],
+             "--served-model-name", "tiny", "--shutdown-grace-s", "60", "--no-auto-placement"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     answers: list[httpx.Response] = []
     try:

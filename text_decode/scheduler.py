@@ -10,7 +10,8 @@ scheduler), every step decodes one token of each running request whose prefill i
 and fills the rest of a budget of ``mixed_step_tokens`` tokens with prefill chunks: first
 the next chunk of each request whose prefill is under way (in admission order), then new
 or preempted requests from the waiting queue (FCFS, within the batch-size cap), the last
-one cut to what is left of the budget. A burst of long prompts then costs each running
+one cut to what is left of the budget. When the decodes alone fill the budget, the step still
+prefills one page's worth of tokens (``page_size``), so waiting prompts never starve. A burst of long prompts then costs each running
 request one budget-sized step per token, not a stall for the whole burst.
 When a decode step lacks pages, the most recently admitted running request of
 the lowest SLO tier (highest ``Request.priority``) is preempted by recompute:
@@ -120,7 +121,8 @@ class ContinuousBatchingScheduler:
 
     def _schedule_mixed(self) -> SchedulerOutput:
         preempted = self._reserve_decode_pages()
-        budget = self.mixed_step_tokens - sum(1 for r in self.running if r not in self.prefilling)
+        decodes = sum(1 for r in self.running if r not in self.prefilling)
+        budget = max(self.mixed_step_tokens - decodes, self.page_size)
         chunks: list[Request] = []
         for request in self.prefilling:
             if budget <= 0:

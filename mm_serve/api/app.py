@@ -227,7 +227,7 @@ def _service_routes(app: FastAPI, ctx: ServerContext, registry: CollectorRegistr
                                          "image_calls_waiting": ctx.image_budget.waiting,
                                          "attainment_feedback": ctx.admission.feedback_report()},
                               caches=cache_health(dict(ctx.holder.client.stats)),
-                              event_loop=_loop_name()).model_dump()
+                              event_loop=_loop_name(), placement=ctx.placement).model_dump()
         return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)")

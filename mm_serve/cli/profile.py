@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +39,9 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     """Measure and write the profile; prints each point as it goes."""
-    import torch
-
-    from mm_serve.colocated.llm_engine import LLMEngine
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.named_models import resolve_model
-    from mm_serve.planner.profiler import EngineProfiler
-    from mm_serve.runtime.engine_config import EngineConfig
+    from mm_serve.planner.profiler import measure_profile
 
     prefill_tokens = _ints(args.prefill_tokens, "--prefill-tokens")
     batches = _ints(args.decode_batches, "--decode-batches")
@@ -57,34 +52,21 @@ def run(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model)
     except CheckpointError as exc:
         raise CLIError(str(exc)) from None
-    torch.set_num_threads(args.threads)
-    need = max(max(prefill_tokens), max(batches) * (max(contexts) + 16))
-    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64))
-    if max(prefill_tokens) + 1 > engine.max_model_len or max(contexts) + 1 > engine.max_model_len:
-        raise CLIError(f"sizes exceed the model's context length ({engine.max_model_len} tokens)")
-    prof = EngineProfiler(engine, args.repeats)
-    rows: dict[str, list[dict[str, float]]] = {"prefill": [], "decode": [], "encode": []}
-    for tokens in prefill_tokens:
-        seconds = prof.prefill(tokens, 1)
-        rows["prefill"].append({"tokens": tokens, "batch": 1, "seconds": seconds})
-        print(f"prefill tokens={tokens:5d}              {seconds * 1000:9.2f} ms", flush=True)
-    for batch in batches:
-        for context in contexts:
-            seconds = prof.decode(batch, context)
-            rows["decode"].append({"batch": batch, "context": context, "seconds": seconds})
-            print(f"decode  batch={batch:3d} context={context:5d} {seconds * 1000:9.2f} ms", flush=True)
-    for images in (1, 4):
-        seconds_or_none = prof.encode(images)
-        if seconds_or_none is not None:
-            rows["encode"].append({"images": images, "seconds": seconds_or_none})
-            print(f"encode  images={images}                {seconds_or_none * 1000:9.2f} ms", flush=True)
+    limit = _context_limit(model_dir)
+    if max(prefill_tokens) + 1 > limit or max(contexts) + 1 > limit:
+        raise CLIError(f"sizes exceed the model's context length ({limit} tokens)")
+    profile = measure_profile(model_dir, args.threads, args.repeats, prefill_tokens, batches, contexts,
+                              log=lambda line: print(line, flush=True))
     out = Path(args.out)
-    profile = {
-        "format": "mm-serve-profile/1", "name": f"cpu-{args.threads}thread",
-        "device": f"{os.cpu_count()} CPU cores, {args.threads} torch thread(s), torch {torch.__version__}",
-        "memory_bytes": 16 * 2**30, "model": str(Path(model_dir).resolve()), "dtype": engine.config.dtype, **rows,
-    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def _context_limit(model_dir: Path) -> int:
+    """The context length of the checkpoint at ``model_dir`` in tokens (what the engine allows)."""
+    from mm_serve.models.registry import load_model_config
+    from mm_serve.runtime.engine_config import EngineConfig
+
+    return EngineConfig().context_limit(load_model_config(model_dir).text)

@@ -52,6 +52,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=None,
                    help="how tool calls are found in free output (api.tool_call_parser; default auto: by the "
                         "checkpoint's decoder)")
+    p.add_argument("--no-auto-placement", action="store_true",
+                   help="serve the config's placement as it is, not the planner's choice (placement.auto false)")
     p.add_argument("--no-admission", action="store_true",
                    help="no latency prediction at admission (admission.predict false); the hard bounds stay")
     p.set_defaults(func=run)
@@ -70,6 +72,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "batch.data_dir": args.batch_data_dir, "cluster.backend": args.cluster_backend,
         "cluster.address": args.ray_address, "api.tool_call_parser": args.tool_call_parser,
         "admission.predict": False if args.no_admission else None,
+        "placement.auto": False if getattr(args, "no_auto_placement", False) else None,
     }
     return {k: v for k, v in pairs.items() if v is not None}
 
@@ -137,6 +140,47 @@ def _banner(host: str, port: int, name: str, api_key: str | None, vision: bool, 
     )
 
 
+def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
+    """The config to serve and how its placement was chosen (for /health): the planner's choice
+    for this machine (mm_serve.planner.auto_placement) when the config pins no placement and
+    ``placement.auto`` is on, else the config's own. A planner that cannot plan leaves the
+    config's placement, with a warning that says why."""
+    from mm_serve.models.registry import load_model_config
+    from mm_serve.planner.auto_placement import (
+        apply_placement,
+        cached_profile,
+        choose_placement,
+        default_profile_dir,
+        pinned_keys,
+        usable_cores,
+    )
+    from mm_serve.planner.errors import PlannerError, ProfileError
+    from mm_serve.workloads import WorkloadError
+
+    pinned = pinned_keys(cfg)
+    own = {"source": "config", "mode": cfg.mode, "prefill_workers": cfg.compute.prefill_workers,
+           "decode_workers": cfg.compute.decode_workers}
+    if not cfg.placement.auto or pinned:
+        reason = "placement.auto is false" if not cfg.placement.auto else f"given: {', '.join(pinned)}"
+        return cfg, {**own, "reason": reason}
+
+    def log(line: str) -> None:
+        print(f"mm-serve: {line}", flush=True)
+
+    cores = usable_cores()
+    profile_dir = Path(cfg.placement.profile_dir) if cfg.placement.profile_dir else default_profile_dir()
+    try:
+        dtype = cfg.serving_dtype(load_model_config(model_dir).raw)
+        profile, measured = cached_profile(model_dir, dtype, len(cores), profile_dir, log)
+        choice = choose_placement(cfg, model_dir, profile, cores, measured)
+    except (PlannerError, ProfileError, WorkloadError) as exc:
+        print(f"mm-serve: warning: placement.auto: the planner cannot choose ({exc}); serving the config's "
+              f"placement ({cfg.mode})", file=sys.stderr, flush=True)
+        return cfg, {**own, "reason": f"planner: {exc}"}
+    log(choice.describe())
+    return apply_placement(cfg, choice), choice.as_dict()
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
     from mm_serve.runtime.heap_freeze import defer_collection, freeze_startup_heap
@@ -164,11 +208,12 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--allowed-local-media-path {cfg.api.allowed_local_media_path} is not a directory")
         _check_http_stack(cfg.api.event_loop, cfg.api.http_parser)
         _check_port_free(cfg.api.host, cfg.api.port)
+        cfg, placement = _placement(cfg, model_dir)
         holder = EngineHolder(model_dir, cfg)
     except (ConfigError, CheckpointError) as exc:
         raise CLIError(str(exc)) from None
     name = cfg.served_model_name or str(cfg.model)
-    ctx = ServerContext(holder=holder, config=cfg, served_model_name=name)
+    ctx = ServerContext(holder=holder, config=cfg, served_model_name=name, placement=placement)
     app = build_app(ctx)
     http: Any = cfg.api.http_parser if cfg.api.http_parser == "httptools" else guarded_h11(HTTPLimits(
         cfg.api.max_header_bytes, cfg.api.header_timeout_s, cfg.api.max_connections))

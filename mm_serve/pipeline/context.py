@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mm_serve.admission.byte_budget import ByteBudget
 from mm_serve.admission.controller import AdmissionController
@@ -38,6 +39,7 @@ class ServerContext:
     served_model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
     admission_gate: bool = True
+    placement: dict[str, Any] | None = None  # how the placement was chosen (mm-serve serve), for /health
     image_budget: ByteBudget = field(init=False)  # bytes of images being decoded at once
     admission: AdmissionController = field(init=False)  # the latency predictor and the admission rule
     dispatch_hold: DispatchHold = field(init=False)  # never-refused calls waiting for spare capacity

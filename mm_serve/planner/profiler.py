@@ -7,14 +7,18 @@ median of ``repeats`` runs. The output rows match ``mm_serve.planner.profile_fil
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from mm_serve.colocated.llm_engine import LLMEngine
+from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_params import SamplingParams
@@ -84,3 +88,46 @@ class EngineProfiler:
         size = model.config.vision.image_size if model.config.vision else 224
         pixels = torch.randn(images, 3, size, size)
         return _median_seconds(lambda: model.encode_images(pixels), self.repeats)
+
+
+def measure_profile(
+    model_dir: str | Path, threads: int = 1, repeats: int = 3, prefill_tokens: Sequence[int] = (32, 128, 512, 1024),
+    decode_batches: Sequence[int] = (1, 4, 16, 32), decode_contexts: Sequence[int] = (128, 512),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Time the engine of ``model_dir`` on ``threads`` torch threads and return a profile (the
+    ``mm-serve-profile/1`` format of :mod:`mm_serve.planner.profile_file`); ``log`` gets one line per
+    point. Sizes past the model's context are left out.
+
+    Raises:
+        ValueError: no prefill size or decode context fits the model's context.
+    """
+    torch.set_num_threads(threads)
+    need = max(max(prefill_tokens), max(decode_batches) * (max(decode_contexts) + 16))
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64))
+    limit = engine.max_model_len - 1
+    prefill_tokens = [t for t in prefill_tokens if t <= limit]
+    decode_contexts = [c for c in decode_contexts if c <= limit]
+    if not prefill_tokens or not decode_contexts:
+        raise ValueError(f"no profile size fits the model's context ({engine.max_model_len} tokens)")
+    prof = EngineProfiler(engine, repeats)
+    rows: dict[str, list[dict[str, float]]] = {"prefill": [], "decode": [], "encode": []}
+    for tokens in prefill_tokens:
+        seconds = prof.prefill(tokens, 1)
+        rows["prefill"].append({"tokens": tokens, "batch": 1, "seconds": seconds})
+        log(f"prefill tokens={tokens:5d}              {seconds * 1000:9.2f} ms")
+    for batch in decode_batches:
+        for context in decode_contexts:
+            seconds = prof.decode(batch, context)
+            rows["decode"].append({"batch": batch, "context": context, "seconds": seconds})
+            log(f"decode  batch={batch:3d} context={context:5d} {seconds * 1000:9.2f} ms")
+    for images in (1, 4):
+        encoded = prof.encode(images)
+        if encoded is not None:
+            rows["encode"].append({"images": images, "seconds": encoded})
+            log(f"encode  images={images}                {encoded * 1000:9.2f} ms")
+    return {
+        "format": "mm-serve-profile/1", "name": f"cpu-{threads}thread",
+        "device": f"{os.cpu_count()} CPU cores, {threads} torch thread(s), torch {torch.__version__}",
+        "memory_bytes": 16 * 2**30, "model": str(Path(model_dir).resolve()), "dtype": engine.config.dtype, **rows,
+    }

@@ -410,6 +410,7 @@ class HealthResponse(BaseModel):
     admission: dict[str, Any] | None = None  # the latency predictor's coefficients, observations and their age
     caches: dict[str, dict[str, float]] = {}  # prefill/colocated worker -> kv_cache_hit_rate, encoder cache figures
     event_loop: str = "asyncio"  # the API process's event loop: "uvloop" or "asyncio" (api.event_loop)
+    placement: dict[str, Any] | None = None  # how the placement was chosen: the planner's choice and predictions, or the config's
 
 
 class VersionResponse(BaseModel):

@@ -35,13 +35,15 @@ def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
 class ServerProcess:
     """``mm-serve serve`` on a free port; waits for /health 200."""
 
-    def __init__(self, model_dir: Path, *extra: str, log_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *extra: str, log_dir: Path, auto_placement: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"server-{self.port}.log"
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(model_dir),
                "--port", str(self.port), "--served-model-name", "tiny", *extra]
+        if not auto_placement:  # the placement the test was written for (the config's), not the planner's
+            cmd.append("--no-auto-placement")
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 

@@ -56,14 +56,14 @@ def test_decode_tokens_come_first_then_chunks_fill_the_budget() -> None:
 
 
 def test_a_long_prompt_runs_in_budget_sized_chunks_beside_every_decode() -> None:
-    """Budget 6 with four decoding requests: a 9-token prompt runs in chunks of 2, 2, 2, 2 and 1,
+    """Budget 9 with four decoding requests: a 22-token prompt runs in chunks of 5, 5, 5, 5 and 2,
     and every step decodes all four."""
-    scheduler = make_scheduler(num_pages=32, mixed_step_tokens=6)
+    scheduler = make_scheduler(num_pages=32, mixed_step_tokens=9)
     decoding = create_requests(4, 1)
     for r in decoding:
         scheduler.add(r)
-    run(scheduler, scheduler.schedule())  # budget 6 admits the four 1-token prompts whole
-    long = make_request("long", 9)
+    run(scheduler, scheduler.schedule())  # the four 1-token prompts are admitted whole
+    long = make_request("long", 22)
     scheduler.add(long)
     chunk_ends, cached = [], []
     for _ in range(5):
@@ -72,24 +72,29 @@ def test_a_long_prompt_runs_in_budget_sized_chunks_beside_every_decode() -> None
         chunk_ends.append(long.prefill_end)
         run(scheduler, out)
         cached.append(long.num_cached_tokens)
-    assert chunk_ends == [2, 4, 6, 8, 0] and cached == [2, 4, 6, 8, 8]
+    assert chunk_ends == [5, 10, 15, 20, 0] and cached == [5, 10, 15, 20, 20]
     assert long.output_token_ids == [7] and [len(r.output_token_ids) for r in decoding] == [6] * 4
     out = scheduler.schedule()
     assert ids(out.decode) == ["r0", "r1", "r2", "r3", "long"] and out.prefill == []
 
 
-def test_a_full_budget_of_decodes_admits_no_prefill() -> None:
-    """With as many decoding requests as the budget, waiting requests wait (no chunk of 0 tokens)."""
+def test_decodes_that_fill_the_budget_leave_one_page_of_prefill() -> None:
+    """Budget 3 with three decoding requests (page size 4): each step still prefills 4 tokens, so a
+    10-token prompt arrives in chunks of 4, 4 and 2 instead of waiting for the decodes to end."""
     scheduler = make_scheduler(num_pages=32, mixed_step_tokens=3)
     first = create_requests(3, 1)
     for r in first:
         scheduler.add(r)
     run(scheduler, scheduler.schedule())
-    late = make_request("late", 4)
+    late = make_request("late", 10)
     scheduler.add(late)
-    out = scheduler.schedule()
-    assert ids(out.decode) == ["r0", "r1", "r2"] and out.prefill == [] and late.block_table == []
-    assert ids(list(scheduler.waiting)) == ["late"]
+    chunk_ends = []
+    for _ in range(3):
+        out = scheduler.schedule()
+        assert ids(out.decode) == ["r0", "r1", "r2"] and ids(out.prefill) == ["late"]
+        chunk_ends.append(late.prefill_end)
+        run(scheduler, out)
+    assert chunk_ends == [4, 8, 0] and late.output_token_ids == [7]
 
 
 def test_the_batch_size_cap_counts_continuing_chunks() -> None:

@@ -1,0 +1,225 @@
+"""The placement ``mm-serve serve`` runs when the config pins none: the planner's choice for this machine.
+
+A DistServe-style system chooses its placement from the hardware and the SLOs (Zhong et al.,
+OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEMENT_KEYS` given
+(in the config file or as flags) and no GPU ids, ``mm-serve serve``:
+
+1. takes a profile of the served checkpoint on this machine (:func:`cached_profile`): read from
+   the profile cache, else measured once (one torch thread per pass, as each pinned worker runs;
+   tens of seconds) and written there, under a key of the checkpoint's ``config.json``, the dtype,
+   the CPU model, the usable cores and the torch version;
+2. runs the planner's search (:func:`mm_serve.planner.search.plan`) on it with one device per
+   usable core, the workload ``placement.workload`` and the SLO of the default tier
+   (:func:`choose_placement`);
+3. runs colocated on every core when the planner's colocated pool predicts at least the
+   disaggregated unit's goodput, else the disaggregated unit: N prefill and M decode workers,
+   each pinned to its planned cores (:func:`apply_placement`).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mm_serve.config import ServiceConfig, config_from_dict
+from mm_serve.ground.slo import SLO
+from mm_serve.planner.errors import PlannerError
+from mm_serve.planner.fit import get_hardware
+from mm_serve.planner.model_shape import load_model_shape
+from mm_serve.planner.plan_spec import PlanSpec
+from mm_serve.planner.search import PlanResult, plan
+from mm_serve.workloads import make_workload
+
+PLACEMENT_KEYS = ("mode", "compute.prefill_workers", "compute.decode_workers", "compute.prefill_cpus",
+                  "compute.decode_cpus", "compute.prefill_gpus", "compute.decode_gpus")
+PROFILE_SIZES = {"prefill_tokens": (32, 256, 1024), "decode_batches": (1, 8, 32), "decode_contexts": (128, 512)}
+
+
+@dataclass(frozen=True)
+class PlacementChoice:
+    """What the planner chose for this machine and why.
+
+    ``predicted``: each candidate's predicted goodput on the whole machine, requests/s (the
+    colocated pool, the disaggregated unit under its ``NpMd`` name).
+    """
+
+    mode: str  # "colocated" or "disaggregated"
+    prefill_workers: int
+    decode_workers: int
+    prefill_cpus: list[int]
+    decode_cpus: list[int]
+    predicted: dict[str, float]
+    workload: str
+    slo: SLO
+    cores: int
+    profile: str  # the profile file the planner fitted
+    profile_measured: bool  # measured at this start (False: read from the cache)
+    seconds: float  # the planner's search time
+    candidates: dict[str, str] = field(default_factory=dict)  # candidate name -> its cores, in words
+
+    @property
+    def name(self) -> str:
+        return "colocated" if self.mode == "colocated" else f"{self.prefill_workers}P+{self.decode_workers}D"
+
+    def describe(self) -> str:
+        """The log line: the choice, each candidate's predicted goodput, the inputs."""
+        figures = ", ".join(f"{name} {rate:.2f} req/s" for name, rate in self.predicted.items())
+        return (f"placement {self.name} chosen by the planner ({figures} predicted on {self.cores} cores for "
+                f"workload {self.workload}, TTFT {self.slo.ttft_s:g} s / TPOT {self.slo.tpot_s:g} s at "
+                f"{self.slo.attainment:.0%}; profile {self.profile})")
+
+    def as_dict(self) -> dict[str, Any]:
+        """For ``/health``."""
+        return {
+            "source": "planner", "chosen": self.name, "mode": self.mode, "prefill_workers": self.prefill_workers,
+            "decode_workers": self.decode_workers, "prefill_cpus": self.prefill_cpus, "decode_cpus": self.decode_cpus,
+            "predicted_goodput": self.predicted, "candidates": self.candidates, "workload": self.workload,
+            "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "attainment": self.slo.attainment},
+            "cores": self.cores, "profile": self.profile, "profile_measured": self.profile_measured,
+        }
+
+
+def pinned_keys(cfg: ServiceConfig) -> list[str]:
+    """The placement keys of :data:`PLACEMENT_KEYS` that ``cfg`` was given (file or flags), and
+    ``cluster.backend`` when it is ray (its nodes are placed by the config)."""
+    given = [key for key in PLACEMENT_KEYS
+             if (key.split(".")[-1] in (cfg.compute.model_fields_set if key.startswith("compute.") else cfg.model_fields_set))]
+    return given + (["cluster.backend"] if cfg.cluster.backend == "ray" else [])
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on, in order."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def default_profile_dir() -> Path:
+    """``$MM_SERVE_PROFILE_DIR``, else ``$MM_SERVE_CACHE_DIR/profiles``, else ``$XDG_CACHE_HOME/mm-serve/profiles``,
+    else ``~/.cache/mm-serve/profiles``."""
+    if os.environ.get("MM_SERVE_PROFILE_DIR"):
+        return Path(os.environ["MM_SERVE_PROFILE_DIR"])
+    if os.environ.get("MM_SERVE_CACHE_DIR"):
+        return Path(os.environ["MM_SERVE_CACHE_DIR"]) / "profiles"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mm-serve" / "profiles"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def profile_key(model_dir: Path, dtype: str, cores: int) -> str:
+    """The cache key of a profile: a digest of the checkpoint's ``config.json``, ``dtype``, the
+    CPU model, ``cores`` and the torch version (a change of any of them measures again)."""
+    import torch
+
+    parts = [(model_dir / "config.json").read_bytes(), dtype.encode(), _cpu_model().encode(), str(cores).encode(),
+             torch.__version__.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
+                   log: Callable[[str], None] = print) -> tuple[Path, bool]:
+    """The profile file of ``model_dir`` on this machine and whether it was measured now (False: cached).
+
+    Raises:
+        PlannerError: the profile cannot be measured or written (the message says why).
+    """
+    path = profile_dir / f"{model_dir.name}-{profile_key(model_dir, dtype, cores)}.json"
+    if path.is_file():
+        return path, False
+    import torch
+
+    from mm_serve.planner.profiler import measure_profile
+
+    log(f"profiling this machine for the placement (once; cached at {path}; delete it to measure again) ...")
+    threads = torch.get_num_threads()
+    try:
+        profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"),
+                                  **PROFILE_SIZES)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise PlannerError(f"cannot profile {model_dir}: {exc}") from None
+    finally:
+        torch.set_num_threads(threads)
+        gc.collect()  # the profiled engine's weights
+    profile["cache_key"] = path.stem
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(profile, indent=2))
+        tmp.replace(path)
+    except OSError as exc:
+        raise PlannerError(f"cannot write the profile {path}: {exc.strerror}") from None
+    return path, True
+
+
+def choose_placement(
+    cfg: ServiceConfig, model_dir: Path, profile: Path, cores: list[int], measured: bool = False,
+) -> PlacementChoice:
+    """Ask the planner which placement of ``model_dir`` serves ``cfg``'s default tier best on ``cores``.
+
+    Raises:
+        PlannerError, WorkloadError, ProfileError: the planner cannot plan this model, workload or profile.
+    """
+    shape = load_model_shape(str(model_dir))
+    workload_name = cfg.placement.workload
+    if workload_name == "auto":
+        workload_name = "llava" if shape.image_tokens else "chatbot"
+    tier_slo = cfg.slo.of(cfg.slo.default)
+    spec = PlanSpec(
+        shape=shape, hardware=get_hardware(str(profile)),
+        workload=make_workload(workload_name, shape.image_tokens, shape.max_context),
+        slo=SLO(tier_slo.ttft_s, tier_slo.tpot_s), attainment=tier_slo.attainment, nodes=1,
+        gpus_per_node=len(cores), seed=cfg.seed, prefill_token_budget=cfg.scheduler.prefill_token_budget,
+        prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
+    )
+    result = plan(spec)
+    return _choice(result, cores, workload_name, tier_slo, str(profile), measured)
+
+
+def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profile: str,
+            measured: bool) -> PlacementChoice:
+    """The choice from a plan: colocated when its pool predicts at least the disaggregated unit's goodput."""
+    prefill = [i for i in result.placement if i.role == "prefill"]
+    decode = [i for i in result.placement if i.role == "decode"]
+    disaggregated = f"{len(prefill)}P+{len(decode)}D"
+    colocated_rate = result.colocated_per_gpu_goodput * len(cores)
+    predicted = {"colocated": colocated_rate, disaggregated: result.cluster_goodput}
+    candidates = {"colocated": f"one worker on cores {cores}"}
+    if result.colocated is not None:
+        candidates["colocated"] += (f" (planned as {result.colocated_unit_instances} x TP{result.colocated.par.tp} "
+                                    f"PP{result.colocated.par.pp})")
+    prefill_cpus = [cores[g] for i in prefill for g in i.gpus]
+    decode_cpus = [cores[g] for i in decode for g in i.gpus]
+    candidates[disaggregated] = f"prefill on cores {prefill_cpus}, decode on cores {decode_cpus}"
+    common = {"predicted": predicted, "workload": workload, "slo": slo, "cores": len(cores), "profile": profile,
+              "profile_measured": measured, "seconds": result.seconds, "candidates": candidates}
+    if colocated_rate >= result.cluster_goodput:
+        return PlacementChoice("colocated", 1, 1, [], [], **common)  # type: ignore[arg-type]
+    return PlacementChoice("disaggregated", len(prefill), len(decode), prefill_cpus, decode_cpus,
+                           **common)  # type: ignore[arg-type]
+
+
+def apply_placement(cfg: ServiceConfig, choice: PlacementChoice) -> ServiceConfig:
+    """``cfg`` with the chosen mode, worker counts and cores (validated again).
+
+    Raises:
+        ConfigError: the result does not validate (e.g. more workers than the config allows).
+    """
+    tree = cfg.model_dump(mode="json")
+    tree["mode"] = choice.mode
+    tree["compute"].update(prefill_workers=choice.prefill_workers, decode_workers=choice.decode_workers,
+                           prefill_cpus=choice.prefill_cpus, decode_cpus=choice.decode_cpus)
+    return config_from_dict(tree)

@@ -1,0 +1,140 @@
+"""The placement `mm-serve serve` picks when the config pins none: the planner's choice on a 2-core profile,
+the keys that pin a placement, the profile cache, and a real server that reports its choice in /health."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mm_serve.config import config_from_dict, load_config
+from mm_serve.planner.auto_placement import (
+    apply_placement,
+    cached_profile,
+    choose_placement,
+    pinned_keys,
+    profile_key,
+)
+from mm_serve.planner.fit import get_hardware
+from tests.api.server_process import ServerProcess
+
+# The benchmark Llama (8 layers, hidden 512) as bench-llama's config.json has it.
+BENCH_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408,
+    "num_attention_heads": 8, "num_hidden_layers": 8, "num_key_value_heads": 4, "head_dim": 64,
+    "max_position_embeddings": 4096, "vocab_size": 2048, "tie_word_embeddings": False, "dtype": "float32",
+}
+# One torch thread on one core of a 2-core Xeon (mm-serve profile, 2026-12-05): seconds per pass.
+PREFILL = [(32, 0.0224), (256, 0.163), (1024, 0.651)]
+DECODE = [(1, 128, 0.00882), (1, 512, 0.0109), (8, 128, 0.0105), (8, 512, 0.0147), (32, 128, 0.0252),
+          (32, 512, 0.0551)]
+
+
+@pytest.fixture()
+def two_core_machine(tmp_path: Path) -> tuple[Path, Path]:
+    """A checkpoint folder with bench-llama's config.json, and a profile of it on one core."""
+    model = tmp_path / "bench-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(BENCH_LLAMA))
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "format": "mm-serve-profile/1", "name": "cpu-1thread", "device": "2 cores", "memory_bytes": 16 << 30,
+        "model": BENCH_LLAMA, "dtype": "float32",
+        "prefill": [{"tokens": t, "batch": 1, "seconds": s} for t, s in PREFILL],
+        "decode": [{"batch": b, "context": c, "seconds": s} for b, c, s in DECODE],
+    }))
+    return model, profile
+
+
+def _config(workload: str, ttft_ms: float, tpot_ms: float) -> Any:
+    tier = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "attainment": 0.9}
+    return config_from_dict({"placement": {"workload": workload},
+                             "slo": {"tiers": {"interactive": tier, "standard": tier}}})
+
+
+def test_chatbot_at_tpot_50_ms_on_two_cores_runs_colocated(two_core_machine: tuple[Path, Path]) -> None:
+    """Chatbot at TTFT 1 s / TPOT 50 ms: one worker on both cores is predicted ahead of 1 prefill + 1 decode
+    worker on a core each, so the service runs colocated."""
+    model, profile = two_core_machine
+    cfg = _config("chatbot", 1000, 50)
+    choice = choose_placement(cfg, model, profile, [0, 1])
+    assert set(choice.predicted) == {"colocated", "1P+1D"}
+    assert choice.predicted["colocated"] > choice.predicted["1P+1D"] > 0
+    assert (choice.mode, choice.name, choice.workload, choice.cores) == ("colocated", "colocated", "chatbot", 2)
+    served = apply_placement(cfg, choice)
+    assert served.mode == "colocated" and served.compute.prefill_cpus == served.compute.decode_cpus == []
+    line = choice.describe()
+    assert line.startswith("placement colocated chosen by the planner (colocated ") and "1P+1D" in line
+    health = choice.as_dict()
+    assert health["source"] == "planner" and health["chosen"] == "colocated"
+    assert health["predicted_goodput"] == choice.predicted and health["slo"]["tpot_s"] == 0.05
+
+
+def test_summarization_at_a_tight_tpot_runs_one_prefill_and_one_decode_worker(
+    two_core_machine: tuple[Path, Path],
+) -> None:
+    """Long prompts at TPOT 30 ms: a colocated prefill stalls every running request past the TPOT SLO, so
+    1 prefill + 1 decode worker is predicted ahead and runs, each on one of this process's cores."""
+    model, profile = two_core_machine
+    cfg = _config("summarization", 20_000, 30)
+    choice = choose_placement(cfg, model, profile, [4, 7])
+    assert choice.predicted["1P+1D"] > choice.predicted["colocated"]
+    assert (choice.mode, choice.prefill_workers, choice.decode_workers) == ("disaggregated", 1, 1)
+    assert (choice.prefill_cpus, choice.decode_cpus) == ([4], [7])
+    served = apply_placement(cfg, choice)
+    assert served.mode == "disaggregated" and (served.compute.prefill_cpus, served.compute.decode_cpus) == ([4], [7])
+    assert served.slo == cfg.slo and served.placement == cfg.placement  # the rest of the config is kept
+
+
+def test_placement_keys_in_the_file_or_flags_pin_the_placement(tmp_path: Path) -> None:
+    """Any placement key given (file or flag) pins it; the service defaults pin none; ray places by config."""
+    assert pinned_keys(load_config(None)) == []
+    assert pinned_keys(load_config(None, {"mode": "colocated"})) == ["mode"]
+    file = tmp_path / "c.yaml"
+    file.write_text("compute:\n  decode_cpus: [1]\n  prefill_cpus: [0]\nseed: 3\n")
+    assert pinned_keys(load_config(file)) == ["compute.prefill_cpus", "compute.decode_cpus"]
+    assert pinned_keys(load_config(None, {"cluster.backend": "ray"})) == ["cluster.backend"]
+    shipped = load_config(Path(__file__).parents[2] / "configs" / "default.yaml")
+    assert "mode" in pinned_keys(shipped)  # the file of defaults writes every key: serving with it pins 1P+1D
+
+
+def test_a_cached_profile_is_read_and_a_new_checkpoint_is_measured(tiny_llama: Path, tmp_path: Path) -> None:
+    """The first call measures the checkpoint and writes a profile that the planner fits; the second
+    reads it; another config.json (another key) measures again."""
+    lines: list[str] = []
+    path, measured = cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append)
+    assert measured and path.parent == tmp_path and path.stem.endswith(profile_key(tiny_llama, "float32", 2))
+    assert lines[0].startswith("profiling this machine for the placement") and str(path) in lines[0]
+    assert any("decode  batch= 32 context=  512" in line for line in lines)
+    rows = json.loads(path.read_text())
+    assert [r["tokens"] for r in rows["prefill"]] == [32, 256, 1024] and len(rows["decode"]) == 6
+    assert get_hardware(str(path)).name
+    again: list[str] = []
+    assert cached_profile(tiny_llama, "float32", 2, tmp_path, again.append) == (path, False) and again == []
+    assert profile_key(tiny_llama, "bfloat16", 2) != profile_key(tiny_llama, "float32", 2)
+    assert profile_key(tiny_llama, "float32", 4) != profile_key(tiny_llama, "float32", 2)
+
+
+def test_a_server_without_placement_keys_runs_and_reports_the_planners_choice(tiny_llama: Path, tmp_path: Path) -> None:
+    """`mm-serve serve` with no placement key profiles the machine, prints the choice with each candidate's
+    predicted goodput, runs it (the workers /health lists), answers, and reports the choice in /health."""
+    proc = ServerProcess(tiny_llama, log_dir=tmp_path, auto_placement=True)
+    try:
+        proc.wait_ready()
+        health = httpx.get(f"{proc.url}/health", timeout=10).json()
+        placement = health["placement"]
+        assert placement["source"] == "planner" and placement["workload"] == "chatbot"
+        assert set(placement["predicted_goodput"]) >= {"colocated"} and len(placement["predicted_goodput"]) == 2
+        expected = {"colocated0"} if placement["mode"] == "colocated" else {
+            *(f"prefill{i}" for i in range(placement["prefill_workers"])),
+            *(f"decode{i}" for i in range(placement["decode_workers"]))}
+        assert set(health["workers"]) == expected
+        assert f"placement {placement['chosen']} chosen by the planner" in proc.output()
+        r = httpx.post(f"{proc.url}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert proc.stop() == 0
