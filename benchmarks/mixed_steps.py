@@ -10,7 +10,7 @@ system, median [range] over ``--rounds`` rounds run alternately:
 - the burst's TTFT (p50 and max, s, from the moment it arrived);
 - the wall time until every request finished (s), and output tokens/s over it.
 
-Usage: ``python benchmarks/mixed_steps.py [--model bench|DIR] [--threads 2] [--budget 512] [--running 8]
+Usage: ``python benchmarks/mixed_steps.py [--model bench|DIR] [--threads 2] [--budget 256] [--running 8]
 [--burst 4] [--burst-len 1600] [--running-tokens 200] [--rounds 3]``
 """
 
@@ -80,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bench", help="bench (8 layers, hidden 512), tiny, or a Llama checkpoint dir")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--budget", type=int, default=512, help="mixed_step_tokens of the mixed system")
+    parser.add_argument("--budget", type=int, default=256, help="mixed_step_tokens of the mixed system")
     parser.add_argument("--running", type=int, default=8, help="requests decoding when the burst arrives")
     parser.add_argument("--running-tokens", type=int, default=200, help="output tokens of each running request")
     parser.add_argument("--burst", type=int, default=4, help="long prompts arriving at once")

@@ -173,7 +173,7 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
         dtype = cfg.serving_dtype(load_model_config(model_dir).raw)
         profile, measured = cached_profile(model_dir, dtype, len(cores), profile_dir, log)
         choice = choose_placement(cfg, model_dir, profile, cores, measured)
-    except (PlannerError, ProfileError, WorkloadError) as exc:
+    except (PlannerError, ProfileError, WorkloadError, ValueError) as exc:
         print(f"mm-serve: warning: placement.auto: the planner cannot choose ({exc}); serving the config's "
               f"placement ({cfg.mode})", file=sys.stderr, flush=True)
         return cfg, {**own, "reason": f"planner: {exc}"}

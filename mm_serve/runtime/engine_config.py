@@ -36,7 +36,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_token_budget: int = 4096  # tokens per prefill batch (scheduler.prefill_token_budget)
     prefill_batch_size: int = 8  # requests per prefill batch (scheduler.prefill_batch_size)
     prefill_chunk_tokens: int = 2048  # prefill worker: longer prompts are prefilled in chunks of this many tokens; 0 = never
-    mixed_step_tokens: int = 256  # colocated: tokens per step (a decode token per running request + prefill chunks); 0 = prefill and decode steps apart
+    mixed_step_tokens: int = 2048  # colocated: tokens per step (a decode token per running request + prefill chunks); 0 = prefill and decode steps apart
     decode_step_interval_s: float = 0.0  # decode worker: a decode step starts at least this long after the previous one began; 0 = at once
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
     dtype: DTypeChoice = "auto"  # "auto": the checkpoint's on a GPU, float32 on a CPU (for_checkpoint, before a model loads)
