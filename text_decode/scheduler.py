@@ -168,7 +168,12 @@ class ContinuousBatchingScheduler:
             if budget is None and batch and tokens + n > self.prefill_token_budget:
                 break
             need = self.prefix.pages_needed(request) if self.prefix else pages_for(n, self.page_size)
-            if not self.pool.can_allocate(need) and not self.displace(need, request.priority):
+            while not self.pool.can_allocate(need):
+                if not self.displace(need, request.priority):
+                    break
+                # a displaced request's pages that this one shares are free now and count as needed
+                need = self.prefix.pages_needed(request) if self.prefix else need
+            if not self.pool.can_allocate(need):
                 break
             if self.prefix is not None:
                 self.prefix.allocate(request)
@@ -197,6 +202,8 @@ class ContinuousBatchingScheduler:
                 index += 1
                 continue
             victim = self._victim()
+            if self.running.index(victim) < index:  # an earlier one (a lower tier admitted first): the
+                index -= 1  # requests after it move up one place, this one included
             self._preempt(victim)
             preempted.append(victim)
         return preempted

@@ -146,3 +146,41 @@ def test_abort_mid_prefill_frees_the_pages_and_forgets_the_chunk() -> None:
     scheduler.finish(long, RequestStatus.FINISHED_ABORTED)
     assert scheduler.prefilling == [] and scheduler.running == [] and long.block_table == []
     assert scheduler.pool.num_free == 8 and scheduler.schedule().empty
+
+
+def test_preempting_an_earlier_lower_tier_request_skips_no_one() -> None:
+    """A batch-tier request admitted first, an interactive one after: when the interactive one needs a
+    page, the earlier batch-tier request is preempted and the interactive one still gets its page
+    (it used to be skipped, and its decode step read past its block table)."""
+    for mixed in (0, 64):
+        scheduler = make_scheduler(num_pages=4, mixed_step_tokens=mixed)
+        low = make_request("low", 8, priority=2)
+        scheduler.add(low)
+        run(scheduler, scheduler.schedule())  # low: 9 tokens
+        high = make_request("high", 4, priority=0)
+        scheduler.add(high)
+        out = scheduler.schedule()
+        assert ids(out.prefill) == ["high"] and len(high.block_table) == 1
+        run(scheduler, out)  # high: 5 tokens, needs a second page; low (older, lower tier) holds the rest
+        out = scheduler.schedule()
+        assert ids(out.preempted) == ["low"] and ids(out.decode) == ["high"] and len(high.block_table) == 2
+        scheduler.pool.check_integrity()
+
+
+def test_displacement_recounts_pages_a_displaced_request_shared() -> None:
+    """An interactive prompt sharing its first pages with a running batch-tier request displaces it;
+    those pages are free-but-cached afterwards and the admission counts them again instead of
+    running the pool dry (it raised PagePoolExhaustedError)."""
+    scheduler = make_scheduler(num_pages=6, prefix_caching=True)
+    y = make_request("y", 12, priority=2, first_id=100, max_tokens=2)
+    x = make_request("x", 11, priority=2, max_tokens=2)
+    for request in (y, x):
+        scheduler.add(request)
+        run(scheduler, scheduler.schedule())
+    assert scheduler.pool.num_free == 0
+    h = make_request("h", 17, priority=0, max_tokens=2)  # its first 8 tokens are x's first 2 pages
+    scheduler.add(h)
+    out = scheduler.schedule()
+    assert ids(out.prefill) == ["h"] and h.num_cached_tokens == 8 and len(h.block_table) == 5
+    assert ids(scheduler.running) == ["h"] and [r.status for r in (x, y)] == [RequestStatus.PREEMPTED] * 2
+    scheduler.pool.check_integrity()
