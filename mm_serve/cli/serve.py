@@ -151,6 +151,7 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
         cached_profile,
         choose_placement,
         default_profile_dir,
+        one_core_choice,
         pinned_keys,
         usable_cores,
     )
@@ -168,14 +169,19 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
         print(f"mm-serve: {line}", flush=True)
 
     cores = usable_cores()
-    profile_dir = Path(cfg.placement.profile_dir) if cfg.placement.profile_dir else default_profile_dir()
+    if len(cores) < 2:  # nothing to split: one worker does both phases
+        log("placement colocated: one usable core (a prefill and a decode worker would share it)")
+        return apply_placement(cfg, one_core_choice(cores)), {"source": "rule", "chosen": "colocated",
+                                                              "mode": "colocated", "reason": "one usable core"}
+    profile_dir = Path(cfg.placement.profile_dir).expanduser() if cfg.placement.profile_dir else default_profile_dir()
     try:
         dtype = cfg.serving_dtype(load_model_config(model_dir).raw)
         profile, measured = cached_profile(model_dir, dtype, len(cores), profile_dir, log)
         choice = choose_placement(cfg, model_dir, profile, cores, measured)
     except (PlannerError, ProfileError, WorkloadError, ValueError) as exc:
         print(f"mm-serve: warning: placement.auto: the planner cannot choose ({exc}); serving the config's "
-              f"placement ({cfg.mode})", file=sys.stderr, flush=True)
+              f"placement ({cfg.mode}; pin one with --mode or turn this off with --no-auto-placement)",
+              file=sys.stderr, flush=True)
         return cfg, {**own, "reason": f"planner: {exc}"}
     log(choice.describe())
     return apply_placement(cfg, choice), choice.as_dict()

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import platform
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,10 +77,12 @@ class PlacementChoice:
                 f"{self.slo.attainment:.0%}; profile {self.profile})")
 
     def as_dict(self) -> dict[str, Any]:
-        """For ``/health``."""
+        """For ``/health`` (worker counts and cores only for a disaggregated choice)."""
+        workers = {} if self.mode == "colocated" else {
+            "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers,
+            "prefill_cpus": self.prefill_cpus, "decode_cpus": self.decode_cpus}
         return {
-            "source": "planner", "chosen": self.name, "mode": self.mode, "prefill_workers": self.prefill_workers,
-            "decode_workers": self.decode_workers, "prefill_cpus": self.prefill_cpus, "decode_cpus": self.decode_cpus,
+            "source": "planner", "chosen": self.name, "mode": self.mode, **workers,
             "predicted_goodput": self.predicted, "candidates": self.candidates, "workload": self.workload,
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "attainment": self.slo.attainment},
             "cores": self.cores, "profile": self.profile, "profile_measured": self.profile_measured,
@@ -132,36 +135,47 @@ def profile_key(model_dir: Path, dtype: str, cores: int) -> str:
 
 def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
                    log: Callable[[str], None] = print) -> tuple[Path, bool]:
-    """The profile file of ``model_dir`` on this machine and whether it was measured now (False: cached).
+    """The profile file of ``model_dir`` in ``dtype`` on this machine and whether it was measured now
+    (False: read from the cache). A cached file that is not JSON is measured again.
 
     Raises:
-        PlannerError: the profile cannot be measured or written (the message says why).
+        PlannerError: the profile folder cannot be written (checked before measuring), or the
+            checkpoint cannot be profiled (the message says why).
     """
     path = profile_dir / f"{model_dir.name}-{profile_key(model_dir, dtype, cores)}.json"
     if path.is_file():
-        return path, False
+        try:
+            json.loads(path.read_text())
+            return path, False
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            log(f"the cached profile {path} is unreadable: measuring again")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)  # one per process
+    except OSError as exc:
+        raise PlannerError(f"cannot write profiles to {path.parent}: {exc.strerror} (set placement.profile_dir "
+                           "or $MM_SERVE_PROFILE_DIR to a writable folder)") from None
     import torch
 
     from mm_serve.planner.profiler import measure_profile
+    from mm_serve.runtime.malloc_tuning import release_free_heap
 
     log(f"profiling this machine for the placement (once; cached at {path}; delete it to measure again) ...")
     threads = torch.get_num_threads()
     try:
-        profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"),
+        profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
                                   **PROFILE_SIZES)  # type: ignore[arg-type]
+        profile["cache_key"] = path.stem
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(profile, indent=2))
+        os.replace(tmp, path)
     except ValueError as exc:
         raise PlannerError(f"cannot profile {model_dir}: {exc}") from None
     finally:
         torch.set_num_threads(threads)
-        gc.collect()  # the profiled engine's weights
-    profile["cache_key"] = path.stem
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(profile, indent=2))
-        tmp.replace(path)
-    except OSError as exc:
-        raise PlannerError(f"cannot write the profile {path}: {exc.strerror}") from None
+        Path(tmp).unlink(missing_ok=True)
+        gc.collect()  # the profiled engine's weights and KV cache ...
+        release_free_heap()  # ... back to the system: this process (the API server) keeps running
     return path, True
 
 
@@ -223,3 +237,8 @@ def apply_placement(cfg: ServiceConfig, choice: PlacementChoice) -> ServiceConfi
     tree["compute"].update(prefill_workers=choice.prefill_workers, decode_workers=choice.decode_workers,
                            prefill_cpus=choice.prefill_cpus, decode_cpus=choice.decode_cpus)
     return config_from_dict(tree)
+
+
+def one_core_choice(cores: list[int]) -> PlacementChoice:
+    """Colocated without planning: on one core a prefill and a decode worker would only share it."""
+    return PlacementChoice("colocated", 1, 1, [], [], {}, "", SLO(1.0, 1.0), len(cores), "", False, 0.0)

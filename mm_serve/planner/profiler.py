@@ -93,18 +93,20 @@ class EngineProfiler:
 def measure_profile(
     model_dir: str | Path, threads: int = 1, repeats: int = 3, prefill_tokens: Sequence[int] = (32, 128, 512, 1024),
     decode_batches: Sequence[int] = (1, 4, 16, 32), decode_contexts: Sequence[int] = (128, 512),
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, dtype: str = "auto",
 ) -> dict[str, Any]:
-    """Time the engine of ``model_dir`` on ``threads`` torch threads and return a profile (the
-    ``mm-serve-profile/1`` format of :mod:`mm_serve.planner.profile_file`); ``log`` gets one line per
-    point. Sizes past the model's context are left out.
+    """Time the engine of ``model_dir`` in ``dtype`` on ``threads`` torch threads and return a profile
+    (the ``mm-serve-profile/1`` format of :mod:`mm_serve.planner.profile_file`); ``log`` gets one line
+    per point. Sizes past the model's context are left out, and so are encode points of a tower that
+    takes no square image batch (the dynamic-resolution families: the planner then prices encoding
+    with the prefill coefficients).
 
     Raises:
         ValueError: no prefill size or decode context fits the model's context.
     """
     torch.set_num_threads(threads)
     need = max(max(prefill_tokens), max(decode_batches) * (max(decode_contexts) + 16))
-    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64))
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64, dtype=dtype))  # type: ignore[arg-type]
     limit = engine.max_model_len - 1
     prefill_tokens = [t for t in prefill_tokens if t <= limit]
     decode_contexts = [c for c in decode_contexts if c <= limit]
@@ -122,7 +124,11 @@ def measure_profile(
             rows["decode"].append({"batch": batch, "context": context, "seconds": seconds})
             log(f"decode  batch={batch:3d} context={context:5d} {seconds * 1000:9.2f} ms")
     for images in (1, 4):
-        encoded = prof.encode(images)
+        try:
+            encoded = prof.encode(images)
+        except ValueError as exc:  # e.g. Qwen2-VL's tower takes patches and grids, not square images
+            log(f"encode  not timed: {exc}")
+            break
         if encoded is not None:
             rows["encode"].append({"images": images, "seconds": encoded})
             log(f"encode  images={images}                {encoded * 1000:9.2f} ms")

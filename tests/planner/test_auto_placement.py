@@ -138,3 +138,50 @@ def test_a_server_without_placement_keys_runs_and_reports_the_planners_choice(ti
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         assert proc.stop() == 0
+
+
+def test_an_unwritable_profile_folder_is_reported_before_measuring(tiny_llama: Path, tmp_path: Path) -> None:
+    """A profile folder under a file cannot be created: PlannerError at once, nothing measured."""
+    from mm_serve.planner.errors import PlannerError
+
+    (tmp_path / "afile").write_text("")
+    lines: list[str] = []
+    with pytest.raises(PlannerError, match="cannot write profiles to .*afile/sub"):
+        cached_profile(tiny_llama, "float32", 2, tmp_path / "afile" / "sub", lines.append)
+    assert lines == []
+
+
+def test_an_unreadable_cached_profile_is_measured_again(tiny_llama: Path, tmp_path: Path) -> None:
+    path, _ = cached_profile(tiny_llama, "float32", 2, tmp_path, lambda line: None)
+    path.write_text(path.read_text()[:40])  # truncated
+    lines: list[str] = []
+    assert cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append) == (path, True)
+    assert lines[0] == f"the cached profile {path} is unreadable: measuring again"
+    assert json.loads(path.read_text())["dtype"] == "float32"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file left
+
+
+def test_one_usable_core_runs_colocated_without_a_profile(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    import mm_serve.planner.auto_placement as auto
+    from mm_serve.cli.serve import _placement
+
+    monkeypatch.setattr(auto, "usable_cores", lambda: [3])
+    cfg, health = _placement(load_config(None, {"placement.profile_dir": str(tmp_path)}), tiny_llama)
+    assert cfg.mode == "colocated" and health == {"source": "rule", "chosen": "colocated", "mode": "colocated",
+                                                  "reason": "one usable core"}
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tower_of_patches_and_grids_is_profiled_without_encode_points(tmp_path: Path) -> None:
+    """Qwen2-VL's tower takes patches and grids, not a square image batch: the profile keeps its prefill
+    and decode points, says the tower was not timed, and fits (it was thrown away, every start)."""
+    from tests.factories import build_checkpoint
+
+    model = build_checkpoint("qwen2-vl", tmp_path / "qwen2-vl")
+    lines: list[str] = []
+    path, measured = cached_profile(model, "float32", 2, tmp_path / "profiles", lines.append)
+    rows = json.loads(path.read_text())
+    assert measured and rows["encode"] == [] and len(rows["prefill"]) >= 2 and len(rows["decode"]) == 6
+    assert any(line.startswith("  encode  not timed:") for line in lines)
+    assert get_hardware(str(path)).name
