@@ -151,7 +151,6 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
         cached_profile,
         choose_placement,
         default_profile_dir,
-        one_core_choice,
         pinned_keys,
         usable_cores,
     )
@@ -171,8 +170,8 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
     cores = usable_cores()
     if len(cores) < 2:  # nothing to split: one worker does both phases
         log("placement colocated: one usable core (a prefill and a decode worker would share it)")
-        return apply_placement(cfg, one_core_choice(cores)), {"source": "rule", "chosen": "colocated",
-                                                              "mode": "colocated", "reason": "one usable core"}
+        return apply_placement(cfg, "colocated"), {"source": "rule", "chosen": "colocated", "mode": "colocated",
+                                                   "reason": "one usable core"}
     profile_dir = Path(cfg.placement.profile_dir).expanduser() if cfg.placement.profile_dir else default_profile_dir()
     try:
         dtype = cfg.serving_dtype(load_model_config(model_dir).raw)
@@ -184,7 +183,7 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
               file=sys.stderr, flush=True)
         return cfg, {**own, "reason": f"planner: {exc}"}
     log(choice.describe())
-    return apply_placement(cfg, choice), choice.as_dict()
+    return apply_placement(cfg, **choice.keys), choice.as_dict()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,6 +66,12 @@ class PlacementChoice:
     candidates: dict[str, str] = field(default_factory=dict)  # candidate name -> its cores, in words
 
     @property
+    def keys(self) -> dict[str, Any]:
+        """The placement keys it sets (:func:`apply_placement`'s arguments)."""
+        return {"mode": self.mode, "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers,
+                "prefill_cpus": self.prefill_cpus, "decode_cpus": self.decode_cpus}
+
+    @property
     def name(self) -> str:
         return "colocated" if self.mode == "colocated" else f"{self.prefill_workers}P+{self.decode_workers}D"
 
@@ -78,11 +84,9 @@ class PlacementChoice:
 
     def as_dict(self) -> dict[str, Any]:
         """For ``/health`` (worker counts and cores only for a disaggregated choice)."""
-        workers = {} if self.mode == "colocated" else {
-            "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers,
-            "prefill_cpus": self.prefill_cpus, "decode_cpus": self.decode_cpus}
+        keys = {"mode": self.mode} if self.mode == "colocated" else self.keys
         return {
-            "source": "planner", "chosen": self.name, "mode": self.mode, **workers,
+            "source": "planner", "chosen": self.name, **keys,
             "predicted_goodput": self.predicted, "candidates": self.candidates, "workload": self.workload,
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "attainment": self.slo.attainment},
             "cores": self.cores, "profile": self.profile, "profile_measured": self.profile_measured,
@@ -152,6 +156,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".tmp", dir=path.parent)  # one per process
+        os.close(fd)
     except OSError as exc:
         raise PlannerError(f"cannot write profiles to {path.parent}: {exc.strerror} (set placement.profile_dir "
                            "or $MM_SERVE_PROFILE_DIR to a writable folder)") from None
@@ -166,8 +171,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
         profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
                                   **PROFILE_SIZES)  # type: ignore[arg-type]
         profile["cache_key"] = path.stem
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(profile, indent=2))
+        Path(tmp).write_text(json.dumps(profile, indent=2))
         os.replace(tmp, path)
     except ValueError as exc:
         raise PlannerError(f"cannot profile {model_dir}: {exc}") from None
@@ -226,19 +230,17 @@ def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profi
                            **common)  # type: ignore[arg-type]
 
 
-def apply_placement(cfg: ServiceConfig, choice: PlacementChoice) -> ServiceConfig:
-    """``cfg`` with the chosen mode, worker counts and cores (validated again).
+def apply_placement(
+    cfg: ServiceConfig, mode: str, prefill_workers: int = 1, decode_workers: int = 1,
+    prefill_cpus: list[int] | None = None, decode_cpus: list[int] | None = None,
+) -> ServiceConfig:
+    """``cfg`` with this mode, worker counts and cores (none given: unpinned), validated again.
 
     Raises:
         ConfigError: the result does not validate (e.g. more workers than the config allows).
     """
     tree = cfg.model_dump(mode="json")
-    tree["mode"] = choice.mode
-    tree["compute"].update(prefill_workers=choice.prefill_workers, decode_workers=choice.decode_workers,
-                           prefill_cpus=choice.prefill_cpus, decode_cpus=choice.decode_cpus)
+    tree["mode"] = mode
+    tree["compute"].update(prefill_workers=prefill_workers, decode_workers=decode_workers,
+                           prefill_cpus=prefill_cpus or [], decode_cpus=decode_cpus or [])
     return config_from_dict(tree)
-
-
-def one_core_choice(cores: list[int]) -> PlacementChoice:
-    """Colocated without planning: on one core a prefill and a decode worker would only share it."""
-    return PlacementChoice("colocated", 1, 1, [], [], {}, "", SLO(1.0, 1.0), len(cores), "", False, 0.0)

@@ -182,12 +182,9 @@ class ModelRunner:
         ids.extend(step_ids)
         rope = torch.tensor(step_positions, dtype=torch.long)
         positions.append(rope.expand(3, -1) if self.mrope else rope)
-        return AttentionMetadata(
-            is_prefill=False, seq_lens=[1] * len(requests),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=self.device),
-            context_lens=torch.tensor(context, dtype=torch.long, device=self.device),
-        )
+        slot_mapping, block_tables, context_lens = (
+            torch.tensor(x, dtype=torch.long, device=self.device) for x in (slots, tables, context))
+        return decode_metadata(slot_mapping, block_tables, context_lens)
 
     def _prompt_logprobs(self, request: Request, hidden: torch.Tensor, start: int) -> None:
         """Add to ``request.prompt_logprobs`` the entries of the prompt tokens this pass predicts: the
@@ -277,9 +274,17 @@ class ModelRunner:
         """The decode forward pass on tensors (:func:`decode_inputs`, on the device): logits
         ``[B, vocab]`` (float32). ``graph_safe`` selects static-shape attention (CUDA graphs)."""
         language_model = self.model.language_model
-        meta = AttentionMetadata(
-            is_prefill=False, seq_lens=[1] * int(input_ids.shape[0]), slot_mapping=slot_mapping,
-            block_tables=block_tables, context_lens=context_lens, graph_safe=graph_safe,
-        )
+        meta = decode_metadata(slot_mapping, block_tables, context_lens, graph_safe)
         hidden = language_model(language_model.embed(input_ids), positions, meta, self.kv_cache.layer_caches)
         return language_model.compute_logits(hidden)
+
+
+def decode_metadata(
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, graph_safe: bool = False,
+) -> AttentionMetadata:
+    """The metadata of one new token per sequence: ``slot_mapping`` and ``context_lens`` ``[B]``,
+    ``block_tables`` ``[B, pages]`` (int64, on the device; :func:`decode_inputs`)."""
+    return AttentionMetadata(
+        is_prefill=False, seq_lens=[1] * int(slot_mapping.shape[0]), slot_mapping=slot_mapping,
+        block_tables=block_tables, context_lens=context_lens, graph_safe=graph_safe,
+    )

@@ -64,7 +64,7 @@ def test_chatbot_at_tpot_50_ms_on_two_cores_runs_colocated(two_core_machine: tup
     assert set(choice.predicted) == {"colocated", "1P+1D"}
     assert choice.predicted["colocated"] > choice.predicted["1P+1D"] > 0
     assert (choice.mode, choice.name, choice.workload, choice.cores) == ("colocated", "colocated", "chatbot", 2)
-    served = apply_placement(cfg, choice)
+    served = apply_placement(cfg, **choice.keys)
     assert served.mode == "colocated" and served.compute.prefill_cpus == served.compute.decode_cpus == []
     line = choice.describe()
     assert line.startswith("placement colocated chosen by the planner (colocated ") and "1P+1D" in line
@@ -84,7 +84,7 @@ def test_summarization_at_a_tight_tpot_runs_one_prefill_and_one_decode_worker(
     assert choice.predicted["1P+1D"] > choice.predicted["colocated"]
     assert (choice.mode, choice.prefill_workers, choice.decode_workers) == ("disaggregated", 1, 1)
     assert (choice.prefill_cpus, choice.decode_cpus) == ([4], [7])
-    served = apply_placement(cfg, choice)
+    served = apply_placement(cfg, **choice.keys)
     assert served.mode == "disaggregated" and (served.compute.prefill_cpus, served.compute.decode_cpus) == ([4], [7])
     assert served.slo == cfg.slo and served.placement == cfg.placement  # the rest of the config is kept
 
