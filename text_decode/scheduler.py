@@ -127,7 +127,7 @@ class ContinuousBatchingScheduler:
         for request in self.prefilling:
             if budget <= 0:
                 break
-            budget -= self._set_chunk(request, budget)
+            budget -= request.set_prefill_chunk(budget)
             chunks.append(request)
         admitted = self._admit_prefill(budget, len(chunks)) if budget > 0 else []
         decode = [r for r in self.running if r not in self.prefilling and r not in admitted]
@@ -135,20 +135,12 @@ class ContinuousBatchingScheduler:
         chunks = [r for r in chunks if r in self.running]  # less any displaced by a higher tier
         return SchedulerOutput(prefill=chunks + admitted, decode=decode, preempted=preempted)
 
-    @staticmethod
-    def _set_chunk(request: Request, budget: int) -> int:
-        """Set ``request.prefill_end`` for a pass of at most ``budget`` tokens from where its KV
-        ends (0 when the pass reaches its last token); returns the pass's tokens."""
-        left = request.num_tokens - request.num_cached_tokens
-        request.prefill_end = 0 if left <= budget else request.num_cached_tokens + budget
-        return min(left, budget)
-
     def chunk_done(self, requests: list[Request]) -> None:
         """Record a mixed step's prefill pass of ``requests``: the KV of each now ends at its
         ``prefill_end``; one whose pass reached its last token decodes from the next step."""
         for request in requests:
-            if request.prefill_end and request.prefill_end < request.num_tokens:
-                request.num_cached_tokens, request.prefill_end = request.prefill_end, 0
+            if not request.prefill_done:
+                request.end_chunk()
             elif request in self.prefilling:
                 self.prefilling.remove(request)
 
@@ -184,7 +176,7 @@ class ContinuousBatchingScheduler:
             self.waiting.popleft()
             self.running.append(request)
             batch.append(request)
-            tokens += n if budget is None else self._set_chunk(request, budget - tokens)
+            tokens += n if budget is None else request.set_prefill_chunk(budget - tokens)
         return batch
 
     def _reserve_decode_pages(self) -> list[Request]:

@@ -83,9 +83,8 @@ class PrefillScheduler:
         """Set ``request.prefill_end`` for its next pass from where its KV ends now
         (``num_cached_tokens``: call again after a prefix-cache hit moved it); returns whether
         the pass is a chunk (0: it runs to the last token)."""
-        chunked = 0 < self.chunk_tokens < self.remaining(request)
-        request.prefill_end = request.num_cached_tokens + self.chunk_tokens if chunked else 0
-        return chunked
+        request.set_prefill_chunk(self.chunk_tokens)
+        return request.prefill_end != 0
 
     def ordered(self, now: float | None = None) -> list[Request]:
         """The queue in service order at ``now`` (``time.monotonic()`` seconds; see the module docstring)."""

@@ -163,7 +163,7 @@ class PrefillWorker(WorkerShell):
             if request not in finished:
                 self.sender.add(request)
         for request in reversed(partial):  # the next chunk starts where this one ended
-            request.num_cached_tokens, request.prefill_end = request.prefill_end, 0
+            request.end_chunk()
             self.scheduler.add_front(request)
         # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
         encoded = 0 if vision is None else vision.num_encoded_tiles - encoded_before

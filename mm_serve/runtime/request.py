@@ -141,6 +141,19 @@ class Request:
         """This prefill pass reaches the last token (no chunk of the prompt is left after it)."""
         return self.prefill_end == 0 or self.prefill_end >= self.num_tokens
 
+    def set_prefill_chunk(self, limit: int) -> int:
+        """Set ``prefill_end`` for the next prefill pass: at most ``limit`` tokens (0: no limit) from
+        where the KV ends (``num_cached_tokens``), ``prefill_end`` 0 when the pass reaches the last
+        token (chunked prefill, Sarathi-Serve). Returns the pass's tokens."""
+        left = self.num_tokens - self.num_cached_tokens
+        chunked = 0 < limit < left
+        self.prefill_end = self.num_cached_tokens + limit if chunked else 0
+        return limit if chunked else left
+
+    def end_chunk(self) -> None:
+        """After a pass that was a chunk: the KV now ends at its ``prefill_end``, and no pass is set."""
+        self.num_cached_tokens, self.prefill_end = self.prefill_end, 0
+
     @property
     def needs_encoding(self) -> bool:
         return self.pixel_values is not None and self.image_embeds is None
