@@ -24,6 +24,7 @@ from mm_serve.runtime.sampler import Sampler, sample_requests
 from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_setup import load_for_worker
 from mm_serve.runtime.worker_shell import WorkerShell
+from mm_serve.runtime.warm_up import warm_up
 from mm_serve.text_decode.handoff_receiver import HandoffReceiver
 from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
 from mm_serve.transport.doorbell import DoorbellListener
@@ -60,6 +61,9 @@ class DecodeWorker(WorkerShell):
             self.link.wake_with(spec.doorbell_address)  # a delivery over Ray rings it too
         self.wake_on = self.doorbell
         self.idle_wait_ms = self.idle_wait_ms if self.doorbell is not None else POLL_WAIT_MS
+
+    def warm_up(self) -> None:
+        warm_up(self.runner, self.stops.max_model_len, encode=False)
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from mm_serve.runtime.sampling_wire import from_wire
 from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_setup import cache_report, load_for_worker, make_caches
 from mm_serve.runtime.worker_shell import WorkerShell
+from mm_serve.runtime.warm_up import warm_up
 from mm_serve.transport.doorbell import DoorbellRingers
 from mm_serve.transport.registry import ring_opener
 from mm_serve.vision_prefill.handoff_sender import HandoffSender
@@ -55,6 +56,9 @@ class PrefillWorker(WorkerShell):
         self.grammars = GrammarBook(spec.model_dir)  # EOS: in each request's stop tokens
         # EOS is folded into each request's stop tokens by the front end (sampling_wire)
         self.stops = StopCriteria(frozenset(), cfg.context_limit(self.model_config.text))
+
+    def warm_up(self) -> None:
+        warm_up(self.runner, self.stops.max_model_len, decode=False)
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.post_step import token_update
 from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.runtime.warm_up import warm_up
 from mm_serve.runtime.worker_setup import cache_report
 from mm_serve.runtime.worker_shell import WorkerShell
 
@@ -29,6 +30,9 @@ class ColocatedWorker(WorkerShell):
     def load(self) -> None:
         self.engine = LLMEngine(self.spec.model_dir, self.spec.sizing)
         self.kv_cache = self.engine.kv_cache
+
+    def warm_up(self) -> None:
+        warm_up(self.engine.runner, self.engine.max_model_len)
 
     def accept(self, msg: messages.PrefillRequest) -> None:
         pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()

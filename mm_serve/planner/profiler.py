@@ -19,9 +19,8 @@ import torch
 
 from mm_serve.colocated.llm_engine import LLMEngine
 from mm_serve.runtime.engine_config import EngineConfig
-from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.runtime.request import Request
-from mm_serve.runtime.sampling_params import SamplingParams
+from mm_serve.runtime.warm_up import free_scratch, scratch_requests
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -44,18 +43,11 @@ class EngineProfiler:
         self.vocab = engine.model_config.text.vocab_size
 
     def _requests(self, batch: int, tokens: int) -> list[Request]:
-        pool = self.engine.kv_cache.pool
-        out = []
-        for i in range(batch):
-            ids = [self.rng.randrange(5, self.vocab) for _ in range(tokens)]
-            request = Request(f"profile-{i}", ids, SamplingParams(max_tokens=1))
-            request.block_table = pool.allocate(pages_for(tokens + 1, self.engine.config.page_size))
-            out.append(request)
-        return out
+        engine = self.engine
+        return scratch_requests(engine.kv_cache.pool, engine.config.page_size, self.vocab, batch, tokens, self.rng)
 
     def _free(self, requests: list[Request]) -> None:
-        for request in requests:
-            self.engine.kv_cache.pool.free(request.block_table)
+        free_scratch(self.engine.kv_cache.pool, requests)
 
     @torch.inference_mode()
     def prefill(self, tokens: int, batch: int) -> float:

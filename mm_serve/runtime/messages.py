@@ -120,8 +120,8 @@ class ReplaceRing(msgspec.Struct, tag=True):
 
 
 class WorkerReady(msgspec.Struct, tag=True):
-    """Sent once the worker has loaded its model, allocated its KV cache and frozen its start-up heap (no
-    warm-up pass runs: a fresh prefill worker's first image batch takes about twice as long as later ones)."""
+    """Sent once the worker has loaded its model, allocated its KV cache, run its warm-up pass
+    (:mod:`mm_serve.runtime.warm_up`) and frozen its start-up heap."""
 
     role: Role
     index: int

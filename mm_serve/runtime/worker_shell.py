@@ -1,7 +1,7 @@
 """The shell every worker process runs in: start-up, the control loop, stats, close.
 
 Start-up reads as a story: pin cores and set threads → :meth:`WorkerShell.load` (model,
-KV cache, schedulers: the role's own) → open the channel → :meth:`WorkerShell.serve`
+KV cache, schedulers: the role's own) → :meth:`WorkerShell.warm_up` → open the channel → :meth:`WorkerShell.serve`
 reports ready and loops → :meth:`WorkerShell.close`. Each loop iteration reads every
 pending control message (waiting up to :attr:`WorkerShell.idle_wait_ms` when the worker
 is idle, not at all when it is busy, up to the next step when it paces its steps:
@@ -55,6 +55,7 @@ class WorkerShell(ABC):
         self.link = link
         pin_and_set_threads(spec)
         self.load()
+        self.warm_up()
         self.channel = WorkerChannel(spec.control_address, spec.output_address, self.accepts, spec.parent_pid)
         if self.wake_on is not None:
             self.channel.listen_to(self.wake_on)
@@ -65,6 +66,11 @@ class WorkerShell(ABC):
     @abstractmethod
     def load(self) -> None:
         """Load the model, size the KV cache (set :attr:`kv_cache`), build the schedulers."""
+
+    def warm_up(self) -> None:
+        """Run the role's passes once on throw-away inputs before reporting ready
+        (:func:`mm_serve.runtime.warm_up.warm_up`; default: nothing)."""
+        return None
 
     def accept(self, msg: messages.PrefillRequest) -> None:
         """Queue a new request (roles whose :attr:`accepts` includes ``PrefillRequest``)."""
