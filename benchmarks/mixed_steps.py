@@ -4,7 +4,10 @@
 arrive at once. Each system then steps its engine until every request is done. Reported per
 system, median [range] over ``--rounds`` rounds run alternately:
 
-- the decoding requests' inter-token gaps from the burst's arrival on (p50, p99, max, ms): a
+- the decoding requests' TPOT over the burst (each one's time from the burst's arrival to its last
+  token over the tokens it made in that time: DistServe's per-request TPOT, restricted to the part of
+  its life the burst can slow; the largest of them, ms);
+- their inter-token gaps from the burst's arrival on (p50, p99, max, ms): a
   whole-prompt prefill step stalls every running request for the burst's prefill time, a mixed
   step (``mixed_step_tokens``) for one budget-sized step;
 - the burst's TTFT (p50 and max, s, from the moment it arrived);
@@ -54,6 +57,7 @@ def _run(llm: LLM, args: argparse.Namespace, seed: int) -> dict[str, float]:
     burst = {add("burst", args.burst_len, 16): 0.0 for _ in range(args.burst)}
     last = dict.fromkeys(running, start)
     gaps: list[float] = []
+    per_request: dict[str, list[float]] = {r: [] for r in running}
     tokens = 0
     while engine.has_unfinished():
         updated, finished = engine.step_all()
@@ -62,6 +66,7 @@ def _run(llm: LLM, args: argparse.Namespace, seed: int) -> dict[str, float]:
             tokens += 1
             if request.request_id in last:
                 gaps.append(now - last[request.request_id])
+                per_request[request.request_id].append(now - last[request.request_id])
                 last[request.request_id] = now
             elif request.request_id in burst and not burst[request.request_id]:
                 burst[request.request_id] = now - start
@@ -69,7 +74,9 @@ def _run(llm: LLM, args: argparse.Namespace, seed: int) -> dict[str, float]:
             engine.release(request.request_id)
     wall = time.perf_counter() - start
     ttfts = list(burst.values())
+    tpots = [statistics.fmean(g) for g in per_request.values() if g]
     return {
+        "TPOT max ms": 1e3 * max(tpots),
         "gap p50 ms": 1e3 * statistics.median(gaps), "gap p99 ms": 1e3 * _percentile(gaps, 0.99),
         "gap max ms": 1e3 * max(gaps), "burst TTFT p50 s": statistics.median(ttfts), "burst TTFT max s": max(ttfts),
         "drain s": wall, "tokens/s": tokens / wall,

@@ -184,12 +184,13 @@ def run(args: argparse.Namespace, rates: list[float], profile: Path) -> None:
                    "--num-requests", str(args.num_requests), "--duration", str(args.num_requests / rate),
                    "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--no-early-stop",
                    "--out", str(run_dir)]
-            if args.config:
-                cmd += ["--config", str(args.config)]
+            # the 1P+1D the planner simulates: configs/default.yaml pins it (without a config the planner would choose)
+            cmd += ["--config", str(args.config or Path(__file__).resolve().parents[1] / "configs" / "default.yaml")]
             _run(cmd)
-        records = run_dir / "records-disaggregated.jsonl"
-        if not records.is_file():
-            sys.exit(f"error: no {records}")
+        found = sorted(run_dir.glob("records-*.jsonl"))
+        if len(found) != 1:
+            sys.exit(f"error: expected one records-*.jsonl in {run_dir}, found {[f.name for f in found]}")
+        records = found[0]
         rows = _records(records, rate)
         if not rows:
             sys.exit(f"error: no requests at rate {rate:g} in {records}")

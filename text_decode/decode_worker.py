@@ -22,9 +22,9 @@ from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, sample_requests
 from mm_serve.runtime.structured_output import GrammarBook
+from mm_serve.runtime.warm_up import warm_up
 from mm_serve.runtime.worker_setup import load_for_worker
 from mm_serve.runtime.worker_shell import WorkerShell
-from mm_serve.runtime.warm_up import warm_up
 from mm_serve.text_decode.handoff_receiver import HandoffReceiver
 from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
 from mm_serve.transport.doorbell import DoorbellListener

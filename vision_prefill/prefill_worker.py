@@ -23,9 +23,9 @@ from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
 from mm_serve.runtime.sampling_wire import from_wire
 from mm_serve.runtime.structured_output import GrammarBook
+from mm_serve.runtime.warm_up import warm_up
 from mm_serve.runtime.worker_setup import cache_report, load_for_worker, make_caches
 from mm_serve.runtime.worker_shell import WorkerShell
-from mm_serve.runtime.warm_up import warm_up
 from mm_serve.transport.doorbell import DoorbellRingers
 from mm_serve.transport.registry import ring_opener
 from mm_serve.vision_prefill.handoff_sender import HandoffSender

@@ -117,17 +117,35 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
-    """The local checkpoint directory (if any) and the mode our server will start in."""
+    """The local checkpoint directory (if any) and the mode our server will start in (``auto``: the
+    config pins no placement, so ``mm-serve serve`` lets the planner choose)."""
     from mm_serve.config import ConfigError, load_config
     from mm_serve.models.named_models import resolve_model
+    from mm_serve.planner.auto_placement import pinned_keys
 
     try:
         if args.server:
             return (resolve_model(args.model) if args.model else None), ""
         cfg = load_config(args.config, {"model": args.model} if args.model else None)
-        return resolve_model(cfg.model), cfg.mode
+        return resolve_model(cfg.model), ("auto" if cfg.placement.auto and not pinned_keys(cfg) else cfg.mode)
     except (ConfigError, ValueError, OSError) as exc:
         raise CLIError(str(exc)) from None
+
+
+def served_placement_name(url: str, name: str) -> str:
+    """The name of our server in reports, from ``/health``'s ``placement``: ``auto-<choice>``
+    (``auto-colocated``, ``auto-1P+1D``) when the planner or the one-core rule chose it at start;
+    when the config's placement runs, ``name`` (the config's mode), or for ``name`` ``auto`` (no
+    placement keys, but the planner could not plan) the mode it fell back to."""
+    import httpx
+
+    try:
+        placement = httpx.get(f"{url}/health", timeout=10).json().get("placement") or {}
+    except (httpx.HTTPError, ValueError):
+        return name
+    if placement.get("source") in ("planner", "rule"):
+        return f"auto-{placement['chosen']}"
+    return str(placement.get("mode", name)) if name == "auto" else name
 
 
 def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings:
@@ -269,8 +287,9 @@ def _run(args: argparse.Namespace) -> int:
                 _log(f"[{name}] round {round_} of {args.repeat}")
             try:
                 url = args.server or (server.start() if server else "")
-                result, slo = measure(name, url, round_settings, slo, args.model_name,
-                                      _start_rate(results, name), _log)
+                shown = name if args.server else served_placement_name(url, name)
+                result, slo = measure(shown, url, round_settings, slo, args.model_name,
+                                      _start_rate(results, shown), _log)
             except LaunchError as exc:
                 print(f"mm-serve: error: {exc}", file=sys.stderr)
                 return 1

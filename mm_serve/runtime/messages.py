@@ -121,7 +121,7 @@ class ReplaceRing(msgspec.Struct, tag=True):
 
 class WorkerReady(msgspec.Struct, tag=True):
     """Sent once the worker has loaded its model, allocated its KV cache, run its warm-up pass
-    (:mod:`mm_serve.runtime.warm_up`) and frozen its start-up heap."""
+    (:mod:`mm_serve.runtime.warm_up`; skipped when its pool is too small, reported when it fails) and frozen its start-up heap."""
 
     role: Role
     index: int

@@ -55,7 +55,10 @@ class WorkerShell(ABC):
         self.link = link
         pin_and_set_threads(spec)
         self.load()
-        self.warm_up()
+        try:
+            self.warm_up()
+        except Exception as exc:  # as before the pass existed: the first requests pay the lazy initialisation
+            print(f"[{self.role.value} {spec.index}] warm-up pass failed, serving without it: {exc!r}", flush=True)
         self.channel = WorkerChannel(spec.control_address, spec.output_address, self.accepts, spec.parent_pid)
         if self.wake_on is not None:
             self.channel.listen_to(self.wake_on)

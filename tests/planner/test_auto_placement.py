@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mm_serve.cli.bench import served_placement_name
 from mm_serve.config import config_from_dict, load_config
 from mm_serve.planner.auto_placement import (
     apply_placement,
@@ -133,6 +134,7 @@ def test_a_server_without_placement_keys_runs_and_reports_the_planners_choice(ti
             *(f"decode{i}" for i in range(placement["decode_workers"]))}
         assert set(health["workers"]) == expected
         assert f"placement {placement['chosen']} chosen by the planner" in proc.output()
+        assert served_placement_name(proc.url, "auto") == f"auto-{placement['chosen']}"  # how `mm-serve bench` names it
         r = httpx.post(f"{proc.url}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
