@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from mm_serve.cluster.worker_specs import engine_sizing
 from mm_serve.config import ConfigError, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,6 +176,23 @@ def test_decode_pacing_must_stay_below_the_tightest_tpot_slo() -> None:
         load_config(None, {"scheduler.decode_step_interval_ms": -1})
     with pytest.raises(ConfigError, match="decode_step_interval_ms"):  # YAML `true` is not 1 ms
         load_config(None, {"scheduler.decode_step_interval_ms": True})
+
+
+def test_decode_pacing_by_rule_is_a_fraction_and_excludes_a_fixed_interval() -> None:
+    """``scheduler.decode_step_pacing`` is a fraction of the running requests' TPOT SLO in [0, 1); with
+    ``decode_step_interval_ms`` as well it is a config error naming both; the workers get the tiers'
+    TPOT SLOs in seconds by rank."""
+    cfg = load_config(None, {"scheduler.decode_step_pacing": 0.7, "slo.tiers.standard.tpot_ms": 110})
+    sizing = engine_sizing(cfg)
+    assert (sizing.decode_step_pacing, sizing.decode_step_interval_s) == (0.7, 0.0)
+    assert sizing.tier_tpot_s == (0.1, 0.11, 2.0)
+    for bad in (1.0, -0.1, True):
+        with pytest.raises(ConfigError, match="decode_step_pacing"):
+            load_config(None, {"scheduler.decode_step_pacing": bad})
+    with pytest.raises(ConfigError, match="decode_step_interval_ms and scheduler.decode_step_pacing"):
+        load_config(None, {"scheduler.decode_step_pacing": 0.5, "scheduler.decode_step_interval_ms": 50})
+    shipped = load_config(Path(__file__).resolve().parents[1] / "configs" / "summarization.yaml")
+    assert shipped.scheduler.decode_step_pacing * shipped.slo.tiers.standard.tpot_ms == pytest.approx(77)
 
 
 def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_path: Path) -> None:

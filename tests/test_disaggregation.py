@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mm_serve import LLM, SamplingParams
+from mm_serve.ground.tiers import Tier
 from tests.factories import gradient_image, image_in_mode
 from tests.golden import load_reference, reference_generate
 
@@ -323,6 +324,32 @@ def test_paced_decode_steps_keep_their_interval_free_the_core_and_the_tokens(
     assert [o.token_ids for o in outputs] == reference_tokens[:3]
     assert elapsed >= 31 * 0.060
     assert cpu < 0.5 * elapsed, (cpu, elapsed)
+
+
+def test_decode_pacing_follows_the_tightest_tpot_slo_among_running_requests(tiny_llava: Path) -> None:
+    """``decode_step_pacing`` 0.5: a standard-tier request alone (TPOT SLO 250 ms) gets a decode step
+    every 125 ms at the soonest; an interactive one (100 ms) every 50 ms, and a standard one running
+    beside it is paced at the interactive rate too (the tightest SLO among the running requests)."""
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)  # 8 decode steps, 7 paced intervals
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_pacing=0.5) as llm:
+        client = llm.client
+        assert client is not None
+
+        def decode_seconds(tiers: list[Tier]) -> float:
+            states = [client.submit(f"paced-{tier.label}-{time.monotonic_ns()}",
+                                    llm.inputs.process({"prompt_token_ids": list(range(5, 25))}), params, tier=tier)
+                      for tier in tiers]
+            for state in states:
+                state.wait()
+            assert all(len(s.token_ids) == 9 for s in states)
+            return max(s.token_times[-1] - s.token_times[0] for s in states)  # the first token comes from prefill
+
+        standard = decode_seconds([Tier.STANDARD])
+        interactive = decode_seconds([Tier.INTERACTIVE])
+        both = decode_seconds([Tier.INTERACTIVE, Tier.STANDARD])
+    assert standard >= 7 * 0.125, standard
+    assert 7 * 0.05 <= interactive < 7 * 0.1, interactive
+    assert 7 * 0.05 <= both < 7 * 0.1, both
 
 
 @pytest.mark.parametrize("chunk", [0, 64])

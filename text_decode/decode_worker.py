@@ -6,7 +6,8 @@ requests) and stream the new tokens to the front end. Idle, it sleeps until a co
 message or a hand-off doorbell wakes it (:mod:`mm_serve.transport.doorbell`). With
 ``decode_step_interval_s`` set it paces its steps: a step starts at least that long after
 the previous one began, and the worker sleeps out the rest (claiming hand-offs and reading
-messages as they come), so a prefill worker on the same core runs meanwhile.
+messages as they come), so a prefill worker on the same core runs meanwhile; with
+``decode_step_pacing`` the interval follows the tightest TPOT SLO among the running requests.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class DecodeWorker(WorkerShell):
         self._aborted_at: dict[str, float] = {}  # aborts of hand-offs not seen yet: id -> monotonic time
         self._last_step_end: float | None = None  # monotonic time the last decode step was timed; None after idle
         self.pace_s = cfg.decode_step_interval_s
+        self.pacing, self.tier_tpot_s = cfg.decode_step_pacing, cfg.tier_tpot_s
         self._last_step_begun: float | None = None  # monotonic start of the last step run; None after idle
         self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
         if self.link is not None and self.doorbell is not None:
@@ -102,11 +104,22 @@ class DecodeWorker(WorkerShell):
     def busy(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def step_interval_s(self) -> float:
+        """Seconds from one step's start to the next's at the soonest: ``decode_step_interval_s``, or
+        with ``decode_step_pacing`` that fraction of the tightest TPOT SLO among the running requests
+        (each by its tier, ``tier_tpot_s``); 0.0 unpaced or with nothing running."""
+        if not self.pacing:
+            return self.pace_s
+        last = len(self.tier_tpot_s) - 1
+        slos = [self.tier_tpot_s[min(max(r.priority, 0), last)] for r in self.scheduler.running]
+        return self.pacing * min(slos) if slos else 0.0
+
     def _next_step_at(self) -> float:
-        """Monotonic time the next step may start: ``pace_s`` after the last one began (0.0: now)."""
-        if not self.pace_s or self._last_step_begun is None:
+        """Monotonic time the next step may start: :meth:`step_interval_s` after the last one began (0.0: now)."""
+        interval = self.step_interval_s()
+        if not interval or self._last_step_begun is None:
             return 0.0
-        return self._last_step_begun + self.pace_s
+        return self._last_step_begun + interval
 
     def wait_ms(self) -> int:
         """While busy and paced, the time to the next step (messages and doorbells end it early)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from mm_serve.cluster.launcher import default_role_cpus, split_cpus
 from mm_serve.config import ComputeConfig, ConfigError, ServiceConfig
 from mm_serve.ground.roles import Role
+from mm_serve.ground.tiers import Tier
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.worker_spec import WorkerSpec
@@ -24,6 +25,8 @@ def engine_sizing(cfg: ServiceConfig, device: str = "cpu") -> EngineConfig:
         prefill_batch_size=cfg.scheduler.prefill_batch_size, prefill_chunk_tokens=cfg.scheduler.prefill_chunk_tokens,
         mixed_step_tokens=cfg.scheduler.mixed_step_tokens,
         decode_step_interval_s=cfg.scheduler.decode_step_interval_ms / 1000.0,
+        decode_step_pacing=cfg.scheduler.decode_step_pacing,
+        tier_tpot_s=tuple(cfg.slo.of(tier).tpot_s for tier in Tier),
         dtype=cfg.dtype, device=device, seed=cfg.seed,
         enforce_eager=cfg.enforce_eager, cpu_gemm=cfg.cpu_gemm,
         cpu_kernels=cfg.cpu_kernels, attention_backend=cfg.attention_backend, enable_prefix_caching=cfg.kv_cache.enable_prefix_caching,

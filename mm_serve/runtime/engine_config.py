@@ -38,6 +38,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk_tokens: int = 2048  # prefill worker: longer prompts are prefilled in chunks of this many tokens; 0 = never
     mixed_step_tokens: int = 2048  # colocated: tokens per step (a decode token per running request + prefill chunks); 0 = prefill and decode steps apart
     decode_step_interval_s: float = 0.0  # decode worker: a decode step starts at least this long after the previous one began; 0 = at once
+    decode_step_pacing: float = 0.0  # decode worker: ... at least this fraction of the tightest TPOT SLO among its running requests; 0 = off
+    tier_tpot_s: tuple[float, ...] = (0.1, 0.25, 2.0)  # TPOT SLO of each tier by rank (interactive, standard, batch), seconds
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
     dtype: DTypeChoice = "auto"  # "auto": the checkpoint's on a GPU, float32 on a CPU (for_checkpoint, before a model loads)
     device: str = "cpu"
@@ -71,6 +73,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         interval = self.decode_step_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0.0 <= interval <= 1.0:
             raise ValueError(f"decode_step_interval_s must be a number of seconds in [0, 1], got {interval!r}")
+        pacing = self.decode_step_pacing
+        if isinstance(pacing, bool) or not isinstance(pacing, (int, float)) or not 0.0 <= pacing < 1.0:
+            raise ValueError(f"decode_step_pacing must be a fraction in [0, 1), got {pacing!r}")
+        if pacing and interval:
+            raise ValueError("decode_step_pacing and decode_step_interval_s are two ways to pace decode steps: set one")
+        if not self.tier_tpot_s or any(isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0
+                                       for t in self.tier_tpot_s):
+            raise ValueError(f"tier_tpot_s must list positive seconds, one per tier, got {self.tier_tpot_s!r}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0 (0: the checkpoint's), got {self.max_model_len}")
         if not isinstance(self.cpu_gemm, str) or self.cpu_gemm not in ("onednn", "torch"):
