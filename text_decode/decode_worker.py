@@ -33,6 +33,7 @@ from mm_serve.transport.registry import ring_opener
 
 ABORT_MEMORY_S = 600.0  # how long an abort for a not-yet-seen hand-off is remembered
 POLL_WAIT_MS = 1  # idle wait with no doorbell: the ring is polled
+MAX_PACED_INTERVAL_S = 1.0  # decode_step_pacing's longest interval (decode_step_interval_s's bound; heartbeats stay frequent)
 
 
 class DecodeWorker(WorkerShell):
@@ -107,12 +108,13 @@ class DecodeWorker(WorkerShell):
     def step_interval_s(self) -> float:
         """Seconds from one step's start to the next's at the soonest: ``decode_step_interval_s``, or
         with ``decode_step_pacing`` that fraction of the tightest TPOT SLO among the running requests
-        (each by its tier, ``tier_tpot_s``); 0.0 unpaced or with nothing running."""
+        (each by its tier, ``tier_tpot_s``), at most :data:`MAX_PACED_INTERVAL_S`; 0.0 unpaced or with
+        nothing running."""
         if not self.pacing:
             return self.pace_s
         last = len(self.tier_tpot_s) - 1
         slos = [self.tier_tpot_s[min(max(r.priority, 0), last)] for r in self.scheduler.running]
-        return self.pacing * min(slos) if slos else 0.0
+        return min(MAX_PACED_INTERVAL_S, self.pacing * min(slos)) if slos else 0.0
 
     def _next_step_at(self) -> float:
         """Monotonic time the next step may start: :meth:`step_interval_s` after the last one began (0.0: now)."""

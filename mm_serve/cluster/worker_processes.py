@@ -165,6 +165,9 @@ class WorkerProcesses:
             return False
         worker.last_seen = time.monotonic()
         if isinstance(msg, messages.WorkerReady) and worker.status is not WorkerStatus.READY:
+            if msg.warm_up_error:
+                print(f"mm-serve: {getattr(role, 'value', role)} worker {index}: warm-up pass failed, serving without it "
+                      f"(its first requests pay the lazy initialisation): {msg.warm_up_error}", flush=True)
             with self._send_lock:
                 worker.status = WorkerStatus.READY
                 pending, worker.pending = worker.pending, []

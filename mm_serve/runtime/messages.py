@@ -121,12 +121,14 @@ class ReplaceRing(msgspec.Struct, tag=True):
 
 class WorkerReady(msgspec.Struct, tag=True):
     """Sent once the worker has loaded its model, allocated its KV cache, run its warm-up pass
-    (:mod:`mm_serve.runtime.warm_up`; skipped when its pool is too small, reported when it fails) and frozen its start-up heap."""
+    (:mod:`mm_serve.runtime.warm_up`; skipped when its pool is too small) and frozen its start-up heap.
+    ``warm_up_error``: why the warm-up pass failed (the worker serves without it), else empty."""
 
     role: Role
     index: int
     pid: int
     kv_pages_total: int
+    warm_up_error: str = ""
 
 
 class WorkerStats(msgspec.Struct, tag=True):

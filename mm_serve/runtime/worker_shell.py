@@ -55,9 +55,11 @@ class WorkerShell(ABC):
         self.link = link
         pin_and_set_threads(spec)
         self.load()
+        self.warm_up_error = ""
         try:
             self.warm_up()
         except Exception as exc:  # as before the pass existed: the first requests pay the lazy initialisation
+            self.warm_up_error = repr(exc)
             print(f"[{self.role.value} {spec.index}] warm-up pass failed, serving without it: {exc!r}", flush=True)
         self.channel = WorkerChannel(spec.control_address, spec.output_address, self.accepts, spec.parent_pid)
         if self.wake_on is not None:
@@ -148,7 +150,8 @@ class WorkerShell(ABC):
         full garbage collection walks the model's and the imports' objects mid-step), report
         ready, then loop until :class:`~mm_serve.runtime.messages.Shutdown` or the parent dies."""
         freeze_startup_heap()
-        self.channel.send(messages.WorkerReady(self.role, self.spec.index, os.getpid(), self.kv_cache.num_pages))
+        self.channel.send(messages.WorkerReady(self.role, self.spec.index, os.getpid(), self.kv_cache.num_pages,
+                                               self.warm_up_error))
         running = True
         while running and self.channel.parent_alive():
             for msg in self.channel.recv(self.wait_ms()):
