@@ -25,7 +25,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -100,6 +100,20 @@ def take_chunk(line: str, rec: RequestRecord, now: float) -> bool:
     return True
 
 
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an event stream, split at LF (a CR before it dropped) only, as the SSE
+    specification splits them: httpx's ``aiter_lines`` also splits at U+0085 and U+2028, which a
+    JSON string in a ``data:`` line may hold raw."""
+    pending = b""
+    async for chunk in resp.aiter_bytes():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r").decode("utf-8", errors="replace")
+    if pending:
+        yield pending.removesuffix(b"\r").decode("utf-8", errors="replace")
+
+
 async def stream_one(http: httpx.AsyncClient, endpoint: Endpoint, req: PlannedRequest,
                      rec: RequestRecord, clock: Clock, body: bytes | None = None) -> None:
     """Send ``req`` now (``body`` instead of ``req.body`` if given) and fill ``rec`` from its
@@ -112,7 +126,7 @@ async def stream_one(http: httpx.AsyncClient, endpoint: Endpoint, req: PlannedRe
                 detail = (await resp.aread())[:300].decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {detail}"
                 return
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not take_chunk(line, rec, clock()):
                     break
     except asyncio.CancelledError:

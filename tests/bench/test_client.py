@@ -86,3 +86,27 @@ def test_overload_stops_early() -> None:
     assert result.stopped_early
     errors = {r.error for r in result.records if not r.ok}
     assert errors <= {"cancelled", "not sent", None} and "cancelled" in errors
+
+
+def test_event_stream_lines_split_at_line_feeds_only() -> None:
+    """A ``data:`` line whose JSON holds a raw U+2028 or U+0085 (legal in JSON and in SSE) stays one
+    line, CRLF endings lose their CR, and a line cut across network chunks is joined."""
+    import httpx
+
+    from mm_serve.bench.client import sse_lines
+
+    text = 'data: {"text": "a\u2028b\u0085c"}\r\n\r\ndata: [DONE]\n'
+    raw = text.encode()
+    chunks = [raw[:9], raw[9:14], raw[14:]]  # the first cut falls inside a JSON string
+
+    class Chunks(httpx.AsyncByteStream):
+        async def __aiter__(self):  # type: ignore[override]
+            for chunk in chunks:
+                yield chunk
+
+    async def lines() -> list[str]:
+        return [line async for line in sse_lines(httpx.Response(200, stream=Chunks()))]
+
+    got = asyncio.run(lines())
+    assert got == ['data: {"text": "a\u2028b\u0085c"}', "", "data: [DONE]"]
+    assert json.loads(got[0].removeprefix("data: "))["text"] == "a\u2028b\u0085c"
