@@ -31,10 +31,11 @@ from typing import Any
 
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.ground.slo import SLO
-from mm_serve.planner.errors import PlannerError
+from mm_serve.planner.errors import PlannerError, ProfileError
 from mm_serve.planner.fit import get_hardware
 from mm_serve.planner.model_shape import load_model_shape
 from mm_serve.planner.plan_spec import PlanSpec
+from mm_serve.planner.profile_file import parse_profile
 from mm_serve.planner.search import PlanResult, plan
 from mm_serve.workloads import make_workload
 
@@ -140,7 +141,9 @@ def profile_key(model_dir: Path, dtype: str, cores: int) -> str:
 def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
                    log: Callable[[str], None] = print) -> tuple[Path, bool]:
     """The profile file of ``model_dir`` in ``dtype`` on this machine and whether it was measured now
-    (False: read from the cache). A cached file that is not JSON is measured again.
+    (False: read from the cache). The cached file carries the checkpoint's ``config.json`` itself, not
+    its path: the cache is keyed by that file's digest and shared by every copy of the checkpoint (an
+    older file naming a path that is gone, like one that is not a valid profile, is measured again).
 
     Raises:
         PlannerError: the profile folder cannot be written (checked before measuring), or the
@@ -149,9 +152,9 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     path = profile_dir / f"{model_dir.name}-{profile_key(model_dir, dtype, cores)}.json"
     if path.is_file():
         try:
-            json.loads(path.read_text())
+            parse_profile(json.loads(path.read_text()), path.parent, str(path))
             return path, False
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ProfileError):
             log(f"the cached profile {path} is unreadable: measuring again")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +174,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
         profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
                                   **PROFILE_SIZES)  # type: ignore[arg-type]
         profile["cache_key"] = path.stem
+        profile["model"] = json.loads((model_dir / "config.json").read_text())  # not a path: any copy reads it
         Path(tmp).write_text(json.dumps(profile, indent=2))
         os.replace(tmp, path)
     except ValueError as exc:

@@ -163,6 +163,32 @@ def test_an_unreadable_cached_profile_is_measured_again(tiny_llama: Path, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file left
 
 
+def test_the_cache_serves_another_copy_of_the_checkpoint_after_the_first_is_deleted(
+    tiny_llama: Path, tmp_path: Path,
+) -> None:
+    """The cache is keyed by config.json's digest, so two clones share it: the file carries the config
+    itself, and a clone's placement still plans after the checkout that measured it is gone; an older
+    file that names a vanished checkout is measured again."""
+    import shutil
+
+    first = tmp_path / "clone-a" / "m"
+    shutil.copytree(tiny_llama, first)
+    cache = tmp_path / "profiles"
+    path, measured = cached_profile(first, "float32", 2, cache, lambda line: None)
+    assert measured and json.loads(path.read_text())["model"] == json.loads((tiny_llama / "config.json").read_text())
+    shutil.rmtree(tmp_path / "clone-a")
+    second = tmp_path / "clone-b" / "m"
+    shutil.copytree(tiny_llama, second)
+    assert cached_profile(second, "float32", 2, cache, lambda line: None) == (path, False)
+    cfg = config_from_dict({}, {"placement.workload": "chatbot"})
+    assert choose_placement(cfg, second, path, [0, 1]).name in ("colocated", "1P+1D")
+    old = json.loads(path.read_text())
+    path.write_text(json.dumps({**old, "model": str(tmp_path / "clone-a" / "m")}))  # a path that is gone
+    lines: list[str] = []
+    assert cached_profile(second, "float32", 2, cache, lines.append) == (path, True)
+    assert lines[0] == f"the cached profile {path} is unreadable: measuring again"
+
+
 def test_one_usable_core_runs_colocated_without_a_profile(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
                                                           tmp_path: Path) -> None:
     import mm_serve.planner.auto_placement as auto
