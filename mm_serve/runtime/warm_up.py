@@ -1,11 +1,13 @@
 """Scratch requests on a worker's own KV pages, and the warm-up pass a worker runs before it reports ready.
 
 A fresh process pays for lazy initialisation on its first passes (oneDNN primitive and allocator
-caches, the first call of each custom kernel, torch.compile'd attention, a vision tower's first
-batch): measured on bench-llama, the first request of a fresh colocated server had a TTFT ~30 %
-above the next ones. :func:`warm_up` runs one short prefill, one decode step and (for a worker with
-a tower that takes square images) one image encode on throw-away inputs, so that the first user
-request does not pay it. The planner's profiler builds its timed requests with the same
+caches, the first call of each custom kernel, torch.compile'd attention, CUDA context and handles, a
+vision tower's first batch). :func:`warm_up` runs one short prefill, one decode step and (for a worker
+with a tower that takes square images) one image encode on throw-away inputs, so that the first user
+request does not pay the worker's share of it. On a CPU that share is small: the first request of a
+fresh bench-llava server stays ~20 ms slower than the next ones with or without the pass (the rest is
+the API process's first paths; benchmarks/results/2026-12-05-decode-step-profile.md); on a GPU it has
+not been measured. The planner's profiler builds its timed requests with the same
 :func:`scratch_requests`.
 """
 
