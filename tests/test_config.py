@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.cli.main import main
 from mm_serve.cluster.worker_specs import engine_sizing
 from mm_serve.config import ConfigError, dump_config, load_config
 
@@ -179,13 +178,10 @@ def test_decode_pacing_must_stay_below_the_tightest_tpot_slo() -> None:
         load_config(None, {"scheduler.decode_step_interval_ms": True})
 
 
-def test_decode_pacing_by_rule_is_a_fraction_and_excludes_a_fixed_interval(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_decode_pacing_by_rule_is_a_fraction_and_excludes_a_fixed_interval() -> None:
     """``scheduler.decode_step_pacing`` is a fraction of the running requests' TPOT SLO in [0, 1); with
     ``decode_step_interval_ms`` as well it is a config error naming both; the workers get the tiers'
-    TPOT SLOs in seconds by rank; `mm-serve serve` refuses it beside the admission predictor (which does
-    not model paced steps), before loading anything."""
+    TPOT SLOs in seconds by rank."""
     cfg = load_config(None, {"scheduler.decode_step_pacing": 0.7, "slo.tiers.standard.tpot_ms": 110})
     sizing = engine_sizing(cfg)
     assert (sizing.decode_step_pacing, sizing.decode_step_interval_s) == (0.7, 0.0)
@@ -195,10 +191,6 @@ def test_decode_pacing_by_rule_is_a_fraction_and_excludes_a_fixed_interval(
             load_config(None, {"scheduler.decode_step_pacing": bad})
     with pytest.raises(ConfigError, match="decode_step_interval_ms and scheduler.decode_step_pacing"):
         load_config(None, {"scheduler.decode_step_pacing": 0.5, "scheduler.decode_step_interval_ms": 50})
-    paced = tmp_path / "paced.yaml"
-    paced.write_text("scheduler:\n  decode_step_pacing: 0.7\n")
-    assert main(["serve", "--config", str(paced), "--port", "1"]) == 2
-    assert "decode_step_pacing needs admission.predict false (--no-admission)" in capsys.readouterr().err
 
 
 def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_path: Path) -> None:

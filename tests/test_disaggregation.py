@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -329,11 +330,16 @@ def test_paced_decode_steps_keep_their_interval_free_the_core_and_the_tokens(
 def test_decode_pacing_follows_the_tightest_tpot_slo_among_running_requests(tiny_llava: Path) -> None:
     """``decode_step_pacing`` 0.5: a standard-tier request alone (TPOT SLO 250 ms) gets a decode step
     every 125 ms at the soonest; an interactive one (100 ms) every 50 ms, and a standard one running
-    beside it is paced at the interactive rate too (the tightest SLO among the running requests)."""
+    beside it is paced at the interactive rate too (the tightest SLO among the running requests). The
+    steps the worker reports to the admission predictor leave the pacing sleep out (the tiny model's
+    step is milliseconds: the predictor adds the interval itself)."""
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)  # 8 decode steps, 7 paced intervals
     with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_pacing=0.5) as llm:
         client = llm.client
         assert client is not None
+        reported: list[float] = []
+        client.step_listeners.append(
+            lambda role, index, timing: reported.append(timing.seconds) if timing.kind == "decode" else None)
 
         def decode_seconds(tiers: list[Tier]) -> float:
             states = [client.submit(f"paced-{tier.label}-{time.monotonic_ns()}",
@@ -350,6 +356,8 @@ def test_decode_pacing_follows_the_tightest_tpot_slo_among_running_requests(tiny
     assert standard >= 7 * 0.125, standard
     assert 7 * 0.05 <= interactive < 7 * 0.1, interactive
     assert 7 * 0.05 <= both < 7 * 0.1, both
+    assert len(reported) >= 20  # 8 decode steps a run (the two requests of the last share theirs)
+    assert statistics.median(reported) < 0.025, sorted(reported)  # half the tightest interval (50 ms)
 
 
 @pytest.mark.parametrize("chunk", [0, 64])

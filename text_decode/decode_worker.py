@@ -19,6 +19,7 @@ from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
+from mm_serve.runtime.pacing import paced_interval_s
 from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, sample_requests
@@ -33,7 +34,6 @@ from mm_serve.transport.registry import ring_opener
 
 ABORT_MEMORY_S = 600.0  # how long an abort for a not-yet-seen hand-off is remembered
 POLL_WAIT_MS = 1  # idle wait with no doorbell: the ring is polled
-MAX_PACED_INTERVAL_S = 1.0  # decode_step_pacing's longest interval (decode_step_interval_s's bound; heartbeats stay frequent)
 
 
 class DecodeWorker(WorkerShell):
@@ -108,13 +108,11 @@ class DecodeWorker(WorkerShell):
     def step_interval_s(self) -> float:
         """Seconds from one step's start to the next's at the soonest: ``decode_step_interval_s``, or
         with ``decode_step_pacing`` that fraction of the tightest TPOT SLO among the running requests
-        (each by its tier, ``tier_tpot_s``), at most :data:`MAX_PACED_INTERVAL_S`; 0.0 unpaced or with
-        nothing running."""
+        (each by its tier, ``tier_tpot_s``; :func:`mm_serve.runtime.pacing.paced_interval_s`, at most
+        :data:`mm_serve.runtime.pacing.MAX_PACED_INTERVAL_S`); 0.0 unpaced or with nothing running."""
         if not self.pacing:
             return self.pace_s
-        last = len(self.tier_tpot_s) - 1
-        slos = [self.tier_tpot_s[min(max(r.priority, 0), last)] for r in self.scheduler.running]
-        return min(MAX_PACED_INTERVAL_S, self.pacing * min(slos)) if slos else 0.0
+        return paced_interval_s(self.pacing, self.tier_tpot_s, (r.priority for r in self.scheduler.running))
 
     def _next_step_at(self) -> float:
         """Monotonic time the next step may start: :meth:`step_interval_s` after the last one began (0.0: now)."""
@@ -138,7 +136,8 @@ class DecodeWorker(WorkerShell):
         if not self.scheduler.num_unfinished:
             self._last_step_end = self._last_step_begun = None  # idle: the next period starts afresh
             return
-        if begun < self._next_step_at():  # paced: woken early by a message or a hand-off
+        allowed = self._next_step_at()
+        if begun < allowed:  # paced: woken early by a message or a hand-off
             return
         plan = self.scheduler.schedule()
         if plan.empty:
@@ -163,18 +162,21 @@ class DecodeWorker(WorkerShell):
         for request in batch:
             request.stamp(LifetimeEvent.FIRST_DECODE, now)
         timing = None if plan.prefill else messages.StepTiming(
-            "decode", self._step_period(begun), len(batch), sum(r.num_tokens for r in batch))
+            "decode", self._step_period(begun, allowed), len(batch), sum(r.num_tokens for r in batch))
         process_step(batch, tokens, logprobs, self.stops, self._finish)
         self.send([token_update(request) for request in batch], timing)
 
-    def _step_period(self, begun: float) -> float:
-        """Seconds a running request waited for this decode step's token (the admission predictor's
-        TPOT, :mod:`mm_serve.admission`): since the previous decode step was timed, when every step
-        in between did work (claims, recompute steps, sending, messages and the OS's time slices
-        included), else since this step began. Consecutive periods tile the busy time exactly."""
+    def _step_period(self, begun: float, allowed: float = 0.0) -> float:
+        """Seconds a running request waited for this decode step's token, less any wait for pacing
+        (the admission predictor's decode step, :mod:`mm_serve.admission`): since the previous decode
+        step was timed, or since pacing let this one start (``allowed``, monotonic; 0.0 unpaced) when
+        that came later, when every step in between did work (claims, recompute steps, sending,
+        messages and the OS's time slices included), else since this step began. Unpaced, consecutive
+        periods tile the busy time exactly; paced, they leave out the sleep (the predictor adds the
+        paced interval itself: :func:`mm_serve.runtime.pacing.paced_interval_s`)."""
         now, last = time.monotonic(), self._last_step_end
         self._last_step_end = now
-        return now - (last if last is not None else begun)
+        return now - (max(last, allowed) if last is not None else begun)
 
     # ---- stats and close ---------------------------------------------------------------------
 

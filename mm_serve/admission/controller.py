@@ -69,7 +69,7 @@ class AdmissionController(AdmissionLearning):
             prediction = self.predictor.predict(_work(view.ahead), tokens, images, view.decode_batch + 1, context,
                                                 _work(view.looser), tier, DECODE_RESERVE, running,
                                                 view.running_elapsed_s, _work(view.recent), ARRIVAL_WINDOW_S,
-                                                view.prefill, view.decode)
+                                                view.prefill, view.decode, view.decode_tightest)
             makes_late = self._makes_late(view, tokens, images) if view.promises else None
         idle = view.ahead.requests == 0 and view.decode_batch == 0 and view.in_flight == 0
         return dataclasses.replace(prediction, idle=idle, decode_tightest=view.decode_tightest,

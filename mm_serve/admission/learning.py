@@ -29,7 +29,9 @@ class AdmissionLearning:
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
-        self.predictor = LatencyPredictor(config.scheduler.prefill_batch_size, config.scheduler.prefill_token_budget)
+        self.predictor = LatencyPredictor(config.scheduler.prefill_batch_size, config.scheduler.prefill_token_budget,
+                                          config.scheduler.decode_step_pacing if config.mode == "disaggregated" else 0.0,
+                                          [config.slo.of(tier).tpot_s for tier in Tier])
         if config.admission.profile is not None:
             self.predictor.warm_start(load_profile(config.admission.profile))
         self.lock = threading.Lock()

@@ -21,7 +21,10 @@ prefill, + overhead. The first token comes from the prefill worker, so
 the KV hand-off is not on the TTFT path here: it delays the second token (ITL), which
 the TPOT over the whole output absorbs. Predicted TPOT = one decode step at the chosen
 decode worker's batch (its running and dispatched requests plus this one) and context, times
-how much longer than the fit's price that worker's last steps took (:meth:`LatencyPredictor.decode_scale`).
+how much longer than the fit's price that worker's last steps took (:meth:`LatencyPredictor.decode_scale`);
+with decode pacing (``scheduler.decode_step_pacing``) at least the paced interval of the tightest
+tier there, the new request's included (:func:`mm_serve.runtime.pacing.paced_interval_s`): decode
+workers report their steps without the pacing sleep, so the fit keeps learning the work.
 
 Defaults fit the embedded model on a CPU core, or :meth:`LatencyPredictor.warm_start` fits
 them to an ``mm-serve profile`` file (``admission.profile``); the fits move to the
@@ -32,12 +35,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mm_serve.admission.online_fit import OnlineLinearFit
 from mm_serve.admission.ratio_correction import RatioCorrection
 from mm_serve.ground.tiers import Tier
 from mm_serve.planner.profile_file import Profile
+from mm_serve.runtime.pacing import paced_interval_s
 
 DEFAULT_PREFILL = (0.004, 2e-5, 0.004)  # s per batch, s per token, s per image
 DEFAULT_DECODE = (0.004, 2e-4, 2e-7)  # s per step, s per running request, s per context token
@@ -83,7 +88,7 @@ class Prediction:
     tpot_s: float
     queue_s: float  # TTFT base less its own prefill alone: the wait for the work ahead and its batch-mates (before the correction)
     ttft_base_s: float = 0.0  # queue + own prefill as the fit prices them (before the correction)
-    tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it, times the worker's last steps' scale (before the correction)
+    tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it, times the worker's last steps' scale, at least the paced interval (before the correction)
     tier: Tier = Tier.STANDARD  # the tier it was predicted for
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
     decode_tightest: Tier | None = None  # tightest tier live on its decode worker (None: none)
@@ -95,11 +100,18 @@ class Prediction:
 
 
 class LatencyPredictor:
-    """The three fits and the prediction; observe methods are called from the receiver thread."""
+    """The three fits and the prediction; observe methods are called from the receiver thread.
 
-    def __init__(self, prefill_batch_size: int, prefill_token_budget: int) -> None:
+    ``decode_pacing`` and ``tier_tpot_s`` are the decode workers' pacing rule
+    (``scheduler.decode_step_pacing``, a fraction in [0, 1), 0 = unpaced; the TPOT SLO of each tier
+    in seconds, by rank): a paced step lasts at least the paced interval of the tightest tier running.
+    """
+
+    def __init__(self, prefill_batch_size: int, prefill_token_budget: int, decode_pacing: float = 0.0,
+                 tier_tpot_s: Sequence[float] = ()) -> None:
         self.batch_size = max(1, prefill_batch_size)
         self.token_budget = max(1, prefill_token_budget)
+        self.decode_pacing, self.tier_tpot_s = decode_pacing, tuple(tier_tpot_s)
         self.prefill = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
         # per prefill worker: its batches' measured / the shared fit's seconds (workers sharing a
         # core with others run slower; the fit learns the shape, these the speed of each)
@@ -203,7 +215,8 @@ class LatencyPredictor:
                 decode_context: int, looser: QueueAhead | None = None, tier: Tier = Tier.STANDARD, reserve: int = 0,
                 running: QueueAhead | None = None, running_elapsed_s: float = 0.0,
                 arrivals: QueueAhead | None = None, arrivals_window_s: float = 1.0,
-                prefill_worker: int | None = None, decode_worker: int | None = None) -> Prediction:
+                prefill_worker: int | None = None, decode_worker: int | None = None,
+                decode_tightest: Tier | None = None) -> Prediction:
         """TTFT and TPOT of a request of ``tier`` with ``tokens`` prompt tokens and ``images`` images.
 
         With the batch in progress on its prefill worker known (``running``), the TTFT's queue
@@ -224,6 +237,8 @@ class LatencyPredictor:
             arrivals: work dispatched to that prefill worker in the last ``arrivals_window_s`` seconds.
             prefill_worker: its index, for the worker's speed (:meth:`prefill_scale`).
             decode_worker: the decode worker's index, for its last steps (:meth:`decode_scale`).
+            decode_tightest: the tightest tier running on that decode worker (None: none), for the
+                paced interval under decode pacing (:meth:`paced_step_s`).
         """
         scale = self.prefill_scale(prefill_worker)
         own = scale * self.prefill_seconds(tokens, images)
@@ -236,12 +251,21 @@ class LatencyPredictor:
                                           arrivals_window_s, scale)
             queue = max(0.0, base - own)
         live = self.decode_scale(decode_worker)
-        step = live * self.decode.predict((1.0, decode_batch, decode_context))
+        paced = self.paced_step_s(tier, decode_tightest)
+        step = max(paced, live * self.decode.predict((1.0, decode_batch, decode_context)))
         batch = max(1, decode_batch)
-        reserved = live * self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
+        reserved = max(paced, live * self.decode.predict((1.0, batch + reserve,
+                                                          decode_context * (batch + reserve) / batch)))
         return Prediction(base * self.ttft_corrections[tier].value + self.transit_s + self.overhead_s,
                           step * self.tpot_correction.value, queue, base, step, tier=tier,
                           tpot_reserved_s=reserved * self.tpot_correction.value)
+
+    def paced_step_s(self, tier: Tier, decode_tightest: Tier | None = None) -> float:
+        """Seconds a paced decode step lasts at least once a request of ``tier`` runs on a decode worker
+        whose tightest running tier is ``decode_tightest`` (None: none): the decode workers' own rule,
+        :func:`mm_serve.runtime.pacing.paced_interval_s`; 0.0 unpaced."""
+        ranks = [tier] if decode_tightest is None else [tier, decode_tightest]
+        return paced_interval_s(self.decode_pacing, self.tier_tpot_s, ranks)
 
     def observe_prefill(self, tokens: int, images: int, seconds: float, worker: int | None = None,
                         cpu_seconds: float = 0.0) -> None:

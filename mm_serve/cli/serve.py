@@ -209,9 +209,6 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError("attention_backend flex runs eager FlexAttention on a CPU: dense scores over every page "
                            "of the cache (gigabytes and seconds a pass), for tests only; serve on a CPU with auto "
                            "(docs/attention.md)")
-        if cfg.scheduler.decode_step_pacing and cfg.admission.predict:
-            raise CLIError("scheduler.decode_step_pacing needs admission.predict false (--no-admission): the admission "
-                           "predictor does not model paced steps yet and would refuse requests the pacing serves in time")
         if cfg.api.allowed_local_media_path and not Path(cfg.api.allowed_local_media_path).is_dir():
             raise CLIError(f"--allowed-local-media-path {cfg.api.allowed_local_media_path} is not a directory")
         _check_http_stack(cfg.api.event_loop, cfg.api.http_parser)

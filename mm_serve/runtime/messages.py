@@ -181,7 +181,7 @@ class StepTiming(msgspec.Struct):
     """How long one worker step took, for the front end's latency predictor."""
 
     kind: str  # "prefill" (encode + LLM prefill of a batch) | "decode" (one decode step)
-    seconds: float  # prefill: wall-clock time of the batch; decode: the step's period (what a running request waited)
+    seconds: float  # prefill: wall-clock time of the batch; decode: the step's period (what a running request waited, less a pacing sleep)
     requests: int  # requests in the batch
     tokens: int  # prefill: prompt tokens of the batch (image tokens included); decode: context tokens
     images: int = 0  # prefill: tower passes (images, or tiles of a tiling family's images) encoded

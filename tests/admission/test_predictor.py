@@ -707,3 +707,49 @@ def test_the_early_check_counts_the_text_after_a_new_image_and_never_more_than_t
     rendered = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False),
                                 add_special_tokens=False)
     assert prompt.uncached_text_floor([True], tokenizer) <= len(rendered)
+
+
+def test_a_paced_decode_step_is_predicted_as_at_least_the_interval_of_the_tightest_tier() -> None:
+    """With decode pacing 0.7 and TPOT SLOs of 100 / 250 / 2,000 ms, a decode step whose work the
+    fit prices at 10 ms is predicted at the paced interval: 70 ms for an interactive request or beside
+    one, 175 ms for a standard one alone, 1 s (the cap) for a batch one alone; work slower than the
+    interval is predicted as the work. Unpaced, the same fit predicts the work alone."""
+    paced = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096, decode_pacing=0.7,
+                             tier_tpot_s=(0.1, 0.25, 2.0))
+    unpaced = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096)
+    for predictor in (paced, unpaced):
+        for _ in range(300):
+            predictor.observe_decode(4, 2000, 0.010)
+    work = unpaced.decode.predict((1.0, 4, 2000))
+    assert work == pytest.approx(0.010, rel=0.05)
+
+    def step(predictor: LatencyPredictor, tier: Tier, tightest: Tier | None, batch: int = 4) -> float:
+        return predictor.predict(QueueAhead(0, 0, 0), 100, 0, batch, 2000, tier=tier, reserve=2,
+                                 decode_tightest=tightest).tpot_step_s
+
+    assert step(paced, Tier.INTERACTIVE, None) == pytest.approx(0.07)
+    assert step(paced, Tier.STANDARD, None) == pytest.approx(0.175)
+    assert step(paced, Tier.STANDARD, Tier.INTERACTIVE) == pytest.approx(0.07)
+    assert step(paced, Tier.INTERACTIVE, Tier.STANDARD) == pytest.approx(0.07)
+    assert step(paced, Tier.BATCH, None) == pytest.approx(1.0)
+    prediction = paced.predict(QueueAhead(0, 0, 0), 100, 0, 4, 2000, tier=Tier.STANDARD, reserve=2)
+    assert prediction.tpot_reserved_s == pytest.approx(0.175 * paced.tpot_correction.value)
+    assert step(unpaced, Tier.STANDARD, None) == pytest.approx(work)
+    slow = paced.decode.predict((1.0, 400, 2000))  # 400 running requests: a step longer than 70 ms
+    assert slow > 0.07 and step(paced, Tier.INTERACTIVE, None, batch=400) == pytest.approx(slow)
+
+
+def test_the_admission_controller_paces_as_the_decode_workers_do() -> None:
+    """``scheduler.decode_step_pacing`` 0.7 with a 110 ms standard TPOT SLO: a standard request on an
+    idle service is predicted at the 77 ms interval and admitted (the predictor used to learn the paced
+    periods as step work and refuse it); the colocated mode, whose worker does not pace, predicts the
+    work alone."""
+    overrides = {"scheduler.decode_step_pacing": 0.7, "slo.tiers.standard.tpot_ms": 110, "admission.margin": 0.0}
+    controller = AdmissionController(load_config(None, overrides))
+    for _ in range(100):  # the decode worker reports its steps without the pacing sleep
+        controller.predictor.observe_decode(1, 200, 0.008, worker=0)
+    prediction = controller.admit(_Client(_queued_router({})), Tier.STANDARD, 100, 0, 16)  # type: ignore[arg-type]
+    assert prediction is not None and prediction.tpot_step_s == pytest.approx(0.077)
+    colocated = AdmissionController(load_config(None, {**overrides, "mode": "colocated"}))
+    assert colocated.predictor.paced_step_s(Tier.STANDARD) == 0.0
+    assert controller.predictor.paced_step_s(Tier.BATCH, Tier.STANDARD) == pytest.approx(0.077)
