@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Goodput of the default service (`mm-serve serve` with no placement keys: the planner picks the
-# placement) against our colocated mode and vLLM at its best (benchmarks/peers/serve_vllm.sh, after
-# `make peer-vllm`): same client, workload, SLOs, probes and seeds. The three systems alternate, ROUNDS
-# rounds, each on a fresh server (vLLM warmed up with 30 s of load first, as benchmarks/goodput.md
+# placement) against our colocated mode, our 1P+1D placement (configs/default.yaml) and vLLM at its
+# best (benchmarks/peers/serve_vllm.sh, after `make peer-vllm`): same client, workload, SLOs, probes and
+# seeds. The systems alternate, ROUNDS rounds, each on a fresh server (vLLM warmed up with 30 s of load first, as benchmarks/goodput.md
 # does). A round whose bench.json is already in OUT is kept (an interrupted run resumes). Prints every
 # round's goodput, the medians and the ratios. Run nothing else on the machine meanwhile.
 #
 #   benchmarks/default_vs_peers.sh OUT WORKLOAD SLO_TTFT SLO_TPOT NUM_REQUESTS [ROUNDS] [MODEL] [SYSTEMS]
 #   e.g. benchmarks/default_vs_peers.sh bench_out/peers-chatbot chatbot 1 0.05 100 3 out/bench-llama
-#   SYSTEMS: a comma list of default, colocated, vllm (default: all three)
+#   SYSTEMS: a comma list of default, colocated, disaggregated, vllm (default: default,colocated,vllm)
 set -euo pipefail
 out=$1 workload=$2 ttft=$3 tpot=$4 requests=$5 rounds=${6:-3} model=${7:-out/bench-llama} systems=${8:-default,colocated,vllm}
 mm_serve=${MM_SERVE:-.venv/bin/mm-serve}
@@ -42,8 +42,10 @@ for round in $(seq 1 "$rounds"); do
                    > "$out/default-r$round.log" 2>&1 ;;
         colocated) "$mm_serve" bench --config "$out/colocated.yaml" "${common[@]}" --no-admission --seed "$round" \
                      --out "$out/colocated-r$round" > "$out/colocated-r$round.log" 2>&1 ;;
+        disaggregated) "$mm_serve" bench --config configs/default.yaml "${common[@]}" --no-admission --seed "$round" \
+                         --out "$out/disaggregated-r$round" > "$out/disaggregated-r$round.log" 2>&1 ;;
         vllm) vllm_round "$round" ;;
-        *) echo "unknown system $system (default, colocated, vllm)" >&2; exit 2 ;;
+        *) echo "unknown system $system (default, colocated, disaggregated, vllm)" >&2; exit 2 ;;
       esac
     fi
     python3 -c "import json,sys; print(sys.argv[2], 'round', sys.argv[3], json.load(open(sys.argv[1]))['systems'][0]['goodput'], flush=True)" \
@@ -58,7 +60,7 @@ goodput = {s: [json.load(open(f"{out}/{s}-r{r}/bench.json"))["systems"][0]["good
 for s, values in goodput.items():
     print(f"{s}: median {statistics.median(values):.3f} req/s [{min(values):.3f}-{max(values):.3f}] rounds "
           + ", ".join(f"{v:.3f}" for v in values))
-for a, b in (("default", "colocated"), ("default", "vllm"), ("colocated", "vllm")):
+for a, b in (("default", "colocated"), ("default", "vllm"), ("colocated", "vllm"), ("disaggregated", "colocated")):
     if a in goodput and b in goodput and statistics.median(goodput[b]) > 0:
         paired = ", ".join(f"{x / y:.2f}" if y else "-" for x, y in zip(goodput[a], goodput[b]))
         print(f"{a} / {b}: {statistics.median(goodput[a]) / statistics.median(goodput[b]):.2f}x by the medians; per round {paired}")
