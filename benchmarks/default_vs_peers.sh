@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Goodput of the default service (`mm-serve serve` with no placement keys: the planner picks the
-# placement) against our colocated mode, our 1P+1D placement (configs/default.yaml) and vLLM at its
+# Goodput of the default service (`mm-serve serve` with no placement keys, the SLOs and workload
+# configured: the planner picks the placement for them) against our colocated mode, our 1P+1D placement (configs/default.yaml) and vLLM at its
 # best (benchmarks/peers/serve_vllm.sh, after `make peer-vllm`): same client, workload, SLOs, probes and
 # seeds. The systems alternate, ROUNDS rounds, each on a fresh server (vLLM warmed up with 30 s of load first, as benchmarks/goodput.md
 # does). A round whose bench.json is already in OUT is kept (an interrupted run resumes). Prints every
@@ -15,6 +15,13 @@ mm_serve=${MM_SERVE:-.venv/bin/mm-serve}
 port=${PEER_PORT:-8001}
 mkdir -p "$out"
 printf 'mode: colocated\n' > "$out/colocated.yaml"
+# the default service as a user with these SLOs and this traffic configures it: no placement key, the
+# default tier's SLOs and placement.workload set (the planner plans for them; interactive stays tighter)
+awk -v w="$workload" -v t="$ttft" -v p="$tpot" 'BEGIN {
+  it = t * 1000 < 1000 ? t * 1000 : 1000; ip = p * 1000 < 100 ? p * 1000 : 100
+  printf "placement:\n  workload: %s\nslo:\n  tiers:\n", w
+  printf "    interactive: {ttft_ms: %g, tpot_ms: %g}\n    standard: {ttft_ms: %g, tpot_ms: %g}\n", it, ip, t * 1000, p * 1000
+}' > "$out/default.yaml"
 common=(--model "$model" --workload "$workload" --sweep --num-requests "$requests" --slo-ttft "$ttft" --slo-tpot "$tpot")
 
 vllm_round() {  # $1: round
@@ -38,7 +45,7 @@ for round in $(seq 1 "$rounds"); do
   for system in ${systems//,/ }; do
     if [ ! -f "$out/$system-r$round/bench.json" ]; then
       case $system in
-        default) "$mm_serve" bench "${common[@]}" --no-admission --seed "$round" --out "$out/default-r$round" \
+        default) "$mm_serve" bench --config "$out/default.yaml" "${common[@]}" --no-admission --seed "$round" --out "$out/default-r$round" \
                    > "$out/default-r$round.log" 2>&1 ;;
         colocated) "$mm_serve" bench --config "$out/colocated.yaml" "${common[@]}" --no-admission --seed "$round" \
                      --out "$out/colocated-r$round" > "$out/colocated-r$round.log" 2>&1 ;;
