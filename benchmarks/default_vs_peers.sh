@@ -25,6 +25,7 @@ awk -v w="$workload" -v t="$ttft" -v p="$tpot" 'BEGIN {
 common=(--model "$model" --workload "$workload" --sweep --num-requests "$requests" --slo-ttft "$ttft" --slo-tpot "$tpot")
 
 vllm_round() {  # $1: round
+  touch "$out/vllm-r$1.server.log.start"
   bash benchmarks/peers/serve_vllm.sh "$model" "$port" > "$out/vllm-r$1.server.log" 2>&1 &
   local pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
@@ -39,6 +40,10 @@ vllm_round() {  # $1: round
     --out "$out/vllm-r$1" > "$out/vllm-r$1.log" 2>&1
   kill $pid; wait $pid 2>/dev/null || true
   trap - EXIT
+  # vLLM's CPU server leaves its ZMQ IPC sockets (UUID names) and vllm_dist_* files in /tmp after SIGTERM
+  find /tmp -maxdepth 1 -newer "$out/vllm-r$1.server.log.start" \( -name 'vllm_dist_*' -o \( -type s \
+    -regextype posix-extended -regex '/tmp/[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}' \) \) -delete 2>/dev/null || true
+  rm -f "$out/vllm-r$1.server.log.start"
 }
 
 for round in $(seq 1 "$rounds"); do
