@@ -14,7 +14,7 @@ from mm_serve.planner.profile_file import load_profile
 def test_profile_writes_a_file_the_planner_loads(tiny_llava: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "profile.json"
     code = main(["profile", "--model", str(tiny_llava), "--out", str(out), "--prefill-tokens", "16,64",
-                 "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1"])
+                 "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "1", "--parallel-threads", "2"])
     assert code == 0
     data = json.loads(out.read_text())
     assert [r["tokens"] for r in data["prefill"]] == [16, 64]
@@ -22,10 +22,17 @@ def test_profile_writes_a_file_the_planner_loads(tiny_llava: Path, tmp_path: Pat
     assert all(r["seconds"] > 0 for r in data["prefill"] + data["decode"] + data["encode"])
     profile = load_profile(out)
     assert len(profile.prefill) == 2 and len(profile.decode) == 2 and len(profile.encode) == 2
-    assert "wrote" in capsys.readouterr().out
+    [two] = profile.tensor_parallel  # the same sizes again on two threads
+    assert two.degree == 2 and [p.tokens for p in two.prefill] == [16, 64] and len(two.decode) == 2
+    assert len(two.encode) == 2
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and "[2 threads] decode  batch=  2 context=   32" in printed
 
 
 def test_profile_rejects_bad_sizes(tiny_llava: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"),
                  "--prefill-tokens", "a,b"]) == 2
     assert "--prefill-tokens must be comma-separated integers" in capsys.readouterr().err
+    assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"), "--threads", "2",
+                 "--parallel-threads", "2"]) == 2
+    assert "--parallel-threads must each be above --threads (2), got '2'" in capsys.readouterr().err

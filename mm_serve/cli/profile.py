@@ -24,6 +24,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--prefill-tokens", default="32,128,512,1024")
     p.add_argument("--decode-batches", default="1,4,16,32")
     p.add_argument("--decode-contexts", default="128,512")
+    p.add_argument("--parallel-threads", default="", metavar="N,...",
+                   help="also time every size on each of these thread counts (above --threads): the planner "
+                        "prices an instance of N cores from them (a tensor_parallel entry of degree N)")
     p.set_defaults(func=run)
 
 
@@ -46,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     prefill_tokens = _ints(args.prefill_tokens, "--prefill-tokens")
     batches = _ints(args.decode_batches, "--decode-batches")
     contexts = _ints(args.decode_contexts, "--decode-contexts")
+    parallel = _ints(args.parallel_threads, "--parallel-threads") if args.parallel_threads.strip() else []
     if args.threads < 1 or args.repeats < 1:
         raise CLIError("--threads and --repeats must be >= 1")
+    if any(n <= args.threads for n in parallel):
+        raise CLIError(f"--parallel-threads must each be above --threads ({args.threads}), got {args.parallel_threads!r}")
     try:
         model_dir = resolve_model(args.model)
     except CheckpointError as exc:
@@ -56,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if max(prefill_tokens) + 1 > limit or max(contexts) + 1 > limit:
         raise CLIError(f"sizes exceed the model's context length ({limit} tokens)")
     profile = measure_profile(model_dir, args.threads, args.repeats, prefill_tokens, batches, contexts,
-                              log=lambda line: print(line, flush=True))
+                              log=lambda line: print(line, flush=True), parallel_threads=parallel)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2))

@@ -5,9 +5,11 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 (in the config file or as flags) and no GPU ids, ``mm-serve serve``:
 
 1. takes a profile of the served checkpoint on this machine (:func:`cached_profile`): read from
-   the profile cache, else measured once (one torch thread per pass, as each pinned worker runs;
-   tens of seconds) and written there, under a key of the checkpoint's ``config.json``, the dtype,
-   the CPU model, the usable cores and the torch version;
+   the profile cache, else measured once (one torch thread per pass, as each pinned worker runs,
+   then the same sizes on 2, 4, ... threads up to the usable cores, as a worker given that many
+   cores runs: :func:`parallel_degrees`; tens of seconds) and written there, under a key of the
+   checkpoint's ``config.json``, the dtype, the CPU model, the usable cores, the torch version and
+   the sizes measured;
 2. runs the planner's search (:func:`mm_serve.planner.search.plan`) on it with one device per
    usable core, the workload ``placement.workload`` and the SLO of the default tier
    (:func:`choose_placement`);
@@ -128,13 +130,25 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def parallel_degrees(cores: int) -> list[int]:
+    """The thread counts a profile is measured on beside one thread: the powers of two up to
+    ``cores`` (the planner's tensor-parallel degrees, :func:`mm_serve.planner.candidates.tp_degrees`)."""
+    out, degree = [], 2
+    while degree <= cores:
+        out.append(degree)
+        degree *= 2
+    return out
+
+
 def profile_key(model_dir: Path, dtype: str, cores: int) -> str:
     """The cache key of a profile: a digest of the checkpoint's ``config.json``, ``dtype``, the
-    CPU model, ``cores`` and the torch version (a change of any of them measures again)."""
+    CPU model, ``cores``, the torch version and the sizes measured (a change of any of them
+    measures again)."""
     import torch
 
+    sizes = json.dumps({**PROFILE_SIZES, "parallel_threads": parallel_degrees(cores)}, sort_keys=True)
     parts = [(model_dir / "config.json").read_bytes(), dtype.encode(), _cpu_model().encode(), str(cores).encode(),
-             torch.__version__.encode()]
+             torch.__version__.encode(), sizes.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -172,7 +186,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     threads = torch.get_num_threads()
     try:
         profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
-                                  **PROFILE_SIZES)  # type: ignore[arg-type]
+                                  parallel_threads=parallel_degrees(cores), **PROFILE_SIZES)  # type: ignore[arg-type]
         profile["cache_key"] = path.stem
         profile["model"] = json.loads((model_dir / "config.json").read_text())  # not a path: any copy reads it
         Path(tmp).write_text(json.dumps(profile, indent=2))

@@ -26,13 +26,26 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 
 from mm_serve.planner.errors import HardwareError, ProfileError
-from mm_serve.planner.hardware import SPECS, Hardware, PhaseCoefficients, hardware_names
+from mm_serve.planner.hardware import (
+    SPECS,
+    Hardware,
+    ParallelCoefficients,
+    PhaseCoefficients,
+    hardware_names,
+)
 from mm_serve.planner.model_shape import ModelShape
-from mm_serve.planner.profile_file import Profile, load_profile
+from mm_serve.planner.profile_file import (
+    DecodePoint,
+    EncodePoint,
+    PrefillPoint,
+    Profile,
+    load_profile,
+)
 from mm_serve.planner.work import decode_work, encode_work, prefill_work
 
 DEFAULT_INTRA_NODE_BANDWIDTH = 25e9  # bytes/s: PCIe 4.0 x16, when a profile gives none
@@ -119,42 +132,58 @@ def _fit_compute(
     return PhaseFit(coef, len(works), *_quality(pred, seconds))
 
 
+def _fit_phases(shape: ModelShape, prefill: Sequence[PrefillPoint], decode: Sequence[DecodePoint],
+                encode: Sequence[EncodePoint], where: str) -> tuple[PhaseFit, PhaseFit, PhaseFit | None]:
+    """Prefill, decode and encode (None without points) fits of one set of points (see module doc);
+    ``where`` starts each error message."""
+    layers = shape.num_layers
+    dec_works = [decode_work(shape, d.batch, d.batch * d.context, layers) for d in decode]
+    dec_t = [d.seconds for d in decode]
+    x = nnls([[w.flops, w.bytes, 1.0] for w in dec_works], dec_t)
+    if not any(x):
+        raise ProfileError(f"{where}decode points could not be fitted by a non-negative roofline")
+    coef = PhaseCoefficients(*x)
+    dec_fit = PhaseFit(coef, len(dec_t), *_quality([coef.time(w.flops, w.bytes) for w in dec_works], dec_t))
+
+    pre_works = [prefill_work(shape, p.batch * p.tokens, p.batch * p.tokens**2, p.batch, layers) for p in prefill]
+    pre_fit = _fit_compute([(w.flops, w.bytes) for w in pre_works], [p.seconds for p in prefill],
+                           coef.seconds_per_byte)
+    enc_fit = None
+    if encode:
+        if shape.vision is None:
+            raise ProfileError(f"{where}profile has encode points but its model has no vision tower")
+        enc_works = [encode_work(shape, e.images) for e in encode]
+        enc_fit = _fit_compute([(w.flops, w.bytes) for w in enc_works], [e.seconds for e in encode],
+                               coef.seconds_per_byte)
+    return pre_fit, dec_fit, enc_fit
+
+
 def fit_profile(profile: Profile) -> ProfileFit:
-    """Least-squares coefficients for every phase of ``profile`` (see module doc).
+    """Least-squares coefficients for every phase of ``profile`` (see module doc), and the same fits
+    of every ``tensor_parallel`` degree it measured (a degree without encode points takes the
+    single device's encode coefficients, or its own prefill's when there are none).
 
     Raises:
         ProfileError: the points cannot be fitted (e.g. all coefficients zero).
     """
     shape = profile.shape
-    layers = shape.num_layers
-    dec_works = [decode_work(shape, d.batch, d.batch * d.context, layers) for d in profile.decode]
-    dec_t = [d.seconds for d in profile.decode]
-    x = nnls([[w.flops, w.bytes, 1.0] for w in dec_works], dec_t)
-    if not any(x):
-        raise ProfileError("decode points could not be fitted by a non-negative roofline")
-    decode = PhaseCoefficients(*x)
-    dec_fit = PhaseFit(decode, len(dec_t), *_quality([decode.time(w.flops, w.bytes) for w in dec_works], dec_t))
-
-    pre_works = [prefill_work(shape, p.batch * p.tokens, p.batch * p.tokens**2, p.batch, layers)
-                 for p in profile.prefill]
-    pre_fit = _fit_compute([(w.flops, w.bytes) for w in pre_works],
-                           [p.seconds for p in profile.prefill], decode.seconds_per_byte)
-    enc_fit = None
-    if profile.encode:
-        if shape.vision is None:
-            raise ProfileError("profile has encode points but its model has no vision tower")
-        enc_works = [encode_work(shape, e.images) for e in profile.encode]
-        enc_fit = _fit_compute([(w.flops, w.bytes) for w in enc_works],
-                               [e.seconds for e in profile.encode], decode.seconds_per_byte)
+    pre_fit, dec_fit, enc_fit = _fit_phases(shape, profile.prefill, profile.decode, profile.encode, "")
+    parallel = {}
+    for points in profile.tensor_parallel:
+        pre, dec, enc = _fit_phases(shape, points.prefill, points.decode, points.encode,
+                                    f"tensor_parallel degree {points.degree}: ")
+        encode = enc or enc_fit or pre
+        parallel[points.degree] = ParallelCoefficients(pre.coefficients, dec.coefficients, encode.coefficients)
     hardware = Hardware(
         name=profile.name,
         memory_bytes=profile.memory_bytes,
         prefill=pre_fit.coefficients,
-        decode=decode,
+        decode=dec_fit.coefficients,
         encode=enc_fit.coefficients if enc_fit else pre_fit.coefficients,
         intra_node_bandwidth=profile.intra_node_bandwidth or DEFAULT_INTRA_NODE_BANDWIDTH,
         inter_node_bandwidth=profile.inter_node_bandwidth or DEFAULT_INTER_NODE_BANDWIDTH,
         collective_latency_s=profile.collective_latency_s or DEFAULT_COLLECTIVE_LATENCY_S,
+        tensor_parallel=MappingProxyType(parallel),
     )
     return ProfileFit(hardware, shape, pre_fit, dec_fit, enc_fit)
 

@@ -22,7 +22,7 @@ NVLink4 450 GB/s, NDR 400 Gb/s).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 GIB = 1 << 30
@@ -42,8 +42,23 @@ class PhaseCoefficients:
 
 
 @dataclass(frozen=True)
+class ParallelCoefficients:
+    """Coefficients measured on one instance of several devices (threads on a CPU): the whole
+    model's FLOPs and bytes, collectives included in the times (nothing divided, no all-reduce added)."""
+
+    prefill: PhaseCoefficients
+    decode: PhaseCoefficients
+    encode: PhaseCoefficients
+
+
+@dataclass(frozen=True)
 class Hardware:
-    """One device kind as the latency model sees it (all values achievable, not peak)."""
+    """One device kind as the latency model sees it (all values achievable, not peak).
+
+    ``tensor_parallel`` holds, by degree, the coefficients of instances of that many devices
+    where a profile measured them (:mod:`mm_serve.planner.fit`); other degrees are priced from
+    one device's coefficients (:mod:`mm_serve.planner.latency_model`).
+    """
 
     name: str
     memory_bytes: float  # device memory per GPU
@@ -55,6 +70,7 @@ class Hardware:
     collective_latency_s: float  # fixed cost of one all-reduce or p2p send, seconds
     memory_utilization: float = 0.9  # fraction of memory usable for weights + KV
     activation_reserve_bytes: float = 2 * GIB  # per GPU, for activations and workspace
+    tensor_parallel: Mapping[int, ParallelCoefficients] = field(default_factory=dict, hash=False)  # measured, by degree
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ work of :mod:`mm_serve.planner.work`, adjusted for parallelism:
 * **Tensor parallelism** (degree ``t``, Megatron-LM, Shoeybi et al. 2019): FLOPs,
   weight bytes and KV bytes divide by ``t``; each layer adds two ring all-reduces of
   the activations, ``2 * (latency + 2 (t-1)/t * tokens * hidden * dtype / bw_nvlink)``.
+  Where the hardware profile measured instances of degree ``t`` (``Hardware.tensor_parallel``;
+  on a CPU, one worker on ``t`` threads, which shares memory bandwidth and caches and does not
+  scale by ``t``), their coefficients price the whole model's work instead, collectives included.
 * **Pipeline parallelism** (degree ``p``, GPipe, Huang et al. 2019): a stage runs
   ``ceil(L/p)`` layers (the slowest stage, LM head included, sets the pace, so uneven
   splits are bubbles); a prefill batch takes ``p * stage + (p-1) * hop`` end to end but
@@ -164,8 +167,12 @@ class LatencyModel:
         hw, shape, tp = self.hardware, self.shape, par.tp
         layers = self.stage_layers(par.pp)
 
+        measured = hw.tensor_parallel.get(tp) if tp > 1 else None
+
         def stage(tokens: float, tokens_sq: float, seqs: float) -> float:
             w = prefill_work(shape, tokens, tokens_sq, seqs, layers)
+            if measured is not None:
+                return measured.prefill.time(w.flops, w.bytes)
             t = hw.prefill.time(w.flops / tp, w.bytes / tp)
             return t + self._allreduce(tokens, tp, layers)
 
@@ -175,6 +182,8 @@ class LatencyModel:
 
         def encode(images: float) -> float:
             w = encode_work(shape, images * passes_per_image)
+            if measured is not None:
+                return measured.encode.time(w.flops, w.bytes)
             return hw.encode.time(w.flops / tp, w.bytes / tp)
 
         enc_const, per_image = _affine(encode, 1)
@@ -187,8 +196,12 @@ class LatencyModel:
         hw, shape, tp = self.hardware, self.shape, par.tp
         layers = self.stage_layers(par.pp)
 
+        measured = hw.tensor_parallel.get(tp) if tp > 1 else None
+
         def stage(batch: float, context: float) -> float:
             w = decode_work(shape, batch, context, layers)
+            if measured is not None:
+                return measured.decode.time(w.flops, w.bytes)
             return hw.decode.time(w.flops / tp, w.bytes / tp) + self._allreduce(batch, tp, layers)
 
         const, per_seq, per_ctx = _affine(stage, 2)

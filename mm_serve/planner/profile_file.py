@@ -15,21 +15,27 @@ A JSON object (format ``mm-serve-profile/1``)::
       "collective_latency_s": 5.0e-5,           # optional, seconds
       "prefill": [{"tokens": 128, "batch": 1, "seconds": 0.051}, ...],
       "decode":  [{"batch": 4, "context": 256, "seconds": 0.012}, ...],
-      "encode":  [{"images": 1, "seconds": 0.30}, ...]            # optional
+      "encode":  [{"images": 1, "seconds": 0.30}, ...],           # optional
+      "tensor_parallel": [                      # optional: instances of more devices
+        {"degree": 2, "prefill": [...], "decode": [...], "encode": [...]}, ...
+      ]
     }
 
 ``tokens`` is the prompt length of each of ``batch`` sequences (``batch`` defaults
 to 1); ``context`` is the KV length of each of ``batch`` decoding sequences; every
 ``seconds`` is one forward pass (a prefill batch, one decode step, an encode batch);
 ``images`` counts tower passes, images of the tower's square input size (a tiling family's
-image takes several).
+image takes several). A ``tensor_parallel`` entry holds the same kinds of points measured on
+one instance of ``degree`` devices (on a CPU: one worker on ``degree`` torch threads, the
+placement's "TP" there), the whole pass's time; the planner then prices instances of that
+degree from them instead of dividing one device's times by the degree.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +68,16 @@ class EncodePoint:
 
 
 @dataclass(frozen=True)
+class ParallelPoints:
+    """Points measured on one instance of ``degree`` devices (threads on a CPU)."""
+
+    degree: int
+    prefill: tuple[PrefillPoint, ...]
+    decode: tuple[DecodePoint, ...]
+    encode: tuple[EncodePoint, ...] = ()
+
+
+@dataclass(frozen=True)
 class Profile:
     """A parsed profile file (see the module docstring for units)."""
 
@@ -75,6 +91,7 @@ class Profile:
     intra_node_bandwidth: float | None = None
     inter_node_bandwidth: float | None = None
     collective_latency_s: float | None = None
+    tensor_parallel: tuple[ParallelPoints, ...] = ()  # by degree, each above 1 and at most once
 
 
 def _num(row: Mapping[str, Any], key: str, where: str, default: float | None = None,
@@ -123,21 +140,40 @@ def parse_profile(data: Any, base: Path = Path("."), where: str = "profile") -> 
         raise ProfileError(f"{where}: top level must be a JSON object")
     if data.get("format") != FORMAT:
         raise ProfileError(f"{where}: 'format' must be {FORMAT!r}, got {data.get('format')!r}")
-    pre = [PrefillPoint(int(_num(r, "tokens", where, integer=True)),
-                        int(_num(r, "batch", where, 1, integer=True)), _num(r, "seconds", where))
-           for r in _rows(data, "prefill", where, True)]
-    dec = [DecodePoint(int(_num(r, "batch", where, integer=True)),
-                       int(_num(r, "context", where, integer=True)), _num(r, "seconds", where))
-           for r in _rows(data, "decode", where, True)]
-    enc = [EncodePoint(int(_num(r, "images", where, integer=True)), _num(r, "seconds", where))
-           for r in _rows(data, "encode", where, False)]
+    pre, dec, enc = _points(data, where)
     optional = {k: _num(data, k, where) if k in data else None
                 for k in ("intra_node_bandwidth", "inter_node_bandwidth", "collective_latency_s")}
     return Profile(
         name=str(data.get("name", "profiled")), device=str(data.get("device", "")),
         memory_bytes=_num(data, "memory_bytes", where), shape=_shape(data, base, where),
-        prefill=tuple(pre), decode=tuple(dec), encode=tuple(enc), **optional,
+        prefill=pre, decode=dec, encode=enc, **optional, tensor_parallel=_parallel(data, where),
     )
+
+
+def _points(data: Mapping[str, Any], where: str) -> tuple[tuple[PrefillPoint, ...], tuple[DecodePoint, ...],
+                                                           tuple[EncodePoint, ...]]:
+    """The prefill, decode and encode points of ``data`` (prefill and decode required)."""
+    pre = tuple(PrefillPoint(int(_num(r, "tokens", where, integer=True)),
+                             int(_num(r, "batch", where, 1, integer=True)), _num(r, "seconds", where))
+                for r in _rows(data, "prefill", where, True))
+    dec = tuple(DecodePoint(int(_num(r, "batch", where, integer=True)),
+                            int(_num(r, "context", where, integer=True)), _num(r, "seconds", where))
+                for r in _rows(data, "decode", where, True))
+    enc = tuple(EncodePoint(int(_num(r, "images", where, integer=True)), _num(r, "seconds", where))
+                for r in _rows(data, "encode", where, False))
+    return pre, dec, enc
+
+
+def _parallel(data: Mapping[str, Any], where: str) -> tuple[ParallelPoints, ...]:
+    """The ``tensor_parallel`` entries, each with a degree above 1 given once."""
+    out: list[ParallelPoints] = []
+    for i, entry in enumerate(_rows(data, "tensor_parallel", where, False)):
+        at = f"{where}: tensor_parallel[{i}]"
+        degree = int(_num(entry, "degree", at, integer=True))
+        if degree < 2 or any(p.degree == degree for p in out):
+            raise ProfileError(f"{at}: 'degree' must be above 1 and appear once, got {degree}")
+        out.append(ParallelPoints(degree, *_points(entry, at)))
+    return tuple(out)
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -152,17 +188,26 @@ def load_profile(path: str | Path) -> Profile:
     return parse_profile(data, p.parent, str(p))
 
 
+def points_to_json(prefill: Sequence[PrefillPoint], decode: Sequence[DecodePoint],
+                   encode: Sequence[EncodePoint]) -> dict[str, list[dict[str, float]]]:
+    """The ``prefill``, ``decode`` and ``encode`` rows of a profile (or of a ``tensor_parallel`` entry)."""
+    return {"prefill": [{"tokens": p.tokens, "batch": p.batch, "seconds": p.seconds} for p in prefill],
+            "decode": [{"batch": d.batch, "context": d.context, "seconds": d.seconds} for d in decode],
+            "encode": [{"images": e.images, "seconds": e.seconds} for e in encode]}
+
+
 def profile_to_json(
     name: str, device: str, memory_bytes: float, model: Mapping[str, Any] | str,
     prefill: list[PrefillPoint], decode: list[DecodePoint], encode: list[EncodePoint],
-    dtype: str | None = None,
+    dtype: str | None = None, tensor_parallel: Sequence[ParallelPoints] = (),
 ) -> dict[str, Any]:
     """The JSON object of a profile (for a profiler to ``json.dump``)."""
     out: dict[str, Any] = {"format": FORMAT, "name": name, "device": device,
                            "memory_bytes": memory_bytes, "model": model}
     if dtype:
         out["dtype"] = dtype
-    out["prefill"] = [{"tokens": p.tokens, "batch": p.batch, "seconds": p.seconds} for p in prefill]
-    out["decode"] = [{"batch": d.batch, "context": d.context, "seconds": d.seconds} for d in decode]
-    out["encode"] = [{"images": e.images, "seconds": e.seconds} for e in encode]
+    out.update(points_to_json(prefill, decode, encode))
+    if tensor_parallel:
+        out["tensor_parallel"] = [{"degree": p.degree, **points_to_json(p.prefill, p.decode, p.encode)}
+                                  for p in tensor_parallel]
     return out

@@ -82,29 +82,9 @@ class EngineProfiler:
         return _median_seconds(lambda: model.encode_images(pixels), self.repeats)
 
 
-def measure_profile(
-    model_dir: str | Path, threads: int = 1, repeats: int = 3, prefill_tokens: Sequence[int] = (32, 128, 512, 1024),
-    decode_batches: Sequence[int] = (1, 4, 16, 32), decode_contexts: Sequence[int] = (128, 512),
-    log: Callable[[str], None] = print, dtype: str = "auto",
-) -> dict[str, Any]:
-    """Time the engine of ``model_dir`` in ``dtype`` on ``threads`` torch threads and return a profile
-    (the ``mm-serve-profile/1`` format of :mod:`mm_serve.planner.profile_file`); ``log`` gets one line
-    per point. Sizes past the model's context are left out, and so are encode points of a tower that
-    takes no square image batch (the dynamic-resolution families: the planner then prices encoding
-    with the prefill coefficients).
-
-    Raises:
-        ValueError: no prefill size or decode context fits the model's context.
-    """
-    torch.set_num_threads(threads)
-    need = max(max(prefill_tokens), max(decode_batches) * (max(decode_contexts) + 16))
-    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64, dtype=dtype))  # type: ignore[arg-type]
-    limit = engine.max_model_len - 1
-    prefill_tokens = [t for t in prefill_tokens if t <= limit]
-    decode_contexts = [c for c in decode_contexts if c <= limit]
-    if not prefill_tokens or not decode_contexts:
-        raise ValueError(f"no profile size fits the model's context ({engine.max_model_len} tokens)")
-    prof = EngineProfiler(engine, repeats)
+def _measure_points(prof: EngineProfiler, prefill_tokens: Sequence[int], decode_batches: Sequence[int],
+                    decode_contexts: Sequence[int], log: Callable[[str], None]) -> dict[str, list[dict[str, float]]]:
+    """Time every size on the current torch threads: the rows of a profile (or of a ``tensor_parallel`` entry)."""
     rows: dict[str, list[dict[str, float]]] = {"prefill": [], "decode": [], "encode": []}
     for tokens in prefill_tokens:
         seconds = prof.prefill(tokens, 1)
@@ -124,8 +104,52 @@ def measure_profile(
         if encoded is not None:
             rows["encode"].append({"images": images, "seconds": encoded})
             log(f"encode  images={images}                {encoded * 1000:9.2f} ms")
-    return {
+    return rows
+
+
+def measure_profile(
+    model_dir: str | Path, threads: int = 1, repeats: int = 3, prefill_tokens: Sequence[int] = (32, 128, 512, 1024),
+    decode_batches: Sequence[int] = (1, 4, 16, 32), decode_contexts: Sequence[int] = (128, 512),
+    log: Callable[[str], None] = print, dtype: str = "auto", parallel_threads: Sequence[int] = (),
+) -> dict[str, Any]:
+    """Time the engine of ``model_dir`` in ``dtype`` on ``threads`` torch threads and return a profile
+    (the ``mm-serve-profile/1`` format of :mod:`mm_serve.planner.profile_file`); ``log`` gets one line
+    per point. Sizes past the model's context are left out, and so are encode points of a tower that
+    takes no square image batch (the dynamic-resolution families: the planner then prices encoding
+    with the prefill coefficients). Each count in ``parallel_threads`` (above ``threads``) times the same
+    sizes again on that many threads, as a ``tensor_parallel`` entry of that degree: on a CPU an
+    instance of several cores is one worker on as many threads, and the planner prices it from these
+    points instead of dividing one thread's times (threads share memory bandwidth and caches).
+
+    Raises:
+        ValueError: no prefill size or decode context fits the model's context, or a count in
+            ``parallel_threads`` is not above ``threads``.
+    """
+    if any(t <= threads for t in parallel_threads):
+        raise ValueError(f"parallel_threads {list(parallel_threads)} must each be above threads={threads}")
+    torch.set_num_threads(threads)
+    need = max(max(prefill_tokens), max(decode_batches) * (max(decode_contexts) + 16))
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64, dtype=dtype))  # type: ignore[arg-type]
+    limit = engine.max_model_len - 1
+    prefill_tokens = [t for t in prefill_tokens if t <= limit]
+    decode_contexts = [c for c in decode_contexts if c <= limit]
+    if not prefill_tokens or not decode_contexts:
+        raise ValueError(f"no profile size fits the model's context ({engine.max_model_len} tokens)")
+    prof = EngineProfiler(engine, repeats)
+    rows = _measure_points(prof, prefill_tokens, decode_batches, decode_contexts, log)
+    parallel = []
+    for count in sorted(set(parallel_threads)):
+        torch.set_num_threads(count)
+        prefix = f"[{count} threads] "
+        points = _measure_points(prof, prefill_tokens, decode_batches, decode_contexts,
+                                 lambda line: log(prefix + line))  # noqa: B023 (called within this iteration)
+        parallel.append({"degree": count, **points})
+    torch.set_num_threads(threads)
+    profile: dict[str, Any] = {
         "format": "mm-serve-profile/1", "name": f"cpu-{threads}thread",
         "device": f"{os.cpu_count()} CPU cores, {threads} torch thread(s), torch {torch.__version__}",
         "memory_bytes": 16 * 2**30, "model": str(Path(model_dir).resolve()), "dtype": engine.config.dtype, **rows,
     }
+    if parallel:
+        profile["tensor_parallel"] = parallel
+    return profile

@@ -16,6 +16,7 @@ from mm_serve.planner.auto_placement import (
     apply_placement,
     cached_profile,
     choose_placement,
+    parallel_degrees,
     pinned_keys,
     profile_key,
 )
@@ -32,11 +33,16 @@ BENCH_LLAMA: dict[str, Any] = {
 PREFILL = [(32, 0.0224), (256, 0.163), (1024, 0.651)]
 DECODE = [(1, 128, 0.00882), (1, 512, 0.0109), (8, 128, 0.0105), (8, 512, 0.0147), (32, 128, 0.0252),
           (32, 512, 0.0551)]
+# Two torch threads on both cores of that kind of machine (mm-serve profile --parallel-threads 2,
+# 2026-12-05): about 1.8x one thread, not 2x.
+PREFILL_2 = [(32, 0.0154), (128, 0.0319), (512, 0.1166), (1024, 0.2463)]
+DECODE_2 = [(1, 128, 0.0070), (1, 512, 0.0074), (8, 128, 0.0099), (8, 512, 0.0131), (32, 128, 0.0189),
+            (32, 512, 0.0318)]
 
 
 @pytest.fixture()
 def two_core_machine(tmp_path: Path) -> tuple[Path, Path]:
-    """A checkpoint folder with bench-llama's config.json, and a profile of it on one core."""
+    """A checkpoint folder with bench-llama's config.json, and a profile of it on one core and on two."""
     model = tmp_path / "bench-llama"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(BENCH_LLAMA))
@@ -46,6 +52,8 @@ def two_core_machine(tmp_path: Path) -> tuple[Path, Path]:
         "model": BENCH_LLAMA, "dtype": "float32",
         "prefill": [{"tokens": t, "batch": 1, "seconds": s} for t, s in PREFILL],
         "decode": [{"batch": b, "context": c, "seconds": s} for b, c, s in DECODE],
+        "tensor_parallel": [{"degree": 2, "prefill": [{"tokens": t, "batch": 1, "seconds": s} for t, s in PREFILL_2],
+                             "decode": [{"batch": b, "context": c, "seconds": s} for b, c, s in DECODE_2]}],
     }))
     return model, profile
 
@@ -112,7 +120,12 @@ def test_a_cached_profile_is_read_and_a_new_checkpoint_is_measured(tiny_llama: P
     assert any("decode  batch= 32 context=  512" in line for line in lines)
     rows = json.loads(path.read_text())
     assert [r["tokens"] for r in rows["prefill"]] == [32, 256, 1024] and len(rows["decode"]) == 6
-    assert get_hardware(str(path)).name
+    # the same sizes on both cores' threads: the colocated worker's instance (degree 2)
+    [two] = rows["tensor_parallel"]
+    assert two["degree"] == 2 and [r["tokens"] for r in two["prefill"]] == [32, 256, 1024] and len(two["decode"]) == 6
+    assert any(line.startswith("  [2 threads] decode  batch= 32 context=  512") for line in lines)
+    assert set(get_hardware(str(path)).tensor_parallel) == {2}
+    assert parallel_degrees(1) == [] and parallel_degrees(2) == [2] and parallel_degrees(12) == [2, 4, 8]
     again: list[str] = []
     assert cached_profile(tiny_llama, "float32", 2, tmp_path, again.append) == (path, False) and again == []
     assert profile_key(tiny_llama, "bfloat16", 2) != profile_key(tiny_llama, "float32", 2)

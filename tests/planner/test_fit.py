@@ -14,6 +14,7 @@ from mm_serve.planner.fit import fit_profile_file, get_hardware, nnls
 from mm_serve.planner.hardware import Hardware, PhaseCoefficients
 from mm_serve.planner.latency_model import LatencyModel, ParallelConfig
 from mm_serve.planner.model_shape import shape_from_config
+from mm_serve.planner.profile_file import parse_profile, profile_to_json
 
 Configs = dict[str, dict[str, Any]]
 
@@ -117,3 +118,59 @@ def test_bad_profiles_raise(tmp_path: Path, configs: Configs, change: dict[str, 
     path.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match=message):
         fit_profile_file(path)
+
+
+def test_points_measured_on_two_threads_price_a_tp2_instance_and_other_degrees_divide(
+    tmp_path: Path, configs: Configs,
+) -> None:
+    """A profile whose ``tensor_parallel`` entry of degree 2 was measured 1.25x faster than one
+    device (not 2x: threads share the memory and caches): the fit recovers those coefficients, the
+    latency model prices a TP2 instance from them (no division, no all-reduce), a TP4 one still by
+    dividing one device's work by 4 and adding its all-reduces; and the entry round-trips through
+    profile_to_json."""
+    config = configs["tiny-llama"]
+    data = synthetic_profile(config, 0.0, images=False)
+    data["tensor_parallel"] = [{"degree": 2,
+                                "prefill": [dict(r, seconds=r["seconds"] / 1.25) for r in data["prefill"]],
+                                "decode": [dict(r, seconds=r["seconds"] / 1.25) for r in data["decode"]]}]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    hw = fit_profile_file(path).hardware
+    assert set(hw.tensor_parallel) == {2}
+    two = hw.tensor_parallel[2]
+    assert two.decode.seconds_per_byte == pytest.approx(TRUE.decode.seconds_per_byte / 1.25, rel=0.02)
+    assert two.prefill.seconds_per_flop == pytest.approx(TRUE.prefill.seconds_per_flop / 1.25, rel=0.02)
+    assert two.encode == two.prefill  # no encode points anywhere: its own prefill's
+    model = LatencyModel(shape_from_config(config), hw)
+    one_step = model.decode_timing(ParallelConfig(1, 1)).step_time(32, 32 * 512)
+    assert model.decode_timing(ParallelConfig(2, 1)).step_time(32, 32 * 512) == pytest.approx(one_step / 1.25, rel=0.02)
+    one_prefill = model.prefill_timing(ParallelConfig(1, 1)).latency(512, 512**2, 1, 0)
+    assert model.prefill_timing(ParallelConfig(2, 1)).latency(512, 512**2, 1, 0) == pytest.approx(
+        one_prefill / 1.25, rel=0.02)
+    unmeasured = LatencyModel(shape_from_config(config), Hardware(**{**hw.__dict__, "tensor_parallel": {}}))
+    assert model.decode_timing(ParallelConfig(4, 1)) == unmeasured.decode_timing(ParallelConfig(4, 1))
+    assert unmeasured.decode_timing(ParallelConfig(2, 1)).step_time(32, 32 * 512) < one_step / 1.6  # the divided guess
+
+    parsed = parse_profile(data, tmp_path)
+    again = profile_to_json(parsed.name, parsed.device, parsed.memory_bytes, config, list(parsed.prefill),
+                            list(parsed.decode), list(parsed.encode), tensor_parallel=parsed.tensor_parallel)
+    assert parse_profile(again, tmp_path).tensor_parallel == parsed.tensor_parallel
+
+
+@pytest.mark.parametrize("entries, message", [
+    ([{"degree": 1, "prefill": [], "decode": []}], "'degree' must be above 1 and appear once, got 1"),
+    ([{"degree": 2, "prefill": [{"tokens": 8, "seconds": 0.1}], "decode": [{"batch": 1, "context": 8, "seconds": 1}]},
+      {"degree": 2, "prefill": [{"tokens": 8, "seconds": 0.1}], "decode": [{"batch": 1, "context": 8, "seconds": 1}]}],
+     "tensor_parallel\\[1\\]: 'degree' must be above 1 and appear once, got 2"),
+    ([{"degree": 2, "prefill": [{"tokens": 8, "seconds": 0.1}], "decode": []}],
+     "tensor_parallel\\[0\\]: 'decode' needs at least one measurement"),
+    ([{"degree": "two", "prefill": [], "decode": []}], "'degree' must be a positive integer"),
+    ({"degree": 2}, "'tensor_parallel' must be a list of objects"),
+])
+def test_a_bad_tensor_parallel_entry_is_an_error_naming_it(
+    tmp_path: Path, configs: Configs, entries: Any, message: str,
+) -> None:
+    data = synthetic_profile(configs["tiny-llama"], 0.0, images=False)
+    data["tensor_parallel"] = entries
+    with pytest.raises(ProfileError, match=message):
+        parse_profile(data, tmp_path)
