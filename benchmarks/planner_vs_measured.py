@@ -1,0 +1,168 @@
+"""The planner's goodput against the measured one, per placement, on the probes the benchmark ran.
+
+``benchmarks/default_vs_peers.sh`` measures each placement's goodput with ``mm-serve bench --sweep``:
+probes of N requests at rates it bisects. This script runs the requests the bench planned for each
+of those probes (the same draws of the workload and arrival path, from the round's seed) through the
+planner's simulator with a profile's fitted times, colocated (one instance of ``--cores`` devices:
+the profile's points of that many threads where it has them) and 1P+1D (one thread each), scores
+them against the same SLOs, and reports per round:
+
+* measured goodput (the bench's), and the simulated goodput on the same probes: the highest probe
+  rate below the lowest simulated failure (the bench's rates, so the bisection's resolution);
+* the planner's own prediction (``mm-serve serve``'s: its workload drawn afresh, probes of 400
+  requests or ten turnovers, the first turnover not scored: steady state);
+* the 1P+1D / colocated ratio of each, the line issue #51 item 4 asks to be within 0.2.
+
+Usage::
+
+    python benchmarks/planner_vs_measured.py OUT WORKLOAD SLO_TTFT SLO_TPOT --profile PROFILE.json
+        [--rounds 3] [--model out/bench-llama] [--cores 2]
+
+OUT holds ``colocated-r<k>/`` and ``disaggregated-r<k>/`` from default_vs_peers.sh (or, for 1P+1D, the
+default service's rounds where the planner chose it). Text workloads only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from mm_serve.config import config_from_dict, load_config  # noqa: E402
+from mm_serve.ground.slo import SLO  # noqa: E402
+from mm_serve.planner.auto_placement import choose_placement  # noqa: E402
+from mm_serve.planner.fit import fit_profile_file  # noqa: E402
+from mm_serve.planner.latency_model import LatencyModel, ParallelConfig  # noqa: E402
+from mm_serve.planner.sim_request import SimRequest  # noqa: E402
+from mm_serve.planner.simulator import (  # noqa: E402
+    DecodeServer,
+    Handoff,
+    PrefillServer,
+    build_requests,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+from mm_serve.workloads import make_workload, unit_rate_arrivals  # noqa: E402
+
+SYSTEMS = ("colocated", "disaggregated")
+
+
+def probe_rates(records: Path) -> list[float]:
+    """The rates (requests/s) of the probes the bench ran, from its records (the unloaded rows, rate 0,
+    left out)."""
+    rates = {float(json.loads(line)["rate"]) for line in records.read_text().splitlines() if line.strip()}
+    return sorted(r for r in rates if r > 0)
+
+
+def planned_requests(workload: str, max_context: int, seed: int, n: int, rate: float) -> list[SimRequest]:
+    """The ``n`` requests ``mm-serve bench --seed seed`` plans for a probe at ``rate`` requests/s: the
+    workload's first ``n`` draws on its unit-rate arrival path scaled by ``1 / rate``
+    (:meth:`mm_serve.bench.runner.SweepRunner.plan_at`), all of them, sent or not (a probe the bench
+    stopped early never sent its last ones)."""
+    specs = make_workload(workload, 0, max_context).sample(n, seed)
+    return build_requests(specs, [t / rate for t in unit_rate_arrivals(n, seed, 1.0)])
+
+
+def simulated_attainment(requests: list[SimRequest], system: str, model: LatencyModel, cores: int,
+                         slo: SLO) -> float:
+    """Share of ``requests`` whose run in the simulator meets both SLOs: colocated (one instance of
+    ``cores`` devices) or 1P+1D (one device each), the default config's batch limits and KV capacity."""
+    cfg = load_config(None)
+    capacity = cfg.kv_cache.max_pages_per_gpu * cfg.kv_cache.page_size
+    if system == "colocated":
+        par = ParallelConfig(cores, 1)
+        server = DecodeServer(model.decode_timing(par), capacity, cfg.scheduler.decode_max_concurrent)
+        simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests)
+    else:
+        one = ParallelConfig(1, 1)
+        prefill = PrefillServer(model.prefill_timing(one), cfg.scheduler.prefill_token_budget,
+                                cfg.scheduler.prefill_batch_size)
+        decode = DecodeServer(model.decode_timing(one), capacity, cfg.scheduler.decode_max_concurrent)
+        simulate_disaggregated([prefill], [decode], [[Handoff(model.hardware.collective_latency_s, 0.0)]], requests)
+    ok = sum(1 for r in requests if r.ttft <= slo.ttft_s and r.tpot <= slo.tpot_s)
+    return ok / max(1, len(requests))
+
+
+def probe_goodput(passed: dict[float, bool]) -> float:
+    """The highest probe rate below the lowest failing one (0.0 when the lowest fails)."""
+    best = 0.0
+    for rate, ok in sorted(passed.items()):
+        if not ok:
+            break
+        best = rate
+    return best
+
+
+def measured_run(out: Path, system: str, k: int) -> tuple[Path, Path]:
+    """The folder and records file of round ``k`` of ``system`` in ``out``: ``<system>-r<k>/``, or for 1P+1D
+    the default service's round where the planner chose it (``default-r<k>/records-auto-1P+1D.jsonl``)."""
+    options = [(out / f"{system}-r{k}", f"records-{system}.jsonl")]
+    if system == "disaggregated":
+        options.append((out / f"default-r{k}", "records-auto-1P+1D.jsonl"))
+    for folder, name in options:
+        if (folder / "bench.json").is_file() and (folder / name).is_file():
+            return folder, folder / name
+    sys.exit(f"error: no round {k} of {system} in {out} (run benchmarks/default_vs_peers.sh first)")
+
+
+def planner_prediction(model_dir: Path, profile: Path, workload: str, slo: SLO, cores: int) -> dict[str, float]:
+    """``mm-serve serve``'s predicted goodput of each candidate (requests/s) for these SLOs and workload."""
+    tier = {"ttft_ms": slo.ttft_s * 1000, "tpot_ms": slo.tpot_s * 1000}
+    cfg = config_from_dict({"placement": {"workload": workload}, "slo": {"tiers": {
+        "interactive": {"ttft_ms": min(1000.0, tier["ttft_ms"]), "tpot_ms": min(100.0, tier["tpot_ms"])},
+        "standard": tier}}})
+    choice = choose_placement(cfg, model_dir, profile, list(range(cores)))
+    return {("colocated" if name == "colocated" else "disaggregated"): rate for name, rate in choice.predicted.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("workload")
+    parser.add_argument("slo_ttft", type=float, help="seconds")
+    parser.add_argument("slo_tpot", type=float, help="seconds")
+    parser.add_argument("--profile", type=Path, required=True, help="an mm-serve profile of the model on this machine")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds k = 1.. (the bench's --seed k)")
+    parser.add_argument("--num-requests", type=int, default=100, help="requests per probe (the bench's)")
+    parser.add_argument("--model", type=Path, default=Path("out/bench-llama"))
+    parser.add_argument("--cores", type=int, default=2, help="cores of the machine measured")
+    args = parser.parse_args()
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    fit = fit_profile_file(args.profile)
+    model = LatencyModel(fit.shape, fit.hardware)
+    measured: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    simulated: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    for system in SYSTEMS:
+        for k in range(1, args.rounds + 1):
+            folder, found = measured_run(args.out, system, k)
+            result = json.loads((folder / "bench.json").read_text())["systems"][0]
+            measured[system].append(float(result["goodput"] or 0.0))
+            runs = {float(run["rate"]): run for run in result["sweep"]["runs"]}
+            passed = {}
+            for rate in probe_rates(found):
+                requests = planned_requests(args.workload, fit.shape.max_context, k, args.num_requests, rate)
+                attained = simulated_attainment(requests, system, model, args.cores, slo)
+                passed[rate] = attained >= 0.9
+                run = runs.get(rate, {})
+                stopped = " (stopped early)" if run.get("stopped_early") else ""
+                print(f"  {folder.name} at {rate:7.3f} req/s: measured {100 * float(run.get('attainment', 0)):5.1f} %"
+                      f"{stopped}, simulated {100 * attained:5.1f} %")
+            simulated[system].append(probe_goodput(passed))
+    steady = planner_prediction(args.model, args.profile, args.workload, slo, args.cores)
+    print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}")
+    print(f"{'round':>5} | {'colocated meas / sim':>21} | {'1P+1D meas / sim':>17} | ratio 1P+1D/colocated meas / sim")
+    for k in range(args.rounds):
+        mc, sc = measured["colocated"][k], simulated["colocated"][k]
+        md, sd = measured["disaggregated"][k], simulated["disaggregated"][k]
+        print(f"{k + 1:>5} | {mc:>9.3f} / {sc:<9.3f} | {md:>7.3f} / {sd:<7.3f} | "
+              f"{md / mc if mc else float('nan'):.2f} / {sd / sc if sc else float('nan'):.2f}")
+    print(f"planner at start (steady state): colocated {steady['colocated']:.3f}, 1P+1D {steady['disaggregated']:.3f} "
+          f"req/s, ratio {steady['disaggregated'] / steady['colocated']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
