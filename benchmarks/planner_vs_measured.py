@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -59,10 +60,12 @@ def probe_rates(records: Path) -> list[float]:
 
 
 def planned_requests(workload: str, max_context: int, seed: int, n: int, rate: float) -> list[SimRequest]:
-    """The ``n`` requests ``mm-serve bench --seed seed`` plans for a probe at ``rate`` requests/s: the
-    workload's first ``n`` draws on its unit-rate arrival path scaled by ``1 / rate``
-    (:meth:`mm_serve.bench.runner.SweepRunner.plan_at`), all of them, sent or not (a probe the bench
+    """The requests ``mm-serve bench --seed seed --num-requests n`` plans for a probe at ``rate``
+    requests/s: the workload's first draws on its unit-rate arrival path scaled by ``1 / rate``
+    (:meth:`mm_serve.bench.runner.SweepRunner.plan_at`), ``n`` of them or as many as arrive in three
+    minutes (the bench's cap at its default 60 s duration), all of them, sent or not (a probe the bench
     stopped early never sent its last ones)."""
+    n = min(n, max(1, math.ceil(rate * 3 * 60.0)))
     specs = make_workload(workload, 0, max_context).sample(n, seed)
     return build_requests(specs, [t / rate for t in unit_rate_arrivals(n, seed, 1.0)])
 
@@ -153,6 +156,8 @@ def main() -> None:
                       f"{stopped}, simulated {100 * attained:5.1f} %")
             simulated[system].append(probe_goodput(passed))
     steady = planner_prediction(args.model, args.profile, args.workload, slo, args.cores)
+    if set(steady) != set(SYSTEMS):
+        sys.exit(f"error: the planner's candidates are {sorted(steady)}, not colocated and one 1P+1D-like unit")
     print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}")
     print(f"{'round':>5} | {'colocated meas / sim':>21} | {'1P+1D meas / sim':>17} | ratio 1P+1D/colocated meas / sim")
     for k in range(args.rounds):
@@ -160,8 +165,9 @@ def main() -> None:
         md, sd = measured["disaggregated"][k], simulated["disaggregated"][k]
         print(f"{k + 1:>5} | {mc:>9.3f} / {sc:<9.3f} | {md:>7.3f} / {sd:<7.3f} | "
               f"{md / mc if mc else float('nan'):.2f} / {sd / sc if sc else float('nan'):.2f}")
+    ratio = steady["disaggregated"] / steady["colocated"] if steady["colocated"] else float("nan")
     print(f"planner at start (steady state): colocated {steady['colocated']:.3f}, 1P+1D {steady['disaggregated']:.3f} "
-          f"req/s, ratio {steady['disaggregated'] / steady['colocated']:.2f}")
+          f"req/s, ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

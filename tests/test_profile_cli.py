@@ -35,4 +35,6 @@ def test_profile_rejects_bad_sizes(tiny_llava: Path, tmp_path: Path, capsys: pyt
     assert "--prefill-tokens must be comma-separated integers" in capsys.readouterr().err
     assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"), "--threads", "2",
                  "--parallel-threads", "2"]) == 2
-    assert "--parallel-threads must each be above --threads (2), got '2'" in capsys.readouterr().err
+    assert "--parallel-threads needs --threads 1 and counts above 1" in capsys.readouterr().err
+    assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"), "--parallel-threads", "1,2"]) == 2
+    assert "got --threads 1 --parallel-threads '1,2'" in capsys.readouterr().err

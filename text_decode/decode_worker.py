@@ -110,9 +110,8 @@ class DecodeWorker(WorkerShell):
         with ``decode_step_pacing`` that fraction of the tightest TPOT SLO among the running requests
         (each by its tier, ``tier_tpot_s``; :func:`mm_serve.runtime.pacing.paced_interval_s`, at most
         :data:`mm_serve.runtime.pacing.MAX_PACED_INTERVAL_S`); 0.0 unpaced or with nothing running."""
-        if not self.pacing:
-            return self.pace_s
-        return paced_interval_s(self.pacing, self.tier_tpot_s, (r.priority for r in self.scheduler.running))
+        ranks = (r.priority for r in self.scheduler.running)
+        return paced_interval_s(self.pace_s, self.pacing, self.tier_tpot_s, ranks)
 
     def _next_step_at(self) -> float:
         """Monotonic time the next step may start: :meth:`step_interval_s` after the last one began (0.0: now)."""
@@ -171,9 +170,10 @@ class DecodeWorker(WorkerShell):
         (the admission predictor's decode step, :mod:`mm_serve.admission`): since the previous decode
         step was timed, or since pacing let this one start (``allowed``, monotonic; 0.0 unpaced) when
         that came later, when every step in between did work (claims, recompute steps, sending,
-        messages and the OS's time slices included), else since this step began. Unpaced, consecutive
-        periods tile the busy time exactly; paced, they leave out the sleep (the predictor adds the
-        paced interval itself: :func:`mm_serve.runtime.pacing.paced_interval_s`)."""
+        messages and the OS's time slices included; paced, a recompute step's work within the
+        interval is left out too), else since this step began. Unpaced, consecutive periods tile the
+        busy time exactly; paced, they leave out the sleep (the predictor adds the interval itself:
+        :func:`mm_serve.runtime.pacing.paced_interval_s`)."""
         now, last = time.monotonic(), self._last_step_end
         self._last_step_end = now
         return now - (max(last, allowed) if last is not None else begun)

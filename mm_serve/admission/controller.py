@@ -175,8 +175,9 @@ class AdmissionController(AdmissionLearning):
         TPOT over its tier's SLO × (1 + margin), or a tighter tier's TPOT it would break."""
         margin, tpot_slo = self.config.admission.margin, self.config.slo.of(tier).tpot_s
         factor = self.limit_factor(tier, "tpot")
-        if max_tokens > 1 and prediction.tpot_s > tpot_slo * (1 + margin) * factor:
-            return refusal_text.over_slo("TPOT", tier, prediction.tpot_s, tpot_slo, margin, factor)
+        # the work of its steps: a paced interval is below the SLO by construction and refusing does not shorten it
+        if max_tokens > 1 and prediction.tpot_judged_s > tpot_slo * (1 + margin) * factor:
+            return refusal_text.over_slo("TPOT", tier, prediction.tpot_judged_s, tpot_slo, margin, factor)
         return self._protect_excess(tier, prediction, max_tokens)
 
     def _protected(self, tier: Tier, prediction: Prediction) -> tuple[Tier, bool] | None:

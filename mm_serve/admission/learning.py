@@ -29,9 +29,11 @@ class AdmissionLearning:
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
+        paced = config.mode == "disaggregated"  # a colocated worker does not pace
         self.predictor = LatencyPredictor(config.scheduler.prefill_batch_size, config.scheduler.prefill_token_budget,
-                                          config.scheduler.decode_step_pacing if config.mode == "disaggregated" else 0.0,
-                                          [config.slo.of(tier).tpot_s for tier in Tier])
+                                          config.scheduler.decode_step_pacing if paced else 0.0,
+                                          [config.slo.of(tier).tpot_s for tier in Tier],
+                                          config.scheduler.decode_step_interval_ms / 1000.0 if paced else 0.0)
         if config.admission.profile is not None:
             self.predictor.warm_start(load_profile(config.admission.profile))
         self.lock = threading.Lock()

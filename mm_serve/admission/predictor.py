@@ -22,9 +22,11 @@ the KV hand-off is not on the TTFT path here: it delays the second token (ITL), 
 the TPOT over the whole output absorbs. Predicted TPOT = one decode step at the chosen
 decode worker's batch (its running and dispatched requests plus this one) and context, times
 how much longer than the fit's price that worker's last steps took (:meth:`LatencyPredictor.decode_scale`);
-with decode pacing (``scheduler.decode_step_pacing``) at least the paced interval of the tightest
-tier there, the new request's included (:func:`mm_serve.runtime.pacing.paced_interval_s`): decode
-workers report their steps without the pacing sleep, so the fit keeps learning the work.
+with decode pacing (``scheduler.decode_step_interval_ms``, or ``decode_step_pacing`` by the tightest
+tier there, the new request's included: :func:`mm_serve.runtime.pacing.paced_interval_s`) at least
+that interval. Decode workers report their steps without the pacing sleep, so the fit keeps learning
+the work, and the SLO rules judge the work alone (``Prediction.tpot_judged_s``): the interval is below
+every running request's TPOT SLO by construction, and refusing a request would not shorten it.
 
 Defaults fit the embedded model on a CPU core, or :meth:`LatencyPredictor.warm_start` fits
 them to an ``mm-serve profile`` file (``admission.profile``); the fits move to the
@@ -89,29 +91,36 @@ class Prediction:
     queue_s: float  # TTFT base less its own prefill alone: the wait for the work ahead and its batch-mates (before the correction)
     ttft_base_s: float = 0.0  # queue + own prefill as the fit prices them (before the correction)
     tpot_step_s: float = 0.0  # one decode step (period) as the fit prices it, times the worker's last steps' scale, at least the paced interval (before the correction)
+    tpot_work_s: float | None = None  # predicted TPOT without the pacing interval: the work of its steps (after the correction; None: tpot_s)
     tier: Tier = Tier.STANDARD  # the tier it was predicted for
     idle: bool = False  # nothing queued on its prefill worker and nothing running on its decode worker
     decode_tightest: Tier | None = None  # tightest tier live on its decode worker (None: none)
     waited_s: float = 0.0  # seconds from the call's arrival to this prediction (images, hold, a busy front end; in ``ttft_s``)
     grammar_s: float = 0.0  # seconds its prefill worker will spend compiling its grammar before the first token (in ``ttft_s``)
-    tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker
+    tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker (the work, as tpot_work_s)
     # the queued looser request that this one, served before it, would make miss its TTFT SLO (the worst; None: none)
     makes_late: LateRequest | None = None
+
+    @property
+    def tpot_judged_s(self) -> float:
+        """The TPOT the SLO rules judge (seconds): the work of its steps, without a pacing interval."""
+        return self.tpot_s if self.tpot_work_s is None else self.tpot_work_s
 
 
 class LatencyPredictor:
     """The three fits and the prediction; observe methods are called from the receiver thread.
 
-    ``decode_pacing`` and ``tier_tpot_s`` are the decode workers' pacing rule
-    (``scheduler.decode_step_pacing``, a fraction in [0, 1), 0 = unpaced; the TPOT SLO of each tier
-    in seconds, by rank): a paced step lasts at least the paced interval of the tightest tier running.
+    ``decode_interval_s``, ``decode_pacing`` and ``tier_tpot_s`` are the decode workers' pacing
+    (``scheduler.decode_step_interval_ms`` in seconds, 0 = none; ``scheduler.decode_step_pacing``, a
+    fraction in [0, 1), 0 = none; the TPOT SLO of each tier in seconds, by rank): a paced step lasts
+    at least that interval.
     """
 
     def __init__(self, prefill_batch_size: int, prefill_token_budget: int, decode_pacing: float = 0.0,
-                 tier_tpot_s: Sequence[float] = ()) -> None:
+                 tier_tpot_s: Sequence[float] = (), decode_interval_s: float = 0.0) -> None:
         self.batch_size = max(1, prefill_batch_size)
         self.token_budget = max(1, prefill_token_budget)
-        self.decode_pacing, self.tier_tpot_s = decode_pacing, tuple(tier_tpot_s)
+        self.decode_interval_s, self.decode_pacing, self.tier_tpot_s = decode_interval_s, decode_pacing, tuple(tier_tpot_s)
         self.prefill = OnlineLinearFit(DEFAULT_PREFILL, (1.0, 1000.0, 1.0))
         # per prefill worker: its batches' measured / the shared fit's seconds (workers sharing a
         # core with others run slower; the fit learns the shape, these the speed of each)
@@ -251,21 +260,21 @@ class LatencyPredictor:
                                           arrivals_window_s, scale)
             queue = max(0.0, base - own)
         live = self.decode_scale(decode_worker)
-        paced = self.paced_step_s(tier, decode_tightest)
-        step = max(paced, live * self.decode.predict((1.0, decode_batch, decode_context)))
+        work = live * self.decode.predict((1.0, decode_batch, decode_context))
+        step = max(self.paced_step_s(tier, decode_tightest), work)
         batch = max(1, decode_batch)
-        reserved = max(paced, live * self.decode.predict((1.0, batch + reserve,
-                                                          decode_context * (batch + reserve) / batch)))
+        reserved = live * self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
+        correction = self.tpot_correction.value
         return Prediction(base * self.ttft_corrections[tier].value + self.transit_s + self.overhead_s,
-                          step * self.tpot_correction.value, queue, base, step, tier=tier,
-                          tpot_reserved_s=reserved * self.tpot_correction.value)
+                          step * correction, queue, base, step, work * correction, tier=tier,
+                          tpot_reserved_s=reserved * correction)
 
     def paced_step_s(self, tier: Tier, decode_tightest: Tier | None = None) -> float:
         """Seconds a paced decode step lasts at least once a request of ``tier`` runs on a decode worker
         whose tightest running tier is ``decode_tightest`` (None: none): the decode workers' own rule,
         :func:`mm_serve.runtime.pacing.paced_interval_s`; 0.0 unpaced."""
         ranks = [tier] if decode_tightest is None else [tier, decode_tightest]
-        return paced_interval_s(self.decode_pacing, self.tier_tpot_s, ranks)
+        return paced_interval_s(self.decode_interval_s, self.decode_pacing, self.tier_tpot_s, ranks)
 
     def observe_prefill(self, tokens: int, images: int, seconds: float, worker: int | None = None,
                         cpu_seconds: float = 0.0) -> None:

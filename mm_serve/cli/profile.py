@@ -25,7 +25,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decode-batches", default="1,4,16,32")
     p.add_argument("--decode-contexts", default="128,512")
     p.add_argument("--parallel-threads", default="", metavar="N,...",
-                   help="also time every size on each of these thread counts (above --threads): the planner "
+                   help="with --threads 1, also time every size on each of these thread counts: the planner "
                         "prices an instance of N cores from them (a tensor_parallel entry of degree N)")
     p.set_defaults(func=run)
 
@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
     parallel = _ints(args.parallel_threads, "--parallel-threads") if args.parallel_threads.strip() else []
     if args.threads < 1 or args.repeats < 1:
         raise CLIError("--threads and --repeats must be >= 1")
-    if any(n <= args.threads for n in parallel):
-        raise CLIError(f"--parallel-threads must each be above --threads ({args.threads}), got {args.parallel_threads!r}")
+    if parallel and (args.threads != 1 or min(parallel) < 2):
+        raise CLIError(f"--parallel-threads needs --threads 1 and counts above 1 (each is an instance of that many "
+                       f"cores), got --threads {args.threads} --parallel-threads {args.parallel_threads!r}")
     try:
         model_dir = resolve_model(args.model)
     except CheckpointError as exc:

@@ -7,7 +7,7 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 1. takes a profile of the served checkpoint on this machine (:func:`cached_profile`): read from
    the profile cache, else measured once (one torch thread per pass, as each pinned worker runs,
    then the same sizes on 2, 4, ... threads up to the usable cores, as a worker given that many
-   cores runs: :func:`parallel_degrees`; tens of seconds) and written there, under a key of the
+   cores runs: :func:`parallel_degrees`; tens of seconds on a few cores, more with each degree) and written there, under a key of the
    checkpoint's ``config.json``, the dtype, the CPU model, the usable cores, the torch version and
    the sizes measured;
 2. runs the planner's search (:func:`mm_serve.planner.search.plan`) on it with one device per
@@ -33,6 +33,7 @@ from typing import Any
 
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.ground.slo import SLO
+from mm_serve.planner.candidates import tp_degrees
 from mm_serve.planner.errors import PlannerError, ProfileError
 from mm_serve.planner.fit import get_hardware
 from mm_serve.planner.model_shape import load_model_shape
@@ -130,14 +131,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def parallel_degrees(cores: int) -> list[int]:
-    """The thread counts a profile is measured on beside one thread: the powers of two up to
-    ``cores`` (the planner's tensor-parallel degrees, :func:`mm_serve.planner.candidates.tp_degrees`)."""
-    out, degree = [], 2
-    while degree <= cores:
-        out.append(degree)
-        degree *= 2
-    return out
+def parallel_degrees(cores: int, num_heads: int) -> list[int]:
+    """The thread counts a profile is measured on beside one thread: the planner's tensor-parallel
+    degrees above 1 on ``cores`` devices for a model of ``num_heads`` attention heads (powers of two
+    that divide the heads: :func:`mm_serve.planner.candidates.tp_degrees`)."""
+    return [degree for degree in tp_degrees(num_heads, cores) if degree > 1]
 
 
 def profile_key(model_dir: Path, dtype: str, cores: int) -> str:
@@ -146,7 +144,8 @@ def profile_key(model_dir: Path, dtype: str, cores: int) -> str:
     measures again)."""
     import torch
 
-    sizes = json.dumps({**PROFILE_SIZES, "parallel_threads": parallel_degrees(cores)}, sort_keys=True)
+    degrees = parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads)
+    sizes = json.dumps({**PROFILE_SIZES, "parallel_threads": degrees}, sort_keys=True)
     parts = [(model_dir / "config.json").read_bytes(), dtype.encode(), _cpu_model().encode(), str(cores).encode(),
              torch.__version__.encode(), sizes.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -186,7 +185,8 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     threads = torch.get_num_threads()
     try:
         profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
-                                  parallel_threads=parallel_degrees(cores), **PROFILE_SIZES)  # type: ignore[arg-type]
+                                  parallel_threads=parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads),
+                                  **PROFILE_SIZES)  # type: ignore[arg-type]
         profile["cache_key"] = path.stem
         profile["model"] = json.loads((model_dir / "config.json").read_text())  # not a path: any copy reads it
         Path(tmp).write_text(json.dumps(profile, indent=2))

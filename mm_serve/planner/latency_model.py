@@ -9,6 +9,8 @@ work of :mod:`mm_serve.planner.work`, adjusted for parallelism:
   Where the hardware profile measured instances of degree ``t`` (``Hardware.tensor_parallel``;
   on a CPU, one worker on ``t`` threads, which shares memory bandwidth and caches and does not
   scale by ``t``), their coefficients price the whole model's work instead, collectives included.
+  Their per-call intercept was fitted on whole-model passes and is charged to every pipeline stage
+  in full, as one device's is.
 * **Pipeline parallelism** (degree ``p``, GPipe, Huang et al. 2019): a stage runs
   ``ceil(L/p)`` layers (the slowest stage, LM head included, sets the pace, so uneven
   splits are bubbles); a prefill batch takes ``p * stage + (p-1) * hop`` end to end but

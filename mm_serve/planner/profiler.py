@@ -122,11 +122,12 @@ def measure_profile(
     points instead of dividing one thread's times (threads share memory bandwidth and caches).
 
     Raises:
-        ValueError: no prefill size or decode context fits the model's context, or a count in
-            ``parallel_threads`` is not above ``threads``.
+        ValueError: no prefill size or decode context fits the model's context, or ``parallel_threads``
+            is given with ``threads`` other than 1 (a degree counts threads of one device's thread), or
+            holds a count below 2.
     """
-    if any(t <= threads for t in parallel_threads):
-        raise ValueError(f"parallel_threads {list(parallel_threads)} must each be above threads={threads}")
+    if parallel_threads and (threads != 1 or min(parallel_threads) < 2):
+        raise ValueError(f"parallel_threads {list(parallel_threads)} needs threads=1 (got {threads}) and counts above 1")
     torch.set_num_threads(threads)
     need = max(max(prefill_tokens), max(decode_batches) * (max(decode_contexts) + 16))
     engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64, dtype=dtype))  # type: ignore[arg-type]
@@ -138,13 +139,15 @@ def measure_profile(
     prof = EngineProfiler(engine, repeats)
     rows = _measure_points(prof, prefill_tokens, decode_batches, decode_contexts, log)
     parallel = []
-    for count in sorted(set(parallel_threads)):
-        torch.set_num_threads(count)
-        prefix = f"[{count} threads] "
-        points = _measure_points(prof, prefill_tokens, decode_batches, decode_contexts,
-                                 lambda line: log(prefix + line))  # noqa: B023 (called within this iteration)
-        parallel.append({"degree": count, **points})
-    torch.set_num_threads(threads)
+    try:
+        for count in sorted(set(parallel_threads)):
+            torch.set_num_threads(count)
+            prefix = f"[{count} threads] "
+            points = _measure_points(prof, prefill_tokens, decode_batches, decode_contexts,
+                                     lambda line: log(prefix + line))  # noqa: B023 (called within this iteration)
+            parallel.append({"degree": count, **points})
+    finally:
+        torch.set_num_threads(threads)
     profile: dict[str, Any] = {
         "format": "mm-serve-profile/1", "name": f"cpu-{threads}thread",
         "device": f"{os.cpu_count()} CPU cores, {threads} torch thread(s), torch {torch.__version__}",

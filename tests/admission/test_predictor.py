@@ -733,10 +733,17 @@ def test_a_paced_decode_step_is_predicted_as_at_least_the_interval_of_the_tighte
     assert step(paced, Tier.INTERACTIVE, Tier.STANDARD) == pytest.approx(0.07)
     assert step(paced, Tier.BATCH, None) == pytest.approx(1.0)
     prediction = paced.predict(QueueAhead(0, 0, 0), 100, 0, 4, 2000, tier=Tier.STANDARD, reserve=2)
-    assert prediction.tpot_reserved_s == pytest.approx(0.175 * paced.tpot_correction.value)
+    # the SLO rules judge the work (the interval is below every running request's SLO by construction)
+    assert prediction.tpot_s == pytest.approx(0.175) and prediction.tpot_judged_s == pytest.approx(work)
+    assert prediction.tpot_reserved_s == pytest.approx(paced.decode.predict((1.0, 6, 3000)))
     assert step(unpaced, Tier.STANDARD, None) == pytest.approx(work)
+    unpaced_prediction = unpaced.predict(QueueAhead(0, 0, 0), 100, 0, 4, 2000)
+    assert unpaced_prediction.tpot_judged_s == unpaced_prediction.tpot_s == pytest.approx(work)
     slow = paced.decode.predict((1.0, 400, 2000))  # 400 running requests: a step longer than 70 ms
     assert slow > 0.07 and step(paced, Tier.INTERACTIVE, None, batch=400) == pytest.approx(slow)
+    fixed = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096, decode_interval_s=0.075)
+    fixed.decode = paced.decode
+    assert step(fixed, Tier.STANDARD, None) == step(fixed, Tier.INTERACTIVE, Tier.BATCH) == pytest.approx(0.075)
 
 
 def test_the_admission_controller_paces_as_the_decode_workers_do() -> None:
@@ -753,3 +760,30 @@ def test_the_admission_controller_paces_as_the_decode_workers_do() -> None:
     colocated = AdmissionController(load_config(None, {**overrides, "mode": "colocated"}))
     assert colocated.predictor.paced_step_s(Tier.STANDARD) == 0.0
     assert controller.predictor.paced_step_s(Tier.BATCH, Tier.STANDARD) == pytest.approx(0.077)
+    # a fixed interval (configs/summarization.yaml's 75 ms) is priced the same way
+    interval = AdmissionController(load_config(None, {"scheduler.decode_step_interval_ms": 75}))
+    assert interval.predictor.paced_step_s(Tier.BATCH) == pytest.approx(0.075)
+
+
+def test_under_pacing_a_tighter_tier_is_protected_by_the_work_not_by_a_looser_tiers_interval() -> None:
+    """Pacing 0.7: after an interactive call, a standard request beside queued work and a batch request
+    on an idle service are let through when their steps' work is far below the interactive TPOT SLO
+    (the standard interval of 175 ms, or the batch one of 1 s, is not what the interactive request would
+    get: the interval drops to 70 ms once it runs); the work itself still protects it."""
+    overrides = {"scheduler.decode_step_pacing": 0.7}
+    controller = AdmissionController(load_config(None, overrides))
+    for _ in range(100):
+        controller.predictor.observe_decode(2, 400, 0.008, worker=0)
+    controller.note_call(Tier.INTERACTIVE)
+    busy = _Client(_queued_router({1: 100}))
+    assert controller.admit(busy, Tier.STANDARD, 100, 0, 16) is not None  # type: ignore[arg-type]
+    controller.note_call(Tier.STANDARD)
+    assert controller.hold_reason(_Client(_queued_router({})), Tier.BATCH, 100, 0, 16) is None  # type: ignore[arg-type]
+    slow = AdmissionController(load_config(None, overrides))
+    for _ in range(100):  # 90 ms steps of work: over the 80 ms the interactive tier allows
+        slow.predictor.observe_decode(2, 400, 0.09, worker=0)
+    router = _queued_router({})
+    router.dispatched("running-interactive", 0, 0, 100, 1, tier=Tier.INTERACTIVE)
+    router.prefilled("running-interactive")
+    with pytest.raises(Rejection, match="serving interactive requests"):
+        slow.admit(_Client(router), Tier.STANDARD, 100, 0, 16)  # type: ignore[arg-type]
