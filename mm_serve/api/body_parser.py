@@ -25,6 +25,7 @@ import email.message
 import json
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -102,7 +103,10 @@ def _parse_in_process(source: bytes | str, content_type: str | None, model: type
 
 def _exit_with_parent(parent: int) -> None:
     """The parse process's initializer: a thread that ends the process once the API process ``parent`` is gone
-    (SIGKILLed, its shutdown never ran; the pool's pipes alone do not wake an idle worker)."""
+    (SIGKILLed, its shutdown never ran; the pool's pipes alone do not wake an idle worker). It ignores SIGINT:
+    Ctrl-C reaches the terminal's whole process group, and the API process stops this one in its own
+    shutdown (it printed a KeyboardInterrupt traceback at every Ctrl-C)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +77,19 @@ def test_the_parse_process_is_one_child_and_a_spooled_body_leaves_no_file(server
     parsers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
     assert len(parsers) == 1, [c.cmdline() for c in children]
     assert not list(Path(tempfile.gettempdir()).glob(f"{SPOOL_PREFIX}*"))
+
+
+def test_the_parse_process_outlives_a_ctrl_c_sent_to_it(server: ServerProcess) -> None:
+    """Ctrl-C reaches a terminal's whole process group: the parse process ignores SIGINT (it printed a
+    KeyboardInterrupt traceback at every stop) and goes on parsing; the API process stops it at shutdown."""
+    (parser,) = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    parser.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert parser.is_running() and parser.status() != psutil.STATUS_ZOMBIE
+    content = json.dumps(_chat([{"type": "text", "text": "word " * 60_000}])).encode()  # 300 KB: parsed there
+    answer = httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=60,
+                        headers={"content-type": "application/json"})
+    assert (answer.status_code, answer.json()["error"]["code"]) == (400, "context_length_exceeded")
 
 
 def test_the_parse_process_ends_with_a_killed_api_process(tiny_llava: Path, tmp_path: Path) -> None:
