@@ -13,8 +13,8 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 2. runs the planner's search (:func:`mm_serve.planner.search.plan`) on it with one device per
    usable core, the workload ``placement.workload`` and the SLO of the default tier
    (:func:`choose_placement`);
-3. runs colocated on every core when the planner's colocated pool predicts at least the
-   disaggregated unit's goodput, else the disaggregated unit: N prefill and M decode workers,
+3. runs colocated on every core when that one instance (TP = the cores, or the largest degree
+   the heads allow) predicts at least the disaggregated unit's goodput, else the disaggregated unit: N prefill and M decode workers,
    each pinned to its planned cores (:func:`apply_placement`).
 """
 
@@ -35,7 +35,9 @@ from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.ground.slo import SLO
 from mm_serve.planner.candidates import tp_degrees
 from mm_serve.planner.errors import PlannerError, ProfileError
+from mm_serve.planner.evaluator import GoodputEvaluator
 from mm_serve.planner.fit import get_hardware
+from mm_serve.planner.latency_model import ParallelConfig
 from mm_serve.planner.model_shape import load_model_shape
 from mm_serve.planner.plan_spec import PlanSpec
 from mm_serve.planner.profile_file import parse_profile
@@ -51,8 +53,8 @@ PROFILE_SIZES = {"prefill_tokens": (32, 256, 1024), "decode_batches": (1, 8, 32)
 class PlacementChoice:
     """What the planner chose for this machine and why.
 
-    ``predicted``: each candidate's predicted goodput on the whole machine, requests/s (the
-    colocated pool, the disaggregated unit under its ``NpMd`` name).
+    ``predicted``: each candidate's predicted goodput on the whole machine, requests/s (the one
+    colocated instance on every core, the disaggregated unit under its ``NpMd`` name).
     """
 
     mode: str  # "colocated" or "disaggregated"
@@ -222,21 +224,22 @@ def choose_placement(
         prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
     )
     result = plan(spec)
-    return _choice(result, cores, workload_name, tier_slo, str(profile), measured)
+    # the colocated mode runs one worker on every core: that instance's goodput, not the planner's best
+    # colocated pool (which may be several smaller instances the service does not run)
+    colocated = ParallelConfig(max(tp_degrees(shape.num_heads, len(cores))), 1)
+    colocated_rate = GoodputEvaluator(spec).colocated_goodput(colocated, False)
+    return _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate)
 
 
 def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profile: str,
-            measured: bool) -> PlacementChoice:
-    """The choice from a plan: colocated when its pool predicts at least the disaggregated unit's goodput."""
+            measured: bool, colocated: ParallelConfig, colocated_rate: float) -> PlacementChoice:
+    """The choice from a plan and the goodput (requests/s) of the colocated instance the service would run
+    (``colocated``): colocated when that predicts at least the disaggregated unit's goodput."""
     prefill = [i for i in result.placement if i.role == "prefill"]
     decode = [i for i in result.placement if i.role == "decode"]
     disaggregated = f"{len(prefill)}P+{len(decode)}D"
-    colocated_rate = result.colocated_per_gpu_goodput * len(cores)
     predicted = {"colocated": colocated_rate, disaggregated: result.cluster_goodput}
-    candidates = {"colocated": f"one worker on cores {cores}"}
-    if result.colocated is not None:
-        candidates["colocated"] += (f" (planned as {result.colocated_unit_instances} x TP{result.colocated.par.tp} "
-                                    f"PP{result.colocated.par.pp})")
+    candidates = {"colocated": f"one worker on cores {cores} (planned as one TP{colocated.tp} PP{colocated.pp} instance)"}
     prefill_cpus = [cores[g] for i in prefill for g in i.gpus]
     decode_cpus = [cores[g] for i in decode for g in i.gpus]
     candidates[disaggregated] = f"prefill on cores {prefill_cpus}, decode on cores {decode_cpus}"
