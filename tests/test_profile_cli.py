@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,10 @@ def test_profile_rejects_bad_sizes(tiny_llava: Path, tmp_path: Path, capsys: pyt
     assert "--prefill-tokens must be comma-separated integers" in capsys.readouterr().err
     assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"), "--threads", "2",
                  "--parallel-threads", "2"]) == 2
-    assert "--parallel-threads needs --threads 1 and counts above 1" in capsys.readouterr().err
-    assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"), "--parallel-threads", "1,2"]) == 2
-    assert "got --threads 1 --parallel-threads '1,2'" in capsys.readouterr().err
+    assert "--parallel-threads needs --threads 1 (each count is an instance of that many cores), got --threads 2" \
+        in capsys.readouterr().err
+    for counts in ("1,2", "4096"):
+        assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"),
+                     "--parallel-threads", counts]) == 2
+        assert f"--parallel-threads counts must be between 2 and the {len(os.sched_getaffinity(0))} usable cores, " \
+            f"got '{counts}'" in capsys.readouterr().err

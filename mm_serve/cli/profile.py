@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,13 @@ def run(args: argparse.Namespace) -> int:
     parallel = _ints(args.parallel_threads, "--parallel-threads") if args.parallel_threads.strip() else []
     if args.threads < 1 or args.repeats < 1:
         raise CLIError("--threads and --repeats must be >= 1")
-    if parallel and (args.threads != 1 or min(parallel) < 2):
-        raise CLIError(f"--parallel-threads needs --threads 1 and counts above 1 (each is an instance of that many "
-                       f"cores), got --threads {args.threads} --parallel-threads {args.parallel_threads!r}")
+    if parallel and args.threads != 1:
+        raise CLIError(f"--parallel-threads needs --threads 1 (each count is an instance of that many cores), "
+                       f"got --threads {args.threads}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if parallel and not 2 <= min(parallel) <= max(parallel) <= cores:
+        raise CLIError(f"--parallel-threads counts must be between 2 and the {cores} usable cores, "
+                       f"got {args.parallel_threads!r}")
     try:
         model_dir = resolve_model(args.model)
     except CheckpointError as exc:
