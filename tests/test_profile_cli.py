@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from mm_serve.cli.main import main
+from mm_serve.planner.auto_placement import usable_cores
 from mm_serve.planner.profile_file import load_profile
 
 
@@ -41,5 +41,5 @@ def test_profile_rejects_bad_sizes(tiny_llava: Path, tmp_path: Path, capsys: pyt
     for counts in ("1,2", "4096"):
         assert main(["profile", "--model", str(tiny_llava), "--out", str(tmp_path / "p.json"),
                      "--parallel-threads", counts]) == 2
-        assert f"--parallel-threads counts must be between 2 and the {len(os.sched_getaffinity(0))} usable cores, " \
+        assert f"--parallel-threads counts must be between 2 and the {len(usable_cores())} usable cores, " \
             f"got '{counts}'" in capsys.readouterr().err

@@ -101,7 +101,7 @@ def _parse_in_process(source: bytes | str, content_type: str | None, model: type
                          "invalid_request_error", None, None)
 
 
-def _exit_with_parent(parent: int) -> None:
+def _init_parse_process(parent: int) -> None:
     """The parse process's initializer: a thread that ends the process once the API process ``parent`` is gone
     (SIGKILLed, its shutdown never ran; the pool's pipes alone do not wake an idle worker). It ignores SIGINT:
     Ctrl-C reaches the terminal's whole process group, and the API process stops this one in its own
@@ -165,7 +165,7 @@ class BodyParser:
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent,
+                    max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_parse_process,
                     initargs=(os.getpid(),))
                 self._pool.submit(is_json, "application/json").result()  # spawned, and this module imported
             return self._pool

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure and write the profile; prints each point as it goes."""
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.named_models import resolve_model
+    from mm_serve.planner.auto_placement import usable_cores
     from mm_serve.planner.profiler import measure_profile
 
     prefill_tokens = _ints(args.prefill_tokens, "--prefill-tokens")
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if parallel and args.threads != 1:
         raise CLIError(f"--parallel-threads needs --threads 1 (each count is an instance of that many cores), "
                        f"got --threads {args.threads}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(usable_cores())
     if parallel and not 2 <= min(parallel) <= max(parallel) <= cores:
         raise CLIError(f"--parallel-threads counts must be between 2 and the {cores} usable cores, "
                        f"got {args.parallel_threads!r}")

@@ -7,15 +7,15 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 1. takes a profile of the served checkpoint on this machine (:func:`cached_profile`): read from
    the profile cache, else measured once (one torch thread per pass, as each pinned worker runs,
    then the same sizes on 2, 4, ... threads up to the usable cores, as a worker given that many
-   cores runs: :func:`parallel_degrees`; tens of seconds on a few cores, more with each degree) and written there, under a key of the
-   checkpoint's ``config.json``, the dtype, the CPU model, the usable cores, the torch version and
-   the sizes measured;
+   cores runs: :func:`parallel_degrees`; tens of seconds on a few cores, more with each degree)
+   and written there, under a key of the checkpoint's ``config.json``, the dtype, the CPU model,
+   the usable cores, the torch version and the sizes measured;
 2. runs the planner's search (:func:`mm_serve.planner.search.plan`) on it with one device per
    usable core, the workload ``placement.workload`` and the SLO of the default tier
    (:func:`choose_placement`);
 3. runs colocated on every core when that one instance (TP = the cores, or the largest degree
-   the heads allow) predicts at least the disaggregated unit's goodput, else the disaggregated unit: N prefill and M decode workers,
-   each pinned to its planned cores (:func:`apply_placement`).
+   the heads allow) predicts at least the disaggregated unit's goodput, else the disaggregated
+   unit: N prefill and M decode workers, each pinned to its planned cores (:func:`apply_placement`).
 """
 
 from __future__ import annotations
@@ -140,13 +140,14 @@ def parallel_degrees(cores: int, num_heads: int) -> list[int]:
     return [degree for degree in tp_degrees(num_heads, cores) if degree > 1]
 
 
-def profile_key(model_dir: Path, dtype: str, cores: int) -> str:
+def profile_key(model_dir: Path, dtype: str, cores: int, degrees: list[int] | None = None) -> str:
     """The cache key of a profile: a digest of the checkpoint's ``config.json``, ``dtype``, the
-    CPU model, ``cores``, the torch version and the sizes measured (a change of any of them
-    measures again)."""
+    CPU model, ``cores``, the torch version and the sizes measured, ``degrees`` the thread counts beside
+    one (None: :func:`parallel_degrees` of the checkpoint; a change of any of them measures again)."""
     import torch
 
-    degrees = parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads)
+    if degrees is None:
+        degrees = parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads)
     sizes = json.dumps({**PROFILE_SIZES, "parallel_threads": degrees}, sort_keys=True)
     parts = [(model_dir / "config.json").read_bytes(), dtype.encode(), _cpu_model().encode(), str(cores).encode(),
              torch.__version__.encode(), sizes.encode()]
@@ -164,7 +165,8 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
         PlannerError: the profile folder cannot be written (checked before measuring), or the
             checkpoint cannot be profiled (the message says why).
     """
-    path = profile_dir / f"{model_dir.name}-{profile_key(model_dir, dtype, cores)}.json"
+    degrees = parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads)
+    path = profile_dir / f"{model_dir.name}-{profile_key(model_dir, dtype, cores, degrees)}.json"
     if path.is_file():
         try:
             parse_profile(json.loads(path.read_text()), path.parent, str(path))
@@ -187,8 +189,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     threads = torch.get_num_threads()
     try:
         profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
-                                  parallel_threads=parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads),
-                                  **PROFILE_SIZES)  # type: ignore[arg-type]
+                                  parallel_threads=degrees, **PROFILE_SIZES)  # type: ignore[arg-type]
         profile["cache_key"] = path.stem
         profile["model"] = json.loads((model_dir / "config.json").read_text())  # not a path: any copy reads it
         Path(tmp).write_text(json.dumps(profile, indent=2))
@@ -223,11 +224,13 @@ def choose_placement(
         gpus_per_node=len(cores), seed=cfg.seed, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
     )
-    result = plan(spec)
-    # the colocated mode runs one worker on every core: that instance's goodput, not the planner's best
-    # colocated pool (which may be several smaller instances the service does not run)
+    evaluator = GoodputEvaluator(spec)
+    result = plan(spec, evaluator)
+    # the colocated mode runs one worker on every core: that instance's goodput (from the search's memo
+    # when it simulated that instance), not the planner's best colocated pool (which may be several
+    # smaller instances the service does not run)
     colocated = ParallelConfig(max(tp_degrees(shape.num_heads, len(cores))), 1)
-    colocated_rate = GoodputEvaluator(spec).colocated_goodput(colocated, False)
+    colocated_rate = evaluator.colocated_goodput(colocated, False)
     return _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate)
 
 

@@ -310,14 +310,19 @@ def best_colocated(ev: GoodputEvaluator, gpus: int) -> tuple[PhaseCandidate, int
     return best
 
 
-def plan(spec: PlanSpec) -> PlanResult:
-    """Search the placement for ``spec`` (see the module docstring).
+def plan(spec: PlanSpec, evaluator: GoodputEvaluator | None = None) -> PlanResult:
+    """Search the placement for ``spec`` (see the module docstring), with ``evaluator`` (one of
+    ``spec``; a new one when None): its goodputs are memoized, so a caller that asks it for more
+    afterwards reuses the search's simulations.
 
     Raises:
         PlannerError: no configuration fits in memory or meets the SLOs.
+        ValueError: ``evaluator`` evaluates another spec.
     """
     start = time.perf_counter()
-    ev = GoodputEvaluator(spec)
+    if evaluator is not None and evaluator.spec is not spec:
+        raise ValueError("plan(): the evaluator given evaluates another spec")
+    ev = evaluator or GoodputEvaluator(spec)
     simulated = [(simulate_unit(ev, m.unit, m.estimate), m) for m in shortlist(candidate_mixes(ev))]
     goodput, chosen = max(simulated, key=lambda gm: (gm[0] / gm[1].unit.gpus, -gm[1].unit.gpus))
     if goodput <= 0:
