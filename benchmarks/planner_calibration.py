@@ -42,7 +42,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from mm_serve.config import ConfigError, load_config  # noqa: E402
+from mm_serve.config import ConfigError, ServiceConfig, load_config  # noqa: E402
 from mm_serve.ground.slo import SLO  # noqa: E402
 from mm_serve.planner.errors import PlannerError  # noqa: E402
 from mm_serve.planner.fit import fit_profile_file  # noqa: E402
@@ -102,18 +102,24 @@ def measured_attainment(rows: list[dict[str, object]], slo: SLO) -> tuple[float,
     return ok / n, sum(ttfts) / max(1, len(ttfts)), sum(tpots) / max(1, len(tpots))
 
 
+def one_prefill_one_decode(model: LatencyModel, cfg: ServiceConfig) -> tuple[PrefillServer, DecodeServer, Handoff]:
+    """The simulator's 1P+1D of this machine: one prefill and one decode instance of one device each
+    (TP1), ``cfg``'s batch limits and KV capacity, and their hand-off (a shared-memory copy: ~free)."""
+    par = ParallelConfig(1, 1)
+    prefill = PrefillServer(model.prefill_timing(par), cfg.scheduler.prefill_token_budget,
+                            cfg.scheduler.prefill_batch_size)
+    capacity = cfg.kv_cache.max_pages_per_gpu * cfg.kv_cache.page_size
+    decode = DecodeServer(model.decode_timing(par), capacity, cfg.scheduler.decode_max_concurrent)
+    return prefill, decode, Handoff(model.hardware.collective_latency_s, 0.0)
+
+
 def simulated_attainment(
     rows: list[dict[str, object]], model: LatencyModel, config_path: Path | None, slo: SLO
 ) -> tuple[float, float, float]:
     """(attainment, mean TTFT s, mean TPOT s) of the same requests in the simulator: one
     prefill and one decode instance (TP1), the config's batch limits and KV capacity."""
     cfg = load_config(config_path) if config_path else load_config(None)
-    par = ParallelConfig(1, 1)
-    prefill = PrefillServer(model.prefill_timing(par), cfg.scheduler.prefill_token_budget,
-                            cfg.scheduler.prefill_batch_size)
-    capacity = cfg.kv_cache.max_pages_per_gpu * cfg.kv_cache.page_size
-    decode = DecodeServer(model.decode_timing(par), capacity, cfg.scheduler.decode_max_concurrent)
-    handoff = Handoff(model.hardware.collective_latency_s, 0.0)  # a shared-memory copy: ~free
+    prefill, decode, handoff = one_prefill_one_decode(model, cfg)
     requests = [
         SimRequest(i, float(r["sent_s"]), int(r["prompt_tokens"] or 1), max(1, int(r["output_tokens"] or 1)),
                    int(r.get("num_images") or 0))

@@ -33,6 +33,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from planner_calibration import one_prefill_one_decode  # noqa: E402 (benchmarks/, this script's folder)
+
 from mm_serve.config import config_from_dict, load_config  # noqa: E402
 from mm_serve.ground.slo import SLO  # noqa: E402
 from mm_serve.planner.auto_placement import choose_placement  # noqa: E402
@@ -41,8 +43,6 @@ from mm_serve.planner.latency_model import LatencyModel, ParallelConfig  # noqa:
 from mm_serve.planner.sim_request import SimRequest  # noqa: E402
 from mm_serve.planner.simulator import (  # noqa: E402
     DecodeServer,
-    Handoff,
-    PrefillServer,
     build_requests,
     simulate_colocated,
     simulate_disaggregated,
@@ -81,11 +81,8 @@ def simulated_attainment(requests: list[SimRequest], system: str, model: Latency
         server = DecodeServer(model.decode_timing(par), capacity, cfg.scheduler.decode_max_concurrent)
         simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests)
     else:
-        one = ParallelConfig(1, 1)
-        prefill = PrefillServer(model.prefill_timing(one), cfg.scheduler.prefill_token_budget,
-                                cfg.scheduler.prefill_batch_size)
-        decode = DecodeServer(model.decode_timing(one), capacity, cfg.scheduler.decode_max_concurrent)
-        simulate_disaggregated([prefill], [decode], [[Handoff(model.hardware.collective_latency_s, 0.0)]], requests)
+        prefill, decode, handoff = one_prefill_one_decode(model, cfg)
+        simulate_disaggregated([prefill], [decode], [[handoff]], requests)
     ok = sum(1 for r in requests if r.ttft <= slo.ttft_s and r.tpot <= slo.tpot_s)
     return ok / max(1, len(requests))
 
