@@ -13,10 +13,12 @@ context length, milliseconds per layer of
 
 and the GB/s of K/V each reaches. Cycling over all layers keeps any one layer's pages
 out of the last-level cache, as in serving. One thread (as each worker runs), float32.
+The cache is on transparent huge pages where Linux allows it, as a worker's is
+(``mm_serve.runtime.huge_pages``); ``--small-pages`` keeps it on 4 KiB pages, to compare.
 
 Usage::
 
-    python benchmarks/decode_attention.py [--batch 32] [--contexts 100,400,1600] [--threads 1]
+    python benchmarks/decode_attention.py [--batch 32] [--contexts 100,400,1600] [--threads 1] [--small-pages]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from mm_serve.kernels.cpu_extension import cpu_kernel_ops
 from mm_serve.kernels.paged_attention_ref import decode_attention_ref
+from mm_serve.runtime import kv_cache
 from mm_serve.runtime.kv_cache import PagedKVCache, pages_for
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 8, 4, 64, 16
@@ -90,12 +93,16 @@ def main() -> None:
     parser.add_argument("--contexts", default="100,400,1600", help="comma-separated context lengths, tokens")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20, help="timed calls per repeat (best of 3 repeats)")
+    parser.add_argument("--small-pages", action="store_true", help="leave the cache on 4 KiB pages (no huge-page advice)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.small_pages:
+        kv_cache.advise_huge_pages = lambda tensor: False
     if cpu_kernel_ops() is None:
         print("the compiled CPU kernels are not available here: only the reference is timed")
     print(f"decode attention, batch {args.batch}, {LAYERS} layers x ({HEADS} heads, {KV_HEADS} KV heads, "
-          f"head_dim {HEAD_DIM}), pages of {PAGE}, {args.threads} thread(s)")
+          f"head_dim {HEAD_DIM}), pages of {PAGE}, {args.threads} thread(s), "
+          f"{'4 KiB' if args.small_pages else 'huge'} memory pages")
     print(f"{'context':>8} {'path':<22} {'ms/layer':>9} {'K/V GB/s':>9} {'vs compiled':>12}")
     for context in (int(c) for c in args.contexts.split(",")):
         figures = measure(args.batch, context, args.calls)

@@ -3,10 +3,12 @@
 // One query token per sequence attends to its first context_lens[b] cached tokens,
 // read in place from the pages its block table names: no gather copy, no padding.
 // Work items are (sequence, KV head) pairs spread over torch's intra-op threads
-// (at::parallel_for). Each item reads its K rows once, computing the scores of the
-// whole grouped-query group (Ainslie et al. 2023, GQA) per row, takes the softmax
-// (max-subtracted, as in Milakov & Gimelshein 2018; exp on 16 lanes where AVX-512 is
-// there), then reads its V rows once.
+// (at::parallel_for). With AVX-512 and a head size of 64 or 128 (attend_blocks), an item
+// reads its context once, in blocks of 16 tokens: the K rows scored against every query
+// row of the grouped-query group (Ainslie et al. 2023, GQA), 16 dot products reduced
+// together, the online softmax (Milakov & Gimelshein 2018), then the same block's V rows.
+// Elsewhere (attend) an item reads its K rows once, takes the softmax (max-subtracted),
+// then reads its V rows once.
 // The same computation as kernels/paged_attention_ref.py (decode_attention_ref);
 // results differ from it in float32 summation order and, with AVX-512, by the vector exp
 // (~1 ulp; a weight that would underflow below FLT_MIN is FLT_MIN).
@@ -82,9 +84,14 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 // Scores s[0, length) -> softmax weights in place (max-subtracted; the sum taken once).
 inline void softmax_in_place(float* s, int64_t length) {
-  const float top = *std::max_element(s, s + length);
 #if defined(__AVX512F__)
-  const __m512 vtop = _mm512_set1_ps(top);
+  // The maximum on 16 lanes (a scalar max chain took an eighth of the attention). A NaN
+  // score may be dropped from it, but its exp below is NaN and poisons the sum all the same.
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < length; t += 16) {
+    vmax = _mm512_mask_max_ps(vmax, lanes(length - t), vmax, _mm512_maskz_loadu_ps(lanes(length - t), s + t));
+  }
+  const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t t = 0; t < length; t += 16) {
     const __mmask16 m = lanes(length - t);
@@ -94,6 +101,7 @@ inline void softmax_in_place(float* s, int64_t length) {
   }
   const float total = _mm512_reduce_add_ps(vsum);
 #else
+  const float top = *std::max_element(s, s + length);
   float total = 0.f;
   for (int64_t t = 0; t < length; ++t) {
     s[t] = std::exp(s[t] - top);
@@ -103,6 +111,187 @@ inline void softmax_in_place(float* s, int64_t length) {
   const float inv = 1.f / total;
   for (int64_t t = 0; t < length; ++t) s[t] *= inv;
 }
+
+#if defined(__AVX512F__)
+// The 16 lane sums of a[0..15], in order, in one vector: s[i] = a[i][0] + ... + a[i][15].
+// A transposing tree (pairs of lanes, then pairs of 64-bit halves, then 128-bit blocks):
+// 45 shuffles and adds for 16 sums, against ~8 each for 16 separate reductions.
+inline __m512 lane_sums16(const __m512* a) {
+  __m512 pair[8];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit block: a2i x, a2i+1 x, a2i y, a2i+1 y
+    pair[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  }
+  __m512 quad[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit block: the block's partial sums of a4i .. a4i+3
+    const __m512d x = _mm512_castps_pd(pair[2 * i]), y = _mm512_castps_pd(pair[2 * i + 1]);
+    quad[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 half[2];
+  for (int i = 0; i < 2; ++i) {  // blocks: quad 2i's blocks 0+1, 2+3, then quad 2i+1's
+    half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_f32x4(quad[2 * i], quad[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// out[t] = scale * (q . rows[t] + offset), t < n <= 16: one query row against up to 16 key rows,
+// each sum reduced by lane_sums16 (rows past n are not read).
+template <int64_t kHeadDim>
+inline void score_block(const float* q, const float* const* rows, int64_t offset, int64_t n, float scale, float* out) {
+  constexpr int64_t kVectors = kHeadDim / 16;
+  __m512 qv[kVectors];
+  for (int64_t i = 0; i < kVectors; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  __m512 acc[16];
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t < n) {
+      const float* k = rows[t] + offset;
+      acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+      for (int64_t i = 1; i < kVectors; ++i) acc[t] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), acc[t]);
+    } else {
+      acc[t] = _mm512_setzero_ps();
+    }
+  }
+  _mm512_mask_storeu_ps(out, lanes(n), _mm512_mul_ps(lane_sums16(acc), _mm512_set1_ps(scale)));
+}
+
+// acc[r] = rescale[r] * acc[r] + sum over t < n of weights[r * weight_stride + t] * rows[t][offset ...],
+// for the kCount query rows sharing one KV head (a compile-time count, so that the sums stay
+// in registers); acc rows are kHeadDim apart.
+template <int64_t kHeadDim, int64_t kCount>
+inline void weigh_block(const float* weights, int64_t weight_stride, const float* rescale, const float* const* rows,
+                        int64_t offset, int64_t n, float* acc) {
+  constexpr int64_t kVectors = kHeadDim / 16;
+  __m512 sum[kCount][kVectors];
+  for (int64_t r = 0; r < kCount; ++r) {
+    const __m512 c = _mm512_set1_ps(rescale[r]);
+    for (int64_t i = 0; i < kVectors; ++i) sum[r][i] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + r * kHeadDim + 16 * i));
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* v = rows[t] + offset;
+    __m512 vv[kVectors];
+    for (int64_t i = 0; i < kVectors; ++i) vv[i] = _mm512_loadu_ps(v + 16 * i);
+    for (int64_t r = 0; r < kCount; ++r) {
+      const __m512 w = _mm512_set1_ps(weights[r * weight_stride + t]);
+      for (int64_t i = 0; i < kVectors; ++i) sum[r][i] = _mm512_fmadd_ps(w, vv[i], sum[r][i]);
+    }
+  }
+  for (int64_t r = 0; r < kCount; ++r) {
+    for (int64_t i = 0; i < kVectors; ++i) _mm512_storeu_ps(acc + r * kHeadDim + 16 * i, sum[r][i]);
+  }
+}
+
+// weigh_block for `count` rows, in passes of up to 4 (head size 64) or 2 (128) rows, the
+// most whose sums fit the 32 vector registers beside a V row.
+template <int64_t kHeadDim>
+inline void weigh_rows(const float* weights, int64_t weight_stride, const float* rescale, int64_t count,
+                       const float* const* rows, int64_t offset, int64_t n, float* acc) {
+  constexpr int64_t kMost = kHeadDim <= 64 ? 4 : 2;
+  for (; count >= kMost; count -= kMost, weights += kMost * weight_stride, rescale += kMost, acc += kMost * kHeadDim) {
+    weigh_block<kHeadDim, kMost>(weights, weight_stride, rescale, rows, offset, n, acc);
+  }
+  if (count >= 2) {
+    weigh_block<kHeadDim, 2>(weights, weight_stride, rescale, rows, offset, n, acc);
+    count -= 2, weights += 2 * weight_stride, rescale += 2, acc += 2 * kHeadDim;
+  }
+  if (count == 1) weigh_block<kHeadDim, 1>(weights, weight_stride, rescale, rows, offset, n, acc);
+}
+
+// attend() for head sizes that are whole AVX-512 vectors (64, 128), in one pass over blocks
+// of 16 tokens with the online softmax (Milakov & Gimelshein 2018; the decode form of
+// FlashAttention, Dao et al. 2022): each block's K rows are scored (score_block), its weights
+// taken against the running maximum, the sums so far rescaled when the maximum grows, and its
+// V rows added (weigh_block). A page's K and V blocks lie side by side in the page-major cache,
+// so a context is read as one stream of 2 x 16-row chunks instead of a K pass and a V pass.
+// Same work items and the same per-row order whatever an item's span of heads (so results do
+// not depend on the thread count).
+template <int64_t kHeadDim>
+void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
+  constexpr int64_t kBlock = 16, kAhead = 2;
+  const int64_t batch = query.size(0), num_heads = query.size(1);
+  const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_pages = block_tables.size(1);
+  const int64_t k_page_stride = k_cache.stride(0), v_page_stride = v_cache.stride(0);
+  const int64_t row_stride = num_kv_heads * kHeadDim;
+  const float* q_data = query.data_ptr<float>();
+  const float* k_data = k_cache.data_ptr<float>();
+  const float* v_data = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t heads = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads;
+  const int64_t chunk_bytes = heads * kHeadDim * static_cast<int64_t>(sizeof(float));
+
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = heads * group;  // query rows of an item
+    std::vector<float> weights(rows * kBlock), running_max(rows), running_sum(rows), rescale(rows);
+    std::vector<float> acc(rows * kHeadDim);
+    const float* k_rows[kBlock];
+    const float* v_rows[kBlock];
+    const float* ahead_rows[kBlock];
+    // Row pointers of tokens [first, first + n) of sequence b at heads from h0, in `cache`.
+    auto row_pointers = [&](const float* cache, int64_t page_stride, int64_t b, int64_t h0, int64_t first, int64_t n,
+                            const float** out_rows) {
+      const int64_t* table = tables + b * max_pages;
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t pos = first + t;
+        out_rows[t] = cache + table[pos / page_size] * page_stride + (pos % page_size) * row_stride + h0 * kHeadDim;
+      }
+    };
+    // Prefetches the K and V rows of tokens [first, first + n) of sequence b at heads from h0.
+    auto fetch_block = [&](int64_t b, int64_t h0, int64_t first, int64_t n) {
+      row_pointers(k_data, k_page_stride, b, h0, first, n, ahead_rows);
+      for (int64_t t = 0; t < n; ++t) prefetch(ahead_rows[t], chunk_bytes);
+      row_pointers(v_data, v_page_stride, b, h0, first, n, ahead_rows);
+      for (int64_t t = 0; t < n; ++t) prefetch(ahead_rows[t], chunk_bytes);
+    };
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads;
+      const int64_t length = lens[b];
+      const float* q = q_data + (b * num_heads + h0 * group) * kHeadDim;
+      std::fill(running_max.begin(), running_max.end(), -INFINITY);
+      std::fill(running_sum.begin(), running_sum.end(), 0.f);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t first = 0; first < length; first += kBlock) {
+        const int64_t n = std::min(kBlock, length - first);
+        const __mmask16 m = lanes(n);
+        row_pointers(k_data, k_page_stride, b, h0, first, n, k_rows);
+        row_pointers(v_data, v_page_stride, b, h0, first, n, v_rows);
+        // The K and V rows two blocks ahead are fetched meanwhile (+10 % of K/V bandwidth on
+        // one Xeon core; one block ahead gives less, four no more).
+        const int64_t ahead = first + kAhead * kBlock;
+        if (ahead < length) fetch_block(b, h0, ahead, std::min(kBlock, length - ahead));
+        for (int64_t r = 0; r < rows; ++r) {
+          float* w = weights.data() + r * kBlock;
+          score_block<kHeadDim>(q + r * kHeadDim, k_rows, (r / group) * kHeadDim, n, scale, w);
+          const __m512 s = _mm512_maskz_loadu_ps(m, w);
+          // A NaN score may be dropped from the maximum, but its weight below is NaN and
+          // poisons the row's sum all the same, as in the reference.
+          const float top = std::max(running_max[r], _mm512_mask_reduce_max_ps(m, s));
+          const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+          _mm512_storeu_ps(w, e);
+          rescale[r] = running_max[r] == top ? 1.f : std::exp(running_max[r] - top);
+          running_sum[r] = running_sum[r] * rescale[r] + _mm512_reduce_add_ps(e);
+          running_max[r] = top;
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t r = h * group;
+          weigh_rows<kHeadDim>(weights.data() + r * kBlock, kBlock, rescale.data() + r, group, v_rows, h * kHeadDim, n,
+                               acc.data() + r * kHeadDim);
+        }
+      }
+      float* o = out_data + (b * num_heads + h0 * group) * kHeadDim;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / running_sum[r];
+        for (int64_t d = 0; d < kHeadDim; ++d) o[r * kHeadDim + d] = acc[r * kHeadDim + d] * inv;
+      }
+    }
+  });
+}
+#endif
 
 // kHeadDim: the head size as a compile-time constant (the common 64 and 128, so the dot
 // products unroll fully), or 0 to read it from the tensors.
@@ -221,12 +410,21 @@ at::Tensor attend_checked(const at::Tensor& query, const at::Tensor& k_cache, co
   at::Tensor out = at::empty_like(query);
   const float fscale = static_cast<float>(scale);
   switch (query.size(2)) {
+#if defined(__AVX512F__)
+    case 64:
+      attend_blocks<64>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+      break;
+    case 128:
+      attend_blocks<128>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+      break;
+#else
     case 64:
       attend<64>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
       break;
     case 128:
       attend<128>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
       break;
+#endif
     default:
       attend<0>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
   }
