@@ -142,15 +142,19 @@ def parallel_degrees(cores: int, num_heads: int) -> list[int]:
 
 def profile_key(model_dir: Path, dtype: str, cores: int, degrees: list[int] | None = None) -> str:
     """The cache key of a profile: a digest of the checkpoint's ``config.json``, ``dtype``, the
-    CPU model, ``cores``, the torch version and the sizes measured, ``degrees`` the thread counts beside
-    one (None: :func:`parallel_degrees` of the checkpoint; a change of any of them measures again)."""
+    CPU model, ``cores``, the torch version, the compiled CPU kernels' sources and flags
+    (:func:`~mm_serve.kernels.cpu_extension.build_tag`: a faster kernel is timed again) and the
+    sizes measured, ``degrees`` the thread counts beside one (None: :func:`parallel_degrees` of the
+    checkpoint; a change of any of them measures again)."""
     import torch
+
+    from mm_serve.kernels.cpu_extension import build_tag
 
     if degrees is None:
         degrees = parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads)
     sizes = json.dumps({**PROFILE_SIZES, "parallel_threads": degrees}, sort_keys=True)
     parts = [(model_dir / "config.json").read_bytes(), dtype.encode(), _cpu_model().encode(), str(cores).encode(),
-             torch.__version__.encode(), sizes.encode()]
+             torch.__version__.encode(), build_tag().encode(), sizes.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

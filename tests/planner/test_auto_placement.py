@@ -12,6 +12,7 @@ import pytest
 
 from mm_serve.cli.bench import served_placement_name
 from mm_serve.config import config_from_dict, load_config
+from mm_serve.kernels import cpu_extension
 from mm_serve.planner.auto_placement import (
     apply_placement,
     cached_profile,
@@ -136,6 +137,11 @@ def test_a_cached_profile_is_read_and_a_new_checkpoint_is_measured(tiny_llama: P
     assert cached_profile(tiny_llama, "float32", 2, tmp_path, again.append) == (path, False) and again == []
     assert profile_key(tiny_llama, "bfloat16", 2) != profile_key(tiny_llama, "float32", 2)
     assert profile_key(tiny_llama, "float32", 4) != profile_key(tiny_llama, "float32", 2)
+    # another build of the compiled kernels (a change of their sources or flags) is timed again
+    key = profile_key(tiny_llama, "float32", 2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_extension, "CFLAGS", [*cpu_extension.CFLAGS, "-DMM_SERVE_OTHER_BUILD"])
+        assert profile_key(tiny_llama, "float32", 2) != key
 
 
 def test_a_server_without_placement_keys_runs_and_reports_the_planners_choice(tiny_llama: Path, tmp_path: Path) -> None:
