@@ -93,11 +93,11 @@ def main() -> None:
     parser.add_argument("--contexts", default="100,400,1600", help="comma-separated context lengths, tokens")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20, help="timed calls per repeat (best of 3 repeats)")
-    parser.add_argument("--small-pages", action="store_true", help="leave the cache on 4 KiB pages (no huge-page advice)")
+    parser.add_argument("--small-pages", action="store_true", help="leave the cache on 4 KiB pages (torch.zeros)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.small_pages:
-        kv_cache.advise_huge_pages = lambda tensor: False
+        kv_cache.huge_page_zeros = lambda *shape, dtype: torch.zeros(*shape, dtype=dtype)
     if cpu_kernel_ops() is None:
         print("the compiled CPU kernels are not available here: only the reference is timed")
     print(f"decode attention, batch {args.batch}, {LAYERS} layers x ({HEADS} heads, {KV_HEADS} KV heads, "

@@ -11,7 +11,8 @@
 // then reads its V rows once.
 // The same computation as kernels/paged_attention_ref.py (decode_attention_ref);
 // results differ from it in float32 summation order and, with AVX-512, by the vector exp
-// (~1 ulp; a weight that would underflow below FLT_MIN is FLT_MIN).
+// (~1 ulp; a weight that would underflow below FLT_MIN is FLT_MIN) and, in attend_blocks,
+// by the online softmax's rescales (~1 ulp each time a row's running maximum grows).
 //
 // rope_paged_decode_attention does a decode layer's whole attention after the fused QKV
 // projection: RoPE on the query and the new key, the new key and value written to their
@@ -135,8 +136,8 @@ inline __m512 lane_sums16(const __m512* a) {
                        _mm512_shuffle_f32x4(half[0], half[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// out[t] = scale * (q . rows[t] + offset), t < n <= 16: one query row against up to 16 key rows,
-// each sum reduced by lane_sums16 (rows past n are not read).
+// out[t] = scale * (q . rows[t][offset, offset + kHeadDim)), t < n <= 16: one query row against
+// up to 16 key rows, the 16 sums reduced together by lane_sums16 (rows past n are not read).
 template <int64_t kHeadDim>
 inline void score_block(const float* q, const float* const* rows, int64_t offset, int64_t n, float scale, float* out) {
   constexpr int64_t kVectors = kHeadDim / 16;
@@ -181,8 +182,8 @@ inline void weigh_block(const float* weights, int64_t weight_stride, const float
   }
 }
 
-// weigh_block for `count` rows, in passes of up to 4 (head size 64) or 2 (128) rows, the
-// most whose sums fit the 32 vector registers beside a V row.
+// weigh_block for `count` rows, in passes of up to 4 (head size 64: GQA groups are mostly
+// powers of two; 6 would still fit the 32 vector registers) or 2 (128: 3 would not fit).
 template <int64_t kHeadDim>
 inline void weigh_rows(const float* weights, int64_t weight_stride, const float* rescale, int64_t count,
                        const float* const* rows, int64_t offset, int64_t n, float* acc) {
@@ -231,22 +232,17 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
     std::vector<float> acc(rows * kHeadDim);
     const float* k_rows[kBlock];
     const float* v_rows[kBlock];
-    const float* ahead_rows[kBlock];
-    // Row pointers of tokens [first, first + n) of sequence b at heads from h0, in `cache`.
-    auto row_pointers = [&](const float* cache, int64_t page_stride, int64_t b, int64_t h0, int64_t first, int64_t n,
-                            const float** out_rows) {
+    const float* k_ahead[kBlock];
+    const float* v_ahead[kBlock];
+    // The K and V row pointers of tokens [first, first + n) of sequence b at heads from h0.
+    auto row_pointers = [&](int64_t b, int64_t h0, int64_t first, int64_t n, const float** k_out, const float** v_out) {
       const int64_t* table = tables + b * max_pages;
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        out_rows[t] = cache + table[pos / page_size] * page_stride + (pos % page_size) * row_stride + h0 * kHeadDim;
+        const int64_t pos = first + t, page = table[pos / page_size];
+        const int64_t offset = (pos % page_size) * row_stride + h0 * kHeadDim;
+        k_out[t] = k_data + page * k_page_stride + offset;
+        v_out[t] = v_data + page * v_page_stride + offset;
       }
-    };
-    // Prefetches the K and V rows of tokens [first, first + n) of sequence b at heads from h0.
-    auto fetch_block = [&](int64_t b, int64_t h0, int64_t first, int64_t n) {
-      row_pointers(k_data, k_page_stride, b, h0, first, n, ahead_rows);
-      for (int64_t t = 0; t < n; ++t) prefetch(ahead_rows[t], chunk_bytes);
-      row_pointers(v_data, v_page_stride, b, h0, first, n, ahead_rows);
-      for (int64_t t = 0; t < n; ++t) prefetch(ahead_rows[t], chunk_bytes);
     };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads;
@@ -258,12 +254,15 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
       for (int64_t first = 0; first < length; first += kBlock) {
         const int64_t n = std::min(kBlock, length - first);
         const __mmask16 m = lanes(n);
-        row_pointers(k_data, k_page_stride, b, h0, first, n, k_rows);
-        row_pointers(v_data, v_page_stride, b, h0, first, n, v_rows);
-        // The K and V rows two blocks ahead are fetched meanwhile (+10 % of K/V bandwidth on
-        // one Xeon core; one block ahead gives less, four no more).
+        row_pointers(b, h0, first, n, k_rows, v_rows);
+        // The K and V rows two blocks ahead are fetched meanwhile: 8 % faster than no software
+        // prefetch on one Xeon core (one block ahead about the same, four no better).
         const int64_t ahead = first + kAhead * kBlock;
-        if (ahead < length) fetch_block(b, h0, ahead, std::min(kBlock, length - ahead));
+        if (ahead < length) {
+          const int64_t ahead_n = std::min(kBlock, length - ahead);
+          row_pointers(b, h0, ahead, ahead_n, k_ahead, v_ahead);
+          for (int64_t t = 0; t < ahead_n; ++t) prefetch(k_ahead[t], chunk_bytes), prefetch(v_ahead[t], chunk_bytes);
+        }
         for (int64_t r = 0; r < rows; ++r) {
           float* w = weights.data() + r * kBlock;
           score_block<kHeadDim>(q + r * kHeadDim, k_rows, (r / group) * kHeadDim, n, scale, w);
@@ -271,6 +270,11 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
           // A NaN score may be dropped from the maximum, but its weight below is NaN and
           // poisons the row's sum all the same, as in the reference.
           const float top = std::max(running_max[r], _mm512_mask_reduce_max_ps(m, s));
+          if (top == -INFINITY) {  // -inf scores so far: weight 0 (-inf - -inf would be NaN)
+            _mm512_storeu_ps(w, _mm512_setzero_ps());
+            rescale[r] = 1.f;
+            continue;
+          }
           const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
           _mm512_storeu_ps(w, e);
           rescale[r] = running_max[r] == top ? 1.f : std::exp(running_max[r] - top);
@@ -285,7 +289,8 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
       }
       float* o = out_data + (b * num_heads + h0 * group) * kHeadDim;
       for (int64_t r = 0; r < rows; ++r) {
-        const float inv = 1.f / running_sum[r];
+        // A row of -inf scores only has nothing to weigh: 0, as torch's attention gives (a NaN sum stays NaN).
+        const float inv = running_sum[r] == 0.f ? 0.f : 1.f / running_sum[r];
         for (int64_t d = 0; d < kHeadDim; ++d) o[r * kHeadDim + d] = acc[r * kHeadDim + d] * inv;
       }
     }

@@ -153,8 +153,12 @@ def profile_key(model_dir: Path, dtype: str, cores: int, degrees: list[int] | No
     if degrees is None:
         degrees = parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads)
     sizes = json.dumps({**PROFILE_SIZES, "parallel_threads": degrees}, sort_keys=True)
+    try:
+        kernels = build_tag()
+    except OSError:  # the kernel sources are not installed: the engine runs the torch reference
+        kernels = "no-kernel-sources"
     parts = [(model_dir / "config.json").read_bytes(), dtype.encode(), _cpu_model().encode(), str(cores).encode(),
-             torch.__version__.encode(), build_tag().encode(), sizes.encode()]
+             torch.__version__.encode(), kernels.encode(), sizes.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mm_serve.kernels.page_pool import PagePool
-from mm_serve.runtime.huge_pages import advise_huge_pages
+from mm_serve.runtime.huge_pages import huge_page_zeros
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -26,7 +26,7 @@ class PagedKVCache:
     whole cache). Page ids come from :attr:`pool`. One more page, :attr:`scratch_page`
     (id ``num_pages``), is never handed out: padded rows of a captured decode step
     write their K/V there (``mm_serve.runtime.decode_graphs``). On Linux CPUs the
-    storage is advised onto transparent huge pages (:mod:`mm_serve.runtime.huge_pages`).
+    storage is its own mapping on transparent huge pages (:mod:`mm_serve.runtime.huge_pages`).
     """
 
     def __init__(
@@ -35,11 +35,11 @@ class PagedKVCache:
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        self.data = torch.empty(
-            num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
-        )
-        advise_huge_pages(self.data)  # before the first touch: 2 MiB pages for the scattered page reads
-        self.data.zero_()
+        shape = (num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":  # 2 MiB pages for the scattered page reads
+            self.data = huge_page_zeros(*shape, dtype=dtype)
+        else:
+            self.data = torch.zeros(*shape, dtype=dtype, device=device)
         self.scratch_page = num_pages
         self.pool = PagePool(num_pages)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [

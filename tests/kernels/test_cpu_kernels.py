@@ -104,8 +104,10 @@ def test_a_non_finite_key_poisons_its_sequence_as_in_the_reference(op, bad: floa
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # the other sequence is untouched
 
 
-def test_result_does_not_depend_on_thread_count(op) -> None:  # type: ignore[no-untyped-def]
-    query, k, v, tables, ctx = _case([37, 3, 150, 64, 1, 99] * 6, page=16, hkv=4, group=2, dim=64, seed=5)
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("copies", [1, 6])  # 6 rows: all heads per item on 1 thread, one head per item on 2
+def test_result_does_not_depend_on_thread_count(op, dim: int, copies: int) -> None:  # type: ignore[no-untyped-def]
+    query, k, v, tables, ctx = _case([37, 3, 150, 64, 1, 99] * copies, page=16, hkv=4, group=2, dim=dim, seed=5)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -121,10 +123,11 @@ def test_result_does_not_depend_on_thread_count(op) -> None:  # type: ignore[no-
         assert torch.equal(alone[0], two[row])
 
 
-def test_reads_only_the_pages_of_each_context(op) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("lens", [[5, 16, 21], [5, 16, 21, 33, 70, 100, 47, 64] * 2])  # short; past the prefetch distance
+def test_reads_only_the_pages_of_each_context(op, dim: int, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
     """Poisoning every slot outside the contexts (other pages, the tail of the last page) changes nothing."""
-    lens = [5, 16, 21]
-    query, k, v, tables, ctx = _case(lens, page=8, hkv=2, group=2, dim=64, seed=1)
+    query, k, v, tables, ctx = _case(lens, page=8, hkv=2, group=2, dim=dim, seed=1)
     clean = op(query, k, v, tables, ctx, 0.125)
     used = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool)
     for row, n in enumerate(lens):
@@ -133,6 +136,51 @@ def test_reads_only_the_pages_of_each_context(op) -> None:  # type: ignore[no-un
     k[~used] = float("nan")
     v[~used] = float("inf")
     assert torch.equal(op(query, k, v, tables, ctx, 0.125), clean)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("page", [3, 5, 12, 24, 32])  # pages that do not divide the 16-token blocks, or span two
+@pytest.mark.parametrize("rows", [3, 12])  # one KV head per work item, then every head of a sequence per item
+def test_blocks_across_page_sizes_and_group_remainders(op, dim: int, page: int, rows: int) -> None:  # type: ignore[no-untyped-def]
+    """Groups of 3 and 6 take the register passes' remainders (4 + 2 at head size 64, 2 + 1 at 128)."""
+    lens = [1, 16, 17, 47, 48, 100, 5, 33, 64, 129, 2, 31][:rows]
+    for group in (3, 6):
+        query, k, v, tables, ctx = _case(lens, page=page, hkv=2, group=group, dim=dim, seed=page + group)
+        got = op(query, k, v, tables, ctx, dim**-0.5)
+        torch.testing.assert_close(got, decode_attention_ref(query, k, v, tables, ctx, dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_of_minus_inf_scores_before_finite_ones_weighs_nothing(op) -> None:  # type: ignore[no-untyped-def]
+    """The online softmax starts at a maximum of -inf: a first block scoring -inf must get weight 0,
+    not NaN (-inf - -inf), and a later finite block must be exact, as in the reference."""
+    lens = [40, 20, 70]
+    query, k, v, tables, ctx = _case(lens, page=16, hkv=2, group=2, dim=64, seed=11)
+    query[:, :2, 0] = query[:, :2, 0].abs() + 1.0  # KV head 0's query rows: a positive first element
+    k[int(tables[0, 0]), :, 0, 0] = float("-inf")  # sequence 0: tokens 0-15 score -inf on KV head 0
+    k[int(tables[2, 0]), :, 0, 0] = float("-inf")  # sequence 2: tokens 0-31 ...
+    k[int(tables[2, 1]), :, 0, 0] = float("-inf")
+    got = op(query, k, v, tables, ctx, 0.125)
+    want = decode_attention_ref(query, k, v, tables, ctx, 0.125)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for page in tables[1, :2]:  # every score of sequence 1 (20 tokens) on KV head 0: nothing to weigh, 0 as in torch
+        k[int(page), :, 0, 0] = float("-inf")
+    got = op(query, k, v, tables, ctx, 0.125)
+    want = decode_attention_ref(query, k, v, tables, ctx, 0.125)
+    assert torch.equal(want[1, :2], torch.zeros_like(want[1, :2]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_long_context_whose_maximum_grows_every_block_stays_exact(op) -> None:  # type: ignore[no-untyped-def]
+    """4,096 tokens scoring higher and higher: the running sums are rescaled at every block."""
+    lens = [4096, 4000]
+    query, k, v, tables, ctx = _case(lens, page=16, hkv=2, group=2, dim=64, seed=12)
+    ramp = torch.linspace(0.0, 3.0, 4096)  # K rows scaled up along the context
+    for row, n in enumerate(lens):
+        for t in range(n):
+            k[int(tables[row, t // 16]), t % 16] *= 1.0 + ramp[t]
+    got = op(query, k, v, tables, ctx, 0.125)
+    torch.testing.assert_close(got, decode_attention_ref(query, k, v, tables, ctx, 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_raise_clear_errors(op) -> None:  # type: ignore[no-untyped-def]
