@@ -113,6 +113,33 @@ inline void softmax_in_place(float* s, int64_t length) {
   for (int64_t t = 0; t < length; ++t) s[t] *= inv;
 }
 
+// What both attention paths read from their arguments: sizes, strides, data pointers and
+// the work split. A work item is one sequence's KV heads [h0, h0 + heads): all of them when
+// there are sequences enough to keep every thread busy, so that each page is read as one
+// contiguous block; otherwise one head per item.
+struct PagedView {
+  int64_t batch, num_heads, head_dim, page_size, num_kv_heads, group, max_pages;
+  int64_t k_page_stride, v_page_stride, row_stride;  // row_stride: one token inside a page
+  const float* q_data;
+  const float* k_data;
+  const float* v_data;
+  const int64_t* tables;
+  const int64_t* lens;
+  float* out_data;
+  int64_t heads, items_per_seq, chunk_bytes;  // chunk_bytes: an item's part of one token row
+
+  PagedView(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, int64_t fixed_head_dim)
+      : batch(query.size(0)), num_heads(query.size(1)),
+        head_dim(fixed_head_dim > 0 ? fixed_head_dim : query.size(2)), page_size(k_cache.size(1)),
+        num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads), max_pages(block_tables.size(1)),
+        k_page_stride(k_cache.stride(0)), v_page_stride(v_cache.stride(0)), row_stride(num_kv_heads * head_dim),
+        q_data(query.data_ptr<float>()), k_data(k_cache.data_ptr<float>()), v_data(v_cache.data_ptr<float>()),
+        tables(block_tables.data_ptr<int64_t>()), lens(context_lens.data_ptr<int64_t>()),
+        out_data(out.data_ptr<float>()), heads(batch >= 4 * at::get_num_threads() ? num_kv_heads : 1),
+        items_per_seq(num_kv_heads / heads), chunk_bytes(heads * head_dim * static_cast<int64_t>(sizeof(float))) {}
+};
+
 #if defined(__AVX512F__)
 // The 16 lane sums of a[0..15], in order, in one vector: s[i] = a[i][0] + ... + a[i][15].
 // A transposing tree (pairs of lanes, then pairs of 64-bit halves, then 128-bit blocks):
@@ -210,24 +237,10 @@ template <int64_t kHeadDim>
 void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
   constexpr int64_t kBlock = 16, kAhead = 2;
-  const int64_t batch = query.size(0), num_heads = query.size(1);
-  const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_pages = block_tables.size(1);
-  const int64_t k_page_stride = k_cache.stride(0), v_page_stride = v_cache.stride(0);
-  const int64_t row_stride = num_kv_heads * kHeadDim;
-  const float* q_data = query.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* out_data = out.data_ptr<float>();
-  const int64_t heads = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / heads;
-  const int64_t chunk_bytes = heads * kHeadDim * static_cast<int64_t>(sizeof(float));
+  const PagedView view(query, k_cache, v_cache, block_tables, context_lens, out, kHeadDim);
 
-  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = heads * group;  // query rows of an item
+  at::parallel_for(0, view.batch * view.items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = view.heads * view.group;  // query rows of an item
     std::vector<float> weights(rows * kBlock), running_max(rows), running_sum(rows), rescale(rows);
     std::vector<float> acc(rows * kHeadDim);
     const float* k_rows[kBlock];
@@ -236,18 +249,18 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
     const float* v_ahead[kBlock];
     // The K and V row pointers of tokens [first, first + n) of sequence b at heads from h0.
     auto row_pointers = [&](int64_t b, int64_t h0, int64_t first, int64_t n, const float** k_out, const float** v_out) {
-      const int64_t* table = tables + b * max_pages;
+      const int64_t* table = view.tables + b * view.max_pages;
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t, page = table[pos / page_size];
-        const int64_t offset = (pos % page_size) * row_stride + h0 * kHeadDim;
-        k_out[t] = k_data + page * k_page_stride + offset;
-        v_out[t] = v_data + page * v_page_stride + offset;
+        const int64_t pos = first + t, page = table[pos / view.page_size];
+        const int64_t offset = (pos % view.page_size) * view.row_stride + h0 * kHeadDim;
+        k_out[t] = view.k_data + page * view.k_page_stride + offset;
+        v_out[t] = view.v_data + page * view.v_page_stride + offset;
       }
     };
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads;
-      const int64_t length = lens[b];
-      const float* q = q_data + (b * num_heads + h0 * group) * kHeadDim;
+      const int64_t b = item / view.items_per_seq, h0 = (item % view.items_per_seq) * view.heads;
+      const int64_t length = view.lens[b];
+      const float* q = view.q_data + (b * view.num_heads + h0 * view.group) * kHeadDim;
       std::fill(running_max.begin(), running_max.end(), -INFINITY);
       std::fill(running_sum.begin(), running_sum.end(), 0.f);
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -261,11 +274,11 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
         if (ahead < length) {
           const int64_t ahead_n = std::min(kBlock, length - ahead);
           row_pointers(b, h0, ahead, ahead_n, k_ahead, v_ahead);
-          for (int64_t t = 0; t < ahead_n; ++t) prefetch(k_ahead[t], chunk_bytes), prefetch(v_ahead[t], chunk_bytes);
+          for (int64_t t = 0; t < ahead_n; ++t) prefetch(k_ahead[t], view.chunk_bytes), prefetch(v_ahead[t], view.chunk_bytes);
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* w = weights.data() + r * kBlock;
-          score_block<kHeadDim>(q + r * kHeadDim, k_rows, (r / group) * kHeadDim, n, scale, w);
+          score_block<kHeadDim>(q + r * kHeadDim, k_rows, (r / view.group) * kHeadDim, n, scale, w);
           const __m512 s = _mm512_maskz_loadu_ps(m, w);
           // A NaN score may be dropped from the maximum, but its weight below is NaN and
           // poisons the row's sum all the same, as in the reference.
@@ -281,13 +294,13 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
           running_sum[r] = running_sum[r] * rescale[r] + _mm512_reduce_add_ps(e);
           running_max[r] = top;
         }
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t r = h * group;
-          weigh_rows<kHeadDim>(weights.data() + r * kBlock, kBlock, rescale.data() + r, group, v_rows, h * kHeadDim, n,
+        for (int64_t h = 0; h < view.heads; ++h) {
+          const int64_t r = h * view.group;
+          weigh_rows<kHeadDim>(weights.data() + r * kBlock, kBlock, rescale.data() + r, view.group, v_rows, h * kHeadDim, n,
                                acc.data() + r * kHeadDim);
         }
       }
-      float* o = out_data + (b * num_heads + h0 * group) * kHeadDim;
+      float* o = view.out_data + (b * view.num_heads + h0 * view.group) * kHeadDim;
       for (int64_t r = 0; r < rows; ++r) {
         // A row of -inf scores only has nothing to weigh: 0, as torch's attention gives (a NaN sum stays NaN).
         const float inv = running_sum[r] == 0.f ? 0.f : 1.f / running_sum[r];
@@ -303,50 +316,33 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
 template <int64_t kHeadDim>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
-  const int64_t batch = query.size(0), num_heads = query.size(1);
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
-  const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_pages = block_tables.size(1);
-  const int64_t k_page_stride = k_cache.stride(0), v_page_stride = v_cache.stride(0);
-  const int64_t row_stride = num_kv_heads * head_dim;  // one token inside a page
-  const float* q_data = query.data_ptr<float>();
-  const float* k_data = k_cache.data_ptr<float>();
-  const float* v_data = v_cache.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* out_data = out.data_ptr<float>();
-  // A work item is one sequence's KV heads [h0, h0 + heads): all of them when there are
-  // sequences enough to keep every thread busy, so that each page is read as one
-  // contiguous block; otherwise one head per item.
-  const int64_t heads = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t items_per_seq = num_kv_heads / heads;
-  const int64_t chunk_bytes = heads * head_dim * static_cast<int64_t>(sizeof(float));  // per token row
+  const PagedView view(query, k_cache, v_cache, block_tables, context_lens, out, kHeadDim);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : view.head_dim;  // a constant where the template fixes it
 
-  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, view.batch * view.items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(heads * group * head_dim);
+    std::vector<float> acc(view.heads * view.group * head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * heads;
-      const int64_t length = lens[b];
-      const int64_t rows = heads * group;  // query heads of this item
-      const int64_t* table = tables + b * max_pages;
-      const float* q = q_data + (b * num_heads + h0 * group) * head_dim;  // `rows` rows of head_dim
-      const int64_t num_pages = (length + page_size - 1) / page_size;
+      const int64_t b = item / view.items_per_seq, h0 = (item % view.items_per_seq) * view.heads;
+      const int64_t length = view.lens[b];
+      const int64_t rows = view.heads * view.group;  // query heads of this item
+      const int64_t* table = view.tables + b * view.max_pages;
+      const float* q = view.q_data + (b * view.num_heads + h0 * view.group) * head_dim;  // `rows` rows of head_dim
+      const int64_t num_pages = (length + view.page_size - 1) / view.page_size;
       scores.resize(rows * length);
       for (int64_t p = 0; p < num_pages; ++p) {
-        const float* page = k_data + table[p] * k_page_stride + h0 * head_dim;
+        const float* page = view.k_data + table[p] * view.k_page_stride + h0 * head_dim;
         // While this K page is scored, the next K page and this V page (read in the
         // second pass, from L2 by then) are fetched.
-        const float* v_page = v_data + table[p] * v_page_stride + h0 * head_dim;
-        const float* next = p + 1 < num_pages ? k_data + table[p + 1] * k_page_stride + h0 * head_dim : nullptr;
-        const int64_t first = p * page_size, last = std::min(length, first + page_size);
+        const float* v_page = view.v_data + table[p] * view.v_page_stride + h0 * head_dim;
+        const float* next = p + 1 < num_pages ? view.k_data + table[p + 1] * view.k_page_stride + h0 * head_dim : nullptr;
+        const int64_t first = p * view.page_size, last = std::min(length, first + view.page_size);
         for (int64_t t = first; t < last; ++t) {
-          if (next != nullptr) prefetch(next + (t - first) * row_stride, chunk_bytes);
-          prefetch(v_page + (t - first) * row_stride, chunk_bytes);
-          const float* k = page + (t - first) * row_stride;
+          if (next != nullptr) prefetch(next + (t - first) * view.row_stride, view.chunk_bytes);
+          prefetch(v_page + (t - first) * view.row_stride, view.chunk_bytes);
+          const float* k = page + (t - first) * view.row_stride;
           for (int64_t r = 0; r < rows; ++r) {
-            scores[r * length + t] = dot(q + r * head_dim, k + (r / group) * head_dim, head_dim) * scale;
+            scores[r * length + t] = dot(q + r * head_dim, k + (r / view.group) * head_dim, head_dim) * scale;
           }
         }
       }
@@ -355,22 +351,22 @@ void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor
       // While V (fetched during the K pass) is summed from cache, the next item's K pages
       // are fetched: each pass pairs one page stream with compute on data already here.
       const bool has_next = item + 1 < end;
-      const int64_t next_b = (item + 1) / items_per_seq, next_h0 = ((item + 1) % items_per_seq) * heads;
-      const int64_t next_pages = has_next ? (lens[next_b] + page_size - 1) / page_size : 0;
-      const int64_t* next_table = tables + next_b * max_pages;
+      const int64_t next_b = (item + 1) / view.items_per_seq, next_h0 = ((item + 1) % view.items_per_seq) * view.heads;
+      const int64_t next_pages = has_next ? (view.lens[next_b] + view.page_size - 1) / view.page_size : 0;
+      const int64_t* next_table = view.tables + next_b * view.max_pages;
       for (int64_t p = 0; p < num_pages; ++p) {
-        const float* page = v_data + table[p] * v_page_stride + h0 * head_dim;
-        const float* ahead = p < next_pages ? k_data + next_table[p] * k_page_stride + next_h0 * head_dim : nullptr;
-        const int64_t first = p * page_size, last = std::min(length, first + page_size);
+        const float* page = view.v_data + table[p] * view.v_page_stride + h0 * head_dim;
+        const float* ahead = p < next_pages ? view.k_data + next_table[p] * view.k_page_stride + next_h0 * head_dim : nullptr;
+        const int64_t first = p * view.page_size, last = std::min(length, first + view.page_size);
         for (int64_t t = first; t < last; ++t) {
-          if (ahead != nullptr) prefetch(ahead + (t - first) * row_stride, chunk_bytes);
-          const float* v = page + (t - first) * row_stride;
+          if (ahead != nullptr) prefetch(ahead + (t - first) * view.row_stride, view.chunk_bytes);
+          const float* v = page + (t - first) * view.row_stride;
           for (int64_t r = 0; r < rows; ++r) {
-            axpy(scores[r * length + t], v + (r / group) * head_dim, acc.data() + r * head_dim, head_dim);
+            axpy(scores[r * length + t], v + (r / view.group) * head_dim, acc.data() + r * head_dim, head_dim);
           }
         }
       }
-      std::copy(acc.begin(), acc.end(), out_data + (b * num_heads + h0 * group) * head_dim);
+      std::copy(acc.begin(), acc.end(), view.out_data + (b * view.num_heads + h0 * view.group) * head_dim);
     }
   });
 }
@@ -410,26 +406,28 @@ void check_cache_and_tables(const at::Tensor& k_cache, const at::Tensor& v_cache
   }
 }
 
+// A head size the templates fix (64, 128): the blocked one-pass path with AVX-512, else the two-pass one.
+template <int64_t kHeadDim>
+void attend_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
+#if defined(__AVX512F__)
+  attend_blocks<kHeadDim>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
+#else
+  attend<kHeadDim>(query, k_cache, v_cache, block_tables, context_lens, scale, out);
+#endif
+}
+
 at::Tensor attend_checked(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   at::Tensor out = at::empty_like(query);
   const float fscale = static_cast<float>(scale);
   switch (query.size(2)) {
-#if defined(__AVX512F__)
     case 64:
-      attend_blocks<64>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+      attend_fixed<64>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
       break;
     case 128:
-      attend_blocks<128>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+      attend_fixed<128>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
       break;
-#else
-    case 64:
-      attend<64>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
-      break;
-    case 128:
-      attend<128>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
-      break;
-#endif
     default:
       attend<0>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
   }
