@@ -39,6 +39,10 @@ def huge_page_zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Te
         A contiguous tensor. Off Linux, or where Python's ``mmap`` has no ``madvise`` /
         ``MADV_HUGEPAGE``, or for an empty shape, a plain ``torch.zeros`` tensor; a refused
         advice (a kernel without THP) leaves the mapping on 4 KiB pages.
+
+    Raises:
+        OSError: the mapping cannot be made (out of address space or memory), where
+            ``torch.zeros`` would raise a RuntimeError.
     """
     numel = 1
     for size in shape:
