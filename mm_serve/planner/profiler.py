@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mm_serve.colocated.llm_engine import LLMEngine
+from mm_serve.planner.profile_file import DecodePoint, EncodePoint, PrefillPoint, points_to_json
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.warm_up import free_scratch, scratch_requests
@@ -85,16 +86,16 @@ class EngineProfiler:
 def _measure_points(prof: EngineProfiler, prefill_tokens: Sequence[int], decode_batches: Sequence[int],
                     decode_contexts: Sequence[int], log: Callable[[str], None]) -> dict[str, list[dict[str, float]]]:
     """Time every size on the current torch threads: the rows of a profile (or of a ``tensor_parallel`` entry)."""
-    rows: dict[str, list[dict[str, float]]] = {"prefill": [], "decode": [], "encode": []}
+    prefill: list[PrefillPoint] = []
+    decode: list[DecodePoint] = []
+    encode: list[EncodePoint] = []
     for tokens in prefill_tokens:
-        seconds = prof.prefill(tokens, 1)
-        rows["prefill"].append({"tokens": tokens, "batch": 1, "seconds": seconds})
-        log(f"prefill tokens={tokens:5d}              {seconds * 1000:9.2f} ms")
+        prefill.append(PrefillPoint(tokens, 1, prof.prefill(tokens, 1)))
+        log(f"prefill tokens={tokens:5d}              {prefill[-1].seconds * 1000:9.2f} ms")
     for batch in decode_batches:
         for context in decode_contexts:
-            seconds = prof.decode(batch, context)
-            rows["decode"].append({"batch": batch, "context": context, "seconds": seconds})
-            log(f"decode  batch={batch:3d} context={context:5d} {seconds * 1000:9.2f} ms")
+            decode.append(DecodePoint(batch, context, prof.decode(batch, context)))
+            log(f"decode  batch={batch:3d} context={context:5d} {decode[-1].seconds * 1000:9.2f} ms")
     for images in (1, 4):
         try:
             encoded = prof.encode(images)
@@ -102,9 +103,9 @@ def _measure_points(prof: EngineProfiler, prefill_tokens: Sequence[int], decode_
             log(f"encode  not timed: {exc}")
             break
         if encoded is not None:
-            rows["encode"].append({"images": images, "seconds": encoded})
+            encode.append(EncodePoint(images, encoded))
             log(f"encode  images={images}                {encoded * 1000:9.2f} ms")
-    return rows
+    return points_to_json(prefill, decode, encode)
 
 
 def measure_profile(
