@@ -124,7 +124,7 @@ class APIConfig(_Frozen):
     port: int = Field(8000, ge=0, le=65535, description="Port of the HTTP server (--port).")
     max_request_length: int = Field(8192, ge=1, description="Max prompt tokens (image tokens included); more is a 400.")
     timeout_ms: int = Field(120_000, ge=100, description="A request not finished by then gets 503.")
-    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM/SIGINT (--shutdown-grace-s): new requests get 503 while in-flight ones finish, for up to this long; then every worker stops. A second signal stops at once.")
+    shutdown_grace_s: float = Field(30.0, ge=0, le=3600, description="On SIGTERM/SIGINT (--shutdown-grace-s): new requests get 503 while in-flight ones finish, for up to this long; requests still in flight then get 503 (a stream: an error event) and every worker stops. A second signal ends the wait at once.")
     max_body_bytes: int = Field(64 << 20, ge=1024, description="Larger request bodies get 413.")
     body_idle_timeout_s: float = Field(10.0, gt=0, le=3600, description="A generation call's body (/v1/chat/completions, /v1/completions) that sends no byte for this long gets 408 and its connection is closed: it holds its size in the image budget while it is read.")
     body_read_timeout_s: float = Field(60.0, gt=0, le=3600, description="A generation call's body not fully received this long after the request arrived gets 408 and its connection is closed.")

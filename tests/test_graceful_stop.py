@@ -94,10 +94,17 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
     assert "mm-serve: stopped (workers and shared memory released)" in log.read_text()
 
 
+def _stream_events(url: str, out: list[list[str]]) -> None:
+    body = {"model": "tiny", "prompt": "Tell me", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        out.append([line for line in r.iter_lines() if line.startswith("data: ")])
+
+
 def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path, tmp_path: Path) -> None:
     """A second SIGINT stops at once: a call still decoding gets 503 ``service_unavailable`` in OpenAI's
-    error JSON with Retry-After (uvicorn sent a plain-text 500 from the cancelled task), and nothing of the
-    instance is left."""
+    error JSON with Retry-After (uvicorn sent a plain-text 500 from the cancelled task), a stream ends with
+    that error as its last event, then ``[DONE]`` (it was cut, with a traceback per stream in the log), and
+    nothing of the instance is left."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
@@ -107,6 +114,7 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
              "--served-model-name", "tiny", "--shutdown-grace-s", "60", "--no-auto-placement"],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     answers: list[httpx.Response] = []
+    streams: list[list[str]] = []
     try:
         deadline = time.monotonic() + 180
         while "is ready" not in log.read_text() and time.monotonic() < deadline:
@@ -114,13 +122,16 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
         workers = [int(w["pid"]) for w in httpx.get(f"{url}/internal/stats", timeout=5).json().values()]
         call = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/v1/completions", timeout=120, json={
             "model": "tiny", "prompt": "Tell me", "max_tokens": LONG, "n": 4, "ignore_eos": True})))
+        stream = threading.Thread(target=_stream_events, args=(url, streams))
         call.start()
+        stream.start()
         time.sleep(1.0)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
-        assert call.is_alive()  # draining: the call is still decoding
+        assert call.is_alive() and stream.is_alive()  # draining: both are still decoding
         proc.send_signal(signal.SIGINT)
         call.join(60)
+        stream.join(60)
         assert proc.wait(60) == 0, log.read_text()[-2000:]
     finally:
         if proc.poll() is None:
@@ -129,5 +140,11 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
     (answer,) = answers
     assert answer.status_code == 503 and answer.headers["content-type"] == "application/json", answer.text
     assert answer.json()["error"]["code"] == "service_unavailable" and int(answer.headers["retry-after"]) >= 1
+    (events,) = streams
+    assert len(events) > 3 and json.loads(events[1][6:])["choices"][0]["text"]  # tokens came before the stop
+    assert json.loads(events[-2][6:])["error"]["code"] == "service_unavailable" and events[-1] == "data: [DONE]"
+    text = log.read_text()
+    assert "Traceback" not in text and "CancelledError" not in text, text[-3000:]
+    assert "5 request(s) still in flight on a second signal" in text  # the call's n=4 choices and the stream
     time.sleep(0.5)
     assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]

@@ -6,9 +6,11 @@ import asyncio
 from typing import Any
 
 from mm_serve.api.error_handlers import error_response
+from mm_serve.api.sse import DONE, error_event
 from mm_serve.protocol.errors import unavailable
 
 STOPPED_RETRY_AFTER_S = 1
+STOPPED_MESSAGE = "the service stopped before this request was answered; send it again"
 
 
 class CancelledAnswerMiddleware:
@@ -16,7 +18,9 @@ class CancelledAnswerMiddleware:
     stopped at once, on a second SIGTERM / SIGINT or past uvicorn's graceful-shutdown wait, and the loop
     cancels what is left), it answers 503 ``service_unavailable`` with ``Retry-After``
     (:data:`STOPPED_RETRY_AFTER_S` seconds) and closes the connection; uvicorn would send a plain-text
-    500. A response already started (a stream) just ends, as before."""
+    500. A stream already started (``text/event-stream``) gets that error as its last event, then
+    ``data: [DONE]``, and ends, where it was cut with uvicorn's traceback of the cancelled task; another
+    response already started is cut, as before."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -25,19 +29,27 @@ class CancelledAnswerMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = streaming = ended = False
 
         async def tracked(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, streaming, ended
+            if message["type"] == "http.response.start":
+                started = True
+                streaming = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                                for name, value in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
             await send(message)
 
         try:
             await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
+            if started and streaming and not ended:
+                last = error_event(STOPPED_MESSAGE) + DONE
+                await send({"type": "http.response.body", "body": last.encode(), "more_body": False})
+                return
             if started:
                 raise
-            response = error_response(unavailable("the service stopped before this request was answered; send it "
-                                                  "again", STOPPED_RETRY_AFTER_S))
+            response = error_response(unavailable(STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S))
             response.headers["connection"] = "close"
             await response(scope, receive, send)

@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
                    help="only fetch http(s) images and videos from these hosts")
     p.add_argument("--shutdown-grace-s", type=float, default=None, metavar="S",
                    help="on SIGTERM/SIGINT, seconds in-flight requests get to finish while new ones get 503 "
-                        "(api.shutdown_grace_s, default 30; a second signal stops at once)")
+                        "(api.shutdown_grace_s, default 30; a second signal ends the wait at once)")
     p.add_argument("--batch-data-dir", default=None, metavar="DIR",
                    help="where the Batch API keeps its database and files (batch.data_dir; "
                         "default $XDG_STATE_HOME/mm-serve/batches)")

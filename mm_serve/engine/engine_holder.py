@@ -34,6 +34,7 @@ class EngineHolder:
             self.ready_event.set()
         self.draining = threading.Event()  # set on SIGTERM/SIGINT: new requests get 503
         self.drain_deadline = 0.0  # time.monotonic() by which a drain under way stops the workers
+        self._drain_cut = threading.Event()  # set by :meth:`cut_drain`: a drain under way ends now
         self._thread: threading.Thread | None = None
 
     def start_background(self) -> None:
@@ -80,13 +81,28 @@ class EngineHolder:
     def drain(self, grace_s: float, preparing: Callable[[], int] = lambda: 0) -> int:
         """Stop admitting, then wait up to ``grace_s`` seconds for in-flight engine requests to
         finish, and for the calls ``preparing()`` counts (still decoding their images: they are
-        answered 503 once done) to get that far; returns how many of both were left at the deadline."""
+        answered 503 once done) to get that far, or for :meth:`cut_drain`; returns how many of both
+        were left when it ended."""
         deadline = time.monotonic() + grace_s
         self.drain_deadline = deadline
         self.draining.set()
-        while (self.client.requests or preparing()) and time.monotonic() < deadline:
+        while (self.client.requests or preparing()) and time.monotonic() < deadline and not self._drain_cut.is_set():
             time.sleep(0.05)
         return len(self.client.requests) + preparing()
+
+    def cut_drain(self) -> None:
+        """End a drain under way now (a second signal): :meth:`drain` returns within 50 ms."""
+        self.drain_deadline = time.monotonic()
+        self._drain_cut.set()
+
+    def fail_in_flight(self, message: str) -> int:
+        """End every engine request still in flight with the error ``message``, before the workers stop:
+        a stream's last event is then that error and a non-streamed call gets a 503, instead of a
+        connection cut when the server exits. Returns how many there were. Takes the flight table's
+        lock: not for a signal handler (it may have interrupted a holder of that lock)."""
+        left = len(self.client.requests)
+        self.client.flights.fail_all(message)
+        return left
 
     def stop(self) -> None:
         self.client.request_stop()

@@ -4,8 +4,12 @@ The first signal (to the API process, or to the whole process group: workers ign
 both) stops admitting, with the listener still open so that new requests get a clear
 503 rather than a refused connection; in-flight requests have ``api.shutdown_grace_s``
 seconds to finish; then the server exits as uvicorn does and the lifespan shutdown
-stops every worker and unlinks every segment. A second signal exits at once. Before
-the workers have started (first start) there is nothing to drain, and the first signal exits.
+stops every worker and unlinks every segment. A second signal ends the drain at once. Requests
+still in flight when the drain ends (the grace passed, or the second signal) are failed first,
+so each gets an answer (a stream's last event is a ``service_unavailable`` error, a call not yet
+answered gets a 503) before the connections close. A third signal exits without waiting for
+those answers. Before the workers have started (first start) there is nothing to drain, and the
+first signal exits.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class DrainingServer(uvicorn.Server):
         self._grace_s = grace_s
         self._preparing = preparing  # calls still decoding their images (the drain waits for them too)
         self._draining = False
+        self._cut = False  # a second signal ended the drain
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -46,7 +51,13 @@ class DrainingServer(uvicorn.Server):
                     captured.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining:  # a second signal: stop now, without uvicorn's wait for open connections
+        if self._draining and not self._cut:  # a second signal: end the drain now (the drain thread fails what is left)
+            self._cut = True
+            self._holder.cut_drain()
+            print("mm-serve: stopping now: requests in flight are answered 503 (signal again to exit without "
+                  "answering them)", file=sys.stderr, flush=True)
+            return
+        if self._draining:  # a third signal: exit without uvicorn's wait for open connections
             self.force_exit = True
             super().handle_exit(sig, frame)
             return
@@ -61,6 +72,7 @@ class DrainingServer(uvicorn.Server):
     def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
         left = self._holder.drain(self._grace_s, self._preparing)
         if left:
-            print(f"mm-serve: {left} request(s) still in flight after {self._grace_s:g} s; stopping them",
-                  file=sys.stderr, flush=True)
+            why = "on a second signal" if self._cut else f"after {self._grace_s:g} s"
+            print(f"mm-serve: {left} request(s) still in flight {why}; stopping them", file=sys.stderr, flush=True)
+        self._holder.fail_in_flight("the service stopped before this request finished; send it again")
         super().handle_exit(sig, frame)
