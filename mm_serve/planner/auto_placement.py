@@ -34,6 +34,7 @@ from typing import Any
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.ground.slo import SLO
 from mm_serve.planner.candidates import tp_degrees
+from mm_serve.planner.core_load import CoreLoad
 from mm_serve.planner.errors import PlannerError, ProfileError
 from mm_serve.planner.evaluator import GoodputEvaluator
 from mm_serve.planner.fit import get_hardware
@@ -46,6 +47,8 @@ from mm_serve.workloads import make_workload
 
 PLACEMENT_KEYS = ("mode", "compute.prefill_workers", "compute.decode_workers", "compute.prefill_cpus",
                   "compute.decode_cpus", "compute.prefill_gpus", "compute.decode_gpus")
+BUSY_SHARE_LIMIT = 0.2  # a profile measured while others kept more of its cores busy is not reused
+UNDER_LOAD_KEY = "measured_under_load"  # in a profile file: that share (the next start measures again)
 PROFILE_SIZES = {"prefill_tokens": (32, 256, 1024), "decode_batches": (1, 8, 32), "decode_contexts": (128, 512)}
 
 
@@ -168,6 +171,9 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     (False: read from the cache). The cached file carries the checkpoint's ``config.json`` itself, not
     its path: the cache is keyed by that file's digest and shared by every copy of the checkpoint (an
     older file naming a path that is gone, like one that is not a valid profile, is measured again).
+    A profile measured while other processes kept more than :data:`BUSY_SHARE_LIMIT` of this process's
+    cores busy (:class:`~mm_serve.planner.core_load.CoreLoad`) is used, marked with that share under
+    :data:`UNDER_LOAD_KEY`, and measured again at the next start instead of being read.
 
     Raises:
         PlannerError: the profile folder cannot be written (checked before measuring), or the
@@ -177,8 +183,13 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     path = profile_dir / f"{model_dir.name}-{profile_key(model_dir, dtype, cores, degrees)}.json"
     if path.is_file():
         try:
-            parse_profile(json.loads(path.read_text()), path.parent, str(path))
-            return path, False
+            cached = json.loads(path.read_text())
+            parse_profile(cached, path.parent, str(path))
+            busy = cached.get(UNDER_LOAD_KEY)
+            if not isinstance(busy, (int, float)):
+                return path, False
+            log(f"the cached profile {path} was measured while other processes kept {busy:.0%} of its cores busy: "
+                "measuring again")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ProfileError):
             log(f"the cached profile {path} is unreadable: measuring again")
     try:
@@ -196,8 +207,13 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     log(f"profiling this machine for the placement (once; cached at {path}; delete it to measure again) ...")
     threads = torch.get_num_threads()
     try:
-        profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
-                                  parallel_threads=degrees, **PROFILE_SIZES)  # type: ignore[arg-type]
+        with CoreLoad(usable_cores()) as load:
+            profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
+                                      parallel_threads=degrees, **PROFILE_SIZES)  # type: ignore[arg-type]
+        if load.share is not None and load.share > BUSY_SHARE_LIMIT:
+            profile[UNDER_LOAD_KEY] = round(load.share, 3)
+            log(f"other processes kept {load.share:.0%} of this process's cores busy while profiling (over "
+                f"{BUSY_SHARE_LIMIT:.0%}): the placement uses this profile now, and the next start measures again")
         profile["cache_key"] = path.stem
         profile["model"] = json.loads((model_dir / "config.json").read_text())  # not a path: any copy reads it
         Path(tmp).write_text(json.dumps(profile, indent=2))

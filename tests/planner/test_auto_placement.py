@@ -238,3 +238,57 @@ def test_a_tower_of_patches_and_grids_is_profiled_without_encode_points(tmp_path
     assert measured and rows["encode"] == [] and len(rows["prefill"]) >= 2 and len(rows["decode"]) == 6
     assert any(line.startswith("  encode  not timed:") for line in lines)
     assert get_hardware(str(path)).name
+
+
+def _spinners(cores: int, seconds: float) -> list[Any]:
+    """One busy-looping process per core, for ``seconds``: another program on the machine."""
+    import subprocess
+    import sys
+
+    loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(cores)]
+
+
+def test_a_profile_measured_on_busy_cores_is_used_once_then_measured_again(tiny_llama: Path, tmp_path: Path) -> None:
+    """While other processes keep this process's cores busy, the profile is marked with their share and
+    the next start measures it again (a 40x slower point kept for good flipped placements); measured on
+    quiet cores, the new profile is cached and read."""
+    from mm_serve.planner.auto_placement import BUSY_SHARE_LIMIT, UNDER_LOAD_KEY, usable_cores
+
+    spinners = _spinners(2 * len(usable_cores()), 120)
+    try:
+        lines: list[str] = []
+        path, measured = cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    share = json.loads(path.read_text())[UNDER_LOAD_KEY]
+    assert measured and BUSY_SHARE_LIMIT < share <= 1.0
+    assert any(line.startswith(f"other processes kept {share:.0%} of this process's cores busy") for line in lines)
+    lines = []
+    assert cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append) == (path, True)
+    assert lines[0] == (f"the cached profile {path} was measured while other processes kept {share:.0%} of its "
+                        "cores busy: measuring again")
+    assert UNDER_LOAD_KEY not in json.loads(path.read_text())  # measured on quiet cores this time
+    assert cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append) == (path, False)
+
+
+def test_the_share_of_busy_cores_is_read_from_proc_stat(tmp_path: Path) -> None:
+    """The busy ticks of the named cores only (user, nice, system, irq, softirq, steal; not idle, iowait
+    or guest), less this process's own CPU time, over wall time and cores; unknown without a line."""
+    import time
+
+    from mm_serve.planner.core_load import CoreLoad, busy_ticks
+
+    stat = ("cpu  9 9 9 9 9 9 9 9 9 9\ncpu0 1 2 3 100 50 4 5 6 70 80\ncpu1 10 0 0 0 0 0 0 0 0 0\n"
+            "cpu2 1000 0 0 0 0 0 0 0 0 0\nintr 5 6\n")
+    assert busy_ticks({0}, stat) == 1 + 2 + 3 + 4 + 5 + 6
+    assert busy_ticks({0, 1}, stat) == 21 + 10
+    assert busy_ticks({0, 3}, stat) is None
+    with CoreLoad([0, 1]) as quiet:
+        time.sleep(0.5)
+    assert quiet.share is not None and 0.0 <= quiet.share <= 1.0
+    with CoreLoad([0], tmp_path / "missing") as unknown:
+        pass
+    assert unknown.share is None
