@@ -13,9 +13,13 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 2. runs the planner's search (:func:`mm_serve.planner.search.plan`) on it with one device per
    usable core, the workload ``placement.workload`` and the SLO of the default tier
    (:func:`choose_placement`);
-3. runs colocated on every core when that one instance (TP = the cores, or the largest degree
-   the heads allow) predicts at least the disaggregated unit's goodput, else the disaggregated
-   unit: N prefill and M decode workers, each pinned to its planned cores (:func:`apply_placement`).
+3. where the config sets neither the decode pacing nor ``compute.prefill_worker_nice``, also
+   simulates a prefill worker on every core with the decode worker sharing the last one, that
+   core split by niceness and decode pacing (:mod:`mm_serve.planner.shared_core`);
+4. runs the candidate predicting the most goodput, the simpler on a tie: colocated on every core
+   (one instance of TP = the cores, or the largest degree the heads allow), the disaggregated unit
+   (N prefill and M decode workers, each pinned to its planned cores), or the shared core with its
+   pacing and niceness (:func:`apply_placement`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import os
 import platform
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +48,7 @@ from mm_serve.planner.model_shape import load_model_shape
 from mm_serve.planner.plan_spec import PlanSpec
 from mm_serve.planner.profile_file import parse_profile
 from mm_serve.planner.search import PlanResult, plan
+from mm_serve.planner.shared_core import PACINGS, SHARED_NICE_STEP, SharedCorePlacement, cfs_share
 from mm_serve.workloads import make_workload
 
 PLACEMENT_KEYS = ("mode", "compute.prefill_workers", "compute.decode_workers", "compute.prefill_cpus",
@@ -73,15 +79,24 @@ class PlacementChoice:
     profile_measured: bool  # measured at this start (False: read from the cache)
     seconds: float  # the planner's search time
     candidates: dict[str, str] = field(default_factory=dict)  # candidate name -> its cores, in words
+    shared_core: SharedCorePlacement | None = None  # the decode worker shares the last prefill core
+    prefill_worker_nice: int | None = None  # that core's prefill worker's niceness (shared_core only)
 
     @property
     def keys(self) -> dict[str, Any]:
-        """The placement keys it sets (:func:`apply_placement`'s arguments)."""
-        return {"mode": self.mode, "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers,
-                "prefill_cpus": self.prefill_cpus, "decode_cpus": self.decode_cpus}
+        """The placement keys it sets (:func:`apply_placement`'s arguments); a shared core adds
+        the decode pacing and the niceness of the prefill worker beside the decode worker."""
+        keys: dict[str, Any] = {"mode": self.mode, "prefill_workers": self.prefill_workers,
+                                "decode_workers": self.decode_workers, "prefill_cpus": self.prefill_cpus,
+                                "decode_cpus": self.decode_cpus}
+        if self.shared_core is not None:
+            keys.update(decode_step_pacing=self.shared_core.pacing, prefill_worker_nice=self.prefill_worker_nice)
+        return keys
 
     @property
     def name(self) -> str:
+        if self.shared_core is not None:
+            return self.shared_core.name
         return "colocated" if self.mode == "colocated" else f"{self.prefill_workers}P+{self.decode_workers}D"
 
     def describe(self) -> str:
@@ -248,6 +263,7 @@ def choose_placement(
         gpus_per_node=len(cores), seed=cfg.seed, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
     )
+    start = time.perf_counter()
     evaluator = GoodputEvaluator(spec)
     result = plan(spec, evaluator)
     # the colocated mode runs one worker on every core: that instance's goodput (from the search's memo
@@ -255,13 +271,31 @@ def choose_placement(
     # smaller instances the service does not run)
     colocated = ParallelConfig(max(tp_degrees(shape.num_heads, len(cores))), 1)
     colocated_rate = evaluator.colocated_goodput(colocated, False)
-    return _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate)
+    shared: tuple[SharedCorePlacement, float] | None = None
+    nice = min(19, cfg.compute.worker_nice + SHARED_NICE_STEP)
+    if not _pacing_given(cfg):
+        share = cfs_share(cfg.compute.worker_nice, nice)
+        tried = [(evaluator.shared_core_goodput(SharedCorePlacement(len(cores), pacing), share),
+                  SharedCorePlacement(len(cores), pacing)) for pacing in PACINGS]
+        best_rate, best = max(tried, key=lambda rated: rated[0])  # the first of equals: the least paced
+        shared = (best, best_rate)
+    return _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate,
+                   shared, nice, time.perf_counter() - start)
+
+
+def _pacing_given(cfg: ServiceConfig) -> bool:
+    """Whether ``cfg`` sets the decode pacing or the shared-core niceness itself (file or flags):
+    the planner then does not offer a shared core, whose rules would override them."""
+    return bool({"decode_step_pacing", "decode_step_interval_ms"} & cfg.scheduler.model_fields_set
+                or "prefill_worker_nice" in cfg.compute.model_fields_set)
 
 
 def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profile: str,
-            measured: bool, colocated: ParallelConfig, colocated_rate: float) -> PlacementChoice:
-    """The choice from a plan and the goodput (requests/s) of the colocated instance the service would run
-    (``colocated``): colocated when that predicts at least the disaggregated unit's goodput."""
+            measured: bool, colocated: ParallelConfig, colocated_rate: float,
+            shared: tuple[SharedCorePlacement, float] | None, shared_nice: int, seconds: float) -> PlacementChoice:
+    """The choice from a plan, the goodput (requests/s) of the colocated instance the service would run
+    (``colocated``) and of the best shared-core placement (``shared``, None: not offered): the one
+    predicting the most, the simpler on a tie (colocated, then the planner's unit, then a shared core)."""
     prefill = [i for i in result.placement if i.role == "prefill"]
     decode = [i for i in result.placement if i.role == "decode"]
     disaggregated = f"{len(prefill)}P+{len(decode)}D"
@@ -270,19 +304,32 @@ def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profi
     prefill_cpus = [cores[g] for i in prefill for g in i.gpus]
     decode_cpus = [cores[g] for i in decode for g in i.gpus]
     candidates[disaggregated] = f"prefill on cores {prefill_cpus}, decode on cores {decode_cpus}"
+    if shared is not None:
+        placement, rate = shared
+        predicted[placement.name] = rate
+        paced = f"steps paced at {placement.pacing:g} x the TPOT SLO" if placement.pacing else "steps unpaced"
+        candidates[placement.name] = (f"prefill on cores {cores}, decode on core {cores[-1]} beside a prefill worker "
+                                      f"niced to {shared_nice}, {paced}")
     common = {"predicted": predicted, "workload": workload, "slo": slo, "cores": len(cores), "profile": profile,
-              "profile_measured": measured, "seconds": result.seconds, "candidates": candidates}
-    if colocated_rate >= result.cluster_goodput:
+              "profile_measured": measured, "seconds": seconds, "candidates": candidates}
+    best = max(predicted.values())
+    if colocated_rate >= best:
         return PlacementChoice("colocated", 1, 1, [], [], **common)  # type: ignore[arg-type]
-    return PlacementChoice("disaggregated", len(prefill), len(decode), prefill_cpus, decode_cpus,
-                           **common)  # type: ignore[arg-type]
+    if result.cluster_goodput >= best or shared is None:
+        return PlacementChoice("disaggregated", len(prefill), len(decode), prefill_cpus, decode_cpus,
+                               **common)  # type: ignore[arg-type]
+    return PlacementChoice("disaggregated", len(cores), 1, list(cores), [cores[-1]], **common,  # type: ignore[arg-type]
+                           shared_core=shared[0], prefill_worker_nice=shared_nice)
 
 
 def apply_placement(
     cfg: ServiceConfig, mode: str, prefill_workers: int = 1, decode_workers: int = 1,
     prefill_cpus: list[int] | None = None, decode_cpus: list[int] | None = None,
+    decode_step_pacing: float | None = None, prefill_worker_nice: int | None = None,
 ) -> ServiceConfig:
-    """``cfg`` with this mode, worker counts and cores (none given: unpinned), validated again.
+    """``cfg`` with this mode, worker counts and cores (none given: unpinned), and, where given, the
+    decode pacing (``scheduler.decode_step_pacing``) and the niceness of a prefill worker sharing a
+    decode worker's core (``compute.prefill_worker_nice``), validated again.
 
     Raises:
         ConfigError: the result does not validate (e.g. more workers than the config allows).
@@ -291,4 +338,8 @@ def apply_placement(
     tree["mode"] = mode
     tree["compute"].update(prefill_workers=prefill_workers, decode_workers=decode_workers,
                            prefill_cpus=prefill_cpus or [], decode_cpus=decode_cpus or [])
+    if decode_step_pacing is not None:
+        tree["scheduler"]["decode_step_pacing"] = decode_step_pacing
+    if prefill_worker_nice is not None:
+        tree["compute"]["prefill_worker_nice"] = prefill_worker_nice
     return config_from_dict(tree)

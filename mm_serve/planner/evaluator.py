@@ -15,6 +15,7 @@ from mm_serve.planner.goodput import max_rate
 from mm_serve.planner.latency_model import DecodeTiming, LatencyModel, ParallelConfig, PrefillTiming
 from mm_serve.planner.memory import MemoryPlan, memory_plan
 from mm_serve.planner.plan_spec import PlanSpec
+from mm_serve.planner.shared_core import PacedDecodeTiming, SharedCorePlacement
 from mm_serve.planner.sim_request import SimRequest
 from mm_serve.planner.sim_result import Phase, SimResult
 from mm_serve.planner.simulator import (
@@ -222,12 +223,28 @@ class GoodputEvaluator:
         decodes: Sequence[DecodeServer],
         handoff: Sequence[Sequence[Handoff]],
         upper: float,
+        shared: tuple[int, int] | None = None,
     ) -> float:
         """Max rate a whole disaggregated unit serves within both SLOs; ``upper`` is
         its phase estimate ``min(n Gp, m Gd)`` from simulated phase goodputs
-        (requests/s)."""
+        (requests/s). ``shared``: the (prefill, decode) pair on one core
+        (:func:`~mm_serve.planner.simulator.simulate_disaggregated`)."""
         held = sum(self.decode_concurrency(d) for d in decodes)
         held += self.prefill_batch() * sum(p.timing.pp for p in prefills)
         return self._search(
-            lambda reqs: simulate_disaggregated(prefills, decodes, handoff, reqs), "both",
+            lambda reqs: simulate_disaggregated(prefills, decodes, handoff, reqs, shared), "both",
             _BOUND_SLACK * upper, held, near=True)
+
+    def shared_core_goodput(self, placement: SharedCorePlacement, share: float) -> float:
+        """Max rate (requests/s) ``placement`` serves within both SLOs: one-core prefill and
+        decode instances, the decode instance paced at ``placement.pacing`` × the TPOT SLO and
+        given ``share`` of the core it shares with the last prefill instance
+        (:mod:`mm_serve.planner.shared_core`)."""
+        one = ParallelConfig(1, 1)
+        prefill, alone = self.prefill_server(one, False), self.decode_server(one, False)
+        paced = PacedDecodeTiming(**vars(alone.timing), interval_s=placement.pacing * self.spec.slo.tpot_s,
+                                  share=share)
+        decode = DecodeServer(paced, alone.kv_capacity, alone.max_batch)
+        n, link = placement.cores, self.handoff(one, one, False)
+        return self._memo(("shared", placement, share), lambda: self.disaggregated_goodput(
+            [prefill] * n, [decode], [[link]] * n, n * self.prefill_goodput(one, False), shared=(n - 1, 0)))

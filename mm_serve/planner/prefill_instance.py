@@ -18,7 +18,9 @@ class PrefillInstance:
     ``token_budget`` prompt tokens and ``max_batch`` requests (the head request always
     goes, however long). With pipeline degree ``p`` a new batch may start every
     ``stage_time`` seconds while earlier ones are still in later stages (DistServe
-    §3.1). ``on_done(req)`` is called at the first-token time.
+    §3.1). ``on_done(req)`` is called at the first-token time. ``slowdown()``, when given, is how
+    many times longer a batch starting now takes than alone (an instance sharing its core with a
+    decode worker: :func:`mm_serve.planner.shared_core.prefill_slowdown`).
     """
 
     def __init__(
@@ -28,8 +30,10 @@ class PrefillInstance:
         token_budget: int,
         max_batch: int,
         on_done: Callable[[SimRequest], None],
+        slowdown: Callable[[], float] | None = None,
     ) -> None:
         self._loop = loop
+        self._slowdown = slowdown
         self._timing = timing
         self._budget = token_budget
         self._max_batch = max_batch
@@ -71,11 +75,12 @@ class PrefillInstance:
             images += r.num_images
         now = self._loop.now
         timing = self._timing
-        latency = timing.latency(tokens, sq, len(batch), images)
+        scale = self._slowdown() if self._slowdown is not None else 1.0
+        latency = scale * timing.latency(tokens, sq, len(batch), images)
         self.in_flight += len(batch)
         self._loop.at(now + latency, partial(self._finish, batch))
         self._stage_busy = True
-        self._loop.at(now + timing.stage_time(tokens, sq, len(batch), images), self._start)
+        self._loop.at(now + scale * timing.stage_time(tokens, sq, len(batch), images), self._start)
 
     def _finish(self, batch: list[SimRequest]) -> None:
         now = self._loop.now

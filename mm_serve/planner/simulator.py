@@ -13,7 +13,7 @@ model does not charge to prefill memory).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,6 +22,7 @@ from mm_serve.planner.decode_instance import DecodeInstance
 from mm_serve.planner.events import EventLoop
 from mm_serve.planner.latency_model import DecodeTiming, PrefillTiming
 from mm_serve.planner.prefill_instance import PrefillInstance
+from mm_serve.planner.shared_core import PacedDecodeTiming, prefill_slowdown
 from mm_serve.planner.sim_request import SimRequest
 from mm_serve.planner.sim_result import SimResult
 from mm_serve.workloads import RequestSpec
@@ -113,11 +114,23 @@ def simulate_disaggregated(
     decodes: Sequence[DecodeServer],
     handoff: Sequence[Sequence[Handoff]],
     requests: Sequence[SimRequest],
+    shared: tuple[int, int] | None = None,
 ) -> SimResult:
     """A full disaggregated system; ``handoff[p][d]`` is the link from prefill ``p``
-    to decode ``d``. Sets TTFT (at prefill) and TPOT (hand-off + decode)."""
+    to decode ``d``. Sets TTFT (at prefill) and TPOT (hand-off + decode). ``shared``
+    ``(p, d)``: prefill ``p`` shares its core with decode ``d``, whose timing is then a
+    :class:`~mm_serve.planner.shared_core.PacedDecodeTiming`; each batch of ``p`` is slowed by
+    :func:`~mm_serve.planner.shared_core.prefill_slowdown` of ``d``'s running batch at its start."""
     loop = EventLoop()
     dec = [DecodeInstance(loop, s.timing, s.kv_capacity, s.max_batch) for s in decodes]
+    slowdowns: list[Callable[[], float] | None] = [None] * len(prefills)
+    if shared is not None:
+        p_shared, d_shared = shared
+        paced = decodes[d_shared].timing
+        if not isinstance(paced, PacedDecodeTiming):
+            raise ValueError("simulate_disaggregated: a shared core's decode timing must be a PacedDecodeTiming")
+        running = dec[d_shared].running
+        slowdowns[p_shared] = lambda: prefill_slowdown(paced, len(running), running.context)
     in_transit = [0] * len(dec)
     link_free = [[0.0] * len(dec) for _ in prefills]
 
@@ -133,7 +146,7 @@ def simulate_disaggregated(
         in_transit[d] += 1
         loop.at(link_free[p][d], partial(land, d, req))
 
-    pre = [PrefillInstance(loop, s.timing, s.token_budget, s.max_batch, partial(prefilled, i))
+    pre = [PrefillInstance(loop, s.timing, s.token_budget, s.max_batch, partial(prefilled, i), slowdowns[i])
            for i, s in enumerate(prefills)]
 
     def arrive(req: SimRequest) -> None:
