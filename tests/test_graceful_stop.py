@@ -148,3 +148,39 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
     assert "5 request(s) still in flight on a second signal" in text  # the call's n=4 choices and the stream
     time.sleep(0.5)
     assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]
+
+
+def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: Path, tmp_path: Path) -> None:
+    """``--shutdown-grace-s 0``: the first SIGINT stops at once, and a stream in flight still ends with a
+    ``service_unavailable`` error event and ``[DONE]`` (it was held until uvicorn's 5 s wait for connections
+    ran out, then cut), with no traceback."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
+             "--served-model-name", "tiny", "--shutdown-grace-s", "0", "--no-auto-placement"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    streams: list[list[str]] = []
+    try:
+        deadline = time.monotonic() + 180
+        while "is ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stream = threading.Thread(target=_stream_events, args=(url, streams))
+        stream.start()
+        time.sleep(1.0)
+        assert stream.is_alive()
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stream.join(60)
+        assert proc.wait(60) == 0, log.read_text()[-2000:]
+        assert time.monotonic() - stopped < 4.0  # not uvicorn's 5 s wait for the stream's connection
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (events,) = streams
+    assert json.loads(events[-2][6:])["error"]["code"] == "service_unavailable" and events[-1] == "data: [DONE]"
+    text = log.read_text()
+    assert "Traceback" not in text and "1 request(s) still in flight (no grace); stopping them" in text, text[-3000:]

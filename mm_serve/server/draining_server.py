@@ -61,18 +61,19 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             super().handle_exit(sig, frame)
             return
-        if not self._holder.started or self._grace_s <= 0:  # started: a restarting worker still drains
+        if not self._holder.started:  # started: a restarting worker still drains
             super().handle_exit(sig, frame)
             return
         self._draining = True
-        print(f"mm-serve: stopping: new requests get 503, in-flight ones have {self._grace_s:g} s to finish "
-              "(signal again to stop now)", file=sys.stderr, flush=True)
+        if self._grace_s > 0:
+            print(f"mm-serve: stopping: new requests get 503, in-flight ones have {self._grace_s:g} s to finish "
+                  "(signal again to stop now)", file=sys.stderr, flush=True)
         threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="mm-serve-drain", daemon=True).start()
 
     def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
         left = self._holder.drain(self._grace_s, self._preparing)
         if left:
-            why = "on a second signal" if self._cut else f"after {self._grace_s:g} s"
+            why = "on a second signal" if self._cut else f"after {self._grace_s:g} s" if self._grace_s > 0 else "(no grace)"
             print(f"mm-serve: {left} request(s) still in flight {why}; stopping them", file=sys.stderr, flush=True)
         self._holder.fail_in_flight("the service stopped before this request finished; send it again")
         super().handle_exit(sig, frame)
