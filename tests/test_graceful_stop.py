@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from mm_serve.cluster.stale_instances import SHM_DIR, process_start_time
 from tests.api.server_process import free_port
@@ -32,22 +33,28 @@ def _stream(url: str, out: list[str], errors: list[str]) -> None:
         errors.append(repr(exc))
 
 
+def _serve(tiny_llava: Path, log: Path, grace_s: int, new_session: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """``mm-serve serve`` of the tiny model on a free port with ``--shutdown-grace-s grace_s``, its output in
+    ``log`` (``new_session``: in a process group of its own); returns the process and its URL."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
+             "--served-model-name", "tiny", "--shutdown-grace-s", str(grace_s), "--no-auto-placement"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            start_new_session=new_session)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Path, tmp_path: Path) -> None:
     """In-flight streams complete with finish_reason 'length'; a request during the drain gets 503;
     the server exits 0 with its last message (uvicorn re-raises the signal after a graceful stop,
     which made it exit 143, killed by SIGTERM); afterwards no worker process, segment or run
     directory of the instance is left. It runs on uvloop (``api.event_loop: auto``)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
     before = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
-             "--served-model-name", "tiny", "--shutdown-grace-s", "60", "--no-auto-placement"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            start_new_session=True,  # its own process group, as under systemd or a container runtime
-        )
+    # its own process group, as under systemd or a container runtime
+    proc, url = _serve(tiny_llava, log, 60, new_session=True)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -100,19 +107,16 @@ def _stream_events(url: str, out: list[list[str]]) -> None:
         out.append([line for line in r.iter_lines() if line.startswith("data: ")])
 
 
-def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("signals", [2, 3])
+def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path, tmp_path: Path, signals: int) -> None:
     """A second SIGINT stops at once: a call still decoding gets 503 ``service_unavailable`` in OpenAI's
     error JSON with Retry-After (uvicorn sent a plain-text 500 from the cancelled task), a stream ends with
     that error as its last event, then ``[DONE]`` (it was cut, with a traceback per stream in the log), and
-    nothing of the instance is left."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    nothing of the instance is left. A third signal 50 ms later (exit without waiting for the answers)
+    changes none of that, and logs no traceback (the app's lifespan task was cancelled by the loop's
+    teardown)."""
     log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
-             "--served-model-name", "tiny", "--shutdown-grace-s", "60", "--no-auto-placement"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc, url = _serve(tiny_llava, log, 60)
     answers: list[httpx.Response] = []
     streams: list[list[str]] = []
     try:
@@ -130,6 +134,9 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
         time.sleep(0.5)
         assert call.is_alive() and stream.is_alive()  # draining: both are still decoding
         proc.send_signal(signal.SIGINT)
+        if signals == 3:
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
         call.join(60)
         stream.join(60)
         assert proc.wait(60) == 0, log.read_text()[-2000:]
@@ -154,14 +161,8 @@ def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: 
     """``--shutdown-grace-s 0``: the first SIGINT stops at once, and a stream in flight still ends with a
     ``service_unavailable`` error event and ``[DONE]`` (it was held until uvicorn's 5 s wait for connections
     ran out, then cut), with no traceback."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
-             "--served-model-name", "tiny", "--shutdown-grace-s", "0", "--no-auto-placement"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc, url = _serve(tiny_llava, log, 0)
     streams: list[list[str]] = []
     try:
         deadline = time.monotonic() + 180

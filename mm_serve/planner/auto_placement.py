@@ -275,10 +275,10 @@ def choose_placement(
     nice = min(19, cfg.compute.worker_nice + SHARED_NICE_STEP)
     if not _pacing_given(cfg):
         share = cfs_share(cfg.compute.worker_nice, nice)
-        tried = [(evaluator.shared_core_goodput(SharedCorePlacement(len(cores), pacing), share),
-                  SharedCorePlacement(len(cores), pacing)) for pacing in PACINGS]
-        best_rate, best = max(tried, key=lambda rated: rated[0])  # the first of equals: the least paced
-        shared = (best, best_rate)
+        placements = [SharedCorePlacement(len(cores), pacing) for pacing in PACINGS]
+        rates = [evaluator.shared_core_goodput(placement, share) for placement in placements]
+        best = max(rates)
+        shared = (placements[rates.index(best)], best)  # the first of equals: the least paced
     return _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate,
                    shared, nice, time.perf_counter() - start)
 

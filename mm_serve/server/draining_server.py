@@ -15,6 +15,7 @@ first signal exits.
 from __future__ import annotations
 
 import contextlib
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ class DrainingServer(uvicorn.Server):
         self._preparing = preparing  # calls still decoding their images (the drain waits for them too)
         self._draining = False
         self._cut = False  # a second signal ended the drain
+        self._drained = False  # the drain is over (a later signal exits at once)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -51,7 +53,7 @@ class DrainingServer(uvicorn.Server):
                     captured.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining and not self._cut:  # a second signal: end the drain now (the drain thread fails what is left)
+        if self._draining and not self._cut and not self._drained:  # a second signal: end the drain now (the drain thread fails what is left)
             self._cut = True
             self._holder.cut_drain()
             print("mm-serve: stopping now: requests in flight are answered 503 (signal again to exit without "
@@ -70,8 +72,17 @@ class DrainingServer(uvicorn.Server):
                   "(signal again to stop now)", file=sys.stderr, flush=True)
         threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="mm-serve-drain", daemon=True).start()
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, and after a third signal (``force_exit``, where uvicorn skips it) the app's lifespan
+        shutdown too: it stops the workers, which the CLI would do next anyway, and the lifespan task,
+        cancelled by the loop's teardown instead, logged a CancelledError traceback."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            await self.lifespan.shutdown()
+
     def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
         left = self._holder.drain(self._grace_s, self._preparing)
+        self._drained = True
         if left:
             why = "on a second signal" if self._cut else f"after {self._grace_s:g} s" if self._grace_s > 0 else "(no grace)"
             print(f"mm-serve: {left} request(s) still in flight {why}; stopping them", file=sys.stderr, flush=True)
