@@ -81,6 +81,7 @@ class PlacementChoice:
     candidates: dict[str, str] = field(default_factory=dict)  # candidate name -> its cores, in words
     shared_core: SharedCorePlacement | None = None  # the decode worker shares the last prefill core
     prefill_worker_nice: int | None = None  # that core's prefill worker's niceness (shared_core only)
+    profile_under_load: float | None = None  # the busy share of its cores while it was measured, if over the limit
 
     @property
     def keys(self) -> dict[str, Any]:
@@ -114,6 +115,7 @@ class PlacementChoice:
             "predicted_goodput": self.predicted, "candidates": self.candidates, "workload": self.workload,
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "attainment": self.slo.attainment},
             "cores": self.cores, "profile": self.profile, "profile_measured": self.profile_measured,
+            "profile_measured_under_load": self.profile_under_load,
         }
 
 
@@ -310,8 +312,10 @@ def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profi
         paced = f"steps paced at {placement.pacing:g} x the TPOT SLO" if placement.pacing else "steps unpaced"
         candidates[placement.name] = (f"prefill on cores {cores}, decode on core {cores[-1]} beside a prefill worker "
                                       f"niced to {shared_nice}, {paced}")
+    under_load = json.loads(Path(profile).read_text()).get(UNDER_LOAD_KEY)  # read by the planner just before
     common = {"predicted": predicted, "workload": workload, "slo": slo, "cores": len(cores), "profile": profile,
-              "profile_measured": measured, "seconds": seconds, "candidates": candidates}
+              "profile_measured": measured, "seconds": seconds, "candidates": candidates,
+              "profile_under_load": under_load if isinstance(under_load, (int, float)) else None}
     best = max(predicted.values())
     if colocated_rate >= best:
         return PlacementChoice("colocated", 1, 1, [], [], **common)  # type: ignore[arg-type]

@@ -87,6 +87,7 @@ def test_chatbot_at_tpot_50_ms_on_two_cores_runs_colocated(two_core_machine: tup
     health = choice.as_dict()
     assert health["source"] == "planner" and health["chosen"] == "colocated"
     assert health["predicted_goodput"] == choice.predicted and health["slo"]["tpot_s"] == 0.05
+    assert health["profile_measured_under_load"] is None  # measured on quiet cores
 
 
 def test_summarization_at_a_tight_tpot_runs_one_prefill_and_one_decode_worker(
@@ -305,6 +306,8 @@ def test_a_profile_measured_on_busy_cores_is_used_once_then_measured_again(tiny_
     share = json.loads(path.read_text())[UNDER_LOAD_KEY]
     assert measured and BUSY_SHARE_LIMIT < share <= 1.0
     assert any(line.startswith(f"other processes kept {share:.0%} of this process's cores busy") for line in lines)
+    chatbot = config_from_dict({}, {"placement.workload": "chatbot"})
+    assert choose_placement(chatbot, tiny_llama, path, [0, 1]).as_dict()["profile_measured_under_load"] == share
     lines = []
     assert cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append) == (path, True)
     assert lines[0] == (f"the cached profile {path} was measured while other processes kept {share:.0%} of its "
