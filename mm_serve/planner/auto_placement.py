@@ -281,8 +281,10 @@ def choose_placement(
         rates = [evaluator.shared_core_goodput(placement, share) for placement in placements]
         best = max(rates)
         shared = (placements[rates.index(best)], best)  # the first of equals: the least paced
+    under_load = json.loads(profile.read_text()).get(UNDER_LOAD_KEY)  # the file get_hardware read above
     return _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate,
-                   shared, nice, time.perf_counter() - start)
+                   shared, nice, time.perf_counter() - start,
+                   under_load if isinstance(under_load, (int, float)) else None)
 
 
 def _pacing_given(cfg: ServiceConfig) -> bool:
@@ -294,7 +296,8 @@ def _pacing_given(cfg: ServiceConfig) -> bool:
 
 def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profile: str,
             measured: bool, colocated: ParallelConfig, colocated_rate: float,
-            shared: tuple[SharedCorePlacement, float] | None, shared_nice: int, seconds: float) -> PlacementChoice:
+            shared: tuple[SharedCorePlacement, float] | None, shared_nice: int, seconds: float,
+            under_load: float | None) -> PlacementChoice:
     """The choice from a plan, the goodput (requests/s) of the colocated instance the service would run
     (``colocated``) and of the best shared-core placement (``shared``, None: not offered): the one
     predicting the most, the simpler on a tie (colocated, then the planner's unit, then a shared core)."""
@@ -312,10 +315,9 @@ def _choice(result: PlanResult, cores: list[int], workload: str, slo: SLO, profi
         paced = f"steps paced at {placement.pacing:g} x the TPOT SLO" if placement.pacing else "steps unpaced"
         candidates[placement.name] = (f"prefill on cores {cores}, decode on core {cores[-1]} beside a prefill worker "
                                       f"niced to {shared_nice}, {paced}")
-    under_load = json.loads(Path(profile).read_text()).get(UNDER_LOAD_KEY)  # read by the planner just before
     common = {"predicted": predicted, "workload": workload, "slo": slo, "cores": len(cores), "profile": profile,
               "profile_measured": measured, "seconds": seconds, "candidates": candidates,
-              "profile_under_load": under_load if isinstance(under_load, (int, float)) else None}
+              "profile_under_load": under_load}
     best = max(predicted.values())
     if colocated_rate >= best:
         return PlacementChoice("colocated", 1, 1, [], [], **common)  # type: ignore[arg-type]
