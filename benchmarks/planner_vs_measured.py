@@ -20,6 +20,10 @@ Usage::
 
 OUT holds ``colocated-r<k>/`` and ``disaggregated-r<k>/`` from default_vs_peers.sh (or, for 1P+1D, the
 default service's rounds where the planner chose it). Text workloads only.
+
+``--systems mixed64,mixed128,apart`` instead compares the colocated rounds of
+``benchmarks/mixed_steps_goodput.sh`` (``mixed<N>-r<k>/``: mixed steps of N tokens; ``apart-r<k>/``: prefill
+steps apart), each simulated with its own mixed-step budget, and prints measured against simulated goodput.
 """
 
 from __future__ import annotations
@@ -70,16 +74,37 @@ def planned_requests(workload: str, max_context: int, seed: int, n: int, rate: f
     return build_requests(specs, [t / rate for t in unit_rate_arrivals(n, seed, 1.0)])
 
 
+def mixed_budget(system: str) -> int | None:
+    """The mixed-step budget a colocated system runs with (tokens): the default config's for ``colocated``, N for
+    ``mixed<N>``, 0 for ``apart``; None for 1P+1D (``disaggregated``).
+
+    Raises:
+        SystemExit: a name that is none of these.
+    """
+    if system == "disaggregated":
+        return None
+    if system == "colocated":
+        return load_config(None).scheduler.mixed_step_tokens
+    if system == "apart":
+        return 0
+    if system.startswith("mixed") and system[5:].isdigit():
+        return int(system[5:])
+    sys.exit(f"error: unknown system {system!r} (colocated, disaggregated, apart or mixed<N>)")
+
+
 def simulated_attainment(requests: list[SimRequest], system: str, model: LatencyModel, cores: int,
                          slo: SLO) -> float:
     """Share of ``requests`` whose run in the simulator meets both SLOs: colocated (one instance of
-    ``cores`` devices) or 1P+1D (one device each), the default config's batch limits and KV capacity."""
+    ``cores`` devices, with the system's mixed-step budget: :func:`mixed_budget`) or 1P+1D (one device
+    each), the default config's batch limits and KV capacity."""
     cfg = load_config(None)
     capacity = cfg.kv_cache.max_pages_per_gpu * cfg.kv_cache.page_size
-    if system == "colocated":
+    budget = mixed_budget(system)
+    if budget is not None:
         par = ParallelConfig(cores, 1)
         server = DecodeServer(model.decode_timing(par), capacity, cfg.scheduler.decode_max_concurrent)
-        simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests)
+        simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests,
+                           mixed_tokens=budget)
     else:
         prefill, decode, handoff = one_prefill_one_decode(model, cfg)
         simulate_disaggregated([prefill], [decode], [[handoff]], requests)
@@ -99,8 +124,10 @@ def probe_goodput(passed: dict[float, bool]) -> float:
 
 def measured_run(out: Path, system: str, k: int) -> tuple[Path, Path]:
     """The folder and records file of round ``k`` of ``system`` in ``out``: ``<system>-r<k>/``, or for 1P+1D
-    the default service's round where the planner chose it (``default-r<k>/records-auto-1P+1D.jsonl``)."""
-    options = [(out / f"{system}-r{k}", f"records-{system}.jsonl")]
+    the default service's round where the planner chose it (``default-r<k>/records-auto-1P+1D.jsonl``); a
+    ``mixed<N>`` or ``apart`` round's records are its colocated server's."""
+    records = "colocated" if system == "apart" or system.startswith("mixed") else system
+    options = [(out / f"{system}-r{k}", f"records-{records}.jsonl")]
     if system == "disaggregated":
         options.append((out / f"default-r{k}", "records-auto-1P+1D.jsonl"))
     for folder, name in options:
@@ -130,13 +157,17 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=100, help="requests per probe (the bench's)")
     parser.add_argument("--model", type=Path, default=Path("out/bench-llama"))
     parser.add_argument("--cores", type=int, default=2, help="cores of the machine measured")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help="the rounds' systems: colocated,disaggregated (default), or mixed<N>/apart rounds")
     args = parser.parse_args()
+    systems = tuple(args.systems.split(","))
     slo = SLO(args.slo_ttft, args.slo_tpot)
     fit = fit_profile_file(args.profile)
     model = LatencyModel(fit.shape, fit.hardware)
-    measured: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-    simulated: dict[str, list[float]] = {s: [] for s in SYSTEMS}
-    for system in SYSTEMS:
+    measured: dict[str, list[float]] = {s: [] for s in systems}
+    simulated: dict[str, list[float]] = {s: [] for s in systems}
+    for system in systems:
+        mixed_budget(system)  # an unknown name stops here
         for k in range(1, args.rounds + 1):
             folder, found = measured_run(args.out, system, k)
             result = json.loads((folder / "bench.json").read_text())["systems"][0]
@@ -152,6 +183,12 @@ def main() -> None:
                 print(f"  {folder.name} at {rate:7.3f} req/s: measured {100 * float(run.get('attainment', 0)):5.1f} %"
                       f"{stopped}, simulated {100 * attained:5.1f} %")
             simulated[system].append(probe_goodput(passed))
+    if systems != SYSTEMS:
+        print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}")
+        for system in systems:
+            pairs = ", ".join(f"{m:.3f} / {s:.3f}" for m, s in zip(measured[system], simulated[system], strict=True))
+            print(f"{system}: measured / simulated goodput per round {pairs}")
+        return
     steady = planner_prediction(args.model, args.profile, args.workload, slo, args.cores)
     if set(steady) != set(SYSTEMS):
         sys.exit(f"error: the planner's candidates are {sorted(steady)}, not colocated and one 1P+1D-like unit")

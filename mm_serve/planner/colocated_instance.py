@@ -7,6 +7,17 @@ meanwhile), and otherwise one decode step for all running requests. A waiting
 request is admitted only when the KV of its whole answer fits, so under memory
 pressure new requests queue before prefill (their TTFT grows) instead of being
 preempted later.
+
+With ``mixed_tokens`` (the colocated engine's ``scheduler.mixed_step_tokens``; Agrawal et al.,
+Sarathi-Serve, OSDI 2024, §4), a step decodes one token of every running request and fills the
+rest of that many tokens with prefill chunks (the chunk under way first, then waiting requests FCFS,
+the last one cut; at least :data:`MIN_CHUNK` tokens when the decodes fill the budget), as
+:mod:`text_decode.scheduler` does. Such a step costs the chunks' prefill pass plus the decode
+rows' share of a decode step: the decode step's pass constant (reading the weights, launching the
+layers) is paid once, by the prefill pass. A chunk of ``T`` tokens after ``P`` computed ones is
+priced as ``T`` tokens with ``(P + T)^2 - P^2`` squared-length units (its attention reads the
+earlier tokens' KV), so a prompt's chunks add up to its whole-prompt attention. Without a prompt
+to prefill, steps run as runs of decode steps (``step_runs``).
 """
 
 from __future__ import annotations
@@ -20,6 +31,18 @@ from mm_serve.planner.running_set import RunningSet
 from mm_serve.planner.sim_request import NEVER, SimRequest
 from mm_serve.planner.step_runs import StepRuns
 
+MIN_CHUNK = 16  # tokens a mixed step prefills when the decodes fill its budget (the engine's page size)
+
+
+class _Chunking:
+    """A request whose prompt is being prefilled chunk by chunk: ``done`` of its prompt tokens computed."""
+
+    __slots__ = ("req", "done")
+
+    def __init__(self, req: SimRequest) -> None:
+        self.req = req
+        self.done = 0
+
 
 class ColocatedInstance:
     """Both phases on one instance; times from the two timings of the same config."""
@@ -32,7 +55,20 @@ class ColocatedInstance:
         kv_capacity: int,
         token_budget: int,
         max_batch: int,
+        mixed_tokens: int = 0,
     ) -> None:
+        """``token_budget``: the prefill batch's token cap of whole-prompt steps; ``mixed_tokens``: the
+        budget of mixed steps (0: whole-prompt prefill steps apart from decode steps).
+
+        Raises:
+            ValueError: ``mixed_tokens`` is negative, or set with a pipeline (``pp > 1``) timing, whose
+                stages this model does not fuse.
+        """
+        if mixed_tokens < 0 or (mixed_tokens and (prefill.pp > 1 or decode.pp > 1)):
+            raise ValueError(f"mixed_tokens {mixed_tokens}: must be >= 0, and 0 with pipeline stages")
+        self._mixed = mixed_tokens
+        self._chunking: list[_Chunking] = []
+        self._chunk_kv = 0  # final_context of the requests in _chunking (reserved at their admission)
         self._loop = loop
         self._prefill = prefill
         self._decode = decode
@@ -52,7 +88,12 @@ class ColocatedInstance:
         waiting = self._waiting
         waiting.append(req)
         self.load += 1
-        if self._steps.active:
+        if self._mixed:
+            if self._steps.active:
+                self._steps.cut()  # a mixed step takes it at the next step boundary
+            elif not self._prefilling:
+                self._iterate()
+        elif self._steps.active:
             if len(waiting) == 1:  # it may be prefilled at the next step boundary
                 self._steps.cut()
         elif not self._prefilling:
@@ -79,6 +120,12 @@ class ColocatedInstance:
         return batch
 
     def _iterate(self) -> None:
+        if self._mixed:
+            if self._waiting or self._chunking:
+                self._mixed_step()
+            elif len(self.running):
+                self._steps.start()
+            return
         batch = self._take_prefill_batch() if self._waiting else []
         if batch:
             self._prefilling = True
@@ -111,4 +158,75 @@ class ColocatedInstance:
         for r in done:
             r.finish_s = now
         self.load -= len(done)
+        self._iterate()
+
+    def _take_chunks(self, budget: int) -> list[tuple[_Chunking, int]]:
+        """This mixed step's chunks, ``(request, tokens)`` each, within ``budget`` tokens: the prompts
+        under way first, then waiting requests that fit (FCFS; one admitted reserves its whole answer's KV)."""
+        chunks: list[tuple[_Chunking, int]] = []
+        for entry in self._chunking:
+            if budget <= 0:
+                return chunks
+            n = min(budget, entry.req.prompt_tokens - entry.done)
+            chunks.append((entry, n))
+            budget -= n
+        waiting, running = self._waiting, self.running
+        while waiting and budget > 0:
+            head = waiting[0]
+            if running.never_fits(head):
+                waiting.popleft().first_token_s = NEVER
+                self.load -= 1
+                continue
+            if not running.fits(head, self._chunk_kv, len(self._chunking)):
+                break
+            entry = _Chunking(waiting.popleft())
+            self._chunking.append(entry)
+            self._chunk_kv += head.final_context
+            n = min(budget, head.prompt_tokens)
+            chunks.append((entry, n))
+            budget -= n
+        return chunks
+
+    def _mixed_step(self) -> None:
+        running = self.running
+        decodes = len(running)
+        chunks = self._take_chunks(max(self._mixed - decodes, MIN_CHUNK))
+        if not chunks:  # nothing fits until a running request finishes
+            if decodes:
+                self._steps.start()
+            return
+        tokens = sq = images = 0
+        for entry, n in chunks:
+            tokens += n
+            sq += (entry.done + n) ** 2 - entry.done ** 2
+            if entry.done == 0:
+                images += entry.req.num_images
+        dt = self._prefill.stage_time(tokens, sq, len(chunks), images)
+        if decodes:
+            dt += self._decode.step_time(decodes, running.context) - self._decode.stage_const
+        self._prefilling = True
+        loop = self._loop
+        loop.at(loop.now + dt, partial(self._end_mixed, chunks, decodes))
+
+    def _end_mixed(self, chunks: list[tuple[_Chunking, int]], decodes: int) -> None:
+        self._prefilling = False
+        now = self._loop.now
+        running = self.running
+        if decodes:
+            done = running.finish_steps(1)
+            for r in done:
+                r.finish_s = now
+            self.load -= len(done)
+        for entry, n in chunks:
+            entry.done += n
+            r = entry.req
+            if entry.done < r.prompt_tokens:
+                continue
+            self._chunking.remove(entry)
+            self._chunk_kv -= r.final_context
+            r.first_token_s = now
+            r.decode_ready_s = now
+            if not running.add(r):
+                r.finish_s = now
+                self.load -= 1
         self._iterate()

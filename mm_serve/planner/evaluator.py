@@ -199,22 +199,27 @@ class GoodputEvaluator:
             self.decode_bound(par, cross_node), self.decode_concurrency(server),
             timings=(None, server.timing)))
 
-    def colocated_goodput(self, par: ParallelConfig, cross_node: bool, replicas: int = 1) -> float:
+    def colocated_goodput(self, par: ParallelConfig, cross_node: bool, replicas: int = 1,
+                          mixed_tokens: int | None = None) -> float:
         """Max rate ``replicas`` colocated instances (shortest-queue dispatch) serve
         within both SLOs, requests/s in all. For ``replicas > 1`` the search starts
-        from ``replicas`` times one instance's simulated goodput."""
+        from ``replicas`` times one instance's simulated goodput. ``mixed_tokens``: their
+        mixed-step budget (None: the spec's ``colocated_mixed_tokens``; 0: prefill steps apart;
+        with pipeline stages, always 0)."""
         prefill = self.model.prefill_timing(par, cross_node)
         server = self.decode_server(par, cross_node, vision=True)
         budget = self.spec.prefill_token_budget
-        single = self.colocated_goodput(par, cross_node) if replicas > 1 else 0.0
+        mixed = self.spec.colocated_mixed_tokens if mixed_tokens is None else mixed_tokens
+        mixed = 0 if par.pp > 1 else mixed
+        single = self.colocated_goodput(par, cross_node, mixed_tokens=mixed) if replicas > 1 else 0.0
         near = single > 0
         if near:
             bound = _BOUND_SLACK * replicas * single
         else:
             bound = replicas / (1.0 / self.prefill_bound(par, cross_node)
                                 + 1.0 / self.decode_bound(par, cross_node, vision=True))
-        return self._memo(("colocated", par, cross_node, replicas), lambda: self._search(
-            lambda reqs: simulate_colocated(prefill, server, budget, reqs, replicas), "both",
+        return self._memo(("colocated", par, cross_node, replicas, mixed), lambda: self._search(
+            lambda reqs: simulate_colocated(prefill, server, budget, reqs, replicas, mixed), "both",
             bound, replicas * self.decode_concurrency(server), near, (prefill, server.timing)))
 
     def disaggregated_goodput(

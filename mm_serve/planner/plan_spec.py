@@ -46,6 +46,7 @@ class PlanSpec:
     prefill_token_budget: int = 2048  # prompt tokens per prefill batch
     prefill_max_batch: int = 64  # requests per prefill batch
     decode_max_batch: int = 256  # running requests per decode / colocated instance
+    colocated_mixed_tokens: int = 0  # colocated instances' mixed-step budget (0: prefill steps apart, vLLM's old policy)
 
     def __post_init__(self) -> None:
         checks = [
@@ -59,6 +60,7 @@ class PlanSpec:
             (self.prefill_token_budget >= 1, "prefill token budget must be >= 1"),
             (self.prefill_max_batch >= 1, "prefill max batch must be >= 1"),
             (self.decode_max_batch >= 1, "decode max batch must be >= 1"),
+            (self.colocated_mixed_tokens >= 0, "colocated mixed-step tokens must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

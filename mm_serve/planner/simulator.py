@@ -95,12 +95,14 @@ def simulate_colocated(
     token_budget: int,
     requests: Sequence[SimRequest],
     replicas: int = 1,
+    mixed_tokens: int = 0,
 ) -> SimResult:
     """``replicas`` identical colocated instances (both phases each) behind a
-    shortest-queue dispatcher; sets TTFT and TPOT."""
+    shortest-queue dispatcher; sets TTFT and TPOT. ``mixed_tokens``: their mixed-step budget
+    (:class:`~mm_serve.planner.colocated_instance.ColocatedInstance`; 0: prefill steps apart)."""
     loop = EventLoop()
     insts = [ColocatedInstance(loop, prefill, server.timing, server.kv_capacity, token_budget,
-                               server.max_batch) for _ in range(replicas)]
+                               server.max_batch, mixed_tokens) for _ in range(replicas)]
 
     def arrive(req: SimRequest) -> None:
         insts[_shortest([inst.load for inst in insts])].submit(req)

@@ -142,6 +142,21 @@ def test_summarization_on_two_cores_shares_the_decode_core_with_pacing_and_nicen
     assert health["chosen"] == name and health["decode_step_pacing"] == choice.shared_core.pacing
 
 
+def test_the_colocated_candidate_is_simulated_with_the_configs_mixed_step_budget(
+    two_core_machine: tuple[Path, Path],
+) -> None:
+    """The colocated engine the service would run takes mixed steps of ``scheduler.mixed_step_tokens``, and
+    so does its simulation: on this profile (summarization, TTFT 7 s / TPOT 70 ms) steps of 128 tokens are
+    predicted ahead of prefill steps apart (each step saves the decode pass's constant), 2,048-token steps
+    close to apart (a summarization prompt then goes in one or two chunks)."""
+    model, profile = two_core_machine
+    colocated = {budget: choose_placement(_config("summarization", 7_000, 70, scheduler={"mixed_step_tokens": budget}),
+                                          model, profile, [0, 1]).predicted["colocated"]
+                 for budget in (0, 128, 2048)}
+    assert colocated[128] > 1.1 * colocated[0] > 0
+    assert colocated[2048] == pytest.approx(colocated[0], rel=0.1)
+
+
 def test_placement_keys_in_the_file_or_flags_pin_the_placement(tmp_path: Path) -> None:
     """Any placement key given (file or flag) pins it; the service defaults pin none; ray places by config."""
     assert pinned_keys(load_config(None)) == []

@@ -98,6 +98,49 @@ def test_colocated_prefill_stalls_decode() -> None:
     assert (a.ttft, a.tpot, b.ttft, b.tpot) == pytest.approx((0.05, 0.035, 0.08, 0.01))
 
 
+def test_colocated_mixed_steps_timeline() -> None:
+    """Mixed steps of 64 tokens (Sarathi-Serve): prefill 10 ms + 0.1 ms a token + 1 us per
+    squared-length unit, decode 4 ms + 1 ms a sequence. A's 100-token prompt goes in chunks of 64
+    and 36; B's 40 tokens fill the rest of the second step (28) and the third (12, beside A's first
+    decode, which adds its 1 ms but not the decode step's 4 ms constant); then one decode step of both."""
+    a, b = req(0, 0.0, 100, 3), req(1, 0.001, 40, 2)
+    prefill = PrefillTiming(1, 0.01, 1e-4, 1e-6, 0, 0, 0, 0, 0)
+    decode = DecodeTiming(1, 0.004, 0.001, 0, 0, 0)
+    simulate_colocated(prefill, DecodeServer(decode, 1000, 8), 4096, [a, b], mixed_tokens=64)
+    step1 = 0.01 + 64e-4 + 64**2 * 1e-6
+    step2 = 0.01 + 64e-4 + ((100**2 - 64**2) + 28**2) * 1e-6
+    step3 = 0.01 + 12e-4 + (40**2 - 28**2) * 1e-6 + 0.001
+    assert a.first_token_s == pytest.approx(step1 + step2)
+    assert b.first_token_s == pytest.approx(step1 + step2 + step3)
+    assert a.finish_s == b.finish_s == pytest.approx(step1 + step2 + step3 + 0.006)
+    # the chunks' squared-length units add up to the whole prompts' (100^2 + 40^2)
+    assert 64**2 + (100**2 - 64**2) + 28**2 + (40**2 - 28**2) == 100**2 + 40**2
+
+
+def test_colocated_mixed_steps_save_the_decode_pass_constant() -> None:
+    """A decode step that is mostly its pass constant (10 ms of weights read, 1 ms a sequence) rides
+    along prompts' passes for 1 ms a token: under a stream of 200-token prompts a running request's
+    TPOT drops, while the prompts' TTFT pays only the decode rows; with a 10 ms prompt-pass constant
+    the budget's chunks of one prompt in 2 passes cost one constant more than apart."""
+    prefill = PrefillTiming(1, 0.01, 1e-4, 0, 0, 0, 0, 0, 0)
+    decode = DecodeTiming(1, 0.01, 0.001, 0, 0, 0)
+    results = {}
+    for mixed in (0, 256, 128):
+        running = req(0, 0.0, 10, 30)
+        prompts = [req(i, 0.005 + 0.04 * i, 200, 2) for i in range(1, 5)]
+        simulate_colocated(prefill, DecodeServer(decode, 10_000, 8), 4096, [running, *prompts], mixed_tokens=mixed)
+        results[mixed] = (running.tpot, max(r.ttft for r in prompts))
+    assert results[256][0] < results[0][0]  # the fused steps save the decode constant
+    assert results[256][1] <= results[0][1] + 0.003  # at most a few decode rows more per prompt
+    assert results[128][1] > results[256][1] + 0.009  # two passes per prompt: one constant more
+
+
+def test_colocated_mixed_steps_refuse_pipeline_stages() -> None:
+    with pytest.raises(ValueError, match="pipeline"):
+        simulate_colocated(PrefillTiming(2, 0.01, 0, 0, 0, 0, 0, 0, 0), DecodeServer(fixed_decode(0.01), 100, 8),
+                           4096, [req(0, 0.0, 10, 2)], mixed_tokens=64)
+
+
 def test_disaggregated_handoff_and_shortest_queue() -> None:
     a, b = req(0, 0.0, 10, 20), req(1, 0.01, 10, 2)
     result = simulate_disaggregated(
