@@ -31,15 +31,24 @@ from mm_serve.planner.latency_model import LatencyModel, ParallelConfig  # noqa:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", type=Path, required=True, help="an mm-serve profile of the model on this machine")
-    parser.add_argument("--model", default="out/bench-llama")
-    parser.add_argument("--budget", type=int, default=128, help="mixed_step_tokens")
+    parser.add_argument("--model", default="out/bench-llama", help="the checkpoint folder the profile measured")
+    parser.add_argument("--budget", type=int, default=128, help="mixed_step_tokens (>= 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the profile's degree priced)")
-    parser.add_argument("--running", type=int, default=16)
-    parser.add_argument("--running-len", type=int, default=300)
-    parser.add_argument("--burst", type=int, default=3)
-    parser.add_argument("--burst-len", type=int, default=1500)
+    parser.add_argument("--running", type=int, default=16, help="requests decoding when the burst arrives")
+    parser.add_argument("--running-len", type=int, default=300, help="their prompt tokens")
+    parser.add_argument("--burst", type=int, default=3, help="prompts arriving at once (>= 1)")
+    parser.add_argument("--burst-len", type=int, default=1500, help="their tokens")
     parser.add_argument("--every", type=int, default=3, help="print every n-th step")
     args = parser.parse_args()
+    for name in ("budget", "threads", "burst", "burst_len", "running_len", "every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.running < 0:
+        parser.error("--running must be >= 0")
+    if not args.profile.is_file():
+        parser.error(f"no profile at {args.profile} (mm-serve profile writes one)")
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"no checkpoint at {args.model} (make bench-models builds out/bench-llama)")
     torch.set_num_threads(args.threads)
     fit = fit_profile_file(args.profile)
     model = LatencyModel(fit.shape, fit.hardware)
@@ -90,8 +99,8 @@ def main() -> None:
             print(f"step {wall * 1e3:6.1f} ms, forward {seconds * 1e3:6.1f} ms, planner {priced * 1e3:6.1f} ms: "
                   f"{tokens} prefill tokens {chunks}, {batch} decodes")
         steps += 1
-    print(f"mixed steps: wall {sums[0]:.3f} s, forward {sums[1]:.3f} s, planner {sums[2]:.3f} s "
-          f"(forward / planner {sums[1] / sums[2]:.2f})")
+    ratio = f"{sums[1] / sums[2]:.2f}" if sums[2] else "-"
+    print(f"mixed steps: wall {sums[0]:.3f} s, forward {sums[1]:.3f} s, planner {sums[2]:.3f} s (forward / planner {ratio})")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from planner_calibration import one_prefill_one_decode  # noqa: E402 (benchmarks
 from mm_serve.config import config_from_dict, load_config  # noqa: E402
 from mm_serve.ground.slo import SLO  # noqa: E402
 from mm_serve.planner.auto_placement import choose_placement  # noqa: E402
+from mm_serve.planner.colocated_instance import MixedSteps  # noqa: E402
 from mm_serve.planner.fit import fit_profile_file  # noqa: E402
 from mm_serve.planner.latency_model import LatencyModel, ParallelConfig  # noqa: E402
 from mm_serve.planner.sim_request import SimRequest  # noqa: E402
@@ -87,9 +88,9 @@ def mixed_budget(system: str) -> int | None:
         return load_config(None).scheduler.mixed_step_tokens
     if system == "apart":
         return 0
-    if system.startswith("mixed") and system[5:].isdigit():
+    if system.startswith("mixed") and system[5:].isdecimal() and system[5:].isascii() and int(system[5:]) > 0:
         return int(system[5:])
-    sys.exit(f"error: unknown system {system!r} (colocated, disaggregated, apart or mixed<N>)")
+    sys.exit(f"error: unknown system {system!r} (colocated, disaggregated, apart or mixed<N>, N >= 1)")
 
 
 def simulated_attainment(requests: list[SimRequest], system: str, model: LatencyModel, cores: int,
@@ -103,8 +104,8 @@ def simulated_attainment(requests: list[SimRequest], system: str, model: Latency
     if budget is not None:
         par = ParallelConfig(cores, 1)
         server = DecodeServer(model.decode_timing(par), capacity, cfg.scheduler.decode_max_concurrent)
-        simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests,
-                           mixed_tokens=budget)
+        mixed = MixedSteps(budget, cfg.scheduler.prefill_batch_size, cfg.kv_cache.page_size) if budget else None
+        simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests, mixed=mixed)
     else:
         prefill, decode, handoff = one_prefill_one_decode(model, cfg)
         simulate_disaggregated([prefill], [decode], [[handoff]], requests)
@@ -133,7 +134,8 @@ def measured_run(out: Path, system: str, k: int) -> tuple[Path, Path]:
     for folder, name in options:
         if (folder / "bench.json").is_file() and (folder / name).is_file():
             return folder, folder / name
-    sys.exit(f"error: no round {k} of {system} in {out} (run benchmarks/default_vs_peers.sh first)")
+    script = "default_vs_peers.sh" if records == system else "mixed_steps_goodput.sh"
+    sys.exit(f"error: no round {k} of {system} in {out} (run benchmarks/{script} first)")
 
 
 def planner_prediction(model_dir: Path, profile: Path, workload: str, slo: SLO, cores: int) -> dict[str, float]:
@@ -161,13 +163,16 @@ def main() -> None:
                         help="the rounds' systems: colocated,disaggregated (default), or mixed<N>/apart rounds")
     args = parser.parse_args()
     systems = tuple(args.systems.split(","))
+    for system in systems:
+        mixed_budget(system)  # an unknown name stops here, before any round is read
+    if not args.profile.is_file():
+        sys.exit(f"error: no profile at {args.profile} (mm-serve profile writes one)")
     slo = SLO(args.slo_ttft, args.slo_tpot)
     fit = fit_profile_file(args.profile)
     model = LatencyModel(fit.shape, fit.hardware)
     measured: dict[str, list[float]] = {s: [] for s in systems}
     simulated: dict[str, list[float]] = {s: [] for s in systems}
     for system in systems:
-        mixed_budget(system)  # an unknown name stops here
         for k in range(1, args.rounds + 1):
             folder, found = measured_run(args.out, system, k)
             result = json.loads((folder / "bench.json").read_text())["systems"][0]

@@ -264,7 +264,7 @@ def choose_placement(
         slo=SLO(tier_slo.ttft_s, tier_slo.tpot_s), attainment=tier_slo.attainment, nodes=1,
         gpus_per_node=len(cores), seed=cfg.seed, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
-        colocated_mixed_tokens=cfg.scheduler.mixed_step_tokens,
+        colocated_mixed_tokens=cfg.scheduler.mixed_step_tokens, page_size=cfg.kv_cache.page_size,
     )
     start = time.perf_counter()
     evaluator = GoodputEvaluator(spec)

@@ -8,11 +8,11 @@ request is admitted only when the KV of its whole answer fits, so under memory
 pressure new requests queue before prefill (their TTFT grows) instead of being
 preempted later.
 
-With ``mixed_tokens`` (the colocated engine's ``scheduler.mixed_step_tokens``; Agrawal et al.,
+With :class:`MixedSteps` (the colocated engine's ``scheduler.mixed_step_tokens``; Agrawal et al.,
 Sarathi-Serve, OSDI 2024, §4), a step decodes one token of every running request and fills the
-rest of that many tokens with prefill chunks (the chunk under way first, then waiting requests FCFS,
-the last one cut; at least :data:`MIN_CHUNK` tokens when the decodes fill the budget), as
-:mod:`text_decode.scheduler` does. Such a step costs the chunks' prefill pass plus the decode
+rest of that many tokens with prefill chunks (the chunks under way first, then waiting requests FCFS,
+the last one cut; at least a KV page's worth of tokens when the decodes fill the budget; at most
+``max_prefill`` requests prefilling in a step), as :mod:`text_decode.scheduler` does. Such a step costs the chunks' prefill pass plus the decode
 rows' share of a decode step: the decode step's pass constant (reading the weights, launching the
 layers) is paid once, by the prefill pass. A chunk of ``T`` tokens after ``P`` computed ones is
 priced as ``T`` tokens with ``(P + T)^2 - P^2`` squared-length units (its attention reads the
@@ -23,6 +23,7 @@ to prefill, steps run as runs of decode steps (``step_runs``).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from functools import partial
 
 from mm_serve.planner.events import EventLoop
@@ -31,7 +32,24 @@ from mm_serve.planner.running_set import RunningSet
 from mm_serve.planner.sim_request import NEVER, SimRequest
 from mm_serve.planner.step_runs import StepRuns
 
-MIN_CHUNK = 16  # tokens a mixed step prefills when the decodes fill its budget (the engine's page size)
+
+@dataclass(frozen=True)
+class MixedSteps:
+    """The colocated engine's mixed steps: ``tokens`` per step (decodes plus prefill chunks), at most
+    ``max_prefill`` requests prefilling in one (``scheduler.prefill_batch_size``), and at least
+    ``page_size`` prefill tokens when the decodes fill the budget (``kv_cache.page_size``).
+
+    Raises:
+        ValueError: a count below 1.
+    """
+
+    tokens: int
+    max_prefill: int = 8
+    page_size: int = 16
+
+    def __post_init__(self) -> None:
+        if min(self.tokens, self.max_prefill, self.page_size) < 1:
+            raise ValueError(f"mixed steps need tokens, max_prefill and page_size >= 1, got {self}")
 
 
 class _Chunking:
@@ -55,18 +73,17 @@ class ColocatedInstance:
         kv_capacity: int,
         token_budget: int,
         max_batch: int,
-        mixed_tokens: int = 0,
+        mixed: MixedSteps | None = None,
     ) -> None:
-        """``token_budget``: the prefill batch's token cap of whole-prompt steps; ``mixed_tokens``: the
-        budget of mixed steps (0: whole-prompt prefill steps apart from decode steps).
+        """``token_budget``: the prefill batch's token cap of whole-prompt steps; ``mixed``: run mixed
+        steps instead (None: whole-prompt prefill steps apart from decode steps).
 
         Raises:
-            ValueError: ``mixed_tokens`` is negative, or set with a pipeline (``pp > 1``) timing, whose
-                stages this model does not fuse.
+            ValueError: ``mixed`` with a pipeline (``pp > 1``) timing, whose stages this model does not fuse.
         """
-        if mixed_tokens < 0 or (mixed_tokens and (prefill.pp > 1 or decode.pp > 1)):
-            raise ValueError(f"mixed_tokens {mixed_tokens}: must be >= 0, and 0 with pipeline stages")
-        self._mixed = mixed_tokens
+        if mixed is not None and (prefill.pp > 1 or decode.pp > 1):
+            raise ValueError("mixed steps are modelled without pipeline stages (pp 1)")
+        self._mixed = mixed
         self._chunking: list[_Chunking] = []
         self._chunk_kv = 0  # final_context of the requests in _chunking (reserved at their admission)
         self._loop = loop
@@ -88,7 +105,7 @@ class ColocatedInstance:
         waiting = self._waiting
         waiting.append(req)
         self.load += 1
-        if self._mixed:
+        if self._mixed is not None:
             if self._steps.active:
                 self._steps.cut()  # a mixed step takes it at the next step boundary
             elif not self._prefilling:
@@ -120,7 +137,7 @@ class ColocatedInstance:
         return batch
 
     def _iterate(self) -> None:
-        if self._mixed:
+        if self._mixed is not None:
             if self._waiting or self._chunking:
                 self._mixed_step()
             elif len(self.running):
@@ -162,16 +179,19 @@ class ColocatedInstance:
 
     def _take_chunks(self, budget: int) -> list[tuple[_Chunking, int]]:
         """This mixed step's chunks, ``(request, tokens)`` each, within ``budget`` tokens: the prompts
-        under way first, then waiting requests that fit (FCFS; one admitted reserves its whole answer's KV)."""
+        under way first, then waiting requests that fit (FCFS; one admitted reserves its whole answer's KV),
+        at most ``max_prefill`` of them."""
+        assert self._mixed is not None
+        cap = self._mixed.max_prefill
         chunks: list[tuple[_Chunking, int]] = []
         for entry in self._chunking:
-            if budget <= 0:
+            if budget <= 0 or len(chunks) == cap:
                 return chunks
             n = min(budget, entry.req.prompt_tokens - entry.done)
             chunks.append((entry, n))
             budget -= n
         waiting, running = self._waiting, self.running
-        while waiting and budget > 0:
+        while waiting and budget > 0 and len(chunks) < cap:
             head = waiting[0]
             if running.never_fits(head):
                 waiting.popleft().first_token_s = NEVER
@@ -188,9 +208,10 @@ class ColocatedInstance:
         return chunks
 
     def _mixed_step(self) -> None:
-        running = self.running
+        running, mixed = self.running, self._mixed
+        assert mixed is not None
         decodes = len(running)
-        chunks = self._take_chunks(max(self._mixed - decodes, MIN_CHUNK))
+        chunks = self._take_chunks(max(mixed.tokens - decodes, mixed.page_size))
         if not chunks:  # nothing fits until a running request finishes
             if decodes:
                 self._steps.start()

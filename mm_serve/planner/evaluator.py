@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from mm_serve.planner.colocated_instance import MixedSteps
 from mm_serve.planner.events import gc_paused
 from mm_serve.planner.goodput import max_rate
 from mm_serve.planner.latency_model import DecodeTiming, LatencyModel, ParallelConfig, PrefillTiming
@@ -209,16 +210,18 @@ class GoodputEvaluator:
         prefill = self.model.prefill_timing(par, cross_node)
         server = self.decode_server(par, cross_node, vision=True)
         budget = self.spec.prefill_token_budget
-        mixed = self.spec.colocated_mixed_tokens if mixed_tokens is None else mixed_tokens
-        mixed = 0 if par.pp > 1 else mixed
-        single = self.colocated_goodput(par, cross_node, mixed_tokens=mixed) if replicas > 1 else 0.0
+        spec = self.spec
+        tokens = spec.colocated_mixed_tokens if mixed_tokens is None else mixed_tokens
+        tokens = 0 if par.pp > 1 else tokens
+        mixed = MixedSteps(tokens, spec.prefill_max_batch, spec.page_size) if tokens else None
+        single = self.colocated_goodput(par, cross_node, mixed_tokens=tokens) if replicas > 1 else 0.0
         near = single > 0
         if near:
             bound = _BOUND_SLACK * replicas * single
         else:
             bound = replicas / (1.0 / self.prefill_bound(par, cross_node)
                                 + 1.0 / self.decode_bound(par, cross_node, vision=True))
-        return self._memo(("colocated", par, cross_node, replicas, mixed), lambda: self._search(
+        return self._memo(("colocated", par, cross_node, replicas, tokens), lambda: self._search(
             lambda reqs: simulate_colocated(prefill, server, budget, reqs, replicas, mixed), "both",
             bound, replicas * self.decode_concurrency(server), near, (prefill, server.timing)))
 

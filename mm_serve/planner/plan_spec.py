@@ -47,6 +47,7 @@ class PlanSpec:
     prefill_max_batch: int = 64  # requests per prefill batch
     decode_max_batch: int = 256  # running requests per decode / colocated instance
     colocated_mixed_tokens: int = 0  # colocated instances' mixed-step budget (0: prefill steps apart, vLLM's old policy)
+    page_size: int = 16  # KV page, tokens: a mixed step prefills at least this many
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +62,7 @@ class PlanSpec:
             (self.prefill_max_batch >= 1, "prefill max batch must be >= 1"),
             (self.decode_max_batch >= 1, "decode max batch must be >= 1"),
             (self.colocated_mixed_tokens >= 0, "colocated mixed-step tokens must be >= 0"),
+            (self.page_size >= 1, "page size must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from mm_serve.planner.colocated_instance import ColocatedInstance
+from mm_serve.planner.colocated_instance import ColocatedInstance, MixedSteps
 from mm_serve.planner.decode_instance import DecodeInstance
 from mm_serve.planner.events import EventLoop
 from mm_serve.planner.latency_model import DecodeTiming, PrefillTiming
@@ -95,14 +95,14 @@ def simulate_colocated(
     token_budget: int,
     requests: Sequence[SimRequest],
     replicas: int = 1,
-    mixed_tokens: int = 0,
+    mixed: MixedSteps | None = None,
 ) -> SimResult:
     """``replicas`` identical colocated instances (both phases each) behind a
-    shortest-queue dispatcher; sets TTFT and TPOT. ``mixed_tokens``: their mixed-step budget
-    (:class:`~mm_serve.planner.colocated_instance.ColocatedInstance`; 0: prefill steps apart)."""
+    shortest-queue dispatcher; sets TTFT and TPOT. ``mixed``: their mixed steps
+    (:class:`~mm_serve.planner.colocated_instance.ColocatedInstance`; None: prefill steps apart)."""
     loop = EventLoop()
     insts = [ColocatedInstance(loop, prefill, server.timing, server.kv_capacity, token_budget,
-                               server.max_batch, mixed_tokens) for _ in range(replicas)]
+                               server.max_batch, mixed) for _ in range(replicas)]
 
     def arrive(req: SimRequest) -> None:
         insts[_shortest([inst.load for inst in insts])].submit(req)

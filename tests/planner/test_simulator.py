@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from mm_serve.ground.slo import SLO
+from mm_serve.planner.colocated_instance import MixedSteps
 from mm_serve.planner.latency_model import DecodeTiming, PrefillTiming
 from mm_serve.planner.running_set import RunningSet
 from mm_serve.planner.sim_request import NEVER, SimRequest
@@ -106,7 +107,7 @@ def test_colocated_mixed_steps_timeline() -> None:
     a, b = req(0, 0.0, 100, 3), req(1, 0.001, 40, 2)
     prefill = PrefillTiming(1, 0.01, 1e-4, 1e-6, 0, 0, 0, 0, 0)
     decode = DecodeTiming(1, 0.004, 0.001, 0, 0, 0)
-    simulate_colocated(prefill, DecodeServer(decode, 1000, 8), 4096, [a, b], mixed_tokens=64)
+    simulate_colocated(prefill, DecodeServer(decode, 1000, 8), 4096, [a, b], mixed=MixedSteps(64))
     step1 = 0.01 + 64e-4 + 64**2 * 1e-6
     step2 = 0.01 + 64e-4 + ((100**2 - 64**2) + 28**2) * 1e-6
     step3 = 0.01 + 12e-4 + (40**2 - 28**2) * 1e-6 + 0.001
@@ -125,11 +126,12 @@ def test_colocated_mixed_steps_save_the_decode_pass_constant() -> None:
     prefill = PrefillTiming(1, 0.01, 1e-4, 0, 0, 0, 0, 0, 0)
     decode = DecodeTiming(1, 0.01, 0.001, 0, 0, 0)
     results = {}
-    for mixed in (0, 256, 128):
+    for budget in (0, 256, 128):
         running = req(0, 0.0, 10, 30)
         prompts = [req(i, 0.005 + 0.04 * i, 200, 2) for i in range(1, 5)]
-        simulate_colocated(prefill, DecodeServer(decode, 10_000, 8), 4096, [running, *prompts], mixed_tokens=mixed)
-        results[mixed] = (running.tpot, max(r.ttft for r in prompts))
+        simulate_colocated(prefill, DecodeServer(decode, 10_000, 8), 4096, [running, *prompts],
+                           mixed=MixedSteps(budget) if budget else None)
+        results[budget] = (running.tpot, max(r.ttft for r in prompts))
     assert results[256][0] < results[0][0]  # the fused steps save the decode constant
     assert results[256][1] <= results[0][1] + 0.003  # at most a few decode rows more per prompt
     assert results[128][1] > results[256][1] + 0.009  # two passes per prompt: one constant more
@@ -138,7 +140,28 @@ def test_colocated_mixed_steps_save_the_decode_pass_constant() -> None:
 def test_colocated_mixed_steps_refuse_pipeline_stages() -> None:
     with pytest.raises(ValueError, match="pipeline"):
         simulate_colocated(PrefillTiming(2, 0.01, 0, 0, 0, 0, 0, 0, 0), DecodeServer(fixed_decode(0.01), 100, 8),
-                           4096, [req(0, 0.0, 10, 2)], mixed_tokens=64)
+                           4096, [req(0, 0.0, 10, 2)], mixed=MixedSteps(64))
+    with pytest.raises(ValueError, match=">= 1"):
+        MixedSteps(64, max_prefill=0)
+
+
+def test_colocated_mixed_steps_cap_the_requests_prefilling_and_take_a_page_past_the_decodes() -> None:
+    """At most ``max_prefill`` requests prefill in one step (the engine's ``prefill_batch_size``): 5 prompts of
+    10 tokens arriving together go 1 + 2 + 2 over three steps (the first starts a step on arriving); then, with
+    2 requests decoding and a budget of 2, a late 40-token prompt still prefills a page (16 tokens) a step."""
+    prefill = PrefillTiming(1, 0.01, 0, 0, 0, 0, 0, 0, 0)
+    decode = DecodeTiming(1, 0.004, 0.001, 0, 0, 0)
+    burst = [req(i, 0.0, 10, 2) for i in range(5)]
+    simulate_colocated(prefill, DecodeServer(decode, 1000, 8), 4096, burst, mixed=MixedSteps(64, max_prefill=2))
+    first = sorted({round(r.first_token_s, 6) for r in burst})
+    assert len(first) == 3 and [sum(round(r.first_token_s, 6) == t for r in burst) for t in first] == [1, 2, 2]
+    a, b, late = req(0, 0.0, 10, 6), req(1, 0.0, 10, 6), req(2, 0.001, 40, 2)
+    simulate_colocated(prefill, DecodeServer(decode, 1000, 8), 4096, [a, b, late],
+                       mixed=MixedSteps(2, max_prefill=8, page_size=16))
+    # step 1 (10 ms): a alone (it started the step on arriving); step 2: b's 10 tokens and late's first 6 beside
+    # a's decode (11 ms); steps 3-5: late's 16 + 16 + 2 tokens beside 2 decodes (12 ms each)
+    assert late.first_token_s == pytest.approx(0.01 + 0.011 + 3 * 0.012)
+    assert b.first_token_s == pytest.approx(0.021)
 
 
 def test_disaggregated_handoff_and_shortest_queue() -> None:
