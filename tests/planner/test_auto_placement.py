@@ -272,7 +272,8 @@ def test_the_cache_serves_another_copy_of_the_checkpoint_after_the_first_is_dele
     shutil.copytree(tiny_llama, second)
     assert cached_profile(second, "float32", 2, cache, lambda line: None) == (path, False)
     cfg = config_from_dict({}, {"placement.workload": "chatbot"})
-    assert choose_placement(cfg, second, path, [0, 1]).name in ("colocated", "1P+1D")
+    choice = choose_placement(cfg, second, path, [0, 1])  # plans from the clone's copy: any candidate may win
+    assert choice.name in choice.predicted and choice.predicted[choice.name] == max(choice.predicted.values())
     old = json.loads(path.read_text())
     path.write_text(json.dumps({**old, "model": str(tmp_path / "clone-a" / "m")}))  # a path that is gone
     lines: list[str] = []
