@@ -161,21 +161,28 @@ class ColocatedInstance:
     def _end_prefill(self, batch: list[SimRequest]) -> None:
         self._prefilling = False
         self.load += len(batch)
-        now = self._loop.now
         for r in batch:
-            r.first_token_s = now
-            r.decode_ready_s = now
-            if not self.running.add(r):
-                r.finish_s = now
-                self.load -= 1
+            self._first_token(r)
         self._iterate()
 
     def _end_run(self, done: list[SimRequest]) -> None:
+        self._finished(done)
+        self._iterate()
+
+    def _first_token(self, r: SimRequest) -> None:
+        """``r``'s prefill ended now: its first token is out and it joins the running batch (or is done)."""
+        now = self._loop.now
+        r.first_token_s = now
+        r.decode_ready_s = now
+        if not self.running.add(r):
+            self._finished([r])
+
+    def _finished(self, done: list[SimRequest]) -> None:
+        """``done``'s last tokens are out now."""
         now = self._loop.now
         for r in done:
             r.finish_s = now
         self.load -= len(done)
-        self._iterate()
 
     def _take_chunks(self, budget: int) -> list[tuple[_Chunking, int]]:
         """This mixed step's chunks, ``(request, tokens)`` each, within ``budget`` tokens: the prompts
@@ -231,13 +238,8 @@ class ColocatedInstance:
 
     def _end_mixed(self, chunks: list[tuple[_Chunking, int]], decodes: int) -> None:
         self._prefilling = False
-        now = self._loop.now
-        running = self.running
         if decodes:
-            done = running.finish_steps(1)
-            for r in done:
-                r.finish_s = now
-            self.load -= len(done)
+            self._finished(self.running.finish_steps(1))
         for entry, n in chunks:
             entry.done += n
             r = entry.req
@@ -245,9 +247,5 @@ class ColocatedInstance:
                 continue
             self._chunking.remove(entry)
             self._chunk_kv -= r.final_context
-            r.first_token_s = now
-            r.decode_ready_s = now
-            if not running.add(r):
-                r.finish_s = now
-                self.load -= 1
+            self._first_token(r)
         self._iterate()
