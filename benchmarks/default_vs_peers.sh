@@ -8,7 +8,8 @@
 #
 #   benchmarks/default_vs_peers.sh OUT WORKLOAD SLO_TTFT SLO_TPOT NUM_REQUESTS [ROUNDS] [MODEL] [SYSTEMS]
 #   e.g. benchmarks/default_vs_peers.sh bench_out/peers-chatbot chatbot 1 0.05 100 3 out/bench-llama
-#   SYSTEMS: a comma list of default, colocated, disaggregated, vllm (default: default,colocated,vllm)
+#   SYSTEMS: a comma list of default, default_always (the default service with scheduler.decode_pacing_always),
+#   colocated, disaggregated, vllm (default: default,colocated,vllm)
 set -euo pipefail
 out=$1 workload=$2 ttft=$3 tpot=$4 requests=$5 rounds=${6:-3} model=${7:-out/bench-llama} systems=${8:-default,colocated,vllm}
 mm_serve=${MM_SERVE:-.venv/bin/mm-serve}
@@ -22,6 +23,8 @@ awk -v w="$workload" -v t="$ttft" -v p="$tpot" 'BEGIN {
   printf "placement:\n  workload: %s\nslo:\n  tiers:\n", w
   printf "    interactive: {ttft_ms: %g, tpot_ms: %g}\n    standard: {ttft_ms: %g, tpot_ms: %g}\n", it, ip, t * 1000, p * 1000
 }' > "$out/default.yaml"
+# the same, pacing every step even while the decode worker's core is otherwise idle (before 2026-12-06)
+{ cat "$out/default.yaml"; printf 'scheduler:\n  decode_pacing_always: true\n'; } > "$out/default_always.yaml"
 common=(--model "$model" --workload "$workload" --sweep --num-requests "$requests" --slo-ttft "$ttft" --slo-tpot "$tpot")
 
 vllm_round() {  # $1: round
@@ -52,12 +55,14 @@ for round in $(seq 1 "$rounds"); do
       case $system in
         default) "$mm_serve" bench --config "$out/default.yaml" "${common[@]}" --no-admission --seed "$round" --out "$out/default-r$round" \
                    > "$out/default-r$round.log" 2>&1 ;;
+        default_always) "$mm_serve" bench --config "$out/default_always.yaml" "${common[@]}" --no-admission --seed "$round" \
+                          --out "$out/default_always-r$round" > "$out/default_always-r$round.log" 2>&1 ;;
         colocated) "$mm_serve" bench --config "$out/colocated.yaml" "${common[@]}" --no-admission --seed "$round" \
                      --out "$out/colocated-r$round" > "$out/colocated-r$round.log" 2>&1 ;;
         disaggregated) "$mm_serve" bench --config configs/default.yaml "${common[@]}" --no-admission --seed "$round" \
                          --out "$out/disaggregated-r$round" > "$out/disaggregated-r$round.log" 2>&1 ;;
         vllm) vllm_round "$round" ;;
-        *) echo "unknown system $system (default, colocated, disaggregated, vllm)" >&2; exit 2 ;;
+        *) echo "unknown system $system (default, default_always, colocated, disaggregated, vllm)" >&2; exit 2 ;;
       esac
     fi
     python3 -c "import json,sys; print(sys.argv[2], 'round', sys.argv[3], json.load(open(sys.argv[1]))['systems'][0]['goodput'], flush=True)" \
@@ -72,7 +77,7 @@ goodput = {s: [json.load(open(f"{out}/{s}-r{r}/bench.json"))["systems"][0]["good
 for s, values in goodput.items():
     print(f"{s}: median {statistics.median(values):.3f} req/s [{min(values):.3f}-{max(values):.3f}] rounds "
           + ", ".join(f"{v:.3f}" for v in values))
-for a, b in (("default", "colocated"), ("default", "vllm"), ("colocated", "vllm"), ("disaggregated", "colocated")):
+for a, b in (("default", "colocated"), ("default", "vllm"), ("default", "default_always"), ("default_always", "vllm"), ("colocated", "vllm"), ("disaggregated", "colocated")):
     if a in goodput and b in goodput and statistics.median(goodput[b]) > 0:
         paired = ", ".join(f"{x / y:.2f}" if y else "-" for x, y in zip(goodput[a], goodput[b]))
         print(f"{a} / {b}: {statistics.median(goodput[a]) / statistics.median(goodput[b]):.2f}x by the medians; per round {paired}")

@@ -316,7 +316,8 @@ def test_paced_decode_steps_keep_their_interval_free_the_core_and_the_tokens(
     """``decode_step_interval_ms``: decode steps begin at least 60 ms apart, the decode worker
     sleeps between them (its CPU time is a small part of the run), and greedy outputs are the
     same as transformers'. Unpaced, the tiny model's 31 decode steps take well under 0.5 s."""
-    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_interval_ms=60) as llm:
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_interval_ms=60,
+             decode_pacing_always=True) as llm:
         assert llm.client is not None
         decode_pid = llm.client.query_stats()[("decode", 0)].pid
         cpu_before, start = cpu_seconds(decode_pid), time.monotonic()
@@ -334,7 +335,8 @@ def test_decode_pacing_follows_the_tightest_tpot_slo_among_running_requests(tiny
     steps the worker reports to the admission predictor leave the pacing sleep out (the tiny model's
     step is milliseconds: the predictor adds the interval itself)."""
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)  # 8 decode steps, 7 paced intervals
-    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_pacing=0.5) as llm:
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_pacing=0.5,
+             decode_pacing_always=True) as llm:
         client = llm.client
         assert client is not None
         reported: list[float] = []
@@ -358,6 +360,38 @@ def test_decode_pacing_follows_the_tightest_tpot_slo_among_running_requests(tiny
     assert 7 * 0.05 <= both < 7 * 0.1, both
     assert len(reported) >= 20  # 8 decode steps a run (the two requests of the last share theirs)
     assert statistics.median(reported) < 0.025, sorted(reported)  # half the tightest interval (50 ms)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a prefill and a decode core")
+def test_a_decode_worker_paces_only_while_another_process_wants_its_core(
+    tiny_llava: Path, reference_tokens: list[list[int]],
+) -> None:
+    """``decode_step_interval_ms`` 60 without ``decode_pacing_always``: alone on its core the decode
+    worker steps at once (31 steps well under 31 x 60 ms); with a busy loop at nice 10 pinned to the
+    same core (a prefill worker sharing it), its steps begin 60 ms apart again. Outputs stay exact."""
+    import subprocess
+    import sys
+
+    prefill_core, decode_core = sorted(os.sched_getaffinity(0))[:2]
+    with LLM(model=tiny_llava, mode="disaggregated", num_pages=512, decode_step_interval_ms=60,
+             prefill_cpus=[prefill_core], decode_cpus=[decode_core]) as llm:
+        start = time.monotonic()
+        alone = llm.generate(CASES[:3], GREEDY)  # 31 decode steps each, batched together
+        alone_s = time.monotonic() - start
+        loop = (f"import os, time\nos.sched_setaffinity(0, {{{decode_core}}})\nos.nice(10)\n"
+                "end = time.monotonic() + 60\nwhile time.monotonic() < end: pass")
+        neighbour = subprocess.Popen([sys.executable, "-c", loop])
+        try:
+            time.sleep(0.5)  # the decode worker's next window sees it
+            start = time.monotonic()
+            shared = llm.generate(CASES[:3], GREEDY)
+            shared_s = time.monotonic() - start
+        finally:
+            neighbour.kill()
+            neighbour.wait()
+    assert [o.token_ids for o in alone] == [o.token_ids for o in shared] == reference_tokens[:3]
+    assert alone_s < 31 * 0.060 * 0.6, alone_s
+    assert shared_s >= 30 * 0.060, shared_s  # the first step after a hand-off may start at once
 
 
 @pytest.mark.parametrize("chunk", [0, 64])

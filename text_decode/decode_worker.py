@@ -8,6 +8,8 @@ message or a hand-off doorbell wakes it (:mod:`mm_serve.transport.doorbell`). Wi
 the previous one began, and the worker sleeps out the rest (claiming hand-offs and reading
 messages as they come), so a prefill worker on the same core runs meanwhile; with
 ``decode_step_pacing`` the interval follows the tightest TPOT SLO among the running requests.
+Pinned, it paces only while other processes use its cores (:mod:`mm_serve.runtime.core_load`;
+``decode_pacing_always`` paces every step), so alone it decodes at full speed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
+from mm_serve.runtime.core_load import CoreDemand
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.model_runner import ModelRunner
 from mm_serve.runtime.pacing import paced_interval_s
@@ -58,6 +61,8 @@ class DecodeWorker(WorkerShell):
         self._last_step_end: float | None = None  # monotonic time the last decode step was timed; None after idle
         self.pace_s = cfg.decode_step_interval_s
         self.pacing, self.tier_tpot_s = cfg.decode_step_pacing, cfg.tier_tpot_s
+        paces = bool(cfg.decode_step_interval_s or cfg.decode_step_pacing) and not cfg.decode_pacing_always
+        self.core_demand = CoreDemand(spec.cpus) if paces else None  # None: pace as configured
         self._last_step_begun: float | None = None  # monotonic start of the last step run; None after idle
         self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
         if self.link is not None and self.doorbell is not None:
@@ -109,9 +114,13 @@ class DecodeWorker(WorkerShell):
         """Seconds from one step's start to the next's at the soonest: ``decode_step_interval_s``, or
         with ``decode_step_pacing`` that fraction of the tightest TPOT SLO among the running requests
         (each by its tier, ``tier_tpot_s``; :func:`mm_serve.runtime.pacing.paced_interval_s`, at most
-        :data:`mm_serve.runtime.pacing.MAX_PACED_INTERVAL_S`); 0.0 unpaced or with nothing running."""
+        :data:`mm_serve.runtime.pacing.MAX_PACED_INTERVAL_S`); 0.0 unpaced, with nothing running,
+        or while nothing else uses the worker's cores (:attr:`core_demand`)."""
         ranks = (r.priority for r in self.scheduler.running)
-        return paced_interval_s(self.pace_s, self.pacing, self.tier_tpot_s, ranks)
+        interval = paced_interval_s(self.pace_s, self.pacing, self.tier_tpot_s, ranks)
+        if interval and self.core_demand is not None and not self.core_demand.others_busy():
+            return 0.0
+        return interval
 
     def _next_step_at(self) -> float:
         """Monotonic time the next step may start: :meth:`step_interval_s` after the last one began (0.0: now)."""

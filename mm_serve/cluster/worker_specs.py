@@ -26,6 +26,7 @@ def engine_sizing(cfg: ServiceConfig, device: str = "cpu") -> EngineConfig:
         mixed_step_tokens=cfg.scheduler.mixed_step_tokens,
         decode_step_interval_s=cfg.scheduler.decode_step_interval_ms / 1000.0,
         decode_step_pacing=cfg.scheduler.decode_step_pacing,
+        decode_pacing_always=cfg.scheduler.decode_pacing_always,
         tier_tpot_s=tuple(cfg.slo.of(tier).tpot_s for tier in Tier),
         dtype=cfg.dtype, device=device, seed=cfg.seed,
         enforce_eager=cfg.enforce_eager, cpu_gemm=cfg.cpu_gemm,

@@ -40,6 +40,7 @@ _SERVICE_KEYS = {
     "prefill_token_budget": "scheduler.prefill_token_budget", "prefill_batch_size": "scheduler.prefill_batch_size",
     "prefill_chunk_tokens": "scheduler.prefill_chunk_tokens", "mixed_step_tokens": "scheduler.mixed_step_tokens",
     "decode_step_interval_ms": "scheduler.decode_step_interval_ms", "decode_step_pacing": "scheduler.decode_step_pacing",
+    "decode_pacing_always": "scheduler.decode_pacing_always",
     "ring_buffer_size": "scheduler.ring_buffer_size", "prefill_workers": "compute.prefill_workers",
     "decode_workers": "compute.decode_workers", "prefill_cpus": "compute.prefill_cpus",
     "decode_cpus": "compute.decode_cpus", "threads_per_worker": "compute.threads_per_worker",

@@ -99,6 +99,12 @@ class Call:
         return 1 if self.chat is not None else len(self.prompts)
 
     @property
+    def max_tokens_field(self) -> str:
+        """The body field the output limit came from: ``max_completion_tokens`` where a chat call set it,
+        else ``max_tokens`` (what a 400 about the limit names)."""
+        return "max_completion_tokens" if getattr(self.body, "max_completion_tokens", None) else "max_tokens"
+
+    @property
     def precheck_max_tokens(self) -> int:
         """``max_tokens`` for the early admission check, before the prompt is tokenized: what the call
         asks, else :data:`DEFAULT_PRECHECK_TOKENS` (the rest of the context is not known yet; a
@@ -121,8 +127,8 @@ class Call:
                 raise bad_request(f"{name} must hold token ids in [0, {vocab_size}) (the vocabulary), "
                                   f"got {bad_ids[:5]}", name)
         if body.min_tokens and self.max_tokens is not None and body.min_tokens > self.max_tokens:
-            raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({self.max_tokens})",
-                              "min_tokens")
+            raise bad_request(f"min_tokens ({body.min_tokens}) must be at most {self.max_tokens_field} "
+                              f"({self.max_tokens})", "min_tokens")
 
     def sampling_params(self, prompt_len: int, context_len: int) -> SamplingParams:
         """The sampling parameters of one prompt of ``prompt_len`` tokens; ``max_tokens`` defaults to
@@ -138,14 +144,15 @@ class Call:
         if prompt_len + max_tokens > context_len:
             raise bad_request(
                 f"this model's context length is {context_len} tokens; the prompt has {prompt_len} tokens "
-                f"(image tokens included) and max_tokens is {max_tokens}, {prompt_len + max_tokens} in all",
-                "max_tokens", "context_length_exceeded",
+                f"(image tokens included) and {self.max_tokens_field} is {max_tokens}, {prompt_len + max_tokens} in all",
+                self.max_tokens_field, "context_length_exceeded",
             )
         stop = body.stop if isinstance(body.stop, list) else ([] if body.stop is None else [body.stop])
         if any(not s for s in stop):
             raise bad_request("stop strings must be non-empty", "stop")
         if self.grammar is not None and self.grammar[0][0] == "json_object" and max_tokens < 2:
-            raise bad_request("a JSON object needs max_tokens of at least 2 ({} is the shortest)", "max_tokens")
+            raise bad_request(f"a JSON object needs {self.max_tokens_field} of at least 2 ({{}} is the shortest)",
+                              self.max_tokens_field)
         stop_ids = body.stop_token_ids or []
         bias = {int(key): value for key, value in (body.logit_bias or {}).items()}  # keys checked: decimal strings
         try:

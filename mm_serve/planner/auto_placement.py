@@ -39,7 +39,6 @@ from typing import Any
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.ground.slo import SLO
 from mm_serve.planner.candidates import tp_degrees
-from mm_serve.planner.core_load import CoreLoad
 from mm_serve.planner.errors import PlannerError, ProfileError
 from mm_serve.planner.evaluator import GoodputEvaluator
 from mm_serve.planner.fit import get_hardware
@@ -49,6 +48,7 @@ from mm_serve.planner.plan_spec import PlanSpec
 from mm_serve.planner.profile_file import parse_profile
 from mm_serve.planner.search import PlanResult, plan
 from mm_serve.planner.shared_core import PACINGS, SHARED_NICE_STEP, SharedCorePlacement, cfs_share
+from mm_serve.runtime.core_load import CoreLoad
 from mm_serve.workloads import make_workload
 
 PLACEMENT_KEYS = ("mode", "compute.prefill_workers", "compute.decode_workers", "compute.prefill_cpus",

@@ -116,15 +116,22 @@ class ColocatedInstance:
         elif not self._prefilling:
             self._iterate()
 
+    def _dropped_never_fitting(self, head: SimRequest) -> bool:
+        """Drop ``head``, the first waiting request, when even an empty instance could never hold it
+        (its first token never comes); True when dropped."""
+        if not self.running.never_fits(head):
+            return False
+        self._waiting.popleft().first_token_s = NEVER
+        self.load -= 1
+        return True
+
     def _take_prefill_batch(self) -> list[SimRequest]:
         waiting, running = self._waiting, self.running
         batch: list[SimRequest] = []
         tokens = kv = 0
         while waiting:
             head = waiting[0]
-            if running.never_fits(head):
-                waiting.popleft().first_token_s = NEVER
-                self.load -= 1
+            if self._dropped_never_fitting(head):
                 continue
             if batch and tokens + head.prompt_tokens > self._budget:
                 break
@@ -200,9 +207,7 @@ class ColocatedInstance:
         waiting, running = self._waiting, self.running
         while waiting and budget > 0 and len(chunks) < cap:
             head = waiting[0]
-            if running.never_fits(head):
-                waiting.popleft().first_token_s = NEVER
-                self.load -= 1
+            if self._dropped_never_fitting(head):
                 continue
             if not running.fits(head, self._chunk_kv, len(self._chunking)):
                 break

@@ -116,7 +116,9 @@ def plan_text(result: PlanResult) -> str:
         lines.append(
             f"Colocated best:    {result.colocated_per_gpu_goodput:.3f} req/s/GPU "
             f"({col.par}, {result.colocated_unit_instances} "
-            f"{'instance' if result.colocated_unit_instances == 1 else 'instances simulated together'})")
+            f"{'instance' if result.colocated_unit_instances == 1 else 'instances simulated together'}; "
+            + (f"mixed steps of {spec.colocated_mixed_tokens} tokens)" if spec.colocated_mixed_tokens
+               else "prefill and decode steps apart)"))
         lines.append(f"Disaggregated / colocated: {result.ratio:.2f}x")
         if result.ratio < 1:
             lines.append("Note: colocated serving beats this disaggregated placement for these "

@@ -72,6 +72,8 @@ CASES: list[tuple[str, Any, int]] = [
     ("top_p above one", _chat(top_p=1.5), 400),
     ("n zero", _chat(n=0), 400),
     ("prompt plus max_tokens over context", _chat(max_tokens=10**6), 400),
+    ("prompt plus max_completion_tokens over context", _chat(max_completion_tokens=10**6), 400),
+    ("min_tokens over max_completion_tokens", _chat(min_tokens=5, max_completion_tokens=2), 400),
     ("seed out of range", _chat(seed=2**64), 400),
     ("max_tokens as a string", _chat(max_tokens="4"), 400),
     ("lone surrogate in text", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', 400),
@@ -127,8 +129,12 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
         param = name.split()[1] if name.startswith("completions") else name.split()[0]
         assert error["message"] == f"'{param}' is not supported by this server", error["message"]
         assert error["param"] == param
-    if name == "prompt plus max_tokens over context":
-        assert "1000000" in error["message"] and "4096" in error["message"]
+    if name.startswith("prompt plus max_"):  # the message and param name the field the call set
+        field = name.split()[2]
+        assert "1000000" in error["message"] and "4096" in error["message"] and f" {field} is " in error["message"]
+        assert error["param"] == field
+    if name == "min_tokens over max_completion_tokens":
+        assert "must be at most max_completion_tokens (2)" in error["message"], error["message"]
 
 
 def test_values_of_unsupported_parameters_that_ask_for_nothing_are_accepted(server: ServerProcess) -> None:

@@ -345,23 +345,3 @@ def test_a_profile_measured_on_busy_cores_is_used_once_then_measured_again(
                         "cores busy: measuring again")
     assert UNDER_LOAD_KEY not in json.loads(path.read_text())  # measured on quiet cores this time
     assert cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append) == (path, False)
-
-
-def test_the_share_of_busy_cores_is_read_from_proc_stat(tmp_path: Path) -> None:
-    """The busy ticks of the named cores only (user, nice, system, irq, softirq, steal; not idle, iowait
-    or guest), less this process's own CPU time, over wall time and cores; unknown without a line."""
-    import time
-
-    from mm_serve.planner.core_load import CoreLoad, busy_ticks
-
-    stat = ("cpu  9 9 9 9 9 9 9 9 9 9\ncpu0 1 2 3 100 50 4 5 6 70 80\ncpu1 10 0 0 0 0 0 0 0 0 0\n"
-            "cpu2 1000 0 0 0 0 0 0 0 0 0\nintr 5 6\n")
-    assert busy_ticks({0}, stat) == 1 + 2 + 3 + 4 + 5 + 6
-    assert busy_ticks({0, 1}, stat) == 21 + 10
-    assert busy_ticks({0, 3}, stat) is None
-    with CoreLoad([0, 1]) as quiet:
-        time.sleep(0.5)
-    assert quiet.share is not None and 0.0 <= quiet.share <= 1.0
-    with CoreLoad([0], tmp_path / "missing") as unknown:
-        pass
-    assert unknown.share is None

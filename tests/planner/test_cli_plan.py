@@ -55,6 +55,7 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("Placement for tiny-llama on 1 x 4 h100-80gb (affinity high)")
     assert "Per-GPU goodput:" in out and "Colocated best:" in out and "prefill" in out
+    assert "; prefill and decode steps apart)" in out  # mm-serve plan prices the paper's colocated baseline
 
 
 @pytest.mark.parametrize(
