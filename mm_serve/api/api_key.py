@@ -4,6 +4,7 @@ the body middleware, which must refuse a call before its body holds any of the i
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from mm_serve.protocol.errors import APIError
 
@@ -44,3 +45,9 @@ def unauthorized() -> APIError:
     """The 401 for a missing or wrong key (``WWW-Authenticate: Bearer`` comes with it)."""
     return APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                     "authentication_error", None, "invalid_api_key")
+
+
+def call_api_key(request: Any) -> str | None:
+    """The key of ``api.api_key`` a request came with, as the routes' key check recorded it on
+    ``request.state``; None on a server without keys."""
+    return getattr(request.state, "api_key", None)

@@ -137,6 +137,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
         key = matching_key(request.headers.get("authorization", ""), keys)
         if key is None:
             raise unauthorized()
+        request.state.api_key = key  # whose files and batches a Batch API call sees (mm_serve.batch.routes)
         if ctx.config.api.cache_salt_by_api_key:
             request.state.tenant = key  # read by http_origin: the call's caches are salted by it
 

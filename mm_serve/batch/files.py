@@ -61,8 +61,8 @@ class FileStore:
         results = sum(p.stat().st_size for p in self.results_dir.glob("*.jsonl") if p.is_file())
         return self.store.stored_bytes() + results
 
-    def save_upload(self, source: BinaryIO, filename: str, purpose: str = "batch") -> FileRecord:
-        """Copy ``source`` (read to its end, in 1 MiB chunks) into a new file and record it.
+    def save_upload(self, source: BinaryIO, filename: str, purpose: str = "batch", owner: str = "") -> FileRecord:
+        """Copy ``source`` (read to its end, in 1 MiB chunks) into a new file and record it as ``owner``'s.
 
         Raises:
             FileLimitError: the content is over ``batch.max_file_bytes`` (code
@@ -72,17 +72,18 @@ class FileStore:
         """
         with self._lock:
             room = self.config.max_total_bytes - self.used_bytes()
-            return self._write(new_file_id(), iter(lambda: source.read(CHUNK_BYTES), b""), filename, purpose, room)
+            return self._write(new_file_id(), iter(lambda: source.read(CHUNK_BYTES), b""), filename, purpose, room,
+                               owner)
 
-    def write_output(self, lines: Iterable[bytes], filename: str) -> FileRecord:
-        """Write ``lines`` (each ending in a newline) as a new output file; the caller records it.
+    def write_output(self, lines: Iterable[bytes], filename: str, owner: str = "") -> FileRecord:
+        """Write ``lines`` (each ending in a newline) as a new output file of ``owner``; the caller records it.
 
         The record is added by :meth:`BatchStore.finish_batch` in the same transaction
         that finishes the batch; a crash before that leaves a file without a record,
         which :meth:`sweep` removes. Output files are not held to the disk bound (the
         batch has already run).
         """
-        return self._write(new_file_id(), lines, filename, "batch_output", room=None)
+        return self._write(new_file_id(), lines, filename, "batch_output", None, owner)
 
     def delete(self, file_id: str) -> bool:
         """Remove the content and record of ``file_id``; False when there was no record."""
@@ -100,7 +101,7 @@ class FileStore:
                 path.unlink(missing_ok=True)
 
     def _write(self, file_id: str, chunks: Iterable[bytes], filename: str, purpose: str,
-               room: int | None) -> FileRecord:
+               room: int | None, owner: str) -> FileRecord:
         """Write ``chunks`` to a temporary file, check the limits as it grows, fsync, rename, record."""
         target = self.path(file_id)
         temp = target.with_name(f".{target.name}.part")
@@ -118,7 +119,8 @@ class FileStore:
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
-        record = FileRecord(id=file_id, purpose=purpose, filename=filename, bytes=size, created_at=int(time.time()))
+        record = FileRecord(id=file_id, purpose=purpose, filename=filename, bytes=size, created_at=int(time.time()),
+                            owner=owner)
         if purpose == "batch":
             self.store.add_file(record)
         return record

@@ -1,11 +1,14 @@
 """The stored record of an uploaded file and of a batch, and their OpenAI object shapes.
 
 Ids are random (128 bits from :mod:`secrets`), so one client cannot reach another's
-file or batch by guessing: ``file-<32 hex>``, ``batch_<32 hex>``.
+file or batch by guessing: ``file-<32 hex>``, ``batch_<32 hex>``. Each record also keeps its
+owner, the fingerprint of the API key that made it (:func:`owner_of`): with ``api.api_key``
+a list of keys (one per tenant), a key lists and reads only its own files and batches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,6 +30,13 @@ def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(16)}"
 
 
+def owner_of(api_key: str | None) -> str:
+    """The owner a call's files and batches are stored under: the first 32 hex digits of the SHA-256 of
+    the API key it came with (the key itself is never stored), or "" for a call without one (a server
+    with no ``api.api_key``)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32] if api_key else ""
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """An uploaded (``purpose="batch"``) or produced (``"batch_output"``) file.
@@ -37,6 +47,7 @@ class FileRecord:
         filename: the name the client gave (uploads) or ``batch_..._output.jsonl``.
         bytes: the content's size in bytes.
         created_at: Unix time (s) of the upload.
+        owner: :func:`owner_of` the key that uploaded it (output files: the batch's); "" for none.
     """
 
     id: str
@@ -44,6 +55,7 @@ class FileRecord:
     filename: str
     bytes: int
     created_at: int
+    owner: str = ""
 
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI ``file`` object."""
@@ -57,7 +69,8 @@ class BatchRecord:
     """A batch as stored; timestamps are Unix seconds, None until reached.
 
     ``completed`` and ``failed`` count rows with a success and an error row in the
-    results so far (``request_counts``); ``total`` is the number of rows.
+    results so far (``request_counts``); ``total`` is the number of rows. ``owner`` is
+    :func:`owner_of` the key that created it ("" for none).
     """
 
     id: str
@@ -82,6 +95,7 @@ class BatchRecord:
     expired_at: int | None = None
     cancelling_at: int | None = None
     cancelled_at: int | None = None
+    owner: str = ""
 
     @property
     def finished(self) -> bool:

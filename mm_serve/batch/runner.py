@@ -164,9 +164,11 @@ class BatchRunner:
                 counts[0 if row_succeeded(row) else 1] += 1
                 self.store.update_batch(record.id, completed=counts[0], failed=counts[1])
 
-            # with api.cache_salt_by_api_key a batch is a tenant of its own: its rows share caches with each
-            # other, never with another batch or an interactive key (batches are not kept per key)
-            tenant = f"batch:{record.id}" if self.ctx.config.api.cache_salt_by_api_key else ""
+            # with api.cache_salt_by_api_key the batches of one key are a tenant of their own: their rows share
+            # caches with each other, never with another key's batches or with interactive calls (the runner
+            # keeps the key's fingerprint, not the key); a batch without an owner is a tenant alone
+            tenant = ((f"batch-owner:{record.owner}" if record.owner else f"batch:{record.id}")
+                      if self.ctx.config.api.cache_salt_by_api_key else "")
             backend = RowBackend(self.ctx, self.backend.slots, tenant)
             job = CaptionJob(todo, "openai-batch", backend, out, concurrency=backend.default_concurrency,
                              skipped=len(items) - len(todo), on_row=count)
@@ -212,9 +214,11 @@ class BatchRunner:
         rows = await asyncio.to_thread(split_results, path, items)
         written: list[FileRecord] = []
         if rows.succeeded:
-            written.append(await asyncio.to_thread(self.files.write_output, rows.succeeded, f"{record.id}_output.jsonl"))
+            written.append(await asyncio.to_thread(self.files.write_output, rows.succeeded, f"{record.id}_output.jsonl",
+                                                   record.owner))
         if rows.failed:
-            written.append(await asyncio.to_thread(self.files.write_output, rows.failed, f"{record.id}_error.jsonl"))
+            written.append(await asyncio.to_thread(self.files.write_output, rows.failed, f"{record.id}_error.jsonl",
+                                                   record.owner))
         output_id = written[0].id if rows.succeeded else None
         error_id = written[-1].id if rows.failed else None
         self.store.finish_batch(record.id, written, status=status, **{f"{status}_at": _now()},

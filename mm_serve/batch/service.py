@@ -5,6 +5,10 @@ start-up when it already holds a database (then every unfinished batch resumes),
 so a server that never sees a batch call writes nothing. It is locked (``flock``
 on ``DATA_DIR/lock``) by one server at a time; a second server on the same
 directory answers batch calls with 503 and serves everything else.
+
+Every method takes the calling key's ``owner`` (:func:`mm_serve.batch.records.owner_of`): a key
+sees, reads, deletes and cancels only its own files and batches (and those made without a
+key); another key's are 404, as an unknown id is. "" (a server without keys) sees all.
 """
 
 from __future__ import annotations
@@ -114,8 +118,8 @@ class BatchService:
 
     # -- files -----------------------------------------------------------------------------
 
-    async def upload(self, source: BinaryIO, filename: str | None, purpose: str) -> dict[str, Any]:
-        """Store an uploaded batch input file; the ``file`` object.
+    async def upload(self, source: BinaryIO, filename: str | None, purpose: str, owner: str = "") -> dict[str, Any]:
+        """Store an uploaded batch input file as ``owner``'s; the ``file`` object.
 
         Raises:
             APIError: 400 for a purpose other than ``batch``; 413 over ``batch.max_file_bytes``
@@ -127,35 +131,36 @@ class BatchService:
         opened = self._opened()
         name = Path(filename or "").name or "upload.jsonl"
         try:
-            record = await asyncio.to_thread(opened.files.save_upload, source, name)
+            record = await asyncio.to_thread(opened.files.save_upload, source, name, "batch", owner)
         except FileLimitError as exc:
             raise APIError(413, str(exc), "invalid_request_error", "file", exc.code) from None
         return record.to_openai()
 
-    def file(self, file_id: str) -> FileRecord:
-        """The record of ``file_id``. Raises APIError 404."""
-        record = self._opened().store.get_file(file_id)
+    def file(self, file_id: str, owner: str = "") -> FileRecord:
+        """The record of ``file_id``. Raises APIError 404 (also for another owner's)."""
+        record = self._opened().store.get_file(file_id, owner)
         if record is None:
             raise not_found("file", file_id)
         return record
 
-    def file_path(self, file_id: str) -> Path:
+    def file_path(self, file_id: str, owner: str = "") -> Path:
         """Where the content of ``file_id`` is. Raises APIError 404."""
-        return self._opened().files.path(self.file(file_id).id)
+        return self._opened().files.path(self.file(file_id, owner).id)
 
-    def list_files(self, purpose: str | None, after: str | None, limit: int, order: str) -> dict[str, Any]:
-        """A page of files (OpenAI's list object). Raises APIError 400 for an unknown ``after``."""
+    def list_files(self, purpose: str | None, after: str | None, limit: int, order: str,
+                   owner: str = "") -> dict[str, Any]:
+        """A page of ``owner``'s files (OpenAI's list object). Raises APIError 400 for an unknown ``after``."""
         try:
             records = self._opened().store.list_files(purpose=purpose, after=after, limit=limit + 1,
-                                                      newest_first=order == "desc")
+                                                      newest_first=order == "desc", owner=owner)
         except KeyError:
             raise bad_request(f"'after' must be the id of a file, got {after!r}", "after") from None
         return _page([r.to_openai() for r in records], limit)
 
-    def delete_file(self, file_id: str) -> dict[str, Any]:
+    def delete_file(self, file_id: str, owner: str = "") -> dict[str, Any]:
         """Delete a file. Raises APIError 404, or 409 while an unfinished batch reads it."""
         opened = self._opened()
-        self.file(file_id)
+        self.file(file_id, owner)
         readers = opened.store.batches_reading(file_id)
         if readers:
             raise APIError(409, f"file {file_id} is the input of batch {readers[0]}, which has not finished; "
@@ -166,13 +171,13 @@ class BatchService:
     # -- batches ---------------------------------------------------------------------------
 
     async def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                           metadata: dict[str, str] | None) -> dict[str, Any]:
-        """Check the request and the input file line by line, store the batch and start it.
+                           metadata: dict[str, str] | None, owner: str = "") -> dict[str, Any]:
+        """Check the request and the input file line by line, store the batch as ``owner``'s and start it.
 
         Raises:
             APIError: 400 for an unsupported endpoint or window, bad metadata, a file that is
                 not a batch input or fails validation (the message names the line); 404 for an
-                unknown ``input_file_id``.
+                unknown ``input_file_id`` (or another owner's).
         """
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint must be one of {', '.join(ENDPOINTS)} (what this server runs batches on), "
@@ -181,7 +186,7 @@ class BatchService:
             raise bad_request(f"completion_window must be '24h', got {completion_window!r}", "completion_window")
         _check_metadata(metadata)
         opened = self._opened()
-        source = opened.store.get_file(input_file_id)
+        source = opened.store.get_file(input_file_id, owner)
         if source is None:
             raise not_found("file", input_file_id, "input_file_id")
         if source.purpose != "batch":
@@ -197,31 +202,31 @@ class BatchService:
         record = BatchRecord(id=new_batch_id(), input_file_id=input_file_id, endpoint=endpoint,
                              completion_window=completion_window, status="validating", created_at=now,
                              expires_at=now + self.config.completion_window_s, model=self.ctx.served_model_name,
-                             metadata=metadata, total=len(items))
+                             metadata=metadata, total=len(items), owner=owner)
         opened.store.add_batch(record)
         opened.runner.launch(record.id)
         return record.to_openai()
 
-    def batch(self, batch_id: str) -> dict[str, Any]:
-        """The ``batch`` object. Raises APIError 404."""
-        return self._batch(batch_id).to_openai()
+    def batch(self, batch_id: str, owner: str = "") -> dict[str, Any]:
+        """The ``batch`` object. Raises APIError 404 (also for another owner's)."""
+        return self._batch(batch_id, owner).to_openai()
 
-    def list_batches(self, after: str | None, limit: int) -> dict[str, Any]:
-        """A page of batches, newest first. Raises APIError 400 for an unknown ``after``."""
+    def list_batches(self, after: str | None, limit: int, owner: str = "") -> dict[str, Any]:
+        """A page of ``owner``'s batches, newest first. Raises APIError 400 for an unknown ``after``."""
         try:
-            records = self._opened().store.list_batches(after=after, limit=limit + 1)
+            records = self._opened().store.list_batches(after=after, limit=limit + 1, owner=owner)
         except KeyError:
             raise bad_request(f"'after' must be the id of a batch, got {after!r}", "after") from None
         return _page([r.to_openai() for r in records], limit)
 
-    def cancel(self, batch_id: str) -> dict[str, Any]:
+    def cancel(self, batch_id: str, owner: str = "") -> dict[str, Any]:
         """Start cancelling a batch (``cancelling``, then ``cancelled`` with the rows done so far).
 
         Raises:
             APIError: 404 for an unknown id; 409 for a batch that has finished or is finalizing.
         """
         opened = self._opened()
-        record = self._batch(batch_id)
+        record = self._batch(batch_id, owner)
         if record.status == "cancelling":
             return record.to_openai()
         if record.status not in ACTIVE_STATUSES or record.status == "finalizing":
@@ -231,10 +236,10 @@ class BatchService:
         opened.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
         opened.runner.launch(batch_id)  # a new task when none runs (engine down): it finishes the cancel
         opened.runner.stop(batch_id)
-        return self._batch(batch_id).to_openai()
+        return self._batch(batch_id, owner).to_openai()
 
-    def _batch(self, batch_id: str) -> BatchRecord:
-        record = self._opened().store.get_batch(batch_id)
+    def _batch(self, batch_id: str, owner: str = "") -> BatchRecord:
+        record = self._opened().store.get_batch(batch_id, owner)
         if record is None:
             raise not_found("batch", batch_id)
         return record

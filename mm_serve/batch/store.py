@@ -8,6 +8,10 @@ leaves the database inconsistent. Result rows themselves are not in the database
 they live in each batch's results file (:mod:`mm_serve.caption.output`), the
 source of truth on resume; the counts here are refreshed from it.
 
+Every record has an owner (:func:`mm_serve.batch.records.owner_of`). A lookup or list given an
+``owner`` sees that owner's records and those without one (made by a call without a key, or
+before records had owners); given "" or None, it sees every record.
+
 All methods are thread-safe (one connection behind a lock) and raise
 ``sqlite3.Error`` only for a broken database or disk.
 """
@@ -30,7 +34,8 @@ CREATE TABLE IF NOT EXISTS files (
     purpose TEXT NOT NULL,
     filename TEXT NOT NULL,
     bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    owner TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -50,13 +55,14 @@ CREATE TABLE IF NOT EXISTS batches (
     completed INTEGER NOT NULL DEFAULT 0,
     failed INTEGER NOT NULL DEFAULT 0,
     in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER,
-    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER
+    expired_at INTEGER, cancelling_at INTEGER, cancelled_at INTEGER,
+    owner TEXT NOT NULL DEFAULT ''
 );
 """
 _JSON_COLUMNS = ("metadata", "errors")
 _BATCH_COLUMNS = tuple(BatchRecord.__dataclass_fields__)
 _FILE_COLUMNS = tuple(FileRecord.__dataclass_fields__)
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2  # 2: files.owner and batches.owner
 
 
 class BatchStore:
@@ -71,6 +77,10 @@ class BatchStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         with self._lock, self._db:
             self._db.executescript(_SCHEMA)
+            for table in ("files", "batches"):  # a version-1 database: its records have no owner
+                columns = {row["name"] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                if "owner" not in columns:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
 
     def close(self) -> None:
@@ -86,18 +96,21 @@ class BatchStore:
         self._write(f"INSERT OR REPLACE INTO files ({', '.join(_FILE_COLUMNS)}) "
                     f"VALUES ({', '.join('?' * len(values))})", values)
 
-    def get_file(self, file_id: str) -> FileRecord | None:
-        """The record of ``file_id``, or None."""
-        rows = self._read(f"SELECT {', '.join(_FILE_COLUMNS)} FROM files WHERE id = ?", [file_id])
+    def get_file(self, file_id: str, owner: str | None = None) -> FileRecord | None:
+        """The record of ``file_id``, or None (also when ``owner`` may not see it)."""
+        where, args = self._visible(owner)
+        rows = self._read(f"SELECT {', '.join(_FILE_COLUMNS)} FROM files {self._where(['id = ?', *where])}",
+                          [file_id, *args])
         return FileRecord(**dict(rows[0])) if rows else None
 
-    def list_files(self, *, purpose: str | None, after: str | None, limit: int, newest_first: bool) -> list[FileRecord]:
-        """Up to ``limit`` files in upload order (or newest first), after the file ``after``.
+    def list_files(self, *, purpose: str | None, after: str | None, limit: int, newest_first: bool,
+                   owner: str | None = None) -> list[FileRecord]:
+        """Up to ``limit`` files ``owner`` may see, in upload order (or newest first), after the file ``after``.
 
         Raises:
-            KeyError: ``after`` names no file.
+            KeyError: ``after`` names no file ``owner`` may see.
         """
-        where, args = self._after_clause("files", after, newest_first)
+        where, args = self._after_clause("files", after, newest_first, owner)
         if purpose is not None:
             where.append("purpose = ?")
             args.append(purpose)
@@ -121,18 +134,20 @@ class BatchStore:
         self._write(f"INSERT INTO batches ({', '.join(_BATCH_COLUMNS)}) "
                     f"VALUES ({', '.join('?' * len(values))})", values)
 
-    def get_batch(self, batch_id: str) -> BatchRecord | None:
-        """The record of ``batch_id``, or None."""
-        rows = self._read(f"SELECT {', '.join(_BATCH_COLUMNS)} FROM batches WHERE id = ?", [batch_id])
+    def get_batch(self, batch_id: str, owner: str | None = None) -> BatchRecord | None:
+        """The record of ``batch_id``, or None (also when ``owner`` may not see it)."""
+        where, args = self._visible(owner)
+        rows = self._read(f"SELECT {', '.join(_BATCH_COLUMNS)} FROM batches {self._where(['id = ?', *where])}",
+                          [batch_id, *args])
         return self._batch(rows[0]) if rows else None
 
-    def list_batches(self, *, after: str | None, limit: int) -> list[BatchRecord]:
-        """Up to ``limit`` batches, newest first, after the batch ``after`` (OpenAI's order).
+    def list_batches(self, *, after: str | None, limit: int, owner: str | None = None) -> list[BatchRecord]:
+        """Up to ``limit`` batches ``owner`` may see, newest first, after the batch ``after`` (OpenAI's order).
 
         Raises:
-            KeyError: ``after`` names no batch.
+            KeyError: ``after`` names no batch ``owner`` may see.
         """
-        where, args = self._after_clause("batches", after, newest_first=True)
+        where, args = self._after_clause("batches", after, True, owner)
         sql = f"SELECT {', '.join(_BATCH_COLUMNS)} FROM batches {self._where(where)} ORDER BY seq DESC LIMIT ?"
         return [self._batch(r) for r in self._read(sql, [*args, limit])]
 
@@ -175,13 +190,20 @@ class BatchStore:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _after_clause(self, table: str, after: str | None, newest_first: bool) -> tuple[list[str], list[Any]]:
+    @staticmethod
+    def _visible(owner: str | None) -> tuple[list[str], list[Any]]:
+        """The condition for the records ``owner`` may see: its own and those without an owner."""
+        return (["owner IN ('', ?)"], [owner]) if owner else ([], [])
+
+    def _after_clause(self, table: str, after: str | None, newest_first: bool,
+                      owner: str | None) -> tuple[list[str], list[Any]]:
+        where, args = self._visible(owner)
         if after is None:
-            return [], []
-        rows = self._read(f"SELECT seq FROM {table} WHERE id = ?", [after])
+            return where, args
+        rows = self._read(f"SELECT seq FROM {table} {self._where(['id = ?', *where])}", [after, *args])
         if not rows:
             raise KeyError(after)
-        return [f"seq {'<' if newest_first else '>'} ?"], [rows[0]["seq"]]
+        return [*where, f"seq {'<' if newest_first else '>'} ?"], [*args, rows[0]["seq"]]
 
     @classmethod
     def _sets(cls, fields: dict[str, Any]) -> tuple[str, list[Any]]:

@@ -70,9 +70,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     # (the part's own error), not "should be a valid string".
     specific = [e for e in errors if str(e.get("loc", ("",))[-1]) not in ("str",) and "str" not in map(str, e.get("loc", ()))]
     first = max(specific or errors, key=lambda e: len(e.get("loc", ())))
-    # Drop pydantic's branch labels ("list[tagged-union[...]]", "str") so the path reads like the JSON.
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p) and p != "str"]
-    loc = [p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1]]
+    loc = _json_path(first)
+    message = str(first.get("msg", "invalid value"))
+    # a value of none of a union's types (``"content": 5``): name every branch, not the last one tried
+    wrong_type = [str(e.get("msg")) for e in errors if str(e.get("type", "")).endswith("_type") and _json_path(e) == loc]
+    if len(wrong_type) > 1 and str(first.get("type", "")).endswith("_type"):
+        kinds = list(dict.fromkeys(m.removeprefix("Input should be ") for m in wrong_type))
+        message = "Input should be " + " or ".join(kinds)
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg')}", None, None
     if first.get("type") in ("unsupported_parameter", "invalid_parameter"):
@@ -82,4 +86,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         return "request body is missing: send a JSON object", None, None
     param = ".".join(loc) or None
     where = f" at '{param}'" if param else ""
-    return f"{first.get('msg', 'invalid value')}{where}", param, None
+    return f"{message}{where}", param, None
+
+
+def _json_path(error: Any) -> list[str]:
+    """A schema error's location as the JSON's path: without pydantic's branch labels
+    ("list[tagged-union[...]]", "str") and the ``body`` root."""
+    loc = [str(p) for p in error.get("loc", ()) if p != "body" and "[" not in str(p) and p != "str"]
+    return [p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1]]

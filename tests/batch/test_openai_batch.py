@@ -117,6 +117,58 @@ def test_files_list_retrieve_delete_and_the_key(client: openai.OpenAI, batch_ser
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
 
 
+def test_another_key_neither_sees_nor_touches_a_tenants_files_and_batches(
+    client: openai.OpenAI, other_client: openai.OpenAI,
+) -> None:
+    """With two keys, each lists only its own files and batches; the other's ids are 404 to it (read,
+    content, delete, cancel, a batch from its file, a list cursor) as unknown ids are, and its own
+    batch runs and ends with output it alone can read. A key's later batch reuses the cached prefix of its
+    earlier one; the other key's identical row does not (``api.cache_salt_by_api_key``)."""
+    mine = upload(client, jsonl([row("a", scene_body(0)), row("b", scene_body(1))]), name="mine.jsonl")
+    theirs = upload(other_client, jsonl([row("c", scene_body(2))]), name="theirs.jsonl")
+    batch = client.batches.create(input_file_id=mine, endpoint="/v1/chat/completions", completion_window="24h")
+    assert mine in [f.id for f in client.files.list().data] and theirs not in [f.id for f in client.files.list().data]
+    assert [f.id for f in other_client.files.list().data] == [theirs]
+    assert batch.id not in [b.id for b in other_client.batches.list(limit=100).data]
+    attempts = {
+        "file": lambda: other_client.files.retrieve(mine),
+        "content": lambda: other_client.files.content(mine),
+        "delete": lambda: other_client.files.delete(mine),
+        "batch": lambda: other_client.batches.retrieve(batch.id),
+        "cancel": lambda: other_client.batches.cancel(batch.id),
+        "create": lambda: other_client.batches.create(input_file_id=mine, endpoint="/v1/chat/completions",
+                                                      completion_window="24h"),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            raise AssertionError(f"{name}: another key reached the tenant's object")
+        except openai.NotFoundError as exc:
+            assert "no file with id" in str(exc) or "no batch with id" in str(exc), (name, exc)
+    try:
+        other_client.batches.list(after=batch.id)
+        raise AssertionError("a list cursor of another key's batch was accepted")
+    except openai.BadRequestError as exc:
+        assert "'after' must be the id of a batch" in str(exc)
+    done = wait_final(client, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 2
+    assert sorted(r["custom_id"] for r in output_rows(client, done.output_file_id)) == ["a", "b"]
+    assert done.output_file_id in [f.id for f in client.files.list(purpose="batch_output").data]
+    try:
+        other_client.files.content(done.output_file_id)
+        raise AssertionError("another key read the tenant's batch output")
+    except openai.NotFoundError:
+        pass
+    other_client.files.delete(theirs)
+    # caches: a key's batches share prefix pages with each other (scene 0 again), never with another key's
+    for who, expect_cached in ((client, True), (other_client, False)):
+        again = who.batches.create(input_file_id=upload(who, jsonl([row("again", scene_body(0))])),
+                                   endpoint="/v1/chat/completions", completion_window="24h")
+        (answer,) = output_rows(who, wait_final(who, again.id).output_file_id)
+        cached = answer["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (cached > 0) == expect_cached, (who.api_key, cached)
+
+
 def test_a_completions_batch_answers_as_v1_completions(client: openai.OpenAI) -> None:
     prompts = {"p-0": "USER: How many shapes? ASSISTANT:", "p-1": "The capital of France is", "p-2": "one two",
                "p-3": "three four"}
