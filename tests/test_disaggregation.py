@@ -390,7 +390,7 @@ def test_a_decode_worker_paces_only_while_another_process_wants_its_core(
             neighbour.kill()
             neighbour.wait()
     assert [o.token_ids for o in alone] == [o.token_ids for o in shared] == reference_tokens[:3]
-    assert alone_s < 31 * 0.060 * 0.6, alone_s
+    assert alone_s < 31 * 0.060 * 0.8, alone_s  # unpaced: ~0.2 s (the front end may land on the core now and then)
     assert shared_s >= 30 * 0.060, shared_s  # the first step after a hand-off may start at once
 
 

@@ -9,7 +9,8 @@ the previous one began, and the worker sleeps out the rest (claiming hand-offs a
 messages as they come), so a prefill worker on the same core runs meanwhile; with
 ``decode_step_pacing`` the interval follows the tightest TPOT SLO among the running requests.
 Pinned, it paces only while other processes use its cores (:mod:`mm_serve.runtime.core_load`;
-``decode_pacing_always`` paces every step), so alone it decodes at full speed.
+``decode_pacing_always`` paces every step), so alone it decodes at full speed; unpinned (a Ray
+actor, a machine without affinity) it paces every step.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class DecodeWorker(WorkerShell):
         del self.requests[request.request_id]
 
     def periodic(self) -> None:
+        if self.core_demand is not None:
+            self.core_demand.others_busy()  # idle too: the next busy step's window is a recent one
         cutoff = time.monotonic() - ABORT_MEMORY_S
         for request_id in [r for r, t in self._aborted_at.items() if t < cutoff]:
             del self._aborted_at[request_id]

@@ -21,8 +21,10 @@ def call_work(prompt_tokens: Sequence[int], max_tokens: Sequence[int], n: int) -
     return sum(n * (p + m) for p, m in zip(prompt_tokens, max_tokens, strict=True))
 
 
-def check_work(prompt_tokens: Sequence[int], max_tokens: Sequence[int], n: int, cfg: AdmissionConfig) -> None:
-    """Refuse a call over ``admission.max_request_work_tokens``.
+def check_work(prompt_tokens: Sequence[int], max_tokens: Sequence[int], n: int, cfg: AdmissionConfig,
+               field: str = "max_tokens") -> None:
+    """Refuse a call over ``admission.max_request_work_tokens``; ``field`` is the body field its output
+    limit came from (``max_tokens`` or ``max_completion_tokens``), named in the error.
 
     Raises:
         Rejection: 400 ``work_limit``; the message gives the call's work and the limit.
@@ -32,9 +34,9 @@ def check_work(prompt_tokens: Sequence[int], max_tokens: Sequence[int], n: int, 
         raise Rejection(
             400, "work_limit",
             f"this request asks for {work} tokens of work ({len(prompt_tokens)} prompt(s) x n={n} x "
-            f"(prompt + max_tokens)); the limit is {cfg.max_request_work_tokens} "
-            "(admission.max_request_work_tokens): send fewer prompts, a smaller n or max_tokens",
-            param="max_tokens",
+            f"(prompt + {field})); the limit is {cfg.max_request_work_tokens} "
+            f"(admission.max_request_work_tokens): send fewer prompts, a smaller n or {field}",
+            param=field,
         )
 
 

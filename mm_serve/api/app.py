@@ -130,6 +130,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     app.add_middleware(CancelledAnswerMiddleware)  # outermost
 
     keys = ctx.config.api.api_keys
+    app.state.api_keys = bool(keys)  # whether routes must see a key recorded (mm_serve.batch.routes.call_owner)
 
     async def require_key(request: Request) -> None:
         if not keys:

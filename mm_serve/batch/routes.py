@@ -26,8 +26,16 @@ UPLOAD_OVERHEAD_BYTES = 1 << 20
 
 def call_owner(request: Request) -> str:
     """The owner (:func:`owner_of`) of the key a call came with, as the key check recorded it; "" on a
-    server without keys."""
-    return owner_of(call_api_key(request))
+    server without keys.
+
+    Raises:
+        RuntimeError: keys are configured but none was recorded (a route registered without the key
+            check): a 500 rather than a call that sees every key's records.
+    """
+    key = call_api_key(request)
+    if key is None and request.app.state.api_keys:
+        raise RuntimeError("a Batch API route ran without the API key check")
+    return owner_of(key)
 
 
 Owner = Annotated[str, Depends(call_owner)]  # a route parameter: the calling key's owner

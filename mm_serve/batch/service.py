@@ -6,9 +6,10 @@ so a server that never sees a batch call writes nothing. It is locked (``flock``
 on ``DATA_DIR/lock``) by one server at a time; a second server on the same
 directory answers batch calls with 503 and serves everything else.
 
-Every method takes the calling key's ``owner`` (:func:`mm_serve.batch.records.owner_of`): a key
-sees, reads, deletes and cancels only its own files and batches (and those made without a
-key); another key's are 404, as an unknown id is. "" (a server without keys) sees all.
+Every route's method takes the calling key's ``owner`` (:func:`mm_serve.batch.records.owner_of`;
+no default, so no caller forgets it): a key sees, reads, deletes and cancels only its own files
+and batches (and those made without a key); another key's are 404, as an unknown id is. ""
+(a server without keys) sees all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +108,12 @@ class BatchService:
             self._refusal = (f"the batch data directory {self.root} is in use by another mm-serve process; "
                              "give this server its own batch.data_dir")
             raise unavailable(self._refusal) from None
-        store = BatchStore(self.root / DB_NAME)
+        try:
+            store = BatchStore(self.root / DB_NAME)
+        except sqlite3.Error as exc:  # a newer version's database, or a broken one
+            lock.close()
+            self._refusal = f"the batch database in {self.root} cannot be used: {exc}"
+            raise unavailable(self._refusal) from None
         files = FileStore(self.root, store, self.config)
         runner = BatchRunner(self.ctx, store, files)
         active = store.active_batches()
@@ -118,7 +125,7 @@ class BatchService:
 
     # -- files -----------------------------------------------------------------------------
 
-    async def upload(self, source: BinaryIO, filename: str | None, purpose: str, owner: str = "") -> dict[str, Any]:
+    async def upload(self, source: BinaryIO, filename: str | None, purpose: str, owner: str) -> dict[str, Any]:
         """Store an uploaded batch input file as ``owner``'s; the ``file`` object.
 
         Raises:
@@ -136,19 +143,19 @@ class BatchService:
             raise APIError(413, str(exc), "invalid_request_error", "file", exc.code) from None
         return record.to_openai()
 
-    def file(self, file_id: str, owner: str = "") -> FileRecord:
+    def file(self, file_id: str, owner: str) -> FileRecord:
         """The record of ``file_id``. Raises APIError 404 (also for another owner's)."""
         record = self._opened().store.get_file(file_id, owner)
         if record is None:
             raise not_found("file", file_id)
         return record
 
-    def file_path(self, file_id: str, owner: str = "") -> Path:
+    def file_path(self, file_id: str, owner: str) -> Path:
         """Where the content of ``file_id`` is. Raises APIError 404."""
         return self._opened().files.path(self.file(file_id, owner).id)
 
     def list_files(self, purpose: str | None, after: str | None, limit: int, order: str,
-                   owner: str = "") -> dict[str, Any]:
+                   owner: str) -> dict[str, Any]:
         """A page of ``owner``'s files (OpenAI's list object). Raises APIError 400 for an unknown ``after``."""
         try:
             records = self._opened().store.list_files(purpose=purpose, after=after, limit=limit + 1,
@@ -157,21 +164,23 @@ class BatchService:
             raise bad_request(f"'after' must be the id of a file, got {after!r}", "after") from None
         return _page([r.to_openai() for r in records], limit)
 
-    def delete_file(self, file_id: str, owner: str = "") -> dict[str, Any]:
+    def delete_file(self, file_id: str, owner: str) -> dict[str, Any]:
         """Delete a file. Raises APIError 404, or 409 while an unfinished batch reads it."""
         opened = self._opened()
         self.file(file_id, owner)
         readers = opened.store.batches_reading(file_id)
-        if readers:
-            raise APIError(409, f"file {file_id} is the input of batch {readers[0]}, which has not finished; "
-                                "cancel it or wait", "invalid_request_error", "file_id", "file_in_use")
+        if readers:  # another key's batch (on a shared ownerless file) is not named
+            yours = [r for r in readers if opened.store.get_batch(r, owner) is not None]
+            which = f"batch {yours[0]}, which has" if yours else "a batch that has"
+            raise APIError(409, f"file {file_id} is the input of {which} not finished; cancel it or wait",
+                           "invalid_request_error", "file_id", "file_in_use")
         opened.files.delete(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     # -- batches ---------------------------------------------------------------------------
 
     async def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                           metadata: dict[str, str] | None, owner: str = "") -> dict[str, Any]:
+                           metadata: dict[str, str] | None, owner: str) -> dict[str, Any]:
         """Check the request and the input file line by line, store the batch as ``owner``'s and start it.
 
         Raises:
@@ -207,11 +216,11 @@ class BatchService:
         opened.runner.launch(record.id)
         return record.to_openai()
 
-    def batch(self, batch_id: str, owner: str = "") -> dict[str, Any]:
+    def batch(self, batch_id: str, owner: str) -> dict[str, Any]:
         """The ``batch`` object. Raises APIError 404 (also for another owner's)."""
         return self._batch(batch_id, owner).to_openai()
 
-    def list_batches(self, after: str | None, limit: int, owner: str = "") -> dict[str, Any]:
+    def list_batches(self, after: str | None, limit: int, owner: str) -> dict[str, Any]:
         """A page of ``owner``'s batches, newest first. Raises APIError 400 for an unknown ``after``."""
         try:
             records = self._opened().store.list_batches(after=after, limit=limit + 1, owner=owner)
@@ -219,7 +228,7 @@ class BatchService:
             raise bad_request(f"'after' must be the id of a batch, got {after!r}", "after") from None
         return _page([r.to_openai() for r in records], limit)
 
-    def cancel(self, batch_id: str, owner: str = "") -> dict[str, Any]:
+    def cancel(self, batch_id: str, owner: str) -> dict[str, Any]:
         """Start cancelling a batch (``cancelling``, then ``cancelled`` with the rows done so far).
 
         Raises:
@@ -238,7 +247,7 @@ class BatchService:
         opened.runner.stop(batch_id)
         return self._batch(batch_id, owner).to_openai()
 
-    def _batch(self, batch_id: str, owner: str = "") -> BatchRecord:
+    def _batch(self, batch_id: str, owner: str) -> BatchRecord:
         record = self._opened().store.get_batch(batch_id, owner)
         if record is None:
             raise not_found("batch", batch_id)

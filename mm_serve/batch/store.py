@@ -75,6 +75,11 @@ class BatchStore:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > _SCHEMA_VERSION:
+            self._db.close()
+            raise sqlite3.DatabaseError(f"{path} was written by a newer mm-serve (batch database version {version}; "
+                                        f"this one reads up to {_SCHEMA_VERSION}): upgrade, or use another batch.data_dir")
         with self._lock, self._db:
             self._db.executescript(_SCHEMA)
             for table in ("files", "batches"):  # a version-1 database: its records have no owner

@@ -277,7 +277,7 @@ class AdmissionGate:
             if prepared:
                 prompt_tokens = [len(inputs.prompt_token_ids) for inputs, _ in prepared]
                 check_work(prompt_tokens, [params.max_tokens for _, params in prepared], prepared[0][1].n,
-                           self.config.admission)
+                           self.config.admission, call.max_tokens_field)
 
     def _check_caps(self, tier: Tier, prepared: Prepared) -> None:
         """The queue caps for the call's prompts, with the calls waiting in the dispatch hold counted

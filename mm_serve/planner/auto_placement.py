@@ -189,7 +189,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     its path: the cache is keyed by that file's digest and shared by every copy of the checkpoint (an
     older file naming a path that is gone, like one that is not a valid profile, is measured again).
     A profile measured while other processes kept more than :data:`BUSY_SHARE_LIMIT` of this process's
-    cores busy (:class:`~mm_serve.planner.core_load.CoreLoad`) is used, marked with that share under
+    cores busy (:class:`~mm_serve.runtime.core_load.CoreLoad`) is used, marked with that share under
     :data:`UNDER_LOAD_KEY`, and measured again at the next start instead of being read.
 
     Raises:

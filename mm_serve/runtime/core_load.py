@@ -11,10 +11,13 @@ time and the cores, that is the share other processes used. Two users:
 * :class:`CoreDemand`, over a sliding window: a paced decode worker (:mod:`mm_serve.runtime.pacing`)
   sleeps between steps so that a prefill worker sharing its core gets the time; while that
   neighbour has nothing to do, the sleep only slows every running request (a step every 49 ms
-  where an unpaced one takes 15), so the worker paces only while others want its cores. Steal time
-  does not count: sleeping gives nothing to another guest. A neighbour at a higher niceness still
-  gets a share of the core while both want it (CFS weights: nice 10 beside nice 5 gets about a
-  quarter), so its demand shows while the decode worker runs unpaced.
+  where an unpaced one takes 15), so the worker paces only while others want its cores. "Others"
+  are any other processes on those cores (the front end's too, where it is not pinned elsewhere).
+  Steal time does not count: sleeping gives nothing to another guest. A neighbour at a higher
+  niceness still gets a share of the core while both want it (CFS weights: nice 10 beside nice 5
+  gets about a quarter), so its demand shows while the decode worker runs unpaced, up to a gap of
+  9 nice levels (about 12 %, over the 10 % threshold); a neighbour niced further below it is seen
+  only once the decode worker pauses.
 
 Elsewhere than Linux, the share is unknown (None; :class:`CoreDemand` then always answers busy).
 """
@@ -30,7 +33,8 @@ PROC_STAT = Path("/proc/stat")
 BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user, nice, system, irq, softirq, steal (not idle 3, iowait 4, guest 8-9: inside user)
 DEMAND_FIELDS = BUSY_FIELDS[:-1]  # the same less steal
 DEMAND_WINDOW_S = 0.2  # CoreDemand: seconds between two readings; a verdict holds until the next one
-DEMAND_BUSY_SHARE = 0.15  # CoreDemand: others' share of the cores over a window that counts as busy
+DEMAND_BUSY_SHARE = 0.10  # CoreDemand: others' share of one core over a window from which the cores are busy
+DEMAND_FREE_SHARE = 0.05  # CoreDemand: ... under which busy cores are free again
 
 
 def busy_ticks(cores: set[int], stat: str, fields: Iterable[int] = BUSY_FIELDS) -> int | None:
@@ -58,8 +62,9 @@ class _Reading:
         self.cpu_s, self.wall_s = time.process_time(), time.monotonic()
 
     def others_share(self, start: _Reading, cores: int) -> float | None:
-        """Share of ``cores`` cores' time that other processes used from ``start`` to this reading,
-        clamped to [0, 1]; None when either reading failed or no time passed."""
+        """Share of ``cores`` cores' time (1: of one core's, whatever the number of cores read) that
+        other processes used from ``start`` to this reading, clamped to [0, 1]; None when either reading
+        failed or no time passed."""
         if self.ticks is None or start.ticks is None or self.wall_s <= start.wall_s or not cores:
             return None
         busy_s = (self.ticks - start.ticks) / os.sysconf("SC_CLK_TCK")
@@ -92,39 +97,45 @@ class CoreLoad:
 
 
 class CoreDemand:
-    """Whether other processes used this process's cores over the last window.
+    """Whether other processes want this process's cores: their CPU time over the last window.
+
+    The verdict turns busy when others used at least ``busy_share`` of one core's time over a window
+    (a neighbour on any one of several pinned cores counts whole), and free again only when they used
+    less than ``free_share``: a hysteresis over ``/proc/stat``'s 10 ms ticks, which read a 0.2 s window
+    to about ±5 %. Call :meth:`others_busy` at least every few windows, idle too, so that no window
+    spans a long gap.
 
     Args:
-        cores: the cores this process is pinned to; empty (unpinned), or ``/proc/stat`` unreadable,
-            makes :meth:`others_busy` always True.
+        cores: the cores this process is pinned to; empty (unpinned) makes :meth:`others_busy` always
+            True.
         window_s: seconds between readings (:data:`DEMAND_WINDOW_S`).
-        busy_share: others' share of the cores' time (steal left out) over a window from which they
-            count as busy (:data:`DEMAND_BUSY_SHARE`).
-        stat_path: ``/proc/stat``.
+        busy_share: others' share of one core from which they count as busy (:data:`DEMAND_BUSY_SHARE`).
+        free_share: others' share of one core under which a busy verdict ends (:data:`DEMAND_FREE_SHARE`).
+        stat_path: ``/proc/stat``; while it cannot be read the verdict is busy (read again every window).
     """
 
-    def __init__(self, cores: Sequence[int], window_s: float = DEMAND_WINDOW_S,
-                 busy_share: float = DEMAND_BUSY_SHARE, stat_path: Path = PROC_STAT) -> None:
+    def __init__(self, cores: Sequence[int], window_s: float = DEMAND_WINDOW_S, busy_share: float = DEMAND_BUSY_SHARE,
+                 free_share: float = DEMAND_FREE_SHARE, stat_path: Path = PROC_STAT) -> None:
         self.cores, self.stat_path = set(cores), stat_path
-        self.window_s, self.busy_share = window_s, busy_share
-        self.last_share: float | None = None  # others' share over the last window (None before one)
+        self.window_s, self.busy_share, self.free_share = window_s, busy_share, free_share
+        self.last_share: float | None = None  # others' share of one core over the last window (None before one)
         self._verdict = True  # busy until a window says otherwise: pacing as configured is the safe side
         self._last = _Reading(self.cores, stat_path, DEMAND_FIELDS)
-        self._readable = self._last.ticks is not None
 
     def others_busy(self) -> bool:
-        """True while other processes used at least ``busy_share`` of the cores over the last window
-        (re-read at most every ``window_s``; a window runs from the previous reading, however long
-        ago). True before the first full window, when unpinned, and where ``/proc/stat`` cannot be
-        read."""
-        if not self._readable:
+        """True while other processes want the cores (the class docstring's rule; re-read at most every
+        ``window_s``). True before the first full window, when unpinned, and while ``/proc/stat`` cannot
+        be read."""
+        if not self.cores:
             return True
         if time.monotonic() - self._last.wall_s < self.window_s:
             return self._verdict
         reading = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
-        share = reading.others_share(self._last, len(self.cores))
-        if share is None:
-            self._readable = reading.ticks is not None
+        share = reading.others_share(self._last, 1)
+        self._last = reading
+        if share is None:  # this reading or the last one failed
+            self.last_share, self._verdict = None, True
             return True
-        self.last_share, self._verdict, self._last = share, share >= self.busy_share, reading
+        self.last_share = share
+        self._verdict = share >= (self.free_share if self._verdict else self.busy_share)
         return self._verdict

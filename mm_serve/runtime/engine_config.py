@@ -39,7 +39,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     mixed_step_tokens: int = 2048  # colocated: tokens per step (a decode token per running request + prefill chunks); 0 = prefill and decode steps apart
     decode_step_interval_s: float = 0.0  # decode worker: a decode step starts at least this long after the previous one began; 0 = at once
     decode_step_pacing: float = 0.0  # decode worker: ... at least this fraction of the tightest TPOT SLO among its running requests; 0 = off
-    decode_pacing_always: bool = False  # decode worker: pace even while nothing else runs on its cores (mm_serve.runtime.core_demand)
+    decode_pacing_always: bool = False  # decode worker: pace even while nothing else runs on its cores (mm_serve.runtime.core_load.CoreDemand)
     tier_tpot_s: tuple[float, ...] = (0.1, 0.25, 2.0)  # TPOT SLO of each tier by rank (interactive, standard, batch), seconds
     max_model_len: int = 0  # prompt + output tokens at most; 0 = the checkpoint's
     dtype: DTypeChoice = "auto"  # "auto": the checkpoint's on a GPU, float32 on a CPU (for_checkpoint, before a model loads)

@@ -75,6 +75,11 @@ def test_a_call_over_the_work_limit_is_a_400_naming_the_limit(unstarted: TestCli
     assert "admission.max_request_work_tokens" in error["message"] and "limit is 1000" in error["message"]
     r = unstarted.post("/v1/chat/completions", json=_chat(n=16, max_tokens=100))
     assert r.status_code == 400 and r.json()["error"]["code"] == "work_limit"
+    assert r.json()["error"]["param"] == "max_tokens"
+    r = unstarted.post("/v1/chat/completions", json=_chat(n=16, max_completion_tokens=100))
+    error = r.json()["error"]
+    assert r.status_code == 400 and (error["code"], error["param"]) == ("work_limit", "max_completion_tokens")
+    assert "a smaller n or max_completion_tokens" in error["message"]
     assert unstarted.post("/v1/chat/completions", json=_chat(n=2)).status_code == 503  # under it
 
 

@@ -10,6 +10,7 @@ import openai
 from mm_serve.shapes.scenes import draw_scene, scene_rng
 from mm_serve.shapes.targets import caption
 from tests.api.server_process import ServerProcess
+from tests.batch.conftest import API_KEY, OTHER_KEY
 from tests.batch.helpers import (
     broken_body,
     jsonl,
@@ -118,7 +119,7 @@ def test_files_list_retrieve_delete_and_the_key(client: openai.OpenAI, batch_ser
 
 
 def test_another_key_neither_sees_nor_touches_a_tenants_files_and_batches(
-    client: openai.OpenAI, other_client: openai.OpenAI,
+    client: openai.OpenAI, other_client: openai.OpenAI, batch_server: ServerProcess,
 ) -> None:
     """With two keys, each lists only its own files and batches; the other's ids are 404 to it (read,
     content, delete, cancel, a batch from its file, a list cursor) as unknown ids are, and its own
@@ -160,6 +161,8 @@ def test_another_key_neither_sees_nor_touches_a_tenants_files_and_batches(
     except openai.NotFoundError:
         pass
     other_client.files.delete(theirs)
+    stored = b"".join(p.read_bytes() for p in batch_server.log.parent.glob("data/batches.sqlite3*"))
+    assert stored and API_KEY.encode() not in stored and OTHER_KEY.encode() not in stored  # fingerprints only
     # caches: a key's batches share prefix pages with each other (scene 0 again), never with another key's
     for who, expect_cached in ((client, True), (other_client, False)):
         again = who.batches.create(input_file_id=upload(who, jsonl([row("again", scene_body(0))])),

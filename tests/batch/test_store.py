@@ -66,7 +66,7 @@ def test_finish_records_the_output_files_and_the_status_together(tmp_path: Path)
 
 def test_each_owner_sees_its_own_records_and_the_ownerless_ones(tmp_path: Path) -> None:
     """A lookup or list with an owner sees that owner's records and those without one; no owner sees
-    all. A page cursor of another owner's record is unknown to this one. The key is never stored."""
+    all. A page cursor of another owner's record is unknown to this one."""
     alice, bob = owner_of("sk-alice"), owner_of("sk-bob")
     assert len(alice) == 32 and alice != bob and owner_of(None) == owner_of("") == ""
     store = BatchStore(tmp_path / "b.sqlite3")
@@ -89,7 +89,17 @@ def test_each_owner_sees_its_own_records_and_the_ownerless_ones(tmp_path: Path) 
     assert b1 is not None and b1.owner == alice and store.get_batch("b1") == b1
     assert store.get_file("file-b3", bob) is not None  # ownerless: every key's
     store.close()
-    assert b"sk-alice" not in (tmp_path / "b.sqlite3").read_bytes()
+
+
+def test_a_database_of_a_newer_version_is_refused(tmp_path: Path) -> None:
+    """A database a newer mm-serve wrote is not opened (nor stamped down), naming both versions."""
+    import sqlite3
+
+    path = tmp_path / "new.sqlite3"
+    sqlite3.connect(path).execute("PRAGMA user_version=3").connection.close()
+    with pytest.raises(sqlite3.DatabaseError, match="batch database version 3; this one reads up to 2"):
+        BatchStore(path)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 3
 
 
 def test_a_database_from_before_owners_opens_with_ownerless_records(tmp_path: Path) -> None:
