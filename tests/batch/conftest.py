@@ -24,10 +24,10 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     if not (EMBEDDED_MODEL_DIR / "model.safetensors").is_file():
         pytest.skip("the embedded checkpoint is not in this checkout")
     root = tmp_path_factory.mktemp("batch-server")
-    config = write_config(root / "config.yaml", root / "data", api={"cache_salt_by_api_key": True},
-                          max_file_bytes=MAX_FILE_BYTES, max_total_bytes=MAX_TOTAL_BYTES)
+    config = write_config(root / "config.yaml", root / "data", max_file_bytes=MAX_FILE_BYTES,
+                          max_total_bytes=MAX_TOTAL_BYTES)
     proc = ServerProcess(Path(EMBEDDED_MODEL_DIR), "--config", str(config), "--api-key", API_KEY, "--api-key", OTHER_KEY,
-                         log_dir=root)
+                         "--cache-salt-by-api-key", log_dir=root)
     try:
         proc.wait_ready()
         yield proc

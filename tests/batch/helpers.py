@@ -64,7 +64,7 @@ def output_rows(client: openai.OpenAI, file_id: str | None) -> list[dict[str, An
     return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]
 
 
-def write_config(path: Path, data_dir: Path, api: dict[str, Any] | None = None, **batch: Any) -> Path:
-    """A service config with ``batch.data_dir`` (and other ``batch`` keys, and ``api`` keys) for a test server."""
-    path.write_text(yaml.safe_dump({"batch": {"data_dir": str(data_dir), **batch}, **({"api": api} if api else {})}))
+def write_config(path: Path, data_dir: Path, **batch: Any) -> Path:
+    """A service config with ``batch.data_dir`` (and other ``batch`` keys) for a test server."""
+    path.write_text(yaml.safe_dump({"batch": {"data_dir": str(data_dir), **batch}}))
     return path
