@@ -41,18 +41,22 @@ class _Machine:
 
     def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.path, self.wall, self.cpu, self.ticks, self.steal = path, 1000.0, 5.0, 0, 300
+        self.schedstat, self.waited_ns = path.with_name("schedstat"), 7_000
         monkeypatch.setattr(core_load.time, "monotonic", lambda: self.wall)
         monkeypatch.setattr(core_load.time, "process_time", lambda: self.cpu)
         self._write()
 
     def _write(self) -> None:
         self.path.write_text(f"cpu  0 0 0 0 0 0 0 0\ncpu0 7 0 0 0 0 0 0 0\ncpu1 {self.ticks} 0 0 5 0 0 0 {self.steal}\n")
+        self.schedstat.write_text(f"{round(self.cpu * 1e9)} {self.waited_ns} 40\n")
 
-    def advance(self, wall: float, own: float, others: float) -> None:
+    def advance(self, wall: float, own: float, others: float, waited: float = 0.0) -> None:
+        """... this thread waiting ``waited`` seconds on its run queue meanwhile."""
         self.wall += wall
         self.cpu += own
         self.ticks += round((own + others) * 100)
         self.steal += round(others * 100)
+        self.waited_ns += round(waited * 1e9)
         self._write()
 
 
@@ -63,7 +67,7 @@ def test_core_demand_turns_busy_at_a_tenth_of_a_core_and_free_under_a_twentieth(
     own CPU time and steal are not others'; busy from 10 % of one core (whatever the number of pinned
     cores), free again only under 5 %; unreadable /proc/stat: busy, read again next window."""
     machine = _Machine(tmp_path / "stat", monkeypatch)
-    demand = CoreDemand([1], window_s=0.2, stat_path=machine.path)
+    demand = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=tmp_path / "none")
     assert demand.others_busy() and demand.last_share is None
     machine.advance(0.1, own=0.1, others=0.0)
     assert demand.others_busy() and demand.last_share is None  # within the window: no reading
@@ -77,7 +81,7 @@ def test_core_demand_turns_busy_at_a_tenth_of_a_core_and_free_under_a_twentieth(
     assert demand.others_busy() and demand.last_share == pytest.approx(0.08)  # busy until under 5 %
     machine.advance(0.5, own=0.18, others=0.02)
     assert not demand.others_busy() and demand.last_share == pytest.approx(0.04)
-    both = CoreDemand([0, 1], window_s=0.2, stat_path=machine.path)
+    both = CoreDemand([0, 1], window_s=0.2, stat_path=machine.path, schedstat_path=tmp_path / "none")
     machine.advance(0.2, own=0.0, others=0.05)  # a quarter of one core: an eighth of the two
     assert both.others_busy() and both.last_share == pytest.approx(0.25)
     machine.path.unlink()
@@ -131,3 +135,23 @@ def test_core_demand_sees_a_niced_neighbour_not_its_own_work(pinned_to_last_core
         neighbour.wait()
     assert alone is not None and alone < 0.5, alone
     assert beside is not None and beside >= 0.15 and beside_busy, beside
+
+
+def test_waiting_on_its_run_queue_makes_the_core_busy_within_a_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Free, the thread that waited 10 % of the last 20 ms or more on its run queue (a neighbour took
+    the core from it) turns the verdict busy at once, mid-window; less wait, or a span under 20 ms, does
+    not. Only a window with others under 5 % frees it again."""
+    machine = _Machine(tmp_path / "stat", monkeypatch)
+    demand = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat)
+    machine.advance(0.2, own=0.2, others=0.0)
+    assert not demand.others_busy()
+    machine.advance(0.03, own=0.03, others=0.0, waited=0.002)  # 7 %
+    assert not demand.others_busy()
+    machine.advance(0.01, own=0.0, others=0.0, waited=0.005)  # half of 10 ms: too short a span to judge
+    assert not demand.others_busy()
+    machine.advance(0.02, own=0.02, others=0.0, waited=0.0)  # 5 ms of the 30 ms since the last judged look
+    assert demand.others_busy() and demand.last_share == pytest.approx(0.0)  # busy before the window ends
+    machine.advance(0.15, own=0.15, others=0.0)  # the window ends: nobody else used the core
+    assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)

@@ -19,6 +19,11 @@ time and the cores, that is the share other processes used. Two users:
   9 nice levels (about 12 %, over the 10 % threshold); a neighbour niced further below it is seen
   only once the decode worker pauses.
 
+A free verdict also ends at once when the calling thread itself waited for its core: its run-queue
+wait (``/proc/thread-self/schedstat``, nanoseconds, read in microseconds) over at least
+:data:`RUN_QUEUE_MIN_S` reaching the busy share. A neighbour that starts while the decode worker steps
+unpaced is then paced for within a step or two, not a window or two later.
+
 Elsewhere than Linux, the share is unknown (None; :class:`CoreDemand` then always answers busy).
 """
 
@@ -35,6 +40,8 @@ DEMAND_FIELDS = BUSY_FIELDS[:-1]  # the same less steal
 DEMAND_WINDOW_S = 0.2  # CoreDemand: seconds between two readings; a verdict holds until the next one
 DEMAND_BUSY_SHARE = 0.10  # CoreDemand: others' share of one core over a window from which the cores are busy
 DEMAND_FREE_SHARE = 0.05  # CoreDemand: ... under which busy cores are free again
+SCHEDSTAT = Path("/proc/thread-self/schedstat")  # this thread's CPU ns, run-queue wait ns, time slices
+RUN_QUEUE_MIN_S = 0.02  # CoreDemand: the shortest span over which its run-queue wait is judged
 
 
 def busy_ticks(cores: set[int], stat: str, fields: Iterable[int] = BUSY_FIELDS) -> int | None:
@@ -100,10 +107,11 @@ class CoreDemand:
     """Whether other processes want this process's cores: their CPU time over the last window.
 
     The verdict turns busy when others used at least ``busy_share`` of one core's time over a window
-    (a neighbour on any one of several pinned cores counts whole), and free again only when they used
-    less than ``free_share``: a hysteresis over ``/proc/stat``'s 10 ms ticks, which read a 0.2 s window
-    to about ±5 %. Call :meth:`others_busy` at least every few windows, idle too, so that no window
-    spans a long gap.
+    (a neighbour on any one of several pinned cores counts whole), or at once when the calling thread
+    waited that share of the time on its run queue; and free again only when others used less than
+    ``free_share`` over a window: a hysteresis over ``/proc/stat``'s 10 ms ticks, which read a 0.2 s
+    window to about ±5 %. Call :meth:`others_busy` at least every few windows, idle too, so that no
+    window spans a long gap.
 
     Args:
         cores: the cores this process is pinned to; empty (unpinned) makes :meth:`others_busy` always
@@ -112,15 +120,18 @@ class CoreDemand:
         busy_share: others' share of one core from which they count as busy (:data:`DEMAND_BUSY_SHARE`).
         free_share: others' share of one core under which a busy verdict ends (:data:`DEMAND_FREE_SHARE`).
         stat_path: ``/proc/stat``; while it cannot be read the verdict is busy (read again every window).
+        schedstat_path: the calling thread's ``schedstat`` (:data:`SCHEDSTAT`); unreadable, only windows count.
     """
 
     def __init__(self, cores: Sequence[int], window_s: float = DEMAND_WINDOW_S, busy_share: float = DEMAND_BUSY_SHARE,
-                 free_share: float = DEMAND_FREE_SHARE, stat_path: Path = PROC_STAT) -> None:
-        self.cores, self.stat_path = set(cores), stat_path
+                 free_share: float = DEMAND_FREE_SHARE, stat_path: Path = PROC_STAT,
+                 schedstat_path: Path = SCHEDSTAT) -> None:
+        self.cores, self.stat_path, self.schedstat_path = set(cores), stat_path, schedstat_path
         self.window_s, self.busy_share, self.free_share = window_s, busy_share, free_share
         self.last_share: float | None = None  # others' share of one core over the last window (None before one)
         self._verdict = True  # busy until a window says otherwise: pacing as configured is the safe side
         self._last = _Reading(self.cores, stat_path, DEMAND_FIELDS)
+        self._queued = self._run_queue_wait()  # (monotonic s, run-queue wait s) of the calling thread, or None
 
     def others_busy(self) -> bool:
         """True while other processes want the cores (the class docstring's rule; re-read at most every
@@ -128,6 +139,8 @@ class CoreDemand:
         be read."""
         if not self.cores:
             return True
+        if not self._verdict and self._waited_for_core():
+            self._verdict = True
         if time.monotonic() - self._last.wall_s < self.window_s:
             return self._verdict
         reading = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
@@ -139,3 +152,24 @@ class CoreDemand:
         self.last_share = share
         self._verdict = share >= (self.free_share if self._verdict else self.busy_share)
         return self._verdict
+
+    def _run_queue_wait(self) -> tuple[float, float] | None:
+        """(monotonic seconds, the calling thread's run-queue wait in seconds), None where unreadable."""
+        try:
+            waited_ns = int(self.schedstat_path.read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return time.monotonic(), waited_ns / 1e9
+
+    def _waited_for_core(self) -> bool:
+        """Whether the calling thread waited on its core's run queue for at least ``busy_share`` of the
+        time since the last look (judged over :data:`RUN_QUEUE_MIN_S` at least)."""
+        last = self._queued
+        if last is None:
+            self._queued = self._run_queue_wait()
+            return False
+        now = time.monotonic()
+        if now - last[0] < RUN_QUEUE_MIN_S:
+            return False
+        self._queued = current = self._run_queue_wait()
+        return current is not None and current[1] - last[1] >= self.busy_share * (current[0] - last[0])
