@@ -116,7 +116,8 @@ def test_core_demand_sees_a_niced_neighbour_not_its_own_work(pinned_to_last_core
     """On the real kernel: this process spinning on its core is not counted (its own time is left
     out: far under the full core it takes); a busy loop 5 nice levels lower pinned to the same core
     (a prefill worker beside a decode worker) takes its CFS share, about a quarter, even while this
-    process spins, and the core counts as busy."""
+    process spins, and the core counts as busy; meanwhile this thread's run-queue wait
+    (``/proc/thread-self/schedstat``) grows by the neighbour's slices."""
     core = pinned_to_last_core
     demand = CoreDemand([core], window_s=0.3)
     _spin(0.35)
@@ -125,24 +126,30 @@ def test_core_demand_sees_a_niced_neighbour_not_its_own_work(pinned_to_last_core
     loop = (f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nos.nice(5)\n"
             "end = time.monotonic() + 20\nwhile time.monotonic() < end: pass")
     neighbour = subprocess.Popen([sys.executable, "-c", loop])
+    schedstat = Path("/proc/thread-self/schedstat")
     try:
         time.sleep(0.3)  # it starts, pins itself and spins
         demand.others_busy()  # a window with its start-up in it
+        waited_before = int(schedstat.read_text().split()[1]) if schedstat.exists() else None
         _spin(0.35)
         beside_busy, beside = demand.others_busy(), demand.last_share
+        waited = None if waited_before is None else (int(schedstat.read_text().split()[1]) - waited_before) / 1e9
     finally:
         neighbour.kill()
         neighbour.wait()
     assert alone is not None and alone < 0.5, alone
     assert beside is not None and beside >= 0.15 and beside_busy, beside
+    if waited is not None and waited_before:  # field 2: this thread's run-queue wait in ns, the neighbour's slices
+        assert waited >= 0.03, waited
 
 
 def test_waiting_on_its_run_queue_makes_the_core_busy_within_a_window(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Free, the thread that waited 10 % of the last 20 ms or more on its run queue (a neighbour took
-    the core from it) turns the verdict busy at once, mid-window; less wait, or a span under 20 ms, does
-    not. Only a window with others under 5 % frees it again."""
+    """Free, the thread that waited 10 % or more of the time since its last look (20 ms at least) on
+    its run queue (a neighbour took the core from it) turns the verdict busy at once, mid-window, and
+    a new window begins; less wait, or a span under 20 ms, does not. Only a window with others under
+    5 % frees it again, and the run-queue wait counts afresh from there."""
     machine = _Machine(tmp_path / "stat", monkeypatch)
     demand = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat)
     machine.advance(0.2, own=0.2, others=0.0)
@@ -153,5 +160,11 @@ def test_waiting_on_its_run_queue_makes_the_core_busy_within_a_window(
     assert not demand.others_busy()
     machine.advance(0.02, own=0.02, others=0.0, waited=0.0)  # 5 ms of the 30 ms since the last judged look
     assert demand.others_busy() and demand.last_share == pytest.approx(0.0)  # busy before the window ends
-    machine.advance(0.15, own=0.15, others=0.0)  # the window ends: nobody else used the core
+    machine.advance(0.15, own=0.1, others=0.05)  # a new window began when it turned busy: not over yet
+    assert demand.others_busy()
+    machine.advance(0.06, own=0.06, others=0.0, waited=0.04)  # the window: others 24 %, still busy
+    assert demand.others_busy() and demand.last_share == pytest.approx(0.05 / 0.21)
+    machine.advance(0.2, own=0.2, others=0.0, waited=0.03)  # nobody else over a window: free
     assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)
+    machine.advance(0.03, own=0.03, others=0.0)  # the waits of the busy spell do not count after it
+    assert not demand.others_busy()

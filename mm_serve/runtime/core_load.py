@@ -20,8 +20,10 @@ time and the cores, that is the share other processes used. Two users:
   only once the decode worker pauses.
 
 A free verdict also ends at once when the calling thread itself waited for its core: its run-queue
-wait (``/proc/thread-self/schedstat``, nanoseconds, read in microseconds) over at least
-:data:`RUN_QUEUE_MIN_S` reaching the busy share. A neighbour that starts while the decode worker steps
+wait (``/proc/thread-self/schedstat``, field 2, nanoseconds) since its last look, at least
+:data:`RUN_QUEUE_MIN_S` before, reaching the busy share (any thread that takes its core counts, the
+process's own other threads too, such as a grammar compile; a kernel without schedstats, or one that
+reads ``0 0 0``, leaves only the windows). A neighbour that starts while the decode worker steps
 unpaced is then paced for within a step or two, not a window or two later.
 
 Elsewhere than Linux, the share is unknown (None; :class:`CoreDemand` then always answers busy).
@@ -140,7 +142,9 @@ class CoreDemand:
         if not self.cores:
             return True
         if not self._verdict and self._waited_for_core():
-            self._verdict = True
+            self._verdict = True  # and a new window: freeing is judged on the time since
+            self._last = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
+            return True
         if time.monotonic() - self._last.wall_s < self.window_s:
             return self._verdict
         reading = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
@@ -150,7 +154,9 @@ class CoreDemand:
             self.last_share, self._verdict = None, True
             return True
         self.last_share = share
-        self._verdict = share >= (self.free_share if self._verdict else self.busy_share)
+        was_busy, self._verdict = self._verdict, share >= (self.free_share if self._verdict else self.busy_share)
+        if was_busy and not self._verdict:  # the run-queue wait counts from here, not through the busy spell
+            self._queued = self._run_queue_wait()
         return self._verdict
 
     def _run_queue_wait(self) -> tuple[float, float] | None:
