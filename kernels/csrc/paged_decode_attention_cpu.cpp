@@ -3,7 +3,7 @@
 // One query token per sequence attends to its first context_lens[b] cached tokens,
 // read in place from the pages its block table names: no gather copy, no padding.
 // Work items are (sequence, KV head) pairs spread over torch's intra-op threads
-// (at::parallel_for). With AVX-512 and a head size of 64 or 128 (attend_blocks), an item
+// (at::parallel_for). With AVX-512 and a head size of 32, 64 or 128 (attend_blocks), an item
 // reads its context once, in blocks of 16 tokens: the K rows scored against every query
 // row of the grouped-query group (Ainslie et al. 2023, GQA), 16 dot products reduced
 // together, the online softmax (Milakov & Gimelshein 2018), then the same block's V rows.
@@ -209,7 +209,7 @@ inline void weigh_block(const float* weights, int64_t weight_stride, const float
   }
 }
 
-// weigh_block for `count` rows, in passes of up to 4 (head size 64: GQA groups are mostly
+// weigh_block for `count` rows, in passes of up to 4 (head size 32 or 64: GQA groups are mostly
 // powers of two; 6 would still fit the 32 vector registers) or 2 (128: 3 would not fit).
 template <int64_t kHeadDim>
 inline void weigh_rows(const float* weights, int64_t weight_stride, const float* rescale, int64_t count,
@@ -225,7 +225,7 @@ inline void weigh_rows(const float* weights, int64_t weight_stride, const float*
   if (count == 1) weigh_block<kHeadDim, 1>(weights, weight_stride, rescale, rows, offset, n, acc);
 }
 
-// attend() for head sizes that are whole AVX-512 vectors (64, 128), in one pass over blocks
+// attend() for head sizes that are whole AVX-512 vectors (32, 64, 128), in one pass over blocks
 // of 16 tokens with the online softmax (Milakov & Gimelshein 2018; the decode form of
 // FlashAttention, Dao et al. 2022): each block's K rows are scored (score_block), its weights
 // taken against the running maximum, the sums so far rescaled when the maximum grows, and its
@@ -311,7 +311,7 @@ void attend_blocks(const at::Tensor& query, const at::Tensor& k_cache, const at:
 }
 #endif
 
-// kHeadDim: the head size as a compile-time constant (the common 64 and 128, so the dot
+// kHeadDim: the head size as a compile-time constant (the common 32, 64 and 128, so the dot
 // products unroll fully), or 0 to read it from the tensors.
 template <int64_t kHeadDim>
 void attend(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -406,7 +406,7 @@ void check_cache_and_tables(const at::Tensor& k_cache, const at::Tensor& v_cache
   }
 }
 
-// A head size the templates fix (64, 128): the blocked one-pass path with AVX-512, else the two-pass one.
+// A head size the templates fix (32, 64, 128): the blocked one-pass path with AVX-512, else the two-pass one.
 template <int64_t kHeadDim>
 void attend_fixed(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
@@ -422,6 +422,9 @@ at::Tensor attend_checked(const at::Tensor& query, const at::Tensor& k_cache, co
   at::Tensor out = at::empty_like(query);
   const float fscale = static_cast<float>(scale);
   switch (query.size(2)) {
+    case 32:
+      attend_fixed<32>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
+      break;
     case 64:
       attend_fixed<64>(query, k_cache, v_cache, block_tables, context_lens, fscale, out);
       break;

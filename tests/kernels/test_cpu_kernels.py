@@ -51,7 +51,7 @@ def _case(lens: list[int], page: int, hkv: int, group: int, dim: int, seed: int,
     return query, k_cache, v_cache, block_tables, torch.tensor(lens)
 
 
-@pytest.mark.parametrize("dim", [32, 64, 128])  # the generic path and the two unrolled head sizes
+@pytest.mark.parametrize("dim", [48, 32, 64, 128])  # the generic path and the three unrolled head sizes
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_equals_reference_over_head_sizes_and_gqa_groups(op, dim: int, group: int) -> None:  # type: ignore[no-untyped-def]
     lens = [1, 15, 16, 17, 33, 64, 200, 5, 90, 128] * 4  # 40 rows: whole sequences per work item
@@ -104,7 +104,7 @@ def test_a_non_finite_key_poisons_its_sequence_as_in_the_reference(op, bad: floa
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # the other sequence is untouched
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 128])
 @pytest.mark.parametrize("copies", [1, 6])  # 6 rows: all heads per item on 1 thread, one head per item on 2
 def test_result_does_not_depend_on_thread_count(op, dim: int, copies: int) -> None:  # type: ignore[no-untyped-def]
     query, k, v, tables, ctx = _case([37, 3, 150, 64, 1, 99] * copies, page=16, hkv=4, group=2, dim=dim, seed=5)
@@ -123,7 +123,7 @@ def test_result_does_not_depend_on_thread_count(op, dim: int, copies: int) -> No
         assert torch.equal(alone[0], two[row])
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 128])
 @pytest.mark.parametrize("lens", [[5, 16, 21], [5, 16, 21, 33, 70, 100, 47, 64] * 2])  # short; past the prefetch distance
 def test_reads_only_the_pages_of_each_context(op, dim: int, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
     """Poisoning every slot outside the contexts (other pages, the tail of the last page) changes nothing."""
@@ -138,11 +138,11 @@ def test_reads_only_the_pages_of_each_context(op, dim: int, lens: list[int]) -> 
     assert torch.equal(op(query, k, v, tables, ctx, 0.125), clean)
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 128])
 @pytest.mark.parametrize("page", [3, 5, 12, 24, 32])  # pages that do not divide the 16-token blocks, or span two
 @pytest.mark.parametrize("rows", [3, 12])  # one KV head per work item, then every head of a sequence per item
 def test_blocks_across_page_sizes_and_group_remainders(op, dim: int, page: int, rows: int) -> None:  # type: ignore[no-untyped-def]
-    """Groups of 3 and 6 take the register passes' remainders (4 + 2 at head size 64, 2 + 1 at 128)."""
+    """Groups of 3 and 6 take the register passes' remainders (4 + 2 at head sizes 32 and 64, 2 + 1 at 128)."""
     lens = [1, 16, 17, 47, 48, 100, 5, 33, 64, 129, 2, 31][:rows]
     for group in (3, 6):
         query, k, v, tables, ctx = _case(lens, page=page, hkv=2, group=group, dim=dim, seed=page + group)
