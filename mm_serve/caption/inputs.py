@@ -143,7 +143,12 @@ def _read_folder(root: Path, prompt: str) -> list[CaptionInput]:
 
 
 def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for every non-blank line."""
+    """``(line number, object)`` for every non-blank line.
+
+    Raises:
+        InputError: a line that is not JSON (nested past Python's recursion limit, an integer of over
+            4,300 digits included) or not a JSON object.
+    """
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -152,6 +157,10 @@ def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise InputError(f"{path}:{number}: not valid JSON (nested too deeply)") from None
+        except ValueError as exc:  # an integer past Python's 4,300 digits
+            raise InputError(f"{path}:{number}: not valid JSON ({str(exc)[:200]})") from None
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
         rows.append((number, row))

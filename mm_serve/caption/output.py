@@ -139,7 +139,7 @@ def _complete_lines(data: bytes) -> tuple[list[tuple[int, bytes]], bool, bool]:
         try:
             json.loads(tail)
             lines.append(tail)
-        except ValueError:
+        except (ValueError, RecursionError):
             cut = True
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     return numbered, bool(tail.strip()), cut
@@ -148,7 +148,7 @@ def _complete_lines(data: bytes) -> tuple[list[tuple[int, bytes]], bool, bool]:
 def _parse(path: Path, number: int, line: bytes, fmt: InputFormat) -> dict[str, Any]:
     try:
         row = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, an integer past 4,300 digits, or nested past the limit
         raise OutputError(f"{path}:{number}: not valid JSON; fix or delete that line, then re-run") from None
     if not isinstance(row, dict) or row_id(fmt, row) is None:
         layout = "OpenAI batch output" if fmt == "openai-batch" else "caption"

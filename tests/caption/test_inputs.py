@@ -83,3 +83,7 @@ def test_missing_empty_and_non_json_inputs(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"id": "a", "image": "x"}\n{oops\n')
     with pytest.raises(InputError, match="bad.jsonl:2: not valid JSON"):
         read_inputs(tmp_path / "bad.jsonl", "p")
+    for line, why in (("[" * 100_000 + "]" * 100_000, "nested too deeply"), ('{"id": 1' + "0" * 5000 + "}", "digits")):
+        (tmp_path / "bad.jsonl").write_text('{"id": "a", "image": "x"}\n' + line + "\n")
+        with pytest.raises(InputError, match=f"bad.jsonl:2: not valid JSON .*{why}"):
+            read_inputs(tmp_path / "bad.jsonl", "p")

@@ -71,6 +71,9 @@ def test_corrupt_middle_line_and_foreign_rows_are_refused(tmp_path: Path) -> Non
     path.write_text(_ok("a") + "\n\n{broken\n" + _ok("b") + "\n")
     with pytest.raises(OutputError, match="out.jsonl:3: not valid JSON"):
         OutputFile.open(path, "folder")
+    path.write_text(_ok("a") + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")  # past the recursion limit
+    with pytest.raises(OutputError, match="out.jsonl:2: not valid JSON"):
+        OutputFile.open(path, "folder")
     path.write_text(json.dumps({"id": "batch_req_1", "custom_id": "x", "response": None, "error": None}) + "\n")
     with pytest.raises(OutputError, match="not a caption row"):
         OutputFile.open(path, "folder")
