@@ -21,8 +21,10 @@ far. At ``expires_at`` (``batch.completion_window_s`` after creation) rows not
 done get a ``batch_expired`` error row and the batch finishes as ``expired``. A
 batch whose input file can no longer be read finishes as ``failed``.
 
-When the server stops or its engine goes down, the tasks stop with the batch still
-``in_progress`` (or ``cancelling``); the next start resumes it from step 2 (or
+When the engine stops taking requests mid-batch (a worker restarting with no other
+path to serve), the rows in flight are aborted unwritten and the task waits for the
+engine, then runs the rows left. When the server stops, the tasks stop with the batch
+still ``in_progress`` (or ``cancelling``); the next start resumes it from step 2 (or
 finishes the cancel).
 """
 
@@ -113,10 +115,24 @@ class BatchRunner:
         if record.status == "validating":  # (no await from here to the update: a cancel cannot slip in)
             self.store.update_batch(batch_id, status="in_progress", in_progress_at=_now())
             record.status = "in_progress"
-        if record.status == "in_progress":
+        while record.status == "in_progress":
             await self._run_rows(record, items, stop)
             record = self.store.get_batch(batch_id) or record
+            if not self._engine_lost(record, items, stop):
+                break
+            # the engine stopped taking requests mid-batch (a worker restarting, no path serving): the rows
+            # left wait for it here, as the batch's start did, instead of for the next server start
+            await asyncio.sleep(ENGINE_POLL_S)
+            if not await self._wait_for_engine(batch_id, stop):
+                return
+            record = self.store.get_batch(batch_id) or record
         await self._finish(record, items)
+
+    def _engine_lost(self, record: BatchRecord, items: list[CaptionInput], stop: asyncio.Event) -> bool:
+        """Whether the rows of an ``in_progress`` batch stopped because the engine went away: rows are left,
+        and neither a cancel, the completion window nor the server's stop ended them."""
+        return (record.status == "in_progress" and record.completed + record.failed < len(items)
+                and not stop.is_set() and not self._closing and time.time() < record.expires_at)
 
     async def _wait_for_engine(self, batch_id: str, stop: asyncio.Event) -> bool:
         """Wait until the engine takes requests, or until the batch is cancelled or expires (finishing
