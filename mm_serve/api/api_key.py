@@ -9,9 +9,15 @@ from typing import Any
 from mm_serve.protocol.errors import APIError
 
 
-def matching_key(authorization: str, keys: tuple[str, ...]) -> str | None:
+def matching_key(authorization: str | list[str], keys: tuple[str, ...]) -> str | None:
     """The key of ``keys`` an ``Authorization`` header value carries as ``Bearer <key>``, or None.
-    Every key is compared, each in constant time, so the time taken tells nothing of which matched."""
+    Given every ``Authorization`` header of a request, None unless there is exactly one: a proxy that
+    reads another of several could disagree on whose call it is. Every key is compared, each in
+    constant time, so the time taken tells nothing of which matched."""
+    if isinstance(authorization, list):
+        if len(authorization) != 1:
+            return None
+        authorization = authorization[0]
     token = (authorization[7:] if authorization.lower().startswith("bearer ") else "").encode()
     found = None
     for key in keys:
@@ -20,17 +26,16 @@ def matching_key(authorization: str, keys: tuple[str, ...]) -> str | None:
     return found
 
 
-def api_key_ok(authorization: str, keys: tuple[str, ...]) -> bool:
+def api_key_ok(authorization: str | list[str], keys: tuple[str, ...]) -> bool:
     """Whether an ``Authorization`` header value carries one of ``keys`` (:func:`matching_key`);
     always True when there are none."""
     return not keys or matching_key(authorization, keys) is not None
 
 
 def scope_authorized(headers: list[tuple[bytes, bytes]], keys: tuple[str, ...]) -> bool:
-    """:func:`api_key_ok` on the ``Authorization`` header of raw ASGI ``headers`` (latin-1, as HTTP
+    """:func:`api_key_ok` on the ``Authorization`` headers of raw ASGI ``headers`` (latin-1, as HTTP
     sends them)."""
-    value = next((v for name, v in headers if name == b"authorization"), b"")
-    return api_key_ok(value.decode("latin-1"), keys)
+    return api_key_ok([v.decode("latin-1") for name, v in headers if name == b"authorization"], keys)
 
 
 KEYED_PREFIXES = ("/v1/", "/internal/")  # the routes that take api.api_key; /health, /metrics, /version, /docs do not

@@ -135,7 +135,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     async def require_key(request: Request) -> None:
         if not keys:
             return
-        key = matching_key(request.headers.get("authorization", ""), keys)
+        key = matching_key(request.headers.getlist("authorization"), keys)
         if key is None:
             raise unauthorized()
         request.state.api_key = key  # whose files and batches a Batch API call sees (mm_serve.batch.routes)

@@ -177,6 +177,11 @@ def test_401_without_the_right_key(unstarted_app: TestClient) -> None:
     r = unstarted_app.post("/v1/chat/completions", json=_chat(), headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
     assert unstarted_app.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    # two Authorization headers, even both right, are refused: a proxy reading the other could disagree on the key
+    twice = [("Authorization", "Bearer sekret"), ("Authorization", "Bearer sekret")]
+    assert unstarted_app.get("/v1/models", headers=twice).status_code == 401
+    r = unstarted_app.post("/v1/chat/completions", json=_chat(), headers=[("Authorization", "Bearer wrong"), *twice[:1]])
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_413_for_a_body_over_the_limit(unstarted_app: TestClient) -> None:
