@@ -42,6 +42,8 @@ class _Machine:
     def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.path, self.wall, self.cpu, self.ticks, self.steal = path, 1000.0, 5.0, 0, 300
         self.schedstat, self.waited_ns = path.with_name("schedstat"), 7_000
+        self.front_end, self.front_ticks, self.front_ns = path.with_name("4242"), 50, 9_000  # its /proc/<pid>
+        self.front_end.mkdir()
         monkeypatch.setattr(core_load.time, "monotonic", lambda: self.wall)
         monkeypatch.setattr(core_load.time, "process_time", lambda: self.cpu)
         self._write()
@@ -49,11 +51,17 @@ class _Machine:
     def _write(self) -> None:
         self.path.write_text(f"cpu  0 0 0 0 0 0 0 0\ncpu0 7 0 0 0 0 0 0 0\ncpu1 {self.ticks} 0 0 5 0 0 0 {self.steal}\n")
         self.schedstat.write_text(f"{round(self.cpu * 1e9)} {self.waited_ns} 40\n")
+        # utime and stime are fields 14 and 15; the command name may hold spaces and parentheses
+        (self.front_end / "stat").write_text(f"4242 (mm-serve (api) x) S 1 2 3 4 5 6 7 8 9 10 {self.front_ticks} 0 0 0\n")
+        (self.front_end / "schedstat").write_text(f"{self.front_ns} 0 3\n")
 
-    def advance(self, wall: float, own: float, others: float, waited: float = 0.0) -> None:
-        """... this thread waiting ``waited`` seconds on its run queue meanwhile."""
+    def advance(self, wall: float, own: float, others: float, waited: float = 0.0, front_end: float = 0.0) -> None:
+        """... this thread waiting ``waited`` seconds on its run queue meanwhile, and the front end (one
+        of the others) running ``front_end`` seconds of them, in its main thread."""
         self.wall += wall
         self.cpu += own
+        self.front_ticks += round(front_end * 100)
+        self.front_ns += round(front_end * 1e9)
         self.ticks += round((own + others) * 100)
         self.steal += round(others * 100)
         self.waited_ns += round(waited * 1e9)
@@ -168,3 +176,28 @@ def test_waiting_on_its_run_queue_makes_the_core_busy_within_a_window(
     assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)
     machine.advance(0.03, own=0.03, others=0.0)  # the waits of the busy spell do not count after it
     assert not demand.others_busy()
+
+
+def test_the_front_ends_own_cpu_time_is_not_demand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exempt process (the service's front end, sending the streams the worker decodes) may use the
+    core without the worker pacing for it: its CPU time comes off the window's others, and off a run-queue
+    wait; the same time from any other process still turns the core busy."""
+    machine = _Machine(tmp_path / "stat", monkeypatch)
+    demand = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat,
+                        exempt=machine.front_end)
+    plain = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat)
+    machine.advance(0.2, own=0.15, others=0.05, front_end=0.05)  # a quarter of the core, all the front end's
+    assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)
+    assert plain.others_busy() and plain.last_share == pytest.approx(0.25)
+    machine.advance(0.03, own=0.025, others=0.005, waited=0.005, front_end=0.005)  # it took the core 5 ms of 30
+    assert not demand.others_busy()
+    machine.advance(0.03, own=0.025, others=0.005, waited=0.005, front_end=0.001)  # 4 ms of the wait was another's
+    assert demand.others_busy()
+    machine.advance(0.2, own=0.15, others=0.05, front_end=0.01)  # 20 % another's: busy stays
+    assert demand.others_busy() and demand.last_share == pytest.approx(0.2)
+    machine.advance(0.2, own=0.15, others=0.05, front_end=0.05)
+    assert not demand.others_busy()
+    gone = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat,
+                      exempt=tmp_path / "no-such-process")
+    machine.advance(0.2, own=0.15, others=0.05, front_end=0.05)  # an exempt process that is gone exempts nothing
+    assert gone.others_busy() and gone.last_share == pytest.approx(0.25)

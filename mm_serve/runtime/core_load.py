@@ -12,8 +12,11 @@ time and the cores, that is the share other processes used. Two users:
   sleeps between steps so that a prefill worker sharing its core gets the time; while that
   neighbour has nothing to do, the sleep only slows every running request (a step every 49 ms
   where an unpaced one takes 15), so the worker paces only while others want its cores. "Others"
-  are any other processes on those cores (the front end's too, where it is not pinned elsewhere).
-  Steal time does not count: sleeping gives nothing to another guest. A neighbour at a higher
+  are any other processes on those cores but one exempt process, the service's own front end: it
+  runs at a lower niceness than the workers and wins the core anyway, and pacing for it would slow
+  the very streams it is sending (a lone stream's front end alone takes over a tenth of a core). Its
+  CPU time is left out wherever it ran (``/proc/<pid>/stat``), so where it ran on other cores the
+  share is under-read by as much. Steal time does not count: sleeping gives nothing to another guest. A neighbour at a higher
   niceness still gets a share of the core while both want it (CFS weights: nice 10 beside nice 5
   gets about a quarter), so its demand shows while the decode worker runs unpaced, up to a gap of
   9 nice levels (about 12 %, over the 10 % threshold); a neighbour niced further below it is seen
@@ -23,7 +26,8 @@ A free verdict also ends at once when the calling thread itself waited for its c
 wait (``/proc/thread-self/schedstat``, field 2, nanoseconds) since its last look, at least
 :data:`RUN_QUEUE_MIN_S` before, reaching the busy share (any thread that takes its core counts, the
 process's own other threads too, such as a grammar compile; a kernel without schedstats, or one that
-reads ``0 0 0``, leaves only the windows). A neighbour that starts while the decode worker steps
+reads ``0 0 0``, leaves only the windows), less the exempt process's main thread's CPU time
+(``/proc/<pid>/schedstat``, field 1) over the same span. A neighbour that starts while the decode worker steps
 unpaced is then paced for within a step or two, not a window or two later.
 
 Elsewhere than Linux, the share is unknown (None; :class:`CoreDemand` then always answers busy).
@@ -60,14 +64,26 @@ def busy_ticks(cores: set[int], stat: str, fields: Iterable[int] = BUSY_FIELDS) 
     return sum(found.values()) if len(found) == len(cores) else None
 
 
-class _Reading:
-    """One look at the cores: monotonic seconds, their busy ticks (None: unreadable), own CPU seconds."""
+def process_cpu_s(proc: Path) -> float | None:
+    """The CPU seconds (user + system, all threads) of the process whose ``/proc/<pid>`` is ``proc``
+    (``stat`` fields 14-15, clock ticks: proc(5)); None where it cannot be read (the process is gone)."""
+    try:
+        fields = (proc / "stat").read_text().rpartition(")")[2].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
-    def __init__(self, cores: set[int], stat_path: Path, fields: tuple[int, ...]) -> None:
+
+class _Reading:
+    """One look at the cores: monotonic seconds, their busy ticks (None: unreadable), own CPU seconds,
+    and the exempt process's CPU seconds (None: none, or unreadable)."""
+
+    def __init__(self, cores: set[int], stat_path: Path, fields: tuple[int, ...], exempt: Path | None = None) -> None:
         try:
             self.ticks = busy_ticks(cores, stat_path.read_text(), fields) if cores else None
         except (OSError, ValueError):
             self.ticks = None
+        self.exempt_s = process_cpu_s(exempt) if exempt is not None else None
         self.cpu_s, self.wall_s = time.process_time(), time.monotonic()
 
     def others_share(self, start: _Reading, cores: int) -> float | None:
@@ -78,6 +94,8 @@ class _Reading:
             return None
         busy_s = (self.ticks - start.ticks) / os.sysconf("SC_CLK_TCK")
         other_s = busy_s - (self.cpu_s - start.cpu_s)
+        if self.exempt_s is not None and start.exempt_s is not None:
+            other_s -= self.exempt_s - start.exempt_s
         return min(1.0, max(0.0, other_s / ((self.wall_s - start.wall_s) * cores)))
 
 
@@ -123,17 +141,19 @@ class CoreDemand:
         free_share: others' share of one core under which a busy verdict ends (:data:`DEMAND_FREE_SHARE`).
         stat_path: ``/proc/stat``; while it cannot be read the verdict is busy (read again every window).
         schedstat_path: the calling thread's ``schedstat`` (:data:`SCHEDSTAT`); unreadable, only windows count.
+        exempt: the ``/proc/<pid>`` directory of a process whose CPU time is not others' (the module
+            docstring: the service's front end); None: every other process counts.
     """
 
     def __init__(self, cores: Sequence[int], window_s: float = DEMAND_WINDOW_S, busy_share: float = DEMAND_BUSY_SHARE,
                  free_share: float = DEMAND_FREE_SHARE, stat_path: Path = PROC_STAT,
-                 schedstat_path: Path = SCHEDSTAT) -> None:
-        self.cores, self.stat_path, self.schedstat_path = set(cores), stat_path, schedstat_path
+                 schedstat_path: Path = SCHEDSTAT, exempt: Path | None = None) -> None:
+        self.cores, self.stat_path, self.schedstat_path, self.exempt = set(cores), stat_path, schedstat_path, exempt
         self.window_s, self.busy_share, self.free_share = window_s, busy_share, free_share
         self.last_share: float | None = None  # others' share of one core over the last window (None before one)
         self._verdict = True  # busy until a window says otherwise: pacing as configured is the safe side
-        self._last = _Reading(self.cores, stat_path, DEMAND_FIELDS)
-        self._queued = self._run_queue_wait()  # (monotonic s, run-queue wait s) of the calling thread, or None
+        self._last = self._reading()
+        self._queued = self._run_queue_wait()  # (monotonic s, run-queue wait s, exempt run s) or None
 
     def others_busy(self) -> bool:
         """True while other processes want the cores (the class docstring's rule; re-read at most every
@@ -143,11 +163,11 @@ class CoreDemand:
             return True
         if not self._verdict and self._waited_for_core():
             self._verdict = True  # and a new window: freeing is judged on the time since
-            self._last = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
+            self._last = self._reading()
             return True
         if time.monotonic() - self._last.wall_s < self.window_s:
             return self._verdict
-        reading = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
+        reading = self._reading()
         share = reading.others_share(self._last, 1)
         self._last = reading
         if share is None:  # this reading or the last one failed
@@ -159,17 +179,28 @@ class CoreDemand:
             self._queued = self._run_queue_wait()
         return self._verdict
 
-    def _run_queue_wait(self) -> tuple[float, float] | None:
-        """(monotonic seconds, the calling thread's run-queue wait in seconds), None where unreadable."""
+    def _reading(self) -> _Reading:
+        return _Reading(self.cores, self.stat_path, DEMAND_FIELDS, self.exempt)
+
+    def _run_queue_wait(self) -> tuple[float, float, float | None] | None:
+        """(monotonic seconds, the calling thread's run-queue wait in seconds, the exempt process's main
+        thread's CPU seconds or None without one or where unreadable), None where the wait is unreadable."""
         try:
             waited_ns = int(self.schedstat_path.read_text().split()[1])
         except (OSError, ValueError, IndexError):
             return None
-        return time.monotonic(), waited_ns / 1e9
+        exempt_s = None
+        if self.exempt is not None:
+            try:
+                exempt_s = int((self.exempt / "schedstat").read_text().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                pass
+        return time.monotonic(), waited_ns / 1e9, exempt_s
 
     def _waited_for_core(self) -> bool:
         """Whether the calling thread waited on its core's run queue for at least ``busy_share`` of the
-        time since the last look (judged over :data:`RUN_QUEUE_MIN_S` at least)."""
+        time since the last look (judged over :data:`RUN_QUEUE_MIN_S` at least), less the time the
+        exempt process's main thread ran meanwhile (it may be what took the core)."""
         last = self._queued
         if last is None:
             self._queued = self._run_queue_wait()
@@ -178,4 +209,7 @@ class CoreDemand:
         if now - last[0] < RUN_QUEUE_MIN_S:
             return False
         self._queued = current = self._run_queue_wait()
-        return current is not None and current[1] - last[1] >= self.busy_share * (current[0] - last[0])
+        if current is None:
+            return False
+        exempt_s = current[2] - last[2] if current[2] is not None and last[2] is not None else 0.0
+        return current[1] - last[1] - exempt_s >= self.busy_share * (current[0] - last[0])
