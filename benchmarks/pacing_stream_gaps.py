@@ -93,8 +93,14 @@ def main() -> None:
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         phases = stream_gaps(url, model, args.tokens, args.quiet, args.busy, int(cores[0]))
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(60)
+        try:
+            os.killpg(server.pid, signal.SIGINT)
+            server.wait(60)
+        except ProcessLookupError:  # it had exited already (its reason is the error being raised)
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
     print(f"{'phase':<10} {'gaps':>5} {'median ms':>10} {'mean ms':>8} {'max ms':>7}")
     for name, gaps in phases.items():
         if gaps:

@@ -116,23 +116,17 @@ class BatchRunner:
             self.store.update_batch(batch_id, status="in_progress", in_progress_at=_now())
             record.status = "in_progress"
         while record.status == "in_progress":
-            await self._run_rows(record, items, stop)
+            engine_lost = await self._run_rows(record, items, stop)
             record = self.store.get_batch(batch_id) or record
-            if not self._engine_lost(record, items, stop):
+            if not engine_lost or stop.is_set() or self._closing or record.status != "in_progress":
                 break
             # the engine stopped taking requests mid-batch (a worker restarting, no path serving): the rows
             # left wait for it here, as the batch's start did, instead of for the next server start
             await asyncio.sleep(ENGINE_POLL_S)
-            if not await self._wait_for_engine(batch_id, stop):
+            if self._closing or not await self._wait_for_engine(batch_id, stop):
                 return
             record = self.store.get_batch(batch_id) or record
         await self._finish(record, items)
-
-    def _engine_lost(self, record: BatchRecord, items: list[CaptionInput], stop: asyncio.Event) -> bool:
-        """Whether the rows of an ``in_progress`` batch stopped because the engine went away: rows are left,
-        and neither a cancel, the completion window nor the server's stop ended them."""
-        return (record.status == "in_progress" and record.completed + record.failed < len(items)
-                and not stop.is_set() and not self._closing and time.time() < record.expires_at)
 
     async def _wait_for_engine(self, batch_id: str, stop: asyncio.Event) -> bool:
         """Wait until the engine takes requests, or until the batch is cancelled or expires (finishing
@@ -163,8 +157,9 @@ class BatchRunner:
             self.files.results_path(record.id).unlink(missing_ok=True)
             return None
 
-    async def _run_rows(self, record: BatchRecord, items: list[CaptionInput], stop: asyncio.Event) -> None:
-        """Run the rows without a result yet, until all have one, ``stop`` is set, or the engine goes away."""
+    async def _run_rows(self, record: BatchRecord, items: list[CaptionInput], stop: asyncio.Event) -> bool:
+        """Run the rows without a result yet, until all have one, ``stop`` is set, or the engine goes away;
+        whether it went away (rows stopped unwritten, to run again once it is back)."""
         path = self.files.results_path(record.id)
         out, resume = await asyncio.to_thread(OutputFile.open, path, "openai-batch",
                                               fsync=self.ctx.config.batch.fsync)
@@ -173,7 +168,7 @@ class BatchRunner:
             self.store.update_batch(record.id, completed=counts[0], failed=counts[1])
             todo = [item for item in items if item.id not in resume.done]
             if time.time() >= record.expires_at:
-                return
+                return False
             timer = asyncio.get_running_loop().call_later(max(0.0, record.expires_at - time.time()), stop.set)
 
             def count(row: dict[str, Any]) -> None:
@@ -189,9 +184,10 @@ class BatchRunner:
             job = CaptionJob(todo, "openai-batch", backend, out, concurrency=backend.default_concurrency,
                              skipped=len(items) - len(todo), on_row=count)
             try:
-                await job.run(stop)
+                stats = await job.run(stop)
             finally:
                 timer.cancel()
+            return stats.fatal_error is not None
         finally:
             await asyncio.to_thread(out.close)
 

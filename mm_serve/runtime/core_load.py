@@ -13,10 +13,11 @@ time and the cores, that is the share other processes used. Two users:
   neighbour has nothing to do, the sleep only slows every running request (a step every 49 ms
   where an unpaced one takes 15), so the worker paces only while others want its cores. "Others"
   are any other processes on those cores but one exempt process, the service's own front end: it
-  runs at a lower niceness than the workers and wins the core anyway, and pacing for it would slow
-  the very streams it is sending (a lone stream's front end alone takes over a tenth of a core). Its
-  CPU time is left out wherever it ran (``/proc/<pid>/stat``), so where it ran on other cores the
-  share is under-read by as much. Steal time does not count: sleeping gives nothing to another guest. A neighbour at a higher
+  runs at a niceness no higher than the workers' (``compute.worker_nice``, 5 by default), so it gets
+  its share of the core anyway, and pacing for it would slow the very streams it is sending (a lone stream's front end alone takes over a tenth of a core). The
+  CPU time of its threads last seen on these cores is left out (``/proc/<pid>/task/*/stat``: utime,
+  stime and the core each last ran on): a thread that moved between cores within a window is
+  judged by where it ended. Steal time does not count: sleeping gives nothing to another guest. A neighbour at a higher
   niceness still gets a share of the core while both want it (CFS weights: nice 10 beside nice 5
   gets about a quarter), so its demand shows while the decode worker runs unpaced, up to a gap of
   9 nice levels (about 12 %, over the 10 % threshold); a neighbour niced further below it is seen
@@ -26,8 +27,8 @@ A free verdict also ends at once when the calling thread itself waited for its c
 wait (``/proc/thread-self/schedstat``, field 2, nanoseconds) since its last look, at least
 :data:`RUN_QUEUE_MIN_S` before, reaching the busy share (any thread that takes its core counts, the
 process's own other threads too, such as a grammar compile; a kernel without schedstats, or one that
-reads ``0 0 0``, leaves only the windows), less the exempt process's main thread's CPU time
-(``/proc/<pid>/schedstat``, field 1) over the same span. A neighbour that starts while the decode worker steps
+reads ``0 0 0``, leaves only the windows), less the exempt process's main thread's CPU time over
+the same span (``/proc/<pid>/schedstat``, field 1) when that thread last ran on these cores. A neighbour that starts while the decode worker steps
 unpaced is then paced for within a step or two, not a window or two later.
 
 Elsewhere than Linux, the share is unknown (None; :class:`CoreDemand` then always answers busy).
@@ -64,27 +65,63 @@ def busy_ticks(cores: set[int], stat: str, fields: Iterable[int] = BUSY_FIELDS) 
     return sum(found.values()) if len(found) == len(cores) else None
 
 
-def process_cpu_s(proc: Path) -> float | None:
-    """The CPU seconds (user + system, all threads) of the process whose ``/proc/<pid>`` is ``proc``
-    (``stat`` fields 14-15, clock ticks: proc(5)); None where it cannot be read (the process is gone)."""
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of a ``/proc/<pid>/stat`` or ``task/<tid>/stat`` file after the command name (which may
+    hold spaces and parentheses): field N of proc(5) is at index N - 3.
+
+    Raises:
+        OSError: the file cannot be read (the thread or process is gone).
+    """
+    return stat.read_text().rpartition(")")[2].split()
+
+
+def _cpu_s_and_core(stat: Path) -> tuple[float, int]:
+    """(CPU seconds, user + system: fields 14-15 in clock ticks; the core it last ran on: field 39).
+
+    Raises:
+        OSError, ValueError, IndexError: unreadable or not a stat line.
+    """
+    fields = _stat_fields(stat)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[36])
+
+
+def thread_cpu(proc: Path) -> dict[int, tuple[float, int]] | None:
+    """``{thread id: (CPU seconds, core it last ran on)}`` of every thread of the process whose
+    ``/proc/<pid>`` is ``proc``; None where it cannot be listed (the process is gone). A thread that ends
+    while it is read is left out."""
     try:
-        fields = (proc / "stat").read_text().rpartition(")")[2].split()  # after the command name, which may hold spaces
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        tids = [int(entry.name) for entry in (proc / "task").iterdir() if entry.name.isdigit()]
+    except OSError:
         return None
+    threads = {}
+    for tid in tids:
+        try:
+            threads[tid] = _cpu_s_and_core(proc / "task" / str(tid) / "stat")
+        except (OSError, ValueError, IndexError):
+            continue
+    return threads
 
 
 class _Reading:
     """One look at the cores: monotonic seconds, their busy ticks (None: unreadable), own CPU seconds,
-    and the exempt process's CPU seconds (None: none, or unreadable)."""
+    and the exempt process's threads (:func:`thread_cpu`; None: none, or unreadable)."""
 
     def __init__(self, cores: set[int], stat_path: Path, fields: tuple[int, ...], exempt: Path | None = None) -> None:
         try:
             self.ticks = busy_ticks(cores, stat_path.read_text(), fields) if cores else None
         except (OSError, ValueError):
             self.ticks = None
-        self.exempt_s = process_cpu_s(exempt) if exempt is not None else None
+        self.cores = cores
+        self.exempt = thread_cpu(exempt) if exempt is not None else None
         self.cpu_s, self.wall_s = time.process_time(), time.monotonic()
+
+    def exempt_s(self, start: _Reading) -> float:
+        """CPU seconds the exempt process's threads now last seen on the cores used since ``start`` (a
+        thread new since then: all its time); 0 without both readings."""
+        if self.exempt is None or start.exempt is None:
+            return 0.0
+        return sum(max(0.0, cpu_s - start.exempt.get(tid, (0.0, -1))[0])
+                   for tid, (cpu_s, core) in self.exempt.items() if core in self.cores)
 
     def others_share(self, start: _Reading, cores: int) -> float | None:
         """Share of ``cores`` cores' time (1: of one core's, whatever the number of cores read) that
@@ -93,9 +130,7 @@ class _Reading:
         if self.ticks is None or start.ticks is None or self.wall_s <= start.wall_s or not cores:
             return None
         busy_s = (self.ticks - start.ticks) / os.sysconf("SC_CLK_TCK")
-        other_s = busy_s - (self.cpu_s - start.cpu_s)
-        if self.exempt_s is not None and start.exempt_s is not None:
-            other_s -= self.exempt_s - start.exempt_s
+        other_s = busy_s - (self.cpu_s - start.cpu_s) - self.exempt_s(start)
         return min(1.0, max(0.0, other_s / ((self.wall_s - start.wall_s) * cores)))
 
 
@@ -184,7 +219,8 @@ class CoreDemand:
 
     def _run_queue_wait(self) -> tuple[float, float, float | None] | None:
         """(monotonic seconds, the calling thread's run-queue wait in seconds, the exempt process's main
-        thread's CPU seconds or None without one or where unreadable), None where the wait is unreadable."""
+        thread's CPU seconds while it last ran on these cores, else None), None where the wait is
+        unreadable."""
         try:
             waited_ns = int(self.schedstat_path.read_text().split()[1])
         except (OSError, ValueError, IndexError):
@@ -192,7 +228,8 @@ class CoreDemand:
         exempt_s = None
         if self.exempt is not None:
             try:
-                exempt_s = int((self.exempt / "schedstat").read_text().split()[0]) / 1e9
+                if int(_stat_fields(self.exempt / "stat")[36]) in self.cores:
+                    exempt_s = int((self.exempt / "schedstat").read_text().split()[0]) / 1e9
             except (OSError, ValueError, IndexError):
                 pass
         return time.monotonic(), waited_ns / 1e9, exempt_s
@@ -211,5 +248,5 @@ class CoreDemand:
         self._queued = current = self._run_queue_wait()
         if current is None:
             return False
-        exempt_s = current[2] - last[2] if current[2] is not None and last[2] is not None else 0.0
+        exempt_s = max(0.0, current[2] - last[2]) if current[2] is not None and last[2] is not None else 0.0
         return current[1] - last[1] - exempt_s >= self.busy_share * (current[0] - last[0])

@@ -53,7 +53,9 @@ def test_a_batch_goes_on_after_its_only_prefill_and_decode_workers_are_killed(ti
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
         batch = client.batches.create(input_file_id=upload(client, jsonl(rows)), endpoint="/v1/chat/completions",
                                       completion_window="24h")
+        deadline = time.monotonic() + 60
         while client.batches.retrieve(batch.id).request_counts.completed < ROWS // 8:
+            assert time.monotonic() < deadline, "the batch did not start"
             time.sleep(0.02)
         workers = _worker_pids(server.url)
         prefill = next(pid for name, pid in workers.items() if name.startswith("prefill"))
@@ -63,7 +65,7 @@ def test_a_batch_goes_on_after_its_only_prefill_and_decode_workers_are_killed(ti
         os.kill(decode, signal.SIGKILL)
         _wait_restarted(server.url, workers)
         assert client.batches.retrieve(batch.id).request_counts.completed < ROWS, "the kills came after the batch"
-        finished = wait_final(client, batch.id, timeout_s=180)
+        finished = wait_final(client, batch.id, timeout_s=120)
         assert finished.status == "completed" and finished.request_counts.completed == ROWS
         assert finished.error_file_id is None
         out = output_rows(client, finished.output_file_id)
