@@ -3,9 +3,10 @@
 Starts ``mm-serve serve`` on a config whose decode worker paces (``scheduler.decode_step_pacing`` or
 ``decode_step_interval_ms``, its cores pinned by ``compute.decode_cpus``), streams one chat answer of
 ``--tokens`` tokens (``ignore_eos``), and after ``--quiet`` content deltas starts a busy loop pinned to
-the decode worker's first core, stopped ``--busy`` deltas later. Prints the median, mean and largest
+the decode worker's first core, stopped ``--busy`` deltas later. The script itself runs off the decode
+worker's cores, as a remote client would. Prints the median, mean and largest
 gap between content deltas in each phase (milliseconds). An unloaded service should decode at full
-speed (the front end's own work does not count as demand: ``mm_serve/runtime/core_load.py``); beside
+speed (the front end keeps off the paced decode worker's cores: ``mm_serve/cluster/front_end_cores.py``); beside
 the loop the gaps should be the pacing's (a fraction of the request's tier TPOT SLO).
 
 Usage::
@@ -87,6 +88,11 @@ def main() -> None:
     cmd = ["mm-serve", "serve", "--config", args.config, "--port", str(args.port)]
     cmd += ["--model", args.model] if args.model else []
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # this client off the decode cores (after the server started, which must not inherit it): a client is
+    # remote in a deployment, and here its per-token parsing on the decode core would be "another process"
+    rest = os.sched_getaffinity(0) - {int(c) for c in cores}
+    if rest:
+        os.sched_setaffinity(0, rest)
     url = f"http://127.0.0.1:{args.port}"
     try:
         _wait_healthy(url, server)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mm_serve.runtime import core_load
-from mm_serve.runtime.core_load import DEMAND_FIELDS, CoreDemand, CoreLoad, busy_ticks, thread_cpu
+from mm_serve.runtime.core_load import DEMAND_FIELDS, CoreDemand, CoreLoad, busy_ticks
 
 linux_two_cores = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2 or not Path("/proc/stat").exists(),
@@ -43,10 +42,6 @@ class _Machine:
     def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.path, self.wall, self.cpu, self.ticks, self.steal = path, 1000.0, 5.0, 0, 300
         self.schedstat, self.waited_ns = path.with_name("schedstat"), 7_000
-        self.front_end, self.front_ticks, self.front_ns = path.with_name("4242"), 50, 9_000  # its /proc/<pid>
-        self.front_core, self.helper_ticks = 1, 20  # where its threads last ran; its second thread's ticks
-        for tid in ("4242", "4243"):
-            (self.front_end / "task" / tid).mkdir(parents=True)
         monkeypatch.setattr(core_load.time, "monotonic", lambda: self.wall)
         monkeypatch.setattr(core_load.time, "process_time", lambda: self.cpu)
         self._write()
@@ -54,28 +49,11 @@ class _Machine:
     def _write(self) -> None:
         self.path.write_text(f"cpu  0 0 0 0 0 0 0 0\ncpu0 7 0 0 0 0 0 0 0\ncpu1 {self.ticks} 0 0 5 0 0 0 {self.steal}\n")
         self.schedstat.write_text(f"{round(self.cpu * 1e9)} {self.waited_ns} 40\n")
-        # utime and stime are fields 14 and 15, the core it last ran on 39; the command name may hold spaces
-        # and parentheses. The main thread (4242) has front_ticks, a second one (4243) helper_ticks.
-        for tid, ticks in (("4242", self.front_ticks), ("4243", self.helper_ticks)):
-            fields = ["S", *["0"] * 36]
-            fields[11], fields[36] = str(ticks), str(self.front_core)
-            line = f"{tid} (mm-serve (api) x) {' '.join(fields)}\n"
-            (self.front_end / "task" / tid / "stat").write_text(line)
-            if tid == "4242":
-                (self.front_end / "stat").write_text(line)
-        (self.front_end / "schedstat").write_text(f"{self.front_ns} 0 3\n")
 
-    def advance(self, wall: float, own: float, others: float, waited: float = 0.0, front_end: float = 0.0,
-                front_core: int = 1, helper: float = 0.0) -> None:
-        """... this thread waiting ``waited`` seconds on its run queue meanwhile, and the front end running
-        ``front_end`` seconds in its main thread and ``helper`` in its second, both last on ``front_core``
-        (on core 1 that time is part of ``others``; elsewhere it is not)."""
+    def advance(self, wall: float, own: float, others: float, waited: float = 0.0) -> None:
+        """... this thread waiting ``waited`` seconds on its run queue meanwhile."""
         self.wall += wall
         self.cpu += own
-        self.front_ticks += round(front_end * 100)
-        self.front_ns += round(front_end * 1e9)
-        self.helper_ticks += round(helper * 100)
-        self.front_core = front_core
         self.ticks += round((own + others) * 100)
         self.steal += round(others * 100)
         self.waited_ns += round(waited * 1e9)
@@ -190,50 +168,3 @@ def test_waiting_on_its_run_queue_makes_the_core_busy_within_a_window(
     assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)
     machine.advance(0.03, own=0.03, others=0.0)  # the waits of the busy spell do not count after it
     assert not demand.others_busy()
-
-
-def test_the_front_ends_own_cpu_time_is_not_demand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The exempt process (the service's front end, sending the streams the worker decodes) may use the
-    core without the worker pacing for it: its CPU time comes off the window's others, and off a run-queue
-    wait; the same time from any other process still turns the core busy."""
-    machine = _Machine(tmp_path / "stat", monkeypatch)
-    demand = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat,
-                        exempt=machine.front_end)
-    plain = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat)
-    machine.advance(0.2, own=0.15, others=0.05, front_end=0.05)  # a quarter of the core, all the front end's
-    assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)
-    assert plain.others_busy() and plain.last_share == pytest.approx(0.25)
-    machine.advance(0.03, own=0.025, others=0.005, waited=0.005, front_end=0.005)  # it took the core 5 ms of 30
-    assert not demand.others_busy()
-    machine.advance(0.03, own=0.025, others=0.005, waited=0.005, front_end=0.001)  # 4 ms of the wait was another's
-    assert demand.others_busy()
-    machine.advance(0.2, own=0.15, others=0.05, front_end=0.01)  # 20 % another's: busy stays
-    assert demand.others_busy() and demand.last_share == pytest.approx(0.2)
-    machine.advance(0.2, own=0.15, others=0.05, front_end=0.05)
-    assert not demand.others_busy()
-    machine.advance(0.2, own=0.15, others=0.05, front_end=0.02, helper=0.03)  # its other threads count too
-    assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)
-    # busy elsewhere (core 0), the front end hides nothing: a fifth of core 1 from a neighbour is busy,
-    # and a run-queue wait while its main thread ran on core 0 is the neighbour's
-    machine.advance(0.2, own=0.16, others=0.04, front_end=0.1, front_core=0, helper=0.05)
-    assert demand.others_busy() and demand.last_share == pytest.approx(0.2)
-    machine.advance(0.2, own=0.2, others=0.0, front_end=0.1, front_core=0)
-    assert not demand.others_busy() and demand.last_share == pytest.approx(0.0)
-    machine.advance(0.03, own=0.025, others=0.005, waited=0.005, front_end=0.01, front_core=0)
-    assert demand.others_busy()
-    gone = CoreDemand([1], window_s=0.2, stat_path=machine.path, schedstat_path=machine.schedstat,
-                      exempt=tmp_path / "no-such-process")
-    machine.advance(0.2, own=0.15, others=0.05, front_end=0.05)  # an exempt process that is gone exempts nothing
-    assert gone.others_busy() and gone.last_share == pytest.approx(0.25)
-
-
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc only")
-def test_thread_cpu_reads_every_thread_of_a_real_process(pinned_to_last_core: int) -> None:
-    """On the real kernel: this process's threads, each with its CPU seconds and the core it last ran on
-    (this one pinned: that core); a process that is gone reads None."""
-    _spin(0.05)
-    threads = thread_cpu(Path("/proc/self"))
-    assert threads is not None and threading.get_native_id() in threads
-    cpu_s, core = threads[threading.get_native_id()]
-    assert cpu_s >= 0.04 and core == pinned_to_last_core
-    assert thread_cpu(Path("/proc/no-such-process")) is None

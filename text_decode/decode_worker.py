@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
@@ -64,9 +63,7 @@ class DecodeWorker(WorkerShell):
         self.pace_s = cfg.decode_step_interval_s
         self.pacing, self.tier_tpot_s = cfg.decode_step_pacing, cfg.tier_tpot_s
         paces = bool(cfg.decode_step_interval_s or cfg.decode_step_pacing) and not cfg.decode_pacing_always
-        # the front end's own CPU time is not another process's demand (mm_serve.runtime.core_load)
-        front_end = Path(f"/proc/{spec.parent_pid}") if spec.parent_pid else None
-        self.core_demand = CoreDemand(spec.cpus, exempt=front_end) if paces else None  # None: pace as configured
+        self.core_demand = CoreDemand(spec.cpus) if paces else None  # None: pace as configured
         self._last_step_begun: float | None = None  # monotonic start of the last step run; None after idle
         self.doorbell = DoorbellListener(spec.doorbell_address) if spec.doorbell_address else None
         if self.link is not None and self.doorbell is not None:

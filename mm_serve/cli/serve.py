@@ -186,6 +186,18 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
     return apply_placement(cfg, **choice.keys), choice.as_dict()
 
 
+def _keep_front_end_off_paced_decode(holder: Any) -> None:
+    """Pin this process off the cores of decode workers that pace (:mod:`mm_serve.cluster.front_end_cores`),
+    and say so; nothing where none paces or no other core is left."""
+    from mm_serve.cluster.front_end_cores import keep_off, paced_decode_cpus
+
+    cores = paced_decode_cpus(worker.spec for worker in holder.client.pool.workers.values())
+    now = keep_off(cores)
+    if now is not None:
+        print(f"mm-serve: the front end runs on cores {now}, off the paced decode worker's {sorted(cores)}",
+              flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
     from mm_serve.runtime.heap_freeze import defer_collection, freeze_startup_heap
@@ -239,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"mm-serve: error: workers failed to start:\n{holder.start_error}", file=sys.stderr, flush=True)
             server.should_exit = True
         else:
+            _keep_front_end_off_paced_decode(holder)
             print(_banner(cfg.api.host, cfg.api.port, name, next(iter(cfg.api.api_keys), None), holder.model_config.vision is not None,
                           holder.client.config.dtype, cfg.attention_backend),
                   flush=True)

@@ -12,12 +12,8 @@ time and the cores, that is the share other processes used. Two users:
   sleeps between steps so that a prefill worker sharing its core gets the time; while that
   neighbour has nothing to do, the sleep only slows every running request (a step every 49 ms
   where an unpaced one takes 15), so the worker paces only while others want its cores. "Others"
-  are any other processes on those cores but one exempt process, the service's own front end: it
-  runs at a niceness no higher than the workers' (``compute.worker_nice``, 5 by default), so it gets
-  its share of the core anyway, and pacing for it would slow the very streams it is sending (a lone stream's front end alone takes over a tenth of a core). The
-  CPU time of its threads last seen on these cores is left out (``/proc/<pid>/task/*/stat``: utime,
-  stime and the core each last ran on): a thread that moved between cores within a window is
-  judged by where it ended. Steal time does not count: sleeping gives nothing to another guest. A neighbour at a higher
+  are any other processes on those cores (the front end's too, where it is not pinned elsewhere).
+  Steal time does not count: sleeping gives nothing to another guest. A neighbour at a higher
   niceness still gets a share of the core while both want it (CFS weights: nice 10 beside nice 5
   gets about a quarter), so its demand shows while the decode worker runs unpaced, up to a gap of
   9 nice levels (about 12 %, over the 10 % threshold); a neighbour niced further below it is seen
@@ -27,8 +23,7 @@ A free verdict also ends at once when the calling thread itself waited for its c
 wait (``/proc/thread-self/schedstat``, field 2, nanoseconds) since its last look, at least
 :data:`RUN_QUEUE_MIN_S` before, reaching the busy share (any thread that takes its core counts, the
 process's own other threads too, such as a grammar compile; a kernel without schedstats, or one that
-reads ``0 0 0``, leaves only the windows), less the exempt process's main thread's CPU time over
-the same span (``/proc/<pid>/schedstat``, field 1) when that thread last ran on these cores. A neighbour that starts while the decode worker steps
+reads ``0 0 0``, leaves only the windows). A neighbour that starts while the decode worker steps
 unpaced is then paced for within a step or two, not a window or two later.
 
 Elsewhere than Linux, the share is unknown (None; :class:`CoreDemand` then always answers busy).
@@ -65,63 +60,15 @@ def busy_ticks(cores: set[int], stat: str, fields: Iterable[int] = BUSY_FIELDS) 
     return sum(found.values()) if len(found) == len(cores) else None
 
 
-def _stat_fields(stat: Path) -> list[str]:
-    """The fields of a ``/proc/<pid>/stat`` or ``task/<tid>/stat`` file after the command name (which may
-    hold spaces and parentheses): field N of proc(5) is at index N - 3.
-
-    Raises:
-        OSError: the file cannot be read (the thread or process is gone).
-    """
-    return stat.read_text().rpartition(")")[2].split()
-
-
-def _cpu_s_and_core(stat: Path) -> tuple[float, int]:
-    """(CPU seconds, user + system: fields 14-15 in clock ticks; the core it last ran on: field 39).
-
-    Raises:
-        OSError, ValueError, IndexError: unreadable or not a stat line.
-    """
-    fields = _stat_fields(stat)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[36])
-
-
-def thread_cpu(proc: Path) -> dict[int, tuple[float, int]] | None:
-    """``{thread id: (CPU seconds, core it last ran on)}`` of every thread of the process whose
-    ``/proc/<pid>`` is ``proc``; None where it cannot be listed (the process is gone). A thread that ends
-    while it is read is left out."""
-    try:
-        tids = [int(entry.name) for entry in (proc / "task").iterdir() if entry.name.isdigit()]
-    except OSError:
-        return None
-    threads = {}
-    for tid in tids:
-        try:
-            threads[tid] = _cpu_s_and_core(proc / "task" / str(tid) / "stat")
-        except (OSError, ValueError, IndexError):
-            continue
-    return threads
-
-
 class _Reading:
-    """One look at the cores: monotonic seconds, their busy ticks (None: unreadable), own CPU seconds,
-    and the exempt process's threads (:func:`thread_cpu`; None: none, or unreadable)."""
+    """One look at the cores: monotonic seconds, their busy ticks (None: unreadable), own CPU seconds."""
 
-    def __init__(self, cores: set[int], stat_path: Path, fields: tuple[int, ...], exempt: Path | None = None) -> None:
+    def __init__(self, cores: set[int], stat_path: Path, fields: tuple[int, ...]) -> None:
         try:
             self.ticks = busy_ticks(cores, stat_path.read_text(), fields) if cores else None
         except (OSError, ValueError):
             self.ticks = None
-        self.cores = cores
-        self.exempt = thread_cpu(exempt) if exempt is not None else None
         self.cpu_s, self.wall_s = time.process_time(), time.monotonic()
-
-    def exempt_s(self, start: _Reading) -> float:
-        """CPU seconds the exempt process's threads now last seen on the cores used since ``start`` (a
-        thread new since then: all its time); 0 without both readings."""
-        if self.exempt is None or start.exempt is None:
-            return 0.0
-        return sum(max(0.0, cpu_s - start.exempt.get(tid, (0.0, -1))[0])
-                   for tid, (cpu_s, core) in self.exempt.items() if core in self.cores)
 
     def others_share(self, start: _Reading, cores: int) -> float | None:
         """Share of ``cores`` cores' time (1: of one core's, whatever the number of cores read) that
@@ -130,7 +77,7 @@ class _Reading:
         if self.ticks is None or start.ticks is None or self.wall_s <= start.wall_s or not cores:
             return None
         busy_s = (self.ticks - start.ticks) / os.sysconf("SC_CLK_TCK")
-        other_s = busy_s - (self.cpu_s - start.cpu_s) - self.exempt_s(start)
+        other_s = busy_s - (self.cpu_s - start.cpu_s)
         return min(1.0, max(0.0, other_s / ((self.wall_s - start.wall_s) * cores)))
 
 
@@ -176,19 +123,17 @@ class CoreDemand:
         free_share: others' share of one core under which a busy verdict ends (:data:`DEMAND_FREE_SHARE`).
         stat_path: ``/proc/stat``; while it cannot be read the verdict is busy (read again every window).
         schedstat_path: the calling thread's ``schedstat`` (:data:`SCHEDSTAT`); unreadable, only windows count.
-        exempt: the ``/proc/<pid>`` directory of a process whose CPU time is not others' (the module
-            docstring: the service's front end); None: every other process counts.
     """
 
     def __init__(self, cores: Sequence[int], window_s: float = DEMAND_WINDOW_S, busy_share: float = DEMAND_BUSY_SHARE,
                  free_share: float = DEMAND_FREE_SHARE, stat_path: Path = PROC_STAT,
-                 schedstat_path: Path = SCHEDSTAT, exempt: Path | None = None) -> None:
-        self.cores, self.stat_path, self.schedstat_path, self.exempt = set(cores), stat_path, schedstat_path, exempt
+                 schedstat_path: Path = SCHEDSTAT) -> None:
+        self.cores, self.stat_path, self.schedstat_path = set(cores), stat_path, schedstat_path
         self.window_s, self.busy_share, self.free_share = window_s, busy_share, free_share
         self.last_share: float | None = None  # others' share of one core over the last window (None before one)
         self._verdict = True  # busy until a window says otherwise: pacing as configured is the safe side
-        self._last = self._reading()
-        self._queued = self._run_queue_wait()  # (monotonic s, run-queue wait s, exempt run s) or None
+        self._last = _Reading(self.cores, stat_path, DEMAND_FIELDS)
+        self._queued = self._run_queue_wait()  # (monotonic s, run-queue wait s) of the calling thread, or None
 
     def others_busy(self) -> bool:
         """True while other processes want the cores (the class docstring's rule; re-read at most every
@@ -198,11 +143,11 @@ class CoreDemand:
             return True
         if not self._verdict and self._waited_for_core():
             self._verdict = True  # and a new window: freeing is judged on the time since
-            self._last = self._reading()
+            self._last = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
             return True
         if time.monotonic() - self._last.wall_s < self.window_s:
             return self._verdict
-        reading = self._reading()
+        reading = _Reading(self.cores, self.stat_path, DEMAND_FIELDS)
         share = reading.others_share(self._last, 1)
         self._last = reading
         if share is None:  # this reading or the last one failed
@@ -214,30 +159,17 @@ class CoreDemand:
             self._queued = self._run_queue_wait()
         return self._verdict
 
-    def _reading(self) -> _Reading:
-        return _Reading(self.cores, self.stat_path, DEMAND_FIELDS, self.exempt)
-
-    def _run_queue_wait(self) -> tuple[float, float, float | None] | None:
-        """(monotonic seconds, the calling thread's run-queue wait in seconds, the exempt process's main
-        thread's CPU seconds while it last ran on these cores, else None), None where the wait is
-        unreadable."""
+    def _run_queue_wait(self) -> tuple[float, float] | None:
+        """(monotonic seconds, the calling thread's run-queue wait in seconds), None where unreadable."""
         try:
             waited_ns = int(self.schedstat_path.read_text().split()[1])
         except (OSError, ValueError, IndexError):
             return None
-        exempt_s = None
-        if self.exempt is not None:
-            try:
-                if int(_stat_fields(self.exempt / "stat")[36]) in self.cores:
-                    exempt_s = int((self.exempt / "schedstat").read_text().split()[0]) / 1e9
-            except (OSError, ValueError, IndexError):
-                pass
-        return time.monotonic(), waited_ns / 1e9, exempt_s
+        return time.monotonic(), waited_ns / 1e9
 
     def _waited_for_core(self) -> bool:
         """Whether the calling thread waited on its core's run queue for at least ``busy_share`` of the
-        time since the last look (judged over :data:`RUN_QUEUE_MIN_S` at least), less the time the
-        exempt process's main thread ran meanwhile (it may be what took the core)."""
+        time since the last look (judged over :data:`RUN_QUEUE_MIN_S` at least)."""
         last = self._queued
         if last is None:
             self._queued = self._run_queue_wait()
@@ -246,7 +178,4 @@ class CoreDemand:
         if now - last[0] < RUN_QUEUE_MIN_S:
             return False
         self._queued = current = self._run_queue_wait()
-        if current is None:
-            return False
-        exempt_s = max(0.0, current[2] - last[2]) if current[2] is not None and last[2] is not None else 0.0
-        return current[1] - last[1] - exempt_s >= self.busy_share * (current[0] - last[0])
+        return current is not None and current[1] - last[1] >= self.busy_share * (current[0] - last[0])
