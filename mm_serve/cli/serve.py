@@ -191,8 +191,9 @@ def _keep_front_end_off_paced_decode(holder: Any) -> None:
     and say so; nothing where none paces or no other core is left."""
     from mm_serve.cluster.front_end_cores import keep_off, paced_decode_cpus
 
-    cores = paced_decode_cpus(worker.spec for worker in holder.client.pool.workers.values())
-    now = keep_off(cores)
+    workers = holder.client.pool.workers.values()
+    cores = paced_decode_cpus(worker.spec for worker in workers)
+    now = keep_off(cores, {worker.process.pid for worker in workers if worker.process is not None})
     if now is not None:
         print(f"mm-serve: the front end runs on cores {now}, off the paced decode worker's {sorted(cores)}",
               flush=True)

@@ -12,36 +12,70 @@ their ``compute.worker_nice``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from mm_serve.ground.roles import Role
 from mm_serve.runtime.worker_spec import WorkerSpec
 
-TASKS = Path("/proc/self/task")
+PROC = Path("/proc")
+PASSES = 5  # keep_off: passes over the threads until none is left on the cores (threads may start meanwhile)
 
 
 def paced_decode_cpus(specs: Iterable[WorkerSpec]) -> set[int]:
-    """The cores pinned to decode workers that pace their steps (``decode_step_pacing`` or
-    ``decode_step_interval_s`` above 0); empty where none does or none is pinned (Ray actors)."""
-    return {cpu for spec in specs if spec.role is Role.DECODE
+    """The cores pinned to decode workers that pace their steps while another process wants their core
+    (``decode_step_pacing`` or ``decode_step_interval_s`` above 0, ``decode_pacing_always`` off: a worker
+    pacing every step paces whatever runs beside it); empty where none does or none is pinned (Ray)."""
+    return {cpu for spec in specs if spec.role is Role.DECODE and not spec.sizing.decode_pacing_always
             and (spec.sizing.decode_step_pacing > 0 or spec.sizing.decode_step_interval_s > 0)
             for cpu in spec.cpus}
 
 
-def keep_off(cores: set[int], tasks: Path = TASKS) -> list[int] | None:
-    """Pin every thread of this process (threads started later inherit it) to the cores it may use
-    less ``cores``; the cores it runs on now, or None, changing nothing, where that would leave none or
-    ``cores`` are not among them (Linux only: None elsewhere)."""
-    if not cores or not hasattr(os, "sched_setaffinity"):
+def _children(proc: Path, pid: int) -> set[int]:
+    """The child processes of ``pid`` (``/proc/<pid>/task/*/children``; empty where unreadable)."""
+    found: set[int] = set()
+    try:
+        for task in (proc / str(pid) / "task").iterdir():
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def _pin_threads(proc: Path, pid: int, cores: set[int]) -> bool:
+    """One pass: every thread of ``pid`` not on ``cores`` alone is pinned to them; whether all already were."""
+    settled = True
+    try:
+        tids = [int(entry.name) for entry in (proc / str(pid) / "task").iterdir() if entry.name.isdigit()]
+    except OSError:
+        return True  # the process is gone
+    for tid in tids:
+        try:
+            if os.sched_getaffinity(tid) != cores:
+                os.sched_setaffinity(tid, cores)
+                settled = False
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return settled
+
+
+def keep_off(cores: set[int], workers: Collection[int] = (), proc: Path = PROC) -> list[int] | None:
+    """Pin every thread of this process, and of its child processes but ``workers`` (the body-parse
+    process, say), to the cores it may use less ``cores``; threads and processes started later inherit it.
+    Passes are repeated until a pass finds every thread pinned (a thread not yet pinned may start another
+    meanwhile), :data:`PASSES` at most. The cores it runs on now, or None, changing nothing, where that
+    would leave none, ``cores`` are not among them, or ``/proc`` cannot be read (Linux only)."""
+    if not cores or not hasattr(os, "sched_setaffinity") or not (proc / "self" / "task").is_dir():
         return None
     allowed = os.sched_getaffinity(0)
     rest = allowed - cores
     if not rest or rest == allowed:
         return None
-    for entry in tasks.iterdir():
-        try:
-            os.sched_setaffinity(int(entry.name), rest)
-        except (OSError, ValueError):  # a thread that ended meanwhile
-            continue
+    pid = os.getpid()
+    for _ in range(PASSES):
+        settled = _pin_threads(proc, pid, rest)
+        for child in _children(proc, pid) - set(workers):
+            settled = _pin_threads(proc, child, rest) and settled
+        if settled:
+            break
     return sorted(rest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -24,7 +25,14 @@ def pin_and_set_threads(spec: WorkerSpec) -> None:
     if spec.nice > 0 and hasattr(os, "nice"):
         os.nice(spec.nice)
     if spec.cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(spec.cpus))
+        # every thread started so far (the call pins one thread; a worker restarted from a front end kept
+        # off some cores starts with that front end's cores), then those started later inherit it
+        tasks = Path("/proc/self/task")
+        for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
+            try:
+                os.sched_setaffinity(tid, set(spec.cpus))
+            except OSError:  # a thread that ended meanwhile
+                continue
     threads = spec.threads or len(spec.cpus)
     if threads:
         torch.set_num_threads(threads)
