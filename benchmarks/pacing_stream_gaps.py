@@ -1,6 +1,6 @@
 """Token gaps of one stream from a paced decode worker: idle, beside a busy loop on its core, and after.
 
-Starts ``mm-serve serve`` on a config whose decode worker paces (``scheduler.decode_step_pacing`` or
+Starts ``mm-serve serve`` (on a free port) on a config whose decode worker paces (``scheduler.decode_step_pacing`` or
 ``decode_step_interval_ms``, its cores pinned by ``compute.decode_cpus``), streams one chat answer of
 ``--tokens`` tokens (``ignore_eos``), and after ``--quiet`` content deltas starts a busy loop pinned to
 the decode worker's first core, stopped ``--busy`` deltas later. The script itself runs off the decode
@@ -11,7 +11,7 @@ the loop the gaps should be the pacing's (a fraction of the request's tier TPOT 
 
 Usage::
 
-    python benchmarks/pacing_stream_gaps.py --config benchmarks/configs/paced_1p1d.yaml [--model PATH] [--port 8133]
+    python benchmarks/pacing_stream_gaps.py --config benchmarks/configs/paced_1p1d.yaml [--model PATH]
 """
 
 from __future__ import annotations
@@ -19,29 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import yaml
 
-
-def _wait_healthy(url: str, server: subprocess.Popen[bytes], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server was not ready within {timeout_s:.0f} s")
+from mm_serve.bench.launch import LocalServer
 
 
 def stream_gaps(url: str, model: str, tokens: int, quiet: int, busy: int, core: int) -> dict[str, list[float]]:
@@ -77,7 +65,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a service config whose decode worker paces, its cores pinned")
     parser.add_argument("--model", default=None, help="model folder (default: the embedded model)")
-    parser.add_argument("--port", type=int, default=8133)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--quiet", type=int, default=60, help="content deltas before the busy loop starts")
     parser.add_argument("--busy", type=int, default=100, help="content deltas the busy loop runs for")
@@ -85,28 +72,14 @@ def main() -> None:
     cores = (yaml.safe_load(Path(args.config).read_text()) or {}).get("compute", {}).get("decode_cpus") or []
     if not cores:
         raise SystemExit("the config must pin the decode worker (compute.decode_cpus)")
-    cmd = ["mm-serve", "serve", "--config", args.config, "--port", str(args.port)]
-    cmd += ["--model", args.model] if args.model else []
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    # this client off the decode cores (after the server started, which must not inherit it): a client is
-    # remote in a deployment, and here its per-token parsing on the decode core would be "another process"
-    rest = os.sched_getaffinity(0) - {int(c) for c in cores}
-    if rest:
-        os.sched_setaffinity(0, rest)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        _wait_healthy(url, server)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        phases = stream_gaps(url, model, args.tokens, args.quiet, args.busy, int(cores[0]))
-    finally:
-        try:
-            os.killpg(server.pid, signal.SIGINT)
-            server.wait(60)
-        except ProcessLookupError:  # it had exited already (its reason is the error being raised)
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+    with tempfile.TemporaryDirectory() as tmp, LocalServer(Path(tmp) / "server.log", config=args.config,
+                                                           model=args.model) as server:
+        # this client off the decode cores (after the server started, which must not inherit it): a client is
+        # remote in a deployment, and here its per-token parsing on the decode core would be "another process"
+        rest = os.sched_getaffinity(0) - {int(c) for c in cores}
+        if rest:
+            os.sched_setaffinity(0, rest)
+        phases = stream_gaps(server.url, server.served_model_name, args.tokens, args.quiet, args.busy, int(cores[0]))
     print(f"{'phase':<10} {'gaps':>5} {'median ms':>10} {'mean ms':>8} {'max ms':>7}")
     for name, gaps in phases.items():
         if gaps:
