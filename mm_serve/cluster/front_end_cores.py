@@ -16,9 +16,9 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from mm_serve.ground.roles import Role
+from mm_serve.runtime.thread_affinity import PROC, pin_threads
 from mm_serve.runtime.worker_spec import WorkerSpec
 
-PROC = Path("/proc")
 PASSES = 5  # keep_off: passes over the threads until none is left on the cores (threads may start meanwhile)
 
 
@@ -42,23 +42,6 @@ def _children(proc: Path, pid: int) -> set[int]:
     return found
 
 
-def _pin_threads(proc: Path, pid: int, cores: set[int]) -> bool:
-    """One pass: every thread of ``pid`` not on ``cores`` alone is pinned to them; whether all already were."""
-    settled = True
-    try:
-        tids = [int(entry.name) for entry in (proc / str(pid) / "task").iterdir() if entry.name.isdigit()]
-    except OSError:
-        return True  # the process is gone
-    for tid in tids:
-        try:
-            if os.sched_getaffinity(tid) != cores:
-                os.sched_setaffinity(tid, cores)
-                settled = False
-        except OSError:  # a thread that ended meanwhile
-            continue
-    return settled
-
-
 def keep_off(cores: set[int], workers: Collection[int] = (), proc: Path = PROC) -> list[int] | None:
     """Pin every thread of this process, and of its child processes but ``workers`` (the body-parse
     process, say), to the cores it may use less ``cores``; threads and processes started later inherit it.
@@ -73,9 +56,9 @@ def keep_off(cores: set[int], workers: Collection[int] = (), proc: Path = PROC) 
         return None
     pid = os.getpid()
     for _ in range(PASSES):
-        settled = _pin_threads(proc, pid, rest)
+        settled = pin_threads(pid, rest, proc) is not False  # None: gone, nothing left to pin
         for child in _children(proc, pid) - set(workers):
-            settled = _pin_threads(proc, child, rest) and settled
+            settled = pin_threads(child, rest, proc) is not False and settled
         if settled:
             break
     return sorted(rest)

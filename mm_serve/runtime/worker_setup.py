@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
@@ -16,6 +15,7 @@ from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.kv_cache import PagedKVCache
 from mm_serve.runtime.page_hashes import cache_salt
 from mm_serve.runtime.prefix_cache import PrefixCache, PrefixKey
+from mm_serve.runtime.thread_affinity import pin_threads
 from mm_serve.runtime.worker_spec import WorkerSpec
 
 
@@ -25,14 +25,10 @@ def pin_and_set_threads(spec: WorkerSpec) -> None:
     if spec.nice > 0 and hasattr(os, "nice"):
         os.nice(spec.nice)
     if spec.cpus and hasattr(os, "sched_setaffinity"):
-        # every thread started so far (the call pins one thread; a worker restarted from a front end kept
-        # off some cores starts with that front end's cores), then those started later inherit it
-        tasks = Path("/proc/self/task")
-        for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
-            try:
-                os.sched_setaffinity(tid, set(spec.cpus))
-            except OSError:  # a thread that ended meanwhile
-                continue
+        # every thread started so far (a worker restarted from a front end kept off some cores starts with
+        # that front end's cores), then those started later inherit it; without /proc, this thread
+        if pin_threads(os.getpid(), set(spec.cpus)) is None:
+            os.sched_setaffinity(0, set(spec.cpus))
     threads = spec.threads or len(spec.cpus)
     if threads:
         torch.set_num_threads(threads)
