@@ -9,15 +9,14 @@ from typing import Any
 from mm_serve.protocol.errors import APIError
 
 
-def matching_key(authorization: str | list[str], keys: tuple[str, ...]) -> str | None:
-    """The key of ``keys`` an ``Authorization`` header value carries as ``Bearer <key>``, or None.
-    Given every ``Authorization`` header of a request, None unless there is exactly one: a proxy that
-    reads another of several could disagree on whose call it is. Every key is compared, each in
-    constant time, so the time taken tells nothing of which matched."""
-    if isinstance(authorization, list):
-        if len(authorization) != 1:
-            return None
-        authorization = authorization[0]
+def matching_key(authorizations: list[str], keys: tuple[str, ...]) -> str | None:
+    """The key of ``keys`` that a request's ``Authorization`` header values carry as ``Bearer <key>``, or
+    None; None too unless there is exactly one such header: a proxy that reads another of several could
+    disagree on whose call it is. Every key is compared, each in constant time, so the time taken tells
+    nothing of which matched."""
+    if len(authorizations) != 1:
+        return None
+    authorization = authorizations[0]
     token = (authorization[7:] if authorization.lower().startswith("bearer ") else "").encode()
     found = None
     for key in keys:
@@ -26,10 +25,10 @@ def matching_key(authorization: str | list[str], keys: tuple[str, ...]) -> str |
     return found
 
 
-def api_key_ok(authorization: str | list[str], keys: tuple[str, ...]) -> bool:
-    """Whether an ``Authorization`` header value carries one of ``keys`` (:func:`matching_key`);
+def api_key_ok(authorizations: list[str], keys: tuple[str, ...]) -> bool:
+    """Whether a request's ``Authorization`` header values carry one of ``keys`` (:func:`matching_key`);
     always True when there are none."""
-    return not keys or matching_key(authorization, keys) is not None
+    return not keys or matching_key(authorizations, keys) is not None
 
 
 def scope_authorized(headers: list[tuple[bytes, bytes]], keys: tuple[str, ...]) -> bool:

@@ -10,7 +10,7 @@ KEYS = ("key-a", "key-b")
 
 def test_one_header_names_its_key_and_several_name_none() -> None:
     assert matching_key(["Bearer key-b"], KEYS) == "key-b"
-    assert matching_key("bearer key-a", KEYS) == "key-a"  # the scheme in any case
+    assert matching_key(["bearer key-a"], KEYS) == "key-a"  # the scheme in any case
     assert matching_key(["Bearer key-c"], KEYS) is None
     assert matching_key([], KEYS) is None
     assert matching_key(["Bearer key-a", "Bearer key-a"], KEYS) is None  # even the same key twice
