@@ -135,7 +135,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.backend = backend
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # every weight comes from the checkpoint: an uninitialised table skips the random init, which on the
+        # meta device (the loader's) runs torch's reference kernels and imports torch._dynamo (1 s of a worker's start)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -16,8 +16,11 @@ from mm_serve.models.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Per-pair inverse frequencies ``[head_dim // 2]`` (float32), scaling applied."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    """Per-pair inverse frequencies ``[head_dim // 2]`` (float32, on the CPU), scaling applied.
+
+    Computed on the CPU even inside a ``torch.device("meta")`` block (the loader's): meta arithmetic
+    runs torch's reference kernels, whose first use imports torch._dynamo (a second of a worker's start)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
