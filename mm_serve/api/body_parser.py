@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import email.message
-import json
 import multiprocessing
 import os
 import signal
@@ -35,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from mm_serve.config import APIConfig
+from mm_serve.ground.json_text import JSONTextError, load_json
 from mm_serve.pipeline.call import check_limits
 from mm_serve.protocol.errors import APIError, bad_request, validation_error
 
@@ -64,15 +64,13 @@ def parse_body(body: bytes, content_type: str | None, model: type[M], api: APICo
     if body and not is_json(content_type):
         raise bad_request("send the request body as JSON with 'Content-Type: application/json'")
     try:
-        data = json.loads(body) if body else None
-    except json.JSONDecodeError as exc:
+        data = load_json(body) if body else None
+    except JSONTextError as exc:
+        if exc.pos is None:  # nested too deeply, an integer past 4,300 digits, bytes in no UTF encoding
+            raise bad_request(f"request body is not valid JSON: {exc.reason}") from None
         raise validation_error(RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
                                                         "msg": "JSON decode error", "input": {},
-                                                        "ctx": {"error": exc.msg}}])) from None
-    except RecursionError:
-        raise bad_request("request body is nested too deeply") from None
-    except ValueError as exc:  # not UTF-8/16/32 (UnicodeDecodeError), an integer past Python's 4300 digits
-        raise bad_request(f"request body is not valid JSON: {str(exc)[:200]}") from None
+                                                        "ctx": {"error": exc.reason}}])) from None
     if data is None:
         raise validation_error(RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required",
                                                         "input": None}]))

@@ -19,11 +19,12 @@ OpenAI batch file. A malformed row, a duplicate id or an empty input raises
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from mm_serve.ground.json_text import JSONTextError, load_json
 
 IMAGE_SUFFIXES: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tiff", ".tif"})
 VIDEO_SUFFIXES: frozenset[str] = frozenset({".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"})
@@ -154,13 +155,9 @@ def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-        except RecursionError:
-            raise InputError(f"{path}:{number}: not valid JSON (nested too deeply)") from None
-        except ValueError as exc:  # an integer past Python's 4,300 digits
-            raise InputError(f"{path}:{number}: not valid JSON ({str(exc)[:200]})") from None
+            row = load_json(line)
+        except JSONTextError as exc:
+            raise InputError(f"{path}:{number}: not valid JSON ({exc.reason})") from None
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
         rows.append((number, row))

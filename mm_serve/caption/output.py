@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 
 from mm_serve.caption.inputs import InputFormat
 from mm_serve.caption.records import row_id, row_succeeded
+from mm_serve.ground.json_text import JSONTextError, load_json
 
 
 class OutputError(ValueError):
@@ -137,9 +138,9 @@ def _complete_lines(data: bytes) -> tuple[list[tuple[int, bytes]], bool, bool]:
     cut = False
     if tail.strip():
         try:
-            json.loads(tail)
+            load_json(tail)
             lines.append(tail)
-        except (ValueError, RecursionError):
+        except JSONTextError:
             cut = True
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     return numbered, bool(tail.strip()), cut
@@ -147,8 +148,8 @@ def _complete_lines(data: bytes) -> tuple[list[tuple[int, bytes]], bool, bool]:
 
 def _parse(path: Path, number: int, line: bytes, fmt: InputFormat) -> dict[str, Any]:
     try:
-        row = json.loads(line)
-    except (ValueError, RecursionError):  # not JSON, an integer past 4,300 digits, or nested past the limit
+        row = load_json(line)
+    except JSONTextError:
         raise OutputError(f"{path}:{number}: not valid JSON; fix or delete that line, then re-run") from None
     if not isinstance(row, dict) or row_id(fmt, row) is None:
         layout = "OpenAI batch output" if fmt == "openai-batch" else "caption"

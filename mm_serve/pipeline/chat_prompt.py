@@ -8,13 +8,13 @@ template-ready messages the input processor renders (:meth:`ChatPrompt.template_
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image
 
+from mm_serve.ground.json_text import JSONTextError, load_json
 from mm_serve.media.image_loading import declared_size
 from mm_serve.media.offline import image_outside_user_message
 from mm_serve.media.video_loading import Video
@@ -44,8 +44,8 @@ def _template_call(name: str, arguments: str) -> dict[str, Any]:
     """A call of the history as chat templates take it (Hugging Face's convention): its arguments as an
     object where they are JSON, else as the text they are."""
     try:
-        parsed: Any = json.loads(arguments)
-    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: kept as text
+        parsed: Any = load_json(arguments)
+    except JSONTextError:  # kept as text
         parsed = arguments
     return {"type": "function", "function": {"name": name, "arguments": parsed}}
 

@@ -16,6 +16,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from mm_serve.ground.json_text import JSONTextError, decode_json_at, load_json
+
 _DECODER = json.JSONDecoder()
 _HEADS = {key: re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*')
           for key in ("parameters", "arguments")}
@@ -55,14 +57,14 @@ def call_spans(text: str, key: str, at: int = 0, limit: int | None = None) -> li
         if match is None:
             break
         try:
-            name = json.loads(f'"{match.group(1)}"')
-        except (ValueError, RecursionError):  # a bad escape: not a call head
+            name = load_json(f'"{match.group(1)}"')
+        except JSONTextError:  # a bad escape: not a call head
             at = match.end()
             continue
         start = match.end()
         try:
-            _, end = _DECODER.raw_decode(text, start)
-        except (ValueError, RecursionError):  # not ended yet (or never: cut at max_tokens)
+            _, end = decode_json_at(text, start)
+        except JSONTextError:  # not ended yet (or never: cut at max_tokens)
             spans.append(CallSpan(name, start, None))
             break
         spans.append(CallSpan(name, start, end))

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mm_serve.ground.json_text import JSONTextError, load_json
+
 GrammarSpec = tuple[str, str]
 
 
@@ -72,11 +74,10 @@ class StructuredFields(BaseModel):
 def _schema_text(schema: dict[str, Any] | str | bool, param: str) -> str:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
-        except ValueError as exc:
-            raise bad_request(f"{param} must be a JSON schema (an object, or a string of JSON): {exc}", param) from None
-        except RecursionError:
-            raise bad_request(f"{param} is nested too deeply", param) from None
+            schema = load_json(schema)
+        except JSONTextError as exc:
+            raise bad_request(f"{param} must be a JSON schema (an object, or a string of JSON): {exc}",
+                              param) from None
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"{param} must be a JSON schema object", param)
     return json.dumps(schema)

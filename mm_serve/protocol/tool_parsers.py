@@ -15,6 +15,7 @@ import json
 import re
 from collections.abc import Callable
 
+from mm_serve.ground.json_text import JSONTextError, decode_json_at, load_json
 from mm_serve.protocol.call_spans import CallSpan, call_spans
 from mm_serve.protocol.tools import FunctionCall, ToolCall
 
@@ -50,8 +51,8 @@ def parse_hermes(text: str) -> Parsed:
     calls = []
     for body in _HERMES.findall(text[start:]):
         try:
-            call = _call(json.loads(body), "arguments", _raw_arguments(body, "arguments"))
-        except (ValueError, RecursionError):
+            call = _call(load_json(body), "arguments", _raw_arguments(body, "arguments"))
+        except JSONTextError:
             call = None
         if call is not None:
             calls.append(call)
@@ -66,11 +67,11 @@ def parse_llama3_json(text: str) -> Parsed:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
-    decoder, calls, at = json.JSONDecoder(), [], 0
+    calls, at = [], 0
     while at < len(body):
         try:
-            obj, end = decoder.raw_decode(body, at)
-        except (ValueError, RecursionError):
+            obj, end = decode_json_at(body, at)
+        except JSONTextError:
             return text, []
         call = _call(obj, "parameters", _raw_arguments(body, "parameters", at))
         if call is None:

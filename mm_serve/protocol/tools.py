@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mm_serve.ground.json_text import JSONTextError, load_json
 from mm_serve.protocol.call_spans import call_spans
 
 GrammarSpec = tuple[str, str]
@@ -158,8 +159,8 @@ def constrained_calls(mode: str, text: str, named: str | None) -> list[ToolCall]
     """The calls of an output made under a named or required grammar, or None when it does not parse (an
     output cut at ``max_tokens``)."""
     try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
+        value = load_json(text)
+    except JSONTextError:
         return None
     if mode == "named":  # the text itself: streamed argument deltas add up to it
         return [ToolCall(function=FunctionCall(name=str(named), arguments=text))]
