@@ -355,6 +355,20 @@ class ServiceConfig(_Frozen):
     cluster: ClusterConfig = ClusterConfig()
     placement: PlacementConfig = PlacementConfig()
 
+    def ineffective_settings(self) -> list[str]:
+        """Why each setting given here does nothing with the rest of this config (one line each; empty
+        when none), for a warning at start: a valid config, but not what its author meant."""
+        sched = self.scheduler
+        paced = bool(sched.decode_step_pacing or sched.decode_step_interval_ms)
+        lines = []
+        if sched.decode_pacing_always and not paced:
+            lines.append("scheduler.decode_pacing_always has no effect: no decode pacing is set "
+                         "(scheduler.decode_step_pacing or scheduler.decode_step_interval_ms)")
+        if paced and self.mode == "colocated":
+            lines.append("decode pacing (scheduler.decode_step_pacing / decode_step_interval_ms) has no effect in "
+                         "colocated mode: one worker runs both phases, there is no prefill worker to yield to")
+        return lines
+
     def serving_dtype(self, raw: dict[str, Any]) -> DTypeName:
         """The element type every worker and ring of this service uses for the checkpoint whose
         ``config.json`` is ``raw``: :attr:`dtype`, with ``auto`` settled by

@@ -193,6 +193,17 @@ def test_decode_pacing_by_rule_is_a_fraction_and_excludes_a_fixed_interval() -> 
         load_config(None, {"scheduler.decode_step_pacing": 0.5, "scheduler.decode_step_interval_ms": 50})
 
 
+def test_settings_that_do_nothing_with_the_rest_of_the_config_are_named() -> None:
+    """Valid but inert: pacing every step with no pacing set, pacing in colocated mode (one line each)."""
+    assert load_config(None, {}).ineffective_settings() == []
+    assert load_config(None, {"scheduler.decode_step_pacing": 0.7,
+                              "scheduler.decode_pacing_always": True}).ineffective_settings() == []
+    lines = load_config(None, {"scheduler.decode_pacing_always": True}).ineffective_settings()
+    assert len(lines) == 1 and lines[0].startswith("scheduler.decode_pacing_always has no effect")
+    lines = load_config(None, {"mode": "colocated", "scheduler.decode_step_interval_ms": 40}).ineffective_settings()
+    assert len(lines) == 1 and "no effect in colocated mode" in lines[0]
+
+
 def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_path: Path) -> None:
     """The file is validated on its own: ``--port 8124`` does not hide ``api.port: 70000`` in it."""
     path = tmp_path / "bad.yaml"

@@ -227,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
         _check_http_stack(cfg.api.event_loop, cfg.api.http_parser)
         _check_port_free(cfg.api.host, cfg.api.port)
         cfg, placement = _placement(cfg, model_dir)
+        for line in cfg.ineffective_settings():
+            print(f"mm-serve: warning: {line}", file=sys.stderr, flush=True)
         holder = EngineHolder(model_dir, cfg)
     except (ConfigError, CheckpointError) as exc:
         raise CLIError(str(exc)) from None
