@@ -185,3 +185,50 @@ def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: 
     assert json.loads(events[-2][6:])["error"]["code"] == "service_unavailable" and events[-1] == "data: [DONE]"
     text = log.read_text()
     assert "Traceback" not in text and "1 request(s) still in flight (no grace); stopping them" in text, text[-3000:]
+
+
+def _worker_children(pid: int) -> list[int]:
+    """Worker processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"mm_serve.cluster.worker_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(tiny_llava: Path, tmp_path: Path) -> None:
+    """The workers start before the front end has loaded its tokenizer and app (the two overlap): a
+    SIGTERM to the process group in that window stops the start as Ctrl-C does (exit 130, "interrupted"),
+    and leaves no worker process, segment or run directory. (SIGTERM's default would kill the front end
+    at once, leaving its workers to notice it gone and its segments to the next start.)"""
+    log = tmp_path / "server.log"
+    before = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")}
+    run_dirs = set(Path(tempfile.gettempdir()).glob("mmsrv-*"))
+    proc, _ = _serve(tiny_llava, log, 60, new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[int] = []
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            workers = _worker_children(proc.pid)
+            time.sleep(0.01)
+        assert len(workers) == 2, log.read_text()
+        assert "is ready" not in log.read_text()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 130, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "mm-serve: interrupted" in log.read_text()
+    time.sleep(0.5)
+    assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]
+    mine = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")} - before
+    assert mine == set()
+    assert set(Path(tempfile.gettempdir()).glob("mmsrv-*")) <= run_dirs

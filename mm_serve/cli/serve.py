@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -199,6 +200,10 @@ def _keep_front_end_off_paced_decode(holder: Any) -> None:
               flush=True)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
     from mm_serve.runtime.heap_freeze import defer_collection, freeze_startup_heap
@@ -229,18 +234,29 @@ def run(args: argparse.Namespace) -> int:
         cfg, placement = _placement(cfg, model_dir)
         for line in cfg.ineffective_settings():
             print(f"mm-serve: warning: {line}", file=sys.stderr, flush=True)
-        holder = EngineHolder(model_dir, cfg)
+        print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
+        # Until uvicorn takes the signals over, SIGTERM stops the start as Ctrl-C does: the workers
+        # started below are then stopped and their segments unlinked, not left to find their parent gone.
+        signal.signal(signal.SIGTERM, _interrupt)
+        # The workers start now, on a thread, and this process loads the tokenizer, media processors
+        # and app while they load the model: about 2 s of a start.
+        holder = EngineHolder(model_dir, cfg, start_now=True)
     except (ConfigError, CheckpointError) as exc:
         raise CLIError(str(exc)) from None
-    name = cfg.served_model_name or str(cfg.model)
-    ctx = ServerContext(holder=holder, config=cfg, served_model_name=name, placement=placement)
-    app = build_app(ctx)
-    http: Any = cfg.api.http_parser if cfg.api.http_parser == "httptools" else guarded_h11(HTTPLimits(
-        cfg.api.max_header_bytes, cfg.api.header_timeout_s, cfg.api.max_connections))
-    server = DrainingServer(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
-                                           loop=cfg.api.event_loop, http=http, timeout_keep_alive=cfg.api.keep_alive_timeout_s,
-                                           timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s,
-                             ctx.media_load.in_flight)
+    try:
+        name = cfg.served_model_name or str(cfg.model)
+        ctx = ServerContext(holder=holder, config=cfg, served_model_name=name, placement=placement)
+        app = build_app(ctx)
+        http: Any = cfg.api.http_parser if cfg.api.http_parser == "httptools" else guarded_h11(HTTPLimits(
+            cfg.api.max_header_bytes, cfg.api.header_timeout_s, cfg.api.max_connections))
+        server = DrainingServer(uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning",
+                                               loop=cfg.api.event_loop, http=http,
+                                               timeout_keep_alive=cfg.api.keep_alive_timeout_s,
+                                               timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s,
+                                 ctx.media_load.in_flight)
+    except BaseException:
+        holder.stop()
+        raise
 
     failed: list[bool] = []
 
@@ -259,12 +275,14 @@ def run(args: argparse.Namespace) -> int:
                           holder.client.config.dtype, cfg.attention_backend),
                   flush=True)
 
-    print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
     threading.Thread(target=announce, daemon=True).start()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn's handlers from here (it restores this after)
     try:
         server.run()  # on the loop of api.event_loop (asyncio.run would ignore it)
     except KeyboardInterrupt:
         pass
+    finally:
+        holder.stop()  # the lifespan's shutdown has stopped them, unless uvicorn ended before its startup
     print("mm-serve: stopped (workers and shared memory released)", file=sys.stderr, flush=True)
     if failed:
         return 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,23 +53,30 @@ class EngineClient:
 
     Raises (constructor):
         ConfigError: the config asks for what the runtime cannot run.
-        CheckpointError: the model cannot be read.
+        CheckpointError: the model cannot be read (with ``defer_inputs``, its tokenizer or media processor
+            at the first use of :attr:`inputs` instead).
     """
 
-    def __init__(self, model_dir: str | Path, config: ServiceConfig, inputs: InputProcessor | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: ServiceConfig, inputs: InputProcessor | None = None,
+                 defer_inputs: bool = False) -> None:
+        """``inputs``: a tokenizer and media processors loaded elsewhere; otherwise they load here, or with
+        ``defer_inputs`` at the first use of :attr:`inputs`, so a caller can start the workers first and the
+        two overlap (about 2 s of a server's start)."""
         check_supported(config)
         self.model_dir = Path(model_dir)
         self.model_config = load_model_config(self.model_dir)
         # dtype auto is settled here, once, before any worker, ring or cache is sized (one type for every pair)
         config = config.model_copy(update={"dtype": config.serving_dtype(self.model_config.raw)})
         self.config = config
-        self.inputs = inputs or InputProcessor(self.model_dir, self.model_config)
+        self._inputs = inputs
+        self._inputs_lock = threading.Lock()
+        if not defer_inputs:
+            _ = self.inputs
         self.pool = WorkerPool(self.model_dir, config, self.model_config)
         self.colocated = self.pool.colocated
         sizing = engine_sizing(config, "cpu")
         self.context_limit = sizing.context_limit(self.model_config.text)
         self.prefix_key = prefix_key(str(self.model_dir), self.model_config, sizing)
-        self.eos_token_ids = self.inputs.eos_token_ids
         self.finish_listeners: list[Callable[[RequestState], None]] = []
         self.flights = FlightTable(self.pool, config, self._notify_finished)
         self.requests = self.flights.requests
@@ -76,6 +84,24 @@ class EngineClient:
         self.stats = self.receiver.stats
         self.step_listeners = self.receiver.step_listeners
         self._seed_rng = random.Random(config.seed)
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """The tokenizer and media processors (loaded at the first use with ``defer_inputs``).
+
+        Raises:
+            CheckpointError: they cannot be loaded from the checkpoint.
+        """
+        if self._inputs is None:
+            with self._inputs_lock:
+                if self._inputs is None:
+                    self._inputs = InputProcessor(self.model_dir, self.model_config)
+        return self._inputs
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """End-of-sequence token ids (:attr:`InputProcessor.eos_token_ids`)."""
+        return self.inputs.eos_token_ids
 
     # ---- lifecycle -------------------------------------------------------------------------
 
