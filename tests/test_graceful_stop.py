@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from mm_serve.cluster.stale_instances import SHM_DIR, process_start_time
-from tests.api.server_process import free_port
+from tests.api.server_process import free_port, worker_children
 
 LONG = 3000  # tokens per in-flight request: several seconds of decode on the tiny model
 
@@ -187,22 +187,6 @@ def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: 
     assert "Traceback" not in text and "1 request(s) still in flight (no grace); stopping them" in text, text[-3000:]
 
 
-def _worker_children(pid: int) -> list[int]:
-    """Worker processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"mm_serve.cluster.worker_main" in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(tiny_llava: Path, tmp_path: Path) -> None:
     """The workers start before the front end has loaded its tokenizer and app (the two overlap): a
     SIGTERM to the process group in that window stops the start as Ctrl-C does (exit 130, "interrupted"),
@@ -216,7 +200,7 @@ def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(ti
         deadline = time.monotonic() + 60
         workers: list[int] = []
         while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            workers = _worker_children(proc.pid)
+            workers = worker_children(proc.pid)
             time.sleep(0.01)
         assert len(workers) == 2, log.read_text()
         assert "is ready" not in log.read_text()

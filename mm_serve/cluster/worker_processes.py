@@ -194,10 +194,15 @@ class WorkerProcesses:
         self.stopping.set()
 
     def _stop_workers(self) -> None:
-        """Tell every worker to shut down, then stop every process (and leave Ray)."""
+        """Tell every worker to shut down, then stop every process (and leave Ray). A worker still loading
+        (a first start or a restart) is killed at once: it holds no request, and the Shutdown is dropped
+        for one that has not connected its control socket yet, so a stop waited out the 10 s for it."""
         self.stopping.set()
         with self._send_lock:
             self._sockets.broadcast_shutdown()
+        for worker in self.workers.values():
+            if worker.loading and worker.process is not None:
+                worker.process.kill()
         stop_workers(self.processes)
         if self._ray is not None:
             self._ray.close()

@@ -32,6 +32,23 @@ def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
     return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def worker_children(pid: int, role: str = "") -> list[int]:
+    """Process ids of the worker processes whose parent is ``pid`` (``role``: of that role only), read
+    from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"mm_serve.cluster.worker_main" in cmdline and f'"role":"{role}'.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
 class ServerProcess:
     """``mm-serve serve`` on a free port; waits for /health 200."""
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.server_process import ServerProcess, data_uri
+from mm_serve.cluster.stale_instances import process_start_time
+from tests.api.server_process import ServerProcess, data_uri, worker_children
 from tests.factories import gradient_image
 
 
@@ -135,3 +136,26 @@ def test_sigterm_while_the_only_decode_restarts_still_drains(tiny_llava: Path, t
         assert "stopping: new requests get 503" in server.output()
     finally:
         server.stop()
+
+
+def test_a_stop_while_a_worker_restarts_does_not_wait_for_it(tiny_llava: Path, tmp_path: Path) -> None:
+    """SIGINT while the decode worker is being restarted (killed, its successor still loading): the server
+    exits 0 within 5 s and the successor is gone. It was waited for 10 s: the Shutdown message never
+    reached a worker that had not connected yet."""
+    server = start(tiny_llava, tmp_path, 3)
+    try:
+        old = decode_pid(server)
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while [old] == (decode := worker_children(server.proc.pid, "decode")) or not decode:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        (new,) = decode
+        assert httpx.get(f"{server.url}/health", timeout=10).json()["workers"]["decode0"] != "ready"
+        stopped = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(60) == 0
+        assert time.monotonic() - stopped < 5.0, server.output()[-2000:]
+    finally:
+        server.stop()
+    assert process_start_time(new) is None
