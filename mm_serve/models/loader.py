@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -26,6 +28,16 @@ def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: st
     if missing:
         raise CheckpointError(f"{model_dir}: missing {part} weights {missing[:5]}")
     module.load_state_dict(state, strict=True)
+
+
+def _uninitialised_tower(builds_tower: bool) -> AbstractContextManager[object]:
+    """Where a vision tower is built: no random init (:mod:`mm_serve.models.skip_init`; every weight of
+    the tower and projector is loaded after, strictly). Without one, transformers is not even imported."""
+    if not builds_tower:
+        return contextlib.nullcontext()
+    from mm_serve.models.skip_init import no_init_weights
+
+    return no_init_weights()  # type: ignore[no-any-return]
 
 
 def load_model(
@@ -62,7 +74,8 @@ def load_model(
     language_model.rotary.reset_inv_freq(torch_device)
     if cfg.text.tie_word_embeddings:
         language_model.lm_head.weight = language_model.embed_tokens.weight
-    model = MultimodalLM(cfg, backend, language_model, vision=vision).to(torch_device)
+    with _uninitialised_tower(vision and cfg.vision is not None):
+        model = MultimodalLM(cfg, backend, language_model, vision=vision).to(torch_device)
     # without the tower, a llava checkpoint's vision and projector weights are not even read
     parts = load_state_dicts(root, PARTS if vision or cfg.vision is None else ("lm",))
     lm_state = parts["lm"]
