@@ -74,6 +74,10 @@ def test_choices_are_escaped_and_bad_grammars_name_the_problem(tiny_llava: Path)
         book.compile(("json", '{"type": "frobnicate"}'), 512)
     with pytest.raises(GrammarError, match="parenthesis"):
         book.compile(("regex", "a(b"), 512)
+    # xgrammar raises with no message for a number past a double's range: still a GrammarError (it was
+    # an IndexError, a 500)
+    with pytest.raises(GrammarError, match="cannot be compiled"):
+        book.compile(("json", '{"type": "integer", "maximum": 1' + "0" * 320 + "}"), 512)
 
 
 def test_a_prefetched_grammar_is_compiled_off_the_step_and_a_bad_one_fails_where_it_samples(tiny_llava: Path) -> None:

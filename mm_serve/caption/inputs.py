@@ -151,7 +151,8 @@ def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
             4,300 digits included) or not a JSON object.
     """
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at \n only: str.splitlines() also splits at U+2028 and U+0085, which JSON strings may hold
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -201,7 +201,15 @@ def _keep_front_end_off_paced_decode(holder: Any) -> None:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
+    """SIGINT or SIGTERM before uvicorn takes the signals over: stop the start as Ctrl-C does, once; a
+    second signal is ignored, so it cannot cut short the stop of the workers already started."""
+    _ignore_signals()
     raise KeyboardInterrupt
+
+
+def _ignore_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,8 +243,10 @@ def run(args: argparse.Namespace) -> int:
         for line in cfg.ineffective_settings():
             print(f"mm-serve: warning: {line}", file=sys.stderr, flush=True)
         print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
-        # Until uvicorn takes the signals over, SIGTERM stops the start as Ctrl-C does: the workers
-        # started below are then stopped and their segments unlinked, not left to find their parent gone.
+        # Until uvicorn takes the signals over (it restores these after), SIGTERM stops the start as Ctrl-C
+        # does: the workers started below are then stopped and their segments unlinked, not left to find
+        # their parent gone.
+        signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
         # The workers start now, on a thread, and this process loads the tokenizer, media processors
         # and app while they load the model: about 2 s of a start.
@@ -276,12 +286,12 @@ def run(args: argparse.Namespace) -> int:
                   flush=True)
 
     threading.Thread(target=announce, daemon=True).start()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # uvicorn's handlers from here (it restores this after)
     try:
         server.run()  # on the loop of api.event_loop (asyncio.run would ignore it)
     except KeyboardInterrupt:
         pass
     finally:
+        _ignore_signals()  # the server has stopped: nothing may cut the workers' stop short
         holder.stop()  # the lifespan's shutdown has stopped them, unless uvicorn ended before its startup
     print("mm-serve: stopped (workers and shared memory released)", file=sys.stderr, flush=True)
     if failed:

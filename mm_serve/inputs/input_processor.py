@@ -83,7 +83,7 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, RecursionError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({first[:300]}); a checkpoint directory "
                               "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None
@@ -97,7 +97,10 @@ class InputProcessor:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
         self.image_processor: FixedSizeImages | AnyResImages | DynamicResolutionImages | None = None
         if config.vision is not None:
-            self.image_processor = image_prep(model_dir, config.model_type, config.vision)
+            try:
+                self.image_processor = image_prep(model_dir, config.model_type, config.vision)
+            except (OSError, ValueError, KeyError, RecursionError) as exc:  # a preprocessor config unread or not JSON
+                raise CheckpointError(f"{model_dir}: cannot load the image processor ({str(exc).strip()[:300]})") from None
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

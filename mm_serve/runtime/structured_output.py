@@ -299,8 +299,10 @@ class GrammarBook:
                 return compiler.compile_regex(text)
             if kind == "choice":
                 return compiler.compile_grammar(choice_ebnf(json.loads(text)))
-        except RuntimeError as exc:
-            raise GrammarError(_LOCATION.sub("", str(exc).strip().splitlines()[0])) from None
+        except RuntimeError as exc:  # xgrammar's message; it gives none for, e.g., an integer past a double's range
+            lines = str(exc).strip().splitlines()
+            raise GrammarError(_LOCATION.sub("", lines[0]) if lines else
+                               f"the {kind} cannot be compiled to a grammar (a number past a double's range?)") from None
         raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(GRAMMAR_KINDS)}")
 
     def matcher(self, request: Request, vocab_size: int) -> Any:

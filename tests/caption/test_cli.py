@@ -110,3 +110,23 @@ def test_dangling_symlink_out_is_left_alone(tmp_path: Path, capsys: pytest.Captu
     assert main(["caption", str(tmp_path / "img"), "--out", str(link), "--config", str(bad)]) == 2
     assert "cpu_gemm = 'blas'" in capsys.readouterr().err
     assert link.is_symlink()
+
+
+@pytest.mark.parametrize(("name", "text", "what"), [
+    ("tokenizer.json", "[" * 100_000, "cannot load the tokenizer"),
+    ("preprocessor_config.json", "{bad", "cannot load the image processor"),
+])
+def test_a_checkpoint_file_that_is_not_json_exits_2(tmp_path: Path, tiny_llava: Path, capsys: pytest.CaptureFixture[str],
+                                                    name: str, text: str, what: str) -> None:
+    """A tokenizer nested past the recursion limit, a preprocessor config that is not JSON: a CLI error
+    naming the part (they were a traceback and exit 1)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in tiny_llava.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    (broken / name).write_text(text)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/a.png").write_bytes(b"x")
+    code = main(["caption", str(tmp_path / "img"), "--out", str(tmp_path / "o.jsonl"), "--model", str(broken)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("mm-serve: error: ") and what in last

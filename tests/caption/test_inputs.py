@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.caption.inputs import InputError, read_inputs
+from mm_serve.caption.inputs import InputError, _parse_rows, read_inputs
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -87,3 +87,13 @@ def test_missing_empty_and_non_json_inputs(tmp_path: Path) -> None:
         (tmp_path / "bad.jsonl").write_text('{"id": "a", "image": "x"}\n' + line + "\n")
         with pytest.raises(InputError, match=f"bad.jsonl:2: not valid JSON .*{why}"):
             read_inputs(tmp_path / "bad.jsonl", "p")
+
+
+def test_a_line_whose_strings_hold_unicode_line_separators_is_one_row(tmp_path: Path) -> None:
+    """JSON written with ``ensure_ascii=False`` may hold U+2028 or U+0085 inside a string: lines end at
+    newlines only (str.splitlines() cut such a line in two, "not valid JSON")."""
+    source = tmp_path / "in.jsonl"
+    rows = [{"custom_id": "a", "prompt": "one\u2028two"}, {"custom_id": "b", "prompt": "x\x85y"}]
+    text = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n"
+    assert "\u2028" in text and "\x85" in text
+    assert _parse_rows(source, text) == [(1, rows[0]), (2, rows[1])]
