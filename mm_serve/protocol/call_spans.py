@@ -12,13 +12,11 @@ arguments value that has not ended has no character after it yet.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
 from mm_serve.ground.json_text import JSONTextError, decode_json_at, load_json
 
-_DECODER = json.JSONDecoder()
 _HEADS = {key: re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*')
           for key in ("parameters", "arguments")}
 
