@@ -216,3 +216,31 @@ def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(ti
     mine = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")} - before
     assert mine == set()
     assert set(Path(tempfile.gettempdir()).glob("mmsrv-*")) <= run_dirs
+
+
+_SIGNAL_IN_EXEC = '''
+import os, signal, sys
+from mm_serve.cli import main as cli
+
+signal.signal(signal.SIGTERM, cli.stop_on_signal if sys.argv[1] == "stop_on_signal" else signal.default_int_handler)
+try:  # the handler runs inside code exec() runs from a string, as when a signal lands in a dataclass's build
+    exec("import os, signal\\nos.kill(os.getpid(), signal.SIGTERM)\\nfor _ in range(10**7): pass")
+except KeyboardInterrupt:
+    print("caught")
+sys.exit(130)
+'''
+
+
+@pytest.mark.parametrize(("handler", "status"), [("stop_on_signal", 130), ("default_int_handler", -signal.SIGINT)])
+def test_a_signal_caught_inside_exec_code_exits_with_the_status_main_returns(tmp_path: Path, handler: str,
+                                                                            status: int) -> None:
+    """Run as ``python -m`` (as the tests start the server), a bare KeyboardInterrupt that left exec()'d
+    code makes CPython kill the process with SIGINT at exit even though it was caught (the second case:
+    the cause of an intermittent -2 in place of 130 when SIGTERM hit a start); the CLI's StopSignal does
+    not, so the process exits 130."""
+    (tmp_path / "signal_in_exec.py").write_text(_SIGNAL_IN_EXEC)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "signal_in_exec", handler], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout == "caught\n", done.stderr
+    assert done.returncode == status

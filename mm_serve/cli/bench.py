@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_serve.cli.main import CLIError
+from mm_serve.cli.main import CLIError, stop_on_signal
 
 if TYPE_CHECKING:
     from mm_serve.bench.report import SystemResult
@@ -216,14 +216,10 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; SIGTERM, and SIGINT even where a background shell ignores it, raise
-    KeyboardInterrupt, so that the servers this command started are stopped on the way out."""
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    StopSignal (a KeyboardInterrupt), so that the servers this command started are stopped on the way out."""
+    previous = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _run(args)
     finally:

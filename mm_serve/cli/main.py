@@ -32,6 +32,23 @@ class CLIError(Exception):
     """A user error: printed as ``mm-serve: error: <message>`` with exit status 2."""
 
 
+class StopSignal(KeyboardInterrupt):
+    """Raised by a command's SIGINT / SIGTERM handler so that the command unwinds (stopping what it
+    started) as on Ctrl-C; :func:`main` catches it and exits with status 130.
+
+    A subclass, not ``KeyboardInterrupt`` itself: when a bare ``KeyboardInterrupt`` leaves code that
+    ``exec()`` runs from a string (``dataclasses`` and ``collections.namedtuple`` build their methods that
+    way, so imports do it hundreds of times), CPython marks the process to kill itself with SIGINT at exit
+    even after the exception was caught (``run_eval_code_obj`` in ``Python/pythonrun.c``); its check
+    compares the exact type, so a subclass exits with the status ``main`` returns."""
+
+
+def stop_on_signal(signum: int, frame: object) -> None:
+    """A ``signal.signal`` handler: raise :class:`StopSignal` (the signal number is not kept: the
+    exit status is 130 for SIGINT and SIGTERM alike)."""
+    raise StopSignal
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument error is one line, in the same format as every other user error
     (argparse would print the whole usage block first), exit status 2."""

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from mm_serve.cli.main import CLIError
+from mm_serve.cli.main import CLIError, StopSignal
 
 
 def register(subparsers: Any) -> None:
@@ -204,7 +204,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     """SIGINT or SIGTERM before uvicorn takes the signals over: stop the start as Ctrl-C does, once; a
     second signal is ignored, so it cannot cut short the stop of the workers already started."""
     _ignore_signals()
-    raise KeyboardInterrupt
+    raise StopSignal
 
 
 def _ignore_signals() -> None:
@@ -214,6 +214,11 @@ def _ignore_signals() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
+    # Until uvicorn takes the signals over (it restores these after), SIGTERM stops the start as Ctrl-C
+    # does: the workers started below are then stopped and their segments unlinked, not left to find
+    # their parent gone.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     from mm_serve.runtime.heap_freeze import defer_collection, freeze_startup_heap
 
     defer_collection()  # through the imports and the engine's start (announce() below freezes the heap then)
@@ -243,11 +248,6 @@ def run(args: argparse.Namespace) -> int:
         for line in cfg.ineffective_settings():
             print(f"mm-serve: warning: {line}", file=sys.stderr, flush=True)
         print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
-        # Until uvicorn takes the signals over (it restores these after), SIGTERM stops the start as Ctrl-C
-        # does: the workers started below are then stopped and their segments unlinked, not left to find
-        # their parent gone.
-        signal.signal(signal.SIGINT, _interrupt)
-        signal.signal(signal.SIGTERM, _interrupt)
         # The workers start now, on a thread, and this process loads the tokenizer, media processors
         # and app while they load the model: about 2 s of a start.
         holder = EngineHolder(model_dir, cfg, start_now=True)
