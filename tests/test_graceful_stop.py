@@ -33,17 +33,46 @@ def _stream(url: str, out: list[str], errors: list[str]) -> None:
         errors.append(repr(exc))
 
 
-def _serve(tiny_llava: Path, log: Path, grace_s: int, new_session: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(tiny_llava: Path, log: Path | None, grace_s: int,
+           new_session: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     """``mm-serve serve`` of the tiny model on a free port with ``--shutdown-grace-s grace_s``, its output in
-    ``log`` (``new_session``: in a process group of its own); returns the process and its URL."""
+    ``log`` (None: a pipe, ``proc.stdout``; ``new_session``: in a process group of its own); returns the
+    process and its URL."""
     port = free_port()
-    with open(log, "wb") as out:
+    with open(log or os.devnull, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
              "--served-model-name", "tiny", "--shutdown-grace-s", str(grace_s), "--no-auto-placement"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            start_new_session=new_session)
+            stdout=out if log else subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=new_session)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def test_sigterm_after_the_reader_of_the_output_left_still_stops(tiny_llava: Path) -> None:
+    """``mm-serve serve 2>&1 | head`` once head has exited: the drain's message meets a closed pipe
+    (EPIPE). The server still drains and exits 0, stopping its workers; a BrokenPipeError out of the
+    signal handler had left it running, ignoring SIGTERM."""
+    proc, url = _serve(tiny_llava, None, 60, new_session=True)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line.decode())
+            if "is ready" in seen[-1]:
+                break
+        assert "is ready" in seen[-1], "".join(seen)
+        workers = worker_children(proc.pid)
+        assert len(workers) == 2
+        proc.stdout.close()  # the reader leaves
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    time.sleep(0.5)
+    assert all(process_start_time(pid) is None for pid in workers)
 
 
 def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Path, tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from mm_serve.ground.console import say
+
 # Sub-command modules, in the order ``--help`` lists them. A module that is not
 # present yet (a feature still being built) is skipped.
 _SUBCOMMAND_MODULES = (
@@ -88,10 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except CLIError as exc:
-        print(f"mm-serve: error: {exc}", file=sys.stderr)
+        say(f"mm-serve: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print("mm-serve: interrupted", file=sys.stderr)
+        say("mm-serve: interrupted")
         return 130
     except BrokenPipeError:  # `mm-serve plan ... | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

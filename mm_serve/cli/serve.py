@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mm_serve.cli.main import CLIError, StopSignal
+from mm_serve.ground.console import say
 
 
 def register(subparsers: Any) -> None:
@@ -166,7 +167,7 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
         return cfg, {**own, "reason": reason}
 
     def log(line: str) -> None:
-        print(f"mm-serve: {line}", flush=True)
+        say(f"mm-serve: {line}", sys.stdout)
 
     cores = usable_cores()
     if len(cores) < 2:  # nothing to split: one worker does both phases
@@ -179,9 +180,8 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
         profile, measured = cached_profile(model_dir, dtype, len(cores), profile_dir, log)
         choice = choose_placement(cfg, model_dir, profile, cores, measured)
     except (PlannerError, ProfileError, WorkloadError, ValueError) as exc:
-        print(f"mm-serve: warning: placement.auto: the planner cannot choose ({exc}); serving the config's "
-              f"placement ({cfg.mode}; pin one with --mode or turn this off with --no-auto-placement)",
-              file=sys.stderr, flush=True)
+        say(f"mm-serve: warning: placement.auto: the planner cannot choose ({exc}); serving the config's "
+            f"placement ({cfg.mode}; pin one with --mode or turn this off with --no-auto-placement)")
         return cfg, {**own, "reason": f"planner: {exc}"}
     log(choice.describe())
     return apply_placement(cfg, **choice.keys), choice.as_dict()
@@ -196,8 +196,7 @@ def _keep_front_end_off_paced_decode(holder: Any) -> None:
     cores = paced_decode_cpus(worker.spec for worker in workers)
     now = keep_off(cores, {worker.process.pid for worker in workers if worker.process is not None})
     if now is not None:
-        print(f"mm-serve: the front end runs on cores {now}, off the paced decode worker's {sorted(cores)}",
-              flush=True)
+        say(f"mm-serve: the front end runs on cores {now}, off the paced decode worker's {sorted(cores)}", sys.stdout)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -246,8 +245,8 @@ def run(args: argparse.Namespace) -> int:
         _check_port_free(cfg.api.host, cfg.api.port)
         cfg, placement = _placement(cfg, model_dir)
         for line in cfg.ineffective_settings():
-            print(f"mm-serve: warning: {line}", file=sys.stderr, flush=True)
-        print(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", flush=True)
+            say(f"mm-serve: warning: {line}")
+        say(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", sys.stdout)
         # The workers start now, on a thread, and this process loads the tokenizer, media processors
         # and app while they load the model: about 2 s of a start.
         holder = EngineHolder(model_dir, cfg, start_now=True)
@@ -277,13 +276,13 @@ def run(args: argparse.Namespace) -> int:
             return
         if holder.start_error:
             failed.append(True)
-            print(f"mm-serve: error: workers failed to start:\n{holder.start_error}", file=sys.stderr, flush=True)
+            say(f"mm-serve: error: workers failed to start:\n{holder.start_error}")
             server.should_exit = True
         else:
             _keep_front_end_off_paced_decode(holder)
-            print(_banner(cfg.api.host, cfg.api.port, name, next(iter(cfg.api.api_keys), None), holder.model_config.vision is not None,
-                          holder.client.config.dtype, cfg.attention_backend),
-                  flush=True)
+            say(_banner(cfg.api.host, cfg.api.port, name, next(iter(cfg.api.api_keys), None),
+                        holder.model_config.vision is not None, holder.client.config.dtype, cfg.attention_backend),
+                sys.stdout)
 
     threading.Thread(target=announce, daemon=True).start()
     try:
@@ -293,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         _ignore_signals()  # the server has stopped: nothing may cut the workers' stop short
         holder.stop()  # the lifespan's shutdown has stopped them, unless uvicorn ended before its startup
-    print("mm-serve: stopped (workers and shared memory released)", file=sys.stderr, flush=True)
+    say("mm-serve: stopped (workers and shared memory released)")
     if failed:
         return 1
     return 0 if server.started else 1

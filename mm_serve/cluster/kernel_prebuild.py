@@ -17,6 +17,7 @@ import time
 
 import msgspec
 
+from mm_serve.ground.console import say
 from mm_serve.runtime.worker_spec import WorkerSpec
 
 CPU_KERNEL_BUILD_TIMEOUT_S = 300.0  # a normal build takes ~15 s on 2 cores
@@ -54,16 +55,16 @@ def prebuild_cpu_kernels(specs: list[WorkerSpec], stopping: threading.Event) -> 
             if stopping.is_set():
                 raise BuildStopped("stopped while the workers were starting")
             if time.monotonic() > deadline:  # a hung compiler, or another build stopped holding the lock
-                print(f"mm-serve: warning: building the CPU kernels took over {CPU_KERNEL_BUILD_TIMEOUT_S:.0f} s; "
-                      "stopped it, workers use the torch kernels", file=sys.stderr, flush=True)
+                say(f"mm-serve: warning: building the CPU kernels took over {CPU_KERNEL_BUILD_TIMEOUT_S:.0f} s; "
+                    "stopped it, workers use the torch kernels")
                 break
             time.sleep(0.1)
     finally:
         if build.poll() is None:
             _stop(build)
     if build.returncode is not None and build.returncode < 0 and time.monotonic() <= deadline:
-        print(f"mm-serve: warning: building the CPU kernels was killed (signal {-build.returncode}); "
-              "workers use the torch kernels", file=sys.stderr, flush=True)
+        say(f"mm-serve: warning: building the CPU kernels was killed (signal {-build.returncode}); "
+            "workers use the torch kernels")
     if build.returncode == 0:
         return specs
     replace = msgspec.structs.replace

@@ -21,7 +21,6 @@ differs (addresses, which pairs hand off over Ray, the actors), the rest is the 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import Counter
@@ -46,6 +45,7 @@ from mm_serve.cluster.worker_state import (
     health_report,
 )
 from mm_serve.config import ServiceConfig
+from mm_serve.ground.console import say
 from mm_serve.ground.roles import Role
 from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime import messages
@@ -80,8 +80,8 @@ class WorkerPool(WorkerProcesses):
         cfg = self.config
         stale = remove_stale_instances()
         if stale:
-            print(f"mm-serve: removed the run directories and shared memory of {len(stale)} stopped "
-                  f"instance(s) whose process is gone: {', '.join(stale)}", file=sys.stderr, flush=True)
+            say(f"mm-serve: removed the run directories and shared memory of {len(stale)} stopped "
+                f"instance(s) whose process is gone: {', '.join(stale)}")
         ring_list = [] if self.colocated else ring_specs(self.instance, cfg, self.model_config)
         if cfg.cluster.backend == "ray":
             from mm_serve.cluster.ray_launch import RayLaunch
@@ -151,7 +151,7 @@ class WorkerPool(WorkerProcesses):
             supervision.plan_restart(worker, reason, now, self.config.fault)
         self._rings.release(key)  # its next start uses the current rings
         others = self.may_recover(key[0])
-        print(supervision.failure_notice(key, worker, now, self.config.fault, others), file=sys.stderr, flush=True)
+        say(supervision.failure_notice(key, worker, now, self.config.fault, others))
         return WorkerFailure(key, reason, worker.status is WorkerStatus.DOWN)
 
     def _restart(self, key: WorkerKey) -> None:

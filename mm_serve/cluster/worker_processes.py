@@ -27,6 +27,7 @@ from mm_serve.cluster.control_sockets import ControlSockets
 from mm_serve.cluster.launcher import WorkerProcess, start_worker, stop_workers
 from mm_serve.cluster.stale_instances import write_owner
 from mm_serve.cluster.worker_state import WorkerKey, WorkerRecord, WorkerStartError, WorkerStatus
+from mm_serve.ground.console import say
 from mm_serve.runtime import messages
 from mm_serve.runtime.worker_spec import WorkerSpec
 
@@ -166,8 +167,8 @@ class WorkerProcesses:
         worker.last_seen = time.monotonic()
         if isinstance(msg, messages.WorkerReady) and worker.status is not WorkerStatus.READY:
             if msg.warm_up_error:
-                print(f"mm-serve: {getattr(role, 'value', role)} worker {index}: warm-up pass failed, serving without it "
-                      f"(its first requests pay the lazy initialisation): {msg.warm_up_error}", flush=True)
+                say(f"mm-serve: {getattr(role, 'value', role)} worker {index}: warm-up pass failed, serving without it "
+                    f"(its first requests pay the lazy initialisation): {msg.warm_up_error}")
             with self._send_lock:
                 worker.status = WorkerStatus.READY
                 pending, worker.pending = worker.pending, []

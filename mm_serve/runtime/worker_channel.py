@@ -8,6 +8,7 @@ import time
 import msgspec
 import zmq
 
+from mm_serve.ground.console import say
 from mm_serve.runtime import messages
 from mm_serve.transport.doorbell import DoorbellListener
 
@@ -63,7 +64,7 @@ class WorkerChannel:
             try:
                 out.append(self._decoder.decode(frame))
             except msgspec.DecodeError as exc:
-                print(f"[worker {os.getpid()}] dropped malformed control message: {exc}", flush=True)
+                say(f"[worker {os.getpid()}] dropped malformed control message: {exc}")
                 self._fail_request_of(frame, exc)
 
     def _fail_request_of(self, frame: bytes, exc: Exception) -> None:

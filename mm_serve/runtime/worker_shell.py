@@ -21,6 +21,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from mm_serve.ground.console import say
 from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
 from mm_serve.runtime.heap_freeze import freeze_startup_heap
@@ -60,7 +61,7 @@ class WorkerShell(ABC):
             self.warm_up()
         except Exception as exc:  # as before the pass existed: the first requests pay the lazy initialisation
             self.warm_up_error = repr(exc)
-            print(f"[{self.role.value} {spec.index}] warm-up pass failed, serving without it: {exc!r}", flush=True)
+            say(f"[{self.role.value} {spec.index}] warm-up pass failed, serving without it: {exc!r}")
         self.channel = WorkerChannel(spec.control_address, spec.output_address, self.accepts, spec.parent_pid)
         if self.wake_on is not None:
             self.channel.listen_to(self.wake_on)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -24,6 +23,7 @@ from types import FrameType
 import uvicorn
 
 from mm_serve.engine.engine_holder import EngineHolder
+from mm_serve.ground.console import say
 
 
 class DrainingServer(uvicorn.Server):
@@ -56,8 +56,8 @@ class DrainingServer(uvicorn.Server):
         if self._draining and not self._cut and not self._drained:  # a second signal: end the drain now (the drain thread fails what is left)
             self._cut = True
             self._holder.cut_drain()
-            print("mm-serve: stopping now: requests in flight are answered 503 (signal again to exit without "
-                  "answering them)", file=sys.stderr, flush=True)
+            say("mm-serve: stopping now: requests in flight are answered 503 (signal again to exit without "
+                "answering them)")
             return
         if self._draining:  # a third signal: exit without uvicorn's wait for open connections
             self.force_exit = True
@@ -68,8 +68,8 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         if self._grace_s > 0:
-            print(f"mm-serve: stopping: new requests get 503, in-flight ones have {self._grace_s:g} s to finish "
-                  "(signal again to stop now)", file=sys.stderr, flush=True)
+            say(f"mm-serve: stopping: new requests get 503, in-flight ones have {self._grace_s:g} s to finish "
+                "(signal again to stop now)")
         threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="mm-serve-drain", daemon=True).start()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -85,6 +85,6 @@ class DrainingServer(uvicorn.Server):
         self._drained = True
         if left:
             why = "on a second signal" if self._cut else f"after {self._grace_s:g} s" if self._grace_s > 0 else "(no grace)"
-            print(f"mm-serve: {left} request(s) still in flight {why}; stopping them", file=sys.stderr, flush=True)
+            say(f"mm-serve: {left} request(s) still in flight {why}; stopping them")
         self._holder.fail_in_flight("the service stopped before this request finished; send it again")
         super().handle_exit(sig, frame)
