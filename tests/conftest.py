@@ -17,6 +17,9 @@ _SESSION_DIR = tempfile.mkdtemp(prefix="mm-serve-tests-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _SESSION_DIR)
 # machine profiles of servers that pick their placement (mm_serve.planner.auto_placement): this session's too
 os.environ.setdefault("MM_SERVE_PROFILE_DIR", os.path.join(_SESSION_DIR, "profiles"))
+# the Batch API's default data folder ($XDG_STATE_HOME/mm-serve/batches) of servers started without
+# batch.data_dir: this session's, not the user's ~/.local/state
+os.environ["XDG_STATE_HOME"] = os.path.join(_SESSION_DIR, "state")
 
 from pathlib import Path  # noqa: E402
 

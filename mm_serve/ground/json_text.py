@@ -10,6 +10,7 @@ deep array become a 500 or a crashed job; this module is the one place that know
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -55,4 +56,6 @@ def _read(parse: Callable[..., Any], *args: Any) -> Any:
     except RecursionError:
         raise JSONTextError("nested too deeply") from None
     except ValueError as exc:
+        if "integer string conversion" in str(exc):  # not the message's advice to raise the interpreter's limit
+            raise JSONTextError(f"an integer of over {sys.get_int_max_str_digits()} digits") from None
         raise JSONTextError(str(exc)[:200]) from None
