@@ -89,12 +89,33 @@ def load_tokenizer(model_dir: str | Path) -> Any:
                               "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None
 
 
+def _check_chat_template(model_dir: str | Path, tokenizer: Any) -> None:
+    """Render a one-message chat with the checkpoint's chat template, if it has one, so that a template
+    that does not compile stops the start instead of failing every chat call.
+
+    Raises:
+        CheckpointError: the template is not valid Jinja (``jinja2.TemplateSyntaxError``). A template that
+            compiles but raises for this chat (one that wants a system message, say) is left to the calls.
+    """
+    import jinja2
+
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateSyntaxError as exc:
+        raise CheckpointError(f"{model_dir}: the chat template is not valid Jinja (line {exc.lineno}: {exc.message})") from None
+    except Exception:  # noqa: BLE001 - the template's own exceptions and checks: a call's 400 names them
+        pass
+
+
 class InputProcessor:
     """Tokenizes, renders chat templates, preprocesses images and expands image tokens."""
 
     def __init__(self, model_dir: str | Path, config: ModelConfig, tokenizer: Any | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        _check_chat_template(model_dir, self.tokenizer)
         self.image_processor: FixedSizeImages | AnyResImages | DynamicResolutionImages | None = None
         if config.vision is not None:
             try:

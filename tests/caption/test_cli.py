@@ -115,11 +115,13 @@ def test_dangling_symlink_out_is_left_alone(tmp_path: Path, capsys: pytest.Captu
 @pytest.mark.parametrize(("name", "text", "what"), [
     ("tokenizer.json", "[" * 100_000, "cannot load the tokenizer"),
     ("preprocessor_config.json", "{bad", "cannot load the image processor"),
+    ("chat_template.jinja", "{% for m in messages %}{{ m.content }", "the chat template is not valid Jinja (line 1"),
 ])
 def test_a_checkpoint_file_that_is_not_json_exits_2(tmp_path: Path, tiny_llava: Path, capsys: pytest.CaptureFixture[str],
                                                     name: str, text: str, what: str) -> None:
-    """A tokenizer nested past the recursion limit, a preprocessor config that is not JSON: a CLI error
-    naming the part (they were a traceback and exit 1)."""
+    """A tokenizer nested past the recursion limit, a preprocessor config that is not JSON, a chat template
+    that does not compile: a CLI error naming the part (they were a traceback and exit 1; the template, a
+    start that failed every chat call)."""
     broken = tmp_path / "broken"
     broken.mkdir()
     for path in tiny_llava.iterdir():
