@@ -178,6 +178,8 @@ def _start_engine(args: argparse.Namespace) -> EngineBackend:
         overrides["api.max_image_pixels"] = args.max_image_pixels
     try:
         cfg = load_config(args.config, overrides)
+        for line in cfg.ineffective_settings():
+            print(f"mm-serve caption: warning: {line}", file=sys.stderr, flush=True)
         model_dir = resolve_model(cfg.model)
         print(f"mm-serve caption: starting the {cfg.mode} engine for {model_dir} ...", file=sys.stderr, flush=True)
         return EngineBackend.start(model_dir, cfg, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -132,3 +132,16 @@ def test_a_checkpoint_file_that_is_not_json_exits_2(tmp_path: Path, tiny_llava: 
     code = main(["caption", str(tmp_path / "img"), "--out", str(tmp_path / "o.jsonl"), "--model", str(broken)])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("mm-serve: error: ") and what in last
+
+
+def test_a_setting_without_effect_is_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As ``mm-serve serve`` does: decode_pacing_always without any pacing is named before the start (which
+    then fails here on a model that does not exist)."""
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img/a.png").write_bytes(b"x")
+    config = tmp_path / "c.yaml"
+    config.write_text("model: /no/such/model\nscheduler:\n  decode_pacing_always: true\n")
+    assert main(["caption", str(tmp_path / "img"), "--out", str(tmp_path / "o.jsonl"), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "mm-serve caption: warning: scheduler.decode_pacing_always has no effect" in err
+    assert err.strip().splitlines()[-1].startswith("mm-serve: error: ")
