@@ -82,14 +82,18 @@ def test_equals_reference_on_random_batches(
 
 @pytest.mark.parametrize("sharpness", [30.0, 1e4])  # scores ~100 apart, and so far apart that exp underflows
 def test_peaked_softmax_equals_reference(op, sharpness: float) -> None:  # type: ignore[no-untyped-def]
-    """The vector exp (AVX-512 builds) near its clamp: weights of 0 and ~1e-38 stay exact enough."""
+    """The vector exp (AVX-512 builds) near its clamp: weights of 0 and ~1e-38 stay exact enough. Scores
+    ~100 apart carry float32 rounding of ~1e-5 in their weights, in torch's float32 reference as in the
+    kernel (each is ~9e-6 from the float64 answer, 1.1e-5 from each other on a Zen 5), so both are held
+    to the float64 answer: the kernel within twice the reference's own error."""
     lens = [1, 7, 16, 17, 100, 333]
     query, k, v, tables, ctx = _case(lens, page=16, hkv=2, group=2, dim=64, seed=7)
     query = query * sharpness
     got = op(query, k, v, tables, ctx, 0.125)
-    want = decode_attention_ref(query, k, v, tables, ctx, 0.125)
+    exact = decode_attention_ref(query.double(), k.double(), v.double(), tables, ctx, 0.125)
+    torch_error = (decode_attention_ref(query, k, v, tables, ctx, 0.125).double() - exact).abs().max().item()
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got.double() - exact).abs().max().item() <= 2 * torch_error + 1e-6
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
