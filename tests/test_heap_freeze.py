@@ -31,7 +31,7 @@ def test_freezing_moves_the_startup_heap_out_of_reach_and_later_garbage_is_still
     out = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120, check=True)
     seen = json.loads(out.stdout)
     assert seen["before"] > 50_000  # torch's import alone
-    assert seen["frozen"] >= seen["before"] * 0.9  # (the first collection may free a few)
+    assert seen["frozen"] >= seen["before"]  # all of it, without a collection first
     # only the 2,000 objects made after the freeze (+ the frames and lists of the script) are tracked
     assert 2000 <= seen["tracked"] < 2300, seen
     assert seen["collected"] >= 1000  # the dead cycles made after the freeze are collected
