@@ -227,10 +227,6 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.engine.engine_holder import EngineHolder
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.named_models import resolve_model
-    from mm_serve.pipeline.context import ServerContext
-    from mm_serve.server.app import build_app
-    from mm_serve.server.draining_server import DrainingServer
-    from mm_serve.server.guarded_http import HTTPLimits, guarded_h11
 
     try:
         cfg = load_config(args.config, _overrides(args))
@@ -253,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError) as exc:
         raise CLIError(str(exc)) from None
     try:
+        # imported once the workers are starting (0.4 s of imports they need not wait for)
+        from mm_serve.pipeline.context import ServerContext
+        from mm_serve.server.app import build_app
+        from mm_serve.server.draining_server import DrainingServer
+        from mm_serve.server.guarded_http import HTTPLimits, guarded_h11
+
         name = cfg.served_model_name or str(cfg.model)
         ctx = ServerContext(holder=holder, config=cfg, served_model_name=name, placement=placement)
         app = build_app(ctx)
