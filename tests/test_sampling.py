@@ -39,6 +39,16 @@ def test_greedy_ignores_seed(llm: LLM) -> None:
     assert a[0].token_ids == b[0].token_ids
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324, 1e-6])
+def test_a_temperature_below_greedy_below_decodes_greedily(llm: LLM, temperature: float) -> None:
+    """Logits divided by 1e-40 overflow to inf and every token came out as id 0 (<unk>); under 1e-5
+    (vLLM's bound) decoding is greedy, seed or not."""
+    greedy = llm.generate({"prompt": "The cat"}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    tiny = llm.generate({"prompt": "The cat"}, SamplingParams(max_tokens=8, temperature=temperature, seed=3,
+                                                              ignore_eos=True))
+    assert tiny[0].token_ids == greedy[0].token_ids and set(greedy[0].token_ids) != {0}
+
+
 def test_top_k_one_equals_greedy(llm: LLM) -> None:
     greedy = llm.generate({"prompt": "Water boils"}, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     topk1 = llm.generate({"prompt": "Water boils"}, SamplingParams(max_tokens=12, temperature=1.5, top_k=1, seed=5, ignore_eos=True))

@@ -28,11 +28,17 @@ def _check_real(name: str, value: object, low: float, high: float, low_open: boo
         raise ValueError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (vLLM's ``_SAMPLING_EPS``): logits divided by a temperature
+under ~1e-38 overflow float32 to infinity and the softmax to NaN, and well before that the sampled
+distribution is the argmax anyway."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy decoding (argmax). Otherwise logits are divided
+    ``temperature`` under :data:`GREEDY_BELOW` (0 included) is greedy decoding (argmax). Otherwise logits are divided
     by ``temperature``, then restricted to the ``top_k`` most likely tokens
     (``0`` = all) and to the smallest set whose probability reaches ``top_p``
     (nucleus sampling, Holtzman et al. 2020), then sampled with a generator
@@ -130,4 +136,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: ``temperature`` below :data:`GREEDY_BELOW`."""
+        return self.temperature < GREEDY_BELOW
