@@ -77,6 +77,8 @@ def test_choices_are_escaped_and_bad_grammars_name_the_problem(tiny_llava: Path)
     # xgrammar raises with no message for a number past a double's range: still a GrammarError (it was
     # an IndexError, a 500)
     with pytest.raises(GrammarError, match="cannot be compiled"):
+        book.compile(("json", '{"type": "number", "maximum": 1' + "0" * 320 + "}"), 512)
+    with pytest.raises(GrammarError, match="outside the 64-bit range"):  # an integer's: named before xgrammar
         book.compile(("json", '{"type": "integer", "maximum": 1' + "0" * 320 + "}"), 512)
 
 

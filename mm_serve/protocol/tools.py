@@ -92,10 +92,14 @@ class ToolError(ValueError):
 
 
 def _parameters(function: FunctionDef) -> dict[str, Any]:
-    """The schema of ``function``'s arguments; a function declared without ``parameters`` takes none: ``{}``."""
-    if function.parameters is not None:
+    """The schema of ``function``'s arguments; a function declared without ``parameters`` takes none: ``{}``.
+    Arguments are a JSON object whatever the schema: one that names no type, ``{}`` included (which any JSON
+    value matches: a call's arguments came out as ``9``), is given ``"type": "object"``."""
+    if function.parameters is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    if any(key in function.parameters for key in ("type", "$ref", "anyOf", "oneOf", "allOf", "enum", "const")):
         return function.parameters
-    return {"type": "object", "properties": {}, "additionalProperties": False}
+    return {**function.parameters, "type": "object"}
 
 
 def tool_mode(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:

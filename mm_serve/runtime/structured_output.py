@@ -34,8 +34,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mm_serve.runtime.grammar_error import GrammarError
 from mm_serve.runtime.json_closing import JsonClosing
 from mm_serve.runtime.logit_controls import split_outputs
+from mm_serve.runtime.schema_combinators import enforceable
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +49,6 @@ GRAMMAR_KINDS = ("json", "json_object", "regex", "choice")
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " message prefix
 
 
-class GrammarError(ValueError):
-    """A grammar xgrammar cannot compile (the message names the problem), or an unknown kind."""
 
 
 # One character of a JSON string as it is written (RFC 8259 §7): a printable ASCII character but a quote or a
@@ -81,7 +81,7 @@ def _length(value: Any, key: str) -> int:
     return value
 
 
-def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: int = 0) -> Any:
+def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: int = 0, root: Any = None) -> Any:
     """``schema`` with each string schema (with no ``pattern``, ``format``, ``enum`` or ``const`` of its own)
     given the ``pattern`` of its ``minLength`` / ``maxLength`` (none: any length) instead: the same strings,
     counted in characters, written as valid JSON. xgrammar (0.2.9) lets a length-bounded string hold raw
@@ -90,23 +90,29 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
     its strings with a pattern follow the pattern. Only the places that hold schemas are walked (not
     ``const``, ``enum``, ``default`` or ``examples`` values).
 
+    Combinators and ``$ref`` siblings are first put in a form xgrammar enforces
+    (:func:`~mm_serve.runtime.schema_combinators.enforceable`; ``root`` is the whole schema, for ``$ref``).
+
     Raises:
         GrammarError: a keyword in :data:`UNSUPPORTED_KEYWORDS`, a ``$ref`` outside the schema, a length
             that is not a non-negative integer, more optional properties than :data:`MAX_OPTIONAL_PROPERTIES`
             in one object (:data:`MAX_OPTIONAL_PROPERTIES_TOTAL` in all), schemas nested deeper than
-            :data:`MAX_SCHEMA_DEPTH`, a ``pattern`` with a lookaround, or a ``required`` property that the
+            :data:`MAX_SCHEMA_DEPTH`, a ``pattern`` with a lookaround or an anchor inside it, an integer bound
+            past 64 bits, a combinator xgrammar would not enforce, or a ``required`` property that the
             object's ``properties`` (if any) does not list (xgrammar enforces neither).
     """
     counted = [0] if counted is None else counted
     if not isinstance(schema, dict):
         return schema
+    root = schema if root is None else root
     if depth > MAX_SCHEMA_DEPTH:
         raise GrammarError(f"the schema nests schemas more than {MAX_SCHEMA_DEPTH} levels deep (its compile time "
                            "grows fast with the nesting)")
+    schema = enforceable(schema, root)
     pattern = schema.get("pattern")
-    if isinstance(pattern, str) and _LOOKAROUND.search(pattern):
-        raise GrammarError(f"the pattern {pattern!r:.80} has a lookaround assertion, which the grammar engine "
-                           "does not enforce")
+    if isinstance(pattern, str):
+        check_pattern(pattern)
+    _check_integer_bounds(schema)
     for key in UNSUPPORTED_KEYWORDS:
         if key in schema:
             raise GrammarError(f"the JSON Schema keyword {key!r} is not supported by the grammar engine "
@@ -132,15 +138,15 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
     deeper = depth + 1
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = strings_as_patterns(out[key], counted, deeper)
+            out[key] = strings_as_patterns(out[key], counted, deeper, root)
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [strings_as_patterns(item, counted, deeper) for item in out[key]]
+            out[key] = [strings_as_patterns(item, counted, deeper, root) for item in out[key]]
     if isinstance(out.get("items"), list):  # draft-4 tuple form
-        out["items"] = [strings_as_patterns(item, counted, deeper) for item in out["items"]]
+        out["items"] = [strings_as_patterns(item, counted, deeper, root) for item in out["items"]]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: strings_as_patterns(sub, counted, deeper) for name, sub in out[key].items()}
+            out[key] = {name: strings_as_patterns(sub, counted, deeper, root) for name, sub in out[key].items()}
     if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
         low = _length(out.pop("minLength", 0), "minLength")
         high = out.pop("maxLength", None)
@@ -149,6 +155,51 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
             raise GrammarError(f"maxLength ({high}) is below minLength ({low})")
         out["pattern"] = f"^{_JSON_CHAR}{{{low},{'' if high is None else high}}}$"
     return out
+
+
+def check_pattern(pattern: str) -> None:
+    """Refuse a regular expression xgrammar would not enforce as written.
+
+    Raises:
+        GrammarError: a lookaround assertion (ignored by xgrammar), or ``^`` / ``$`` anywhere but at the
+            pattern's start / end outside a character class (xgrammar reads such an anchor as nothing:
+            ``a^b``, which matches no string, produced ``ab``).
+    """
+    if _LOOKAROUND.search(pattern):
+        raise GrammarError(f"the pattern {pattern!r:.80} has a lookaround assertion, which the grammar engine "
+                           "does not enforce")
+    in_class, i = False, 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":  # an escaped character, whatever it is
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            i += 1
+            i += pattern[i: i + 1] == "^"  # a negated class
+            i += pattern[i: i + 1] == "]"  # a ] first in a class is one of its members
+            continue
+        elif (char == "^" and i > 0) or (char == "$" and i < len(pattern) - 1):
+            raise GrammarError(f"the pattern {pattern!r:.80} has an anchor ({char}) inside it, which the grammar "
+                               "engine does not enforce; anchors may only start (^) or end ($) a pattern")
+        i += 1
+
+
+_INT64 = 2**63
+
+
+def _check_integer_bounds(schema: dict[str, Any]) -> None:
+    types = schema.get("type")
+    if types != "integer" and not (isinstance(types, list) and "integer" in types):
+        return
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        value = schema.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+            raise GrammarError(f"{key} {value!r:.40} of an integer is outside the 64-bit range the grammar engine "
+                               "handles")
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -296,6 +347,7 @@ class GrammarBook:
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
+                check_pattern(text)
                 return compiler.compile_regex(text)
             if kind == "choice":
                 return compiler.compile_grammar(choice_ebnf(json.loads(text)))
