@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -33,6 +32,7 @@ from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.origin import CallOrigin
 from mm_serve.pipeline.pipeline import admit_call
 from mm_serve.pipeline.responses import answer
+from mm_serve.protocol.batch_rows import answered_whole
 from mm_serve.protocol.errors import APIError, validation_error
 from mm_serve.protocol.schemas import ChatCompletionRequest, CompletionRequest, dump
 
@@ -97,10 +97,9 @@ class RowBackend(CaptionBackend):
         # rows run in the batch SLO tier (lowest priority, preempted first, never refused for
         # latency) unless the row names another service_tier (null and "auto", like absent: the
         # batch tier is the default of a batch row)
-        body: dict[str, Any] = {"model": self.ctx.served_model_name, **(item.body or {}), "stream": False}
+        body = answered_whole(self.ctx.served_model_name, item.body)
         if body.get("service_tier") in (None, "auto"):
             body["service_tier"] = "batch"
-        body.pop("stream_options", None)
         origin = CallOrigin.internal(self.tenant)
         try:
             request = (CompletionRequest if item.url == COMPLETIONS_URL else ChatCompletionRequest).model_validate(body)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
@@ -28,6 +27,7 @@ from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.origin import CallOrigin
 from mm_serve.pipeline.pipeline import admit_call
 from mm_serve.pipeline.responses import answer
+from mm_serve.protocol.batch_rows import answered_whole
 from mm_serve.protocol.errors import APIError, validation_error
 from mm_serve.protocol.schemas import (
     ChatCompletionRequest,
@@ -57,8 +57,7 @@ class EngineBatchRequests:
         Raises:
             FatalBackendError: the engine went down.
         """
-        body: dict[str, Any] = {"model": self.model_name, **(item.body or {}), "stream": False}
-        body.pop("stream_options", None)
+        body = answered_whole(self.model_name, item.body)
         origin = CallOrigin.internal()
         try:
             try:

@@ -37,6 +37,7 @@ from mm_serve.caption.backends import (
 from mm_serve.caption.inputs import CaptionInput
 from mm_serve.caption.records import Outcome, failure
 from mm_serve.media.errors import ImageError
+from mm_serve.protocol.batch_rows import answered_whole
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _PASS_THROUGH = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}
@@ -98,7 +99,7 @@ class ServerBackend(CaptionBackend):
         """Caption one input (see :class:`CaptionBackend` for the contract)."""
         start = time.perf_counter()
         if item.body is not None:
-            body = {"model": self.model, **item.body}
+            body = answered_whole(self.model, item.body)
         else:
             try:
                 uri = await asyncio.to_thread(self._video_uri if item.is_video else self._image_uri, item)
