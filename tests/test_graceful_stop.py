@@ -247,6 +247,48 @@ def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(ti
     assert set(Path(tempfile.gettempdir()).glob("mmsrv-*")) <= run_dirs
 
 
+def test_sigterm_while_the_workers_load_behind_a_running_front_end_exits_130(tiny_llava: Path, tmp_path: Path) -> None:
+    """The front end answers (``/health`` 503) while the workers' start waits on a CPU kernel build (a
+    compiler that never returns): a SIGTERM then stops the start, exit 130 as before uvicorn ran (it was
+    0, with no banner, as if the service had stopped after serving), and the build is stopped too."""
+    hung = tmp_path / "hung-cxx"
+    hung.write_text("#!/bin/sh\nexec sleep 987.654\n")  # a length no other process sleeps
+    hung.chmod(0o755)
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CXX": str(hung), "MM_SERVE_CACHE_DIR": str(tmp_path / "cache")}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
+             "--no-auto-placement"], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        status = 0
+        while status != 503 and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert status == 503, log.read_text()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 130, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert "interrupted before the workers were ready" in text and "is ready" not in text
+    time.sleep(0.5)
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == "sleep 987.654 "]
+
+
+def _cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 _SIGNAL_IN_EXEC = '''
 import os, signal, sys
 from mm_serve.cli import main as cli

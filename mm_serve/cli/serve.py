@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,14 @@ def _keep_front_end_off_paced_decode(holder: Any) -> None:
         say(f"mm-serve: the front end runs on cores {now}, off the paced decode worker's {sorted(cores)}", sys.stdout)
 
 
+def _bound_port(server: Any, asked: int) -> int:
+    """The port uvicorn's listener is bound to (``--port 0`` asks the system for a free one), else ``asked``."""
+    for listener in getattr(server, "servers", []):
+        for sock in getattr(listener, "sockets", []):
+            return int(sock.getsockname()[1])
+    return asked
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     """SIGINT or SIGTERM before uvicorn takes the signals over: stop the start as Ctrl-C does, once; a
     second signal is ignored, so it cannot cut short the stop of the workers already started."""
@@ -270,6 +279,7 @@ def run(args: argparse.Namespace) -> int:
         raise
 
     failed: list[bool] = []
+    announced: list[bool] = []
 
     def announce() -> None:
         holder.ready_event.wait()
@@ -282,9 +292,12 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
         else:
             _keep_front_end_off_paced_decode(holder)
-            say(_banner(cfg.api.host, cfg.api.port, name, next(iter(cfg.api.api_keys), None),
+            while not server.started and not server.should_exit:  # the port bound (--port 0: known only then)
+                time.sleep(0.01)
+            say(_banner(cfg.api.host, _bound_port(server, cfg.api.port), name, next(iter(cfg.api.api_keys), None),
                         holder.model_config.vision is not None, holder.client.config.dtype, cfg.attention_backend),
                 sys.stdout)
+            announced.append(True)
 
     threading.Thread(target=announce, daemon=True).start()
     try:
@@ -295,6 +308,9 @@ def run(args: argparse.Namespace) -> int:
         _ignore_signals()  # the server has stopped: nothing may cut the workers' stop short
         holder.stop()  # the lifespan's shutdown has stopped them, unless uvicorn ended before its startup
     say("mm-serve: stopped (workers and shared memory released)")
-    if failed:
+    if failed or not server.started:
         return 1
-    return 0 if server.started else 1
+    if not announced:  # a signal while the workers still loaded: the start was stopped, as before uvicorn ran
+        say("mm-serve: interrupted before the workers were ready")
+        return 130
+    return 0
