@@ -43,3 +43,22 @@ def test_profile_rejects_bad_sizes(tiny_llava: Path, tmp_path: Path, capsys: pyt
                      "--parallel-threads", counts]) == 2
         assert f"--parallel-threads counts must be between 2 and the {len(usable_cores())} usable cores, " \
             f"got '{counts}'" in capsys.readouterr().err
+
+
+def test_profile_default_sizes_fit_the_embedded_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default sizes (up to 1024 tokens) are capped to the default (embedded) model's 512-token
+    context, with a note, instead of failing; sizes given explicitly past it stay an error naming the flag."""
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--out", str(out), "--repeats", "1",
+                 "--decode-batches", "1,2"]) == 0
+    data = json.loads(out.read_text())
+    assert [r["tokens"] for r in data["prefill"]] == [32, 128, 511]
+    assert [(r["batch"], r["context"]) for r in data["decode"]] == [(1, 128), (1, 511), (2, 128), (2, 511)]
+    err = capsys.readouterr().err
+    assert "mm-serve profile: the model's context is 512 tokens: default --prefill-tokens 512,1024 -> 511; " \
+        "--decode-contexts 512 -> 511" in err
+    assert len(load_profile(out).prefill) == 3
+    assert main(["profile", "--model", "embedded", "--out", str(tmp_path / "p.json"),
+                 "--prefill-tokens", "32,512"]) == 2
+    assert "sizes exceed the model's context length (512 tokens): --prefill-tokens 512 (at most 511" \
+        in capsys.readouterr().err

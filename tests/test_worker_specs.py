@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from mm_serve.cluster.worker_specs import build_worker_specs
-from mm_serve.config import load_config
+import pytest
+
+from mm_serve.cluster.launcher import available_cpus
+from mm_serve.cluster.worker_specs import (
+    build_worker_specs,
+    check_cores,
+    check_supported,
+    core_ranges,
+)
+from mm_serve.config import ConfigError, load_config
 
 
 def _specs(tmp_path: Path, overrides: dict[str, Any]) -> list[tuple[str, int, list[int], int]]:
@@ -52,3 +63,40 @@ def test_a_rings_feature_rows_never_exceed_a_context(tmp_path: Path) -> None:
     (spec,) = ring_specs("t", cfg, model)
     context = model.text.max_position_embeddings
     assert spec.feature_rows == context * min(cfg.scheduler.ring_buffer_size, 4)
+
+
+def test_cores_this_process_may_not_run_on_are_an_error_naming_the_key() -> None:
+    """A core outside the usable set would leave its worker unpinned (on every core), silently."""
+    usable = [0, 1]
+    check_cores(load_config(None, {"compute.prefill_cpus": [0], "compute.decode_cpus": [1]}), usable)
+    check_cores(load_config(None, {}), usable)  # no cores given: the default halves of the usable ones
+    with pytest.raises(ConfigError) as err:
+        check_cores(load_config(None, {"compute.prefill_cpus": [99], "compute.decode_cpus": [1]}), usable)
+    assert str(err.value) == "compute.prefill_cpus: core 99 is not one this process may run on (usable: 0-1)"
+    with pytest.raises(ConfigError, match=r"^compute.decode_cpus: cores 2, 7 are not ones this process may run on "
+                                          r"\(usable: 0-1,4,8-10\)$"):
+        check_cores(load_config(None, {"compute.prefill_cpus": [0], "compute.decode_cpus": [2, 1, 7]}),
+                    [0, 1, 4, 8, 9, 10])
+    with pytest.raises(ConfigError, match="^compute.decode_cpus: core 5 "):
+        check_cores(load_config(None, {"mode": "colocated", "compute.decode_cpus": [5]}), usable)
+    # Ray workers pin cores of the nodes Ray places them on: this machine's cores say nothing of theirs
+    check_cores(load_config(None, {"cluster.backend": "ray", "cluster.prefill_nodes": [1],
+                                   "compute.prefill_cpus": [99], "compute.decode_cpus": [1]}), usable)
+    # checked at start, not when a config is read (it may be planned for another machine)
+    far = load_config(None, {"compute.prefill_cpus": [max(available_cpus()) + 1]})
+    with pytest.raises(ConfigError, match=r"^compute.prefill_cpus: core \d+ is not one this process may run on"):
+        check_supported(far)
+    assert core_ranges([3, 0, 1, 2, 5]) == "0-3,5" and core_ranges([]) == "none"
+
+
+def test_serve_refuses_a_core_this_process_may_not_run_on(tmp_path: Path) -> None:
+    """`mm-serve serve` exits 2 with one line naming the key, before any worker starts."""
+    usable = available_cpus()
+    config = tmp_path / "c.yaml"
+    config.write_text(f"compute: {{prefill_cpus: [{max(usable) + 1}], decode_cpus: [{usable[0]}]}}\n")
+    done = subprocess.run([sys.executable, "-m", "mm_serve", "serve", "--config", str(config), "--port", "8337"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"mm-serve: error: compute.prefill_cpus: core {max(usable) + 1} is not one this process may run on "
+        f"(usable: {core_ranges(usable)})"]

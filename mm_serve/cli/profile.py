@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from mm_serve.cli.main import CLIError
+
+DEFAULT_PREFILL_TOKENS = (32, 128, 512, 1024)
+DEFAULT_DECODE_CONTEXTS = (128, 512)
+"""The sizes timed when the flags are not given; those past the model's context are capped to it."""
 
 
 def register(subparsers: Any) -> None:
@@ -21,9 +26,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one core per worker by default)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prefill-tokens", default="32,128,512,1024")
+    p.add_argument("--prefill-tokens", default=None, metavar="N,...",
+                   help=f"prompt lengths to time (default: {_join(DEFAULT_PREFILL_TOKENS)}, the ones past the "
+                        "model's context replaced by the longest that fits)")
     p.add_argument("--decode-batches", default="1,4,16,32")
-    p.add_argument("--decode-contexts", default="128,512")
+    p.add_argument("--decode-contexts", default=None, metavar="N,...",
+                   help=f"context lengths to time decode steps at (default: {_join(DEFAULT_DECODE_CONTEXTS)}, "
+                        "capped to the model's context as --prefill-tokens)")
     p.add_argument("--parallel-threads", default="", metavar="N,...",
                    help="with --threads 1, also time every size on each of these thread counts: the planner "
                         "prices an instance of N cores from them (a tensor_parallel entry of degree N)")
@@ -47,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.planner.auto_placement import usable_cores
     from mm_serve.planner.profiler import measure_profile
 
-    prefill_tokens = _ints(args.prefill_tokens, "--prefill-tokens")
+    prefill_tokens = _ints(args.prefill_tokens, "--prefill-tokens") if args.prefill_tokens is not None else None
     batches = _ints(args.decode_batches, "--decode-batches")
-    contexts = _ints(args.decode_contexts, "--decode-contexts")
+    contexts = _ints(args.decode_contexts, "--decode-contexts") if args.decode_contexts is not None else None
     parallel = _ints(args.parallel_threads, "--parallel-threads") if args.parallel_threads.strip() else []
     if args.threads < 1 or args.repeats < 1:
         raise CLIError("--threads and --repeats must be >= 1")
@@ -65,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise CLIError(str(exc)) from None
     limit = _context_limit(model_dir)
-    if max(prefill_tokens) + 1 > limit or max(contexts) + 1 > limit:
-        raise CLIError(f"sizes exceed the model's context length ({limit} tokens)")
+    prefill_tokens, contexts = _fit_sizes(prefill_tokens, contexts, limit)
     profile = measure_profile(model_dir, args.threads, args.repeats, prefill_tokens, batches, contexts,
                               log=lambda line: print(line, flush=True), parallel_threads=parallel)
     out = Path(args.out)
@@ -74,6 +82,46 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(profile, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def _join(sizes: tuple[int, ...] | list[int]) -> str:
+    return ",".join(str(v) for v in sizes)
+
+
+def _fit_sizes(prefill_tokens: list[int] | None, contexts: list[int] | None, limit: int) -> tuple[list[int], list[int]]:
+    """The prefill sizes and decode contexts to time on a model of ``limit`` context tokens (a prompt
+    or context must leave room for one more token, so sizes go up to ``limit - 1``). Sizes the user
+    gave (not None) that do not fit are an error naming the flag; in place of the defaults past it
+    (``None``), the largest size that fits is timed once, so the points still reach the model's
+    context, with a one-line note on stderr.
+
+    Raises:
+        CLIError: a given size does not fit, or the model's context leaves no size at all.
+    """
+    largest = limit - 1
+    if largest < 1:
+        raise CLIError(f"the model's context length ({limit} tokens) leaves no size to profile")
+    fitted: list[list[int]] = []
+    capped: list[str] = []
+    for given, default, flag in ((prefill_tokens, DEFAULT_PREFILL_TOKENS, "--prefill-tokens"),
+                                 (contexts, DEFAULT_DECODE_CONTEXTS, "--decode-contexts")):
+        if given is not None:
+            over = [v for v in given if v > largest]
+            if over:
+                raise CLIError(f"sizes exceed the model's context length ({limit} tokens): {flag} {_join(over)} "
+                               f"(at most {largest}, one token stays for the next step)")
+            fitted.append(given)
+            continue
+        kept = [v for v in default if v <= largest]
+        over = [v for v in default if v > largest]
+        if over:
+            kept.append(largest)
+            capped.append(f"{flag} {_join(over)} -> {largest}")
+        fitted.append(kept)
+    if capped:
+        print(f"mm-serve profile: the model's context is {limit} tokens: default {'; '.join(capped)}",
+              file=sys.stderr, flush=True)
+    return fitted[0], fitted[1]
 
 
 def _context_limit(model_dir: Path) -> int:

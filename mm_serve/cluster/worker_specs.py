@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
-from mm_serve.cluster.launcher import default_role_cpus, split_cpus
+from mm_serve.cluster.launcher import available_cpus, default_role_cpus, split_cpus
 from mm_serve.config import ComputeConfig, ConfigError, ServiceConfig
 from mm_serve.ground.roles import Role
 from mm_serve.ground.tiers import Tier
@@ -39,7 +40,8 @@ def check_supported(cfg: ServiceConfig) -> None:
     """Refuse configs the runtime cannot run (the planner may still model them).
 
     Raises:
-        ConfigError: TP or PP above 1, or (local backend) GPUs configured where CUDA is unavailable.
+        ConfigError: TP or PP above 1, or (local backend) GPUs configured where CUDA is unavailable or
+            cores this process may not run on (:func:`check_cores`).
     """
     compute = cfg.compute
     for role in (Role.PREFILL, Role.DECODE):
@@ -53,6 +55,39 @@ def check_supported(cfg: ServiceConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ConfigError("compute.prefill_gpus / decode_gpus are set but CUDA is not available here")
+    check_cores(cfg)
+
+
+def check_cores(cfg: ServiceConfig, usable: Iterable[int] | None = None) -> None:
+    """Refuse core ids in ``compute.prefill_cpus`` / ``decode_cpus`` that this process may not run on
+    (``usable``, by default :func:`~mm_serve.cluster.launcher.available_cpus`: ``os.sched_getaffinity(0)``
+    where there is one): a worker pinned to none of its cores would run unpinned, on any of them. Checked
+    where the config meets this machine (at start), not when a config is read: a config may be written or
+    planned for another. With ``cluster.backend: ray`` the workers pin cores of the nodes Ray places them
+    on, not this machine's: nothing is checked here.
+
+    Raises:
+        ConfigError: naming the key, the cores and the cores this process may use.
+    """
+    if cfg.cluster.backend != "local":
+        return
+    allowed = set(available_cpus() if usable is None else usable)
+    for key in ("prefill_cpus", "decode_cpus"):
+        bad = [core for core in getattr(cfg.compute, key) if core not in allowed]
+        if bad:
+            what = f"core {bad[0]} is not one" if len(bad) == 1 else f"cores {', '.join(map(str, bad))} are not ones"
+            raise ConfigError(f"compute.{key}: {what} this process may run on (usable: {core_ranges(allowed)})")
+
+
+def core_ranges(cores: Iterable[int]) -> str:
+    """``cores`` as sorted ranges, e.g. ``0-3,6,8-9`` (``none`` when empty)."""
+    runs: list[list[int]] = []
+    for core in sorted(set(cores)):
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs) or "none"
 
 
 def worker_device(cfg: ServiceConfig, role: Role, index: int) -> str:
