@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)  # "nan" fails every bound: name it
 
 
 class ComputeConfig(_Frozen):

@@ -58,6 +58,8 @@ def test_default_yaml_lists_every_key_with_its_default() -> None:
     ("scheduler.prefill_routing", "round_robin", "'cache_aware' or 'least_queued'"),
     ("api.event_loop", "trio", "'auto', 'asyncio' or 'uvloop'"),
     ("api.http_parser", "h2", "'auto', 'h11' or 'httptools'"),
+    ("api.shutdown_grace_s", float("nan"), "finite number"),  # was "less than or equal to 3600"
+    ("api.timeout_ms", float("inf"), "finite number"),
 ])
 def test_bad_values_name_key_value_and_rule(key: str, value: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -104,6 +104,8 @@ def test_stop_string_is_cut(llm: LLM) -> None:
     ({"stop_token_ids": [10**30]}, "stop_token_ids"), ({"stop_token_ids": ["5"]}, "stop_token_ids"),
     ({"stop": [1]}, "stop"), ({"max_tokens": 10**30}, "max_tokens"), ({"temperature": None}, "temperature"),
     ({"temperature": float("nan")}, "temperature"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stop": 5}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids"),  # were TypeErrors (not iterable)
+    ({"logit_bias": 5}, "logit_bias"), ({"logit_bias": [(1,)]}, "logit_bias"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

@@ -103,9 +103,11 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r:.60}")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids", token, 0, MAX_TOKEN_ID)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -114,7 +116,11 @@ class SamplingParams:
         _check_real("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         _check_real("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        pairs = tuple((token, value) for token, value in bias)
+        try:
+            pairs = tuple((token, value) for token, value in bias)
+        except (TypeError, ValueError):  # not iterable, or items that are not pairs
+            raise ValueError(f"logit_bias must map token ids to biases (a dict or (id, bias) pairs), got "
+                             f"{self.logit_bias!r:.60}") from None
         for token, value in pairs:
             _check_int("logit_bias token id", token, 0, MAX_TOKEN_ID)
             _check_real("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
