@@ -2,8 +2,9 @@
 
 OpenAI's ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}}``) and vLLM's extensions: ``guided_json`` (a schema), ``guided_regex``,
-``guided_choice`` (a list of strings), and their newer spelling ``structured_outputs`` (``json``, ``regex``,
-``choice``, ``json_object``). A call asks for one of them at most. :func:`grammar_of` turns the one it asks
+``guided_choice`` (a list of strings), ``guided_grammar`` (EBNF, in xgrammar's dialect: ``root ::= ...``),
+and their newer spelling ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``). A call asks for one of them at most. :func:`grammar_of` turns the one it asks
 for into the engine's ``(kind, text)`` spec (:mod:`mm_serve.runtime.structured_output`).
 """
 
@@ -49,12 +50,13 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs`` object; its other members (``grammar``, ``structural_tag``) are a 400."""
+    """vLLM's ``structured_outputs`` object; its other members (``structural_tag``) are a 400."""
 
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
     json_object: bool | None = None
 
 
@@ -67,8 +69,10 @@ class StructuredFields(BaseModel):
     guided_json: dict[str, Any] | str | None = Field(None, description="extension (vLLM): a JSON schema the output follows")
     guided_regex: str | None = Field(None, description="extension (vLLM): a regular expression the output matches")
     guided_choice: list[str] | None = Field(None, description="extension (vLLM): the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="extension (vLLM): an EBNF grammar (xgrammar's dialect, "
+                                                         "root ::= ...) the output follows")
     structured_outputs: StructuredOutputs | None = Field(
-        None, description="extension (vLLM): {json | regex | choice | json_object}, as the guided_* fields")
+        None, description="extension (vLLM): {json | regex | choice | grammar | json_object}, as the guided_* fields")
 
 
 def _schema_text(schema: dict[str, Any] | str | bool, param: str) -> str:
@@ -110,10 +114,13 @@ def grammar_of(body: StructuredFields) -> tuple[GrammarSpec, str] | None:
         asked.append((("regex", body.guided_regex), "guided_regex"))
     if body.guided_choice is not None:
         asked.append((("choice", _choices(body.guided_choice, "guided_choice")), "guided_choice"))
+    if body.guided_grammar is not None:
+        asked.append((("grammar", body.guided_grammar), "guided_grammar"))
     so = body.structured_outputs
     if so is not None:
         given = [(name, value) for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                                   ("json_object", so.json_object or None)) if value is not None]
+                                                   ("grammar", so.grammar), ("json_object", so.json_object or None))
+                 if value is not None]
         for name, value in given:
             param = f"structured_outputs.{name}"
             if name == "json":

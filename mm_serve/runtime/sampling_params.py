@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mm_serve.runtime.grammar_spec import GRAMMAR_KINDS
+
 MAX_TOP_K = 2**31 - 1  # any value at or above the vocabulary size keeps every token
 MAX_TOKENS = 2**31 - 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -129,8 +131,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in pairs))
         if self.structured is not None:
             kind, text = self.structured
-            if kind not in ("json", "json_object", "regex", "choice") or not isinstance(text, str):
-                raise ValueError(f"structured must be (kind, text) with kind json, json_object, regex or choice, "
+            if kind not in GRAMMAR_KINDS or not isinstance(text, str):
+                raise ValueError(f"structured must be (kind, text) with kind one of {', '.join(GRAMMAR_KINDS)}, "
                                  f"got {self.structured!r:.200}")
             object.__setattr__(self, "structured", (kind, text))
 

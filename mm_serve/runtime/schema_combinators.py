@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mm_serve.runtime.grammar_error import GrammarError
+from mm_serve.runtime.grammar_spec import GrammarError
 
 # keywords that describe and do not validate: kept where they are, never merged
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "default", "examples", "deprecated", "readOnly",

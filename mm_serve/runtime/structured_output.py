@@ -2,7 +2,8 @@
 
 A request that asks for structured output carries a :data:`GrammarSpec` in its sampling parameters:
 ``("json", schema text)`` (OpenAI's ``response_format`` ``json_schema``, vLLM's ``guided_json``),
-``("json_object", "")`` (any JSON object), ``("regex", pattern)`` or ``("choice", JSON list of strings)``.
+``("json_object", "")`` (any JSON object), ``("regex", pattern)``, ``("choice", JSON list of strings)`` or
+``("grammar", EBNF)`` (vLLM's ``guided_grammar``, in xgrammar's EBNF dialect).
 Every process that samples (the prefill worker's first token, the decode worker, the colocated engine)
 holds a :class:`GrammarBook`: the checkpoint's tokenizer as xgrammar's ``TokenizerInfo``, one
 ``GrammarCompiler`` whose cache keeps each compiled grammar by its spec, and each request's
@@ -34,7 +35,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_serve.runtime.grammar_error import GrammarError
+from mm_serve.runtime.grammar_spec import GRAMMAR_KINDS, GrammarError, GrammarSpec
 from mm_serve.runtime.json_closing import JsonClosing
 from mm_serve.runtime.logit_controls import split_outputs
 from mm_serve.runtime.schema_combinators import enforceable
@@ -44,8 +45,7 @@ if TYPE_CHECKING:
 
     from mm_serve.runtime.request import Request
 
-GrammarSpec = tuple[str, str]  # (kind, text): kinds in GRAMMAR_KINDS
-GRAMMAR_KINDS = ("json", "json_object", "regex", "choice")
+__all__ = ["GRAMMAR_KINDS", "GrammarBook", "GrammarError", "GrammarSpec", "choice_ebnf", "strings_as_patterns"]
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # xgrammar's "[time] file.cc:line: " message prefix
 
 
@@ -351,6 +351,8 @@ class GrammarBook:
                 return compiler.compile_regex(text)
             if kind == "choice":
                 return compiler.compile_grammar(choice_ebnf(json.loads(text)))
+            if kind == "grammar":
+                return compiler.compile_grammar(text)
         except RuntimeError as exc:  # xgrammar's message; it gives none for, e.g., an integer past a double's range
             lines = str(exc).strip().splitlines()
             raise GrammarError(_LOCATION.sub("", lines[0]) if lines else

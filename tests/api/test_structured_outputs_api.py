@@ -118,6 +118,9 @@ def test_json_object_regex_and_choice(server: ServerProcess) -> None:
     ({"guided_json": {"type": "object", "required": ["z"]}}, "guided_json", "invalid_grammar"),
     ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", None),  # past the JSON parser's stack
     ({"structured_outputs": {"json": "{\"a\": " * 3000 + "1" + "}" * 3000}}, "structured_outputs.json", None),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar", "invalid_grammar"),
+    ({"guided_json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "guided_json", "invalid_grammar"),
 ])
 def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                             code: str | None) -> None:
@@ -125,7 +128,8 @@ def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess
     assert error["param"] == param and error["code"] == code, error
     if code == "invalid_grammar":
         words = ("frobnicate", "parenthesis", "optional properties", "minLength", "maxLength", "patternProperties",
-                 "$ref", "levels deep", "lookaround", "not in properties")
+                 "$ref", "levels deep", "lookaround", "not in properties", "EBNF parser error", "oneOf schemas",
+                 "allOf: 'type'")
         assert any(word in error["message"] for word in words), error["message"]
 
 
@@ -148,6 +152,10 @@ def test_a_history_call_with_arguments_nested_past_the_parser_is_taken_as_text(s
      lambda text: json.loads(text) == {"type": "string", "maxLength": 2}),
     ({"guided_choice": ["a\u0000b", "tab\there"]}, lambda text: text in ["a\u0000b", "tab\there"]),
     ({"guided_choice": ["yes", "no"], "min_tokens": 10}, lambda text: text in ["yes", "no"]),  # the grammar wins
+    ({"guided_grammar": 'root ::= "yes" | "no" | "maybe"'}, lambda text: text in ["yes", "no", "maybe"]),
+    ({"structured_outputs": {"grammar": 'root ::= [0-9] [0-9]? "!"'}}, lambda text: re.fullmatch(r"\d\d?!", text)),
+    ({"guided_json": {"type": "integer", "allOf": [{"maximum": 5}], "minimum": 2}},  # allOf merged with its siblings
+     lambda text: 2 <= json.loads(text) <= 5),
 ])
 def test_grammars_at_the_edges_are_served(server: ServerProcess, body: dict, check: Any) -> None:
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
