@@ -20,6 +20,7 @@ from mm_serve.protocol.tools import (
     Tool,
     ToolError,
     constrained_calls,
+    partial_calls,
     tool_grammar,
     tool_mode,
 )
@@ -94,6 +95,18 @@ def test_constrained_outputs_become_calls() -> None:
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [
         ("get_time", {}), ("get_weather", {"city": "Rome"})]
     assert constrained_calls("named", '{"city": "Os', "get_weather") is None  # cut at max_tokens
+
+
+@pytest.mark.parametrize("text,calls", [
+    ('[{"name": "get_x", "par', [("get_x", "")]),  # was no call, the JSON given as content
+    ('[{"name": "get_x", "parameters": ', [("get_x", "")]),
+    ('[{"name": "get_x", "parameters": {"a": 1', [("get_x", '{"a": 1')]),
+    ('[{"name": "get_x", "parameters": {}}, {"name": "get_y"', [("get_x", "{}"), ("get_y", "")]),
+    ('[{"name": "get_', []),  # no name yet
+])
+def test_a_required_call_cut_after_its_name_has_one_shape(text: str, calls: list[tuple[str, str]]) -> None:
+    """Cut at max_tokens anywhere after a call's name, the call is there with its arguments so far."""
+    assert [(c.function.name, c.function.arguments) for c in partial_calls("required", text, None)] == calls
 
 
 @pytest.mark.parametrize("parser,text,sure", [

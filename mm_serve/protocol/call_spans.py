@@ -21,6 +21,9 @@ _HEADS = {key: re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key
           for key in ("parameters", "arguments")}
 
 
+_NAME_ONLY = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
 @dataclass(frozen=True)
 class CallSpan:
     """One call found in an output.
@@ -68,3 +71,16 @@ def call_spans(text: str, key: str, at: int = 0, limit: int | None = None) -> li
         spans.append(CallSpan(name, start, end))
         at = end
     return spans
+
+
+def name_without_arguments(text: str, at: int = 0) -> str | None:
+    """The name of the last call head in ``text[at:]`` whose name is out (its closing quote) while its arguments
+    key is not (an output cut there, at ``max_tokens``); None when there is none or its name does not read."""
+    heads = list(_NAME_ONLY.finditer(text, at))
+    if not heads:
+        return None
+    try:
+        name = load_json(f'"{heads[-1].group(1)}"')
+    except JSONTextError:
+        return None
+    return name if isinstance(name, str) else None

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mm_serve.ground.json_text import JSONTextError, load_json
-from mm_serve.protocol.call_spans import call_spans
+from mm_serve.protocol.call_spans import call_spans, name_without_arguments
 
 GrammarSpec = tuple[str, str]
 
@@ -152,11 +152,17 @@ def tool_grammar(tools: list[Tool], choice: ToolChoice | None, parallel: bool) -
 def partial_calls(mode: str, text: str, named: str | None) -> list[ToolCall]:
     """The calls of an output made under a named or required grammar and cut short (at ``max_tokens``), as
     far as they were written: named, the text is its arguments so far; required, each call whose name is
-    out, with its arguments so far (:func:`~mm_serve.protocol.call_spans.call_spans`)."""
+    out, with its arguments so far (:func:`~mm_serve.protocol.call_spans.call_spans`), ``""`` for one cut
+    before its arguments key (so a cut call has one shape wherever the cut falls after its name)."""
     if mode == "named":
         return [ToolCall(function=FunctionCall(name=str(named), arguments=text))] if text else []
-    return [ToolCall(function=FunctionCall(name=s.name, arguments=s.arguments(text)))
-            for s in call_spans(text, "parameters")]
+    spans = call_spans(text, "parameters")
+    calls = [ToolCall(function=FunctionCall(name=s.name, arguments=s.arguments(text))) for s in spans]
+    if not spans or spans[-1].end is not None:
+        name = name_without_arguments(text, (spans[-1].end or 0) if spans else 0)
+        if name is not None:
+            calls.append(ToolCall(function=FunctionCall(name=name, arguments="")))
+    return calls
 
 
 def constrained_calls(mode: str, text: str, named: str | None) -> list[ToolCall] | None:
