@@ -123,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         result = plan(spec)
         if args.slo_ttft >= LOOSE_TTFT_S or args.slo_tpot >= LOOSE_TPOT_S:
             print(f"mm-serve: warning: SLOs this loose (TTFT >= {LOOSE_TTFT_S:g} s or TPOT >= "
-                  f"{LOOSE_TPOT_S:g} s) hide overload in a finite simulation: the goodputs are "
-                  "upper bounds (docs/planner.md section 7)", file=sys.stderr)
+                  f"{LOOSE_TPOT_S:g} s) can hide overload in a finite simulation: a goodput may be "
+                  "its candidate's capacity, the most its profiled steps allow, rather than a rate its "
+                  "SLOs hold at (docs/planner.md section 7)", file=sys.stderr)
         written = None
         if args.write_config is not None:
             from mm_serve.planner.plan_config import write_placement_config

@@ -24,6 +24,7 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
@@ -82,6 +83,7 @@ class PlacementChoice:
     shared_core: SharedCorePlacement | None = None  # the decode worker shares the last prefill core
     prefill_worker_nice: int | None = None  # that core's prefill worker's niceness (shared_core only)
     profile_under_load: float | None = None  # the busy share of its cores while it was measured, if over the limit
+    plan_saved: bool = False  # read from the plan saved beside the profile by an earlier start (no search)
 
     @property
     def keys(self) -> dict[str, Any]:
@@ -103,9 +105,10 @@ class PlacementChoice:
     def describe(self) -> str:
         """The log line: the choice, each candidate's predicted goodput, the inputs."""
         figures = ", ".join(f"{name} {rate:.2f} req/s" for name, rate in self.predicted.items())
+        saved = ", the plan saved by an earlier start" if self.plan_saved else ""
         return (f"placement {self.name} chosen by the planner ({figures} predicted on {self.cores} cores for "
                 f"workload {self.workload}, TTFT {self.slo.ttft_s:g} s / TPOT {self.slo.tpot_s:g} s at "
-                f"{self.slo.attainment:.0%}; profile {self.profile})")
+                f"{self.slo.attainment:.0%}; profile {self.profile}{saved})")
 
     def as_dict(self) -> dict[str, Any]:
         """For ``/health`` (worker counts and cores only for a disaggregated choice)."""
@@ -115,7 +118,7 @@ class PlacementChoice:
             "predicted_goodput": self.predicted, "candidates": self.candidates, "workload": self.workload,
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "attainment": self.slo.attainment},
             "cores": self.cores, "profile": self.profile, "profile_measured": self.profile_measured,
-            "profile_measured_under_load": self.profile_under_load,
+            "profile_measured_under_load": self.profile_under_load, "plan_saved": self.plan_saved,
         }
 
 
@@ -266,6 +269,16 @@ def choose_placement(
         prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
         colocated_mixed_tokens=cfg.scheduler.mixed_step_tokens, page_size=cfg.kv_cache.page_size,
     )
+    inputs = {"workload": workload_name, "slo": [tier_slo.ttft_s, tier_slo.tpot_s, tier_slo.attainment],
+              "cores": list(cores), "seed": cfg.seed, "prefill_token_budget": cfg.scheduler.prefill_token_budget,
+              "prefill_batch_size": cfg.scheduler.prefill_batch_size,
+              "decode_max_concurrent": cfg.scheduler.decode_max_concurrent,
+              "mixed_step_tokens": cfg.scheduler.mixed_step_tokens, "page_size": cfg.kv_cache.page_size,
+              "worker_nice": cfg.compute.worker_nice, "pacing_given": _pacing_given(cfg)}
+    saved = _plan_path(profile, model_dir, inputs)
+    cached = _read_choice(saved, measured)
+    if cached is not None:
+        return cached
     start = time.perf_counter()
     evaluator = GoodputEvaluator(spec)
     result = plan(spec, evaluator)
@@ -283,9 +296,58 @@ def choose_placement(
         best = max(rates)
         shared = (placements[rates.index(best)], best)  # the first of equals: the least paced
     under_load = json.loads(profile.read_text()).get(UNDER_LOAD_KEY)  # the file get_hardware read above
-    return _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate,
-                   shared, nice, time.perf_counter() - start,
-                   under_load if isinstance(under_load, (int, float)) else None)
+    choice = _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate,
+                     shared, nice, time.perf_counter() - start,
+                     under_load if isinstance(under_load, (int, float)) else None)
+    _write_choice(saved, choice)
+    return choice
+
+
+@functools.lru_cache(maxsize=1)
+def _planner_source_digest() -> str:
+    """A digest of the planner's and the workloads' source: a plan saved by other code is not reused."""
+    digest = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for path in sorted([*here.glob("*.py"), *(here.parent / "workloads").glob("*.py"),
+                        *here.parent.glob("workloads.py")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _plan_path(profile: Path, model_dir: Path, inputs: dict[str, Any]) -> Path:
+    """Where the choice for ``inputs`` on ``profile`` is saved, beside the profile: named by a digest of
+    the inputs, the profile, the checkpoint's ``config.json`` and the planner's source."""
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode())
+    digest.update(profile.read_bytes())
+    config = model_dir / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    digest.update(_planner_source_digest().encode())
+    return profile.parent / f"{profile.stem}.plan-{digest.hexdigest()[:16]}.json"
+
+
+def _read_choice(path: Path, measured: bool) -> PlacementChoice | None:
+    """The choice saved at ``path`` (None: none, or unreadable: planned again)."""
+    try:
+        saved = json.loads(path.read_text())
+        shared = saved.pop("shared_core")
+        return PlacementChoice(**{**saved, "slo": SLO(*saved["slo"]), "profile_measured": measured, "plan_saved": True,
+                                  "shared_core": SharedCorePlacement(**shared) if shared else None})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _write_choice(path: Path, choice: PlacementChoice) -> None:
+    """Save ``choice`` at ``path`` (atomically; a cache that cannot be written is skipped)."""
+    fields = {name: getattr(choice, name) for name in PlacementChoice.__dataclass_fields__ if name != "plan_saved"}
+    fields["slo"] = [choice.slo.ttft_s, choice.slo.tpot_s, choice.slo.attainment]
+    fields["shared_core"] = None if choice.shared_core is None else {"cores": choice.shared_core.cores,
+                                                                     "pacing": choice.shared_core.pacing}
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
+            json.dump(fields, out)
+        os.replace(out.name, path)
+    except OSError:
+        pass
 
 
 def _pacing_given(cfg: ServiceConfig) -> bool:

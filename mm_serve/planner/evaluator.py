@@ -8,7 +8,9 @@ instance and a whole disaggregated unit are judged on both SLOs at once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from mm_serve.planner.colocated_instance import MixedSteps
 from mm_serve.planner.events import gc_paused
@@ -39,7 +41,7 @@ from mm_serve.workloads import (
 _BOUND_SLACK = 1.25  # analytic throughput bounds are approximate; probe above them
 NEAR_SPAN = 2.0  # search floor below a simulated estimate (not an analytic bound)
 NEAR_SHRINKS = 24  # floors tried below it: down to NEAR_SPAN ** -24 (as far as 64 ** -4)
-TURNOVERS = 10  # simulated requests per request the system holds at once
+TURNOVERS = 10  # simulated requests per request the system holds at once (or its SLO slack absorbs)
 MAX_REQUESTS = 20_000  # cap on simulated requests per probe
 
 
@@ -60,23 +62,48 @@ class GoodputEvaluator:
         self.mean_prompt_sq = sum(p * p for p in prompts) / n
         self.mean_images = sum(s.num_images for s in self.specs) / n
         self.mean_output = sum(s.output_tokens for s in self.specs) / n
+        self.image_share = sum(1 for s in self.specs if s.num_images > 0) / n  # requests with an image
+        steps = [max(s.output_tokens - 1, 0) for s in self.specs]  # decode steps after the first token
+        self.mean_decode_steps = sum(steps) / n
+        self.mean_decode_context = sum(k * p for k, p in zip(steps, prompts, strict=True)) / n  # KV tokens read, at least
         self.max_prompt = max(prompts)
         self.max_context = max(p + s.output_tokens for p, s in zip(prompts, self.specs, strict=True))
         self._cache: dict[tuple[object, ...], float] = {}
         self.simulations = 0
 
-    def sim_size(self, concurrency: float) -> tuple[int, int]:
+    def sim_size(self, concurrency: float, backlog: float = 0.0) -> tuple[int, int]:
         """Requests to simulate and warm-up requests to skip for a system holding
-        about ``concurrency`` requests at once.
+        about ``concurrency`` requests at once whose SLO slack absorbs a queue of about
+        ``backlog`` requests (:meth:`slack_backlog`).
 
         A finite run only reveals overload once the backlog outgrows what the SLO
-        slack absorbs, so the run covers ``TURNOVERS`` times the concurrency (at least
-        ``num_requests``; at most the ``max(num_requests, MAX_REQUESTS)`` requests
+        slack absorbs, so the run covers ``TURNOVERS`` times the larger of the two (at
+        least ``num_requests``; at most the ``max(num_requests, MAX_REQUESTS)`` requests
         drawn) and ignores the first turnover, whose requests found the system empty.
+        A run too short for the slack passes at any rate: a fast model under a loose SLO
+        clears its whole run within the TTFT SLO even when every request arrives at once.
         """
         c = max(1, int(concurrency))
-        n = min(len(self.specs), max(self.spec.num_requests, TURNOVERS * c))
+        held = max(c, int(min(backlog, len(self.specs))))
+        n = min(len(self.specs), max(self.spec.num_requests, TURNOVERS * held))
         return n, min(c, n // 4)
+
+    def slack_s(self, phase: Phase) -> float:
+        """Seconds a request can wait in a queue and still meet the SLOs ``phase`` judges, at
+        most: the TTFT SLO before its first token, and the TPOT SLO times the decode steps of a
+        mean answer before its decode steps (a wait there counts in its TPOT)."""
+        slo = self.spec.slo
+        decode = slo.tpot_s * max(self.mean_output - 1, 1.0)
+        if phase == "prefill":
+            return slo.ttft_s
+        if phase == "decode":
+            return decode
+        return max(slo.ttft_s, decode)
+
+    def slack_backlog(self, phase: Phase, capacity: float) -> float:
+        """Requests a system completing at most ``capacity`` requests/s clears within
+        :meth:`slack_s` (0 for an unbounded capacity: the run is sized by its concurrency)."""
+        return capacity * self.slack_s(phase) if math.isfinite(capacity) else 0.0
 
     # ---- servers ---------------------------------------------------------------
     def memory(self, par: ParallelConfig, vision: bool) -> MemoryPlan:
@@ -123,6 +150,48 @@ class GoodputEvaluator:
         steps = max(self.mean_output - 1, 1.0)
         return _BOUND_SLACK * batch / (step * steps)
 
+    # ---- capacities: hard ceilings on goodput (requests/s) ------------------------
+    # The most requests/s the profiled step times allow, whatever the arrivals: every batch or
+    # step constant split over the largest batch, every request's own work in full. A goodput
+    # search never answers more (see :func:`~mm_serve.planner.goodput.max_rate`'s ``ceiling``).
+
+    def prefill_capacity(self, server: PrefillServer) -> float:
+        """Requests/s ``server`` prefills at most: per request of the workload, its tokens',
+        squared length's, sequence's and images' share of a batch's stage time, plus the batch
+        constant (and the vision encoder's, for requests with an image) split over
+        ``max_batch`` requests (inf if that costs no time)."""
+        t = server.timing
+        own = (t.per_token * self.mean_prompt + t.per_token_sq * self.mean_prompt_sq + t.per_seq
+               + t.per_image * self.mean_images)
+        shared = (t.const + t.encode_const * self.image_share) / server.max_batch
+        seconds = own + shared
+        return 1.0 / seconds if seconds > 0 else math.inf
+
+    def decode_capacity(self, server: DecodeServer, step_constant: bool = True) -> float:
+        """Requests/s ``server`` decodes at most: its tokens/s with the running batch always full
+        (``max_batch`` requests reading at least their prompts' KV, its timing's step, paced or
+        shared as that timing is), over the decode steps of a mean answer (inf if a step costs
+        no time or no answer decodes). ``step_constant`` False: the step's constants left out
+        (a colocated engine's mixed step pays them in its prefill pass)."""
+        if self.mean_decode_steps == 0:
+            return math.inf
+        timing = server.timing if step_constant else replace(server.timing, stage_const=0.0, hop_const=0.0)
+        batch = server.max_batch
+        step = timing.step_time(batch, batch * self.mean_decode_context / self.mean_decode_steps)
+        return batch / (step * self.mean_decode_steps) if step > 0 else math.inf
+
+    def colocated_capacity(self, par: ParallelConfig, cross_node: bool, replicas: int, mixed: bool) -> float:
+        """Requests/s ``replicas`` colocated instances of ``par`` serve at most: each does both
+        phases' work (``mixed``: mixed steps, whose decode rows pay no step constant)."""
+        prefill = self.prefill_capacity(self.prefill_server(par, cross_node))
+        decode = self.decode_capacity(self.decode_server(par, cross_node, vision=True), step_constant=not mixed)
+        return replicas / (1.0 / prefill + 1.0 / decode)
+
+    def unit_capacity(self, prefills: Sequence[PrefillServer], decodes: Sequence[DecodeServer]) -> float:
+        """Requests/s a disaggregated unit serves at most: the lesser of its prefill instances'
+        capacities together and its decode instances' together."""
+        return min(sum(self.prefill_capacity(p) for p in prefills), sum(self.decode_capacity(d) for d in decodes))
+
     # ---- simulated goodputs (requests/s) ----------------------------------------
     def requests(self, rate: float, n: int) -> list[SimRequest]:
         """The first ``n`` drawn requests, arriving at mean ``rate`` requests/s."""
@@ -160,12 +229,15 @@ class GoodputEvaluator:
         concurrency: float = 1.0,
         near: bool = False,
         timings: tuple[PrefillTiming | None, DecodeTiming | None] | None = None,
+        capacity: float = math.inf,
     ) -> float:
         """``near``: ``upper`` comes from simulated goodputs, so the answer is close to
         it and the first floor is ``upper / NEAR_SPAN`` (about 7 probes instead of 10).
         ``timings``: the (prefill, decode) timings judged; 0 without simulating when
-        even an idle instance misses the target (see :meth:`alone_attainment`)."""
-        n, skip = self.sim_size(concurrency)
+        even an idle instance misses the target (see :meth:`alone_attainment`).
+        ``capacity``: the system's most requests/s (the ``*_capacity`` methods): the answer's
+        ceiling, and with the SLO slack the length of each probe's run (:meth:`sim_size`)."""
+        n, skip = self.sim_size(concurrency, self.slack_backlog(phase, capacity))
         if timings is not None and self.alone_attainment(n, *timings, skip) < self.spec.attainment:
             return 0.0
 
@@ -176,8 +248,8 @@ class GoodputEvaluator:
 
         if near:
             return max_rate(attainment, self.spec.attainment, upper, span=NEAR_SPAN,
-                            max_shrink=NEAR_SHRINKS)
-        return max_rate(attainment, self.spec.attainment, upper)
+                            max_shrink=NEAR_SHRINKS, ceiling=capacity)
+        return max_rate(attainment, self.spec.attainment, upper, ceiling=capacity)
 
     def _memo(self, key: tuple[object, ...], compute: Callable[[], float]) -> float:
         if key not in self._cache:
@@ -190,7 +262,7 @@ class GoodputEvaluator:
         return self._memo(("prefill", par, cross_node), lambda: self._search(
             lambda reqs: simulate_prefill(server, reqs), "prefill",
             self.prefill_bound(par, cross_node), self.prefill_batch() * par.pp,
-            timings=(server.timing, None)))
+            timings=(server.timing, None), capacity=self.prefill_capacity(server)))
 
     def decode_goodput(self, par: ParallelConfig, cross_node: bool) -> float:
         """Max rate one decode instance serves within the TPOT SLO."""
@@ -198,7 +270,7 @@ class GoodputEvaluator:
         return self._memo(("decode", par, cross_node), lambda: self._search(
             lambda reqs: simulate_decode(server, reqs), "decode",
             self.decode_bound(par, cross_node), self.decode_concurrency(server),
-            timings=(None, server.timing)))
+            timings=(None, server.timing), capacity=self.decode_capacity(server)))
 
     def colocated_goodput(self, par: ParallelConfig, cross_node: bool, replicas: int = 1,
                           mixed_tokens: int | None = None) -> float:
@@ -221,9 +293,10 @@ class GoodputEvaluator:
         else:
             bound = replicas / (1.0 / self.prefill_bound(par, cross_node)
                                 + 1.0 / self.decode_bound(par, cross_node, vision=True))
+        capacity = self.colocated_capacity(par, cross_node, replicas, mixed is not None)
         return self._memo(("colocated", par, cross_node, replicas, tokens), lambda: self._search(
             lambda reqs: simulate_colocated(prefill, server, budget, reqs, replicas, mixed), "both",
-            bound, replicas * self.decode_concurrency(server), near, (prefill, server.timing)))
+            bound, replicas * self.decode_concurrency(server), near, (prefill, server.timing), capacity))
 
     def disaggregated_goodput(
         self,
@@ -241,7 +314,7 @@ class GoodputEvaluator:
         held += self.prefill_batch() * sum(p.timing.pp for p in prefills)
         return self._search(
             lambda reqs: simulate_disaggregated(prefills, decodes, handoff, reqs, shared), "both",
-            _BOUND_SLACK * upper, held, near=True)
+            _BOUND_SLACK * upper, held, near=True, capacity=self.unit_capacity(prefills, decodes))
 
     def shared_core_goodput(self, placement: SharedCorePlacement, share: float) -> float:
         """Max rate (requests/s) ``placement`` serves within both SLOs: one-core prefill and

@@ -89,7 +89,7 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "{huge}"], "does not fit in one instance of at most"),
         (["--model", "{huge}", "--nodes", "4", "--affinity", "low"], "fits only with a whole node"),
         (["--model", "{huge}", "--nodes", "5", "--slo-ttft", "10", "--slo-tpot", "1"],
-         "the prefill candidates take 12 GPUs, the decode candidates 12"),
+         "the prefill candidates take 12, 14, 18 GPUs, the decode candidates 12, 14, 16"),
         (["--model", "{fp8}"], "'torch_dtype' 'float8_e4m3fn' is not supported"),
         (["--slo-ttft", "0.0001"], "no prefill configuration of tiny-llama on h100-80gb meets TTFT "
          "0.0001 s for 90% of requests: of the 4 that hold the model (1-3 GPUs), none meets it for "

@@ -45,6 +45,28 @@ def test_growth_stops_at_its_cap() -> None:
     assert max_rate(lambda r: 1.0, 0.9, 1.0, max_growth=3) == 8.0
 
 
+def test_a_probe_that_always_passes_stops_at_the_ceiling() -> None:
+    """A run too short to reveal overload passes at any rate: the answer is the ceiling (the most the
+    profiled step times allow), not the bound doubled ``max_growth`` times, and no probe goes above it."""
+    probes: list[float] = []
+
+    def always(rate: float) -> float:
+        probes.append(rate)
+        return 1.0
+
+    assert max_rate(always, 0.9, 10.0, ceiling=25.0) == 25.0
+    assert max(probes) == 25.0
+
+
+def test_a_ceiling_below_the_bound_is_probed_first() -> None:
+    probes, fn = step_attainment(7.3)
+    got = max_rate(fn, 0.9, 100.0, rel_tol=0.02, ceiling=8.0)
+    assert 7.3 / 1.02 <= got <= 7.3
+    assert probes[0] == 8.0 and max(probes) == 8.0
+
+
 def test_rejects_bad_upper_bound() -> None:
     with pytest.raises(ValueError):
         max_rate(lambda r: 1.0, 0.9, 0.0)
+    with pytest.raises(ValueError):
+        max_rate(lambda r: 1.0, 0.9, 1.0, ceiling=0.0)
