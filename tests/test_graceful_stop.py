@@ -68,9 +68,7 @@ def test_sigterm_after_the_reader_of_the_output_left_still_stops(tiny_llava: Pat
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
     time.sleep(0.5)
     assert all(process_start_time(pid) is None for pid in workers)
 
@@ -118,9 +116,7 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
         assert errors == [] and finished == ["length"] * 3
         assert proc.wait(60) == 0, log.read_text()[-2000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
     time.sleep(0.5)
     assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]
     (instance,) = mine
@@ -233,12 +229,9 @@ def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(ti
             time.sleep(0.01)
         assert len(workers) == 2, log.read_text()
         assert "is ready" not in log.read_text()
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(60) == 130, log.read_text()[-2000:]
+        _sigterm_exits(proc, 130, log)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
     assert "mm-serve: interrupted" in log.read_text()
     time.sleep(0.5)
     assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]
@@ -270,16 +263,26 @@ def test_sigterm_while_the_workers_load_behind_a_running_front_end_exits_130(tin
             except httpx.HTTPError:
                 time.sleep(0.1)
         assert status == 503, log.read_text()
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(60) == 130, log.read_text()[-2000:]
+        _sigterm_exits(proc, 130, log)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
     text = log.read_text()
     assert "interrupted before the workers were ready" in text and "is ready" not in text
     time.sleep(0.5)
     assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p) == "sleep 987.654 "]
+
+
+def _sigterm_exits(proc: subprocess.Popen[bytes], status: int, log: Path) -> None:
+    """SIGTERM to ``proc``'s process group; it exits with ``status`` within 60 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(60) == status, log.read_text()[-2000:]
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group if it still runs (a failed test leaves nothing behind)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _cmdline(proc_dir: Path) -> str:
