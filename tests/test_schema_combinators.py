@@ -70,7 +70,7 @@ def test_what_the_engine_would_not_enforce_is_refused(book: GrammarBook, schema:
 
 
 def test_anchors_at_the_ends_and_inside_classes_are_kept(book: GrammarBook) -> None:
-    for pattern in ("^a[$^]b$", r"a\^b\$", "[^$]+"):
+    for pattern in ("^a[$^]b$", r"a\^b\$", "[^$]+", "^a$|^b$", "(^a|b$)"):
         book.compile(("json", json.dumps({"type": "string", "pattern": pattern})), 512)
     with pytest.raises(GrammarError, match="anchor"):
         book.compile(("regex", "x^y"), 512)

@@ -161,9 +161,9 @@ def check_pattern(pattern: str) -> None:
     """Refuse a regular expression xgrammar would not enforce as written.
 
     Raises:
-        GrammarError: a lookaround assertion (ignored by xgrammar), or ``^`` / ``$`` anywhere but at the
-            pattern's start / end outside a character class (xgrammar reads such an anchor as nothing:
-            ``a^b``, which matches no string, produced ``ab``).
+        GrammarError: a lookaround assertion (ignored by xgrammar), or ``^`` / ``$`` outside a character
+            class anywhere but at the start / end of the pattern or of an alternative (``(^a|^b)$``):
+            xgrammar reads an anchor as nothing, so ``a^b``, which matches no string, produced ``ab``.
     """
     if _LOOKAROUND.search(pattern):
         raise GrammarError(f"the pattern {pattern!r:.80} has a lookaround assertion, which the grammar engine "
@@ -182,9 +182,11 @@ def check_pattern(pattern: str) -> None:
             i += pattern[i: i + 1] == "^"  # a negated class
             i += pattern[i: i + 1] == "]"  # a ] first in a class is one of its members
             continue
-        elif (char == "^" and i > 0) or (char == "$" and i < len(pattern) - 1):
+        elif (char == "^" and i > 0 and pattern[i - 1] not in "(|") or (
+                char == "$" and i < len(pattern) - 1 and pattern[i + 1] not in ")|"):
             raise GrammarError(f"the pattern {pattern!r:.80} has an anchor ({char}) inside it, which the grammar "
-                               "engine does not enforce; anchors may only start (^) or end ($) a pattern")
+                               "engine does not enforce; anchors may only start (^) or end ($) a pattern or "
+                               "one of its alternatives")
         i += 1
 
 
