@@ -42,7 +42,7 @@ GOOD = row("a", scene_body(0, max_tokens=2))
     ([GOOD, row("b", scene_body(1)), row("a", scene_body(2))], "in.jsonl:3: duplicate custom_id 'a' (first on line 1)"),
     ([GOOD, "{not json"], "in.jsonl:2: not valid JSON"),
     ([GOOD, '{"custom_id": "d", "body": ' + "[" * 100_000 + "]" * 100_000 + "}"], "in.jsonl:2: not valid JSON (nested"),
-    ([GOOD, '{"custom_id": "i", "body": {"max_tokens": 1' + "0" * 5000 + "}}"], "in.jsonl:2: not valid JSON (Exceeds"),
+    ([GOOD, '{"custom_id": "i", "body": {"max_tokens": 1' + "0" * 5000 + "}}"], "in.jsonl:2: not valid JSON (an integer of over 4300 digits"),
     ([GOOD, row("e", {"input": "x"}, url="/v1/embeddings")], "in.jsonl:2: only POST /v1/chat/completions rows"),
     ([GOOD, GOOD | {"method": "GET", "custom_id": "g"}], "in.jsonl:2: only POST /v1/chat/completions rows"),
     ([{"method": "POST", "url": "/v1/chat/completions", "body": {}}], "in.jsonl:1: 'custom_id' must be a non-empty"),
