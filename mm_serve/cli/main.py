@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from mm_serve.ground.console import say
+from mm_serve.ground.console import drop_output, say
 
 # Sub-command modules, in the order ``--help`` lists them. A module that is not
 # present yet (a feature still being built) is skipped.
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         say("mm-serve: interrupted")
         return 130
     except BrokenPipeError:  # `mm-serve plan ... | head`: the reader left, nothing to report
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        drop_output(sys.stdout)  # no second error at exit
         return 0
 
 

@@ -21,8 +21,14 @@ def say(line: str, stream: TextIO | None = None) -> None:
         stream.write(line + "\n")
         stream.flush()
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, stream.fileno())
-        finally:
-            os.close(devnull)
+        drop_output(stream)
+
+
+def drop_output(stream: TextIO) -> None:
+    """Point ``stream``'s file descriptor at /dev/null: what is written to it from now on (and what its
+    buffer still holds, flushed at exit) goes nowhere instead of raising BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mm_serve.cluster.launcher import available_cpus
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.ground.slo import SLO
 from mm_serve.planner.candidates import tp_degrees
@@ -131,8 +132,8 @@ def pinned_keys(cfg: ServiceConfig) -> list[str]:
 
 
 def usable_cores() -> list[int]:
-    """The CPU cores this process may run on, in order."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    """The CPU cores this process may run on, in order (:func:`~mm_serve.cluster.launcher.available_cpus`)."""
+    return available_cpus()
 
 
 def default_profile_dir() -> Path:
@@ -308,8 +309,7 @@ def _planner_source_digest() -> str:
     """A digest of the planner's and the workloads' source: a plan saved by other code is not reused."""
     digest = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for path in sorted([*here.glob("*.py"), *(here.parent / "workloads").glob("*.py"),
-                        *here.parent.glob("workloads.py")]):
+    for path in sorted([*here.glob("*.py"), *(here.parent / "workloads").glob("*.py")]):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
 

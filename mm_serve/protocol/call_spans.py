@@ -17,11 +17,9 @@ from dataclasses import dataclass
 
 from mm_serve.ground.json_text import JSONTextError, decode_json_at, load_json
 
-_HEADS = {key: re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + key + r'"\s*:\s*')
-          for key in ("parameters", "arguments")}
-
-
-_NAME_ONLY = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_NAME = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"'  # a call object's start through its name's closing quote
+_HEADS = {key: re.compile(_NAME + r'\s*,\s*"' + key + r'"\s*:\s*') for key in ("parameters", "arguments")}
+_NAME_ONLY = re.compile(_NAME)
 
 
 @dataclass(frozen=True)
@@ -57,9 +55,8 @@ def call_spans(text: str, key: str, at: int = 0, limit: int | None = None) -> li
         match = head.search(text, at)
         if match is None:
             break
-        try:
-            name = load_json(f'"{match.group(1)}"')
-        except JSONTextError:  # a bad escape: not a call head
+        name = _name(match.group(1))
+        if name is None:  # a bad escape: not a call head
             at = match.end()
             continue
         start = match.end()
@@ -77,10 +74,13 @@ def name_without_arguments(text: str, at: int = 0) -> str | None:
     """The name of the last call head in ``text[at:]`` whose name is out (its closing quote) while its arguments
     key is not (an output cut there, at ``max_tokens``); None when there is none or its name does not read."""
     heads = list(_NAME_ONLY.finditer(text, at))
-    if not heads:
-        return None
+    return _name(heads[-1].group(1)) if heads else None
+
+
+def _name(quoted: str) -> str | None:
+    """A call head's name as written between its quotes, JSON escapes read (None: an escape that does not read)."""
     try:
-        name = load_json(f'"{heads[-1].group(1)}"')
+        name = load_json(f'"{quoted}"')
     except JSONTextError:
         return None
     return name if isinstance(name, str) else None

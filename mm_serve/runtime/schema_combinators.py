@@ -56,8 +56,8 @@ def enforceable(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
             schema = _distributed(schema, key)
             if key == "oneOf":
                 _check_exclusive(schema["oneOf"], root)
-    if "$ref" in schema and set(_validating(schema)) - {"$ref"}:
-        extra = sorted(set(_validating(schema)) - {"$ref"})
+    extra = sorted(set(_validating(schema)) - {"$ref"}) if "$ref" in schema else []
+    if extra:
         raise GrammarError(f"$ref beside {', '.join(map(repr, extra))} is not enforced by the grammar engine (it "
                            "drops the keywords beside a $ref); move them into the referenced schema")
     return schema
