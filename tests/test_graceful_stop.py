@@ -19,10 +19,15 @@ import pytest
 from mm_serve.cluster.stale_instances import SHM_DIR, process_start_time
 from tests.api.server_process import free_port, worker_children
 
-LONG = 3000  # tokens per in-flight request: several seconds of decode on the tiny model
+LONG = 1000  # tokens per in-flight request
+STEP_MS = 5  # the decode worker starts a step at most every STEP_MS ms: a LONG request decodes >= 5 s
+# (unpaced, a fast CPU decoded 3000 tokens of the tiny model in 1.5 s: the streams had ended before the
+# signal's effects were looked at)
+PACED = f"scheduler:\n  decode_step_interval_ms: {STEP_MS}\n  decode_pacing_always: true\n"
 
 
 def _stream(url: str, out: list[str], errors: list[str]) -> None:
+    """A chat stream of LONG tokens: appends its finish reason to ``out`` (or what it raised to ``errors``)."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": LONG,
             "temperature": 0, "ignore_eos": True, "stream": True}
     try:
@@ -33,26 +38,35 @@ def _stream(url: str, out: list[str], errors: list[str]) -> None:
         errors.append(repr(exc))
 
 
-def _serve(tiny_llava: Path, log: Path | None, grace_s: int,
+@pytest.fixture(scope="module")
+def paced(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config file that paces decode steps (PACED)."""
+    path = tmp_path_factory.mktemp("paced") / "paced.yaml"
+    path.write_text(PACED)
+    return path
+
+
+def _serve(tiny_llava: Path, config: Path, log: Path | None, grace_s: int,
            new_session: bool = False) -> tuple[subprocess.Popen[bytes], str]:
-    """``mm-serve serve`` of the tiny model on a free port with ``--shutdown-grace-s grace_s``, its output in
-    ``log`` (None: a pipe, ``proc.stdout``; ``new_session``: in a process group of its own); returns the
-    process and its URL."""
+    """``mm-serve serve --config config`` of the tiny model on a free port with ``--shutdown-grace-s
+    grace_s``, its output in ``log`` (None: a pipe, ``proc.stdout``; ``new_session``: in a process group of
+    its own); returns the process and its URL."""
     port = free_port()
     with open(log or os.devnull, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", str(tiny_llava), "--port", str(port),
-             "--served-model-name", "tiny", "--shutdown-grace-s", str(grace_s), "--no-auto-placement"],
+             "--served-model-name", "tiny", "--shutdown-grace-s", str(grace_s), "--no-auto-placement",
+             "--config", str(config)],
             stdout=out if log else subprocess.PIPE, stderr=subprocess.STDOUT,
             env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=new_session)
     return proc, f"http://127.0.0.1:{port}"
 
 
-def test_sigterm_after_the_reader_of_the_output_left_still_stops(tiny_llava: Path) -> None:
+def test_sigterm_after_the_reader_of_the_output_left_still_stops(tiny_llava: Path, paced: Path) -> None:
     """``mm-serve serve 2>&1 | head`` once head has exited: the drain's message meets a closed pipe
     (EPIPE). The server still drains and exits 0, stopping its workers; a BrokenPipeError out of the
     signal handler had left it running, ignoring SIGTERM."""
-    proc, url = _serve(tiny_llava, None, 60, new_session=True)
+    proc, url = _serve(tiny_llava, paced, None, 60, new_session=True)
     try:
         assert proc.stdout is not None
         seen = []
@@ -73,7 +87,7 @@ def test_sigterm_after_the_reader_of_the_output_left_still_stops(tiny_llava: Pat
     assert all(process_start_time(pid) is None for pid in workers)
 
 
-def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Path, tmp_path: Path) -> None:
+def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Path, paced: Path, tmp_path: Path) -> None:
     """In-flight streams complete with finish_reason 'length'; a request during the drain gets 503;
     the server exits 0 with its last message (uvicorn re-raises the signal after a graceful stop,
     which made it exit 143, killed by SIGTERM); afterwards no worker process, segment or run
@@ -81,7 +95,7 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
     log = tmp_path / "server.log"
     before = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")}
     # its own process group, as under systemd or a container runtime
-    proc, url = _serve(tiny_llava, log, 60, new_session=True)
+    proc, url = _serve(tiny_llava, paced, log, 60, new_session=True)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -101,7 +115,7 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
         threads = [threading.Thread(target=_stream, args=(url, finished, errors)) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # the streams are decoding
+        _wait_decoding(url, 3)
         os.killpg(proc.pid, signal.SIGTERM)
         time.sleep(0.5)
         refused = httpx.post(f"{url}/v1/chat/completions", timeout=10, json={
@@ -126,6 +140,16 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
     assert "mm-serve: stopped (workers and shared memory released)" in log.read_text()
 
 
+def _wait_decoding(url: str, requests: int) -> None:
+    """Wait (up to 60 s) until the decode worker runs ``requests`` requests."""
+    deadline = time.monotonic() + 60
+    running = 0
+    while running < requests and time.monotonic() < deadline:
+        running = httpx.get(f"{url}/internal/stats", timeout=10).json()["decode0"]["running"]
+        time.sleep(0.05)
+    assert running == requests
+
+
 def _stream_events(url: str, out: list[list[str]]) -> None:
     body = {"model": "tiny", "prompt": "Tell me", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
@@ -133,7 +157,7 @@ def _stream_events(url: str, out: list[list[str]]) -> None:
 
 
 @pytest.mark.parametrize("signals", [2, 3])
-def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path, tmp_path: Path, signals: int) -> None:
+def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path, paced: Path, tmp_path: Path, signals: int) -> None:
     """A second SIGINT stops at once: a call still decoding gets 503 ``service_unavailable`` in OpenAI's
     error JSON with Retry-After (uvicorn sent a plain-text 500 from the cancelled task), a stream ends with
     that error as its last event, then ``[DONE]`` (it was cut, with a traceback per stream in the log), and
@@ -141,7 +165,7 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
     changes none of that, and logs no traceback (the app's lifespan task was cancelled by the loop's
     teardown)."""
     log = tmp_path / "server.log"
-    proc, url = _serve(tiny_llava, log, 60)
+    proc, url = _serve(tiny_llava, paced, log, 60)
     answers: list[httpx.Response] = []
     streams: list[list[str]] = []
     try:
@@ -154,7 +178,7 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
         stream = threading.Thread(target=_stream_events, args=(url, streams))
         call.start()
         stream.start()
-        time.sleep(1.0)
+        _wait_decoding(url, 5)  # the call's 4 choices and the stream
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert call.is_alive() and stream.is_alive()  # draining: both are still decoding
@@ -182,12 +206,12 @@ def test_a_second_signal_answers_calls_in_flight_with_json_503(tiny_llava: Path,
     assert all(process_start_time(pid) is None for pid in workers), log.read_text()[-2000:]
 
 
-def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: Path, tmp_path: Path) -> None:
+def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: Path, paced: Path, tmp_path: Path) -> None:
     """``--shutdown-grace-s 0``: the first SIGINT stops at once, and a stream in flight still ends with a
     ``service_unavailable`` error event and ``[DONE]`` (it was held until uvicorn's 5 s wait for connections
     ran out, then cut), with no traceback."""
     log = tmp_path / "server.log"
-    proc, url = _serve(tiny_llava, log, 0)
+    proc, url = _serve(tiny_llava, paced, log, 0)
     streams: list[list[str]] = []
     try:
         deadline = time.monotonic() + 180
@@ -195,8 +219,7 @@ def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: 
             time.sleep(0.2)
         stream = threading.Thread(target=_stream_events, args=(url, streams))
         stream.start()
-        time.sleep(1.0)
-        assert stream.is_alive()
+        _wait_decoding(url, 1)
         stopped = time.monotonic()
         proc.send_signal(signal.SIGINT)
         stream.join(60)
@@ -212,7 +235,7 @@ def test_without_a_grace_the_first_signal_answers_streams_in_flight(tiny_llava: 
     assert "Traceback" not in text and "1 request(s) still in flight (no grace); stopping them" in text, text[-3000:]
 
 
-def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(tiny_llava: Path, tmp_path: Path) -> None:
+def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(tiny_llava: Path, paced: Path, tmp_path: Path) -> None:
     """The workers start before the front end has loaded its tokenizer and app (the two overlap): a
     SIGTERM to the process group in that window stops the start as Ctrl-C does (exit 130, "interrupted"),
     and leaves no worker process, segment or run directory. (SIGTERM's default would kill the front end
@@ -220,7 +243,7 @@ def test_sigterm_while_the_front_end_still_loads_stops_the_workers_it_started(ti
     log = tmp_path / "server.log"
     before = {p.name.split("-")[1] for p in SHM_DIR.glob("mmsrv-*")}
     run_dirs = set(Path(tempfile.gettempdir()).glob("mmsrv-*"))
-    proc, _ = _serve(tiny_llava, log, 60, new_session=True)
+    proc, _ = _serve(tiny_llava, paced, log, 60, new_session=True)
     try:
         deadline = time.monotonic() + 60
         workers: list[int] = []

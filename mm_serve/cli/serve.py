@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
                                                loop=cfg.api.event_loop, http=http,
                                                timeout_keep_alive=cfg.api.keep_alive_timeout_s,
                                                timeout_graceful_shutdown=5), holder, cfg.api.shutdown_grace_s,
-                                 ctx.media_load.in_flight)
+                                 lambda: ctx.admitting)
     except BaseException:
         holder.stop()
         raise

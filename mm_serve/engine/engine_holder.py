@@ -94,17 +94,18 @@ class EngineHolder:
             return "warming", workers, faults
         return info["status"], workers, faults
 
-    def drain(self, grace_s: float, preparing: Callable[[], int] = lambda: 0) -> int:
+    def drain(self, grace_s: float, admitting: Callable[[], int] = lambda: 0) -> int:
         """Stop admitting, then wait up to ``grace_s`` seconds for in-flight engine requests to
-        finish, and for the calls ``preparing()`` counts (still decoding their images: they are
-        answered 503 once done) to get that far, or for :meth:`cut_drain`; returns how many of both
-        were left when it ended."""
+        finish, and for the calls ``admitting()`` counts (past the front end's check for a drain, not
+        yet submitted: a call still decoding its images is answered 503 once done, one in the dispatch
+        hold is submitted when it leaves) to get that far, or for :meth:`cut_drain`; returns how many
+        of both were left when it ended."""
         deadline = time.monotonic() + grace_s
         self.drain_deadline = deadline
         self.draining.set()
-        while (self.client.requests or preparing()) and time.monotonic() < deadline and not self._drain_cut.is_set():
+        while (self.client.requests or admitting()) and time.monotonic() < deadline and not self._drain_cut.is_set():
             time.sleep(0.05)
-        return len(self.client.requests) + preparing()
+        return len(self.client.requests) + admitting()
 
     def cut_drain(self) -> None:
         """End a drain under way now (a second signal): :meth:`drain` returns within 50 ms."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ class ServerContext:
     media_load: MediaLoad = field(init=False)  # calls fetching/decoding images or tokenizing now (the decision deadline)
     tier_metrics: TierMetrics | None = None  # set by build_app
     grammars: GrammarBook = field(init=False)  # compiles (and so checks) the grammars calls ask for
+    admitting: int = field(default=0, init=False)  # calls past the drain's check, not yet submitted or refused
 
     def __post_init__(self) -> None:
         self.image_budget = ByteBudget(self.config.admission.max_image_bytes_in_flight)
@@ -71,6 +74,19 @@ class ServerContext:
         left = self.drain_retry_after_s()
         if left is not None:
             raise unavailable("the service is shutting down; in-flight requests are finishing", left)
+
+    @contextmanager
+    def admitting_call(self) -> Iterator[None]:
+        """Count a call in :attr:`admitting` while it is admitted (its media work, the dispatch hold, the
+        checks, up to its submission or refusal): the drain waits for these as for submitted requests.
+        Enter it before the call's check for a drain (:meth:`refuse_if_draining`), so a signal between
+        the two cannot leave a call out of both: the drain then sees it, or it sees the drain. On the
+        event loop's thread only."""
+        self.admitting += 1
+        try:
+            yield
+        finally:
+            self.admitting -= 1
 
     def drain_retry_after_s(self) -> int | None:
         """While the service is shutting down, the seconds left of its grace period (at least 1: the

@@ -76,21 +76,23 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
     if call.grammar is not None:
         call = dataclasses.replace(call, grammar_compile_s=await _compile_grammar(ctx, *call.grammar))
     gate: Gate = AdmissionGate(ctx) if ctx.admission_gate else OpenGate()
-    gate.refuse_if_draining()
-    recheck = gate.precheck(call)
-    origin.mark("precheck")
-    processed, committed = await gate.media(call, recheck, lambda reserve: _prompt_inputs(ctx, call, origin.tenant, reserve),
-                                            origin.release_body)
-    origin.mark("media")  # images fetched and decoded, the prompts templated and tokenized
-    prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len))
-                for inputs in processed]
-    gate.check_work(call, prepared)
-    client = ctx.client_or_503()
-    await gate.hold(call, prepared, origin.gone)
-    origin.mark("hold")
-    prediction = gate.admit(call, prepared, committed)
-    origin.mark("admit")
-    return AdmittedCall(call, prediction, _submit(ctx, client, call, prepared, prediction))
+    with ctx.admitting_call():  # a drain that begins from here on waits for the call
+        gate.refuse_if_draining()
+        recheck = gate.precheck(call)
+        origin.mark("precheck")
+        processed, committed = await gate.media(call, recheck,
+                                                lambda reserve: _prompt_inputs(ctx, call, origin.tenant, reserve),
+                                                origin.release_body)
+        origin.mark("media")  # images fetched and decoded, the prompts templated and tokenized
+        prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len))
+                    for inputs in processed]
+        gate.check_work(call, prepared)
+        client = ctx.client_or_503()  # 503 for a call whose media work ended in a drain
+        await gate.hold(call, prepared, origin.gone)  # a call held when the drain began is still served
+        origin.mark("hold")
+        prediction = gate.admit(call, prepared, committed)
+        origin.mark("admit")
+        return AdmittedCall(call, prediction, _submit(ctx, client, call, prepared, prediction))
 
 
 async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str) -> float:

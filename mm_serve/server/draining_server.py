@@ -30,11 +30,11 @@ class DrainingServer(uvicorn.Server):
     """``uvicorn.Server`` whose first exit signal drains ``holder`` for up to ``grace_s`` seconds."""
 
     def __init__(self, config: uvicorn.Config, holder: EngineHolder, grace_s: float,
-                 preparing: Callable[[], int] = lambda: 0) -> None:
+                 admitting: Callable[[], int] = lambda: 0) -> None:
         super().__init__(config)
         self._holder = holder
         self._grace_s = grace_s
-        self._preparing = preparing  # calls still decoding their images (the drain waits for them too)
+        self._admitting = admitting  # calls being admitted, not yet submitted (the drain waits for them too)
         self._draining = False
         self._cut = False  # a second signal ended the drain
         self._drained = False  # the drain is over (a later signal exits at once)
@@ -81,7 +81,7 @@ class DrainingServer(uvicorn.Server):
             await self.lifespan.shutdown()
 
     def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
-        left = self._holder.drain(self._grace_s, self._preparing)
+        left = self._holder.drain(self._grace_s, self._admitting)
         self._drained = True
         if left:
             why = "on a second signal" if self._cut else f"after {self._grace_s:g} s" if self._grace_s > 0 else "(no grace)"

@@ -117,3 +117,41 @@ def test_a_held_call_survives_a_killed_decode_worker(fresh_hold_server: ServerPr
     assert health["workers"]["decode0"] == "ready" and health["admission"]["held"]["requests_waiting"] == 0
     again = httpx.post(f"{url}/v1/completions", json=_body("flex", 600), timeout=180).json()
     assert again["choices"][0]["text"] == streamed  # greedy: the migrated stream lost and repeated nothing
+
+
+def test_a_call_held_when_a_drain_begins_is_answered_before_the_exit(fresh_hold_server: ServerProcess) -> None:
+    """SIGTERM while a batch call is held behind a decoding standard request: the drain waits for the
+    held call too (it is being admitted, not yet submitted), so once the standard request ends it is
+    let go, decoded and answered 200 before the server exits 0. (The drain counted submitted requests
+    only: it ended when the standard one did, and the call let go then was cut by the exit.)"""
+    url = fresh_hold_server.url
+    results: dict[str, httpx.Response] = {}
+    decoding = threading.Event()
+
+    def standard() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", 2000), "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    decoding.set()
+
+    def flex() -> None:
+        results["flex"] = httpx.post(f"{url}/v1/completions", json=_body("flex", 200), timeout=120)
+
+    runner = threading.Thread(target=standard)
+    runner.start()
+    assert decoding.wait(60)
+    waiter = threading.Thread(target=flex)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
+        assert time.monotonic() < deadline, "the batch call was never held"
+        time.sleep(0.05)
+    fresh_hold_server.proc.send_signal(signal.SIGTERM)
+    runner.join(120)
+    waiter.join(120)
+    assert fresh_hold_server.proc.wait(60) == 0, fresh_hold_server.output()[-2000:]
+    reply = results["flex"]
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 200
+    assert "still in flight" not in fresh_hold_server.output()
