@@ -24,8 +24,10 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import glob
 import hashlib
 import json
 import os
@@ -57,6 +59,7 @@ PLACEMENT_KEYS = ("mode", "compute.prefill_workers", "compute.decode_workers", "
                   "compute.decode_cpus", "compute.prefill_gpus", "compute.decode_gpus")
 BUSY_SHARE_LIMIT = 0.2  # a profile measured while others kept more of its cores busy is not reused
 UNDER_LOAD_KEY = "measured_under_load"  # in a profile file: that share (the next start measures again)
+PLANS_KEPT = 16  # saved plans kept beside a profile (one per SLO, workload, checkpoint and planner source seen)
 PROFILE_SIZES = {"prefill_tokens": (32, 256, 1024), "decode_batches": (1, 8, 32), "decode_contexts": (128, 512)}
 
 
@@ -330,10 +333,13 @@ def _read_choice(path: Path, measured: bool) -> PlacementChoice | None:
     try:
         saved = json.loads(path.read_text())
         shared = saved.pop("shared_core")
-        return PlacementChoice(**{**saved, "slo": SLO(*saved["slo"]), "profile_measured": measured, "plan_saved": True,
-                                  "shared_core": SharedCorePlacement(**shared) if shared else None})
+        choice = PlacementChoice(**{**saved, "slo": SLO(*saved["slo"]), "profile_measured": measured,
+                                    "plan_saved": True, "shared_core": SharedCorePlacement(**shared) if shared else None})
     except (OSError, ValueError, TypeError, KeyError):
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used now: the last the pruning removes
+    return choice
 
 
 def _write_choice(path: Path, choice: PlacementChoice) -> None:
@@ -347,7 +353,21 @@ def _write_choice(path: Path, choice: PlacementChoice) -> None:
             json.dump(fields, out)
         os.replace(out.name, path)
     except OSError:
-        pass
+        return
+    _prune_plans(path)
+
+
+def _prune_plans(path: Path) -> None:
+    """Keep the :data:`PLANS_KEPT` plans used last among those saved beside ``path``'s profile, deleting the
+    others (those of older profiles, SLOs and planner versions would otherwise pile up there)."""
+    stem = path.name.split(".plan-")[0]
+    saved = []
+    for saved_plan in path.parent.glob(f"{glob.escape(stem)}.plan-*.json"):
+        with contextlib.suppress(OSError):
+            saved.append((saved_plan.stat().st_mtime, saved_plan))
+    for _, old in sorted(saved, reverse=True)[PLANS_KEPT:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def _pacing_given(cfg: ServiceConfig) -> bool:

@@ -4,6 +4,7 @@ the keys that pin a placement, the profile cache, and a real server that reports
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -450,3 +451,20 @@ def test_a_plan_is_saved_beside_its_profile_and_reused_until_an_input_changes(em
     saved[0].write_text("{torn")
     assert not choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
     assert choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
+
+
+def test_saved_plans_beyond_the_last_used_sixteen_are_deleted(tmp_path: Path) -> None:
+    """Plans of older profiles, SLOs and planner versions do not pile up beside a profile: a save keeps
+    the PLANS_KEPT used last and leaves other profiles' plans alone."""
+    from mm_serve.planner.auto_placement import PLANS_KEPT, _prune_plans
+
+    plans = [tmp_path / f"prof.plan-{k:016x}.json" for k in range(PLANS_KEPT + 3)]
+    for age, plan in enumerate(plans):  # plans[0] is the newest
+        plan.write_text("{}")
+        os.utime(plan, (1e9 - age, 1e9 - age))
+    other = tmp_path / "other-prof.plan-0000000000000000.json"
+    other.write_text("{}")
+    os.utime(other, (1.0, 1.0))
+    _prune_plans(plans[0])
+    assert sorted(tmp_path.glob("prof.plan-*.json")) == sorted(plans[:PLANS_KEPT])
+    assert other.exists()
