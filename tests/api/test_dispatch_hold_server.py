@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -67,17 +68,16 @@ def fresh_hold_server(tiny_llava: Path, tmp_path: Path) -> Iterator[ServerProces
         yield proc
 
 
-def test_a_held_call_survives_a_killed_decode_worker(fresh_hold_server: ServerProcess) -> None:
-    """SIGKILL of the decode worker while a batch call is held behind a decoding standard request:
-    the standard request is migrated and finishes whole, the held call is then answered, and the
-    worker comes back."""
-    url = fresh_hold_server.url
-    results: dict[str, httpx.Response] = {}
+def _hold_behind_a_standard_stream(url: str, standard_tokens: int, flex_tokens: int,
+                                   results: dict[str, Any]) -> tuple[threading.Thread, threading.Thread]:
+    """Start a standard-tier stream of ``standard_tokens`` (its text and usage go to
+    ``results["standard"]``), then, once it decodes, a batch-tier call of ``flex_tokens`` (its response
+    goes to ``results["flex"]``); returns their threads once the batch call is held."""
     decoding = threading.Event()
 
     def standard() -> None:
         text, usage = [], {}
-        body = {**_body("default", 600), "stream": True, "stream_options": {"include_usage": True}}
+        body = {**_body("default", standard_tokens), "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as r:
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
@@ -86,10 +86,10 @@ def test_a_held_call_survives_a_killed_decode_worker(fresh_hold_server: ServerPr
                     text += [c["text"] for c in chunk["choices"]]
                     usage = chunk.get("usage") or usage
                     decoding.set()
-        results["standard"] = ("".join(text), usage)  # type: ignore[assignment]
+        results["standard"] = ("".join(text), usage)
 
     def flex() -> None:
-        results["flex"] = httpx.post(f"{url}/v1/completions", json=_body("flex", 4), timeout=180)
+        results["flex"] = httpx.post(f"{url}/v1/completions", json=_body("flex", flex_tokens), timeout=180)
 
     runner = threading.Thread(target=standard)
     runner.start()
@@ -100,13 +100,23 @@ def test_a_held_call_survives_a_killed_decode_worker(fresh_hold_server: ServerPr
     while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
         assert time.monotonic() < deadline, "the batch call was never held"
         time.sleep(0.05)
+    return runner, waiter
+
+
+def test_a_held_call_survives_a_killed_decode_worker(fresh_hold_server: ServerProcess) -> None:
+    """SIGKILL of the decode worker while a batch call is held behind a decoding standard request:
+    the standard request is migrated and finishes whole, the held call is then answered, and the
+    worker comes back."""
+    url = fresh_hold_server.url
+    results: dict[str, Any] = {}
+    runner, waiter = _hold_behind_a_standard_stream(url, 600, 4, results)
     decode_pid = int(httpx.get(f"{url}/internal/stats", timeout=30).json()["decode0"]["pid"])
     os.kill(decode_pid, signal.SIGKILL)
     runner.join(180)
     waiter.join(180)
     assert not runner.is_alive() and not waiter.is_alive()
-    streamed, usage = results["standard"]  # type: ignore[misc]
-    assert usage["completion_tokens"] == 600  # type: ignore[index]
+    streamed, usage = results["standard"]
+    assert usage["completion_tokens"] == 600
     flex_reply = results["flex"]
     assert flex_reply.status_code == 200, flex_reply.text
     assert flex_reply.json()["usage"]["completion_tokens"] == 4
@@ -123,30 +133,9 @@ def test_a_call_held_when_a_drain_begins_is_answered_before_the_exit(fresh_hold_
     """SIGTERM while a batch call is held behind a decoding standard request: the drain waits for the
     held call too (it is being admitted, not yet submitted), so once the standard request ends it is
     let go, decoded and answered 200 before the server exits 0. (The drain counted submitted requests
-    only: it ended when the standard one did, and the call let go then was cut by the exit.)"""
-    url = fresh_hold_server.url
-    results: dict[str, httpx.Response] = {}
-    decoding = threading.Event()
-
-    def standard() -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", 2000), "stream": True},
-                          timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    decoding.set()
-
-    def flex() -> None:
-        results["flex"] = httpx.post(f"{url}/v1/completions", json=_body("flex", 200), timeout=120)
-
-    runner = threading.Thread(target=standard)
-    runner.start()
-    assert decoding.wait(60)
-    waiter = threading.Thread(target=flex)
-    waiter.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
-        assert time.monotonic() < deadline, "the batch call was never held"
-        time.sleep(0.05)
+    only: ending when the standard one did, it could miss the call let go then, and the exit cut it.)"""
+    results: dict[str, Any] = {}
+    runner, waiter = _hold_behind_a_standard_stream(fresh_hold_server.url, 2000, 200, results)
     fresh_hold_server.proc.send_signal(signal.SIGTERM)
     runner.join(120)
     waiter.join(120)
