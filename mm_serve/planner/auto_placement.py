@@ -235,8 +235,8 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
             profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
                                       parallel_threads=degrees, **PROFILE_SIZES)  # type: ignore[arg-type]
         if load.share is not None and load.share > BUSY_SHARE_LIMIT:
-            profile[UNDER_LOAD_KEY] = round(load.share, 3)
-            log(f"other processes kept {load.share:.0%} of this process's cores busy while profiling (over "
+            profile[UNDER_LOAD_KEY] = share = round(load.share, 3)  # what the next start reads and prints
+            log(f"other processes kept {share:.0%} of this process's cores busy while profiling (over "
                 f"{BUSY_SHARE_LIMIT:.0%}): the placement uses this profile now, and the next start measures again")
         profile["cache_key"] = path.stem
         profile["model"] = json.loads((model_dir / "config.json").read_text())  # not a path: any copy reads it

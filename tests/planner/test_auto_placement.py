@@ -50,6 +50,10 @@ DECODE_2 = [(1, 128, 0.0070), (1, 512, 0.0074), (8, 128, 0.0099), (8, 512, 0.013
             (32, 512, 0.0318)]
 
 
+# Tight SLOs for tests that need a plan but not a given one: the probes' length follows the SLOs' slack,
+# so this plan takes a fraction of the default SLOs' (3 s against 15 s for the tiny model on two cores).
+QUICK_PLAN = {"slo": {"tiers": {"interactive": {"ttft_ms": 200, "tpot_ms": 20}, "standard": {"ttft_ms": 200, "tpot_ms": 20}}}}
+
 @pytest.fixture()
 def two_core_machine(tmp_path: Path) -> tuple[Path, Path]:
     """A checkpoint folder with bench-llama's config.json, and a profile of it on one core and on two."""
@@ -297,7 +301,9 @@ def test_a_cached_profile_is_read_and_a_new_checkpoint_is_measured(tiny_llama: P
 def test_a_server_without_placement_keys_runs_and_reports_the_planners_choice(tiny_llama: Path, tmp_path: Path) -> None:
     """`mm-serve serve` with no placement key profiles the machine, prints the choice with each candidate's
     predicted goodput, runs it (the workers /health lists), answers, and reports the choice in /health."""
-    proc = ServerProcess(tiny_llama, log_dir=tmp_path, auto_placement=True)
+    (tmp_path / "quick-plan.yaml").write_text(json.dumps(QUICK_PLAN))  # JSON is YAML
+    proc = ServerProcess(tiny_llama, "--config", str(tmp_path / "quick-plan.yaml"), log_dir=tmp_path,
+                         auto_placement=True)
     try:
         proc.wait_ready()
         health = httpx.get(f"{proc.url}/health", timeout=10).json()
@@ -358,7 +364,7 @@ def test_the_cache_serves_another_copy_of_the_checkpoint_after_the_first_is_dele
     second = tmp_path / "clone-b" / "m"
     shutil.copytree(tiny_llama, second)
     assert cached_profile(second, "float32", 2, cache, lambda line: None) == (path, False)
-    cfg = config_from_dict({}, {"placement.workload": "chatbot"})
+    cfg = config_from_dict(QUICK_PLAN, {"placement.workload": "chatbot"})
     choice = choose_placement(cfg, second, path, [0, 1])  # plans from the clone's copy: any candidate may win
     assert choice.name in choice.predicted and choice.predicted[choice.name] == max(choice.predicted.values())
     old = json.loads(path.read_text())
@@ -423,8 +429,8 @@ def test_a_profile_measured_on_busy_cores_is_used_once_then_measured_again(
     share = json.loads(path.read_text())[UNDER_LOAD_KEY]
     assert measured and BUSY_SHARE_LIMIT < share <= 1.0
     assert any(line.startswith(f"other processes kept {share:.0%} of this process's cores busy") for line in lines)
-    chatbot = config_from_dict({}, {"placement.workload": "chatbot"})
-    assert choose_placement(chatbot, tiny_llama, path, [0, 1]).as_dict()["profile_measured_under_load"] == share
+    tight = config_from_dict(QUICK_PLAN, {"placement.workload": "chatbot"})
+    assert choose_placement(tight, tiny_llama, path, [0, 1]).as_dict()["profile_measured_under_load"] == share
     lines = []
     monkeypatch.setattr(auto_placement, "BUSY_SHARE_LIMIT", 1.0)
     assert cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append) == (path, True)
@@ -438,7 +444,7 @@ def test_a_plan_is_saved_beside_its_profile_and_reused_until_an_input_changes(em
     """The placement search (seconds on a 2-core machine: its probes run thousands of requests) runs once per
     profile and inputs: the next start reads the saved choice; another SLO, a changed profile or a saved plan
     that does not read is planned again."""
-    cfg = config_from_dict({})
+    cfg = config_from_dict(QUICK_PLAN)
     first = choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1])
     saved = list(embedded_profile.parent.glob(f"{embedded_profile.stem}.plan-*.json"))
     assert not first.plan_saved and len(saved) == 1
@@ -446,8 +452,9 @@ def test_a_plan_is_saved_beside_its_profile_and_reused_until_an_input_changes(em
     assert again.plan_saved and "the plan saved by an earlier start" in again.describe()
     assert (again.name, again.predicted, again.keys, again.slo) == (first.name, first.predicted, first.keys, first.slo)
     assert again.as_dict() == {**first.as_dict(), "plan_saved": True}
-    tighter = config_from_dict({"slo": {"tiers": {"standard": {"ttft_ms": 2000, "tpot_ms": 100}}}})
-    assert not choose_placement(tighter, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
+    looser = config_from_dict({"slo": {"tiers": {"interactive": {"ttft_ms": 200, "tpot_ms": 20},
+                                                 "standard": {"ttft_ms": 300, "tpot_ms": 30}}}})
+    assert not choose_placement(looser, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
     saved[0].write_text("{torn")
     assert not choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
     assert choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
