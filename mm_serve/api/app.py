@@ -158,6 +158,12 @@ def _wire_metrics(ctx: ServerContext, registry: CollectorRegistry) -> ServiceMet
           "by request bodies being read and images being fetched, decoded and preprocessed.",
           registry=registry).set_function(lambda: ctx.image_budget.reserved)
     client = ctx.holder.client
+    Gauge("mm_serve_requests_in_flight", "Engine requests submitted and not yet finished: prefilling, handed off, "
+          "decoding, or parked while a worker restarts (n choices of a call are n requests).",
+          registry=registry).set_function(lambda: len(client.requests))
+    Gauge("mm_serve_calls_admitting", "Calls past the shutdown check and not yet submitted or refused: images "
+          "being decoded, prompts tokenized, waiting in the dispatch hold. A drain waits for them too.",
+          registry=registry).set_function(lambda: ctx.admitting)
     registry.register(WorkerStatsCollector(lambda: dict(client.stats)))
     registry.register(FaultCollector(client.fault_report))
     ctx.tier_metrics = TierMetrics(registry, ctx.config.slo)

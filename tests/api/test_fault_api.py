@@ -128,7 +128,10 @@ def test_sigterm_while_the_only_decode_restarts_still_drains(tiny_llava: Path, t
                     return [ln for ln in r.iter_lines() if ln]
 
             lines = pool.submit(streamed)
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while "mm_serve_requests_in_flight 1.0" not in httpx.get(f"{server.url}/metrics", timeout=10).text:
+                assert time.monotonic() < deadline, "the stream was never parked"  # submitted, waiting for a decode
+                time.sleep(0.05)
             server.proc.send_signal(signal.SIGTERM)
             got = lines.result()
         assert got[-1] == "data: [DONE]" and not [ln for ln in got if '"error"' in ln]

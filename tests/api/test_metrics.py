@@ -63,6 +63,7 @@ def test_ttft_histogram_matches_client_and_gauges_return_to_idle(server: ServerP
             break
         time.sleep(0.2)
     assert running == [0.0, 0.0] and used == [0.0, 0.0] and all(t > 0 for t in totals)
+    assert idle[("mm_serve_requests_in_flight", ())] == 0 and idle[("mm_serve_calls_admitting", ())] == 0
 
 
 def test_rejected_requests_are_counted_by_status(server: ServerProcess) -> None:
