@@ -7,17 +7,14 @@ from typing import Any
 
 from mm_serve.api.error_handlers import error_response
 from mm_serve.api.sse import DONE, error_event
-from mm_serve.protocol.errors import unavailable
-
-STOPPED_RETRY_AFTER_S = 1
-STOPPED_MESSAGE = "the service stopped before this request was answered; send it again"
+from mm_serve.protocol.errors import STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S, unavailable
 
 
 class CancelledAnswerMiddleware:
     """Outermost ASGI middleware: when a call's task is cancelled before its response started (the service
     stopped at once, on a second SIGTERM / SIGINT or past uvicorn's graceful-shutdown wait, and the loop
     cancels what is left), it answers 503 ``service_unavailable`` with ``Retry-After``
-    (:data:`STOPPED_RETRY_AFTER_S` seconds) and closes the connection; uvicorn would send a plain-text
+    (:data:`~mm_serve.protocol.errors.STOPPED_RETRY_AFTER_S` seconds) and closes the connection; uvicorn would send a plain-text
     500. A stream already started (``text/event-stream``) gets that error as its last event, then
     ``data: [DONE]``, and ends, where it was cut with uvicorn's traceback of the cancelled task; another
     response already started is cut, as before."""

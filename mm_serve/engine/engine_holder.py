@@ -38,6 +38,7 @@ class EngineHolder:
             self.ready_event.set()
         self.draining = threading.Event()  # set on SIGTERM/SIGINT: new requests get 503
         self.drain_deadline = 0.0  # time.monotonic() by which a drain under way stops the workers
+        self.drain_ended = threading.Event()  # set when a drain ends: what is still held is answered 503
         self._drain_cut = threading.Event()  # set by :meth:`cut_drain`: a drain under way ends now
         self._thread: threading.Thread | None = None
         if start_now:
@@ -99,13 +100,16 @@ class EngineHolder:
         finish, and for the calls ``admitting()`` counts (past the front end's check for a drain, not
         yet submitted: a call still decoding its images is answered 503 once done, one in the dispatch
         hold is submitted when it leaves) to get that far, or for :meth:`cut_drain`; returns how many
-        of both were left when it ended."""
+        of both were left when it ended, and sets :attr:`drain_ended` (a call still held then is
+        answered 503)."""
         deadline = time.monotonic() + grace_s
         self.drain_deadline = deadline
         self.draining.set()
         while (self.client.requests or admitting()) and time.monotonic() < deadline and not self._drain_cut.is_set():
             time.sleep(0.05)
-        return len(self.client.requests) + admitting()
+        left = len(self.client.requests) + admitting()
+        self.drain_ended.set()
+        return left
 
     def cut_drain(self) -> None:
         """End a drain under way now (a second signal): :meth:`drain` returns within 50 ms."""

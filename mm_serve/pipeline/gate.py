@@ -29,6 +29,7 @@ from mm_serve.pipeline.call import Call
 from mm_serve.pipeline.chat_prompt import DeclaredImage
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.decision_deadline import within_deadline
+from mm_serve.protocol.errors import STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S, unavailable
 from mm_serve.runtime.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -304,6 +305,8 @@ class AdmissionGate:
         Raises:
             Rejection: 429 from a queue cap (checked before it waits).
             ConnectionAbortedError: ``gone()`` (its client's disconnect check) said the client left.
+            APIError: 503 when the service's drain ends while the call is held (within
+                :data:`~mm_serve.admission.dispatch_hold.GONE_POLL_S` seconds; uvicorn would cancel it 5 s later).
         """
         ctx, tier = self.ctx, call.tier
         if not prepared or not ctx.admission.holds(tier):
@@ -317,8 +320,13 @@ class AdmissionGate:
             return ctx.admission.hold_reason(client, tier, len(inputs.prompt_token_ids), inputs.num_tiles,
                                              params.max_tokens, inputs) is None
 
+        async def gone_or_stopped() -> bool:
+            if ctx.holder.drain_ended.is_set():  # the grace passed, or a second signal: not dispatched now
+                raise unavailable(STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S)
+            return await gone()
+
         longest = min(ctx.config.slo.of(tier).ttft_s / 2, ctx.config.api.timeout_ms / 2000.0)
-        await ctx.dispatch_hold.wait(ready, *prompt_work(prepared), longest, gone)
+        await ctx.dispatch_hold.wait(ready, *prompt_work(prepared), longest, gone_or_stopped)
 
     def admit(self, call: Call, prepared: Prepared, committed: bool) -> Prediction | None:
         """The queue caps, then the latency prediction, for the call's ``prepared`` prompts (the

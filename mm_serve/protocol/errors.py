@@ -41,6 +41,9 @@ class APIError(Exception):
         return {"WWW-Authenticate": "Bearer", **self.headers} if self.status == 401 else dict(self.headers)
 
 
+STOPPED_MESSAGE = "the service stopped before this request was answered; send it again"
+STOPPED_RETRY_AFTER_S = 1  # the Retry-After of that 503: a replacement may answer soon
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """400 ``invalid_request_error`` naming ``param`` (and OpenAI's ``code`` when given)."""
     return APIError(400, message, "invalid_request_error", param, code)

@@ -6,7 +6,8 @@ import asyncio
 import json
 from typing import Any
 
-from mm_serve.api.cancelled_answer import STOPPED_MESSAGE, CancelledAnswerMiddleware
+from mm_serve.api.cancelled_answer import CancelledAnswerMiddleware
+from mm_serve.protocol.errors import STOPPED_MESSAGE
 
 SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
 

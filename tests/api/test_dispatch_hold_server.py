@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mm_serve.protocol.errors import STOPPED_MESSAGE
 from tests.api.server_process import ServerProcess, configured_server
 
 # a standard TPOT SLO no decode step meets: a batch request joining a running standard one is held
@@ -144,3 +145,24 @@ def test_a_call_held_when_a_drain_begins_is_answered_before_the_exit(fresh_hold_
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 200
     assert "still in flight" not in fresh_hold_server.output()
+
+
+def test_a_call_still_held_when_the_drain_is_cut_gets_503_at_once(fresh_hold_server: ServerProcess) -> None:
+    """A second SIGTERM ends the drain while a batch call is still held: the call is answered 503 (OpenAI's
+    error JSON, Retry-After) within a fraction of a second, not after uvicorn's 5 s wait for open
+    connections, whose cancelling of the held call's task logged an ERROR."""
+    results: dict[str, Any] = {}
+    runner, waiter = _hold_behind_a_standard_stream(fresh_hold_server.url, 2000, 4, results)
+    fresh_hold_server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    cut = time.monotonic()
+    fresh_hold_server.proc.send_signal(signal.SIGTERM)
+    waiter.join(30)
+    answered = time.monotonic() - cut
+    runner.join(30)
+    assert fresh_hold_server.proc.wait(60) == 0, fresh_hold_server.output()[-2000:]
+    reply = results["flex"]
+    assert reply.status_code == 503 and int(reply.headers["retry-after"]) >= 1, reply.text
+    assert reply.json()["error"]["message"] == STOPPED_MESSAGE
+    assert answered < 2.0
+    assert "ERROR" not in fresh_hold_server.output(), fresh_hold_server.output()[-2000:]
