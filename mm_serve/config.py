@@ -364,6 +364,11 @@ class ServiceConfig(_Frozen):
         if sched.decode_pacing_always and not paced:
             lines.append("scheduler.decode_pacing_always has no effect: no decode pacing is set "
                          "(scheduler.decode_step_pacing or scheduler.decode_step_interval_ms)")
+        counts = [f"compute.{key} ({value})" for key in ("prefill_workers", "decode_workers")
+                  if (value := getattr(self.compute, key)) != 1]
+        if counts and self.mode == "colocated":
+            lines.append(f"{' and '.join(counts)} {'has' if len(counts) == 1 else 'have'} no effect in colocated mode: "
+                         "one worker runs both phases (on the cores of compute.prefill_cpus and compute.decode_cpus)")
         if paced and self.mode == "colocated":
             lines.append("decode pacing (scheduler.decode_step_pacing / decode_step_interval_ms) has no effect in "
                          "colocated mode: one worker runs both phases, there is no prefill worker to yield to")

@@ -204,6 +204,10 @@ def test_settings_that_do_nothing_with_the_rest_of_the_config_are_named() -> Non
     assert len(lines) == 1 and lines[0].startswith("scheduler.decode_pacing_always has no effect")
     lines = load_config(None, {"mode": "colocated", "scheduler.decode_step_interval_ms": 40}).ineffective_settings()
     assert len(lines) == 1 and "no effect in colocated mode" in lines[0]
+    lines = load_config(None, {"mode": "colocated", "compute.prefill_workers": 2}).ineffective_settings()
+    assert lines == ["compute.prefill_workers (2) has no effect in colocated mode: one worker runs both phases (on "
+                     "the cores of compute.prefill_cpus and compute.decode_cpus)"]
+    assert load_config(None, {"mode": "colocated", "compute.prefill_workers": 1}).ineffective_settings() == []
 
 
 def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_path: Path) -> None:

@@ -125,6 +125,7 @@ def test_sigterm_to_the_process_group_drains_then_leaves_nothing(tiny_llava: Pat
         assert "media" not in refused.headers["server-timing"]  # refused before any input processing
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "stopping"
+        assert 1 <= int(health.headers["retry-after"]) <= 60  # what is left of the grace
         for t in threads:
             t.join(120)
         assert errors == [] and finished == ["length"] * 3

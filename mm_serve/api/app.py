@@ -40,7 +40,8 @@ from mm_serve.metrics.service_metrics import (
 )
 from mm_serve.metrics.tier_metrics import TierMetrics
 from mm_serve.pipeline.call import check_model
-from mm_serve.pipeline.context import ServerContext
+from mm_serve.pipeline.context import WARMING_RETRY_S, ServerContext
+from mm_serve.protocol.errors import retry_after
 from mm_serve.protocol.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -236,7 +237,10 @@ def _service_routes(app: FastAPI, ctx: ServerContext, registry: CollectorRegistr
                                          "attainment_feedback": ctx.admission.feedback_report()},
                               caches=cache_health(dict(ctx.holder.client.stats)),
                               event_loop=_loop_name(), placement=ctx.placement).model_dump()
-        return JSONResponse(body, status_code=200 if status in ("ok", "degraded") else 503)
+        if status in ("ok", "degraded"):
+            return JSONResponse(body)
+        retry_s = WARMING_RETRY_S if status == "warming" else ctx.drain_retry_after_s()  # None when down
+        return JSONResponse(body, status_code=503, headers=retry_after(retry_s))
 
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)")
     async def metrics_endpoint() -> Response:

@@ -18,10 +18,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--prompt", default="Describe the image.",
                         help="the user message (default: 'Describe the image.', asked when none is given)")
     parser.add_argument("--image", action="append", default=[], help="image file (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--mode", choices=["colocated", "disaggregated"], default="colocated")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh draw)")
+    parser.add_argument("--mode", choices=["colocated", "disaggregated"], default="colocated",
+                        help="one worker for both phases, or prefill and decode workers (default colocated)")
     parser.set_defaults(func=run)
 
 

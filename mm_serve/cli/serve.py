@@ -25,13 +25,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
+                   help="prefill and decode in worker processes of their own, or one worker doing both (mode; "
+                        "default: the planner's choice, else disaggregated)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                    help="weights, KV cache, ring pages and features (dtype; default auto: the checkpoint's own)")
     p.add_argument("--attention-backend", choices=["auto", "flex", "torch"], default=None,
                    help="attention over the KV pages (attention_backend; docs/attention.md)")
-    p.add_argument("--prefill-workers", type=int, default=None, metavar="N")
-    p.add_argument("--decode-workers", type=int, default=None, metavar="M")
+    p.add_argument("--prefill-workers", type=int, default=None, metavar="N",
+                   help="prefill worker processes in disaggregated mode (compute.prefill_workers)")
+    p.add_argument("--decode-workers", type=int, default=None, metavar="M",
+                   help="decode worker processes in disaggregated mode (compute.decode_workers)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' (api.api_key); give it once per tenant to accept several")
     p.add_argument("--cache-salt-by-api-key", action="store_true", default=None,
