@@ -72,8 +72,9 @@ def fresh_hold_server(tiny_llava: Path, tmp_path: Path) -> Iterator[ServerProces
 def _hold_behind_a_standard_stream(url: str, standard_tokens: int, flex_tokens: int,
                                    results: dict[str, Any]) -> tuple[threading.Thread, threading.Thread]:
     """Start a standard-tier stream of ``standard_tokens`` (its text and usage go to
-    ``results["standard"]``), then, once it decodes, a batch-tier call of ``flex_tokens`` (its response
-    goes to ``results["flex"]``); returns their threads once the batch call is held."""
+    ``results["standard"]``, the code of an error event to ``results["standard_error"]``), then, once it
+    decodes, a batch-tier call of ``flex_tokens`` (its response goes to ``results["flex"]``); returns their
+    threads once the batch call is held."""
     decoding = threading.Event()
 
     def standard() -> None:
@@ -84,6 +85,9 @@ def _hold_behind_a_standard_stream(url: str, standard_tokens: int, flex_tokens: 
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:  # the stream was cut: its last event
+                        results["standard_error"] = chunk["error"]["code"]
+                        continue
                     text += [c["text"] for c in chunk["choices"]]
                     usage = chunk.get("usage") or usage
                     decoding.set()
@@ -164,5 +168,6 @@ def test_a_call_still_held_when_the_drain_is_cut_gets_503_at_once(fresh_hold_ser
     reply = results["flex"]
     assert reply.status_code == 503 and int(reply.headers["retry-after"]) >= 1, reply.text
     assert reply.json()["error"]["message"] == STOPPED_MESSAGE
+    assert results["standard_error"] == "service_unavailable"  # the stream was cut by the second signal too
     assert answered < 2.0
     assert "ERROR" not in fresh_hold_server.output(), fresh_hold_server.output()[-2000:]
