@@ -156,9 +156,11 @@ def test_a_call_still_held_when_the_drain_is_cut_gets_503_at_once(fresh_hold_ser
     error JSON, Retry-After) within a fraction of a second, not after uvicorn's 5 s wait for open
     connections, whose cancelling of the held call's task logged an ERROR."""
     results: dict[str, Any] = {}
-    runner, waiter = _hold_behind_a_standard_stream(fresh_hold_server.url, 2000, 4, results)
+    # 3000 tokens: ~2 s of decode on a fast CPU, still running at the second signal (once it ends, the drain
+    # lets the held call go and serves it)
+    runner, waiter = _hold_behind_a_standard_stream(fresh_hold_server.url, 3000, 4, results)
     fresh_hold_server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    time.sleep(0.1)
     cut = time.monotonic()
     fresh_hold_server.proc.send_signal(signal.SIGTERM)
     waiter.join(30)
