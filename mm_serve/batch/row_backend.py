@@ -61,11 +61,9 @@ class RowBackend(CaptionBackend):
         return self.ctx.config.batch.max_in_flight_rows
 
     def engine_up(self) -> bool:
-        """True while the engine takes requests: its first start over (the calls' own check,
-        :meth:`ServerContext.client_or_503`; the workers are ready a little earlier), a path ready,
-        not draining."""
+        """True while the engine takes requests (:attr:`EngineHolder.ready`, not draining)."""
         holder = self.ctx.holder
-        return holder.started and holder.ready and not holder.draining.is_set()
+        return holder.ready and not holder.draining.is_set()
 
     async def run(self, item: CaptionInput) -> Outcome:
         """Answer one row; see the module docstring.

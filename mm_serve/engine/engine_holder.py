@@ -68,8 +68,10 @@ class EngineHolder:
 
     @property
     def ready(self) -> bool:
-        """Whether a path serves now (see :meth:`EngineClient.is_ready`)."""
-        return self.client.is_ready
+        """Whether calls are taken and a path serves now: the first start is over (:attr:`started`: the
+        pool counts as ready once one prefill and one decode worker are, before every worker is) and
+        :meth:`EngineClient.is_ready`."""
+        return self.started and self.client.is_ready
 
     @property
     def started(self) -> bool:

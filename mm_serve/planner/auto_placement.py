@@ -279,7 +279,8 @@ def choose_placement(
               "decode_max_concurrent": cfg.scheduler.decode_max_concurrent,
               "mixed_step_tokens": cfg.scheduler.mixed_step_tokens, "page_size": cfg.kv_cache.page_size,
               "worker_nice": cfg.compute.worker_nice, "pacing_given": _pacing_given(cfg)}
-    saved = _plan_path(profile, model_dir, inputs)
+    profile_bytes = profile.read_bytes()  # the file get_hardware read above
+    saved = _plan_path(profile, profile_bytes, model_dir, inputs)
     cached = _read_choice(saved, measured)
     if cached is not None:
         return cached
@@ -299,7 +300,7 @@ def choose_placement(
         rates = [evaluator.shared_core_goodput(placement, share) for placement in placements]
         best = max(rates)
         shared = (placements[rates.index(best)], best)  # the first of equals: the least paced
-    under_load = json.loads(profile.read_text()).get(UNDER_LOAD_KEY)  # the file get_hardware read above
+    under_load = json.loads(profile_bytes).get(UNDER_LOAD_KEY)
     choice = _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate,
                      shared, nice, time.perf_counter() - start,
                      under_load if isinstance(under_load, (int, float)) else None)
@@ -317,11 +318,12 @@ def _planner_source_digest() -> str:
     return digest.hexdigest()
 
 
-def _plan_path(profile: Path, model_dir: Path, inputs: dict[str, Any]) -> Path:
-    """Where the choice for ``inputs`` on ``profile`` is saved, beside the profile: named by a digest of
-    the inputs, the profile, the checkpoint's ``config.json`` and the planner's source."""
+def _plan_path(profile: Path, profile_bytes: bytes, model_dir: Path, inputs: dict[str, Any]) -> Path:
+    """Where the choice for ``inputs`` on ``profile`` (whose content is ``profile_bytes``) is saved, beside
+    the profile: named by a digest of the inputs, the profile, the checkpoint's ``config.json`` and the
+    planner's source."""
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode())
-    digest.update(profile.read_bytes())
+    digest.update(profile_bytes)
     config = model_dir / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
     digest.update(_planner_source_digest().encode())

@@ -37,7 +37,6 @@ class DrainingServer(uvicorn.Server):
         self._admitting = admitting  # calls being admitted, not yet submitted (the drain waits for them too)
         self._draining = False
         self._cut = False  # a second signal ended the drain
-        self._drained = False  # the drain is over (a later signal exits at once)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -53,7 +52,7 @@ class DrainingServer(uvicorn.Server):
                     captured.clear()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining and not self._cut and not self._drained:  # a second signal: end the drain now (the drain thread fails what is left)
+        if self._draining and not self._cut and not self._holder.drain_ended.is_set():  # a second signal: end the drain now (the drain thread fails what is left)
             self._cut = True
             self._holder.cut_drain()
             say("mm-serve: stopping now: requests in flight are answered 503 (signal again to exit without "
@@ -81,8 +80,7 @@ class DrainingServer(uvicorn.Server):
             await self.lifespan.shutdown()
 
     def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
-        left = self._holder.drain(self._grace_s, self._admitting)
-        self._drained = True
+        left = self._holder.drain(self._grace_s, self._admitting)  # sets drain_ended: a later signal exits at once
         if left:
             why = "on a second signal" if self._cut else f"after {self._grace_s:g} s" if self._grace_s > 0 else "(no grace)"
             say(f"mm-serve: {left} request(s) still in flight {why}; stopping them")
