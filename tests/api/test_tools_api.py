@@ -121,13 +121,21 @@ def test_the_follow_up_turn_with_the_tool_answer_is_taken(client: openai.OpenAI)
 
 def test_an_auto_choice_streams_its_text_as_it_comes(client: openai.OpenAI) -> None:
     """With tools and tool_choice auto, an answer that holds no call streams as content deltas (not held to the
-    end), adding up to the JSON answer's content."""
-    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 40, "temperature": 0}
+    end), adding up to the JSON answer's content. Deltas that pile up while the client reads are sent as one
+    (a stalled reader can see a whole short answer in a few pieces), so a try counts when it saw more than 3;
+    an answer held to the end is one piece on every try."""
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 100, "temperature": 0}
     full = client.chat.completions.create(**kwargs)
-    pieces = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kwargs)
-              if c.choices and c.choices[0].delta.content]
     assert full.choices[0].message.tool_calls is None or not full.choices[0].message.tool_calls
-    assert "".join(pieces) == full.choices[0].message.content and len(pieces) > 3
+    counts = []
+    for _ in range(3):
+        pieces = [c.choices[0].delta.content for c in client.chat.completions.create(stream=True, **kwargs)
+                  if c.choices and c.choices[0].delta.content]
+        assert "".join(pieces) == full.choices[0].message.content
+        counts.append(len(pieces))
+        if len(pieces) > 3:
+            break
+    assert max(counts) > 3, counts
 
 
 @pytest.mark.parametrize("body,param,code", [
