@@ -25,6 +25,7 @@ OSDI 2024, §4). With ``placement.auto`` (the default) and none of :data:`PLACEM
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import glob
@@ -273,12 +274,12 @@ def choose_placement(
         prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
         colocated_mixed_tokens=cfg.scheduler.mixed_step_tokens, page_size=cfg.kv_cache.page_size,
     )
-    inputs = {"workload": workload_name, "slo": [tier_slo.ttft_s, tier_slo.tpot_s, tier_slo.attainment],
-              "cores": list(cores), "seed": cfg.seed, "prefill_token_budget": cfg.scheduler.prefill_token_budget,
-              "prefill_batch_size": cfg.scheduler.prefill_batch_size,
-              "decode_max_concurrent": cfg.scheduler.decode_max_concurrent,
-              "mixed_step_tokens": cfg.scheduler.mixed_step_tokens, "page_size": cfg.kv_cache.page_size,
-              "worker_nice": cfg.compute.worker_nice, "pacing_given": _pacing_given(cfg)}
+    # every plain field of the spec (a field added later is in the key without being named here); the model
+    # shape and hardware are keyed by config.json and the profile's bytes, the workload by its name
+    inputs: dict[str, Any] = {f.name: value for f in dataclasses.fields(spec)
+                              if isinstance(value := getattr(spec, f.name), (bool, int, float, str))}
+    inputs |= {"workload": workload_name, "slo": dataclasses.astuple(spec.slo), "cores": list(cores),
+               "worker_nice": cfg.compute.worker_nice, "pacing_given": _pacing_given(cfg)}
     profile_bytes = profile.read_bytes()  # the file get_hardware read above
     saved = _plan_path(profile, profile_bytes, model_dir, inputs)
     cached = _read_choice(saved, measured)
