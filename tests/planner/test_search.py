@@ -160,7 +160,9 @@ def test_figure1_workload_plan_beats_best_colocated(figure1_workload: Any, confi
 
 
 def test_low_affinity_keeps_each_prefill_stage_with_its_decode_partner(configs: Configs) -> None:
-    result = plan(opt13b_spec(configs["opt-13b"], nodes=2, gpus_per_node=8, affinity="low"))
+    """Tight SLOs (TTFT 0.1 s, TPOT 30 ms): a unit of larger instances (TP 2 prefill, TP 4 decode), and
+    short probes (the simulated runs follow the SLO slack): 5 s, not the chatbot SLOs' 15 s."""
+    result = plan(opt13b_spec(configs["opt-13b"], nodes=2, gpus_per_node=8, affinity="low", slo=SLO(0.1, 0.03)))
     pp = result.unit.prefill.pp
     assert result.unit.decode.pp == pp
     assert result.units == 2 // pp
