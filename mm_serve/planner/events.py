@@ -25,7 +25,9 @@ class EventLoop:
     def at(self, time: float, action: Action) -> None:
         """Run ``action`` at ``time`` (seconds; clamped to ``now``)."""
         self._seq += 1
-        heapq.heappush(self._heap, (max(time, self.now), self._seq, action))
+        if time < self.now:
+            time = self.now
+        heapq.heappush(self._heap, (time, self._seq, action))
 
     def run(self, arrivals: Sequence[tuple[float, Action]] = ()) -> None:
         """Process events until none are left.

@@ -90,26 +90,33 @@ class DecodeTiming:
     hop_const: float
     hop_per_seq: float
 
+    def step_line(self, batch: int) -> tuple[float, float]:
+        """``(a, b)``: a step of ``batch`` sequences holding ``C`` KV tokens in total takes ``a + b * C``
+        seconds (the stage's work scaled by ``pp / m`` for ``m = min(pp, batch)`` micro-batches in
+        flight, plus the constants and the ``pp - 1`` hops)."""
+        pp = self.pp
+        m = min(pp, max(batch, 1))
+        scale = pp / m
+        a = pp * self.stage_const + scale * self.stage_per_seq * batch
+        if pp > 1:
+            a += (pp - 1) * (self.hop_const + self.hop_per_seq * batch / m)
+        return a, scale * self.stage_per_context
+
     def step_time(self, batch: int, context: float) -> float:
         """Seconds for every one of ``batch`` running sequences (``context`` KV tokens
         in total) to get one more token."""
-        return self.step_ends(0.0, batch, context, 1)[0]
+        a, b = self.step_line(batch)
+        return a + b * context
 
     def step_ends(self, start: float, batch: int, context: float, steps: int) -> list[float]:
         """End times (seconds) of ``steps`` consecutive steps of an unchanged batch
         starting at ``start``, the context growing by ``batch`` tokens a step: the same
         floats as adding :meth:`step_time` one step at a time, without a call per step."""
-        pp = self.pp
-        m = min(pp, max(batch, 1))
-        seq_work = self.stage_per_seq * batch
-        per_context = self.stage_per_context
-        const = pp * self.stage_const
-        scale = pp / m
-        hops = (pp - 1) * (self.hop_const + self.hop_per_seq * batch / m)
+        a, b = self.step_line(batch)
         ends = []
         t = start
         for _ in range(steps):
-            t += const + scale * (seq_work + per_context * context) + hops
+            t += a + b * context
             context += batch
             ends.append(t)
         return ends

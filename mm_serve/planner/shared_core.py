@@ -61,7 +61,10 @@ class PacedDecodeTiming(DecodeTiming):
 
     def alone(self, batch: int, context: float) -> float:
         """The step's seconds of work, as on a core of its own (:meth:`DecodeTiming.step_time`)."""
-        return super().step_ends(0.0, batch, context, 1)[0]
+        return super().step_time(batch, context)
+
+    def step_time(self, batch: int, context: float) -> float:
+        return self.step_ends(0.0, batch, context, 1)[0]
 
     def step_ends(self, start: float, batch: int, context: float, steps: int) -> list[float]:
         ends, t = [], start
