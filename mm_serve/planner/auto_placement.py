@@ -287,10 +287,9 @@ def choose_placement(
         return cached
     start = time.perf_counter()
     evaluator = GoodputEvaluator(spec)
-    result = plan(spec, evaluator)
-    # the colocated mode runs one worker on every core: that instance's goodput (from the search's memo
-    # when it simulated that instance), not the planner's best colocated pool (which may be several
-    # smaller instances the service does not run)
+    # the colocated mode runs one worker on every core: that instance's goodput is compared, not the
+    # planner's best colocated pool (which may be several smaller instances the service does not run)
+    result = plan(spec, evaluator, colocated_pool=False)
     colocated = ParallelConfig(max(tp_degrees(shape.num_heads, len(cores))), 1)
     colocated_rate = evaluator.colocated_goodput(colocated, False)
     shared: tuple[SharedCorePlacement, float] | None = None

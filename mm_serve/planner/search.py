@@ -310,10 +310,12 @@ def best_colocated(ev: GoodputEvaluator, gpus: int) -> tuple[PhaseCandidate, int
     return best
 
 
-def plan(spec: PlanSpec, evaluator: GoodputEvaluator | None = None) -> PlanResult:
+def plan(spec: PlanSpec, evaluator: GoodputEvaluator | None = None, colocated_pool: bool = True) -> PlanResult:
     """Search the placement for ``spec`` (see the module docstring), with ``evaluator`` (one of
     ``spec``; a new one when None): its goodputs are memoized, so a caller that asks it for more
-    afterwards reuses the search's simulations.
+    afterwards reuses the search's simulations. ``colocated_pool`` False: no search for the best
+    colocated pool to compare with (``colocated`` None in the result), for a caller that compares
+    with a colocated placement of its own.
 
     Raises:
         PlannerError: no configuration fits in memory or meets the SLOs.
@@ -333,7 +335,7 @@ def plan(spec: PlanSpec, evaluator: GoodputEvaluator | None = None) -> PlanResul
             "them too few requests meet both")
     unit, estimate, pre, dec = chosen.unit, chosen.estimate, chosen.prefill, chosen.decode
     placement, units = replicate(unit, spec.nodes, spec.gpus_per_node, spec.affinity)
-    pool = best_colocated(ev, unit.gpus)
+    pool = best_colocated(ev, unit.gpus) if colocated_pool else None
     colocated, col_count, col_goodput = pool if pool else (None, 0, 0.0)
     col_placement = (colocated_replicas(colocated.par, spec.nodes, spec.gpus_per_node)
                      if colocated else [])
