@@ -67,7 +67,7 @@ MAX_SCHEMA_DEPTH = 64  # schemas within schemas: xgrammar's compile time grows ~
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")  # (?= (?! (?<= (?<!: xgrammar ignores them (the output could break them)
 # keywords xgrammar (0.2.9) does not enforce: an output could break them, so a schema using one is refused
 UNSUPPORTED_KEYWORDS = ("patternProperties", "propertyNames", "not", "if", "then", "else", "dependentSchemas",
-                        "dependentRequired", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains",
+                        "dependentRequired", "dependencies", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains",
                         "maxContains", "uniqueItems")
 # where a schema holds schemas: keyword -> how (one schema, a list of them, or a name -> schema map)
 _ONE = ("additionalProperties", "items", "additionalItems", "contains")
@@ -98,8 +98,9 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
             that is not a non-negative integer, more optional properties than :data:`MAX_OPTIONAL_PROPERTIES`
             in one object (:data:`MAX_OPTIONAL_PROPERTIES_TOTAL` in all), schemas nested deeper than
             :data:`MAX_SCHEMA_DEPTH`, a ``pattern`` with a lookaround or an anchor inside it, an integer bound
-            past 64 bits, a combinator xgrammar would not enforce, or a ``required`` property that the
-            object's ``properties`` (if any) does not list (xgrammar enforces neither).
+            past 64 bits, a combinator xgrammar would not enforce, a ``required`` property that the
+            object's ``properties`` (if any) does not list (xgrammar enforces neither), or keywords it
+            would not enforce together (:func:`_check_enforced_together`).
     """
     counted = [0] if counted is None else counted
     if not isinstance(schema, dict):
@@ -113,6 +114,7 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
     if isinstance(pattern, str):
         check_pattern(pattern)
     _check_integer_bounds(schema)
+    _check_enforced_together(schema)
     for key in UNSUPPORTED_KEYWORDS:
         if key in schema:
             raise GrammarError(f"the JSON Schema keyword {key!r} is not supported by the grammar engine "
@@ -202,6 +204,56 @@ def _check_integer_bounds(schema: dict[str, Any]) -> None:
         if isinstance(value, int | float) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
             raise GrammarError(f"{key} {value!r:.40} of an integer is outside the 64-bit range the grammar engine "
                                "handles")
+
+
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_STRING_RULES = {"pattern": ("pattern",), "format": ("format",), "minLength / maxLength": ("minLength", "maxLength")}
+# the keywords a value in enum / const is checked against (those that judge the value itself)
+_VALUE_KEYWORDS = ("type", *_RANGE, "multipleOf", "minLength", "maxLength", "pattern", "format", "minItems",
+                   "maxItems", "minProperties", "maxProperties", "required")
+
+
+def _check_enforced_together(schema: dict[str, Any]) -> None:
+    """Refuse keyword combinations xgrammar (0.2.9) compiles by keeping one and ignoring the other (its log
+    says so at best), so that an output could break the schema: ``multipleOf`` beside a range or on
+    anything but an integer, a string's ``pattern``, ``format`` and length bounds together, an empty
+    ``type`` list, and ``enum`` / ``const`` values the schema's own other keywords refuse (only the
+    values are enforced).
+
+    Raises:
+        GrammarError: naming the keywords.
+    """
+    types = schema.get("type")
+    if types == []:
+        raise GrammarError("type is an empty list: no value has a type in it")
+    if "multipleOf" in schema:
+        if types != "integer":
+            raise GrammarError("multipleOf is enforced on integers only (type: \"integer\"), got type "
+                               f"{json.dumps(types):.40}")
+        beside = [key for key in _RANGE if key in schema]
+        if beside:
+            raise GrammarError(f"multipleOf beside {beside[0]} is not enforced by the grammar engine (it keeps the "
+                               "range only); use one of them, or an enum of the allowed integers")
+    rules = [name for name, keys in _STRING_RULES.items() if any(key in schema for key in keys)]
+    if len(rules) > 1:
+        raise GrammarError(f"a string's {rules[0]} and {rules[1]} together are not enforced by the grammar engine "
+                           "(it keeps one only); write the constraint into one pattern")
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    rest = {key: schema[key] for key in _VALUE_KEYWORDS if key in schema}
+    if isinstance(values, list) and rest:
+        from jsonschema import Draft202012Validator, SchemaError
+
+        try:
+            Draft202012Validator.check_schema(rest)
+            validator = Draft202012Validator(rest, format_checker=Draft202012Validator.FORMAT_CHECKER)
+            for value in values:
+                error = next(validator.iter_errors(value), None)
+                if error is not None:
+                    raise GrammarError(f"{'const' if 'const' in schema else 'enum'} value {json.dumps(value):.40} "
+                                       f"breaks the schema's {error.validator} ({error.message:.80}); the grammar "
+                                       "engine would enforce the value only")
+        except SchemaError as exc:
+            raise GrammarError(f"the schema is not valid: {exc.message:.120}") from None
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -342,6 +394,13 @@ class GrammarBook:
 
     def _compile_now(self, spec: GrammarSpec, vocab_size: int) -> Any:
         kind, text = spec
+        if kind == "choice":
+            kind, text = "grammar", choice_ebnf(json.loads(text))
+        try:
+            text.encode("utf-8")  # xgrammar takes UTF-8: a lone surrogate (JSON's "\ud800") has none
+        except UnicodeEncodeError as exc:
+            raise GrammarError(f"the {spec[0]} holds {text[exc.start]!r}, a lone surrogate (half of a UTF-16 "
+                               "pair), which is no Unicode character") from None
         compiler = self._compiler_for(vocab_size)
         try:
             if kind == "json":
@@ -351,8 +410,6 @@ class GrammarBook:
             if kind == "regex":
                 check_pattern(text)
                 return compiler.compile_regex(text)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_ebnf(json.loads(text)))
             if kind == "grammar":
                 return compiler.compile_grammar(text)
         except RuntimeError as exc:  # xgrammar's message; it gives none for, e.g., an integer past a double's range

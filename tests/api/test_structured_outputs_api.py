@@ -121,6 +121,16 @@ def test_json_object_regex_and_choice(server: ServerProcess) -> None:
     ({"guided_grammar": "root ::= ("}, "guided_grammar", "invalid_grammar"),
     ({"guided_json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "guided_json", "invalid_grammar"),
     ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "guided_json", "invalid_grammar"),
+    # keywords xgrammar would compile by ignoring one (outputs broke them: 25 for a multiple of 7 over 10)
+    ({"guided_json": {"type": "integer", "multipleOf": 7, "minimum": 10}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "number", "multipleOf": 3}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "string", "minLength": 3, "pattern": "^a+$"}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "string", "format": "date", "pattern": "^x+$"}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "dependencies": {"a": ["b"]}}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "integer", "const": "abc"}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"enum": ["xyz"], "maxLength": 0}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": []}}, "guided_json", "invalid_grammar"),
 ])
 def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                             code: str | None) -> None:
@@ -129,8 +139,22 @@ def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess
     if code == "invalid_grammar":
         words = ("frobnicate", "parenthesis", "optional properties", "minLength", "maxLength", "patternProperties",
                  "$ref", "levels deep", "lookaround", "not in properties", "EBNF parser error", "oneOf schemas",
-                 "allOf: 'type'")
+                 "allOf: 'type'", "multipleOf", "together", "'dependencies'", "breaks the schema's", "empty list",
+                 "lone surrogate")
         assert any(word in error["message"] for word in words), error["message"]
+
+
+@pytest.mark.parametrize("field,value", [("guided_choice", ["\ud800a", "b"]), ("guided_regex", "a\ud800"),
+                                         ("guided_grammar", 'root ::= "\ud800"')])
+def test_a_grammar_with_a_lone_surrogate_is_a_400(server: ServerProcess, field: str, value: object) -> None:
+    """JSON's ``\\ud800`` escape is half a UTF-16 pair, no character: it has no UTF-8 form, xgrammar's input
+    (it was a 500). The body is sent ASCII-escaped, as JSON allows."""
+    body = json.dumps({"model": "tiny", "messages": PROMPT, "max_tokens": 3, field: value})  # ensure_ascii
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["code"] == "invalid_grammar" and "lone surrogate" in error["message"]
 
 
 def test_a_history_call_with_arguments_nested_past_the_parser_is_taken_as_text(server: ServerProcess) -> None:
