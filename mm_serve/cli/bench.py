@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -258,10 +259,17 @@ def _run(args: argparse.Namespace) -> int:
     from mm_serve.ground.slo import SLO
 
     _check(args)
+    out = Path(args.out) if args.out else None
+    if out is not None:  # before any request is sent: the figures are written at the end
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CLIError(f"--out {args.out}: cannot create it ({exc.strerror})") from None
+        if not os.access(out, os.W_OK):
+            raise CLIError(f"--out {args.out}: not writable")
     model_dir, mode = _model_dir(args)
     settings = _settings(args, model_dir)
     slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft else None
-    out = Path(args.out) if args.out else None
     # the logs of the servers this command starts: in --out, else in a temporary folder kept for reading
     logs = out or (None if args.server else Path(tempfile.mkdtemp(prefix="mm-serve-bench-")))
     systems: list[tuple[str, str | None]] = [(args.label or "server", None)] if args.server else [(mode, None)]

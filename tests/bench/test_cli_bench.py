@@ -25,6 +25,7 @@ from tests.bench.fake_server import FakeServer
     (["--sweep", "--server", "http://127.0.0.1:9"], "cannot list models"),
     (["--sweep", "--config", "/no/such.yaml"], "config file not found"),
     (["--sweep", "--model", "/no/such/dir"], "not a directory"),
+    (["--rate", "1", "--server", "http://127.0.0.1:9", "--out", "/proc/nope"], "--out /proc/nope: cannot create"),
 ])
 def test_user_errors_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *argv]) == 2
