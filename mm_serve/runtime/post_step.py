@@ -40,16 +40,19 @@ def check_stop(request: Request, token: int, criteria: StopCriteria) -> RequestS
     stop string seen by the request's ``stop_matcher`` → ``FINISHED_STOPPED`` (also when
     the same token reaches the length limit, as the front end's stop-string cut and vLLM
     do); ``max_tokens`` or the context length reached → ``FINISHED_LENGTH``. Sets
-    ``request.stop_reason`` to the stop token or the stop string that matched.
+    ``request.stop_reason`` to the stop token or the stop string that matched. A ``json_object`` output
+    whose closing ``max_tokens`` forced (``request.json_closed_by_budget``) ends ``FINISHED_LENGTH`` on
+    its stop token too: the budget cut it.
     """
     params = request.sampling_params
+    stopped = RequestStatus.FINISHED_LENGTH if request.json_closed_by_budget else RequestStatus.FINISHED_STOPPED
     if (not params.ignore_eos and token in criteria.eos_token_ids) or token in params.stop_token_ids:
-        request.stop_reason = token
-        return RequestStatus.FINISHED_STOPPED
+        request.stop_reason = token if stopped is RequestStatus.FINISHED_STOPPED else None
+        return stopped
     grammar = request.grammar_matcher
     if grammar is not None and grammar.is_terminated():  # type: ignore[attr-defined]  # its grammar is complete
-        request.stop_reason = token if token in params.stop_token_ids else None
-        return RequestStatus.FINISHED_STOPPED
+        request.stop_reason = token if token in params.stop_token_ids and not request.json_closed_by_budget else None
+        return stopped
     matcher = request.stop_matcher
     if matcher is not None:
         matcher.add([token])

@@ -479,8 +479,9 @@ class GrammarBook:
         """``token``, or the token of the next byte of the shortest closing of ``request``'s JSON when after
         ``token`` that closing would no longer fit in the tokens left (one byte per token): so a
         ``json_object`` output is always complete JSON by its ``max_tokens``
-        (:mod:`mm_serve.runtime.json_closing`), unless ``max_tokens`` is below 2. A closing written so ends
-        with the last token: ``finish_reason`` is ``length``, as for any output the budget ended."""
+        (:mod:`mm_serve.runtime.json_closing`), unless ``max_tokens`` is below 2. An output closed so ends
+        as ``length``, as any output the budget ended, also where the closing completed a token early and
+        the stop token the grammar then allows came last (``request.json_closed_by_budget``)."""
         closing = request.json_closing
         assert isinstance(closing, JsonClosing)  # built with the matcher
         left = request.sampling_params.max_tokens - len(request.output_token_ids) - 1  # tokens after this one
@@ -492,6 +493,7 @@ class GrammarBook:
             request.json_closing = trial
             return token
         closing.feed(rest[:1])
+        request.json_closed_by_budget = True
         return forced
 
     def _matcher_stops(self, request: Request) -> list[int]:

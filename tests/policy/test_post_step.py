@@ -73,6 +73,15 @@ def test_context_limit_finishes_with_length() -> None:
     assert step(request, 6, criteria) is RequestStatus.FINISHED_LENGTH  # 8 tokens
 
 
+def test_a_json_object_closed_by_its_budget_ends_as_length_on_its_stop_token() -> None:
+    """When max_tokens forced a json_object's closing, which completed a token early, the stop token the
+    grammar then allows finishes it LENGTH (the budget cut the answer), not STOPPED."""
+    request = make_request("a", 4, max_tokens=10)
+    request.json_closed_by_budget = True
+    assert step(request, 5) is None
+    assert step(request, EOS) is RequestStatus.FINISHED_LENGTH and request.stop_reason is None
+
+
 def test_stop_token_is_checked_before_length() -> None:
     """EOS as the last allowed token reports STOPPED (stop tokens come before length)."""
     request = make_request("a", 4, max_tokens=1)
