@@ -88,3 +88,43 @@ def test_a_start_after_a_sigkilled_service_removes_its_segments(tiny_llava: Path
             assert not list(SHM_DIR.glob(f"mmsrv-{instance}-*")) and not Path(run_dir).exists()
             assert list(SHM_DIR.glob(f"mmsrv-{live_instance}-*")) and live.client.pool.run_dir.is_dir()
         assert live.generate([{"prompt": "the circle"}])[0].outputs[0].token_ids  # the live one still serves
+
+
+def test_the_named_semaphores_of_a_killed_process_group_are_removed_by_the_next_start(tmp_path: Path) -> None:
+    """A process that named its semaphores (as the front end does before its body-parse pool) and was killed
+    with its whole process group (its resource tracker too: docker kill, an OOM kill) leaves them in
+    /dev/shm; the next start removes them, and a live process's stay."""
+    import _multiprocessing
+    import signal
+
+    script = "\n".join([
+        "import multiprocessing, time",
+        "from mm_serve.cluster.stale_instances import name_own_semaphores",
+        "name_own_semaphores()",
+        "lock = multiprocessing.get_context('spawn').Lock()",
+        "print(lock._semlock.name, flush=True)",
+        "time.sleep(600)",
+    ])
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True) for _ in range(2)]
+    names: list[str] = []
+    try:
+        names = [p.stdout.readline().strip() for p in procs if p.stdout is not None]
+        files = [SHM_DIR / f"sem.{name[1:]}" for name in names]
+        assert all(name.startswith(f"/mmsrv-p{p.pid}-") for name, p in zip(names, procs, strict=True)), names
+        assert all(f.exists() for f in files)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        assert files[0].exists()  # nothing of its process group is left to unlink it
+        remove_stale_instances(tmp_dir=tmp_path)
+        assert not files[0].exists() and files[1].exists()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for name in names:
+            try:
+                _multiprocessing.sem_unlink(name)
+            except OSError:
+                pass

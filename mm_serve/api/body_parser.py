@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from mm_serve.cluster.stale_instances import name_own_semaphores
 from mm_serve.config import APIConfig
 from mm_serve.ground.json_text import JSONTextError, load_json
 from mm_serve.pipeline.call import check_limits
@@ -162,6 +163,7 @@ class BodyParser:
         app calls it once at start, in a thread, so that no request waits for a process to be forked."""
         with self._lock:
             if self._pool is None:
+                name_own_semaphores()  # the pool's queues' semaphores: removed by the next start if SIGKILLed
                 self._pool = concurrent.futures.ProcessPoolExecutor(
                     max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_init_parse_process,
                     initargs=(os.getpid(),))
