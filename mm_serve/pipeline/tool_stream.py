@@ -3,8 +3,8 @@ choice's output as argument deltas of one call (its id, type and name in the fir
 choice, and an auto one, each call as soon as its name is out (id, type and name), then its arguments as
 they are written (:mod:`~mm_serve.protocol.call_spans`), and under auto the text that is surely content as
 it comes (:func:`~mm_serve.protocol.tool_parsers.sure_content`). The finished answer's calls are read as
-the JSON answer reads them; what they hold beyond the deltas sent (a call in an unusual form) goes out at
-the end. The deltas of a call add up to its arguments in the JSON answer."""
+the JSON answer reads them; what they hold beyond the deltas sent (a call in an unusual form: arguments
+before the name, or written as a JSON string) goes out at the end. The deltas of a call add up to its arguments in the JSON answer."""
 
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ class ToolStream:
             if span.name not in self.declared:  # not a call of this request's tools (auto): none streamed from here
                 break
             arguments = span.arguments(text[offset:])
+            if arguments.lstrip().startswith('"'):  # written as a JSON string: the answer decodes it, so it goes
+                arguments = ""  # out whole at the end (_rest), not as the quoted text
             if k == len(self.calls[i]):
                 self.calls[i].append([span.name, arguments])
                 deltas.append(DeltaToolCall(index=k, id=_call_id(), type="function",

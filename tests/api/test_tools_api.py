@@ -138,6 +138,20 @@ def test_an_auto_choice_streams_its_text_as_it_comes(client: openai.OpenAI) -> N
     assert max(counts) > 3, counts
 
 
+def test_an_auto_call_whose_arguments_are_a_json_string_streams_them_decoded(client: openai.OpenAI) -> None:
+    """A model may write a call's arguments as a JSON string (``"parameters": "{\\"tz\\": ..."``): the answer
+    decodes it, and the stream sends that decoded text at the end instead of the quoted text as written (it
+    sent the quotes and backslashes). The output is forced with a grammar (llama3_json, the tiny model's)."""
+    forced = '{"name": "get_time", "parameters": "{\\"tz\\": \\"UTC\\"}"}'
+    grammar = "root ::= " + json.dumps(forced)
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+                   "extra_body": {"guided_grammar": grammar}}
+    full = client.chat.completions.create(**kwargs)
+    calls = [(c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls or []]
+    assert calls == [("get_time", '{"tz": "UTC"}')] and full.choices[0].finish_reason == "tool_calls"
+    assert _streamed(client, **kwargs) == (calls, "tool_calls")
+
+
 @pytest.mark.parametrize("body,param,code", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", None),
     ({"tool_choice": "required"}, "tool_choice", None),
