@@ -101,8 +101,8 @@ def test_a_failure_of_the_work_reaches_the_caller() -> None:
 def test_the_work_joins_the_media_load_which_gives_the_expectation() -> None:
     load = MediaLoad(cores=2)
     now = time.monotonic()
-    for i in range(4):  # 4 calls of 1 MP finished over the last 0.3 s: ~13 MP per second
-        load.leave(load.enter(1.0, now - 1.0), now - 0.3 + 0.1 * i)
+    for i in range(4):  # 4 calls of 1 MP in the phase over the last 0.3 s: ~13 MP per second busy
+        load.leave(load.enter(1.0, now - 0.3), now - 0.3 + 0.1 * i)
     checks: list[float] = []
 
     async def main() -> tuple[str, bool]:
