@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -54,8 +55,8 @@ class BenchSettings:
     tier_slo: SLOConfig = SLOConfig()  # the tiers' SLOs the per-tier figures are judged by
 
 
-def served_model_id(url: str, api_key: str | None = None) -> str:
-    """The first model id listed by ``GET /v1/models``.
+def _listed_models(url: str, api_key: str | None) -> list[dict[str, Any]]:
+    """``GET /v1/models``'s ``data``, not empty.
 
     Raises:
         ConnectionError: the server cannot be reached or lists no model.
@@ -66,11 +67,31 @@ def served_model_id(url: str, api_key: str | None = None) -> str:
             resp = http.get(url.rstrip("/") + "/v1/models", headers=headers)
             resp.raise_for_status()
             models = resp.json().get("data") or []
-    except (httpx.HTTPError, ValueError) as exc:
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
         raise ConnectionError(f"cannot list models at {url}/v1/models: {exc}") from None
     if not models:
         raise ConnectionError(f"{url}/v1/models lists no model")
-    return str(models[0]["id"])
+    return list(models)
+
+
+def served_model_id(url: str, api_key: str | None = None) -> str:
+    """The first model id listed by ``GET /v1/models``.
+
+    Raises:
+        ConnectionError: the server cannot be reached or lists no model.
+    """
+    return str(_listed_models(url, api_key)[0]["id"])
+
+
+def served_context(url: str, api_key: str | None = None) -> int | None:
+    """The context length (tokens) of the first model ``GET /v1/models`` lists, from its ``max_model_len``
+    (ours and vLLM's); None when the server does not say.
+
+    Raises:
+        ConnectionError: the server cannot be reached or lists no model.
+    """
+    value = _listed_models(url, api_key)[0].get("max_model_len")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def default_slo(unloaded: RunSummary) -> SLO:

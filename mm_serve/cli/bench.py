@@ -15,6 +15,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -179,6 +180,11 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
                 shapes = tuple(image_shapes(shape.vision))
             if shape.vision.video_token_index is not None:  # a family that takes video: short clips of mixed sizes
                 frames, tokens_per_video = tuple(video_shapes(shape.vision)), video_tokens(shape.vision)
+    if model_dir is None and args.server:  # prompts fitted to the served model's context, as it lists it
+        from mm_serve.bench.session import served_context
+
+        with contextlib.suppress(ConnectionError):  # said when the run lists the models
+            max_context = served_context(args.server, args.api_key) or max_context
     try:
         if (args.workload in IMAGE_WORKLOADS or args.workload in VIDEO_WORKLOADS) and model_dir is None:
             raise WorkloadError(f"workload '{args.workload}' with --server needs --model DIR (image size)")

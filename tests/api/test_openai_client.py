@@ -79,6 +79,16 @@ def test_models_version_openapi(client: openai.OpenAI, server: ServerProcess) ->
     assert schema["$ref"].endswith("ChatCompletionRequest")
 
 
+def test_the_bench_fits_its_prompts_to_the_context_the_server_lists(server: ServerProcess, tiny_llava: Path) -> None:
+    """``mm-serve bench --server URL`` without ``--model`` reads the context length from ``/v1/models``
+    (``max_model_len``): a chatbot workload against a 512-token model sent 747-token prompts, all 400s."""
+    from mm_serve.bench.session import served_context
+    from mm_serve.models.registry import load_model_config
+
+    context = load_model_config(tiny_llava).text.max_position_embeddings
+    assert served_context(server.url) == context
+
+
 def test_one_and_two_images_match_offline(client: openai.OpenAI, offline: LLM) -> None:
     a, b = gradient_image(80, 60, 1), gradient_image(40, 90, 2)
     r = client.chat.completions.create(model="tiny", messages=_image_message("What is this?", data_uri(a)),
