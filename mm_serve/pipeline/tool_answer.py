@@ -32,7 +32,7 @@ def tool_calls_of(ctx: ServerContext, call: Call, text: str) -> tuple[str | None
         whole = calls is not None
         if calls is None:
             calls = partial_calls(call.tool_mode, text, named_function(call))
-        return (None, calls, whole) if calls else (text, [], whole)
+        return None, calls, whole  # the output is the calls' JSON, never content (cut before a name: none)
     if call.tool_mode == "auto":
         content, calls = PARSERS[call_parser(ctx)](text)
         declared = {tool.function.name for tool in getattr(call.body, "tools", None) or []}
@@ -44,10 +44,10 @@ def tool_calls_of(ctx: ServerContext, call: Call, text: str) -> tuple[str | None
 
 def answer_message(ctx: ServerContext, call: Call, text: str, reason: FinishReason | None,
                    ) -> tuple[AssistantMessage, FinishReason | None]:
-    """The assistant message of one choice and its finish reason: ``tool_calls`` when it has calls, ``length``
-    when a forced choice's calls were cut short by ``max_tokens`` (they are given as far as written)."""
+    """The assistant message of one choice and its finish reason: ``tool_calls`` when it has whole calls;
+    a forced choice's calls cut short (by ``max_tokens``, ``length``, or a stop string, ``stop``) are given
+    as far as written with that reason, and cut before any call's name, no call and no content."""
     content, calls, whole = tool_calls_of(ctx, call, text)
     if not calls:
-        return AssistantMessage(content=text), reason
-    return AssistantMessage(content=content, tool_calls=calls), "length" if reason == "length" and not whole \
-        else "tool_calls"
+        return AssistantMessage(content=None if call.tool_mode in ("named", "required") else text), reason
+    return AssistantMessage(content=content, tool_calls=calls), "tool_calls" if whole else reason

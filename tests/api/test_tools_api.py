@@ -216,3 +216,24 @@ def test_forced_calls_cut_by_max_tokens_are_the_same_streamed_or_not(client: ope
     calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls or []]
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None and calls
     assert _streamed(client, **kwargs) == (calls, "length")
+
+
+def test_a_forced_choice_cut_before_a_name_has_no_content_and_one_cut_by_a_stop_string_says_stop(
+        client: openai.OpenAI) -> None:
+    """Required, cut at 3 tokens (``[{"``, no name yet): no call and no content (the grammar's text was
+    given as content), streamed or not. Named, cut by a stop string inside its arguments: the call as far
+    as written with ``finish_reason`` stop (it said tool_calls, with arguments no JSON parser takes)."""
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 3,
+                   "temperature": 0}
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content is None
+    assert not r.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert not any(c.choices and (c.choices[0].delta.content or c.choices[0].delta.tool_calls) for c in chunks)
+    named: Any = {**kwargs, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                  "max_tokens": 60, "stop": ['"unit"']}
+    r = client.chat.completions.create(**named)
+    (call,) = r.choices[0].message.tool_calls or []
+    assert r.choices[0].finish_reason == "stop" and call.function.name == "get_weather"
+    assert '"unit"' not in call.function.arguments
+    assert _streamed(client, **named) == ([("get_weather", call.function.arguments)], "stop")
