@@ -102,3 +102,22 @@ def test_a_prefetched_grammar_is_compiled_off_the_step_and_a_bad_one_fails_where
         book.matcher(bad, 512)
     book.prefetch(good, 512)  # it has its matcher: nothing to do
     assert not book._compiling
+
+
+def test_the_setup_a_worker_takes_out_of_its_step_time_is_counted_once_per_matcher(tiny_llava: Path) -> None:
+    """``setup_s`` adds the seconds spent importing xgrammar and building a request's matcher (the
+    compiler's first load and the compile: the first structured request's decode step took 0.68 s, and
+    the admission predictor fitted it as model work); a matcher already built costs nothing more."""
+    import time
+
+    from mm_serve.runtime.request import Request
+
+    book = GrammarBook(tiny_llava)
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=8, structured=("json", json.dumps(random_schema(7)))))
+    started = time.monotonic()
+    book.matcher(request, 512)
+    took = time.monotonic() - started
+    assert 0 < book.setup_s <= took
+    before = book.setup_s
+    book.matcher(request, 512)
+    assert book.setup_s == before

@@ -83,7 +83,9 @@ class AdmissionLearning:
         prefilled (its lifetime events say so) against its prediction: the measured span from its
         dispatch to its first token here (the queue and batch in progress ahead of it, its own
         batch, the messages both ways: what the prediction's queue + prefill part stands for), the
-        overhead from its TTFT less that span and the wait before its prediction, and its TPOT.
+        overhead from its TTFT less that span and the wait before its prediction, and its TPOT (for a
+        structured output, from its second token: the gap before it holds the decode worker's grammar
+        compile).
         A request delayed by a worker fault (moved to a new attempt, or parked while a role had no
         ready worker: ``RequestState.delayed_by_fault``) teaches nothing: its latency measures the
         restart, and learning it would refuse most interactive calls to the recovered, idle
@@ -99,7 +101,10 @@ class AdmissionLearning:
         if state.first_token_time is None or LifetimeEvent.PREFILL_END.value not in state.events:
             return
         ttft, span = state.first_token_time - state.arrival_time, state.first_token_time - state.submitted_at
-        times = state.token_times
+        # TPOT as decode steps make it: from the second token for a structured output (the gap before it
+        # holds its decode worker's grammar compile: one fresh compile taught a 1.5x correction that refused
+        # the next calls to an idle service)
+        times = state.token_times[1:] if state.structured else state.token_times
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 3 and state.error is None else None
         if prediction is None:  # a call's other requests (and calls with no worker ready at admission):
             return  # their wait in the dispatch hold is not known here, and one request per call is enough

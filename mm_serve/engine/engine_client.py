@@ -276,6 +276,7 @@ class EngineClient:
         state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop,
                                                                              min_tokens=params.min_tokens))
         state.num_images = inputs.num_images
+        state.structured = params.structured is not None
         state.tier, state.predicted_ttft_s = tier, predicted_ttft_s
         if arrival_time is not None:
             state.arrival_time = arrival_time

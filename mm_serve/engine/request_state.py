@@ -46,6 +46,9 @@ class RequestState:
         # moved to a new attempt after a worker fault, or parked while a role had no ready worker: its
         # latency measures the fault, not the load (the admission controller does not learn from it)
         self.delayed_by_fault = False
+        # a structured output (grammar): its decode worker compiles the grammar when it takes the request
+        # (a fresh one: up to seconds), so the gap before its second token is no decode step
+        self.structured = False
         self._cached_reported = False
         self._pending_text: list[str] = []
         self._early: dict[int, messages.TokenUpdate] = {}

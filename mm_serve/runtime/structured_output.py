@@ -30,6 +30,7 @@ import functools
 import json
 import re
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -318,6 +319,11 @@ class GrammarBook:
         self._decoded: list[bytes] = []
         self._single_byte: dict[bytes, int] = {}
         self._slow: OrderedDict[GrammarSpec, None] = OrderedDict()  # specs that compiled too slowly (most recent last)
+        # seconds the steps spent setting up structured outputs, in all: importing xgrammar, building matchers
+        # (the compiler's first load, a compile or the rest of its prefetch); a worker takes them out of the
+        # step time it reports, which the admission predictor fits as model work
+        self.setup_s = 0.0
+        self._xgrammar: Any = None
 
     def warm(self, vocab_size: int) -> None:
         """Build the compiler for ``vocab_size``-wide logits now (the vocabulary's tables: up to seconds for a
@@ -427,11 +433,17 @@ class GrammarBook:
             GrammarError: as :meth:`compile`; or an output the grammar does not accept (a request whose
                 outputs were not made under this grammar).
         """
-        import xgrammar
-
         state = request.grammar_matcher
         if state is not None:
             return state
+        xgrammar = self._xgrammar_module()  # its import is counted there
+        started = time.monotonic()
+        try:
+            return self._new_matcher(xgrammar, request, vocab_size)
+        finally:
+            self.setup_s += time.monotonic() - started
+
+    def _new_matcher(self, xgrammar: Any, request: Request, vocab_size: int) -> Any:
         params = request.sampling_params
         assert params.structured is not None
         stops = self._matcher_stops(request)
@@ -446,14 +458,23 @@ class GrammarBook:
         request.grammar_matcher, request.json_closing = matcher, closing
         return matcher
 
+    def _xgrammar_module(self) -> Any:
+        """xgrammar, imported on first use (its import, ~0.3 s, counted in :attr:`setup_s`)."""
+        if self._xgrammar is None:
+            started = time.monotonic()
+            import xgrammar
+
+            self._xgrammar = xgrammar
+            self.setup_s += time.monotonic() - started
+        return self._xgrammar
+
     def mask(self, logits: torch.Tensor, batch: list[Request]) -> None:
         """Set to ``-inf``, in ``logits`` ``[B, V]`` (float32, in place), every token the grammar of a
         structured request of ``batch`` does not allow next (other rows are left as they are)."""
-        import xgrammar
-
         rows = [i for i, r in enumerate(batch) if r.sampling_params.structured is not None]
         if not rows:
             return
+        xgrammar = self._xgrammar_module()
         vocab = logits.shape[-1]
         bitmask = xgrammar.allocate_token_bitmask(len(batch), vocab)
         for i in rows:

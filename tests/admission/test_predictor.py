@@ -647,6 +647,32 @@ def test_a_request_delayed_by_a_worker_fault_teaches_nothing() -> None:
     assert controller.feedback_report()["interactive"]["ttft"]["late"] == 1  # type: ignore[index]
 
 
+def test_a_structured_outputs_tpot_is_learned_from_its_second_token() -> None:
+    """A structured output's decode worker builds its grammar's matcher when it takes the request (a fresh
+    grammar: the first import and compile, 0.7 s on the tiny model), inside the gap before its second
+    token: its TPOT is learned from the second token on, and with 3 tokens (one gap left) not at all
+    (one such request taught a 1.5x correction that refused the next calls to an idle service)."""
+    controller = AdmissionController(load_config(None))
+    predictor = controller.predictor
+    prediction = predictor.predict(QueueAhead(0, 0, 0), 250, 1, 1, 250)
+    step = prediction.tpot_step_s
+    for structured, tokens, learned in ((True, 3, 0), (True, 5, 1), (False, 5, 2)):
+        state = RequestState("r", 10, None)  # type: ignore[arg-type]
+        state.structured = structured
+        controller.remember(state.request_id, prediction)
+        state.arrival_time = state.submitted_at = 100.0
+        state.first_token_time = 100.0 + prediction.ttft_base_s
+        gaps = [0.7] + [step] * (tokens - 2)  # the grammar set up before the second token, then steps
+        state.token_times = [state.first_token_time + sum(gaps[:k]) for k in range(tokens)]
+        state.finish_reason = "length"
+        state.events = {"prefill_queued": 100.0, "prefill_end": 100.1}
+        controller.on_finished(state)
+        assert predictor.tpot_correction.num_observations == learned
+        if learned == 1:  # steps as predicted: no correction
+            assert predictor.tpot_correction.value == pytest.approx(1.0)
+    assert predictor.tpot_correction.value > 1.4  # the same gap counted as a step
+
+
 def test_a_finished_request_teaches_the_span_from_its_dispatch_to_its_first_token() -> None:
     """What the prediction's queue + prefill part stands for is measured from the request's
     dispatch to its first token here (the batch in progress ahead of it, its own batch, both
