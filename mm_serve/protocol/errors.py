@@ -8,6 +8,7 @@ never a 200 with error text, and never an unformatted 500.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -94,6 +95,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
 
 def _json_path(error: Any) -> list[str]:
     """A schema error's location as the JSON's path: without pydantic's branch labels
-    ("list[tagged-union[...]]", "str") and the ``body`` root."""
-    loc = [str(p) for p in error.get("loc", ()) if p != "body" and "[" not in str(p) and p != "str"]
+    ("list[tagged-union[...]]", "str", a union member's model name: ``NamedToolChoice``) and the
+    ``body`` root."""
+    models = _model_names()
+    loc = [str(p) for p in error.get("loc", ())
+           if p != "body" and "[" not in str(p) and p != "str" and not (isinstance(p, str) and p in models)]
     return [p for i, p in enumerate(loc) if i == 0 or p != loc[i - 1]]
+
+
+@functools.lru_cache(maxsize=1)
+def _model_names() -> frozenset[str]:
+    """The class names of the request models (pydantic's labels of union members in an error's location)."""
+    from pydantic import BaseModel
+
+    names, todo = set(), list(BaseModel.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls.__module__.startswith("mm_serve."):
+            names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return frozenset(names)
