@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     field_validator,
     model_serializer,
     model_validator,
@@ -243,7 +244,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # token ids: not true / false
     max_tokens: int | None = Field(16, ge=1, strict=True)
     logprobs: int | None = Field(None, ge=0, strict=True, description="at most api.max_logprobs (20)")
     echo: bool | None = Field(None, strict=True, description="the prompt's text before each choice's; with logprobs, "

@@ -51,6 +51,8 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("lone surrogate in a stop list", "completions",
      b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "stop": ["ok", "a\\udc00"]}',
      400, "invalid_request_error", "stop"),
+    ("booleans as prompt token ids", "completions", _completion(prompt=[True, False]), 400, "invalid_request_error",
+     "prompt.0"),
     ("seed above signed 64-bit", "chat", _chat(seed=2**63), 400, "invalid_request_error", "seed"),
     ("seed below signed 64-bit", "chat", _chat(seed=-(2**63) - 1), 400, "invalid_request_error", "seed"),
     ("prompt filling the context, no max_tokens", "chat",
