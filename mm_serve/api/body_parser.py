@@ -133,27 +133,32 @@ class BodyParser:
         Raises:
             APIError: 415 for a ``Content-Encoding`` other than ``identity`` (bodies are not decompressed:
                 a small gzip body could expand past ``api.max_body_bytes``); 400 as :func:`parse_body`; 503
-                when the parse process died on this body (it is started again for the next one).
+                when the parse process died on this body twice (found dead once, e.g. killed while idle, it
+                is started again and the body parsed there).
         """
         if content_encoding and content_encoding.strip().lower() != "identity":
             raise APIError(415, f"request bodies are not decompressed: send it without Content-Encoding "
                                 f"(got {content_encoding[:50]!r})", code="unsupported_content_encoding")
         if body_file is None and len(body) <= self.inline_bytes:
             return parse_body(body, content_type, model, self.api)
-        pool = self._pool
-        if pool is None:  # (re)started in a thread: a fork is no work for the event loop
-            pool = await asyncio.to_thread(self.start)
         source: bytes | str = body if body_file is None else body_file
-        try:
-            kind, value = await asyncio.wrap_future(pool.submit(_parse_in_process, source, content_type, model,
-                                                                self.api))
-        except concurrent.futures.process.BrokenProcessPool:
-            with self._lock:
-                if self._pool is pool:
-                    self._pool = None
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise APIError(503, "the request body could not be parsed (the parse process stopped); send it again",
-                           "service_unavailable", code="service_unavailable", headers={"Retry-After": "1"}) from None
+        for attempt in range(2):  # a parse process found dead (killed while idle) is started again once
+            pool = self._pool
+            if pool is None:  # (re)started in a thread: a fork is no work for the event loop
+                pool = await asyncio.to_thread(self.start)
+            try:
+                kind, value = await asyncio.wrap_future(pool.submit(_parse_in_process, source, content_type, model,
+                                                                    self.api))
+                break
+            except concurrent.futures.process.BrokenProcessPool:
+                with self._lock:
+                    if self._pool is pool:
+                        self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+                if attempt:  # it died on this body twice
+                    raise APIError(503, "the request body could not be parsed (the parse process stopped); send "
+                                   "it again", "service_unavailable", code="service_unavailable",
+                                   headers={"Retry-After": "1"}) from None
         if kind == "error":
             raise APIError(*value)
         return value  # type: ignore[no-any-return]

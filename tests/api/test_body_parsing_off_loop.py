@@ -92,6 +92,20 @@ def test_the_parse_process_outlives_a_ctrl_c_sent_to_it(server: ServerProcess) -
     assert (answer.status_code, answer.json()["error"]["code"]) == (400, "context_length_exceeded")
 
 
+def test_a_killed_parse_process_is_started_again_for_the_next_large_body(server: ServerProcess) -> None:
+    """SIGKILL to the parse process while idle (the OOM killer, an operator): the next large body is parsed by
+    a new one, not answered with a 503 to send it again."""
+    (parser,) = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    parser.kill()
+    parser.wait(10)
+    content = json.dumps(_chat([{"type": "text", "text": "word " * 60_000}])).encode()  # 300 KB: parsed there
+    answer = httpx.post(f"{server.url}/v1/chat/completions", content=content, timeout=60,
+                        headers={"content-type": "application/json"})
+    assert (answer.status_code, answer.json()["error"]["code"]) == (400, "context_length_exceeded"), answer.text
+    parsers = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    assert len(parsers) == 1 and parsers[0].pid != parser.pid
+
+
 def test_the_parse_process_ends_with_a_killed_api_process(tiny_llava: Path, tmp_path: Path) -> None:
     """SIGKILL to the API process (no shutdown runs): its parse process exits by itself within a few seconds."""
     proc = ServerProcess(tiny_llava, log_dir=tmp_path)
