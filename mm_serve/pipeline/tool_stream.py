@@ -4,7 +4,8 @@ choice, and an auto one, each call as soon as its name is out (id, type and name
 they are written (:mod:`~mm_serve.protocol.call_spans`), and under auto the text that is surely content as
 it comes (:func:`~mm_serve.protocol.tool_parsers.sure_content`). The finished answer's calls are read as
 the JSON answer reads them; what they hold beyond the deltas sent (a call in an unusual form: arguments
-before the name, or written as a JSON string) goes out at the end. The deltas of a call add up to its arguments in the JSON answer."""
+before the name, or written as a JSON string) goes out at the end. The deltas of a call add up to its
+arguments in the JSON answer."""
 
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ MAX_SCHEMA_DEPTH = 64  # schemas within schemas: xgrammar's compile time grows ~
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")  # (?= (?! (?<= (?<!: xgrammar ignores them (the output could break them)
 # keywords xgrammar (0.2.9) does not enforce: an output could break them, so a schema using one is refused
 UNSUPPORTED_KEYWORDS = ("patternProperties", "propertyNames", "not", "if", "then", "else", "dependentSchemas",
-                        "dependentRequired", "dependencies", "unevaluatedProperties", "unevaluatedItems", "contains", "minContains",
-                        "maxContains", "uniqueItems")
+                        "dependentRequired", "dependencies", "unevaluatedProperties", "unevaluatedItems",
+                        "contains", "minContains", "maxContains", "uniqueItems")
 # where a schema holds schemas: keyword -> how (one schema, a list of them, or a name -> schema map)
 _ONE = ("additionalProperties", "items", "additionalItems", "contains")
 _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
