@@ -121,3 +121,20 @@ def test_the_setup_a_worker_takes_out_of_its_step_time_is_counted_once_per_match
     before = book.setup_s
     book.matcher(request, 512)
     assert book.setup_s == before
+
+
+@pytest.mark.parametrize("schema,compiled", [
+    ({"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}, {"type": "string", "format": "uri"}),
+    ({"type": "string", "minLength": 3, "maxLength": 16, "pattern": "^[a-z0-9_]+$"},
+     {"type": "string", "pattern": "^[a-z0-9_]{3,16}$"}),
+    ({"type": "string", "maxLength": 5, "pattern": "^\\w*$"}, {"type": "string", "pattern": "^\\w{0,5}$"}),
+    ({"type": "integer", "multipleOf": 5, "exclusiveMinimum": 0, "maximum": 20},
+     {"type": "integer", "enum": [5, 10, 15, 20]}),
+    ({"type": "integer", "format": "int64", "maxLength": 3}, {"type": "integer", "format": "int64", "maxLength": 3}),
+], ids=["HttpUrl", "constrained str", "max_length and a class", "multiple_of in a range", "lengths off strings"])
+def test_pydantic_keyword_pairs_compile_in_a_form_the_grammar_enforces(schema: dict, compiled: dict) -> None:
+    """pydantic writes keyword pairs xgrammar would compile by dropping one (a URL's format and lengths, a
+    constrained string's pattern and lengths, multiple_of with ge / le): those it can are rewritten (the
+    pattern takes the lengths, the multiples become an enum, a formatted string's loose lengths go), the
+    others are refused (tests/api/test_structured_outputs_api.py)."""
+    assert strings_as_patterns(schema) == compiled

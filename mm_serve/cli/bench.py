@@ -127,11 +127,25 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 
     try:
         if args.server:
-            return (resolve_model(args.model) if args.model else None), ""
+            return (resolve_model(args.model) if args.model else _served_checkpoint(args)), ""
         cfg = load_config(args.config, {"model": args.model} if args.model else None)
         return resolve_model(cfg.model), ("auto" if cfg.placement.auto and not pinned_keys(cfg) else cfg.mode)
     except (ConfigError, ValueError, OSError) as exc:
         raise CLIError(str(exc)) from None
+
+
+def _served_checkpoint(args: argparse.Namespace) -> Path | None:
+    """The checkpoint ``--server`` serves when this machine can resolve its model id (a registered name such
+    as ``embedded``, or a checkpoint path): its tokenizer sizes the prompts exactly (without one, text is
+    sized at about 4 characters a token, which overflowed the embedded model's context). None otherwise."""
+    from mm_serve.bench.session import served_model_id
+    from mm_serve.models.model_config import CheckpointError
+    from mm_serve.models.named_models import resolve_model
+
+    try:
+        return resolve_model(served_model_id(args.server, args.api_key))
+    except (ConnectionError, CheckpointError, ValueError, OSError):
+        return None
 
 
 def served_placement_name(url: str, name: str) -> str:

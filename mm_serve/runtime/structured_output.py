@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import threading
 import time
@@ -101,7 +102,7 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
             :data:`MAX_SCHEMA_DEPTH`, a ``pattern`` with a lookaround or an anchor inside it, an integer bound
             past 64 bits, a combinator xgrammar would not enforce, a ``required`` property that the
             object's ``properties`` (if any) does not list (xgrammar enforces neither), or keywords it
-            would not enforce together (:func:`_check_enforced_together`).
+            would not enforce together (:func:`_enforced_together`, which also rewrites the pairs it can).
     """
     counted = [0] if counted is None else counted
     if not isinstance(schema, dict):
@@ -115,7 +116,7 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
     if isinstance(pattern, str):
         check_pattern(pattern)
     _check_integer_bounds(schema)
-    _check_enforced_together(schema)
+    schema = _enforced_together(schema)
     for key in UNSUPPORTED_KEYWORDS:
         if key in schema:
             raise GrammarError(f"the JSON Schema keyword {key!r} is not supported by the grammar engine "
@@ -168,6 +169,9 @@ def check_pattern(pattern: str) -> None:
             class anywhere but at the start / end of the pattern or of an alternative (``(^a|^b)$``):
             xgrammar reads an anchor as nothing, so ``a^b``, which matches no string, produced ``ab``.
     """
+    if _SURROGATE_ESCAPE.search(pattern):
+        raise GrammarError(f"the pattern {pattern!r:.80} escapes a lone surrogate (\\uD800-\\uDFFF), which is no "
+                           "character (its output would not be valid UTF-8)")
     if _LOOKAROUND.search(pattern):
         raise GrammarError(f"the pattern {pattern!r:.80} has a lookaround assertion, which the grammar engine "
                            "does not enforce")
@@ -208,18 +212,31 @@ def _check_integer_bounds(schema: dict[str, Any]) -> None:
 
 
 _RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_STRING_RULES = {"pattern": ("pattern",), "format": ("format",), "minLength / maxLength": ("minLength", "maxLength")}
-# the keywords a value in enum / const is checked against (those that judge the value itself)
-_VALUE_KEYWORDS = ("type", *_RANGE, "multipleOf", "minLength", "maxLength", "pattern", "format", "minItems",
-                   "maxItems", "minProperties", "maxProperties", "required")
+MAX_MULTIPLES = 1024  # multipleOf within a range is compiled as the enum of the multiples, up to this many
+FORMAT_LENGTHS_MET = 255  # a formatted string's maxLength from here on is not enforced (pydantic's HttpUrl: 2083)
+# a pattern that is one character class repeated (pydantic's Field(pattern=..., min_length=..., max_length=...)):
+# its length bounds can be written into it
+_REPEATED_CLASS = re.compile(r"\^(\[(?:[^\]\\]|\\.)+\]|\\[wdsWDS]|\.)([+*])\$")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # \ud800 in a regex or EBNF: no character
 
 
-def _check_enforced_together(schema: dict[str, Any]) -> None:
-    """Refuse keyword combinations xgrammar (0.2.9) compiles by keeping one and ignoring the other (its log
-    says so at best), so that an output could break the schema: ``multipleOf`` beside a range or on
-    anything but an integer, a string's ``pattern``, ``format`` and length bounds together, an empty
-    ``type`` list, and ``enum`` / ``const`` values the schema's own other keywords refuse (only the
-    values are enforced).
+def _is_string(types: Any) -> bool:
+    return types is None or types == "string" or (isinstance(types, list) and "string" in types)
+
+
+def _enforced_together(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with keyword pairs that xgrammar (0.2.9) compiles by keeping one and ignoring the other
+    written in a form it enforces, or refused:
+
+    - ``multipleOf`` of an integer within a finite range: the enum of its multiples there (at most
+      :data:`MAX_MULTIPLES`); beside a half-open range, or on anything but ``type: "integer"``: refused;
+    - a string's ``pattern`` with length bounds: a pattern that repeats one character class
+      (``^[a-z0-9_]+$``) takes the bounds as its repeat count; any other pattern: refused;
+    - a string's ``format`` with length bounds: a ``minLength`` up to 1 is met by every formatted string and
+      a ``maxLength`` of :data:`FORMAT_LENGTHS_MET` or more is left unenforced (pydantic's ``AnyUrl`` /
+      ``HttpUrl``: 1 and 2083); tighter bounds, or ``format`` with ``pattern``: refused;
+    - an empty ``type`` list, and ``enum`` / ``const`` values the rest of the schema refuses (only the
+      values are enforced): refused.
 
     Raises:
         GrammarError: naming the keywords.
@@ -227,21 +244,26 @@ def _check_enforced_together(schema: dict[str, Any]) -> None:
     types = schema.get("type")
     if types == []:
         raise GrammarError("type is an empty list: no value has a type in it")
-    if "multipleOf" in schema:
-        if types != "integer":
-            raise GrammarError("multipleOf is enforced on integers only (type: \"integer\"), got type "
-                               f"{json.dumps(types):.40}")
-        beside = [key for key in _RANGE if key in schema]
-        if beside:
-            raise GrammarError(f"multipleOf beside {beside[0]} is not enforced by the grammar engine (it keeps the "
-                               "range only); use one of them, or an enum of the allowed integers")
-    rules = [name for name, keys in _STRING_RULES.items() if any(key in schema for key in keys)]
-    if len(rules) > 1:
-        raise GrammarError(f"a string's {rules[0]} and {rules[1]} together are not enforced by the grammar engine "
-                           "(it keeps one only); write the constraint into one pattern")
+    out = dict(schema)
+    if "multipleOf" in out:
+        out = _multiples(out)
+    if _is_string(types):
+        lengths = [key for key in ("minLength", "maxLength") if key in out]
+        if "format" in out and "pattern" in out:
+            raise GrammarError("a string's format and pattern together are not enforced by the grammar engine "
+                               "(it keeps one only): write the format into the pattern")
+        if "format" in out and lengths:
+            if _length(out.get("minLength", 0), "minLength") > 1 or \
+                    _length(out.get("maxLength", FORMAT_LENGTHS_MET), "maxLength") < FORMAT_LENGTHS_MET:
+                raise GrammarError(f"a string's format and {' / '.join(lengths)} together are not enforced by the "
+                                   "grammar engine (it keeps the format only): write them into a pattern")
+            out.pop("minLength", None)
+            out.pop("maxLength", None)
+        elif isinstance(out.get("pattern"), str) and lengths:
+            out["pattern"] = _bounded_pattern(out.pop("pattern"), out.pop("minLength", 0), out.pop("maxLength", None))
     values = [schema["const"]] if "const" in schema else schema.get("enum")
-    rest = {key: schema[key] for key in _VALUE_KEYWORDS if key in schema}
-    if isinstance(values, list) and rest:
+    rest = {key: value for key, value in schema.items() if key not in ("enum", "const")}
+    if isinstance(values, list) and rest and "$ref" not in json.dumps(rest):
         from jsonschema import Draft202012Validator, SchemaError
 
         try:
@@ -255,6 +277,48 @@ def _check_enforced_together(schema: dict[str, Any]) -> None:
                                        "engine would enforce the value only")
         except SchemaError as exc:
             raise GrammarError(f"the schema is not valid: {exc.message:.120}") from None
+    return out
+
+
+def _multiples(schema: dict[str, Any]) -> dict[str, Any]:
+    """An integer schema's ``multipleOf`` within its range as the enum of the multiples (see
+    :func:`_enforced_together`)."""
+    step, types = schema["multipleOf"], schema.get("type")
+    if types != "integer" or isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise GrammarError("multipleOf is enforced on integers only (type: \"integer\", a whole multipleOf "
+                           f"> 0), got type {json.dumps(types):.40} and multipleOf {json.dumps(step):.40}")
+    if not any(key in schema for key in _RANGE):
+        return schema
+    low = max([math.ceil(schema[k] + (k == "exclusiveMinimum")) for k in ("minimum", "exclusiveMinimum")
+               if isinstance(schema.get(k), int | float) and not isinstance(schema.get(k), bool)], default=None)
+    high = min([math.floor(schema[k] - (k == "exclusiveMaximum")) for k in ("maximum", "exclusiveMaximum")
+                if isinstance(schema.get(k), int | float) and not isinstance(schema.get(k), bool)], default=None)
+    if low is None or high is None or (high - low) // step + 1 > MAX_MULTIPLES:
+        raise GrammarError(f"multipleOf beside a range is enforced where the range holds at most {MAX_MULTIPLES} "
+                           "multiples (compiled as their enum): give both bounds, closer together")
+    first = -(-low // step) * step
+    multiples = list(range(first, high + 1, step))
+    if not multiples:
+        raise GrammarError(f"no multiple of {step} lies in the range {low}..{high}")
+    out = {key: value for key, value in schema.items() if key not in (*_RANGE, "multipleOf")}
+    out["enum"] = multiples
+    return out
+
+
+def _bounded_pattern(pattern: str, low: Any, high: Any) -> str:
+    """``pattern``, one character class repeated, with the length bounds as its repeat count."""
+    low = _length(low, "minLength")
+    high = None if high is None else _length(high, "maxLength")
+    match = _REPEATED_CLASS.fullmatch(pattern)
+    if match is None:
+        raise GrammarError(f"a string's pattern {pattern!r:.60} and its minLength / maxLength together are not "
+                           "enforced by the grammar engine (it keeps the pattern only): write the length into the "
+                           "pattern, e.g. ^[a-z]{3,16}$")
+    atom, repeat = match.groups()
+    low = max(low, 1 if repeat == "+" else 0)
+    if high is not None and high < low:
+        raise GrammarError(f"maxLength ({high}) is below minLength ({low})")
+    return f"^{atom}{{{low},{'' if high is None else high}}}$"
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -417,6 +481,9 @@ class GrammarBook:
                 check_pattern(text)
                 return compiler.compile_regex(text)
             if kind == "grammar":
+                if _SURROGATE_ESCAPE.search(text):
+                    raise GrammarError("the grammar escapes a lone surrogate (\\uD800-\\uDFFF), which is no "
+                                       "character (its output would not be valid UTF-8)")
                 return compiler.compile_grammar(text)
         except RuntimeError as exc:  # xgrammar's message; it gives none for, e.g., an integer past a double's range
             lines = str(exc).strip().splitlines()

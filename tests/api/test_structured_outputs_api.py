@@ -124,7 +124,9 @@ def test_json_object_regex_and_choice(server: ServerProcess) -> None:
     # keywords xgrammar would compile by ignoring one (outputs broke them: 25 for a multiple of 7 over 10)
     ({"guided_json": {"type": "integer", "multipleOf": 7, "minimum": 10}}, "guided_json", "invalid_grammar"),
     ({"guided_json": {"type": "number", "multipleOf": 3}}, "guided_json", "invalid_grammar"),
-    ({"guided_json": {"type": "string", "minLength": 3, "pattern": "^a+$"}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "string", "minLength": 3, "pattern": "^(ab)+$"}}, "guided_json", "invalid_grammar"),
+    ({"guided_json": {"type": "string", "format": "uri", "maxLength": 20}}, "guided_json", "invalid_grammar"),
+    ({"guided_regex": "a\\ud800"}, "guided_regex", "invalid_grammar"),  # an escaped surrogate: no character
     ({"guided_json": {"type": "string", "format": "date", "pattern": "^x+$"}}, "guided_json", "invalid_grammar"),
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                       "dependencies": {"a": ["b"]}}}, "guided_json", "invalid_grammar"),
@@ -142,6 +144,31 @@ def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess
                  "allOf: 'type'", "multipleOf", "together", "'dependencies'", "breaks the schema's", "empty list",
                  "lone surrogate")
         assert any(word in error["message"] for word in words), error["message"]
+
+
+def test_pydantic_models_with_urls_constrained_strings_and_multiples_are_served(server: ServerProcess) -> None:
+    """The keyword pairs pydantic writes (``Field(pattern=, min_length=, max_length=)``, ``Field(multiple_of=,
+    ge=, le=)``; ``HttpUrl``: a format with lengths) are served through the official client's ``parse`` (a
+    fresh reviewer found them refused), and every output it parses validates against the model's schema. A
+    random model's URL runs past any small ``max_tokens``: that one is only asked to be served."""
+    import pydantic
+
+    class Handle(pydantic.BaseModel):
+        handle: str = pydantic.Field(min_length=3, max_length=8, pattern=r"^[a-z0-9_]+$")
+        step: int = pydantic.Field(multiple_of=5, ge=0, le=50)
+
+    class Link(pydantic.BaseModel):
+        url: pydantic.HttpUrl
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for seed in range(3):
+        r = client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=Handle,  # type: ignore[arg-type]
+                                          max_tokens=60, temperature=1.0, seed=seed)
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), Handle.model_json_schema())
+        assert r.choices[0].message.parsed is not None and r.choices[0].message.parsed.step % 5 == 0
+    with pytest.raises(openai.LengthFinishReasonError):  # served (not a 400), cut by max_tokens
+        client.chat.completions.parse(model="tiny", messages=PROMPT, response_format=Link, max_tokens=8,  # type: ignore[arg-type]
+                                      temperature=0)
 
 
 @pytest.mark.parametrize("field,value", [("guided_choice", ["\ud800a", "b"]), ("guided_regex", "a\ud800"),
