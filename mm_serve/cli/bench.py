@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from mm_serve.ground.slo import SLO
 
 
+CHAT_TEMPLATE_TOKENS = 32  # context left for the chat template's tokens when prompts are fitted to it
+
+
 def register(subparsers: Any) -> None:
     """Add the ``bench`` sub-command."""
     p = subparsers.add_parser(
@@ -202,7 +205,9 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
     try:
         if (args.workload in IMAGE_WORKLOADS or args.workload in VIDEO_WORKLOADS) and model_dir is None:
             raise WorkloadError(f"workload '{args.workload}' with --server needs --model DIR (image size)")
-        workload = make_workload(args.workload, image_tokens, max_context, tokens_per_video)
+        # a chat template adds its own tokens around the text (6-30 on the families served): room for them
+        room = max_context - (CHAT_TEMPLATE_TOKENS if args.api == "chat" else 0)
+        workload = make_workload(args.workload, image_tokens, room, tokens_per_video)
         load = LoadSpec(workload, args.seed, args.duration, args.num_requests, burstiness=args.burstiness)
     except WorkloadError as exc:
         raise CLIError(str(exc)) from None
