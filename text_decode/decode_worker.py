@@ -140,7 +140,7 @@ class DecodeWorker(WorkerShell):
 
     def step(self) -> None:
         begun = time.monotonic()
-        compile_wait = self.grammars.setup_s  # grammars compiled in this step (adopted requests' too)
+        grammar_setup = self.grammars.setup_s  # structured-output setup in this step (adopted requests' too)
         aborted = set(self._aborted_at)
         self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt, self.scheduler.displace)
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
@@ -173,9 +173,9 @@ class DecodeWorker(WorkerShell):
         now = time.time()
         for request in batch:
             request.stamp(LifetimeEvent.FIRST_DECODE, now)
-        compile_wait = self.grammars.setup_s - compile_wait  # a new grammar's compile: no model work
+        grammar_setup = self.grammars.setup_s - grammar_setup  # no model work
         timing = None if plan.prefill else messages.StepTiming(
-            "decode", max(0.0, self._step_period(begun, allowed) - compile_wait), len(batch),
+            "decode", max(0.0, self._step_period(begun, allowed) - grammar_setup), len(batch),
             sum(r.num_tokens for r in batch))
         process_step(batch, tokens, logprobs, self.stops, self._finish)
         self.send([token_update(request) for request in batch], timing)

@@ -32,7 +32,7 @@ from mm_serve.vision_prefill.handoff_sender import HandoffSender
 from mm_serve.vision_prefill.prefill_scheduler import PrefillScheduler
 
 BACKPRESSURE_SLEEP_S = 0.0005  # hand-offs wait for ring room: yield the core between tries
-COMPILE_WAIT_IGNORED_S = 0.001  # a batch that waited longer for grammars reports no CPU time (see step)
+GRAMMAR_SETUP_IGNORED_S = 0.001  # a batch with more structured-output setup reports no CPU time (see step)
 
 
 class PrefillWorker(WorkerShell):
@@ -137,7 +137,7 @@ class PrefillWorker(WorkerShell):
 
     def _prefill(self, batch: list[Request]) -> None:
         started, cpu_started = time.monotonic(), time.process_time()
-        compile_wait = self.grammars.setup_s
+        grammar_setup = self.grammars.setup_s
         self.channel.send(messages.PrefillStarted(self.role, self.spec.index, [r.request_id for r in batch]))
         vision = self.model.vision  # the work done is priced in tower passes (a tiled image makes several)
         encoded_before = 0 if vision is None else vision.num_encoded_tiles
@@ -174,12 +174,12 @@ class PrefillWorker(WorkerShell):
         # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
         encoded = 0 if vision is None else vision.num_encoded_tiles - encoded_before
         cpu = (time.process_time() - cpu_started) / torch.get_num_threads() if self.kv_cache.data.device.type == "cpu" else 0.0
-        # a new grammar's compile is no model work: out of the wall time, and the CPU time (the compile's
+        # structured-output setup is no model work: out of the wall time, and the CPU time (a compile's
         # threads count in it) not given
-        compile_wait = self.grammars.setup_s - compile_wait
-        if compile_wait > COMPILE_WAIT_IGNORED_S:
+        grammar_setup = self.grammars.setup_s - grammar_setup
+        if grammar_setup > GRAMMAR_SETUP_IGNORED_S:
             cpu = 0.0
-        timing = messages.StepTiming("prefill", max(0.0, time.monotonic() - started - compile_wait), len(batch),
+        timing = messages.StepTiming("prefill", max(0.0, time.monotonic() - started - grammar_setup), len(batch),
                                      computed, encoded, cpu)
         self.send([token_update(request, with_events=True) for request in ready], timing)
 

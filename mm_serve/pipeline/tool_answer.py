@@ -48,6 +48,6 @@ def answer_message(ctx: ServerContext, call: Call, text: str, reason: FinishReas
     a forced choice's calls cut short (by ``max_tokens``, ``length``, or a stop string, ``stop``) are given
     as far as written with that reason, and cut before any call's name, no call and no content."""
     content, calls, whole = tool_calls_of(ctx, call, text)
-    if not calls:
-        return AssistantMessage(content=None if call.tool_mode in ("named", "required") else text), reason
+    if not calls:  # the text (a forced choice's output is calls' JSON: none)
+        return AssistantMessage(content=content), reason
     return AssistantMessage(content=content, tool_calls=calls), "tool_calls" if whole else reason

@@ -152,13 +152,22 @@ def strings_as_patterns(schema: Any, counted: list[int] | None = None, depth: in
         if isinstance(out.get(key), dict):
             out[key] = {name: strings_as_patterns(sub, counted, deeper, root) for name, sub in out[key].items()}
     if out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
-        low = _length(out.pop("minLength", 0), "minLength")
-        high = out.pop("maxLength", None)
-        high = None if high is None else _length(high, "maxLength")
-        if high is not None and high < low:
-            raise GrammarError(f"maxLength ({high}) is below minLength ({low})")
-        out["pattern"] = f"^{_JSON_CHAR}{{{low},{'' if high is None else high}}}$"
+        out["pattern"] = _repeated(_JSON_CHAR, out.pop("minLength", 0), out.pop("maxLength", None))
     return out
+
+
+def _repeated(atom: str, low: Any, high: Any, at_least: int = 0) -> str:
+    """The pattern of ``atom`` (one character) repeated ``minLength`` ``low`` (at least ``at_least``) to
+    ``maxLength`` ``high`` (None: no bound) times.
+
+    Raises:
+        GrammarError: a bound that is not a non-negative integer, or ``high`` below ``low``.
+    """
+    low = max(_length(low, "minLength"), at_least)
+    high = None if high is None else _length(high, "maxLength")
+    if high is not None and high < low:
+        raise GrammarError(f"maxLength ({high}) is below minLength ({low})")
+    return f"^{atom}{{{low},{'' if high is None else high}}}$"
 
 
 def check_pattern(pattern: str) -> None:
@@ -307,18 +316,13 @@ def _multiples(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _bounded_pattern(pattern: str, low: Any, high: Any) -> str:
     """``pattern``, one character class repeated, with the length bounds as its repeat count."""
-    low = _length(low, "minLength")
-    high = None if high is None else _length(high, "maxLength")
     match = _REPEATED_CLASS.fullmatch(pattern)
     if match is None:
         raise GrammarError(f"a string's pattern {pattern!r:.60} and its minLength / maxLength together are not "
                            "enforced by the grammar engine (it keeps the pattern only): write the length into the "
                            "pattern, e.g. ^[a-z]{3,16}$")
     atom, repeat = match.groups()
-    low = max(low, 1 if repeat == "+" else 0)
-    if high is not None and high < low:
-        raise GrammarError(f"maxLength ({high}) is below minLength ({low})")
-    return f"^{atom}{{{low},{'' if high is None else high}}}$"
+    return _repeated(atom, low, high, at_least=1 if repeat == "+" else 0)
 
 
 def choice_ebnf(choices: list[str]) -> str:
