@@ -102,8 +102,8 @@ class AdmissionLearning:
             return
         ttft, span = state.first_token_time - state.arrival_time, state.first_token_time - state.submitted_at
         # TPOT as decode steps make it: from the second token for a structured output (the gap before it
-        # holds its decode worker's grammar compile: one fresh compile taught a 1.5x correction that refused
-        # the next calls to an idle service)
+        # holds its decode worker's grammar setup, 0.68 s for a fresh grammar on the tiny model, which the
+        # TPOT correction would fit as 1.45x slower steps)
         times = state.token_times[1:] if state.structured else state.token_times
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) >= 3 and state.error is None else None
         if prediction is None:  # a call's other requests (and calls with no worker ready at admission):

@@ -12,8 +12,8 @@ work; Little 1961):
 * measured over the last :data:`RATE_WINDOW_S`: the work of the calls that left the phase there,
   over the time the phase was busy with them (the union of their stays, from entering to leaving),
   with at least two of them. Busy time, not wall time: calls that come one at a time with pauses
-  between them leave at the rate they arrive, and that rate (1.6 MP/s for small images a second
-  apart) priced one large image at 19 s where it took 0.4 s;
+  between them leave at the rate they arrive (1.6 MP/s measured for small images a second apart, which
+  prices a 30 MP image at 19 s; it takes 0.4 s);
 * else the throughput last measured that way (a burst after a quiet spell);
 * else (nothing measured yet since start) a lower bound from the oldest call in the phase: it has
   run for its whole time so far without finishing its work, on at most ``os.cpu_count()`` cores

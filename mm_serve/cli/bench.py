@@ -140,7 +140,8 @@ def _model_dir(args: argparse.Namespace) -> tuple[Path | None, str]:
 def _served_checkpoint(args: argparse.Namespace) -> Path | None:
     """The checkpoint ``--server`` serves when this machine can resolve its model id (a registered name such
     as ``embedded``, or a checkpoint path): its tokenizer sizes the prompts exactly (without one, text is
-    sized at about 4 characters a token, which overflowed the embedded model's context). None otherwise."""
+    sized at about 4 characters a token: 747 tokens for a 512-token budget on the embedded tokenizer). None
+    otherwise."""
     from mm_serve.bench.session import served_model_id
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.named_models import resolve_model

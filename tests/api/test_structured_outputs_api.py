@@ -148,8 +148,8 @@ def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess
 
 def test_pydantic_models_with_urls_constrained_strings_and_multiples_are_served(server: ServerProcess) -> None:
     """The keyword pairs pydantic writes (``Field(pattern=, min_length=, max_length=)``, ``Field(multiple_of=,
-    ge=, le=)``; ``HttpUrl``: a format with lengths) are served through the official client's ``parse`` (a
-    fresh reviewer found them refused), and every output it parses validates against the model's schema. A
+    ge=, le=)``; ``HttpUrl``: a format with lengths) are served through the official client's ``parse``, not
+    refused, and every output it parses validates against the model's schema. A
     random model's URL runs past any small ``max_tokens``: that one is only asked to be served."""
     import pydantic
 
@@ -175,7 +175,7 @@ def test_pydantic_models_with_urls_constrained_strings_and_multiples_are_served(
                                          ("guided_grammar", 'root ::= "\ud800"')])
 def test_a_grammar_with_a_lone_surrogate_is_a_400(server: ServerProcess, field: str, value: object) -> None:
     """JSON's ``\\ud800`` escape is half a UTF-16 pair, no character: it has no UTF-8 form, xgrammar's input
-    (it was a 500). The body is sent ASCII-escaped, as JSON allows."""
+    (a 400, not a 500). The body is sent ASCII-escaped, as JSON allows."""
     body = json.dumps({"model": "tiny", "messages": PROMPT, "max_tokens": 3, field: value})  # ensure_ascii
     r = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60,
                    headers={"content-type": "application/json"})

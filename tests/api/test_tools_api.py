@@ -164,7 +164,7 @@ def test_an_auto_call_whose_arguments_are_a_json_string_streams_them_decoded(cli
 ])
 def test_bad_tool_fields_are_400s_naming_the_field(server: ServerProcess, body: dict, param: str,
                                                     code: str | None) -> None:
-    """The field as the JSON names it (no pydantic model name: it said ``tool_choice.NamedToolChoice.function``)."""
+    """The field as the JSON names it (``tool_choice.function``, no pydantic model name between)."""
     error = chat_error(server, {"messages": MESSAGES, **body})
     assert (error["param"] == param or error["param"].startswith(param + ".")) and error["code"] == code, error
     assert not any(part[:1].isupper() for part in error["param"].split(".")), error
@@ -225,7 +225,7 @@ def test_a_forced_choice_cut_before_a_name_has_no_content_and_one_cut_by_a_stop_
         client: openai.OpenAI) -> None:
     """Required, cut at 3 tokens (``[{"``, no name yet): no call and no content (the grammar's text was
     given as content), streamed or not. Named, cut by a stop string inside its arguments: the call as far
-    as written with ``finish_reason`` stop (it said tool_calls, with arguments no JSON parser takes)."""
+    as written with ``finish_reason`` stop (not tool_calls: its arguments are no whole JSON)."""
     kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 3,
                    "temperature": 0}
     r = client.chat.completions.create(**kwargs)
