@@ -29,7 +29,7 @@ def read_batch_file(path: Path, name: str, endpoint: str, config: ServiceConfig)
         config: the service config (``batch.max_lines``, ``api.max_body_bytes``).
 
     Raises:
-        BatchFileError: not UTF-8, too many lines, a line over ``api.max_body_bytes``,
+        BatchFileError: not UTF-8 (a leading byte-order mark is allowed), too many lines, a line over ``api.max_body_bytes``,
             or any row error of :func:`~mm_serve.caption.inputs.parse_batch_rows`
             (not JSON, no ``custom_id``, wrong method or url, bad body, duplicate ``custom_id``).
         OSError: the content cannot be read.
@@ -37,7 +37,7 @@ def read_batch_file(path: Path, name: str, endpoint: str, config: ServiceConfig)
     data = path.read_bytes()
     _check_sizes(data, name, config)
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors write one) is skipped
     except UnicodeDecodeError as exc:
         line = data[:exc.start].count(b"\n") + 1
         raise BatchFileError(f"{name}:{line}: not UTF-8 text") from None

@@ -96,7 +96,7 @@ def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet
         raise InputError(f"{path}: INPUT must be a folder of images or a JSONL file, not one image "
                          "(put it in a folder, or use `mm-serve generate --image` for a single image)")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is skipped
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read: {exc}") from None
     rows = _parse_rows(path, text)

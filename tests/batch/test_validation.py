@@ -44,3 +44,9 @@ def test_each_problem_is_named_with_its_line(tmp_path: Path, text: str, message:
 def test_bytes_that_are_not_utf8_name_their_line(tmp_path: Path) -> None:
     with pytest.raises(BatchFileError, match=r"in.jsonl:2: not UTF-8 text"):
         _read(tmp_path, _line("a").encode() + b"\n\xff\xfe\n")
+
+
+def test_a_leading_byte_order_mark_is_skipped(tmp_path: Path) -> None:
+    assert _read(tmp_path, b"\xef\xbb\xbf" + f"{_line('a')}\n{_line('b')}".encode()) == ["a", "b"]
+    with pytest.raises(BatchFileError, match=r"in.jsonl:2: not valid JSON"):  # only at the start
+        _read(tmp_path, f"{_line('a')}\n\ufeff{_line('b')}".encode())
