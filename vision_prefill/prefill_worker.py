@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from mm_serve.ground.roles import Role
 from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
@@ -22,6 +20,7 @@ from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, make_generator, sample_requests
 from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.runtime.step_clock import StepClock
 from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.warm_up import warm_up
 from mm_serve.runtime.worker_setup import cache_report, load_for_worker, make_caches
@@ -32,7 +31,6 @@ from mm_serve.vision_prefill.handoff_sender import HandoffSender
 from mm_serve.vision_prefill.prefill_scheduler import PrefillScheduler
 
 BACKPRESSURE_SLEEP_S = 0.0005  # hand-offs wait for ring room: yield the core between tries
-GRAMMAR_SETUP_IGNORED_S = 0.001  # a batch with more structured-output setup reports no CPU time (see step)
 
 
 class PrefillWorker(WorkerShell):
@@ -136,8 +134,7 @@ class PrefillWorker(WorkerShell):
                 self.channel.send(messages.RequestFailed(request.request_id, f"prefill failed: {exc}"))
 
     def _prefill(self, batch: list[Request]) -> None:
-        started, cpu_started = time.monotonic(), time.process_time()
-        grammar_setup = self.grammars.setup_s
+        clock = StepClock(self.grammars, self.kv_cache.data.device.type == "cpu")
         self.channel.send(messages.PrefillStarted(self.role, self.spec.index, [r.request_id for r in batch]))
         vision = self.model.vision  # the work done is priced in tower passes (a tiled image makes several)
         encoded_before = 0 if vision is None else vision.num_encoded_tiles
@@ -173,14 +170,7 @@ class PrefillWorker(WorkerShell):
             self.scheduler.add_front(request)
         # the work done, for the latency fit: tokens computed (not the cached prefix), images encoded
         encoded = 0 if vision is None else vision.num_encoded_tiles - encoded_before
-        cpu = (time.process_time() - cpu_started) / torch.get_num_threads() if self.kv_cache.data.device.type == "cpu" else 0.0
-        # structured-output setup is no model work: out of the wall time, and the CPU time (a compile's
-        # threads count in it) not given
-        grammar_setup = self.grammars.setup_s - grammar_setup
-        if grammar_setup > GRAMMAR_SETUP_IGNORED_S:
-            cpu = 0.0
-        timing = messages.StepTiming("prefill", max(0.0, time.monotonic() - started - grammar_setup), len(batch),
-                                     computed, encoded, cpu)
+        timing = clock.prefill_timing(len(batch), computed, encoded)
         self.send([token_update(request, with_events=True) for request in ready], timing)
 
     # ---- stats and close ---------------------------------------------------------------------

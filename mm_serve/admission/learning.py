@@ -74,7 +74,8 @@ class AdmissionLearning:
         """Refit from one timed step of worker ``index`` of ``role`` (the engine client's step listener)."""
         with self.lock:
             if step.kind == "prefill":
-                self.predictor.observe_prefill(step.tokens, step.images, step.seconds, index, step.cpu_seconds)
+                self.predictor.observe_prefill(step.tokens, step.images, step.seconds, index, step.cpu_seconds,
+                                               step.decode_requests, step.decode_context)
             elif step.kind == "decode":
                 self.predictor.observe_decode(step.requests, step.tokens, step.seconds, index)
 

@@ -100,6 +100,17 @@ class Prediction:
     tpot_reserved_s: float = 0.0  # predicted TPOT with ``reserve`` more requests of the same context on that worker (the work, as tpot_work_s)
     # the queued looser request that this one, served before it, would make miss its TTFT SLO (the worst; None: none)
     makes_late: LateRequest | None = None
+    # what the fits priced then, to learn the corrections against the fits as they are when it finishes
+    # (LatencyPredictor.repriced): its own prefill work (prompt tokens, images) and the prefill fit's
+    # seconds for it; its decode batch (requests, context tokens), the decode fit's seconds for one step
+    # of it, its decode worker's scale (LatencyPredictor.decode_scale) and the paced interval that step
+    # lasts at least (0.0: unpaced)
+    own_work: tuple[int, int] = (0, 0)
+    own_fit_s: float = 0.0
+    decode_work: tuple[int, int] = (0, 0)
+    decode_fit_s: float = 0.0
+    decode_live: float = 1.0
+    paced_s: float = 0.0
 
     @property
     def tpot_judged_s(self) -> float:
@@ -260,14 +271,36 @@ class LatencyPredictor:
                                           arrivals_window_s, scale)
             queue = max(0.0, base - own)
         live = self.decode_scale(decode_worker)
-        work = live * self.decode.predict((1.0, decode_batch, decode_context))
-        step = max(self.paced_step_s(tier, decode_tightest), work)
+        decode_fit = self.decode.predict((1.0, decode_batch, decode_context))
+        paced = self.paced_step_s(tier, decode_tightest)
+        work = live * decode_fit
+        step = max(paced, work)
         batch = max(1, decode_batch)
         reserved = live * self.decode.predict((1.0, batch + reserve, decode_context * (batch + reserve) / batch))
         correction = self.tpot_correction.value
         return Prediction(base * self.ttft_corrections[tier].value + self.transit_s + self.overhead_s,
                           step * correction, queue, base, step, work * correction, tier=tier,
-                          tpot_reserved_s=reserved * correction)
+                          tpot_reserved_s=reserved * correction, own_work=(tokens, images),
+                          own_fit_s=self.prefill_seconds(tokens, images), decode_work=(decode_batch, decode_context),
+                          decode_fit_s=decode_fit, decode_live=live, paced_s=paced)
+
+    def repriced(self, prediction: Prediction) -> tuple[float, float]:
+        """``prediction``'s TTFT base (queue + own prefill) and decode step, in seconds, as the fits
+        price them now: each scaled by the fit's price now against its price then for the request's own
+        work (its prefill; one step of its decode batch), the paced interval kept as a floor. The
+        corrections learn a finished request's measured / this: learned against the price made at
+        admission, a fit that moved since (the first requests after a start are priced by the starting
+        coefficients, which can be 10x off for a model and machine) would leave the corrections fitting
+        the old fit's error, and scale every later prediction by it."""
+        base = prediction.ttft_base_s
+        tokens, images = prediction.own_work
+        if prediction.own_fit_s > 0:
+            base *= self.prefill_seconds(tokens, images) / prediction.own_fit_s
+        step = prediction.tpot_step_s
+        if prediction.decode_fit_s > 0:
+            batch, context = prediction.decode_work
+            step = max(prediction.paced_s, prediction.decode_live * self.decode.predict((1.0, batch, context)))
+        return base, step
 
     def paced_step_s(self, tier: Tier, decode_tightest: Tier | None = None) -> float:
         """Seconds a paced decode step lasts at least once a request of ``tier`` runs on a decode worker
@@ -277,14 +310,27 @@ class LatencyPredictor:
         return paced_interval_s(self.decode_interval_s, self.decode_pacing, self.tier_tpot_s, ranks)
 
     def observe_prefill(self, tokens: int, images: int, seconds: float, worker: int | None = None,
-                        cpu_seconds: float = 0.0) -> None:
+                        cpu_seconds: float = 0.0, decode_requests: int = 0, decode_context: int = 0) -> None:
         """One measured prefill batch (encode + prefill) of prefill worker ``worker``: ``seconds``
         of wall-clock time and, on a CPU, ``cpu_seconds`` of the worker's own compute per thread
         (0: not measured). The fit learns the batch's cost from ``cpu_seconds`` when given, which
         other processes' time slices on its core do not inflate (a burst that keeps the front end
         decoding images on that core would otherwise be read as the cost of the batch's
         tokens or image, and priced into every later prediction); the worker's speed factor
-        (:meth:`prefill_scale`) learns the wall-clock time against that cost."""
+        (:meth:`prefill_scale`) learns the wall-clock time against that cost.
+
+        A colocated step that also decoded ``decode_requests`` requests over ``decode_context``
+        tokens in the same pass has that batch's price by the decode fit, less the fit's per-step
+        constant (the pass is shared), taken out of both times first: the planner's price of a mixed
+        step (:mod:`mm_serve.planner.colocated_instance`) read backwards. A step the decode batch's price
+        leaves nothing of is not learned."""
+        if decode_requests:
+            _, per_request, per_context = self.decode.coefficients
+            riders = max(0.0, per_request * decode_requests + per_context * decode_context)
+            seconds -= riders
+            cpu_seconds = max(0.0, cpu_seconds - riders) if cpu_seconds > 0 else 0.0
+            if seconds <= 0:
+                return
         if worker is not None:
             speed = self.prefill_speed.setdefault(worker, RatioCorrection(half_life_s=60.0, grace_s=30.0))
             speed.observe(seconds, self.prefill_seconds(tokens, images))
@@ -306,17 +352,19 @@ class LatencyPredictor:
 
     def observe_finished(self, prediction: Prediction, prefill_span_s: float | None, tpot_s: float | None) -> None:
         """A finished request's measured span from dispatch to first token and TPOT (seconds; None
-        when not measured; the span less the prediction's grammar compile) against its prediction: refits the transit (from a request predicted
-        to wait for nothing: its span less its own prefill) and the two corrections (the span
-        less the transit against the queue + prefill part)."""
+        when not measured; the span less the prediction's grammar compile) against its prediction, as
+        the fits price it now (:meth:`repriced`): refits the transit (from a request predicted to wait
+        for nothing: its span less its own prefill) and the two corrections (the span less the
+        transit against the queue + prefill part; the TPOT against the decode step)."""
+        base, step = self.repriced(prediction)
         if prefill_span_s is not None:
             prefill_span_s -= prediction.grammar_s  # priced apart from the queue and the prefill
             if prediction.queue_s <= 0:
-                residual = max(0.0, prefill_span_s - prediction.ttft_base_s)
+                residual = max(0.0, prefill_span_s - base)
                 self.transit_s += TRANSIT_WEIGHT * (residual - self.transit_s)
-            self.ttft_corrections[prediction.tier].observe(prefill_span_s - self.transit_s, prediction.ttft_base_s)
+            self.ttft_corrections[prediction.tier].observe(prefill_span_s - self.transit_s, base)
         if tpot_s is not None:
-            self.tpot_correction.observe(tpot_s, prediction.tpot_step_s)
+            self.tpot_correction.observe(tpot_s, step)
 
     def warm_start(self, profile: Profile) -> None:
         """Fit the starting coefficients to an ``mm-serve profile`` file's points (prefill batches,

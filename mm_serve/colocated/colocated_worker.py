@@ -16,6 +16,7 @@ from mm_serve.runtime import messages
 from mm_serve.runtime.lifetime import LifetimeEvent
 from mm_serve.runtime.post_step import token_update
 from mm_serve.runtime.sampling_wire import from_wire
+from mm_serve.runtime.step_clock import StepClock
 from mm_serve.runtime.warm_up import warm_up
 from mm_serve.runtime.worker_setup import cache_report
 from mm_serve.runtime.worker_shell import WorkerShell
@@ -30,6 +31,7 @@ class ColocatedWorker(WorkerShell):
     def load(self) -> None:
         self.engine = LLMEngine(self.spec.model_dir, self.spec.sizing)
         self.kv_cache = self.engine.kv_cache
+        self._last_step_end: float | None = None  # monotonic end of the last step while busy
 
     def warm_up(self) -> None:
         warm_up(self.engine.runner, self.engine.max_model_len)
@@ -57,14 +59,33 @@ class ColocatedWorker(WorkerShell):
 
     def step(self) -> None:
         if not self.engine.has_unfinished():
+            self._last_step_end = None  # idle: the next decode period starts afresh
             return
+        begun = time.monotonic()
+        clock = StepClock(self.engine.grammars, self.kv_cache.data.device.type == "cpu")
         updated, finished = self.engine.step_all()
         now = time.time()
         for request in updated:
             request.stamp(LifetimeEvent.PREFILL_END, now)
-        self.send([token_update(request) for request in updated])
+        self.send([token_update(request) for request in updated], self._timing(clock, begun))
         for request in finished:
             self.engine.release(request.request_id)
+
+    def _timing(self, clock: StepClock, begun: float) -> messages.StepTiming | None:
+        """The step's timing for the front end's latency predictor: a step with prompts in it as a
+        prefill step (its decode batch named: the predictor takes its price out), a decode step as its
+        period (what a running request waited for its token: since the previous step ended when the
+        worker was busy in between, loop and sending included); None for a step that ran nothing."""
+        work = self.engine.last_step
+        end, last = time.monotonic(), self._last_step_end
+        self._last_step_end = end
+        if work.prefill_requests:
+            return clock.prefill_timing(work.prefill_requests, work.prefill_tokens, work.images,
+                                        work.decode_requests, work.decode_context)
+        if not work.decode_requests:
+            return None
+        period = end - (last if last is not None else begun) - clock.setup_s()
+        return messages.StepTiming("decode", max(0.0, period), work.decode_requests, work.decode_context)
 
     def load_report(self) -> dict[str, int]:
         sched = self.engine.scheduler

@@ -7,6 +7,7 @@ scheduler, serve. :meth:`LLMEngine.step` runs one scheduler step.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
@@ -24,6 +25,19 @@ from mm_serve.runtime.sampling_params import SamplingParams
 from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_setup import load_model_for, make_caches, make_kv_cache
 from mm_serve.text_decode.scheduler import ContinuousBatchingScheduler
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one :meth:`LLMEngine.step_all` computed, for a worker's step timing: its prefill part
+    (requests, prompt tokens computed, the cached prefix not counted, and vision-tower passes: images,
+    or tiles of a tiling family's images) and its decode part (requests, their context tokens)."""
+
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
+    images: int = 0
+    decode_requests: int = 0
+    decode_context: int = 0
 
 
 class LLMEngine:
@@ -56,6 +70,7 @@ class LLMEngine:
         self.grammars = GrammarBook(self.model_dir, self.eos_token_ids, self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._seed_rng = random.Random(self.config.seed)
+        self.last_step = StepWork()  # what the last step_all computed (nothing before the first)
 
     def add_request(
         self, request_id: str, inputs: ProcessedInputs, params: SamplingParams, generator_seed: int | None = None,
@@ -107,10 +122,17 @@ class LLMEngine:
         (its KV so far is committed to the prefix cache, and its next chunk runs next step).
         """
         plan = self.scheduler.schedule()
+        vision = self.model.vision
+        encoded_before = 0 if vision is None else vision.num_encoded_tiles
+        self.last_step = StepWork()
         if plan.empty:
             return [], []
         if plan.prefill:
             self.runner.encode_images(plan.prefill)
+        self.last_step = StepWork(
+            len(plan.prefill), sum((r.prefill_end or r.num_tokens) - r.num_cached_tokens for r in plan.prefill),
+            0 if vision is None else vision.num_encoded_tiles - encoded_before,
+            len(plan.decode), sum(r.num_tokens for r in plan.decode))
         logits = self.runner.mixed(plan.prefill, plan.decode)
         for request in plan.prefill:  # KV in place: shareable from now on
             self.prefix.commit(request, request.prefill_end or request.num_tokens)

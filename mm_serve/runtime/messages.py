@@ -189,6 +189,10 @@ class StepTiming(msgspec.Struct):
     # time slices taken by other processes on its cores do not inflate; 0: not measured (a GPU's batch runs
     # on the device)
     cpu_seconds: float = 0.0
+    # prefill in a colocated step: the decode batch that ran in the same pass (its requests and their context
+    # tokens); the predictor takes that batch's price out of the step's seconds before it fits the prefill
+    decode_requests: int = 0
+    decode_context: int = 0
 
 
 class TokenBatch(msgspec.Struct, tag=True):

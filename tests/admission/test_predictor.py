@@ -162,6 +162,50 @@ def test_finished_requests_correct_a_systematic_underestimate() -> None:
     assert predictor.tpot_correction.num_observations == 60
 
 
+def test_corrections_learn_against_the_fits_as_they_are_when_a_request_finishes() -> None:
+    """Requests admitted on the starting coefficients (a fresh server), whose steps then teach the fits
+    that prefill and decode cost 10x and 3x as much: measured as the fits price them now, they teach
+    the corrections nothing (a correction learned against the old prices held 10x for every later
+    prediction, and refused most requests of a colocated server's first minute)."""
+    predictor = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096)
+    admitted = [predictor.predict(QueueAhead(0, 0, 0), 250, 1, 2, 600) for _ in range(20)]
+    prefill_then, step_then = admitted[0].ttft_base_s, admitted[0].tpot_step_s
+    for _ in range(200):
+        predictor.observe_prefill(250, 1, 10 * prefill_then)
+        predictor.observe_decode(2, 600, 3 * step_then)
+    assert predictor.prefill_seconds(250, 1) == pytest.approx(10 * prefill_then, rel=0.01)
+    assert predictor.decode.predict((1.0, 2, 600)) == pytest.approx(3 * step_then, rel=0.01)
+    for p in admitted:
+        base, step = predictor.repriced(p)
+        assert base == pytest.approx(predictor.prefill_seconds(250, 1))
+        assert step == pytest.approx(predictor.decode.predict((1.0, 2, 600)))
+        predictor.observe_finished(p, prefill_span_s=base, tpot_s=step)
+    assert predictor.ttft_corrections[Tier.STANDARD].value == pytest.approx(1.0)
+    assert predictor.tpot_correction.value == pytest.approx(1.0)
+    assert predictor.ttft_corrections[Tier.STANDARD].num_observations == 20
+
+
+def test_a_colocated_steps_decode_batch_is_priced_out_of_its_prefill() -> None:
+    """A colocated step that prefilled 300 tokens beside a decode batch of 8 requests over 4,000 tokens:
+    the prefill fit learns the step less the batch's price without the per-step constant, as it learns
+    the same prefill run alone."""
+    mixed, alone = (LatencyPredictor(8, 4096) for _ in range(2))
+    for predictor in (mixed, alone):
+        for _ in range(50):
+            predictor.observe_decode(8, 4000, 0.030)
+    _, per_request, per_context = mixed.decode.coefficients
+    riders = per_request * 8 + per_context * 4000
+    assert 0 < riders < 0.030
+    for tokens in (100, 300, 500) * 20:
+        mixed.observe_prefill(tokens, 0, 0.02 + 1e-4 * tokens + riders, 0, 0.01 + 1e-4 * tokens + riders, 8, 4000)
+        alone.observe_prefill(tokens, 0, 0.02 + 1e-4 * tokens, 0, 0.01 + 1e-4 * tokens)
+    assert mixed.prefill.coefficients == pytest.approx(alone.prefill.coefficients)
+    assert mixed.prefill_scale(0) == pytest.approx(alone.prefill_scale(0))
+    before = mixed.prefill.num_observations
+    mixed.observe_prefill(100, 0, riders / 2, 0, 0.0, 8, 4000)  # less than its decode batch's price: not learned
+    assert mixed.prefill.num_observations == before
+
+
 def test_the_ratio_correction_is_bounded_and_validated() -> None:
     correction = RatioCorrection(weight=0.5, low=0.5, high=4.0)
     for _ in range(40):

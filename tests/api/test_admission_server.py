@@ -259,3 +259,26 @@ def test_a_stalled_upload_gets_408_and_its_connection_is_closed(admission_server
     assert status == 408 and body["error"]["code"] == "body_timeout" and "18 bytes arrived" in body["error"]["message"]
     assert 1.9 <= elapsed < 5.0
     assert httpx.get(f"{url}/health", timeout=10).json()["admission"]["image_bytes_in_flight"] == 0
+
+
+def test_a_colocated_server_learns_its_step_times(tiny_llava: Path, tmp_path: Path) -> None:
+    """The colocated worker reports its steps (its prefill steps with the decode batch beside them, and
+    its decode periods): the fits learn them, so the corrections, learned against the fits as they
+    price a request when it finishes, stay near 1 on an unloaded server. (It reported none: the fits
+    kept the starting coefficients, the corrections rose to their bound of 10, and big images got a
+    429 for a TTFT SLO they met in a third of it.)"""
+    with configured_server(tiny_llava, {"mode": "colocated"}, tmp_path) as proc:
+        image = data_uri(gradient_image(300, 200))
+        for i in range(8):
+            content: Any = "hi there" if i % 2 else [{"type": "image_url", "image_url": {"url": image}},
+                                                      {"type": "text", "text": f"picture {i}"}]
+            r = httpx.post(f"{proc.url}/v1/chat/completions", json=_chat(
+                messages=[{"role": "user", "content": content}], max_tokens=8, ignore_eos=True), timeout=60)
+            assert r.status_code == 200, r.text
+        _wait_idle(proc.url)
+        admission = httpx.get(f"{proc.url}/health", timeout=10).json()["admission"]
+    assert admission["prefill"]["observations"] >= 8  # a step with prompts in it each
+    assert admission["decode"]["observations"] >= 8 * 6  # the 7 steps after each first token, less mixed ones
+    assert admission["prefill"]["worker_speed"].keys() == admission["decode"]["worker_speed"].keys() == {"0"}
+    assert 0.25 < admission["ttft_correction"]["standard"] < 2.0
+    assert 0.25 < admission["tpot_correction"] < 2.0
