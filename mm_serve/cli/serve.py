@@ -29,7 +29,8 @@ def register(subparsers: Any) -> None:
                    help="prefill and decode in worker processes of their own, or one worker doing both (mode; "
                         "default: the planner's choice, else disaggregated)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-                   help="weights, KV cache, ring pages and features (dtype; default auto: the checkpoint's own)")
+                   help="weights, KV cache, ring pages and features (dtype; default auto: the checkpoint's own "
+                        "on a GPU, float32 on a CPU)")
     p.add_argument("--attention-backend", choices=["auto", "flex", "torch"], default=None,
                    help="attention over the KV pages (attention_backend; docs/attention.md)")
     p.add_argument("--prefill-workers", type=int, default=None, metavar="N",
