@@ -1,25 +1,28 @@
 """How long a call's media work still has to run, from the media work in flight in the API process.
 
-The API process fetches, decodes and preprocesses images (and tokenizes prompts) on a few
-threads that share the cores with the workers; under a burst the calls in that phase finish in
-roughly the order they started, at the rate the process gets through their work. Each call
-brings a *work* figure: the megapixels of its images (declared in their headers, or
-:data:`~mm_serve.pipeline.gate.UNDECLARED_IMAGE_MEGAPIXELS` each) plus a small fixed part
-for templating and tokenizing. The time a call still has to wait is then the work of the calls
-in the phase that started before it, plus its own, over the work throughput (Little's law over
-work; Little 1961):
+The API process fetches, decodes and preprocesses images (and templates and tokenizes prompts) on a
+few threads that share the cores with the workers; under a burst the calls in that phase finish in
+roughly the order they started. Each call brings its :class:`MediaWork`: its prompts and the
+megapixels of its images (declared in their headers). What the phase costs is fitted online as
 
-* measured over the last :data:`RATE_WINDOW_S`: the work of the calls that left the phase there,
-  over the time the phase was busy with them (the union of their stays, from entering to leaving),
-  with at least two of them. Busy time, not wall time: calls that come one at a time with pauses
-  between them leave at the rate they arrive (1.6 MP/s measured for small images a second apart, which
-  prices a 30 MP image at 19 s; it takes 0.4 s);
-* else the throughput last measured that way (a burst after a quiet spell);
-* else (nothing measured yet since start) a lower bound from the oldest call in the phase: it has
-  run for its whole time so far without finishing its work, on at most ``os.cpu_count()`` cores
-  shared with everyone else in the phase.
+    seconds ≈ a · prompts + b · megapixels
 
-Never less than the time the call has already spent there.
+from each call that leaves it, against the busy time that passed since the previous call left (or
+since the phase last went from empty to busy): the union of the calls' stays, shared out in the order
+they leave, so calls processed together count their shared time once, and calls that come one at a
+time with pauses between them are timed by their stays, not by the rate they come at (Little's law
+over work; Little 1961). Two terms, because the two parts do not scale together: a burst of small
+images measures the per-call part (templating, tokenizing, waiting for the event loop: ~10 ms each
+under a burst, 0.05 MP of pixels), and priced by their megapixels alone it put a 12 MP photo at 10 s
+behind three others (they took 1 s). The fit (:class:`~mm_serve.admission.online_fit.OnlineLinearFit`,
+θ ≥ 0, the last ~20 calls) starts from :data:`START_SECONDS` and keeps its pull toward it, so a term
+the recent calls say little about (no large image lately) stays near its start.
+
+The time a call still has to wait is then the fit's price of the calls in the phase that started
+before it and its own. Before any call has left the phase since start, it is priced by a lower bound
+from the oldest call in the phase instead: that one has run for its whole time so far without
+finishing, on at most ``os.cpu_count()`` cores shared with everyone else in the phase. Never less
+than the time the call has already spent there.
 """
 
 from __future__ import annotations
@@ -28,53 +31,73 @@ import itertools
 import os
 import threading
 import time
-from collections import deque
+from dataclasses import dataclass
 
-RATE_WINDOW_S = 1.0  # seconds of completions the throughput is read over
+from mm_serve.admission.online_fit import OnlineLinearFit
+
+START_SECONDS = (0.002, 0.015)  # per prompt, per megapixel: a quiet 2-core CPU (2 ms a call, a 12 MP JPEG 0.18 s)
+FIT_SCALES = (1.0, 4.0)  # a typical call: one prompt, a 4 MP photo
+
+
+@dataclass(frozen=True)
+class MediaWork:
+    """A call's media work: its prompts (templated and tokenized) and its images' megapixels
+    (decoded and preprocessed; a video's at its sampled frames' largest).
+
+    Raises:
+        ValueError: fewer than one prompt, or negative megapixels.
+    """
+
+    prompts: int = 1
+    megapixels: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prompts < 1 or not self.megapixels >= 0:
+            raise ValueError(f"media work needs at least one prompt and megapixels >= 0, got {self}")
 
 
 class MediaLoad:
-    """The calls in their media phase (by ticket, in the order they entered, with their work)
-    and the recent completions. Thread-safe; times are ``time.monotonic()`` seconds, work in
-    megapixel equivalents."""
+    """The calls in their media phase (by ticket, in the order they entered, with their work) and
+    the fit of what the phase costs. Thread-safe; times are ``time.monotonic()`` seconds."""
 
     def __init__(self, cores: int | None = None) -> None:
         self._lock = threading.Lock()
         self._tickets = itertools.count()
-        self._running: dict[int, tuple[float, float]] = {}  # ticket -> (entered at, work); in ticket order
-        self._left: deque[tuple[float, float, float]] = deque()  # (left at, entered at, work), last RATE_WINDOW_S
-        self._throughput: float | None = None  # work per second, last measured
+        self._running: dict[int, tuple[float, MediaWork]] = {}  # ticket -> (entered at, work); in ticket order
+        self._last_left: float | None = None  # when a call last left the phase
+        self.fit = OnlineLinearFit(START_SECONDS, FIT_SCALES)
         self._cores = max(1, cores or os.cpu_count() or 1)
 
-    def enter(self, work: float = 1.0, now: float | None = None) -> int:
-        """A call of ``work`` (> 0) starts its media work; returns its ticket.
-
-        Raises:
-            ValueError: ``work`` is not positive.
-        """
-        if not work > 0:
-            raise ValueError(f"media work must be positive, got {work}")
+    def enter(self, work: MediaWork, now: float | None = None) -> int:
+        """A call of ``work`` starts its media work; returns its ticket."""
         with self._lock:
             ticket = next(self._tickets)
             self._running[ticket] = (time.monotonic() if now is None else now, work)
             return ticket
 
     def leave(self, ticket: int, now: float | None = None) -> None:
-        """The call of ``ticket`` is done with its media work (finished, failed or cancelled)."""
+        """The call of ``ticket`` is done with its media work (finished, failed or cancelled): the
+        fit learns its work against the busy time since the previous call left."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            entry = self._running.pop(ticket, None)
-            if entry is not None:
-                self._left.append((now, entry[0], entry[1]))
-            self._trim(now)
-            measured = self._measured(now)
-            if measured is not None:
-                self._throughput = measured
+            if ticket not in self._running:
+                return
+            busy_since = min(entered for entered, _ in self._running.values())  # the phase is busy from then on
+            entered, work = self._running.pop(ticket)
+            if self._last_left is not None:
+                busy_since = max(busy_since, self._last_left)
+            self._last_left = max(now, self._last_left or now)
+            self.fit.observe((work.prompts, work.megapixels), max(0.0, now - busy_since))
 
     def in_flight(self) -> int:
         """Calls in their media phase now."""
         with self._lock:
             return len(self._running)
+
+    def seconds(self, work: MediaWork) -> float:
+        """The fit's price of ``work`` alone, in seconds."""
+        with self._lock:
+            return self.fit.predict((work.prompts, work.megapixels))
 
     def expected_remaining(self, ticket: int, now: float | None = None) -> float:
         """Seconds the call of ``ticket`` is expected to spend in its media phase from ``now`` (see
@@ -84,26 +107,13 @@ class MediaLoad:
             entry = self._running.get(ticket)
             if entry is None:
                 return 0.0
-            self._trim(now)
             spent = max(0.0, now - entry[0])
-            ahead = sum(work for t, (_, work) in self._running.items() if t <= ticket)
-            throughput = self._measured(now) or self._throughput
-            if throughput is None:  # the oldest call ran all this time on at most all the cores
-                oldest_at, oldest_work = next(iter(self._running.values()))
-                per_core = oldest_work / max(now - oldest_at, 1e-3)
-                throughput = per_core * self._cores
-            return max(spent, ahead / throughput)
-
-    def _measured(self, now: float) -> float | None:
-        if len(self._left) < 2:
-            return None
-        busy, end = 0.0, float("-inf")  # the union of the stays [entered, left], by when they began
-        for entered, left in sorted((entered, left) for left, entered, _ in self._left):
-            if left > end:
-                busy += left - max(entered, end)
-                end = left
-        return sum(work for _, _, work in self._left) / max(busy, 1e-3)
-
-    def _trim(self, now: float) -> None:
-        while self._left and now - self._left[0][0] > RATE_WINDOW_S:
-            self._left.popleft()
+            ahead = [work for t, (_, work) in self._running.items() if t <= ticket]
+            prompts, megapixels = sum(w.prompts for w in ahead), sum(w.megapixels for w in ahead)
+            if self.fit.num_observations:
+                return max(spent, self.fit.predict((prompts, megapixels)))
+            # nothing measured since start: the oldest call ran all this time on at most all the cores
+            oldest_at, oldest = next(iter(self._running.values()))
+            share = self.fit.predict((oldest.prompts, oldest.megapixels))
+            slowdown = max(now - oldest_at, 1e-3) / max(share, 1e-9)  # its time so far over its price
+            return max(spent, self.fit.predict((prompts, megapixels)) * slowdown / self._cores)

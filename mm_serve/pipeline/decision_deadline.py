@@ -8,7 +8,7 @@ came late. With ``admission.decide_within_ms``, a call whose media work is still
 ``arrival + decide_within_ms`` is decided then: the early check is made again with the time
 waited so far plus the media work still expected
 (:meth:`~mm_serve.admission.media_load.MediaLoad.expected_remaining`: the calls in that phase
-ahead of it, by their images' size, over the rate the process has been getting through them).
+ahead of it and its own, by their prompts and their images' size, at what such work has cost lately).
 
 * Refused there, the call is answered at once; its media work runs to its end in the
   background with its image bytes still held (the memory bound counts them until they are freed).
@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from mm_serve.admission.media_load import MediaLoad
+from mm_serve.admission.media_load import MediaLoad, MediaWork
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ def _forget(task: asyncio.Future[object]) -> None:
 
 
 async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: Callable[[float], None],
-                          load: MediaLoad | None = None, size: float = 1.0) -> tuple[T, bool]:
+                          load: MediaLoad | None = None, size: MediaWork | None = None) -> tuple[T, bool]:
     """Await ``work`` (a call's media work); if it is not done by ``deadline``, decide then.
 
     Args:
@@ -48,7 +48,7 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
             expected; raises to refuse.
         load: the media work in flight, which ``work`` joins until it ends; it gives the
             expectation (without it: as long again as the work has run).
-        size: the work's size for ``load`` (megapixel equivalents, :func:`media_size`).
+        size: the work for ``load`` (:func:`~mm_serve.pipeline.gate.media_size`; None: one prompt, no image).
 
     Returns:
         (the work's result, committed): committed is True when the call was decided at the
@@ -61,7 +61,7 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
     started = time.monotonic()
     task = asyncio.ensure_future(work)
     if load is not None:
-        ticket = load.enter(size, started)
+        ticket = load.enter(size or MediaWork(), started)
         task.add_done_callback(lambda _: load.leave(ticket))
     if deadline is None:
         return await task, False

@@ -17,6 +17,7 @@ from typing import Protocol, TypeVar
 
 from mm_serve.admission.bounds import check_queues, check_work
 from mm_serve.admission.byte_budget import Hold
+from mm_serve.admission.media_load import MediaWork
 from mm_serve.admission.predictor import Prediction
 from mm_serve.admission.rejection import Rejection
 from mm_serve.config import ServiceConfig
@@ -38,7 +39,6 @@ Prepared = Sequence[tuple[ProcessedInputs, SamplingParams]]  # a call's prompts,
 BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
 PREPROCESS_COPIES = 2  # the float32 tensor the image processor returns and its one intermediate copy at a time
 UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
-CALL_MEGAPIXELS = 0.05  # media work of templating and tokenizing one prompt, in megapixels of image decoding
 VIDEO_SURVEY_BYTES = 4 << 20  # a video's demuxer buffers while its packets are walked, before its frames are known
 
 
@@ -91,18 +91,17 @@ def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig, vi
     return total
 
 
-def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1, video_megapixels: float = 0.0) -> float:
-    """The media work of a call (:class:`~mm_serve.admission.media_load.MediaLoad`), in megapixel
-    equivalents: the declared megapixels of its images (:data:`UNDECLARED_IMAGE_MEGAPIXELS` for one
-    that declares none), ``video_megapixels`` per video (the frames it may sample at their largest),
-    plus :data:`CALL_MEGAPIXELS` per prompt."""
-    total = CALL_MEGAPIXELS * max(1, prompts)
+def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1, video_megapixels: float = 0.0) -> MediaWork:
+    """The media work of a call (:class:`~mm_serve.admission.media_load.MediaLoad`): its prompts and
+    the declared megapixels of its images (:data:`UNDECLARED_IMAGE_MEGAPIXELS` for one that declares
+    none), ``video_megapixels`` per video (the frames it may sample at their largest)."""
+    total = 0.0
     for image in images:
         if image.is_video:
             total += video_megapixels
         else:
             total += UNDECLARED_IMAGE_MEGAPIXELS if image.size is None else image.size[0] * image.size[1] / 1e6
-    return total
+    return MediaWork(max(1, prompts), total)
 
 
 def prompt_work(prepared: Prepared) -> tuple[int, int]:

@@ -4,70 +4,81 @@ from __future__ import annotations
 
 import pytest
 
-from mm_serve.admission.media_load import RATE_WINDOW_S, MediaLoad
+from mm_serve.admission.media_load import START_SECONDS, MediaLoad, MediaWork
+
+SMALL = MediaWork(1, 0.003)  # a 64 x 48 image
+PHOTO = MediaWork(1, 12.0)  # a 4000 x 3000 photo
 
 
-def test_work_ahead_over_the_measured_throughput() -> None:
-    """5 calls of 2 MP, one at a time, each 0.1 s, with 0.1 s pauses between them: 10 MP in 0.5 s busy, 20 MP
-    per second (the rate they left at, 10 MP/s, is the rate they came at: it priced calls twice as long)."""
+def test_a_burst_of_small_images_prices_calls_not_megapixels() -> None:
+    """12 small-image calls in the phase together, leaving 10 ms apart: the phase was busy 0.12 s for
+    12 calls and 0.04 MP, so it learns ~10 ms a call, and a photo behind two of them is priced at their
+    share plus its megapixels at the per-megapixel start (by megapixels alone, the calls' 0.33 MP/s
+    put a 12 MP photo at 36 s)."""
+    load = MediaLoad(cores=2)
+    tickets = [load.enter(SMALL, now=0.0) for _ in range(12)]
+    for i, ticket in enumerate(tickets):
+        load.leave(ticket, now=0.01 * (i + 1))
+    per_call, per_megapixel = load.fit.coefficients
+    assert per_call == pytest.approx(0.01, rel=0.15)  # the start pulls a little
+    assert per_megapixel == pytest.approx(START_SECONDS[1], rel=0.05)
+    ahead = [load.enter(SMALL, now=1.0) for _ in range(2)]
+    photo = load.enter(PHOTO, now=1.0)
+    assert load.expected_remaining(photo, now=1.01) == pytest.approx(3 * per_call + (12.0 + 2 * 0.003) * per_megapixel, rel=1e-6)
+    assert load.expected_remaining(ahead[0], now=1.01) == pytest.approx(0.01)  # its own 10 ms: spent bounds it
+    assert 0.15 < load.expected_remaining(photo, now=1.01) < 0.3
+
+
+def test_photos_processed_together_teach_the_megapixel_part() -> None:
+    """4 photos in the phase together from 0.0, leaving at 0.25, 0.5, 0.75, 1.0: each 0.25 s of busy
+    time, about 21 ms a megapixel; the fifth photo behind two more expects three photos' time."""
+    load = MediaLoad(cores=2)
+    tickets = [load.enter(PHOTO, now=0.0) for _ in range(4)]
+    for i, ticket in enumerate(tickets):
+        load.leave(ticket, now=0.25 * (i + 1))
+    assert load.seconds(PHOTO) == pytest.approx(0.25, rel=0.05)
+    ahead = [load.enter(PHOTO, now=2.0) for _ in range(2)]
+    fifth = load.enter(PHOTO, now=2.0)
+    assert load.expected_remaining(fifth, now=2.01) == pytest.approx(0.75, rel=0.05)
+    for ticket in ahead:
+        load.leave(ticket, now=2.5)
+    assert load.in_flight() == 1
+
+
+def test_calls_one_at_a_time_are_timed_by_their_stays_not_their_pace() -> None:
+    """5 photos one at a time, each 0.1 s in the phase, 1 s apart: the pauses are not busy time."""
     load = MediaLoad(cores=2)
     for i in range(5):
-        load.leave(load.enter(2.0, now=9.0 + 0.2 * i), now=9.1 + 0.2 * i)
-    first, second, third = (load.enter(w, now=10.05) for w in (4.0, 1.0, 1.0))
-    assert load.in_flight() == 3
-    assert load.expected_remaining(first, now=10.1) == pytest.approx(4.0 / 20)
-    assert load.expected_remaining(third, now=10.1) == pytest.approx(6.0 / 20)  # its own and the work ahead
-    load.leave(first, now=10.1)  # 14 MP in 0.55 s busy now; the third has 1 MP ahead
-    assert load.expected_remaining(third, now=10.1) == pytest.approx(2.0 / (14.0 / 0.55))
-    assert load.expected_remaining(first, now=10.1) == 0.0  # no longer running
-
-
-def test_calls_in_the_phase_together_count_their_shared_time_once() -> None:
-    """4 calls of 3 MP in the phase together from 0.0, leaving at 0.3, 0.4, 0.5, 0.6: 12 MP in 0.6 s busy."""
-    load = MediaLoad(cores=2)
-    tickets = [load.enter(3.0, now=0.0) for _ in range(4)]
-    for i, ticket in enumerate(tickets):
-        load.leave(ticket, now=0.3 + 0.1 * i)
-    late = load.enter(2.0, now=0.7)
-    assert load.expected_remaining(late, now=0.7) == pytest.approx(2.0 / 20.0)
+        load.leave(load.enter(PHOTO, now=10.0 + i), now=10.1 + i)
+    assert load.seconds(PHOTO) == pytest.approx(0.1, rel=0.05)
 
 
 def test_never_less_than_the_time_already_spent() -> None:
     load = MediaLoad(cores=2)
-    for i in range(3):  # fast small calls: 100 MP/s
-        load.leave(load.enter(1.0, now=0.97), now=0.98 + 0.01 * i)
-    ticket = load.enter(1.0, now=0.5)
+    for i in range(3):
+        load.leave(load.enter(SMALL, now=0.97), now=0.98 + 0.01 * i)
+    ticket = load.enter(SMALL, now=0.5)
     assert load.expected_remaining(ticket, now=1.0) == pytest.approx(0.5)
 
 
-def test_a_burst_after_a_quiet_spell_uses_the_throughput_last_measured() -> None:
-    load = MediaLoad(cores=2)
-    for i in range(4):  # 4 MP over 0.3 s then nothing for a minute
-        load.leave(load.enter(1.0, now=1.0), now=1.0 + 0.1 * i)
-    burst = [load.enter(16.0, now=60.0) for _ in range(10)]
-    assert load.expected_remaining(burst[-1], now=60.03) == pytest.approx(160.0 / (4.0 / 0.3), rel=1e-6)
-
-
 def test_before_anything_was_measured_the_oldest_call_bounds_the_throughput() -> None:
-    """A first burst on a fresh server: 40 calls of 40 MP; the oldest has run 0.1 s without
-    finishing, so the process gets through at most 40 MP / 0.1 s per core: the 40th call expects
-    its 1,600 MP ahead to take at least 1600 / 800 = 2 s, not the 30 ms it has spent."""
+    """A first burst on a fresh server: 40 calls of 40 MP; the oldest has run 0.1 s without finishing,
+    so the process gets through at most one such call per 0.1 s per core: the 40th expects at least
+    40 x 0.1 / 2 = 2 s, not the 30 ms it has spent; its own (the first) is bounded by its 0.1 s."""
     load = MediaLoad(cores=2)
-    tickets = [load.enter(40.0, now=0.0 + 0.0025 * i) for i in range(40)]
-    assert load.expected_remaining(tickets[-1], now=0.1) == pytest.approx(1600.0 / 800.0)
-    assert load.expected_remaining(tickets[0], now=0.1) == pytest.approx(0.1)  # its own 40 MP: spent bounds it
+    tickets = [load.enter(MediaWork(1, 40.0), now=0.0 + 0.0025 * i) for i in range(40)]
+    assert load.expected_remaining(tickets[-1], now=0.1) == pytest.approx(2.0)
+    assert load.expected_remaining(tickets[0], now=0.1) == pytest.approx(0.1)
+    assert load.expected_remaining(10**6, now=0.1) == 0.0  # no such ticket running
 
 
-def test_old_completions_fall_out_of_the_window_but_not_out_of_memory() -> None:
+def test_a_leave_of_an_unknown_ticket_changes_nothing() -> None:
     load = MediaLoad(cores=1)
-    for i in range(4):
-        load.leave(load.enter(1.0, now=1.0), now=1.0 + 0.01 * i)  # 4 MP in 0.03 s
-    ticket = load.enter(1.0, now=2.0 + RATE_WINDOW_S)
-    assert load.expected_remaining(ticket, now=2.1 + RATE_WINDOW_S) == pytest.approx(0.1)  # spent > 1 / 133
-    load.leave(ticket, now=2.2 + RATE_WINDOW_S)
-    assert load.in_flight() == 0
+    load.leave(7, now=1.0)
+    assert load.fit.num_observations == 0 and load.in_flight() == 0
 
 
-def test_work_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="positive"):
-        MediaLoad().enter(0.0)
+@pytest.mark.parametrize("work", [(0, 1.0), (1, -1.0), (1, float("nan"))])
+def test_work_needs_a_prompt_and_nonnegative_megapixels(work: tuple[int, float]) -> None:
+    with pytest.raises(ValueError, match="at least one prompt"):
+        MediaWork(*work)
