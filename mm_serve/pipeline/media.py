@@ -61,16 +61,19 @@ def check_image_count(prompt: ChatPrompt, api: APIConfig) -> None:
 
 
 async def chat_request(prompt: ChatPrompt, api: APIConfig, limits: VideoLimits | None = None,
-                       reserve: Reserve | None = None, takes_video: bool = True) -> dict[str, Any]:
+                       reserve: Reserve | None = None, takes_video: bool = True,
+                       takes_images: bool = True) -> dict[str, Any]:
     """The input processor's request for a chat call: its messages with the images and videos loaded (videos
     sampled under ``limits``, default :func:`video_limits`, each giving ``reserve`` the bytes its decoding
     holds).
 
     Raises:
-        APIError: 400 for too many images or videos, a video to a model that takes none (before it is
-            fetched), or one that cannot be loaded.
+        APIError: 400 for too many images or videos, an image or video to a model that takes none (before
+            it is fetched), or one that cannot be loaded.
     """
     check_image_count(prompt, api)
+    if len(prompt.images) > prompt.num_videos and not takes_images:
+        raise bad_request("this model is text-only; it does not take images", "messages", "invalid_image")
     if prompt.num_videos and not takes_video:
         raise bad_request("this model does not take video (video input is served for Qwen2-VL and Qwen2.5-VL "
                           "checkpoints)", "messages", "invalid_video")
@@ -101,8 +104,8 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], text_c
         raise bad_request(str(exc), exc.param or param) from None
     except VideoError as exc:  # the processor refused a video (e.g. Qwen2-VL's aspect ratio over 200)
         raise bad_request(str(exc), param, "invalid_video") from None
-    except ImageError as exc:
-        raise bad_request(str(exc), param) from None
+    except ImageError as exc:  # the processor refused an image (e.g. Qwen2-VL's aspect ratio over 200)
+        raise bad_request(str(exc), param, "invalid_image") from None
     except (TypeError, UnicodeError):  # e.g. lone surrogates the tokenizer cannot encode
         raise bad_request(
             "the prompt text cannot be tokenized: it holds characters that are not valid Unicode "

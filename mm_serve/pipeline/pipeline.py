@@ -164,7 +164,7 @@ async def _prompt_inputs(ctx: ServerContext, call: Call, tenant: str,
             raise bad_request(str(exc), exc.param or "messages") from None
         vision = ctx.holder.model_config.vision
         takes_video = vision is not None and vision.video_token_index is not None
-        request = await chat_request(call.chat, api, limits, reserve, takes_video)
+        request = await chat_request(call.chat, api, limits, reserve, takes_video, takes_images=vision is not None)
         if kwargs:
             request["mm_processor_kwargs"] = kwargs
         tools = getattr(call.body, "tools", None)

@@ -172,6 +172,7 @@ def test_mm_processor_kwargs_over_http(family: tuple[str, Path, str]) -> None:
     assert r.status_code in (200, 400), r.text  # 1 x 3000 px: served, or refused by the family's processor
     if kind == "qwen2-vl":  # its processor refuses an aspect ratio over 200
         assert r.status_code == 400 and "cannot be preprocessed" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "invalid_image"
     if kind != "qwen2-vl":  # a video to a family that takes none: refused before it is fetched
         video = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "http://video.invalid/a.mp4"}}]}]
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"model": "tiny", "messages": video})

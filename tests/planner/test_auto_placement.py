@@ -321,6 +321,12 @@ def test_a_server_without_placement_keys_runs_and_reports_the_planners_choice(ti
         r = httpx.post(f"{proc.url}/v1/completions", timeout=60,
                        json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # an image to this text-only model: refused before it is fetched (the host does not resolve)
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://image.invalid/a.png"}},
+                                              {"type": "text", "text": "What is this?"}]}]
+        r = httpx.post(f"{proc.url}/v1/chat/completions", timeout=60, json={"model": "tiny", "messages": image})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image", r.text
+        assert r.json()["error"]["message"] == "this model is text-only; it does not take images"
     finally:
         assert proc.stop() == 0
 
