@@ -151,8 +151,10 @@ class BatchRunner:
             return await asyncio.to_thread(read_batch_file, path, input_file.filename, record.endpoint,
                                            self.ctx.config)
         except (BatchFileError, OSError) as exc:
+            message = str(exc) if isinstance(exc, BatchFileError) else \
+                f"the content of input file {record.input_file_id} cannot be read: {exc.strerror or exc}"
             self.store.update_batch(record.id, status="failed", failed_at=_now(),
-                                    errors=[{"code": "invalid_input_file", "message": str(exc), "line": None,
+                                    errors=[{"code": "invalid_input_file", "message": message, "line": None,
                                              "param": "input_file_id"}])
             self.files.results_path(record.id).unlink(missing_ok=True)
             return None

@@ -151,8 +151,17 @@ class BatchService:
         return record
 
     def file_path(self, file_id: str, owner: str) -> Path:
-        """Where the content of ``file_id`` is. Raises APIError 404."""
-        return self._opened().files.path(self.file(file_id, owner).id)
+        """Where the content of ``file_id`` is.
+
+        Raises:
+            APIError: 404 for no such file of ``owner``'s, or one whose content is gone from the store
+                (removed from ``batch.data_dir`` by hand: ``file_content_missing``, the path not shown).
+        """
+        path = self._opened().files.path(self.file(file_id, owner).id)
+        if not path.is_file():
+            raise APIError(404, f"the content of file {file_id} is missing from the server's file store",
+                           "not_found_error", None, "file_content_missing")
+        return path
 
     def list_files(self, purpose: str | None, after: str | None, limit: int, order: str,
                    owner: str) -> dict[str, Any]:
@@ -185,8 +194,8 @@ class BatchService:
 
         Raises:
             APIError: 400 for an unsupported endpoint or window, bad metadata, a file that is
-                not a batch input or fails validation (the message names the line); 404 for an
-                unknown ``input_file_id`` (or another owner's).
+                not a batch input, fails validation (the message names the line) or cannot be read;
+                404 for an unknown ``input_file_id`` (or another owner's).
         """
         if endpoint not in ENDPOINTS:
             raise bad_request(f"endpoint must be one of {', '.join(ENDPOINTS)} (what this server runs batches on), "
@@ -207,6 +216,9 @@ class BatchService:
         except BatchFileError as exc:
             raise bad_request(f"the input file {input_file_id} is not a valid batch file: {exc}", "input_file_id",
                               "invalid_batch_file") from None
+        except OSError as exc:  # its content removed from batch.data_dir by hand
+            raise bad_request(f"the content of input file {input_file_id} cannot be read: {exc.strerror or exc}",
+                              "input_file_id", "invalid_batch_file") from None
         now = int(time.time())
         record = BatchRecord(id=new_batch_id(), input_file_id=input_file_id, endpoint=endpoint,
                              completion_window=completion_window, status="validating", created_at=now,

@@ -126,3 +126,33 @@ def test_a_chunked_upload_past_the_spool_size_is_stored_whole(batch_server: Serv
     assert r.json()["bytes"] == len(data) > 256 << 10
     assert httpx.get(f"{batch_server.url}/v1/files/{file_id}/content", headers=HEADERS, timeout=30).content == data
     assert httpx.delete(f"{batch_server.url}/v1/files/{file_id}", headers=HEADERS).json()["deleted"] is True
+
+
+def test_a_file_whose_content_was_removed_by_hand_is_a_404_without_the_path(batch_server: ServerProcess) -> None:
+    """Its record stays (``GET /v1/files/{id}`` answers); its content, deleted from ``batch.data_dir`` behind the
+    server's back, is a 404 ``file_content_missing`` that shows no server path (it was a 500 naming it), and a
+    batch on it fails naming the file, not the path."""
+    file_id = _upload(batch_server, jsonl([row("a", scene_body(0))])).json()["id"]
+    stored = batch_server.log.parent / "data" / "files" / f"{file_id}.jsonl"
+    assert stored.is_file()
+    stored.unlink()
+    assert httpx.get(f"{batch_server.url}/v1/files/{file_id}", headers=HEADERS, timeout=30).status_code == 200
+    r = httpx.get(f"{batch_server.url}/v1/files/{file_id}/content", headers=HEADERS, timeout=30)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["code"] == "file_content_missing" and error["type"] == "not_found_error"
+    assert file_id in error["message"] and str(stored.parent) not in error["message"]
+    r = _create(batch_server, input_file_id=file_id)
+    assert r.status_code in (200, 400), r.text  # refused at creation, or failed when the runner reads it
+    text = r.text if r.status_code == 400 else json.dumps(_final(batch_server, r.json()["id"]))
+    assert file_id in text and str(stored.parent) not in text and "data/files" not in text
+
+
+def _final(server: ServerProcess, batch_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        batch = httpx.get(f"{server.url}/v1/batches/{batch_id}", headers=HEADERS, timeout=30).json()
+        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} did not end")
