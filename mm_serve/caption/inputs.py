@@ -20,6 +20,7 @@ OpenAI batch file. A malformed row, a duplicate id or an empty input raises
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -187,6 +188,10 @@ def _jsonl_item(path: Path, number: int, row: dict[str, Any], default_prompt: st
     prompt = row.get("prompt", default_prompt)
     if not isinstance(prompt, str) or not prompt:
         raise InputError(f"{path}:{number}: 'prompt' must be a non-empty string, got {prompt!r}")
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", image)
+    if scheme is not None:
+        raise InputError(f"{path}:{number}: '{key}' is a URL ({scheme.group(1)}://...); a JSONL row takes a file path "
+                         "or a data: URI (download the file first)")
     if image[:5].lower() == "data:":
         item = CaptionInput(item_id, None, image, prompt)
     else:

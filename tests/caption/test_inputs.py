@@ -54,6 +54,8 @@ def test_jsonl_rows_relative_paths_prompts_and_int_ids(tmp_path: Path) -> None:
     ([{**_batch_row("a"), "custom_id": 5}], "'custom_id' must be a non-empty string, got 5"),  # OpenAI: a string
     ([{"id": "a"}], "'image' must be a file path or a data: URI"),
     ([{"id": "a", "image": "x.png", "prompt": ""}], "'prompt' must be a non-empty string"),
+    ([{"id": "a", "image": "http://example.com/x.png"}], "in.jsonl:1: 'image' is a URL (http://...); a JSONL row takes"),
+    ([{"id": "a", "video": "HTTPS://example.com/x.mp4"}], "'video' is a URL (HTTPS://...)"),
     ([{"id": "a", "image": "x.png"}, _batch_row("b")], "an OpenAI batch row in a file"),
     ([_batch_row("a"), _batch_row("a")], "duplicate id 'a'"),
     ([_batch_row("a", url="/v1/embeddings")], "only POST /v1/chat/completions rows are supported"),
