@@ -46,6 +46,21 @@ def test_bad_images_raise_value_errors(value: object, message: str) -> None:
         to_pil(value)
 
 
+def test_a_lazily_opened_truncated_file_and_an_empty_image_raise_value_errors(tmp_path: Path) -> None:
+    """``Image.open`` reads a header only: a file cut short fails when decoded, which the offline API does
+    up front (it was Pillow's OSError from inside the processor); a 0 x 0 image is refused as the server
+    refuses it."""
+    big = Image.effect_noise((200, 200), 64).convert("RGB")
+    data = _png(big)
+    (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="image: the PIL image cannot be decoded"):
+        to_pil(Image.open(tmp_path / "cut.png"))
+    with pytest.raises(ValueError, match=r"image: the PIL image is empty \(0x0 px\)"):
+        to_pil(Image.new("RGB", (0, 0)))
+    whole = Image.open(io.BytesIO(data))
+    assert to_pil(whole).tobytes() == big.tobytes()
+
+
 def test_normalize_rejects_unknown_parts_and_malformed_messages() -> None:
     with pytest.raises(ValueError, match="unsupported content part type 'audio'"):
         normalize_messages([{"role": "user", "content": [{"type": "audio", "audio": "x"}]}])

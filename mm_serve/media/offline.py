@@ -47,6 +47,12 @@ def to_pil(value: Any, max_pixels: int = OFFLINE_MAX_PIXELS) -> Image.Image:
             decoded (:class:`mm_serve.media.errors.ImageError` messages).
     """
     if isinstance(value, Image.Image):
+        try:
+            value.load()  # Image.open reads the header only: a truncated file fails here, not in the processor
+        except (OSError, SyntaxError, ValueError) as exc:  # Pillow's decoders raise all three
+            raise ValueError(f"image: the PIL image cannot be decoded: {exc}") from None
+        if value.width < 1 or value.height < 1:
+            raise ValueError(f"image: the PIL image is empty ({value.width}x{value.height} px)")
         return value
     try:
         if isinstance(value, bytes | bytearray):
