@@ -18,7 +18,7 @@ from mm_serve.cluster.stale_instances import SHM_DIR, process_start_time
 from tests.api.server_process import ServerProcess
 from tests.batch.helpers import jsonl, output_rows, row, upload, wait_final, write_config
 
-ROWS = 240
+ROWS = 120
 KEY, OTHER_KEY = "key-of-tenant-a", "key-of-tenant-b"
 KEYS = ("--api-key", KEY, "--api-key", OTHER_KEY)
 
@@ -47,7 +47,7 @@ def _left_behind(instance: str) -> list[Path]:
 def test_sigkill_mid_batch_then_restart_completes_each_row_exactly_once(tiny_llava: Path, tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     config = write_config(tmp_path / "config.yaml", data_dir)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 24,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 16,
             "temperature": 0, "ignore_eos": True}
     rows = [row(f"row-{i:03d}", body) for i in range(ROWS)]
     instances: list[str] = []
