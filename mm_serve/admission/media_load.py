@@ -18,6 +18,12 @@ behind three others (they took 1 s). The fit (:class:`~mm_serve.admission.online
 θ ≥ 0, the last ~20 calls) starts from :data:`START_SECONDS` and keeps its pull toward it, so a term
 the recent calls say little about (no large image lately) stays near its start.
 
+Only calls whose images were sent in the request (data: URIs, their sizes declared in their
+headers) teach the fit: a fetched image's stay holds the wait for its host (and its size, unknown
+until fetched, is priced at :data:`~mm_serve.pipeline.gate.UNDECLARED_IMAGE_MEGAPIXELS`): three
+slow fetches taught a per-call cost of 0.6 s that refused text calls. A call that waited for the
+image byte budget is not learned from either.
+
 The time a call still has to wait is then the fit's price of the calls in the phase that started
 before it and its own. Before any call has left the phase since start, it is priced by a lower bound
 from the oldest call in the phase instead: that one has run for its whole time so far without
@@ -42,7 +48,10 @@ FIT_SCALES = (1.0, 4.0)  # a typical call: one prompt, a 4 MP photo
 @dataclass(frozen=True)
 class MediaWork:
     """A call's media work: its prompts (templated and tokenized) and its images' megapixels
-    (decoded and preprocessed; a video's at its sampled frames' largest).
+    (decoded and preprocessed; a video's at its sampled frames' largest). ``known``: the megapixels are
+    those of its images as declared in their data (data: URIs), so its stay measures this work; a call
+    that fetches an image (its size unknown until fetched, the wait for the host in its stay) or
+    samples a video (priced at its largest) is priced, not learned from.
 
     Raises:
         ValueError: fewer than one prompt, or negative megapixels.
@@ -50,6 +59,7 @@ class MediaWork:
 
     prompts: int = 1
     megapixels: float = 0.0
+    known: bool = True
 
     def __post_init__(self) -> None:
         if self.prompts < 1 or not self.megapixels >= 0:
@@ -75,9 +85,11 @@ class MediaLoad:
             self._running[ticket] = (time.monotonic() if now is None else now, work)
             return ticket
 
-    def leave(self, ticket: int, now: float | None = None) -> None:
+    def leave(self, ticket: int, now: float | None = None, learn: bool = True) -> None:
         """The call of ``ticket`` is done with its media work (finished, failed or cancelled): the
-        fit learns its work against the busy time since the previous call left."""
+        fit learns its work against the busy time since the previous call left, unless its work is
+        not :attr:`MediaWork.known` or ``learn`` is False (it waited for something else than work:
+        the image byte budget); that time is then dropped, not passed on to the next call."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if ticket not in self._running:
@@ -87,12 +99,21 @@ class MediaLoad:
             if self._last_left is not None:
                 busy_since = max(busy_since, self._last_left)
             self._last_left = max(now, self._last_left or now)
-            self.fit.observe((work.prompts, work.megapixels), max(0.0, now - busy_since))
+            if learn and work.known:
+                self.fit.observe((work.prompts, work.megapixels), max(0.0, now - busy_since))
 
     def in_flight(self) -> int:
         """Calls in their media phase now."""
         with self._lock:
             return len(self._running)
+
+    def report(self) -> dict[str, object]:
+        """The fit's coefficients (seconds per prompt, per megapixel) and observations, and the calls
+        in the phase now (for /health)."""
+        with self._lock:
+            per_prompt, per_megapixel = self.fit.coefficients
+            return {"s_per_prompt": per_prompt, "s_per_megapixel": per_megapixel,
+                    "observations": self.fit.num_observations, "in_flight": len(self._running)}
 
     def seconds(self, work: MediaWork) -> float:
         """The fit's price of ``work`` alone, in seconds."""

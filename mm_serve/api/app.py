@@ -234,6 +234,7 @@ def _service_routes(app: FastAPI, ctx: ServerContext, registry: CollectorRegistr
                                          "image_bytes_in_flight": ctx.image_budget.reserved,
                                          "max_image_bytes_in_flight": ctx.image_budget.capacity,
                                          "image_calls_waiting": ctx.image_budget.waiting,
+                                         "media": ctx.media_load.report(),
                                          "attainment_feedback": ctx.admission.feedback_report()},
                               caches=cache_health(dict(ctx.holder.client.stats)),
                               event_loop=_loop_name(), placement=ctx.placement).model_dump()

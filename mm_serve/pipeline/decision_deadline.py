@@ -37,7 +37,8 @@ def _forget(task: asyncio.Future[object]) -> None:
 
 
 async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: Callable[[float], None],
-                          load: MediaLoad | None = None, size: MediaWork | None = None) -> tuple[T, bool]:
+                          load: MediaLoad | None = None, size: MediaWork | None = None,
+                          learn: Callable[[], bool] = lambda: True) -> tuple[T, bool]:
     """Await ``work`` (a call's media work); if it is not done by ``deadline``, decide then.
 
     Args:
@@ -49,6 +50,7 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
         load: the media work in flight, which ``work`` joins until it ends; it gives the
             expectation (without it: as long again as the work has run).
         size: the work for ``load`` (:func:`~mm_serve.pipeline.gate.media_size`; None: one prompt, no image).
+        learn: asked when the work ends: whether ``load`` may learn from its time (:meth:`MediaLoad.leave`).
 
     Returns:
         (the work's result, committed): committed is True when the call was decided at the
@@ -62,7 +64,7 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
     task = asyncio.ensure_future(work)
     if load is not None:
         ticket = load.enter(size or MediaWork(), started)
-        task.add_done_callback(lambda _: load.leave(ticket))
+        task.add_done_callback(lambda _: load.leave(ticket, learn=learn()))
     if deadline is None:
         return await task, False
     try:

@@ -39,6 +39,7 @@ Prepared = Sequence[tuple[ProcessedInputs, SamplingParams]]  # a call's prompts,
 BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
 PREPROCESS_COPIES = 2  # the float32 tensor the image processor returns and its one intermediate copy at a time
 UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
+BUDGET_WAIT_LEARNED_S = 0.005  # a call that waited longer for the image byte budget does not teach the media fit
 VIDEO_SURVEY_BYTES = 4 << 20  # a video's demuxer buffers while its packets are walked, before its frames are known
 
 
@@ -94,14 +95,17 @@ def image_reservation(images: Sequence[DeclaredImage], config: ServiceConfig, vi
 def media_size(images: Sequence[DeclaredImage] = (), prompts: int = 1, video_megapixels: float = 0.0) -> MediaWork:
     """The media work of a call (:class:`~mm_serve.admission.media_load.MediaLoad`): its prompts and
     the declared megapixels of its images (:data:`UNDECLARED_IMAGE_MEGAPIXELS` for one that declares
-    none), ``video_megapixels`` per video (the frames it may sample at their largest)."""
-    total = 0.0
+    none), ``video_megapixels`` per video (the frames it may sample at their largest); known when every
+    image declared its size (:attr:`MediaWork.known`)."""
+    total, known = 0.0, True
     for image in images:
         if image.is_video:
-            total += video_megapixels
+            total, known = total + video_megapixels, False
+        elif image.size is None:
+            total, known = total + UNDECLARED_IMAGE_MEGAPIXELS, False
         else:
-            total += UNDECLARED_IMAGE_MEGAPIXELS if image.size is None else image.size[0] * image.size[1] / 1e6
-    return MediaWork(max(1, prompts), total)
+            total += image.size[0] * image.size[1] / 1e6
+    return MediaWork(max(1, prompts), total, known)
 
 
 def prompt_work(prepared: Prepared) -> tuple[int, int]:
@@ -255,9 +259,13 @@ class AdmissionGate:
         Raises:
             Rejection: 429 ``image_bytes`` (no room in time), or 429 at the deadline.
         """
+        waited = [0.0]  # seconds it waited for the image byte budget: not media work to learn from
+
         async def held() -> T:
             release_body()  # the images' own reservation takes over from the body's
+            asked = time.monotonic()
             async with self.hold_images(call) as hold:
+                waited[0] = time.monotonic() - asked
                 return await load(None if hold is None else lambda nbytes: hold.grow(nbytes, "a video's frames"))
 
         images = call.chat.images if call.chat is not None else []
@@ -265,7 +273,8 @@ class AdmissionGate:
         video_megapixels = api.max_video_frames * api.max_video_frame_pixels / 1e6
         with self.counted(call.tier):
             return await within_deadline(held(), self.ctx.decision_deadline(call.arrival, call.tier), recheck,
-                                         self.ctx.media_load, media_size(images, call.num_prompts, video_megapixels))
+                                         self.ctx.media_load, media_size(images, call.num_prompts, video_megapixels),
+                                         lambda: waited[0] < BUDGET_WAIT_LEARNED_S)
 
     def check_work(self, call: Call, prepared: Prepared) -> None:
         """The work limit for the call's ``prepared`` prompts (each run ``params.n`` times).

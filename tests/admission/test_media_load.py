@@ -82,3 +82,24 @@ def test_a_leave_of_an_unknown_ticket_changes_nothing() -> None:
 def test_work_needs_a_prompt_and_nonnegative_megapixels(work: tuple[int, float]) -> None:
     with pytest.raises(ValueError, match="at least one prompt"):
         MediaWork(*work)
+
+
+def test_fetched_images_and_budget_waits_teach_nothing_and_pass_no_time_on() -> None:
+    """A call that fetched its image from a slow host (3 s in the phase; size undeclared) and one that
+    waited 2 s for the image byte budget leave the fit as it was (three such fetches had taught 0.6 s a
+    call, which refused text calls); the small call that leaves after them is timed from their leaving."""
+    load = MediaLoad(cores=2)
+    for i in range(10):  # small calls, 10 ms each
+        load.leave(load.enter(SMALL, now=float(i)), now=i + 0.01)
+    before = load.fit.coefficients
+    fetched = load.enter(MediaWork(1, 1.0, known=False), now=20.0)
+    waited = load.enter(PHOTO, now=20.0)
+    small = load.enter(SMALL, now=20.0)
+    load.leave(fetched, now=23.0)
+    load.leave(waited, now=23.0, learn=False)
+    assert load.fit.coefficients == before and load.fit.num_observations == 10
+    load.leave(small, now=23.01)
+    assert load.fit.num_observations == 11
+    assert load.fit.coefficients[0] == pytest.approx(before[0], rel=0.05)  # it learned 10 ms, not 3 s
+    assert load.report() == {"s_per_prompt": load.fit.coefficients[0], "s_per_megapixel": load.fit.coefficients[1],
+                             "observations": 11, "in_flight": 0}

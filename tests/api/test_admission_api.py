@@ -10,18 +10,21 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from mm_serve.admission.media_load import MediaWork
 from mm_serve.config import load_config
 from mm_serve.engine.engine_holder import EngineHolder
 from mm_serve.engine.load_ledger import LoadLedger
 from mm_serve.engine.router import Router
 from mm_serve.media.image_loading import declared_size
 from mm_serve.models.registry import load_model_config
-from mm_serve.pipeline.chat_prompt import ChatPrompt
+from mm_serve.pipeline.chat_prompt import ChatPrompt, DeclaredImage
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.gate import (
     BYTES_PER_DECLARED_PIXEL,
     PREPROCESS_COPIES,
+    UNDECLARED_IMAGE_MEGAPIXELS,
     image_reservation,
+    media_size,
     preprocessed_bytes,
 )
 from mm_serve.protocol.schemas import ChatMessage
@@ -186,3 +189,18 @@ def test_every_response_says_how_long_the_application_took_in_server_timing(unst
     else:  # passed validation and the early check; refused over the work limit or for no worker (503)
         assert names == ["app", "parse", "precheck", "media"]
         assert all(d >= 0 for d in durations) and sum(durations[1:]) <= durations[0] + 0.1
+
+
+def test_a_calls_media_work_is_known_only_when_every_image_declares_its_size() -> None:
+    """Images sent as data: URIs declare their size; a URL's is unknown until fetched (priced at
+    UNDECLARED_IMAGE_MEGAPIXELS) and a video's is priced at its largest: such calls are priced, not
+    learned from (mm_serve/admission/media_load.py)."""
+    photo = data_uri(gradient_image(400, 300))
+    declared = DeclaredImage(photo, declared_size(photo))
+    assert declared.size == (400, 300)
+    assert media_size([declared, declared], prompts=2) == MediaWork(2, 0.24, known=True)
+    assert media_size([]) == MediaWork(1, 0.0, known=True)
+    fetched = DeclaredImage("https://example.com/a.png", None)
+    assert media_size([declared, fetched]) == MediaWork(1, 0.12 + UNDECLARED_IMAGE_MEGAPIXELS, known=False)
+    video = DeclaredImage("https://example.com/a.mp4", None, is_video=True)
+    assert media_size([video], video_megapixels=7.5) == MediaWork(1, 7.5, known=False)

@@ -282,3 +282,4 @@ def test_a_colocated_server_learns_its_step_times(tiny_llava: Path, tmp_path: Pa
     assert admission["prefill"]["worker_speed"].keys() == admission["decode"]["worker_speed"].keys() == {"0"}
     assert 0.25 < admission["ttft_correction"]["standard"] < 2.0
     assert 0.25 < admission["tpot_correction"] < 2.0
+    assert admission["media"]["observations"] >= 8 and admission["media"]["in_flight"] == 0  # data: URIs and text
