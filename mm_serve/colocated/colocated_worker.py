@@ -31,7 +31,6 @@ class ColocatedWorker(WorkerShell):
     def load(self) -> None:
         self.engine = LLMEngine(self.spec.model_dir, self.spec.sizing)
         self.kv_cache = self.engine.kv_cache
-        self._last_step_end: float | None = None  # monotonic end of the last step while busy
 
     def warm_up(self) -> None:
         warm_up(self.engine.runner, self.engine.max_model_len)
@@ -59,33 +58,31 @@ class ColocatedWorker(WorkerShell):
 
     def step(self) -> None:
         if not self.engine.has_unfinished():
-            self._last_step_end = None  # idle: the next decode period starts afresh
             return
-        begun = time.monotonic()
         clock = StepClock(self.engine.grammars, self.kv_cache.data.device.type == "cpu")
         updated, finished = self.engine.step_all()
         now = time.time()
         for request in updated:
             request.stamp(LifetimeEvent.PREFILL_END, now)
-        self.send([token_update(request) for request in updated], self._timing(clock, begun))
+        self.send([token_update(request) for request in updated], self._timing(clock))
         for request in finished:
             self.engine.release(request.request_id)
 
-    def _timing(self, clock: StepClock, begun: float) -> messages.StepTiming | None:
+    def _timing(self, clock: StepClock) -> messages.StepTiming | None:
         """The step's timing for the front end's latency predictor: a step with prompts in it as a
         prefill step (its decode batch named: the predictor takes its price out), a decode step as its
-        period (what a running request waited for its token: since the previous step ended when the
-        worker was busy in between, loop and sending included); None for a step that ran nothing."""
+        own time (not the period since the last step, as a decode worker reports: between steps this
+        worker takes in new requests, their images' pixels among them, which a burst of photos makes
+        long, and the decode fit would learn that as the price of its batches; what running requests
+        wait in all the TPOT correction learns from them); None for a step that ran nothing."""
         work = self.engine.last_step
-        end, last = time.monotonic(), self._last_step_end
-        self._last_step_end = end
         if work.prefill_requests:
             return clock.prefill_timing(work.prefill_requests, work.prefill_tokens, work.images,
                                         work.decode_requests, work.decode_context)
         if not work.decode_requests:
             return None
-        period = end - (last if last is not None else begun) - clock.setup_s()
-        return messages.StepTiming("decode", max(0.0, period), work.decode_requests, work.decode_context)
+        seconds = time.monotonic() - clock.started - clock.setup_s()
+        return messages.StepTiming("decode", max(0.0, seconds), work.decode_requests, work.decode_context)
 
     def load_report(self) -> dict[str, int]:
         sched = self.engine.scheduler
