@@ -8,6 +8,10 @@ from mm_serve.bench.interference import beside, heavy_body, median, probe
 from tests.api.server_process import ServerProcess
 
 PROBES = 9
+# TPOTs here are under a millisecond (a short stream's tokens on the tiny model): a difference under this is the
+# noise of 9 probes on a busy machine (0.65 against 1.00 ms once, the control 0.65-2.0 ms over four runs), not the
+# ~15 ms a step that the stop-list scan this guards against added
+TPOT_NOISE_S = 0.0005
 
 
 def test_calls_at_the_limits_cost_other_streams_their_share_only(server: ServerProcess) -> None:
@@ -26,6 +30,7 @@ def test_calls_at_the_limits_cost_other_streams_their_share_only(server: ServerP
     for which in (0, 1):
         figures = [round(median(t, which) * 1e3, 2) for t in (alone, one, control, loaded)]
         print(("TTFT", "TPOT")[which], "ms alone, beside one choice, 16 without stops, 16 with:", figures)
-        assert median(one, which) < 2.0 * median(alone, which), figures
-        assert median(loaded, which) < 1.5 * median(control, which), figures
-        assert median(loaded, which) < 3.0 * median(alone, which), figures
+        noise = TPOT_NOISE_S if which else 0.0
+        assert median(one, which) < 2.0 * median(alone, which) + noise, figures
+        assert median(loaded, which) < 1.5 * median(control, which) + noise, figures
+        assert median(loaded, which) < 3.0 * median(alone, which) + noise, figures
