@@ -77,7 +77,7 @@ class AdmissionLearning:
                 self.predictor.observe_prefill(step.tokens, step.images, step.seconds, index, step.cpu_seconds,
                                                step.decode_requests, step.decode_context)
             elif step.kind == "decode":
-                self.predictor.observe_decode(step.requests, step.tokens, step.seconds, index)
+                self.predictor.observe_decode(step.requests, step.tokens, step.seconds, index, step.cpu_seconds)
 
     def on_finished(self, state: RequestState) -> None:
         """Refit the front-end overhead and the corrections from a finished request that was

@@ -336,14 +336,18 @@ class LatencyPredictor:
             speed.observe(seconds, self.prefill_seconds(tokens, images))
         self.prefill.observe((1.0, tokens, images), cpu_seconds if cpu_seconds > 0 else seconds)
 
-    def observe_decode(self, batch: int, context: int, seconds: float, worker: int | None = None) -> None:
+    def observe_decode(self, batch: int, context: int, seconds: float, worker: int | None = None,
+                       cpu_seconds: float = 0.0) -> None:
         """One measured decode step of ``batch`` requests over ``context`` tokens of decode worker
-        ``worker``, in seconds: first against the fit's price for it (:meth:`decode_scale`), then into the fit."""
+        ``worker``, in seconds: first against the fit's price for it (:meth:`decode_scale`), then into the
+        fit, which learns ``cpu_seconds`` when given (a colocated worker's CPU seconds per thread, which
+        the API process decoding photos on the same cores does not inflate: its wall-clock steps stretched
+        to 10x for seconds and the fit kept a 30-60 ms step for the next ~100; the scale follows that)."""
         if worker is not None:
             live = self.decode_live.setdefault(worker, RatioCorrection(
                 weight=DECODE_LIVE_WEIGHT, low=0.5, high=4.0, half_life_s=DECODE_LIVE_HALF_LIFE_S, grace_s=1.0))
             live.observe(seconds, self.decode.predict((1.0, batch, context)))
-        self.decode.observe((1.0, batch, context), seconds)
+        self.decode.observe((1.0, batch, context), cpu_seconds if cpu_seconds > 0 else seconds)
 
     def observe_overhead(self, residual_s: float) -> None:
         """Measured TTFT minus its measured queue wait and prefill, in seconds."""

@@ -71,18 +71,17 @@ class ColocatedWorker(WorkerShell):
     def _timing(self, clock: StepClock) -> messages.StepTiming | None:
         """The step's timing for the front end's latency predictor: a step with prompts in it as a
         prefill step (its decode batch named: the predictor takes its price out), a decode step as its
-        own time (not the period since the last step, as a decode worker reports: between steps this
-        worker takes in new requests, their images' pixels among them, which a burst of photos makes
-        long, and the decode fit would learn that as the price of its batches; what running requests
-        wait in all the TPOT correction learns from them); None for a step that ran nothing."""
+        own time and CPU time (not the period since the last step, as a decode worker reports: between
+        steps this worker takes in new requests, their images' pixels among them, which a burst of photos
+        makes long, and the decode fit would learn that as the price of its batches; what running
+        requests wait in all the TPOT correction learns from them); None for a step that ran nothing."""
         work = self.engine.last_step
         if work.prefill_requests:
             return clock.prefill_timing(work.prefill_requests, work.prefill_tokens, work.images,
                                         work.decode_requests, work.decode_context)
         if not work.decode_requests:
             return None
-        seconds = time.monotonic() - clock.started - clock.setup_s()
-        return messages.StepTiming("decode", max(0.0, seconds), work.decode_requests, work.decode_context)
+        return clock.decode_timing(work.decode_requests, work.decode_context)
 
     def load_report(self) -> dict[str, int]:
         sched = self.engine.scheduler

@@ -185,9 +185,9 @@ class StepTiming(msgspec.Struct):
     requests: int  # requests in the batch
     tokens: int  # prefill: prompt tokens of the batch (image tokens included); decode: context tokens
     images: int = 0  # prefill: tower passes (images, or tiles of a tiling family's images) encoded
-    # prefill on a CPU: the worker's CPU seconds over the batch per torch thread (time.process_time), which
-    # time slices taken by other processes on its cores do not inflate; 0: not measured (a GPU's batch runs
-    # on the device)
+    # on a CPU (a prefill batch; a colocated worker's decode step): the worker's CPU seconds over it per torch
+    # thread (time.process_time), which time slices taken by other processes on its cores do not inflate;
+    # 0: not measured (a GPU's batch runs on the device; a decode worker's step is timed by its period)
     cpu_seconds: float = 0.0
     # prefill in a colocated step: the decode batch that ran in the same pass (its requests and their context
     # tokens); the predictor takes that batch's price out of the step's seconds before it fits the prefill

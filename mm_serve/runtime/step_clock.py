@@ -1,7 +1,7 @@
-"""How long a worker's prefill step took, as the front end's latency predictor reads it.
+"""How long a worker's step took, as the front end's latency predictor reads it.
 
-A prefill step (the prefill worker's batch, the colocated worker's step with prompts in it) is
-timed by wall clock and, on a CPU, by the worker's own CPU seconds per torch thread, which time
+A prefill step (the prefill worker's batch, the colocated worker's step with prompts in it), and a
+colocated worker's decode step, is timed by wall clock and, on a CPU, by the worker's own CPU seconds per torch thread, which time
 slices taken by other processes on its cores do not inflate. Structured-output setup inside the
 step (importing xgrammar, building a compiler or a matcher: :attr:`GrammarBook.setup_s`) is no
 model work: it is taken out of the wall time, and a step that had more than
@@ -22,7 +22,8 @@ GRAMMAR_SETUP_IGNORED_S = 0.001  # a step with more structured-output setup repo
 
 
 class StepClock:
-    """Started where a step begins (construct it there); :meth:`prefill_timing` where it ends."""
+    """Started where a step begins (construct it there); :meth:`prefill_timing` or :meth:`decode_timing`
+    where it ends."""
 
     def __init__(self, grammars: GrammarBook, cpu: bool) -> None:
         """``cpu``: the worker computes on the CPU (its CPU time is measured; a GPU's is not)."""
@@ -45,9 +46,20 @@ class StepClock:
             decode_requests: a colocated step's decode batch, run in the same pass (0: none).
             decode_context: that batch's context tokens.
         """
+        seconds, cpu = self._times()
+        return messages.StepTiming("prefill", seconds, requests, tokens, images, cpu, decode_requests, decode_context)
+
+    def decode_timing(self, requests: int, context: int) -> messages.StepTiming:
+        """A decode-only step's :class:`~mm_serve.runtime.messages.StepTiming` ("decode") from the start to
+        now, with its CPU seconds per thread (a colocated worker's: its steps slow down while the API process
+        decodes photos on the same cores, which the predictor's per-worker scale follows, not its fit)."""
+        seconds, cpu = self._times()
+        return messages.StepTiming("decode", seconds, requests, context, 0, cpu)
+
+    def _times(self) -> tuple[float, float]:
+        """(wall seconds less the structured-output setup, CPU seconds per thread or 0.0) since the start."""
         setup = self.setup_s()
         cpu = 0.0
         if self.cpu and setup <= GRAMMAR_SETUP_IGNORED_S:
             cpu = (time.process_time() - self.cpu_started) / torch.get_num_threads()
-        return messages.StepTiming("prefill", max(0.0, time.monotonic() - self.started - setup), requests, tokens,
-                                   images, cpu, decode_requests, decode_context)
+        return max(0.0, time.monotonic() - self.started - setup), cpu

@@ -206,6 +206,22 @@ def test_a_colocated_steps_decode_batch_is_priced_out_of_its_prefill() -> None:
     assert mixed.prefill.num_observations == before
 
 
+def test_a_decode_step_with_cpu_time_fits_the_cpu_time_and_scales_by_the_wall_clock() -> None:
+    """Colocated decode steps stretched to 3x their CPU time while the API process decodes photos on the
+    same cores: the fit learns the CPU time (it kept a 30-60 ms step from such bursts), the worker's scale
+    the stretch, so the predicted step is the stretched one now and the fit's once the burst is over."""
+    predictor = LatencyPredictor(8, 4096)
+    for batch in (2, 4, 8, 16) * 30:
+        cpu = 0.002 + 0.0005 * batch
+        predictor.observe_decode(batch, 100 * batch, 3 * cpu, 0, cpu)
+    assert predictor.decode.predict((1.0, 8, 800)) == pytest.approx(0.002 + 0.0005 * 8, rel=0.05)
+    assert predictor.decode_scale(0) == pytest.approx(3.0, rel=0.05)
+    wall_only = LatencyPredictor(8, 4096)
+    for batch in (2, 4, 8, 16) * 30:
+        wall_only.observe_decode(batch, 100 * batch, 3 * (0.002 + 0.0005 * batch), 0)
+    assert wall_only.decode.predict((1.0, 8, 800)) == pytest.approx(3 * (0.002 + 0.0005 * 8), rel=0.05)
+
+
 def test_the_ratio_correction_is_bounded_and_validated() -> None:
     correction = RatioCorrection(weight=0.5, low=0.5, high=4.0)
     for _ in range(40):
