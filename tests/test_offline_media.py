@@ -48,8 +48,8 @@ def test_bad_images_raise_value_errors(value: object, message: str) -> None:
 
 def test_a_lazily_opened_truncated_file_and_an_empty_image_raise_value_errors(tmp_path: Path) -> None:
     """``Image.open`` reads a header only: a file cut short fails when decoded, which the offline API does
-    up front (it was Pillow's OSError from inside the processor); a 0 x 0 image is refused as the server
-    refuses it."""
+    up front (a ValueError, not Pillow's OSError from inside the processor); a 0 x 0 image is refused as
+    the server refuses it."""
     big = Image.effect_noise((200, 200), 64).convert("RGB")
     data = _png(big)
     (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])

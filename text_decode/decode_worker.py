@@ -27,6 +27,7 @@ from mm_serve.runtime.pacing import paced_interval_s
 from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
 from mm_serve.runtime.request import Request, RequestStatus
 from mm_serve.runtime.sampler import Sampler, sample_requests
+from mm_serve.runtime.step_clock import StepClock
 from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.warm_up import warm_up
 from mm_serve.runtime.worker_setup import load_for_worker
@@ -140,7 +141,7 @@ class DecodeWorker(WorkerShell):
 
     def step(self) -> None:
         begun = time.monotonic()
-        grammar_setup = self.grammars.setup_s  # structured-output setup in this step (adopted requests' too)
+        clock = StepClock(self.grammars, cpu=False)  # structured-output setup in this step (adopted requests' too)
         aborted = set(self._aborted_at)
         self.receiver.claim_ready(self.scheduler.can_admit, aborted, self._adopt, self.scheduler.displace)
         for request_id in set(self._aborted_at) - aborted:  # their hand-offs were dropped
@@ -173,9 +174,8 @@ class DecodeWorker(WorkerShell):
         now = time.time()
         for request in batch:
             request.stamp(LifetimeEvent.FIRST_DECODE, now)
-        grammar_setup = self.grammars.setup_s - grammar_setup  # no model work
-        timing = None if plan.prefill else messages.StepTiming(
-            "decode", max(0.0, self._step_period(begun, allowed) - grammar_setup), len(batch),
+        timing = None if plan.prefill else messages.StepTiming(  # the setup is no model work
+            "decode", max(0.0, self._step_period(begun, allowed) - clock.setup_s()), len(batch),
             sum(r.num_tokens for r in batch))
         process_step(batch, tokens, logprobs, self.stops, self._finish)
         self.send([token_update(request) for request in batch], timing)

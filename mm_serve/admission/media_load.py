@@ -20,8 +20,8 @@ the recent calls say little about (no large image lately) stays near its start.
 
 Only calls whose images were sent in the request (data: URIs, their sizes declared in their
 headers) teach the fit: a fetched image's stay holds the wait for its host (and its size, unknown
-until fetched, is priced at :data:`~mm_serve.pipeline.gate.UNDECLARED_IMAGE_MEGAPIXELS`): three
-slow fetches taught a per-call cost of 0.6 s that refused text calls. A call that waited for the
+until fetched, is priced at :data:`~mm_serve.pipeline.gate.UNDECLARED_IMAGE_MEGAPIXELS`): learned,
+three 3 s fetches would make the per-call part 0.6 s and refuse text calls. A call that waited for the
 image byte budget is not learned from either.
 
 The time a call still has to wait is then the fit's price of the calls in the phase that started
@@ -65,6 +65,11 @@ class MediaWork:
         if self.prompts < 1 or not self.megapixels >= 0:
             raise ValueError(f"media work needs at least one prompt and megapixels >= 0, got {self}")
 
+    @property
+    def features(self) -> tuple[float, float]:
+        """(prompts, megapixels): what the fit prices."""
+        return self.prompts, self.megapixels
+
 
 class MediaLoad:
     """The calls in their media phase (by ticket, in the order they entered, with their work) and
@@ -100,7 +105,7 @@ class MediaLoad:
                 busy_since = max(busy_since, self._last_left)
             self._last_left = max(now, self._last_left or now)
             if learn and work.known:
-                self.fit.observe((work.prompts, work.megapixels), max(0.0, now - busy_since))
+                self.fit.observe(work.features, max(0.0, now - busy_since))
 
     def in_flight(self) -> int:
         """Calls in their media phase now."""
@@ -118,7 +123,7 @@ class MediaLoad:
     def seconds(self, work: MediaWork) -> float:
         """The fit's price of ``work`` alone, in seconds."""
         with self._lock:
-            return self.fit.predict((work.prompts, work.megapixels))
+            return self.fit.predict(work.features)
 
     def expected_remaining(self, ticket: int, now: float | None = None) -> float:
         """Seconds the call of ``ticket`` is expected to spend in its media phase from ``now`` (see
@@ -129,12 +134,10 @@ class MediaLoad:
             if entry is None:
                 return 0.0
             spent = max(0.0, now - entry[0])
-            ahead = [work for t, (_, work) in self._running.items() if t <= ticket]
-            prompts, megapixels = sum(w.prompts for w in ahead), sum(w.megapixels for w in ahead)
+            ahead = sum(self.fit.predict(work.features) for t, (_, work) in self._running.items() if t <= ticket)
             if self.fit.num_observations:
-                return max(spent, self.fit.predict((prompts, megapixels)))
+                return max(spent, ahead)
             # nothing measured since start: the oldest call ran all this time on at most all the cores
             oldest_at, oldest = next(iter(self._running.values()))
-            share = self.fit.predict((oldest.prompts, oldest.megapixels))
-            slowdown = max(now - oldest_at, 1e-3) / max(share, 1e-9)  # its time so far over its price
-            return max(spent, self.fit.predict((prompts, megapixels)) * slowdown / self._cores)
+            slowdown = max(now - oldest_at, 1e-3) / max(self.fit.predict(oldest.features), 1e-9)  # its time over its price
+            return max(spent, ahead * slowdown / self._cores)

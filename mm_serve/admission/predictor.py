@@ -341,8 +341,9 @@ class LatencyPredictor:
         """One measured decode step of ``batch`` requests over ``context`` tokens of decode worker
         ``worker``, in seconds: first against the fit's price for it (:meth:`decode_scale`), then into the
         fit, which learns ``cpu_seconds`` when given (a colocated worker's CPU seconds per thread, which
-        the API process decoding photos on the same cores does not inflate: its wall-clock steps stretched
-        to 10x for seconds and the fit kept a 30-60 ms step for the next ~100; the scale follows that)."""
+        the API process decoding photos on the same cores does not inflate: its wall-clock steps stretch
+        to 10x for seconds, which a fit of them would keep as a 30-60 ms step for the next ~100; the scale
+        follows that)."""
         if worker is not None:
             live = self.decode_live.setdefault(worker, RatioCorrection(
                 weight=DECODE_LIVE_WEIGHT, low=0.5, high=4.0, half_life_s=DECODE_LIVE_HALF_LIFE_S, grace_s=1.0))

@@ -150,11 +150,9 @@ class BatchRunner:
             path = self.files.path(input_file.id)
             return await asyncio.to_thread(read_batch_file, path, input_file.filename, record.endpoint,
                                            self.ctx.config)
-        except (BatchFileError, OSError) as exc:
-            message = str(exc) if isinstance(exc, BatchFileError) else \
-                f"the content of input file {record.input_file_id} cannot be read: {exc.strerror or exc}"
+        except BatchFileError as exc:
             self.store.update_batch(record.id, status="failed", failed_at=_now(),
-                                    errors=[{"code": "invalid_input_file", "message": message, "line": None,
+                                    errors=[{"code": "invalid_input_file", "message": str(exc), "line": None,
                                              "param": "input_file_id"}])
             self.files.results_path(record.id).unlink(missing_ok=True)
             return None

@@ -216,9 +216,6 @@ class BatchService:
         except BatchFileError as exc:
             raise bad_request(f"the input file {input_file_id} is not a valid batch file: {exc}", "input_file_id",
                               "invalid_batch_file") from None
-        except OSError as exc:  # its content removed from batch.data_dir by hand
-            raise bad_request(f"the content of input file {input_file_id} cannot be read: {exc.strerror or exc}",
-                              "input_file_id", "invalid_batch_file") from None
         now = int(time.time())
         record = BatchRecord(id=new_batch_id(), input_file_id=input_file_id, endpoint=endpoint,
                              completion_window=completion_window, status="validating", created_at=now,

@@ -32,9 +32,13 @@ def read_batch_file(path: Path, name: str, endpoint: str, config: ServiceConfig)
         BatchFileError: not UTF-8 (a leading byte-order mark is allowed), too many lines, a line over ``api.max_body_bytes``,
             or any row error of :func:`~mm_serve.caption.inputs.parse_batch_rows`
             (not JSON, no ``custom_id``, wrong method or url, bad body, duplicate ``custom_id``).
-        OSError: the content cannot be read.
+            Also when its content cannot be read (removed from ``batch.data_dir`` by hand): the
+            message names the file, not the server's path.
     """
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BatchFileError(f"{name}: the content cannot be read ({exc.strerror or type(exc).__name__})") from None
     _check_sizes(data, name, config)
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors write one) is skipped

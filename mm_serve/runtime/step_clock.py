@@ -23,7 +23,7 @@ GRAMMAR_SETUP_IGNORED_S = 0.001  # a step with more structured-output setup repo
 
 class StepClock:
     """Started where a step begins (construct it there); :meth:`prefill_timing` or :meth:`decode_timing`
-    where it ends."""
+    where it ends (a decode worker, which reports its step's period, takes only :meth:`setup_s`)."""
 
     def __init__(self, grammars: GrammarBook, cpu: bool) -> None:
         """``cpu``: the worker computes on the CPU (its CPU time is measured; a GPU's is not)."""

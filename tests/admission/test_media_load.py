@@ -86,8 +86,8 @@ def test_work_needs_a_prompt_and_nonnegative_megapixels(work: tuple[int, float])
 
 def test_fetched_images_and_budget_waits_teach_nothing_and_pass_no_time_on() -> None:
     """A call that fetched its image from a slow host (3 s in the phase; size undeclared) and one that
-    waited 2 s for the image byte budget leave the fit as it was (three such fetches had taught 0.6 s a
-    call, which refused text calls); the small call that leaves after them is timed from their leaving."""
+    waited 2 s for the image byte budget leave the fit as it was (learned, three such fetches would make
+    the per-call part 0.6 s); the small call that leaves after them is timed from their leaving."""
     load = MediaLoad(cores=2)
     for i in range(10):  # small calls, 10 ms each
         load.leave(load.enter(SMALL, now=float(i)), now=i + 0.01)

@@ -165,8 +165,8 @@ def test_finished_requests_correct_a_systematic_underestimate() -> None:
 def test_corrections_learn_against_the_fits_as_they_are_when_a_request_finishes() -> None:
     """Requests admitted on the starting coefficients (a fresh server), whose steps then teach the fits
     that prefill and decode cost 10x and 3x as much: measured as the fits price them now, they teach
-    the corrections nothing (a correction learned against the old prices held 10x for every later
-    prediction, and refused most requests of a colocated server's first minute)."""
+    the corrections nothing (learned against the old prices, a correction would scale every later
+    prediction by 10)."""
     predictor = LatencyPredictor(prefill_batch_size=8, prefill_token_budget=4096)
     admitted = [predictor.predict(QueueAhead(0, 0, 0), 250, 1, 2, 600) for _ in range(20)]
     prefill_then, step_then = admitted[0].ttft_base_s, admitted[0].tpot_step_s
@@ -208,7 +208,7 @@ def test_a_colocated_steps_decode_batch_is_priced_out_of_its_prefill() -> None:
 
 def test_a_decode_step_with_cpu_time_fits_the_cpu_time_and_scales_by_the_wall_clock() -> None:
     """Colocated decode steps stretched to 3x their CPU time while the API process decodes photos on the
-    same cores: the fit learns the CPU time (it kept a 30-60 ms step from such bursts), the worker's scale
+    same cores: the fit learns the CPU time (a fit of wall-clock steps would keep the stretch), the worker's scale
     the stretch, so the predicted step is the stretched one now and the fit's once the burst is over."""
     predictor = LatencyPredictor(8, 4096)
     for batch in (2, 4, 8, 16) * 30:

@@ -263,10 +263,9 @@ def test_a_stalled_upload_gets_408_and_its_connection_is_closed(admission_server
 
 def test_a_colocated_server_learns_its_step_times(tiny_llava: Path, tmp_path: Path) -> None:
     """The colocated worker reports its steps (its prefill steps with the decode batch beside them, and
-    its decode periods): the fits learn them, so the corrections, learned against the fits as they
-    price a request when it finishes, stay near 1 on an unloaded server. (It reported none: the fits
-    kept the starting coefficients, the corrections rose to their bound of 10, and big images got a
-    429 for a TTFT SLO they met in a third of it.)"""
+    its decode steps): the fits learn them, so the corrections, learned against the fits as they
+    price a request when it finishes, stay near 1 on an unloaded server. (With no steps reported the
+    fits keep their starting coefficients and the corrections rise to their bound of 10.)"""
     with configured_server(tiny_llava, {"mode": "colocated"}, tmp_path) as proc:
         image = data_uri(gradient_image(300, 200))
         for i in range(8):

@@ -130,8 +130,8 @@ def test_a_chunked_upload_past_the_spool_size_is_stored_whole(batch_server: Serv
 
 def test_a_file_whose_content_was_removed_by_hand_is_a_404_without_the_path(batch_server: ServerProcess) -> None:
     """Its record stays (``GET /v1/files/{id}`` answers); its content, deleted from ``batch.data_dir`` behind the
-    server's back, is a 404 ``file_content_missing`` that shows no server path (it was a 500 naming it), and a
-    batch on it fails naming the file, not the path."""
+    server's back, is a 404 ``file_content_missing`` that shows no server path, and a
+    batch on it is refused naming the file, not the path."""
     file_id = _upload(batch_server, jsonl([row("a", scene_body(0))])).json()["id"]
     stored = batch_server.log.parent / "data" / "files" / f"{file_id}.jsonl"
     assert stored.is_file()

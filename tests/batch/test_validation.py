@@ -50,3 +50,10 @@ def test_a_leading_byte_order_mark_is_skipped(tmp_path: Path) -> None:
     assert _read(tmp_path, b"\xef\xbb\xbf" + f"{_line('a')}\n{_line('b')}".encode()) == ["a", "b"]
     with pytest.raises(BatchFileError, match=r"in.jsonl:2: not valid JSON"):  # only at the start
         _read(tmp_path, f"{_line('a')}\n\ufeff{_line('b')}".encode())
+
+
+def test_content_that_cannot_be_read_names_the_file_not_its_path(tmp_path: Path) -> None:
+    missing = tmp_path / "file-abc.jsonl"
+    with pytest.raises(BatchFileError) as caught:
+        read_batch_file(missing, "in.jsonl", "/v1/completions", CONFIG)
+    assert str(caught.value) == "in.jsonl: the content cannot be read (No such file or directory)"

@@ -102,8 +102,7 @@ def test_a_line_whose_strings_hold_unicode_line_separators_is_one_row(tmp_path: 
 
 
 def test_a_leading_byte_order_mark_is_skipped(tmp_path: Path) -> None:
-    """Windows editors start UTF-8 files with a byte-order mark: the first row still reads (it was 'not
-    valid JSON' at line 1)."""
+    """Windows editors start UTF-8 files with a byte-order mark: the first row still reads."""
     source = tmp_path / "bom.jsonl"
     source.write_bytes(b"\xef\xbb\xbf" + (json.dumps(_batch_row("r1")) + "\n" + json.dumps(_batch_row("r2"))).encode())
     assert [i.id for i in read_inputs(source, "p").items] == ["r1", "r2"]
