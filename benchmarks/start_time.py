@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -30,6 +32,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextmanager
+def checkout_trees(baseline_rev: str | None) -> Iterator[dict[str, Path]]:
+    """This checkout (``"this checkout"``) and, with ``baseline_rev``, a temporary ``git worktree`` of that
+    revision under its name, removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="baseline-") as scratch:
+        trees = {"this checkout": ROOT}
+        base = Path(scratch) / "baseline"
+        if baseline_rev:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), baseline_rev],
+                           check=True)
+            trees[baseline_rev] = base
+        try:
+            yield trees
+        finally:
+            if baseline_rev:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
 
 
 def time_start(tree: Path, model: str, timeout_s: float = 300.0) -> float:
@@ -67,22 +87,12 @@ def main() -> None:
     parser.add_argument("--baseline-rev", help="git revision to compare against (omit: this checkout only)")
     args = parser.parse_args()
     model = args.model if args.model == "embedded" else str(Path(args.model).resolve())
-    with tempfile.TemporaryDirectory(prefix="start-time-") as scratch:
-        trees = {"this checkout": ROOT}
-        if args.baseline_rev:
-            base = Path(scratch) / "baseline"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), args.baseline_rev],
-                           check=True)
-            trees[args.baseline_rev] = base
-        try:
-            times: dict[str, list[float]] = {name: [] for name in trees}
-            for round_ in range(1, args.rounds + 1):
-                for name, tree in (trees.items() if round_ % 2 else reversed(trees.items())):
-                    times[name].append(time_start(tree, model))
-                print(f"round {round_}: " + ", ".join(f"{name} {t[-1]:.2f} s" for name, t in times.items()), flush=True)
-        finally:
-            if args.baseline_rev:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    with checkout_trees(args.baseline_rev) as trees:
+        times: dict[str, list[float]] = {name: [] for name in trees}
+        for round_ in range(1, args.rounds + 1):
+            for name, tree in (trees.items() if round_ % 2 else reversed(trees.items())):
+                times[name].append(time_start(tree, model))
+            print(f"round {round_}: " + ", ".join(f"{name} {t[-1]:.2f} s" for name, t in times.items()), flush=True)
     for name, t in times.items():
         print(f"{name}: median {statistics.median(t):.2f} s [{min(t):.2f}, {max(t):.2f}] over {len(t)} starts")
     if args.baseline_rev:
