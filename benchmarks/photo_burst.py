@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +28,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from start_time import _free_port, checkout_trees  # noqa: E402
+from start_time import checkout_trees, colocated_server  # noqa: E402
 
 CALLS = 16
 PHOTO_EVERY = 4
@@ -57,22 +54,7 @@ def _call(url: str, model: str, image: str, out: list[tuple[bool, int, float | N
 
 def run_tree(tree: Path, bursts: int, photo: str, small: str) -> list[tuple[bool, int, float | None]]:
     """Start a colocated server from ``tree``, send the bursts, stop it; (photo?, status, TTFT) per call."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(tree))
-    proc = subprocess.Popen([sys.executable, "-m", "mm_serve.cli.main", "serve", "--mode", "colocated", "--port",
-                             str(port)], cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server in {tree} did not start")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with colocated_server(tree) as url:
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         out: list[tuple[bool, int, float | None]] = []
         for _ in range(bursts):
@@ -84,9 +66,6 @@ def run_tree(tree: Path, bursts: int, photo: str, small: str) -> list[tuple[bool
                 thread.join()
             time.sleep(1.0)
         return out
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
 
 
 def _summary(calls: list[tuple[bool, int, float | None]]) -> str:

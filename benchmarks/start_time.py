@@ -52,6 +52,36 @@ def checkout_trees(baseline_rev: str | None) -> Iterator[dict[str, Path]]:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
 
 
+@contextmanager
+def colocated_server(tree: Path, timeout_s: float = 300.0) -> Iterator[str]:
+    """``mm-serve serve --mode colocated`` (the embedded model) run from ``tree`` on a free port, healthy;
+    gives its URL and stops it with SIGINT on exit.
+
+    Raises:
+        RuntimeError: it exited, or was not healthy within ``timeout_s``.
+    """
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(tree))
+    proc = subprocess.Popen([sys.executable, "-m", "mm_serve.cli.main", "serve", "--mode", "colocated", "--port",
+                             str(port)], cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server in {tree} did not start")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
 def time_start(tree: Path, model: str, timeout_s: float = 300.0) -> float:
     """Seconds from launch to /health 200 of ``mm-serve serve`` run from ``tree``; the server is then stopped.
 

@@ -214,7 +214,7 @@ class AdmissionController(AdmissionLearning):
         if not live:  # room kept for calls to come: only if their SLO can be met at all
             with self.lock:
                 alone = self.predictor.decode.predict((1.0, DECODE_RESERVE, 0)) * self.predictor.tpot_correction.value
-            if alone > slo * (1 + margin) * factor:
+            if alone > slo * (1 + margin):  # the feedback's factor says how loaded, not whether it can be met
                 return None
         return refusal_text.breaks_tighter(tier, tighter, live, prediction.tpot_reserved_s, slo, margin, factor)
 
@@ -238,12 +238,18 @@ class AdmissionController(AdmissionLearning):
         * a full prefill batch (``scheduler.prefill_batch_size`` requests) of its own or a looser
           tier is already queued there (what it would add is work no tighter request may wait for);
         * a tighter tier runs on its decode worker, or was sent lately, and the predicted decode
-          step with it exceeds that tier's TPOT SLO × (1 + ``admission.margin``), as in :meth:`admit`.
+          step with it exceeds that tier's TPOT SLO × (1 + ``admission.margin``), as in :meth:`admit`;
+        * a tighter tier sent lately is missing its attainment aim (its attainment feedback's TTFT or
+          TPOT factor is below 1): what is measured wins over what is predicted, and work that is
+          promised nothing but its own SLO is not added while the tighter tiers are late.
 
         None as well when a role has no ready worker (the engine client then waits for one).
         """
         if tier == Tier.INTERACTIVE:
             return None
+        missing = self._missing_tighter(tier)
+        if missing is not None:
+            return missing
         tighter = Tier(tier - 1)
         view = load.load_view(tighter, tokens, max_tokens) if inputs is None else \
             load.load_view(tighter, tokens, max_tokens, inputs)
@@ -255,6 +261,22 @@ class AdmissionController(AdmissionLearning):
             return f"a prefill batch of looser requests already queued on prefill worker {view.prefill}"
         if max_tokens > 1:
             return self._protect_excess(tier, self._predict_in(view, tier, tokens, images), max_tokens)
+        return None
+
+    def _missing_tighter(self, tier: Tier) -> str | None:
+        """Why a request of ``tier`` waits for a tighter tier sent lately (within :data:`DEMAND_WINDOW_S`)
+        whose requests are missing their attainment aim (a feedback factor below 1), else None."""
+        now = time.monotonic()
+        for rank in range(tier):
+            at = self._last_call[rank]
+            if at is None or now - at > DEMAND_WINDOW_S:
+                continue
+            tighter = Tier(rank)
+            for slo in ("ttft", "tpot"):
+                factor = self.limit_factor(tighter, slo)
+                if factor < 1.0:
+                    return (f"{tighter.label} requests have been missing their {slo.upper()} SLO "
+                            f"(attainment feedback x{factor:.2f})")
         return None
 
     def precheck(self, load: LoadSource, tier: Tier, max_tokens: int, tokens: int = 1, images: int = 0,

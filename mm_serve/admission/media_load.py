@@ -24,11 +24,13 @@ until fetched, is priced at :data:`~mm_serve.pipeline.gate.UNDECLARED_IMAGE_MEGA
 three 3 s fetches would make the per-call part 0.6 s and refuse text calls. A call that waited for the
 image byte budget is not learned from either.
 
-The time a call still has to wait is then the fit's price of the calls in the phase that started
-before it and its own. Before any call has left the phase since start, it is priced by a lower bound
-from the oldest call in the phase instead: that one has run for its whole time so far without
-finishing, on at most ``os.cpu_count()`` cores shared with everyone else in the phase. Never less
-than the time the call has already spent there.
+The time a call still has to wait is then the fit's price of its own work and of the calls in the
+phase ahead of it in the line of the media threads (:mod:`mm_serve.media.media_runner`: a lower rank,
+or the same rank and entered before it), shared by the ``lanes`` threads; a call outside that line
+(no image: its prompts are tokenized apart) waits for no one. Before any call has left the phase
+since start, it is priced by a lower bound from the oldest call in the phase instead: that one has run
+for its whole time so far without finishing, on at most ``os.cpu_count()`` cores shared with everyone
+else in the phase. Never less than the time the call has already spent there.
 """
 
 from __future__ import annotations
@@ -75,19 +77,22 @@ class MediaLoad:
     """The calls in their media phase (by ticket, in the order they entered, with their work) and
     the fit of what the phase costs. Thread-safe; times are ``time.monotonic()`` seconds."""
 
-    def __init__(self, cores: int | None = None) -> None:
+    def __init__(self, cores: int | None = None, lanes: int = 1) -> None:
         self._lock = threading.Lock()
         self._tickets = itertools.count()
-        self._running: dict[int, tuple[float, MediaWork]] = {}  # ticket -> (entered at, work); in ticket order
+        # ticket -> (entered at, work, rank in the media threads' line or None); in ticket order
+        self._running: dict[int, tuple[float, MediaWork, int | None]] = {}
         self._last_left: float | None = None  # when a call last left the phase
         self.fit = OnlineLinearFit(START_SECONDS, FIT_SCALES)
         self._cores = max(1, cores or os.cpu_count() or 1)
+        self._lanes = max(1, lanes)
 
-    def enter(self, work: MediaWork, now: float | None = None) -> int:
-        """A call of ``work`` starts its media work; returns its ticket."""
+    def enter(self, work: MediaWork, now: float | None = None, rank: int | None = 0) -> int:
+        """A call of ``work`` starts its media work, at ``rank`` in the media threads' line (None: not in
+        it); returns its ticket."""
         with self._lock:
             ticket = next(self._tickets)
-            self._running[ticket] = (time.monotonic() if now is None else now, work)
+            self._running[ticket] = (time.monotonic() if now is None else now, work, rank)
             return ticket
 
     def leave(self, ticket: int, now: float | None = None, learn: bool = True) -> None:
@@ -99,8 +104,8 @@ class MediaLoad:
         with self._lock:
             if ticket not in self._running:
                 return
-            busy_since = min(entered for entered, _ in self._running.values())  # the phase is busy from then on
-            entered, work = self._running.pop(ticket)
+            busy_since = min(entered for entered, _, _ in self._running.values())  # the phase is busy from then on
+            _, work, _ = self._running.pop(ticket)
             if self._last_left is not None:
                 busy_since = max(busy_since, self._last_left)
             self._last_left = max(now, self._last_left or now)
@@ -133,11 +138,15 @@ class MediaLoad:
             entry = self._running.get(ticket)
             if entry is None:
                 return 0.0
-            spent = max(0.0, now - entry[0])
-            ahead = sum(self.fit.predict(work.features) for t, (_, work) in self._running.items() if t <= ticket)
+            entered, own, rank = entry
+            spent = max(0.0, now - entered)
+            others = 0.0 if rank is None else sum(
+                self.fit.predict(work.features) for t, (_, work, r) in self._running.items()
+                if t != ticket and r is not None and (r, t) < (rank, ticket))
+            ahead = self.fit.predict(own.features) + others / self._lanes
             if self.fit.num_observations:
                 return max(spent, ahead)
             # nothing measured since start: the oldest call ran all this time on at most all the cores
-            oldest_at, oldest = next(iter(self._running.values()))
+            oldest_at, oldest, _ = next(iter(self._running.values()))
             slowdown = max(now - oldest_at, 1e-3) / max(self.fit.predict(oldest.features), 1e-9)  # its time over its price
             return max(spent, ahead * slowdown / self._cores)

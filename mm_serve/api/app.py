@@ -111,6 +111,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
             for extension in extensions:
                 await extension.close()
             await asyncio.to_thread(parser.close)
+            ctx.media_runner.close()
             if start_engine:
                 await asyncio.to_thread(ctx.holder.stop)
 
@@ -234,7 +235,9 @@ def _service_routes(app: FastAPI, ctx: ServerContext, registry: CollectorRegistr
                                          "image_bytes_in_flight": ctx.image_budget.reserved,
                                          "max_image_bytes_in_flight": ctx.image_budget.capacity,
                                          "image_calls_waiting": ctx.image_budget.waiting,
-                                         "media": ctx.media_load.report(),
+                                         "media": {**ctx.media_load.report(), "threads": ctx.media_runner.threads,
+                                                   "threads_busy": ctx.media_runner.busy(),
+                                                   "steps_waiting": ctx.media_runner.waiting()},
                                          "attainment_feedback": ctx.admission.feedback_report()},
                               caches=cache_health(dict(ctx.holder.client.stats)),
                               event_loop=_loop_name(), placement=ctx.placement).model_dump()
@@ -264,10 +267,14 @@ def _loop_name() -> str:
 
 
 def _held(ctx: ServerContext) -> dict[str, int]:
-    """The dispatch hold for /health: calls waiting now (and their engine requests), and counts since start."""
-    requests, tokens = ctx.dispatch_hold.queued()
-    return {"requests_waiting": requests, "prompt_tokens_waiting": tokens, "calls_held": ctx.dispatch_hold.num_held,
-            "released_by_time": ctx.dispatch_hold.num_released_by_time}
+    """The holds of the never-refused tier for /health: engine requests and prompt tokens waiting now (before
+    their media work or their dispatch), calls held since start (before their dispatch; before their media
+    work) and how many of those went because their time was up."""
+    requests, tokens = ctx.held()
+    before, after = ctx.media_hold, ctx.dispatch_hold
+    return {"requests_waiting": requests, "prompt_tokens_waiting": tokens, "calls_held": after.num_held,
+            "released_by_time": after.num_released_by_time, "calls_held_before_media": before.num_held,
+            "released_by_time_before_media": before.num_released_by_time}
 
 
 def _route_by_speed(ctx: ServerContext) -> Callable[[str, int, messages.StepTiming], None]:

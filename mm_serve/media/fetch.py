@@ -16,6 +16,7 @@ last part only), so a concurrent swap of a parent directory could escape the roo
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import os
 import re
@@ -31,6 +32,7 @@ from PIL import Image
 
 from mm_serve.media.errors import ImageError, InvalidImageURLError
 from mm_serve.media.image_loading import decode_data_uri, load_image_bytes
+from mm_serve.media.media_runner import RunCPU
 from mm_serve.media.video_loading import (
     Reserve,
     Video,
@@ -91,6 +93,7 @@ async def load_image_url(
     client: httpx.AsyncClient | None = None,
     *,
     resolver: Resolver | None = None,
+    run: RunCPU = asyncio.to_thread,
 ) -> Image.Image:
     """Resolve one image URL (data:, http(s)://, file://) to an upright RGB image.
 
@@ -98,6 +101,8 @@ async def load_image_url(
         client: reused for http(s) when given (its redirect setting is overridden per
             request); otherwise a private client is created and closed.
         resolver: host lookup; default ``loop.getaddrinfo`` (tests inject a stub).
+        run: runs the decoding off the event loop (a call's
+            :class:`~mm_serve.media.media_runner.MediaTurns` in the server).
 
     Raises:
         InvalidImageURLError: unsupported scheme, malformed URL or data URI, bad base64.
@@ -107,10 +112,10 @@ async def load_image_url(
     text = url.strip()
     scheme = _scheme_of(text)
     if scheme == "data":
-        return await asyncio.to_thread(decode_data_uri, text, max_pixels=policy.max_pixels)
+        return await run(functools.partial(decode_data_uri, text, max_pixels=policy.max_pixels))
     if scheme in ("http", "https"):
         if client is None:  # load_image_urls opens, uses and closes a private client
-            return (await load_image_urls([text], policy, resolver=resolver))[0]
+            return (await load_image_urls([text], policy, resolver=resolver, run=run))[0]
         data = await _fetch(text, policy, client, resolver or _resolve)
     elif scheme == "file":
         data = await asyncio.to_thread(_read_local_file, text, policy)
@@ -120,7 +125,7 @@ async def load_image_url(
             f"unsupported image URL ({shown}): expected data:image/<format>;base64,..., "
             "http(s)://, or file:// under the server's allowed local media path"
         )
-    return await asyncio.to_thread(load_image_bytes, data, max_pixels=policy.max_pixels)
+    return await run(functools.partial(load_image_bytes, data, max_pixels=policy.max_pixels))
 
 
 async def load_video_url(
@@ -131,6 +136,7 @@ async def load_video_url(
     *,
     resolver: Resolver | None = None,
     reserve: Reserve | None = None,
+    run: RunCPU = asyncio.to_thread,
 ) -> Video:
     """Resolve one video URL (``data:video/...``, http(s)://, file://) to frames sampled under ``limits``
     (:func:`~mm_serve.media.video_loading.load_video_bytes`, which gives ``reserve`` the bytes its decoding
@@ -143,10 +149,11 @@ async def load_video_url(
     text = url.strip()
     scheme = _scheme_of(text)
     if scheme == "data":
-        return await asyncio.to_thread(decode_video_data_uri, text, limits, reserve)
+        return await run(decode_video_data_uri, text, limits, reserve)
     if scheme in ("http", "https"):
         if client is None:
-            loaded = await load_media_urls([(text, limits)], policy, policy, resolver=resolver, reserve=reserve)
+            loaded = await load_media_urls([(text, limits)], policy, policy, resolver=resolver, reserve=reserve,
+                                           run=run)
             assert isinstance(loaded[0], Video)
             return loaded[0]
         try:
@@ -162,7 +169,7 @@ async def load_video_url(
         shown = f"scheme {scheme!r}" if scheme else "no scheme"
         raise VideoError(f"unsupported video URL ({shown}): expected data:video/<format>;base64,..., http(s)://, "
                          "or file:// under the server's allowed local media path")
-    return await asyncio.to_thread(load_video_bytes, data, limits, reserve)
+    return await run(load_video_bytes, data, limits, reserve)
 
 
 async def load_image_urls(
@@ -171,12 +178,13 @@ async def load_image_urls(
     client: httpx.AsyncClient | None = None,
     *,
     resolver: Resolver | None = None,
+    run: RunCPU = asyncio.to_thread,
 ) -> list[Image.Image]:
     """Resolve image URLs concurrently, in order, sharing one http client (as ``load_image_url``).
 
     On the first error (in time) the other loads are cancelled and awaited, then it is raised.
     """
-    loaded = await load_media_urls([(u, None) for u in urls], policy, policy, client, resolver=resolver)
+    loaded = await load_media_urls([(u, None) for u in urls], policy, policy, client, resolver=resolver, run=run)
     return [image for image in loaded if isinstance(image, Image.Image)]
 
 
@@ -188,10 +196,11 @@ async def load_media_urls(
     *,
     resolver: Resolver | None = None,
     reserve: Reserve | None = None,
+    run: RunCPU = asyncio.to_thread,
 ) -> list[Image.Image | Video]:
     """Resolve image and video URLs concurrently, in order, sharing one http client: ``(url, None)`` an
     image under ``policy`` (:func:`load_image_url`), ``(url, limits)`` a video under ``video_policy``
-    (:func:`load_video_url`, with ``reserve``).
+    (:func:`load_video_url`, with ``reserve``); ``run`` runs their decoding off the event loop.
 
     On the first error (in time) the other loads are cancelled and awaited, then it is raised.
     """
@@ -199,9 +208,10 @@ async def load_media_urls(
         # A private client ignores proxies and .netrc from the environment.
         timeout = max(policy.fetch_timeout_s, video_policy.fetch_timeout_s)
         async with httpx.AsyncClient(trust_env=False, timeout=timeout) as own_client:
-            return await load_media_urls(items, policy, video_policy, own_client, resolver=resolver, reserve=reserve)
-    loads = (load_image_url(u, policy, client, resolver=resolver) if limits is None
-             else load_video_url(u, video_policy, limits, client, resolver=resolver, reserve=reserve)
+            return await load_media_urls(items, policy, video_policy, own_client, resolver=resolver, reserve=reserve,
+                                         run=run)
+    loads = (load_image_url(u, policy, client, resolver=resolver, run=run) if limits is None
+             else load_video_url(u, video_policy, limits, client, resolver=resolver, reserve=reserve, run=run)
              for u, limits in items)
     tasks: list[asyncio.Future[Image.Image | Video]] = [asyncio.ensure_future(load) for load in loads]
     try:

@@ -1,5 +1,5 @@
 """What every call of one service shares: the engine, the config, the served model's name, and the
-admission state (image budget, controller, dispatch hold, seen images, media load, tier metrics)."""
+admission state (image budget, controller, dispatch hold, seen images, media load and runner, tier metrics)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.engine_holder import EngineHolder
 from mm_serve.ground.tiers import NEVER_REFUSED, Tier
+from mm_serve.media.media_runner import MediaRunner, default_threads
 from mm_serve.metrics.tier_metrics import TierMetrics
 from mm_serve.protocol.errors import unavailable
 from mm_serve.runtime.structured_output import GrammarBook
@@ -45,8 +46,11 @@ class ServerContext:
     image_budget: ByteBudget = field(init=False)  # bytes of images being decoded at once
     admission: AdmissionController = field(init=False)  # the latency predictor and the admission rule
     dispatch_hold: DispatchHold = field(init=False)  # never-refused calls waiting for spare capacity
+    media_hold: DispatchHold = field(init=False)  # never-refused calls with images waiting before their media work
+    media_held_bytes: int = field(default=0, init=False)  # the data URIs of the calls in media_hold (their bodies)
     seen_images: SeenImages = field(init=False)  # image URLs sent lately (the early check counts the others)
     media_load: MediaLoad = field(init=False)  # calls fetching/decoding images or tokenizing now (the decision deadline)
+    media_runner: MediaRunner = field(init=False)  # the threads that decode and preprocess calls' images, tighter first
     tier_metrics: TierMetrics | None = None  # set by build_app
     grammars: GrammarBook = field(init=False)  # compiles (and so checks) the grammars calls ask for
     admitting: int = field(default=0, init=False)  # calls past the drain's check, not yet submitted or refused
@@ -55,9 +59,17 @@ class ServerContext:
         self.image_budget = ByteBudget(self.config.admission.max_image_bytes_in_flight)
         self.admission = AdmissionController(self.config)
         self.dispatch_hold = DispatchHold()
+        self.media_hold = DispatchHold()
         self.seen_images = SeenImages()
-        self.media_load = MediaLoad()
+        self.media_runner = MediaRunner(self.config.api.media_threads or default_threads())
+        self.media_load = MediaLoad(lanes=self.media_runner.threads)
         self.grammars = GrammarBook(self.holder.model_dir)
+
+    def held(self) -> tuple[int, int]:
+        """(engine requests, prompt tokens) of the never-refused calls held now, before their media work
+        (their images' fewest tokens) and before their dispatch."""
+        before, after = self.media_hold.queued(), self.dispatch_hold.queued()
+        return before[0] + after[0], before[1] + after[1]
 
     @property
     def context_len(self) -> int:

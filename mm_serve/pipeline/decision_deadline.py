@@ -10,8 +10,10 @@ waited so far plus the media work still expected
 (:meth:`~mm_serve.admission.media_load.MediaLoad.expected_remaining`: the calls in that phase
 ahead of it and its own, by their prompts and their images' size, at what such work has cost lately).
 
-* Refused there, the call is answered at once; its media work runs to its end in the
-  background with its image bytes still held (the memory bound counts them until they are freed).
+* Refused there, the call is answered at once and its media work is abandoned: the steps that
+  have not begun never run (:meth:`~mm_serve.media.media_runner.MediaTurns.abandon`); the one
+  running ends in the background with its image bytes still held (the memory bound counts them
+  until they are freed).
 * Passed there, the call is *committed*: the check after its media work still applies the hard
   bounds (queue caps, the work limit) but no longer refuses it on the prediction.
 """
@@ -38,7 +40,8 @@ def _forget(task: asyncio.Future[object]) -> None:
 
 async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: Callable[[float], None],
                           load: MediaLoad | None = None, size: MediaWork | None = None,
-                          learn: Callable[[], bool] = lambda: True) -> tuple[T, bool]:
+                          learn: Callable[[], bool] = lambda: True,
+                          abandon: Callable[[], None] | None = None, rank: int | None = 0) -> tuple[T, bool]:
     """Await ``work`` (a call's media work); if it is not done by ``deadline``, decide then.
 
     Args:
@@ -51,6 +54,8 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
             expectation (without it: as long again as the work has run).
         size: the work for ``load`` (:func:`~mm_serve.pipeline.gate.media_size`; None: one prompt, no image).
         learn: asked when the work ends: whether ``load`` may learn from its time (:meth:`MediaLoad.leave`).
+        abandon: called when ``recheck`` refuses: the work's steps not yet begun are not to run.
+        rank: the work's place in the media threads' line (:meth:`MediaLoad.enter`; None: not in it).
 
     Returns:
         (the work's result, committed): committed is True when the call was decided at the
@@ -63,7 +68,7 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
     started = time.monotonic()
     task = asyncio.ensure_future(work)
     if load is not None:
-        ticket = load.enter(size or MediaWork(), started)
+        ticket = load.enter(size or MediaWork(), started, rank)
         task.add_done_callback(lambda _: load.leave(ticket, learn=learn()))
     if deadline is None:
         return await task, False
@@ -78,6 +83,8 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
         now = time.monotonic()
         recheck(now - started if load is None else load.expected_remaining(ticket, now))
     except BaseException:
+        if abandon is not None:
+            abandon()
         _BACKGROUND.add(task)  # type: ignore[arg-type]
         task.add_done_callback(_forget)  # type: ignore[arg-type]
         raise

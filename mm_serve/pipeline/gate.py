@@ -9,6 +9,7 @@ never-refused tier, the queue caps and the latency prediction. Every refusal is 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -23,6 +24,7 @@ from mm_serve.admission.rejection import Rejection
 from mm_serve.config import ServiceConfig
 from mm_serve.ground.tiers import Tier
 from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.media.media_runner import RunCPU
 from mm_serve.media.video_loading import Reserve
 from mm_serve.models.llava_next.anyres import grid_shape
 from mm_serve.models.model_config import VisionConfig
@@ -35,10 +37,12 @@ from mm_serve.runtime.sampling_params import SamplingParams
 
 T = TypeVar("T")
 Prepared = Sequence[tuple[ProcessedInputs, SamplingParams]]  # a call's prompts, each with its parameters
+MediaWorkFn = Callable[[Reserve | None, RunCPU], Awaitable[T]]  # a call's media work: (video reserve, CPU runner)
 
 BYTES_PER_DECLARED_PIXEL = 16  # decoded pixels and the copies made while making them upright RGB
 PREPROCESS_COPIES = 2  # the float32 tensor the image processor returns and its one intermediate copy at a time
 UNDECLARED_IMAGE_MEGAPIXELS = 1.0  # media work assumed for an image whose size is not declared (a URL, a bad header)
+MEDIA_HOLD_BUDGET_SHARE = 0.5  # of admission.max_image_bytes_in_flight, the most the bodies of calls held before their media work hold
 BUDGET_WAIT_LEARNED_S = 0.005  # a call that waited longer for the image byte budget does not teach the media fit
 VIDEO_SURVEY_BYTES = 4 << 20  # a video's demuxer buffers while its packets are walked, before its frames are known
 
@@ -121,7 +125,9 @@ class Gate(Protocol):
 
     def precheck(self, call: Call) -> Callable[[float], None]: ...
 
-    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[Reserve | None], Awaitable[T]],
+    async def hold_media(self, call: Call, gone: Callable[[], Awaitable[bool]]) -> None: ...
+
+    async def media(self, call: Call, recheck: Callable[[float], None], load: MediaWorkFn[T],
                     release_body: Callable[[], None]) -> tuple[T, bool]: ...
 
     def check_work(self, call: Call, prepared: Prepared) -> None: ...
@@ -141,11 +147,14 @@ class OpenGate:
         """Nothing to check; the returned re-check does nothing."""
         return lambda _: None
 
-    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[Reserve | None], Awaitable[T]],
+    async def hold_media(self, call: Call, gone: Callable[[], Awaitable[bool]]) -> None:
+        """Nothing: no hold."""
+
+    async def media(self, call: Call, recheck: Callable[[float], None], load: MediaWorkFn[T],
                     release_body: Callable[[], None]) -> tuple[T, bool]:
-        """Run the media work (no budget, no deadline)."""
+        """Run the media work (no budget, no deadline; its CPU steps on ``asyncio.to_thread``)."""
         release_body()
-        return await load(None), False
+        return await load(None, asyncio.to_thread), False
 
     def check_work(self, call: Call, prepared: Prepared) -> None:
         """Nothing: no work limit."""
@@ -232,6 +241,58 @@ class AdmissionGate:
             check()
         return at_deadline
 
+    async def hold_media(self, call: Call, gone: Callable[[], Awaitable[bool]]) -> None:
+        """Let a call of the never-refused tier that brings images or videos wait before its media work,
+        in arrival order, until dispatching it would hurt no tighter request
+        (:meth:`AdmissionController.hold_reason` on the fewest tokens its images make) or it has waited
+        its longest hold (:meth:`hold`): decoding its images takes a core from the workers, and its image
+        bytes from the tighter tiers' calls. It still holds its body's bytes while it waits, so it is not
+        held when the data URIs of the calls held would pass :data:`MEDIA_HOLD_BUDGET_SHARE` of
+        ``admission.max_image_bytes_in_flight`` with its own (the rest stays for the tighter tiers' calls;
+        it then waits in the dispatch hold, after its media work). At once for other tiers, calls without
+        images, with prediction off, or before the engine is up.
+
+        Raises:
+            ConnectionAbortedError: ``gone()`` said the client left.
+            APIError: 503 when the service's drain ends while the call is held.
+        """
+        ctx, tier = self.ctx, call.tier
+        images = call.chat.images if call.chat is not None else []
+        if not images or not ctx.admission.holds(tier) or not ctx.holder.started:
+            return
+        vision = ctx.holder.model_config.vision
+        tokens = max(1, len(images) * (0 if vision is None else vision.num_image_tokens))  # the fewest they make
+        client, max_tokens = ctx.holder.client, call.precheck_max_tokens
+
+        def ready() -> bool:
+            return ctx.admission.hold_reason(client, tier, tokens, len(images), max_tokens) is None
+
+        body = sum(len(image.url) for image in images if image.is_data)
+        if ctx.media_held_bytes + body > ctx.image_budget.capacity * MEDIA_HOLD_BUDGET_SHARE:
+            return
+        ctx.media_held_bytes += body
+        try:
+            await ctx.media_hold.wait(ready, call.num_prompts, tokens, self._longest_hold(call),
+                                      self._gone_or_stopped(gone))
+        finally:
+            ctx.media_held_bytes -= body
+
+    def _longest_hold(self, call: Call) -> float:
+        """Seconds a never-refused call may still be held: half its TTFT SLO or half ``api.timeout_ms``,
+        whichever is less, less what it has waited since it arrived."""
+        longest = min(self.config.slo.of(call.tier).ttft_s / 2, self.config.api.timeout_ms / 2000.0)
+        return max(0.0, longest - (time.monotonic() - call.arrival))
+
+    def _gone_or_stopped(self, gone: Callable[[], Awaitable[bool]]) -> Callable[[], Awaitable[bool]]:
+        """``gone``, raising the stopping 503 once the service's drain has ended."""
+        holder = self.ctx.holder
+
+        async def gone_or_stopped() -> bool:
+            if holder.drain_ended.is_set():  # the grace passed, or a second signal: not dispatched now
+                raise unavailable(STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S)
+            return await gone()
+        return gone_or_stopped
+
     def hold_images(self, call: Call) -> AbstractAsyncContextManager[Hold | None]:
         """An async context manager holding the call's image bytes (see :func:`image_reservation`), waiting
         up to ``admission.image_wait_s`` for room; it gives the
@@ -248,33 +309,39 @@ class AdmissionGate:
         return self.ctx.image_budget.hold(image_reservation(call.chat.images, self.config, vision), what,
                                           self.config.admission.image_wait_s)
 
-    async def media(self, call: Call, recheck: Callable[[float], None], load: Callable[[Reserve | None], Awaitable[T]],
+    async def media(self, call: Call, recheck: Callable[[float], None], load: MediaWorkFn[T],
                     release_body: Callable[[], None]) -> tuple[T, bool]:
-        """Run the call's media work ``load(reserve)`` under its image bytes' hold (taken over from its body's,
-        ``release_body``; ``reserve`` grows it by what each video's frames will hold, once known), decided by
-        its decision deadline with ``recheck``
-        (:func:`~mm_serve.pipeline.decision_deadline.within_deadline`); returns (its result,
-        committed: decided at the deadline).
+        """Run the call's media work ``load(reserve, run)`` under its image bytes' hold (taken over from its
+        body's, ``release_body``; ``reserve`` grows it by what each video's frames will hold, once known), its
+        CPU steps by ``run``: for a call with images or videos, its turns on the server's
+        :class:`~mm_serve.media.media_runner.MediaRunner` at its tier's rank (``asyncio.to_thread`` for one
+        without); decided by its decision deadline with ``recheck``
+        (:func:`~mm_serve.pipeline.decision_deadline.within_deadline`; a call refused there is abandoned: its
+        steps not yet begun never run); returns (its result, committed: decided at the deadline).
 
         Raises:
             Rejection: 429 ``image_bytes`` (no room in time), or 429 at the deadline.
         """
         waited = [0.0]  # seconds it waited for the image byte budget: not media work to learn from
+        images = call.chat.images if call.chat is not None else []
+        turns = self.ctx.media_runner.turns(int(call.tier)) if images else None
+        run: RunCPU = asyncio.to_thread if turns is None else turns
 
         async def held() -> T:
             release_body()  # the images' own reservation takes over from the body's
             asked = time.monotonic()
             async with self.hold_images(call) as hold:
                 waited[0] = time.monotonic() - asked
-                return await load(None if hold is None else lambda nbytes: hold.grow(nbytes, "a video's frames"))
+                return await load(None if hold is None else lambda nbytes: hold.grow(nbytes, "a video's frames"), run)
 
-        images = call.chat.images if call.chat is not None else []
         api = self.config.api
         video_megapixels = api.max_video_frames * api.max_video_frame_pixels / 1e6
         with self.counted(call.tier):
             return await within_deadline(held(), self.ctx.decision_deadline(call.arrival, call.tier), recheck,
                                          self.ctx.media_load, media_size(images, call.num_prompts, video_megapixels),
-                                         lambda: waited[0] < BUDGET_WAIT_LEARNED_S)
+                                         lambda: waited[0] < BUDGET_WAIT_LEARNED_S,
+                                         None if turns is None else turns.abandon,
+                                         None if turns is None else turns.rank)
 
     def check_work(self, call: Call, prepared: Prepared) -> None:
         """The work limit for the call's ``prepared`` prompts (each run ``params.n`` times).
@@ -298,7 +365,7 @@ class AdmissionGate:
         """
         if not prepared:
             return
-        held = self.ctx.dispatch_hold.queued() if self.ctx.admission.holds(tier) else (0, 0)
+        held = self.ctx.held() if self.ctx.admission.holds(tier) else (0, 0)
         queued_requests, queued_tokens = self.ctx.holder.client.queued()
         requests, tokens = prompt_work(prepared)
         check_queues(queued_requests + held[0], queued_tokens + held[1], requests, tokens, self.config.admission)
@@ -306,9 +373,10 @@ class AdmissionGate:
     async def hold(self, call: Call, prepared: Prepared, gone: Callable[[], Awaitable[bool]]) -> None:
         """Let a call of the never-refused tier wait, in arrival order, until dispatching it hurts no
         tighter request (:meth:`AdmissionController.hold_reason` on its first prompt) or it has waited
-        half its TTFT SLO or half ``api.timeout_ms``, whichever is less (then it goes, to still meet
-        that SLO and leave the request its time); at once for other tiers, with prediction off, or
-        with nothing to wait for. The queue caps of later calls of its tier count it while it waits.
+        half its TTFT SLO or half ``api.timeout_ms``, whichever is less, since it arrived (its wait before
+        its media work, :meth:`hold_media`, included; then it goes, to still meet that SLO and leave the
+        request its time); at once for other tiers, with prediction off, or with nothing to wait for. The
+        queue caps of later calls of its tier count it while it waits.
 
         Raises:
             Rejection: 429 from a queue cap (checked before it waits).
@@ -328,13 +396,8 @@ class AdmissionGate:
             return ctx.admission.hold_reason(client, tier, len(inputs.prompt_token_ids), inputs.num_tiles,
                                              params.max_tokens, inputs) is None
 
-        async def gone_or_stopped() -> bool:
-            if ctx.holder.drain_ended.is_set():  # the grace passed, or a second signal: not dispatched now
-                raise unavailable(STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S)
-            return await gone()
-
-        longest = min(ctx.config.slo.of(tier).ttft_s / 2, ctx.config.api.timeout_ms / 2000.0)
-        await ctx.dispatch_hold.wait(ready, *prompt_work(prepared), longest, gone_or_stopped)
+        await ctx.dispatch_hold.wait(ready, *prompt_work(prepared), self._longest_hold(call),
+                                     self._gone_or_stopped(gone))
 
     def admit(self, call: Call, prepared: Prepared, committed: bool) -> Prediction | None:
         """The queue caps, then the latency prediction, for the call's ``prepared`` prompts (the

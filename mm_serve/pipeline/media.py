@@ -16,6 +16,7 @@ from mm_serve.config import APIConfig
 from mm_serve.inputs.input_processor import InputProcessor, InvalidRequestError, ProcessedInputs
 from mm_serve.media.errors import ImageError
 from mm_serve.media.fetch import MediaPolicy, load_media_urls
+from mm_serve.media.media_runner import RunCPU
 from mm_serve.media.video_loading import Reserve, VideoError, VideoLimits
 from mm_serve.pipeline.call import check_text_chars
 from mm_serve.pipeline.chat_prompt import ChatPrompt
@@ -62,10 +63,10 @@ def check_image_count(prompt: ChatPrompt, api: APIConfig) -> None:
 
 async def chat_request(prompt: ChatPrompt, api: APIConfig, limits: VideoLimits | None = None,
                        reserve: Reserve | None = None, takes_video: bool = True,
-                       takes_images: bool = True) -> dict[str, Any]:
+                       takes_images: bool = True, run: RunCPU = asyncio.to_thread) -> dict[str, Any]:
     """The input processor's request for a chat call: its messages with the images and videos loaded (videos
     sampled under ``limits``, default :func:`video_limits`, each giving ``reserve`` the bytes its decoding
-    holds).
+    holds; their decoding run by ``run``).
 
     Raises:
         APIError: 400 for too many images or videos, an image or video to a model that takes none (before
@@ -80,7 +81,8 @@ async def chat_request(prompt: ChatPrompt, api: APIConfig, limits: VideoLimits |
     limits = limits or video_limits(api)
     items = [(image.url, limits if image.is_video else None) for image in prompt.images]
     try:
-        loaded = await load_media_urls(items, media_policy(api), video_policy(api), reserve=reserve) if items else []
+        loaded = await load_media_urls(items, media_policy(api), video_policy(api), reserve=reserve,
+                                       run=run) if items else []
     except VideoError as exc:
         raise bad_request(str(exc), "messages", "invalid_video") from None
     except ImageError as exc:
@@ -89,9 +91,9 @@ async def chat_request(prompt: ChatPrompt, api: APIConfig, limits: VideoLimits |
 
 
 async def process_inputs(inputs: InputProcessor, request: dict[str, Any], text_chars: int,
-                         max_request_length: int) -> ProcessedInputs:
+                         max_request_length: int, run: RunCPU = asyncio.to_thread) -> ProcessedInputs:
     """Tokenize and preprocess ``request`` (with ``text_chars`` characters of text) off the event
-    loop; enforce ``api.max_request_length``.
+    loop (with ``run``); enforce ``api.max_request_length``.
 
     Raises:
         APIError: 400 for an invalid prompt or one over the prompt cap.
@@ -99,7 +101,7 @@ async def process_inputs(inputs: InputProcessor, request: dict[str, Any], text_c
     param = "messages" if "messages" in request else "prompt"
     check_text_chars(text_chars, max_request_length, param)
     try:
-        processed = await asyncio.to_thread(inputs.process, request)
+        processed = await run(inputs.process, request)
     except InvalidRequestError as exc:
         raise bad_request(str(exc), exc.param or param) from None
     except VideoError as exc:  # the processor refused a video (e.g. Qwen2-VL's aspect ratio over 200)

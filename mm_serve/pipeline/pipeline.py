@@ -27,6 +27,7 @@ from mm_serve.admission.predictor import Prediction
 from mm_serve.admission.rejection import Rejection
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
+from mm_serve.media.media_runner import RunCPU
 from mm_serve.media.video_loading import Reserve
 from mm_serve.pipeline.call import Body, Call, check_model
 from mm_serve.pipeline.context import ServerContext
@@ -80,8 +81,10 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
         gate.refuse_if_draining()
         recheck = gate.precheck(call)
         origin.mark("precheck")
+        await gate.hold_media(call, origin.gone)
         processed, committed = await gate.media(call, recheck,
-                                                lambda reserve: _prompt_inputs(ctx, call, origin.tenant, reserve),
+                                                lambda reserve, run: _prompt_inputs(ctx, call, origin.tenant, reserve,
+                                                                                    run),
                                                 origin.release_body)
         origin.mark("media")  # images fetched and decoded, the prompts templated and tokenized
         prepared = [(inputs, call.sampling_params(len(inputs.prompt_token_ids), ctx.context_len))
@@ -150,10 +153,11 @@ def _settle(future: asyncio.Future[None], outcome: BaseException | None) -> None
         future.set_exception(outcome)
 
 
-async def _prompt_inputs(ctx: ServerContext, call: Call, tenant: str,
-                         reserve: Reserve | None = None) -> list[ProcessedInputs]:
+async def _prompt_inputs(ctx: ServerContext, call: Call, tenant: str, reserve: Reserve | None = None,
+                         run: RunCPU = asyncio.to_thread) -> list[ProcessedInputs]:
     """The call's media work: each prompt processed (images and videos loaded, each video's decoding given
-    to ``reserve``; templated, tokenized), its caches salted by its ``cache_salt`` and ``tenant``."""
+    to ``reserve``; templated, tokenized; a chat call's by ``run``), its caches salted by its ``cache_salt``
+    and ``tenant``."""
     api, inputs = ctx.config.api, ctx.holder.inputs
     if call.chat is not None:
         given = getattr(call.body, "mm_processor_kwargs", None)
@@ -164,13 +168,14 @@ async def _prompt_inputs(ctx: ServerContext, call: Call, tenant: str,
             raise bad_request(str(exc), exc.param or "messages") from None
         vision = ctx.holder.model_config.vision
         takes_video = vision is not None and vision.video_token_index is not None
-        request = await chat_request(call.chat, api, limits, reserve, takes_video, takes_images=vision is not None)
+        request = await chat_request(call.chat, api, limits, reserve, takes_video, takes_images=vision is not None,
+                                     run=run)
         if kwargs:
             request["mm_processor_kwargs"] = kwargs
         tools = getattr(call.body, "tools", None)
         if tools:
             request["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
-        processed = [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length)]
+        processed = [await process_inputs(inputs, request, call.chat.text_chars, api.max_request_length, run)]
     else:
         processed = [await process_inputs(inputs, prompt, len(prompt.get("prompt", "")), api.max_request_length)
                      for prompt in call.prompts]

@@ -201,3 +201,51 @@ def test_each_waiter_keeps_its_own_time_when_the_poller_is_gone() -> None:
         return await task
 
     assert 0.09 < asyncio.run(scenario()) < 1.0
+
+
+def test_a_batch_request_waits_while_a_tighter_tier_sent_lately_misses_its_slo() -> None:
+    """What is measured wins over what is predicted: nothing is queued or decoding (the prediction has
+    nothing against it), but interactive requests sent lately have been finishing late, so the batch
+    call waits; once interactive calls stop coming it goes, and a late standard tier holds it as well."""
+    from mm_serve.admission import controller as controller_module
+
+    controller = AdmissionController(_cfg())
+    client = _Client(LoadLedger(1, 1, 1000))
+    controller.note_call(Tier.INTERACTIVE)
+    assert controller.hold_reason(client, Tier.BATCH, 100, 0, 16) is None  # type: ignore[arg-type]
+    for _ in range(3):  # three interactive requests 40 ms a token against a 20 ms TPOT SLO
+        controller.feedback.observe(Tier.INTERACTIVE, 0.1, 0.04)
+    factor = controller.limit_factor(Tier.INTERACTIVE, "tpot")
+    assert factor == pytest.approx(0.923 ** 3, rel=0.02)
+    reason = controller.hold_reason(client, Tier.BATCH, 100, 0, 16)  # type: ignore[arg-type]
+    assert reason == f"interactive requests have been missing their TPOT SLO (attainment feedback x{factor:.2f})"
+    assert controller.hold_reason(client, Tier.INTERACTIVE, 100, 0, 16) is None  # type: ignore[arg-type]
+    controller._last_call[0] -= controller_module.DEMAND_WINDOW_S + 1  # no interactive call lately
+    assert controller.hold_reason(client, Tier.BATCH, 100, 0, 16) is None  # type: ignore[arg-type]
+    controller.note_call(Tier.STANDARD)
+    controller.feedback.observe(Tier.STANDARD, 5.0, 0.01)  # a first token 5 s after arrival, its SLO 4 s
+    assert "standard requests have been missing their TTFT SLO" in (
+        controller.hold_reason(client, Tier.BATCH, 100, 0, 16) or "")  # type: ignore[arg-type]
+
+
+def test_room_is_kept_for_a_tier_whose_slo_is_met_alone_however_tight_its_feedback() -> None:
+    """Two interactive requests alone decode in 13 ms against a 20 ms TPOT SLO: room is kept for them
+    (a batch call that would make the step 21 ms waits) even after the feedback tightened interactive's
+    limits to x0.5 for lateness: that factor says how loaded the service is, not whether the SLO can
+    be met at all (read that way, it let batch work in exactly while interactive calls were late)."""
+    controller = AdmissionController(_cfg(**{"admission.attainment_feedback": True}))
+    for i in range(200):  # 5 ms + 4 ms per request
+        batch = 1 + i % 8
+        controller.predictor.observe_decode(batch, 0, 0.005 + 0.004 * batch)
+    router = LoadLedger(1, 1, 1000)
+    router.dispatched("s", 0, 0, 100, 1, tier=Tier(1))
+    router.prefilled("s")
+    client = _Client(router)
+    controller.note_call(Tier.INTERACTIVE)
+    prediction = controller._predict_in(client.load_view(Tier.BATCH, 100, 16), Tier.BATCH, 100, 0)
+    assert controller._protect_excess(Tier.BATCH, prediction, 16) is not None
+    for _ in range(12):  # interactive requests 40 ms a token: the feedback at its floor
+        controller.feedback.observe(Tier.INTERACTIVE, 0.1, 0.04)
+    assert controller.limit_factor(Tier.INTERACTIVE, "tpot") == pytest.approx(0.5)
+    assert "keeping room for interactive requests" in (
+        controller._protect_excess(Tier.BATCH, prediction, 16) or "")

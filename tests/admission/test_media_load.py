@@ -103,3 +103,30 @@ def test_fetched_images_and_budget_waits_teach_nothing_and_pass_no_time_on() -> 
     assert load.fit.coefficients[0] == pytest.approx(before[0], rel=0.05)  # it learned 10 ms, not 3 s
     assert load.report() == {"s_per_prompt": load.fit.coefficients[0], "s_per_megapixel": load.fit.coefficients[1],
                              "observations": 11, "in_flight": 0}
+
+
+def test_the_line_of_the_media_threads_orders_the_wait() -> None:
+    """Two photos of the batch rank are in the phase; an interactive photo that comes after them waits
+    for no batch photo (the threads take it first), a standard one behind it for the interactive one, a
+    call without an image (tokenized apart) for none; with two threads the others' work is shared."""
+    def measured(load: MediaLoad) -> MediaLoad:  # 4 photos one at a time, 0.25 s each
+        for i in range(4):
+            load.leave(load.enter(PHOTO, now=float(i)), now=i + 0.25)
+        return load
+
+    load = measured(MediaLoad(cores=2))
+    per_photo = load.seconds(PHOTO)
+    for _ in range(2):
+        load.enter(PHOTO, now=10.0, rank=2)
+    interactive = load.enter(PHOTO, now=10.0, rank=0)
+    standard = load.enter(PHOTO, now=10.0, rank=1)
+    text = load.enter(MediaWork(1, 0.0), now=10.0, rank=None)
+    assert per_photo == pytest.approx(0.25, rel=0.05)
+    assert load.expected_remaining(interactive, now=10.0) == pytest.approx(per_photo)
+    assert load.expected_remaining(standard, now=10.0) == pytest.approx(2 * per_photo)
+    assert load.expected_remaining(text, now=10.0) == pytest.approx(load.seconds(MediaWork(1, 0.0)))
+    two = measured(MediaLoad(cores=2, lanes=2))
+    for rank in (0, 0, 0):
+        two.enter(PHOTO, now=10.0, rank=rank)
+    last = two.enter(PHOTO, now=10.0, rank=0)
+    assert two.expected_remaining(last, now=10.0) == pytest.approx(per_photo + 3 * per_photo / 2)

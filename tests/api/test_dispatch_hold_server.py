@@ -61,6 +61,67 @@ def test_a_batch_call_waits_for_a_running_standard_request_then_is_answered(hold
     assert held["calls_held"] >= 1 and held["released_by_time"] == 0 and held["requests_waiting"] == 0
 
 
+def test_a_batch_call_with_an_image_waits_before_its_image_is_decoded(hold_server: ServerProcess) -> None:
+    """A batch-tier chat call with an image, sent while a standard request decodes, waits before its media
+    work (its image is decoded only once it may go: decoding takes a core from the workers), then is
+    answered; /health counts it held before its media work and shows the media threads."""
+    url = hold_server.url
+    before = httpx.get(f"{url}/health", timeout=10).json()["admission"]
+    results: dict[str, Any] = {}
+
+    def flex() -> None:
+        body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "service_tier": "flex",
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _png_data_uri()}},
+                    {"type": "text", "text": "what is this?"}]}]}
+        results["flex"] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+        results["answered"] = time.monotonic()
+
+    decoding = threading.Event()
+
+    def standard() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", 1500), "stream": True},
+                          timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    decoding.set()
+        results["standard_done"] = time.monotonic()
+
+    runner = threading.Thread(target=standard)
+    runner.start()
+    assert decoding.wait(60)
+    waiter = threading.Thread(target=flex)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["calls_held_before_media"] \
+            <= before["held"]["calls_held_before_media"]:
+        assert time.monotonic() < deadline, "the batch call was never held before its media work"
+        time.sleep(0.05)
+    assert results.get("flex") is None  # still waiting
+    runner.join(120)
+    waiter.join(120)
+    reply = results["flex"]
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["service_tier"] == "batch" and reply.json()["usage"]["completion_tokens"] == 3
+    assert results["answered"] >= results["standard_done"] - 0.05
+    after = httpx.get(f"{url}/health", timeout=10).json()["admission"]
+    assert after["held"]["requests_waiting"] == 0 and after["held"]["released_by_time_before_media"] == 0
+    assert after["media"]["threads"] >= 1 and after["media"]["threads_busy"] == 0
+    assert after["media"]["steps_waiting"] == 0
+
+
+def _png_data_uri() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 90)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 @pytest.fixture()
 def fresh_hold_server(tiny_llava: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     """A server of its own: its predictor has not yet measured a decode step, so the standard
