@@ -116,8 +116,11 @@ def _report(name: str, outcomes: list[Outcome]) -> list[str]:
         admitted = [o for o in sent if o.status == 200 and o.ttft_s is not None]
         on_time = sum(o.on_time for o in admitted)
         tpot = max((o.tpot_s or 0.0 for o in admitted), default=0.0)
-        lines.append(f"{name}, {tier}: sent {len(sent)}, admitted {len(admitted)}, on time {on_time}; "
-                     f"largest TPOT {1000 * tpot:.0f} ms")
+        kinds = ", ".join(f"{kind} {sum(o.on_time for o in admitted if o.kind == kind)}/"
+                          f"{sum(o.status == 200 for o in sent if o.kind == kind)}/{sum(o.kind == kind for o in sent)}"
+                          for kind in ("text", "small", "photo"))
+        lines.append(f"{name}, {tier}: sent {len(sent)}, admitted {len(admitted)}, on time {on_time} "
+                     f"(on time/admitted/sent: {kinds}); largest TPOT {1000 * tpot:.0f} ms")
     statuses = Counter(o.status for o in outcomes)
     lines.append(f"{name}: statuses {dict(sorted(statuses.items()))}")
     return lines

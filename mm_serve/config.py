@@ -46,7 +46,7 @@ class ComputeConfig(_Frozen):
     prefill_cpus: list[int] = Field(default_factory=list, description="CPU cores the prefill workers are pinned to (distinct ids); empty (with decode_cpus empty) = first half of the cores. With cluster.backend local, a core `mm-serve serve` may not run on (os.sched_getaffinity) is an error at start naming the key.")
     decode_cpus: list[int] = Field(default_factory=list, description="CPU cores the decode workers are pinned to (distinct ids); empty (with prefill_cpus empty) = the other half. Checked at start as prefill_cpus.")
     threads_per_worker: int = Field(0, ge=0, le=256, description="torch threads per worker; 0 = number of pinned cores, else torch's default.")
-    worker_nice: int = Field(5, ge=0, le=19, description="Niceness added to every worker process, so the front end (HTTP, tokenizing, streaming) gets a core when it needs one although the workers keep the cores busy; 0 = same priority.")
+    worker_nice: int = Field(5, ge=0, le=19, description="Niceness added to every worker process, so the front end (HTTP, tokenizing, streaming) gets a core when it needs one although the workers keep the cores busy; the API process's media threads (api.media_threads) get it too; 0 = same priority.")
     prefill_worker_nice: int | None = Field(None, ge=0, le=19, description="Niceness, instead of worker_nice, of the prefill workers that share a core with a decode worker (or are unpinned; null = worker_nice): above worker_nice, the decode worker gets most of that core when both want it, so long prefills stretch inter-token gaps less (the CPU analogue of DistServe's prefill/decode isolation). Prefill workers on cores of their own keep worker_nice.")
 
     @field_validator("prefill_gpus", "decode_gpus", "prefill_cpus", "decode_cpus")
@@ -143,7 +143,7 @@ class APIConfig(_Frozen):
     max_logprobs: int = Field(20, ge=0, le=20, description="Most alternatives per token one call may ask for (chat top_logprobs, completions logprobs; vLLM's max_logprobs; the engine's own bound is 20); more is a 400 (code logprobs_limit).")
     max_content_parts: int = Field(4096, ge=1, le=1 << 24, description="Most content parts (text, image, video) in one chat call's messages together; more is a 400 (code content_parts_limit).")
     max_image_pixels: int = Field(40_000_000, ge=1, description="Larger decoded images are refused (decompression bomb).")
-    media_threads: int = Field(0, ge=0, le=256, description="Threads of the API process that decode and preprocess the images and videos of calls (a call without any is tokenized apart); each step waits for one, tighter SLO tiers first, so a burst of photos cannot take every core from the workers. 0 = half the cores the server may run on, at least 1.")
+    media_threads: int = Field(0, ge=0, le=256, description="Threads of the API process that decode and preprocess the images and videos of calls (a call without any is tokenized apart); each step waits for one, tighter SLO tiers first, so a burst of photos cannot take every core from the workers; they run at compute.worker_nice. 0 = half the cores the server may run on, at least 1.")
     max_image_fetch_bytes: int = Field(20 << 20, ge=1024, description="Largest image fetched from an http(s) URL, in bytes.")
     image_fetch_timeout_s: float = Field(10.0, gt=0, description="Seconds an http(s) image fetch may take.")
     max_videos_per_request: int = Field(1, ge=0, le=16, description="Most video_url parts in one request (models that take video, Qwen2-VL); more is a 400.")

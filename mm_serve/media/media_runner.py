@@ -7,8 +7,11 @@ workers. Run on as many threads as calls bring images (``asyncio.to_thread``'s p
 every core from the workers, and each running request's decode step stretches with it: on a 2-core
 machine under such a burst the running requests' TPOT went from ~5 ms to ~300 ms. Here each call's
 CPU steps wait for one of ``threads`` slots, granted by rank (the call's SLO tier: tighter first),
-then arrival, and run on a pool of that many threads. Calls without images do not come here: their
-tokenizing stays on ``asyncio.to_thread``.
+then arrival, and run on a pool of that many threads, each ``nice`` levels below the process (the
+server gives them the workers' ``compute.worker_nice``: decoding new calls' images is bulk work, as the
+workers' steps are, while the event loop keeps its priority; at the event loop's, the photos of a flood
+of calls took the cores from the steps of the requests already admitted). Calls without images do not
+come here: their tokenizing stays on ``asyncio.to_thread``.
 
 A call refused before its media work is done is :meth:`MediaTurns.abandon`\\ ed: its steps that have
 not begun never run (:class:`MediaAbandoned`), the one running (a thread cannot be stopped) finishes.
@@ -20,6 +23,7 @@ import asyncio
 import heapq
 import itertools
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -45,17 +49,20 @@ def default_threads() -> int:
 
 class MediaRunner:
     """``threads`` slots for media CPU steps, granted lowest rank first, then first come; the steps run on
-    a pool of ``threads`` threads. Used from one event loop.
+    a pool of ``threads`` threads, ``nice`` added to each one's niceness. Used from one event loop.
 
     Raises (constructor):
-        ValueError: ``threads < 1``.
+        ValueError: ``threads < 1`` or ``nice < 0``.
     """
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, nice: int = 0) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        if nice < 0:
+            raise ValueError(f"nice must be >= 0, got {nice}")
         self.threads = threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="media")
+        self.nice = nice
+        self._pool = self._new_pool()
         self._busy = 0  # slots granted and not yet given back
         self._line: list[tuple[int, int, asyncio.Future[None]]] = []  # heap of (rank, arrival, grant)
         self._arrivals = itertools.count()
@@ -74,8 +81,12 @@ class MediaRunner:
 
     def close(self) -> None:
         """Let the pool's threads go once the steps on them finish (a later step starts a new pool)."""
-        pool, self._pool = self._pool, ThreadPoolExecutor(self.threads, thread_name_prefix="media")
+        pool, self._pool = self._pool, self._new_pool()
         pool.shutdown(wait=False, cancel_futures=True)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.threads, thread_name_prefix="media", initializer=_lower_priority,
+                                  initargs=(self.nice,))
 
     def _ask(self, rank: int) -> asyncio.Future[None]:
         grant: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -139,6 +150,13 @@ class MediaTurns:
         for grant in list(self.pending):
             if not grant.done():
                 grant.set_exception(MediaAbandoned("the call was refused before this step of its media work began"))
+
+
+def _lower_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: a thread is a task of its own)."""
+    if nice and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:

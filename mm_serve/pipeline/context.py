@@ -61,7 +61,9 @@ class ServerContext:
         self.dispatch_hold = DispatchHold()
         self.media_hold = DispatchHold()
         self.seen_images = SeenImages()
-        self.media_runner = MediaRunner(self.config.api.media_threads or default_threads())
+        # the media threads are bulk work as the workers' steps are: at their niceness, below the event loop's
+        self.media_runner = MediaRunner(self.config.api.media_threads or default_threads(),
+                                        self.config.compute.worker_nice)
         self.media_load = MediaLoad(lanes=self.media_runner.threads)
         self.grammars = GrammarBook(self.holder.model_dir)
 

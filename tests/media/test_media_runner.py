@@ -128,3 +128,24 @@ def test_threads_must_be_at_least_one_and_the_default_leaves_cores_to_the_worker
 
     cores = len(os.sched_getaffinity(0))
     assert default_threads() == max(1, cores // 2)
+
+
+def test_the_threads_run_nice_levels_below_the_process() -> None:
+    import os
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def main() -> int:
+        runner = MediaRunner(1, nice=3)
+        try:
+            return await runner.turns(0)(niceness)
+        finally:
+            runner.close()
+
+    assert asyncio.run(main()) == min(19, base + 3)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the process (its event loop) keeps its own
+    with pytest.raises(ValueError, match="nice"):
+        MediaRunner(1, nice=-1)
