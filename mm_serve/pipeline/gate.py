@@ -250,9 +250,11 @@ class AdmissionGate:
         held when the data URIs of the calls held would pass :data:`MEDIA_HOLD_BUDGET_SHARE` of
         ``admission.max_image_bytes_in_flight`` with its own (the rest stays for the tighter tiers' calls;
         it then waits in the dispatch hold, after its media work). At once for other tiers, calls without
-        images, with prediction off, or before the engine is up.
+        images, with prediction off, or before the engine is up. The queue caps count it while it waits,
+        and are checked before it does.
 
         Raises:
+            Rejection: 429 from a queue cap (checked before it waits).
             ConnectionAbortedError: ``gone()`` said the client left.
             APIError: 503 when the service's drain ends while the call is held.
         """
@@ -270,6 +272,8 @@ class AdmissionGate:
         body = sum(len(image.url) for image in images if image.is_data)
         if ctx.media_held_bytes + body > ctx.image_budget.capacity * MEDIA_HOLD_BUDGET_SHARE:
             return
+        with self.counted(tier):  # a call past the caps is refused, not held
+            self._check_caps(tier, call.num_prompts, tokens)
         ctx.media_held_bytes += body
         try:
             await ctx.media_hold.wait(ready, call.num_prompts, tokens, self._longest_hold(call),
@@ -355,19 +359,16 @@ class AdmissionGate:
                 check_work(prompt_tokens, [params.max_tokens for _, params in prepared], prepared[0][1].n,
                            self.config.admission, call.max_tokens_field)
 
-    def _check_caps(self, tier: Tier, prepared: Prepared) -> None:
-        """The queue caps for the call's prompts, with the calls waiting in the dispatch hold counted
-        as queued for their own tier only (held to give way to tighter tiers, they must not get
-        those refused).
+    def _check_caps(self, tier: Tier, requests: int, tokens: int) -> None:
+        """The queue caps for a call of ``requests`` engine requests and ``tokens`` prompt tokens, with the
+        calls waiting in the holds counted as queued for their own tier only (held to give way to tighter
+        tiers, they must not get those refused).
 
         Raises:
             Rejection: 429 ``queued_requests`` or ``queued_tokens`` when a cap would be passed.
         """
-        if not prepared:
-            return
         held = self.ctx.held() if self.ctx.admission.holds(tier) else (0, 0)
         queued_requests, queued_tokens = self.ctx.holder.client.queued()
-        requests, tokens = prompt_work(prepared)
         check_queues(queued_requests + held[0], queued_tokens + held[1], requests, tokens, self.config.admission)
 
     async def hold(self, call: Call, prepared: Prepared, gone: Callable[[], Awaitable[bool]]) -> None:
@@ -388,7 +389,7 @@ class AdmissionGate:
         if not prepared or not ctx.admission.holds(tier):
             return
         with self.counted(tier):  # a call past the caps is refused, not held
-            self._check_caps(tier, prepared)
+            self._check_caps(tier, *prompt_work(prepared))
         inputs, params = prepared[0]
         client = ctx.holder.client
 
@@ -413,7 +414,7 @@ class AdmissionGate:
         ctx, tier = self.ctx, call.tier
         waited = max(0.0, time.monotonic() - call.arrival)
         with self.counted(tier):
-            self._check_caps(tier, prepared)
+            self._check_caps(tier, *prompt_work(prepared))
             inputs, params = prepared[0]
             prediction = ctx.admission.admit(ctx.holder.client, tier, len(inputs.prompt_token_ids),
                                              inputs.num_tiles, params.max_tokens, inputs, waited,

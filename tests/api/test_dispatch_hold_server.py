@@ -111,6 +111,49 @@ def test_a_batch_call_with_an_image_waits_before_its_image_is_decoded(hold_serve
     assert after["media"]["steps_waiting"] == 0
 
 
+def test_the_queue_caps_count_calls_held_before_their_media_work(tiny_llava: Path, tmp_path: Path) -> None:
+    """With a cap of one queued request, a batch call with an image held before its media work fills it:
+    a second one is refused (429 queued_requests) before it waits, and the first is answered."""
+    config = {**CONFIG, "admission": {"max_queued_requests": 1}}
+    with configured_server(tiny_llava, config, tmp_path) as server:
+        url = server.url
+        results: dict[str, Any] = {}
+        decoding = threading.Event()
+
+        def standard() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", 1200), "stream": True},
+                              timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        decoding.set()
+
+        def flex(key: str) -> None:
+            body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "service_tier": "flex",
+                    "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": _png_data_uri()}},
+                        {"type": "text", "text": "what is this?"}]}]}
+            results[key] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+
+        runner = threading.Thread(target=standard)
+        runner.start()
+        assert decoding.wait(60)
+        first = threading.Thread(target=flex, args=("first",))
+        first.start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
+            assert time.monotonic() < deadline, "the first batch call was never held"
+            time.sleep(0.05)
+        flex("second")
+        assert runner.is_alive()  # refused at once, not after waiting for the standard request to end
+        refused = results["second"]
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queued_requests", refused.text
+        assert refused.headers.get("retry-after")
+        runner.join(120)
+        first.join(120)
+        assert results["first"].status_code == 200, results["first"].text
+
+
 def _png_data_uri() -> str:
     import base64
     import io
