@@ -16,6 +16,9 @@ ahead of it and its own, by their prompts and their images' size, at what such w
   until they are freed).
 * Passed there, the call is *committed*: the check after its media work still applies the hard
   bounds (queue caps, the work limit) but no longer refuses it on the prediction.
+* A call still waiting for room in the image byte budget at its deadline is decided after its media
+  work instead: that wait is not priced, and committed there such a call waited up to
+  ``admission.image_wait_s`` after it (a first token 10 s late on a 1 s SLO).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def _forget(task: asyncio.Future[object]) -> None:
 async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: Callable[[float], None],
                           load: MediaLoad | None = None, size: MediaWork | None = None,
                           learn: Callable[[], bool] = lambda: True,
-                          abandon: Callable[[], None] | None = None, rank: int | None = 0) -> tuple[T, bool]:
+                          abandon: Callable[[], None] | None = None, rank: int | None = 0,
+                          defer: Callable[[], bool] | None = None) -> tuple[T, bool]:
     """Await ``work`` (a call's media work); if it is not done by ``deadline``, decide then.
 
     Args:
@@ -56,6 +60,9 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
         learn: asked when the work ends: whether ``load`` may learn from its time (:meth:`MediaLoad.leave`).
         abandon: called when ``recheck`` refuses: the work's steps not yet begun are not to run.
         rank: the work's place in the media threads' line (:meth:`MediaLoad.enter`; None: not in it).
+        defer: asked at the deadline: True when the time the work still needs cannot be told yet (it waits
+            for the image byte budget, whose wait is not priced): the call is then decided after the work,
+            not committed.
 
     Returns:
         (the work's result, committed): committed is True when the call was decided at the
@@ -79,6 +86,8 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
         raise
     if done:
         return task.result(), False
+    if defer is not None and defer():
+        return await task, False
     try:
         now = time.monotonic()
         recheck(now - started if load is None else load.expected_remaining(ticket, now))

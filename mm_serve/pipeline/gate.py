@@ -321,12 +321,14 @@ class AdmissionGate:
         :class:`~mm_serve.media.media_runner.MediaRunner` at its tier's rank (``asyncio.to_thread`` for one
         without); decided by its decision deadline with ``recheck``
         (:func:`~mm_serve.pipeline.decision_deadline.within_deadline`; a call refused there is abandoned: its
-        steps not yet begun never run); returns (its result, committed: decided at the deadline).
+        steps not yet begun never run; one still waiting for its image bytes there is decided after its media
+        work); returns (its result, committed: decided at the deadline). The media fit learns from it unless
+        it waited :data:`BUDGET_WAIT_LEARNED_S` or more for its image bytes (or never got them).
 
         Raises:
             Rejection: 429 ``image_bytes`` (no room in time), or 429 at the deadline.
         """
-        waited = [0.0]  # seconds it waited for the image byte budget: not media work to learn from
+        waited: list[float | None] = [None]  # seconds it waited for the image byte budget (None: waiting still)
         images = call.chat.images if call.chat is not None else []
         turns = self.ctx.media_runner.turns(int(call.tier)) if images else None
         run: RunCPU = asyncio.to_thread if turns is None else turns
@@ -343,9 +345,9 @@ class AdmissionGate:
         with self.counted(call.tier):
             return await within_deadline(held(), self.ctx.decision_deadline(call.arrival, call.tier), recheck,
                                          self.ctx.media_load, media_size(images, call.num_prompts, video_megapixels),
-                                         lambda: waited[0] < BUDGET_WAIT_LEARNED_S,
+                                         lambda: waited[0] is not None and waited[0] < BUDGET_WAIT_LEARNED_S,
                                          None if turns is None else turns.abandon,
-                                         None if turns is None else turns.rank)
+                                         None if turns is None else turns.rank, lambda: waited[0] is None)
 
     def check_work(self, call: Call, prepared: Prepared) -> None:
         """The work limit for the call's ``prepared`` prompts (each run ``params.n`` times).
