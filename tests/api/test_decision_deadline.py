@@ -57,7 +57,7 @@ def test_work_still_waiting_for_image_bytes_at_the_deadline_is_decided_after_it(
     for waiting, expected in ((True, (("prompt", False), 0)), (False, (("prompt", True), 1))):
         checks: list[float] = []
 
-        async def main(waiting: bool = waiting) -> tuple[str, bool]:
+        async def main(waiting: bool = waiting, checks: list[float] = checks) -> tuple[str, bool]:
             return await within_deadline(Work(0.2)(), time.monotonic() + 0.05, checks.append, defer=lambda: waiting)
 
         assert (asyncio.run(main()), len(checks)) == expected
