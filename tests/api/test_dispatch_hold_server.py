@@ -33,13 +33,13 @@ def _body(tier: str, max_tokens: int) -> dict[str, object]:
             "service_tier": tier}
 
 
-def test_a_batch_call_waits_for_a_running_standard_request_then_is_answered(hold_server: ServerProcess) -> None:
-    url = hold_server.url
-    finished: dict[str, float] = {}
+def _decoding_standard(url: str, max_tokens: int, finished: dict[str, float]) -> threading.Thread:
+    """Start a standard-tier stream of ``max_tokens`` tokens and return its thread once it decodes; the time
+    it ended goes to ``finished["standard"]``."""
     decoding = threading.Event()
 
-    def long_standard() -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", 2000), "stream": True},
+    def standard() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", max_tokens), "stream": True},
                           timeout=120) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -47,9 +47,22 @@ def test_a_batch_call_waits_for_a_running_standard_request_then_is_answered(hold
                     decoding.set()
         finished["standard"] = time.monotonic()
 
-    runner = threading.Thread(target=long_standard)
+    runner = threading.Thread(target=standard)
     runner.start()
     assert decoding.wait(60)  # its tokens are streaming: it is decoding now
+    return runner
+
+
+def _flex_image_body() -> dict[str, object]:
+    return {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "service_tier": "flex",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_uri()}},
+                                                      {"type": "text", "text": "what is this?"}]}]}
+
+
+def test_a_batch_call_waits_for_a_running_standard_request_then_is_answered(hold_server: ServerProcess) -> None:
+    url = hold_server.url
+    finished: dict[str, float] = {}
+    runner = _decoding_standard(url, 2000, finished)
     r = httpx.post(f"{url}/v1/completions", json=_body("flex", 4), timeout=120)
     answered = time.monotonic()
     runner.join()
@@ -70,27 +83,11 @@ def test_a_batch_call_with_an_image_waits_before_its_image_is_decoded(hold_serve
     results: dict[str, Any] = {}
 
     def flex() -> None:
-        body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "service_tier": "flex",
-                "messages": [{"role": "user", "content": [
-                    {"type": "image_url", "image_url": {"url": _png_data_uri()}},
-                    {"type": "text", "text": "what is this?"}]}]}
-        results["flex"] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+        results["flex"] = httpx.post(f"{url}/v1/chat/completions", json=_flex_image_body(), timeout=180)
         results["answered"] = time.monotonic()
 
-    decoding = threading.Event()
-
-    def standard() -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", 1500), "stream": True},
-                          timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    decoding.set()
-        results["standard_done"] = time.monotonic()
-
-    runner = threading.Thread(target=standard)
-    runner.start()
-    assert decoding.wait(60)
+    finished: dict[str, float] = {}
+    runner = _decoding_standard(url, 1500, finished)
     waiter = threading.Thread(target=flex)
     waiter.start()
     deadline = time.monotonic() + 30
@@ -104,7 +101,7 @@ def test_a_batch_call_with_an_image_waits_before_its_image_is_decoded(hold_serve
     reply = results["flex"]
     assert reply.status_code == 200, reply.text
     assert reply.json()["service_tier"] == "batch" and reply.json()["usage"]["completion_tokens"] == 3
-    assert results["answered"] >= results["standard_done"] - 0.05
+    assert results["answered"] >= finished["standard"] - 0.05
     after = httpx.get(f"{url}/health", timeout=10).json()["admission"]
     assert after["held"]["requests_waiting"] == 0 and after["held"]["released_by_time_before_media"] == 0
     assert after["media"]["threads"] >= 1 and after["media"]["threads_busy"] == 0
@@ -118,26 +115,12 @@ def test_the_queue_caps_count_calls_held_before_their_media_work(tiny_llava: Pat
     with configured_server(tiny_llava, config, tmp_path) as server:
         url = server.url
         results: dict[str, Any] = {}
-        decoding = threading.Event()
-
-        def standard() -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", json={**_body("default", 1200), "stream": True},
-                              timeout=120) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        decoding.set()
+        finished: dict[str, float] = {}
 
         def flex(key: str) -> None:
-            body = {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "service_tier": "flex",
-                    "messages": [{"role": "user", "content": [
-                        {"type": "image_url", "image_url": {"url": _png_data_uri()}},
-                        {"type": "text", "text": "what is this?"}]}]}
-            results[key] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=180)
+            results[key] = httpx.post(f"{url}/v1/chat/completions", json=_flex_image_body(), timeout=180)
 
-        runner = threading.Thread(target=standard)
-        runner.start()
-        assert decoding.wait(60)
+        runner = _decoding_standard(url, 1200, finished)
         first = threading.Thread(target=flex, args=("first",))
         first.start()
         deadline = time.monotonic() + 30
