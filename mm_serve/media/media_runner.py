@@ -3,18 +3,19 @@ tighter calls first.
 
 A call's media work runs in the API process, whose threads share the machine's cores with the
 workers. Run on as many threads as calls bring images (``asyncio.to_thread``'s pool has
-``cpu_count + 4``), a burst of photos (a 24 MP JPEG is ~0.3 s of one core to decode and resize) takes
-every core from the workers, and each running request's decode step stretches with it: on a 2-core
-machine under such a burst the running requests' TPOT went from ~5 ms to ~300 ms. Here each call's
-CPU steps wait for one of ``threads`` slots, granted by rank (the call's SLO tier: tighter first),
-then arrival, and run on a pool of that many threads, each ``nice`` levels below the process (the
-server gives them the workers' ``compute.worker_nice``: decoding new calls' images is bulk work, as the
-workers' steps are, while the event loop keeps its priority; at the event loop's, the photos of a flood
-of calls took the cores from the steps of the requests already admitted). Calls without images do not
-come here: their tokenizing stays on ``asyncio.to_thread``.
+``cpu_count + 4``) at the event loop's priority, a flood of photos (a 24 MP JPEG is ~0.3 s of one core
+to decode and resize) takes the cores from the workers, and each running request's decode step
+stretches with it: on a 2-core machine, TPOTs of 250-370 ms against ~5 ms unloaded
+(``benchmarks/tier_overload.py``). Here each call's CPU steps wait for one of ``threads`` slots,
+granted by rank (the call's SLO tier: tighter first), then arrival, and run on a pool of that many
+threads, each ``nice`` levels below the process (the server gives them the workers'
+``compute.worker_nice``: decoding new calls' images is bulk work, as the workers' steps are, while the
+event loop keeps its priority). Calls without images do not come here: their tokenizing stays on
+``asyncio.to_thread``.
 
-A call refused before its media work is done is :meth:`MediaTurns.abandon`\\ ed: its steps that have
-not begun never run (:class:`MediaAbandoned`), the one running (a thread cannot be stopped) finishes.
+A call refused before its media work is done has its turns abandoned (:meth:`MediaTurns.abandon`): its
+steps that have not begun never run (:class:`MediaAbandoned`), the one running (a thread cannot be
+stopped) finishes.
 """
 
 from __future__ import annotations
