@@ -143,7 +143,7 @@ class APIConfig(_Frozen):
     max_logprobs: int = Field(20, ge=0, le=20, description="Most alternatives per token one call may ask for (chat top_logprobs, completions logprobs; vLLM's max_logprobs; the engine's own bound is 20); more is a 400 (code logprobs_limit).")
     max_content_parts: int = Field(4096, ge=1, le=1 << 24, description="Most content parts (text, image, video) in one chat call's messages together; more is a 400 (code content_parts_limit).")
     max_image_pixels: int = Field(40_000_000, ge=1, description="Larger decoded images are refused (decompression bomb).")
-    media_threads: int = Field(0, ge=0, le=256, description="Threads of the API process that decode and preprocess the images and videos of calls (a call without any is tokenized apart); each step waits for one, tighter SLO tiers first, so a burst of photos cannot take every core from the workers; they run at compute.worker_nice. 0 = half the cores the server may run on, at least 1.")
+    media_threads: int = Field(0, strict=True, ge=0, le=256, description="Threads of the API process that decode and preprocess the images and videos of calls (a call without any is tokenized apart); each step waits for one, tighter SLO tiers first, so a burst of photos cannot take every core from the workers; they run at compute.worker_nice. 0 = half the cores the server may run on, at least 1.")
     max_image_fetch_bytes: int = Field(20 << 20, ge=1024, description="Largest image fetched from an http(s) URL, in bytes.")
     image_fetch_timeout_s: float = Field(10.0, gt=0, description="Seconds an http(s) image fetch may take.")
     max_videos_per_request: int = Field(1, ge=0, le=16, description="Most video_url parts in one request (models that take video, Qwen2-VL); more is a 400.")

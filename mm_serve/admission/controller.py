@@ -239,17 +239,16 @@ class AdmissionController(AdmissionLearning):
           tier is already queued there (what it would add is work no tighter request may wait for);
         * a tighter tier runs on its decode worker, or was sent lately, and the predicted decode
           step with it exceeds that tier's TPOT SLO × (1 + ``admission.margin``), as in :meth:`admit`;
-        * a tighter tier sent lately is missing its attainment aim (its attainment feedback's TTFT or
-          TPOT factor is below 1): what is measured wins over what is predicted, and work that is
-          promised nothing but its own SLO is not added while the tighter tiers are late.
+        * a tighter tier decodes on its decode worker while a tighter tier sent lately is missing its
+          attainment aim (its attainment feedback's TTFT or TPOT factor is below 1): what is measured
+          wins over what is predicted, and work that is promised nothing but its own SLO is not added
+          while the tighter tiers are late (the factors drift back to 1 over minutes once the load is
+          gone: with no tighter request running, they do not hold it).
 
         None as well when a role has no ready worker (the engine client then waits for one).
         """
         if tier == Tier.INTERACTIVE:
             return None
-        missing = self._missing_tighter(tier)
-        if missing is not None:
-            return missing
         tighter = Tier(tier - 1)
         view = load.load_view(tighter, tokens, max_tokens) if inputs is None else \
             load.load_view(tighter, tokens, max_tokens, inputs)
@@ -259,9 +258,13 @@ class AdmissionController(AdmissionLearning):
             return f"{view.ahead.requests} tighter request(s) queued on prefill worker {view.prefill}"
         if view.looser.requests >= self.config.scheduler.prefill_batch_size:
             return f"a prefill batch of looser requests already queued on prefill worker {view.prefill}"
-        if max_tokens > 1:
-            return self._protect_excess(tier, self._predict_in(view, tier, tokens, images), max_tokens)
-        return None
+        prediction = self._predict_in(view, tier, tokens, images)
+        live = prediction.decode_tightest
+        if live is not None and live < tier:
+            missing = self._missing_tighter(tier)
+            if missing is not None:
+                return missing
+        return self._protect_excess(tier, prediction, max_tokens) if max_tokens > 1 else None
 
     def _missing_tighter(self, tier: Tier) -> str | None:
         """Why a request of ``tier`` waits for a tighter tier sent lately (within :data:`DEMAND_WINDOW_S`)

@@ -130,9 +130,11 @@ class MediaLoad:
         with self._lock:
             return self.fit.predict(work.features)
 
-    def expected_remaining(self, ticket: int, now: float | None = None) -> float:
+    def expected_remaining(self, ticket: int, now: float | None = None, in_line: bool = True) -> float:
         """Seconds the call of ``ticket`` is expected to spend in its media phase from ``now`` (see
-        the module's text); 0.0 for a ticket that is not running."""
+        the module's text); 0.0 for a ticket that is not running. ``in_line`` False: the call still waits
+        for its image bytes, which the calls with images that entered before it hold (first come, first
+        served) until their work is done: all of those are ahead of it, whatever their rank."""
         now = time.monotonic() if now is None else now
         with self._lock:
             entry = self._running.get(ticket)
@@ -142,7 +144,7 @@ class MediaLoad:
             spent = max(0.0, now - entered)
             others = 0.0 if rank is None else sum(
                 self.fit.predict(work.features) for t, (_, work, r) in self._running.items()
-                if t != ticket and r is not None and (r, t) < (rank, ticket))
+                if t != ticket and r is not None and ((r, t) < (rank, ticket) or (not in_line and t < ticket)))
             ahead = self.fit.predict(own.features) + others / self._lanes
             if self.fit.num_observations:
                 return max(spent, ahead)

@@ -16,9 +16,10 @@ ahead of it and its own, by their prompts and their images' size, at what such w
   until they are freed).
 * Passed there, the call is *committed*: the check after its media work still applies the hard
   bounds (queue caps, the work limit) but no longer refuses it on the prediction.
-* A call still waiting for room in the image byte budget at its deadline is decided after its media
-  work instead: that wait is not priced, and committed there such a call waited up to
-  ``admission.image_wait_s`` after it (a first token 10 s late on a 1 s SLO).
+* A call still waiting for room in the image byte budget at its deadline is checked with every call
+  with images that entered before it counted ahead (they hold the bytes it waits for, whatever their
+  tier), and passed, is decided again after its media work, not committed: committed there, such a call
+  waited up to ``admission.image_wait_s`` after it (a first token 10 s late on a 1 s SLO).
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
         learn: asked when the work ends: whether ``load`` may learn from its time (:meth:`MediaLoad.leave`).
         abandon: called when ``recheck`` refuses: the work's steps not yet begun are not to run.
         rank: the work's place in the media threads' line (:meth:`MediaLoad.enter`; None: not in it).
-        defer: asked at the deadline: True when the time the work still needs cannot be told yet (it waits
-            for the image byte budget, whose wait is not priced): the call is then decided after the work,
-            not committed.
+        defer: asked at the deadline: True while the work waits for the image byte budget. The check is
+            then made with every call with images that entered before it counted ahead
+            (:meth:`MediaLoad.expected_remaining` with ``in_line`` False: they hold the bytes it waits for),
+            and passed, the call is decided again after the work, not committed (that wait is not all
+            priced: calls held before their media work hold bytes too).
 
     Returns:
         (the work's result, committed): committed is True when the call was decided at the
@@ -86,15 +89,14 @@ async def within_deadline(work: Awaitable[T], deadline: float | None, recheck: C
         raise
     if done:
         return task.result(), False
-    if defer is not None and defer():
-        return await task, False
+    waiting = defer is not None and defer()
     try:
         now = time.monotonic()
-        recheck(now - started if load is None else load.expected_remaining(ticket, now))
+        recheck(now - started if load is None else load.expected_remaining(ticket, now, in_line=not waiting))
     except BaseException:
         if abandon is not None:
             abandon()
         _BACKGROUND.add(task)  # type: ignore[arg-type]
         task.add_done_callback(_forget)  # type: ignore[arg-type]
         raise
-    return await task, True
+    return await task, not waiting

@@ -256,7 +256,8 @@ class AdmissionGate:
         Raises:
             Rejection: 429 from a queue cap (checked before it waits).
             ConnectionAbortedError: ``gone()`` said the client left.
-            APIError: 503 when the service's drain ends while the call is held.
+            APIError: 503 once the service starts shutting down while the call is held (its images not yet
+                decoded: nothing done for it is lost, as for a call that arrives during the drain).
         """
         ctx, tier = self.ctx, call.tier
         images = call.chat.images if call.chat is not None else []
@@ -274,10 +275,13 @@ class AdmissionGate:
             return
         with self.counted(tier):  # a call past the caps is refused, not held
             self._check_caps(tier, call.num_prompts, tokens)
+        async def gone_or_draining() -> bool:
+            ctx.refuse_if_draining()
+            return await gone()
+
         ctx.media_held_bytes += body
         try:
-            await ctx.media_hold.wait(ready, call.num_prompts, tokens, self._longest_hold(call),
-                                      self._gone_or_stopped(gone))
+            await ctx.media_hold.wait(ready, call.num_prompts, tokens, self._longest_hold(call), gone_or_draining)
         finally:
             ctx.media_held_bytes -= body
 
@@ -328,17 +332,22 @@ class AdmissionGate:
         Raises:
             Rejection: 429 ``image_bytes`` (no room in time), or 429 at the deadline.
         """
-        waited: list[float | None] = [None]  # seconds it waited for the image byte budget (None: waiting still)
+        waited: list[float | None] = [None]  # seconds it waited for the image byte budget (None: not got them)
+        asking = [False]  # waiting for the image byte budget now
         images = call.chat.images if call.chat is not None else []
         turns = self.ctx.media_runner.turns(int(call.tier)) if images else None
         run: RunCPU = asyncio.to_thread if turns is None else turns
 
         async def held() -> T:
             release_body()  # the images' own reservation takes over from the body's
-            asked = time.monotonic()
-            async with self.hold_images(call) as hold:
-                waited[0] = time.monotonic() - asked
-                return await load(None if hold is None else lambda nbytes: hold.grow(nbytes, "a video's frames"), run)
+            asked, asking[0] = time.monotonic(), bool(images)
+            try:
+                async with self.hold_images(call) as hold:
+                    waited[0], asking[0] = time.monotonic() - asked, False
+                    return await load(None if hold is None else lambda nbytes: hold.grow(nbytes, "a video's frames"),
+                                      run)
+            finally:
+                asking[0] = False
 
         api = self.config.api
         video_megapixels = api.max_video_frames * api.max_video_frame_pixels / 1e6
@@ -347,7 +356,7 @@ class AdmissionGate:
                                          self.ctx.media_load, media_size(images, call.num_prompts, video_megapixels),
                                          lambda: waited[0] is not None and waited[0] < BUDGET_WAIT_LEARNED_S,
                                          None if turns is None else turns.abandon,
-                                         None if turns is None else turns.rank, lambda: waited[0] is None)
+                                         None if turns is None else turns.rank, lambda: asking[0])
 
     def check_work(self, call: Call, prepared: Prepared) -> None:
         """The work limit for the call's ``prepared`` prompts (each run ``params.n`` times).

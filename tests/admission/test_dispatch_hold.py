@@ -204,13 +204,18 @@ def test_each_waiter_keeps_its_own_time_when_the_poller_is_gone() -> None:
 
 
 def test_a_batch_request_waits_while_a_tighter_tier_sent_lately_misses_its_slo() -> None:
-    """What is measured wins over what is predicted: nothing is queued or decoding (the prediction has
-    nothing against it), but interactive requests sent lately have been finishing late, so the batch
-    call waits; once interactive calls stop coming it goes, and a late standard tier holds it as well."""
+    """What is measured wins over what is predicted: an interactive request decodes (the prediction has
+    nothing against a batch request joining it), but interactive requests sent lately have been finishing
+    late, so the batch call waits. With no tighter request running it goes (the factor drifts back to 1
+    over minutes once the load is gone), as it does once interactive calls stop coming; a late standard
+    tier holds it as well."""
     from mm_serve.admission import controller as controller_module
 
     controller = AdmissionController(_cfg())
-    client = _Client(LoadLedger(1, 1, 1000))
+    router = LoadLedger(1, 1, 1000)
+    client = _Client(router)
+    router.dispatched("i", 0, 0, 100, 1, tier=Tier(0))
+    router.prefilled("i")  # decoding now
     controller.note_call(Tier.INTERACTIVE)
     assert controller.hold_reason(client, Tier.BATCH, 100, 0, 16) is None  # type: ignore[arg-type]
     for _ in range(3):  # three interactive requests 40 ms a token against a 20 ms TPOT SLO
@@ -226,6 +231,8 @@ def test_a_batch_request_waits_while_a_tighter_tier_sent_lately_misses_its_slo()
     controller.feedback.observe(Tier.STANDARD, 5.0, 0.01)  # a first token 5 s after arrival, its SLO 4 s
     assert "standard requests have been missing their TTFT SLO" in (
         controller.hold_reason(client, Tier.BATCH, 100, 0, 16) or "")  # type: ignore[arg-type]
+    router.finished("i")  # nothing tighter runs: the factors speak of a load that is gone
+    assert controller.hold_reason(client, Tier.BATCH, 100, 0, 16) is None  # type: ignore[arg-type]
 
 
 def test_room_is_kept_for_a_tier_whose_slo_is_met_alone_however_tight_its_feedback() -> None:

@@ -125,6 +125,8 @@ def test_the_line_of_the_media_threads_orders_the_wait() -> None:
     assert load.expected_remaining(interactive, now=10.0) == pytest.approx(per_photo)
     assert load.expected_remaining(standard, now=10.0) == pytest.approx(2 * per_photo)
     assert load.expected_remaining(text, now=10.0) == pytest.approx(load.seconds(MediaWork(1, 0.0)))
+    # still waiting for its image bytes, the interactive photo waits for the batch photos holding them
+    assert load.expected_remaining(interactive, now=10.0, in_line=False) == pytest.approx(3 * per_photo)
     two = measured(MediaLoad(cores=2, lanes=2))
     for rank in (0, 0, 0):
         two.enter(PHOTO, now=10.0, rank=rank)

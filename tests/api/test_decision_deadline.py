@@ -50,11 +50,11 @@ def test_without_a_deadline_the_work_is_awaited_however_long() -> None:
     assert asyncio.run(main()) == ("prompt", False) and checks == []
 
 
-def test_work_still_waiting_for_image_bytes_at_the_deadline_is_decided_after_it() -> None:
-    """Its wait for the byte budget is not priced: not checked at the deadline nor committed, so the check
-    after its media work (with the whole wait in its TTFT) decides it; the same work with its bytes held
-    by then is checked and committed."""
-    for waiting, expected in ((True, (("prompt", False), 0)), (False, (("prompt", True), 1))):
+def test_work_still_waiting_for_image_bytes_at_the_deadline_is_checked_but_decided_again_after_it() -> None:
+    """Its wait for the byte budget is not all priced: checked at the deadline (it may be refused there) but
+    not committed, so the check after its media work (with the whole wait in its TTFT) decides it too; the
+    same work with its bytes held by then is checked and committed."""
+    for waiting, expected in ((True, (("prompt", False), 1)), (False, (("prompt", True), 1))):
         checks: list[float] = []
 
         async def main(waiting: bool = waiting, checks: list[float] = checks) -> tuple[str, bool]:
