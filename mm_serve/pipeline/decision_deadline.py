@@ -19,7 +19,7 @@ ahead of it and its own, by their prompts and their images' size, at what such w
 * A call still waiting for room in the image byte budget at its deadline is checked with every call
   with images that entered before it counted ahead (they hold the bytes it waits for, whatever their
   tier), and passed, is decided again after its media work, not committed: committed there, such a call
-  waited up to ``admission.image_wait_s`` after it (a first token 10 s late on a 1 s SLO).
+  could wait up to ``admission.image_wait_s`` after it (a first token 10 s late on a 1 s SLO).
 """
 
 from __future__ import annotations
