@@ -60,6 +60,14 @@ def _decoding_standard(url: str, max_tokens: int, finished: dict[str, float]) ->
     return runner
 
 
+def _wait_until_held(url: str, key: str = "requests_waiting", above: int = 0) -> None:
+    """Return once ``/health``'s ``admission.held[key]`` is above ``above`` (a batch call is held)."""
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"][key] <= above:
+        assert time.monotonic() < deadline, f"no batch call was held ({key} stayed at {above})"
+        time.sleep(0.05)
+
+
 def _flex_image_body() -> dict[str, object]:
     return {"model": "tiny", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "service_tier": "flex",
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_uri()}},
@@ -97,11 +105,7 @@ def test_a_batch_call_with_an_image_waits_before_its_image_is_decoded(hold_serve
     runner = _decoding_standard(url, 1500, finished)
     waiter = threading.Thread(target=flex)
     waiter.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["calls_held_before_media"] \
-            <= before["held"]["calls_held_before_media"]:
-        assert time.monotonic() < deadline, "the batch call was never held before its media work"
-        time.sleep(0.05)
+    _wait_until_held(url, "calls_held_before_media", before["held"]["calls_held_before_media"])
     assert results.get("flex") is None  # still waiting
     runner.join(120)
     waiter.join(120)
@@ -130,10 +134,7 @@ def test_the_queue_caps_count_calls_held_before_their_media_work(tiny_llava: Pat
         runner = _decoding_standard(url, 1200, finished)
         first = threading.Thread(target=flex, args=("first",))
         first.start()
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
-            assert time.monotonic() < deadline, "the first batch call was never held"
-            time.sleep(0.05)
+        _wait_until_held(url)
         flex("second")
         assert runner.is_alive()  # refused at once, not after waiting for the standard request to end
         refused = results["second"]
@@ -197,10 +198,7 @@ def _hold_behind_a_standard_stream(url: str, standard_tokens: int, flex_tokens: 
     assert decoding.wait(60)
     waiter = threading.Thread(target=flex)
     waiter.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
-        assert time.monotonic() < deadline, "the batch call was never held"
-        time.sleep(0.05)
+    _wait_until_held(url)
     return runner, waiter
 
 
@@ -263,10 +261,7 @@ def test_a_call_held_before_its_media_work_gets_the_stopping_503_when_the_drain_
 
     waiter = threading.Thread(target=flex)
     waiter.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{url}/health", timeout=10).json()["admission"]["held"]["requests_waiting"] < 1:
-        assert time.monotonic() < deadline, "the batch call was never held"
-        time.sleep(0.05)
+    _wait_until_held(url)
     signalled = time.monotonic()
     fresh_hold_server.proc.send_signal(signal.SIGTERM)
     waiter.join(60)
