@@ -53,61 +53,55 @@ def checkout_trees(baseline_rev: str | None) -> Iterator[dict[str, Path]]:
 
 
 @contextmanager
-def colocated_server(tree: Path, timeout_s: float = 300.0) -> Iterator[str]:
-    """``mm-serve serve --mode colocated`` (the embedded model) run from ``tree`` on a free port, healthy;
-    gives its URL and stops it with SIGINT on exit.
+def serving(tree: Path, args: list[str], timeout_s: float = 300.0) -> Iterator[tuple[str, float]]:
+    """``mm-serve serve ARGS`` run from ``tree`` on a free port, healthy: gives its URL and the seconds from
+    launch to its first ``/health`` 200 (polled every 20 ms); stops it with SIGINT on exit.
 
     Raises:
-        RuntimeError: it exited, or was not healthy within ``timeout_s``.
+        RuntimeError: it exited (its stderr's tail said), or was not healthy within ``timeout_s``.
     """
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(tree))
-    proc = subprocess.Popen([sys.executable, "-m", "mm_serve.cli.main", "serve", "--mode", "colocated", "--port",
-                             str(port)], cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server in {tree} did not start")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a pipe nobody reads would stall the server
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "mm_serve.cli.main", "serve", *args, "--port", str(port)],
+                                cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    stderr.seek(0)
+                    raise RuntimeError(f"the server in {tree} exited: {stderr.read().decode()[-2000:]}")
+                if time.monotonic() - started > timeout_s:
+                    raise RuntimeError(f"the server in {tree} was not healthy within {timeout_s:g} s")
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.02)
+            yield url, time.monotonic() - started
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+
+
+@contextmanager
+def colocated_server(tree: Path) -> Iterator[str]:
+    """``mm-serve serve --mode colocated`` (the embedded model) from ``tree``, healthy (:func:`serving`): its URL."""
+    with serving(tree, ["--mode", "colocated"]) as (url, _):
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
 
 
 def time_start(tree: Path, model: str, timeout_s: float = 300.0) -> float:
-    """Seconds from launch to /health 200 of ``mm-serve serve`` run from ``tree``; the server is then stopped.
+    """Seconds from launch to /health 200 of ``mm-serve serve`` run from ``tree`` (:func:`serving`); the server
+    is then stopped.
 
     Raises:
         RuntimeError: it exited, or was not healthy within ``timeout_s``.
     """
-    port = _free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(tree))
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "mm_serve.cli.main", "serve", "--model", model, "--port", str(port),
-                             "--no-auto-placement"], cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        while time.monotonic() - started < timeout_s:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server in {tree} exited: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError(f"the server in {tree} was not healthy within {timeout_s:g} s")
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+    with serving(tree, ["--model", model, "--no-auto-placement"], timeout_s) as (_, seconds):
+        return seconds
 
 
 def main() -> None:

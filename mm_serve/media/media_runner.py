@@ -42,9 +42,8 @@ class RunCPU(Protocol):
     def __call__(self, fn: Callable[..., T], /, *args: Any) -> Awaitable[T]: ...
 
 
-def default_threads() -> int:
-    """Half the cores this process may run on, at least one: the rest stay with the workers."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def default_threads(cores: int) -> int:
+    """Half of ``cores`` (those the server may run on), at least one: the rest stay with the workers."""
     return max(1, cores // 2)
 
 

@@ -15,6 +15,7 @@ from mm_serve.admission.controller import AdmissionController
 from mm_serve.admission.dispatch_hold import DispatchHold
 from mm_serve.admission.media_load import MediaLoad
 from mm_serve.admission.seen_images import SeenImages
+from mm_serve.cluster.launcher import available_cpus
 from mm_serve.cluster.worker_specs import engine_sizing
 from mm_serve.config import ServiceConfig
 from mm_serve.engine.engine_client import EngineClient
@@ -62,7 +63,7 @@ class ServerContext:
         self.media_hold = DispatchHold()
         self.seen_images = SeenImages()
         # the media threads are bulk work as the workers' steps are: at their niceness, below the event loop's
-        self.media_runner = MediaRunner(self.config.api.media_threads or default_threads(),
+        self.media_runner = MediaRunner(self.config.api.media_threads or default_threads(len(available_cpus())),
                                         self.config.compute.worker_nice)
         self.media_load = MediaLoad(lanes=self.media_runner.threads)
         self.grammars = GrammarBook(self.holder.model_dir)
