@@ -27,10 +27,11 @@ image byte budget is not learned from either.
 The time a call still has to wait is then the fit's price of its own work and of the calls in the
 phase ahead of it in the line of the media threads (:mod:`mm_serve.media.media_runner`: a lower rank,
 or the same rank and entered before it), shared by the ``lanes`` threads; a call outside that line
-(no image: its prompts are tokenized apart) waits for no one. Before any call has left the phase
-since start, it is priced by a lower bound from the oldest call in the phase instead: that one has run
-for its whole time so far without finishing, on at most ``os.cpu_count()`` cores shared with everyone
-else in the phase. Never less than the time the call has already spent there.
+(no image: its prompts are tokenized apart) waits for no one. The threads run in parallel on at most
+``os.cpu_count()`` cores: more threads than cores share them. Before any call has left the phase since
+start, it is priced by a lower bound from the oldest call in the phase instead: that one has run for
+its whole time so far without finishing, first in the threads' line, so the work ahead takes at least
+that time per the oldest call's price. Never less than the time the call has already spent there.
 """
 
 from __future__ import annotations
@@ -84,8 +85,7 @@ class MediaLoad:
         self._running: dict[int, tuple[float, MediaWork, int | None]] = {}
         self._last_left: float | None = None  # when a call last left the phase
         self.fit = OnlineLinearFit(START_SECONDS, FIT_SCALES)
-        self._cores = max(1, cores or os.cpu_count() or 1)
-        self._lanes = max(1, lanes)
+        self._lanes = max(1, min(lanes, cores or os.cpu_count() or 1))  # threads that run at once
 
     def enter(self, work: MediaWork, now: float | None = None, rank: int | None = 0) -> int:
         """A call of ``work`` starts its media work, at ``rank`` in the media threads' line (None: not in
@@ -148,7 +148,7 @@ class MediaLoad:
             ahead = self.fit.predict(own.features) + others / self._lanes
             if self.fit.num_observations:
                 return max(spent, ahead)
-            # nothing measured since start: the oldest call ran all this time on at most all the cores
+            # nothing measured since start: the oldest call has run all this time without finishing
             oldest_at, oldest, _ = next(iter(self._running.values()))
             slowdown = max(now - oldest_at, 1e-3) / max(self.fit.predict(oldest.features), 1e-9)  # its time over its price
-            return max(spent, ahead * slowdown / self._cores)
+            return max(spent, ahead * slowdown)

@@ -63,13 +63,19 @@ def test_never_less_than_the_time_already_spent() -> None:
 
 def test_before_anything_was_measured_the_oldest_call_bounds_the_throughput() -> None:
     """A first burst on a fresh server: 40 calls of 40 MP; the oldest has run 0.1 s without finishing,
-    so the process gets through at most one such call per 0.1 s per core: the 40th expects at least
-    40 x 0.1 / 2 = 2 s, not the 30 ms it has spent; its own (the first) is bounded by its 0.1 s."""
+    so the one media thread gets through at most one such call per 0.1 s: the 40th expects at least
+    40 x 0.1 = 4 s, not the 30 ms it has spent; its own (the first) is bounded by its 0.1 s. With 8
+    threads on 16 cores the calls ahead share them (1 + 39 / 8 calls' time); 8 threads on 2 cores
+    share the 2 cores."""
     load = MediaLoad(cores=2)
     tickets = [load.enter(MediaWork(1, 40.0), now=0.0 + 0.0025 * i) for i in range(40)]
-    assert load.expected_remaining(tickets[-1], now=0.1) == pytest.approx(2.0)
+    assert load.expected_remaining(tickets[-1], now=0.1) == pytest.approx(4.0)
     assert load.expected_remaining(tickets[0], now=0.1) == pytest.approx(0.1)
     assert load.expected_remaining(10**6, now=0.1) == 0.0  # no such ticket running
+    for cores, threads in ((16, 8), (2, 2)):
+        wide = MediaLoad(cores=cores, lanes=8)
+        tickets = [wide.enter(MediaWork(1, 40.0), now=0.0 + 0.0025 * i) for i in range(40)]
+        assert wide.expected_remaining(tickets[-1], now=0.1) == pytest.approx(0.1 * (1 + 39 / threads))
 
 
 def test_a_leave_of_an_unknown_ticket_changes_nothing() -> None:
