@@ -4,7 +4,9 @@ git revision, alternated round by round (the machine's speed drifts: compare wit
     python benchmarks/start_time.py --model out/bench-llava --rounds 5 --baseline-rev HEAD~3
 
 Each start runs with ``--no-auto-placement`` (the config's placement: no profiling) and is stopped with
-SIGINT once healthy. The baseline runs from a temporary ``git worktree`` of the revision with this
+SIGINT once healthy; with ``--first-structured S``, after one ``json_schema`` call sent S seconds after
+it was healthy (its latency is printed too: the processes' grammar compilers are warmed in the
+background once they are ready). The baseline runs from a temporary ``git worktree`` of the revision with this
 venv's Python. Prints each round's two times, then medians, ranges and the median of the per-round ratios.
 """
 
@@ -93,15 +95,35 @@ def colocated_server(tree: Path) -> Iterator[str]:
         yield url
 
 
-def time_start(tree: Path, model: str, timeout_s: float = 300.0) -> float:
-    """Seconds from launch to /health 200 of ``mm-serve serve`` run from ``tree`` (:func:`serving`); the server
-    is then stopped.
+def structured_call_s(url: str) -> float:
+    """Seconds one chat call with a ``json_schema`` response format (16 tokens at most) takes at ``url``.
+
+    Raises:
+        httpx.HTTPStatusError: it was not answered 200.
+    """
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    body = {"model": model, "messages": [{"role": "user", "content": "Reply in JSON."}], "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}}
+    started = time.monotonic()
+    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    return time.monotonic() - started
+
+
+def time_start(tree: Path, model: str, timeout_s: float = 300.0,
+               structured_after_s: float | None = None) -> tuple[float, float | None]:
+    """Seconds from launch to /health 200 of ``mm-serve serve`` run from ``tree`` (:func:`serving`), and with
+    ``structured_after_s`` the seconds of a :func:`structured_call_s` sent that long after; the server is then
+    stopped.
 
     Raises:
         RuntimeError: it exited, or was not healthy within ``timeout_s``.
     """
-    with serving(tree, ["--model", model, "--no-auto-placement"], timeout_s) as (_, seconds):
-        return seconds
+    with serving(tree, ["--model", model, "--no-auto-placement"], timeout_s) as (url, seconds):
+        if structured_after_s is None:
+            return seconds, None
+        time.sleep(structured_after_s)
+        return seconds, structured_call_s(url)
 
 
 def main() -> None:
@@ -109,16 +131,27 @@ def main() -> None:
     parser.add_argument("--model", default="embedded", help="checkpoint directory, or embedded")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline-rev", help="git revision to compare against (omit: this checkout only)")
+    parser.add_argument("--first-structured", type=float, metavar="S",
+                        help="also time one json_schema call sent S seconds after the server is healthy")
     args = parser.parse_args()
     model = args.model if args.model == "embedded" else str(Path(args.model).resolve())
     with checkout_trees(args.baseline_rev) as trees:
         times: dict[str, list[float]] = {name: [] for name in trees}
+        calls: dict[str, list[float]] = {name: [] for name in trees}
         for round_ in range(1, args.rounds + 1):
             for name, tree in (trees.items() if round_ % 2 else reversed(trees.items())):
-                times[name].append(time_start(tree, model))
-            print(f"round {round_}: " + ", ".join(f"{name} {t[-1]:.2f} s" for name, t in times.items()), flush=True)
+                start_s, call_s = time_start(tree, model, structured_after_s=args.first_structured)
+                times[name].append(start_s)
+                if call_s is not None:
+                    calls[name].append(call_s)
+            print(f"round {round_}: " + ", ".join(
+                f"{name} {t[-1]:.2f} s" + (f" (first structured call {calls[name][-1]:.3f} s)" if calls[name] else "")
+                for name, t in times.items()), flush=True)
     for name, t in times.items():
         print(f"{name}: median {statistics.median(t):.2f} s [{min(t):.2f}, {max(t):.2f}] over {len(t)} starts")
+        if calls[name]:
+            c = calls[name]
+            print(f"{name}: first structured call median {statistics.median(c):.3f} s [{min(c):.3f}, {max(c):.3f}]")
     if args.baseline_rev:
         this, base_t = times["this checkout"], times[args.baseline_rev]
         ratios = [a / b for a, b in zip(this, base_t, strict=True)]

@@ -104,6 +104,27 @@ def test_a_prefetched_grammar_is_compiled_off_the_step_and_a_bad_one_fails_where
     assert not book._compiling
 
 
+def test_the_compiler_is_warmed_in_the_background_once_the_event_is_set(tiny_llava: Path, tmp_path: Path) -> None:
+    """A process warms its compiler on a thread of its own once ``after`` is set (a worker once it has
+    reported ready); a checkpoint whose tokenizer cannot be read leaves the error to the first structured
+    request."""
+    import threading
+
+    gate = threading.Event()
+    book = GrammarBook(tiny_llava)
+    thread = book.warm_in_background(512, after=gate)
+    thread.join(0.3)
+    assert thread.is_alive() and book._compiler is None
+    gate.set()
+    thread.join(60)
+    assert not thread.is_alive() and book._compiler is not None and book._vocab == 512
+    broken = GrammarBook(tmp_path)
+    broken.warm_in_background(512).join(60)
+    assert broken._compiler is None
+    with pytest.raises(ValueError, match="tokenizer"):  # transformers' reason
+        broken.warm(512)
+
+
 def test_the_setup_a_worker_takes_out_of_its_step_time_is_counted_once_per_matcher(tiny_llava: Path) -> None:
     """``setup_s`` adds the seconds spent importing xgrammar and building a request's matcher (the
     compiler's first load and the compile: the first structured request's decode step took 0.68 s, and

@@ -102,6 +102,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if start_engine:
             ctx.holder.start_background()
+            ctx.grammars.warm_in_background(ctx.holder.model_config.text.vocab_size, after=ctx.holder.ready_event)
             for extension in extensions:
                 extension.start()
             await asyncio.to_thread(parser.start)

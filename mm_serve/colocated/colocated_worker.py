@@ -35,6 +35,9 @@ class ColocatedWorker(WorkerShell):
     def warm_up(self) -> None:
         warm_up(self.engine.runner, self.engine.max_model_len)
 
+    def after_ready(self) -> None:
+        self.engine.grammars.warm_in_background(self.engine.model_config.text.vocab_size)  # off the first structured request
+
     def accept(self, msg: messages.PrefillRequest) -> None:
         pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()
         inputs = ProcessedInputs(list(msg.prompt_token_ids), pixels, msg.num_images, list(msg.image_hashes),

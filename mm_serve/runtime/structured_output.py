@@ -41,6 +41,7 @@ from mm_serve.runtime.grammar_spec import GRAMMAR_KINDS, GrammarError, GrammarSp
 from mm_serve.runtime.json_closing import JsonClosing
 from mm_serve.runtime.logit_controls import split_outputs
 from mm_serve.runtime.schema_combinators import enforceable
+from mm_serve.runtime.thread_affinity import lower_thread_priority
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,7 @@ MAX_OPTIONAL_PROPERTIES = 256  # in one object: xgrammar's compile time grows ~c
 # 8 s at 1000 on a 2-core machine); required properties compile in linear time
 MAX_OPTIONAL_PROPERTIES_TOTAL = 1024  # over the whole schema
 SLOW_REMEMBERED = 1024  # grammars remembered as too slow to compile (refused at once when sent again)
+WARM_NICE = 19  # niceness added to the thread that warms the compiler at start
 MAX_SCHEMA_DEPTH = 64  # schemas within schemas: xgrammar's compile time grows ~cubically with the nesting
 # (0.03 s at 64 levels, 0.2 s at 128, 9 s at 450 on a 2-core machine)
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")  # (?= (?! (?<= (?<!: xgrammar ignores them (the output could break them)
@@ -368,8 +370,8 @@ def _rewritten_schema(text: str) -> str:
 class GrammarBook:
     """One process's compiler (and its cache) and its requests' matchers, over ``model_dir``'s tokenizer.
 
-    Built lazily: nothing is loaded until the first structured request (the vocabulary size is the logits'
-    width then, which may exceed the tokenizer's).
+    Built lazily: nothing is loaded until :meth:`warm_in_background` (at a process's start) or the first
+    structured request (the vocabulary size is the logits' width, which may exceed the tokenizer's).
 
     Raises (:meth:`compile`, :meth:`matcher`):
         GrammarError: the spec does not compile.
@@ -397,6 +399,24 @@ class GrammarBook:
         """Build the compiler for ``vocab_size``-wide logits now (the vocabulary's tables: up to seconds for a
         large vocabulary), so that a later compile's time is the grammar's own."""
         self._compiler_for(vocab_size)
+
+    def warm_in_background(self, vocab_size: int, after: threading.Event | None = None) -> threading.Thread:
+        """:meth:`warm` on a daemon thread of its own, once ``after`` is set (None: now): a worker or the API
+        process at start, so that its first structured request does not pay for importing xgrammar and
+        building the vocabulary's tables (~0.7 s on a 2-core CPU). A failure is left for the first structured
+        request to raise (a checkpoint without a fast tokenizer serves everything else). Returns the thread."""
+        def run() -> None:
+            if after is not None:
+                after.wait()
+            lower_thread_priority(WARM_NICE)  # behind the serving threads and the other workers' start
+            try:
+                self.warm(vocab_size)
+            except Exception:  # noqa: BLE001 - raised again, with its reason, by the first structured request
+                pass
+
+        thread = threading.Thread(target=run, name="grammar-warm", daemon=True)
+        thread.start()
+        return thread
 
     def mark_slow(self, spec: GrammarSpec) -> None:
         """Remember that ``spec`` took too long to compile (the last :data:`SLOW_REMEMBERED` such specs)."""

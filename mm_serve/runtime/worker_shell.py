@@ -78,6 +78,10 @@ class WorkerShell(ABC):
         (:func:`mm_serve.runtime.warm_up.warm_up`; default: nothing)."""
         return None
 
+    def after_ready(self) -> None:
+        """Start what can wait until the worker has reported ready, in the background (default: nothing)."""
+        return None
+
     def accept(self, msg: messages.PrefillRequest) -> None:
         """Queue a new request (roles whose :attr:`accepts` includes ``PrefillRequest``)."""
         raise NotImplementedError(f"a {self.role} worker takes no new requests")
@@ -153,6 +157,7 @@ class WorkerShell(ABC):
         freeze_startup_heap()
         self.channel.send(messages.WorkerReady(self.role, self.spec.index, os.getpid(), self.kv_cache.num_pages,
                                                self.warm_up_error))
+        self.after_ready()
         running = True
         while running and self.channel.parent_alive():
             for msg in self.channel.recv(self.wait_ms()):
