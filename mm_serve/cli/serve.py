@@ -304,7 +304,18 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout)
             announced.append(True)
 
+    def exit_when_unavailable() -> None:  # fault.exit_when_unavailable: a supervisor starts a fresh service
+        holder.unavailable.wait()
+        if server.should_exit:
+            return
+        failed.append(True)
+        say(f"mm-serve: error: {holder.client.flights.unavailable_reason}; exiting so that a supervisor can start "
+            "the service again (fault.exit_when_unavailable)")
+        server.should_exit = True
+
     threading.Thread(target=announce, daemon=True).start()
+    if cfg.fault.exit_when_unavailable:
+        threading.Thread(target=exit_when_unavailable, name="mm-serve-unavailable", daemon=True).start()
     try:
         server.run()  # on the loop of api.event_loop (asyncio.run would ignore it)
     except KeyboardInterrupt:

@@ -37,6 +37,7 @@ class EngineHolder:
         if client.router is not None:
             self.ready_event.set()
         self.draining = threading.Event()  # set on SIGTERM/SIGINT: new requests get 503
+        self.unavailable = client.flights.unavailable  # set once a role's workers are all down for good
         self.drain_deadline = 0.0  # time.monotonic() by which a drain under way stops the workers
         self.drain_ended = threading.Event()  # set when a drain ends: what is still held is answered 503
         self._drain_cut = threading.Event()  # set by :meth:`cut_drain`: a drain under way ends now

@@ -39,6 +39,8 @@ class FlightTable:
 
     Attributes:
         requests: request id -> :class:`RequestState` of every unfinished request.
+        unavailable: set once every worker of a role the requests need is down for good (past
+            ``fault.max_restarts``): no request can be served any more.
         fault_counts: ``(kind, role)`` -> count, kinds ``request_migrations`` (requests moved
             after a fault of a worker of that role), ``handoff_failures`` (hand-offs refused
             by decode), ``requests_failed_by_fault`` (requests ended with an error by a fault).
@@ -54,6 +56,8 @@ class FlightTable:
         self.router: Router | None = None  # set once the workers are ready
         self.ledger: LoadLedger | None = None
         self._notify = notify
+        self.unavailable = threading.Event()  # set once every worker of a role the requests need is down for good
+        self.unavailable_reason = ""  # then: which role
         self._flights: dict[str, Flight] = {}  # request id -> flight
         self._wire: dict[str, Flight] = {}  # wire id of the current attempt -> flight
         # the ledger lists queued looser requests for the promise rule only where it can act (no
@@ -219,6 +223,8 @@ class FlightTable:
         try:
             self.check_recoverable()
         except RuntimeError as exc:
+            self.unavailable_reason = str(exc)
+            self.unavailable.set()
             for flight in list(self._flights.values()):
                 self._drop_attempt(flight)
                 self.fault_counts["requests_failed_by_fault", role.value] += 1

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mm_serve.cluster.stale_instances import process_start_time
+from mm_serve.cluster.stale_instances import SHM_DIR, process_start_time
 from tests.api.server_process import ServerProcess, data_uri, worker_children
 from tests.factories import gradient_image
 
@@ -162,3 +162,42 @@ def test_a_stop_while_a_worker_restarts_does_not_wait_for_it(tiny_llava: Path, t
     finally:
         server.stop()
     assert process_start_time(new) is None
+
+
+@pytest.mark.parametrize("exits", [True, False])
+def test_a_role_down_for_good_exits_the_service_for_its_supervisor_unless_asked_to_stay(
+        tiny_llava: Path, tmp_path: Path, exits: bool) -> None:
+    """The only decode worker killed with no restart allowed: the stream in flight ends with an error event
+    and [DONE]; with ``fault.exit_when_unavailable`` (the default) the server then exits 1, its workers and
+    shared memory gone (a supervisor starts a fresh one), else it stays up answering 503."""
+    config = tmp_path / "fault.yaml"
+    config.write_text(f"fault:\n  max_restarts: 0\n  exit_when_unavailable: {str(exits).lower()}\n")
+    before = {p.name for p in SHM_DIR.glob("mmsrv-*")}
+    server = ServerProcess(tiny_llava, "--config", str(config), log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        workers = worker_children(server.proc.pid)
+        mine = {p.name for p in SHM_DIR.glob("mmsrv-*")} - before
+        assert len(workers) == 2 and mine
+        pid, lines = decode_pid(server), []
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=chat_body(True), timeout=120) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if len(lines) == 4:
+                    os.kill(pid, signal.SIGKILL)
+        lines = [line for line in lines if line]
+        assert '"error"' in lines[-2] and "every decode worker is down" in lines[-2] and lines[-1] == "data: [DONE]"
+        if exits:
+            assert server.proc.wait(60) == 1
+            assert "exiting so that a supervisor can start the service again" in server.output()
+            assert all(process_start_time(pid) is None for pid in workers)
+            assert not mine & {p.name for p in SHM_DIR.glob("mmsrv-*")}
+        else:
+            time.sleep(1.0)
+            assert server.proc.poll() is None
+            health = httpx.get(f"{server.url}/health", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] == "down"
+            refused = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body(False), timeout=30)
+            assert refused.status_code == 503 and "every decode worker is down" in refused.json()["error"]["message"]
+    finally:
+        server.stop()
