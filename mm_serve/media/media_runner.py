@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import os
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
-
-from mm_serve.runtime.thread_affinity import lower_thread_priority
 
 T = TypeVar("T")
 
@@ -85,7 +85,7 @@ class MediaRunner:
         pool.shutdown(wait=False, cancel_futures=True)
 
     def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self.threads, thread_name_prefix="media", initializer=lower_thread_priority,
+        return ThreadPoolExecutor(self.threads, thread_name_prefix="media", initializer=_lower_priority,
                                   initargs=(self.nice,))
 
     def _ask(self, rank: int) -> asyncio.Future[None]:
@@ -150,6 +150,13 @@ class MediaTurns:
         for grant in list(self.pending):
             if not grant.done():
                 grant.set_exception(MediaAbandoned("the call was refused before this step of its media work began"))
+
+
+def _lower_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: a thread is a task of its own)."""
+    if nice and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:

@@ -41,7 +41,6 @@ from mm_serve.runtime.grammar_spec import GRAMMAR_KINDS, GrammarError, GrammarSp
 from mm_serve.runtime.json_closing import JsonClosing
 from mm_serve.runtime.logit_controls import split_outputs
 from mm_serve.runtime.schema_combinators import enforceable
-from mm_serve.runtime.thread_affinity import lower_thread_priority
 
 if TYPE_CHECKING:
     import torch
@@ -65,7 +64,6 @@ MAX_OPTIONAL_PROPERTIES = 256  # in one object: xgrammar's compile time grows ~c
 # 8 s at 1000 on a 2-core machine); required properties compile in linear time
 MAX_OPTIONAL_PROPERTIES_TOTAL = 1024  # over the whole schema
 SLOW_REMEMBERED = 1024  # grammars remembered as too slow to compile (refused at once when sent again)
-WARM_NICE = 19  # niceness added to the thread that warms the compiler at start
 MAX_SCHEMA_DEPTH = 64  # schemas within schemas: xgrammar's compile time grows ~cubically with the nesting
 # (0.03 s at 64 levels, 0.2 s at 128, 9 s at 450 on a 2-core machine)
 _LOOKAROUND = re.compile(r"\(\?<?[=!]")  # (?= (?! (?<= (?<!: xgrammar ignores them (the output could break them)
@@ -403,12 +401,12 @@ class GrammarBook:
     def warm_in_background(self, vocab_size: int, after: threading.Event | None = None) -> threading.Thread:
         """:meth:`warm` on a daemon thread of its own, once ``after`` is set (None: now): a worker or the API
         process at start, so that its first structured request does not pay for importing xgrammar and
-        building the vocabulary's tables (~0.7 s on a 2-core CPU). A failure is left for the first structured
+        building the vocabulary's tables (~0.7 s on a 2-core CPU). At the process's priority: a structured
+        request that comes meanwhile waits for it (niced, it would starve behind a loaded CPU). A failure is left for the first structured
         request to raise (a checkpoint without a fast tokenizer serves everything else). Returns the thread."""
         def run() -> None:
             if after is not None:
                 after.wait()
-            lower_thread_priority(WARM_NICE)  # behind the serving threads and the other workers' start
             try:
                 self.warm(vocab_size)
             except Exception:  # noqa: BLE001 - raised again, with its reason, by the first structured request

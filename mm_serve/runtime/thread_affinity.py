@@ -1,10 +1,8 @@
-"""Where and how eagerly threads run: pin every thread of a process to a set of cores
-(``sched_setaffinity`` sets one thread's only), or lower the calling thread's priority."""
+"""Pin every thread of a process to a set of cores (``sched_setaffinity`` sets one thread's only)."""
 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -28,11 +26,3 @@ def pin_threads(pid: int, cores: set[int], proc: Path = PROC) -> bool | None:
         except OSError:
             continue
     return settled
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Add ``nice`` to the calling thread's niceness, up to 19 (Linux: a thread is a task of its own;
-    elsewhere nothing)."""
-    if nice and hasattr(os, "setpriority"):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
