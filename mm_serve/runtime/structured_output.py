@@ -401,9 +401,10 @@ class GrammarBook:
     def warm_in_background(self, vocab_size: int, after: threading.Event | None = None) -> threading.Thread:
         """:meth:`warm` on a daemon thread of its own, once ``after`` is set (None: now): a worker or the API
         process at start, so that its first structured request does not pay for importing xgrammar and
-        building the vocabulary's tables (~0.7 s on a 2-core CPU). At the process's priority: a structured
-        request that comes meanwhile waits for it (niced, it would starve behind a loaded CPU). A failure is left for the first structured
-        request to raise (a checkpoint without a fast tokenizer serves everything else). Returns the thread."""
+        building the vocabulary's tables (~0.7 s on a 2-core CPU). It runs at the process's priority: a
+        structured request that comes meanwhile waits for it (niced, it would starve behind a loaded CPU).
+        A failure is left for the first structured request to raise (a checkpoint without a fast tokenizer
+        serves everything else). Returns the thread."""
         def run() -> None:
             if after is not None:
                 after.wait()
