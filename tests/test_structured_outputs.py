@@ -125,6 +125,46 @@ def test_the_compiler_is_warmed_in_the_background_once_the_event_is_set(tiny_lla
         broken.warm(512)
 
 
+def test_a_grammar_with_no_token_next_ends_its_request_alone(tiny_llava: Path) -> None:
+    """A grammar that allows a letter and then nothing: at its dead end its request gets no token, ends
+    ``FINISHED_ABORTED`` and reports finish ``error`` with the reason, its row left unmasked (masked, a
+    sampled draw from it had no token at all); its batch-mates are masked and go on. A request whose own
+    outputs its grammar refuses (a matcher rebuilt after a migration) ends the same way."""
+    import torch
+
+    from mm_serve.runtime.post_step import StopCriteria, process_step, token_update
+    from mm_serve.runtime.request import Request, RequestStatus
+
+    def finish(request: Request, status: RequestStatus) -> None:
+        request.status = status
+
+    book = GrammarBook(tiny_llava)
+    dead = Request("dead", [1, 2, 3], SamplingParams(max_tokens=8, structured=("grammar", "root ::= [a-z] r\nr ::= r")))
+    live = Request("live", [1, 2, 3], SamplingParams(max_tokens=8, structured=("regex", "[a-z]+"), stop_token_ids=[2]))
+    plain = Request("plain", [1, 2, 3], SamplingParams(max_tokens=8))
+    refused = Request("refused", [1, 2, 3], SamplingParams(max_tokens=8, structured=("regex", "[a-z]+")))
+    refused.output_token_ids = [0]  # not a letter
+    batch, criteria = [dead, live, plain], StopCriteria(frozenset(), 1000)
+    logits = torch.zeros(3, 512)
+    book.mask(logits, batch)
+    letter = int(torch.argmax(logits[0]))
+    assert dead.grammar_failure is None and torch.isinf(logits[0]).sum() > 0
+    assert process_step(batch, book.accept(batch, [letter, letter, 7]), [None] * 3, criteria, finish) == []
+    batch.append(refused)
+    logits = torch.zeros(4, 512)
+    book.mask(logits, batch)
+    assert dead.grammar_failure is not None and "allows no token after its 1 output token(s)" in dead.grammar_failure
+    assert refused.grammar_failure is not None and "does not accept its own output" in refused.grammar_failure
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[3]).all() and torch.isfinite(logits[2]).all()
+    assert torch.isinf(logits[1]).sum() > 0
+    finished = process_step(batch, book.accept(batch, [5, letter, 7, 5]), [None] * 4, criteria, finish)
+    assert finished == [dead, refused] and dead.status is RequestStatus.FINISHED_ABORTED
+    assert dead.output_token_ids == [letter] and live.output_token_ids == [letter, letter]
+    update = token_update(dead)
+    assert (update.finish_reason, update.error, update.token_ids) == ("error", dead.grammar_failure, [letter])
+    assert token_update(live).finish_reason is None
+
+
 def test_the_setup_a_worker_takes_out_of_its_step_time_is_counted_once_per_matcher(tiny_llava: Path) -> None:
     """``setup_s`` adds the seconds spent importing xgrammar and building a request's matcher (the
     compiler's first load and the compile: the first structured request's decode step took 0.68 s, and

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from mm_serve.api.call_route import serve_call
-from mm_serve.api.sse import DONE, error_event, event
+from mm_serve.api.sse import DONE, error_event, event, failure_event
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.pipeline import AdmittedCall
 from mm_serve.pipeline.responses import echo_logprobs, echo_text, finish_reason, timeout_message
@@ -37,7 +37,7 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
                 continue
             text = state.take_text()
             if state.finished and state.failure:
-                yield error_event(f"the request failed: {state.failure}")
+                yield failure_event(state)
                 yield DONE
                 return
             if state.finished:

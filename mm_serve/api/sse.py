@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from mm_serve.admission.predictor import Prediction
+from mm_serve.engine.request_state import RequestState
 
 DONE = "data: [DONE]\n\n"
 
@@ -19,6 +20,15 @@ def error_event(message: str, type_: str = "service_unavailable", code: str | No
     """An OpenAI-style error object sent inside a stream (headers are already out); ``code``
     defaults to ``type_``, as the same failure's non-streamed 503 body has it."""
     return event({"error": {"message": message, "type": type_, "param": None, "code": code or type_}})
+
+
+def failure_event(state: RequestState) -> str:
+    """The error event of a stream whose request failed: ``invalid_request_error`` (code ``invalid_grammar``)
+    where what it asked cannot be done (:attr:`RequestState.invalid_input`: a non-streamed call's 400), else
+    ``service_unavailable`` (a non-streamed call's 503)."""
+    if state.invalid_input:
+        return error_event(str(state.failure_message), "invalid_request_error", "invalid_grammar")
+    return error_event(str(state.failure_message))
 
 
 PREDICTION_HEADER = "x-mm-serve-predicted-ttft-ms"

@@ -49,6 +49,7 @@ class RequestState:
         # a structured output (grammar): its decode worker compiles the grammar when it takes the request
         # (a fresh one: up to seconds), so the gap before its second token is no decode step
         self.structured = False
+        self.invalid_input = False  # it failed for what it asked (its grammar allows no token): a 400, not a 503
         self._cached_reported = False
         self._pending_text: list[str] = []
         self._early: dict[int, messages.TokenUpdate] = {}
@@ -97,6 +98,10 @@ class RequestState:
             self._pending_text.append(delta)
         if self.detokenizer.stopped:
             return self._finish("stop", self.detokenizer.stop_string)
+        if update.finish_reason == "error":  # the request's own input cannot go on (its grammar allows no token)
+            self.error = update.error or "the request cannot go on"
+            self.invalid_input = True
+            return self._finish("error", None)
         if update.finish_reason is not None:
             return self._finish(update.finish_reason, update.stop_reason)
         return False
@@ -134,6 +139,15 @@ class RequestState:
     def failure(self) -> str | None:
         """Why the service failed it; None when it did not fail, or was cancelled by its caller."""
         return None if self.error is None or self.aborted else self.error
+
+    @property
+    def failure_message(self) -> str | None:
+        """:attr:`failure` as the caller reads it: the request failed, or (:attr:`invalid_input`) it cannot be
+        completed as asked."""
+        failure = self.failure
+        if failure is None:
+            return None
+        return f"the request cannot be completed: {failure}" if self.invalid_input else f"the request failed: {failure}"
 
     def drop_unordered(self) -> None:
         """Forget updates that arrived ahead of a gap (a failed attempt's; its next attempt

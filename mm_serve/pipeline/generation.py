@@ -138,6 +138,6 @@ class Generation:
         """Prompt tokens whose KV was reused, as counted for the prompt once (its first choice)."""
         return min(self.states[0].cached_tokens, self.num_prompt_tokens) if self.states else 0
 
-    def failure(self) -> str | None:
-        """The first error message among the requests, if any failed."""
-        return next((state.failure for state in self.states if state.failure), None)
+    def failed(self) -> RequestState | None:
+        """The first of the requests that failed, if any (:attr:`RequestState.failure`)."""
+        return next((state for state in self.states if state.failure), None)

@@ -37,8 +37,8 @@ from mm_serve.pipeline.media import chat_request, process_inputs, video_limits
 from mm_serve.pipeline.origin import CallOrigin
 from mm_serve.pipeline.refusal import from_rejection
 from mm_serve.protocol.errors import bad_request
+from mm_serve.runtime.grammar_spec import GrammarAllowsNothing, GrammarError
 from mm_serve.runtime.page_hashes import request_salt
-from mm_serve.runtime.structured_output import GrammarError
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,13 @@ async def _admit(ctx: ServerContext, body: Body, origin: CallOrigin) -> Admitted
 
 async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str) -> float:
     """Compile the grammar a call asks for, in a thread (the workers' compilers do the same; this one
-    finds a grammar that cannot be compiled before any work is done for the call). Returns the seconds
-    the compile took (~0 for a grammar compiled before: xgrammar's compiler caches by grammar).
+    finds a grammar that cannot be compiled, or with which no output can start, before any work is done for
+    the call). Returns the seconds the compile took (~0 for a grammar compiled before: xgrammar's compiler
+    caches by grammar).
 
     Raises:
-        APIError: 400 ``invalid_grammar`` naming the field and xgrammar's reason; 400
+        APIError: 400 ``invalid_grammar`` naming the field and xgrammar's reason, or saying that it allows no
+            output (:meth:`~mm_serve.runtime.structured_output.GrammarBook.check_start`); 400
             ``grammar_too_complex`` when it takes longer than ``api.max_grammar_compile_s`` (the compile
             goes on in its thread; the grammar is remembered and refused at once when sent again).
     """
@@ -122,7 +124,7 @@ async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str
     def compile_it() -> None:  # on a daemon thread: a compile under way never holds up the server's exit
         start = time.perf_counter()
         try:
-            ctx.grammars.compile(spec, vocab_size)
+            ctx.grammars.check_start(spec, vocab_size)  # compiles it first
             outcome: BaseException | None = None
         except BaseException as exc:  # handed to the awaiting call
             outcome = exc
@@ -139,6 +141,8 @@ async def _compile_grammar(ctx: ServerContext, spec: tuple[str, str], param: str
         ctx.grammars.mark_slow(spec)
         done.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome, when it comes, is read
         raise bad_request(too_complex, param, "grammar_too_complex") from None
+    except GrammarAllowsNothing as exc:
+        raise bad_request(f"the {param} grammar allows no output: {exc}", param, "invalid_grammar") from None
     except GrammarError as exc:
         raise bad_request(f"the {param} grammar cannot be compiled: {exc}", param, "invalid_grammar") from None
     return took[0]

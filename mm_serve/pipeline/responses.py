@@ -12,7 +12,7 @@ from mm_serve.engine.request_state import RequestState
 from mm_serve.pipeline.context import ServerContext
 from mm_serve.pipeline.pipeline import AdmittedCall
 from mm_serve.pipeline.tool_answer import answer_message
-from mm_serve.protocol.errors import unavailable
+from mm_serve.protocol.errors import bad_request, unavailable
 from mm_serve.protocol.logprobs_format import chat_logprobs, completion_logprobs
 from mm_serve.protocol.schemas import (
     ChatChoice,
@@ -59,9 +59,11 @@ async def wait_all(ctx: ServerContext, admitted: AdmittedCall, gone: Callable[[]
     except ConnectionAbortedError:
         admitted.abort()
         raise
-    failure = next((g.failure() for g in admitted.generations if g.failure()), None)
-    if failure:
-        raise unavailable(f"the request failed: {failure}", FAILED_RETRY_AFTER_S)
+    failed = next((state for g in admitted.generations if (state := g.failed()) is not None), None)
+    if failed is not None and failed.invalid_input:  # what it asked cannot be done: sending it again would not help
+        raise bad_request(str(failed.failure_message), None, "invalid_grammar")
+    if failed is not None:
+        raise unavailable(str(failed.failure_message), FAILED_RETRY_AFTER_S)
 
 
 def chat_response(ctx: ServerContext, admitted: AdmittedCall) -> ChatCompletionResponse:

@@ -12,3 +12,8 @@ expression; ``choice``: a JSON list of strings; ``grammar``: an EBNF grammar in 
 class GrammarError(ValueError):
     """A grammar xgrammar cannot compile or would not enforce exactly (the message names the problem), or an
     unknown kind."""
+
+
+class GrammarAllowsNothing(GrammarError):
+    """A grammar that compiles but with which no output can start: it allows no first token and is not
+    complete when empty."""

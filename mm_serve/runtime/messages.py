@@ -169,12 +169,13 @@ class TokenUpdate(msgspec.Struct):
     start_index: int
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the request's own input: see error)
     stop_reason: int | None = None
     events: dict[str, float] | None = None  # lifetime events, time.time() seconds
     cached_tokens: int | None = None  # on the first update: prompt tokens whose KV came from the prefix cache
     # on the first update, when asked (SamplingParams.prompt_logprobs): one entry per prompt token, None first
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # with finish_reason "error": why the request cannot go on (its grammar allows no token)
 
 
 class StepTiming(msgspec.Struct):

@@ -72,7 +72,9 @@ def process_step(
 
     ``finish(request, status)`` must set ``request.status`` and release what the request
     holds (pages, queue entries). Finished requests are stamped
-    :attr:`~LifetimeEvent.FINISHED`.
+    :attr:`~LifetimeEvent.FINISHED`. A request whose grammar could not go on in this step
+    (``request.grammar_failure``, set by the grammar book's mask) gets no token and ends
+    ``FINISHED_ABORTED``; its update says why (:func:`token_update`).
 
     Returns:
         The requests of ``batch`` that finished in this step, in batch order.
@@ -82,8 +84,11 @@ def process_step(
     """
     finished: list[Request] = []
     for request, token, lp in zip(batch, tokens, logprobs, strict=True):
-        request.append_output(token, lp)
-        status = check_stop(request, token, criteria)
+        if request.grammar_failure is not None:  # its grammar cannot go on: it ends with that error, token dropped
+            status: RequestStatus | None = RequestStatus.FINISHED_ABORTED
+        else:
+            request.append_output(token, lp)
+            status = check_stop(request, token, criteria)
         if status is not None:
             finish(request, status)
             request.stamp(LifetimeEvent.FINISHED)
@@ -95,10 +100,11 @@ def token_update(request: Request, with_events: bool = False) -> messages.TokenU
     """The outputs of ``request`` not yet reported, as one update; marks them reported.
 
     Carries the finish reason (and the stop token) once the request is finished, and its
-    lifetime events then, or always with ``with_events``.
+    lifetime events then, or always with ``with_events``; a request ended by its
+    ``grammar_failure`` finishes as ``"error"`` with that message.
     """
     start = request.num_sent_tokens
-    reason = request.finish_reason
+    reason = "error" if request.grammar_failure is not None and request.status.finished else request.finish_reason
     asked_logprobs = request.sampling_params.logprobs is not None
     update = messages.TokenUpdate(
         request.request_id, start, request.output_token_ids[start:],
@@ -107,6 +113,7 @@ def token_update(request: Request, with_events: bool = False) -> messages.TokenU
         events_to_wire(request.events) if with_events or reason is not None else None,
         request.num_prompt_cached_tokens if start == 0 and request.output_token_ids else None,
         request.prompt_logprobs if start == 0 and request.output_token_ids else None,
+        request.grammar_failure if reason == "error" else None,
     )
     request.num_sent_tokens = len(request.output_token_ids)
     return update

@@ -37,7 +37,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_serve.runtime.grammar_spec import GRAMMAR_KINDS, GrammarError, GrammarSpec
+from mm_serve.runtime.grammar_spec import (
+    GRAMMAR_KINDS,
+    GrammarAllowsNothing,
+    GrammarError,
+    GrammarSpec,
+)
 from mm_serve.runtime.json_closing import JsonClosing
 from mm_serve.runtime.logit_controls import split_outputs
 from mm_serve.runtime.schema_combinators import enforceable
@@ -485,6 +490,26 @@ class GrammarBook:
             pending.wait()
         return self._compile_now(spec, vocab_size)
 
+    def check_start(self, spec: GrammarSpec, vocab_size: int) -> None:
+        """Check that some output can start under ``spec``'s grammar (compiled first: :meth:`compile`): it
+        allows a first token of the ``vocab_size`` ones, or is complete when empty. ``root ::= root``, a rule
+        that derives no string, or a regex of a character no token writes compiles and allows nothing.
+
+        Raises:
+            GrammarAllowsNothing: it allows no first token and is not complete when empty.
+            GrammarError: as :meth:`compile`.
+        """
+        compiled = self.compile(spec, vocab_size)
+        xgrammar = self._xgrammar_module()
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        if matcher.is_terminated():
+            return
+        bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not bool(bitmask.any()):
+            raise GrammarAllowsNothing("no token of the vocabulary can start an output it accepts (a rule that "
+                                       "derives no string, such as root ::= root, or a character no token writes)")
+
     def _compile_now(self, spec: GrammarSpec, vocab_size: int) -> Any:
         kind, text = spec
         if kind == "choice":
@@ -560,16 +585,37 @@ class GrammarBook:
 
     def mask(self, logits: torch.Tensor, batch: list[Request]) -> None:
         """Set to ``-inf``, in ``logits`` ``[B, V]`` (float32, in place), every token the grammar of a
-        structured request of ``batch`` does not allow next (other rows are left as they are)."""
-        rows = [i for i, r in enumerate(batch) if r.sampling_params.structured is not None]
+        structured request of ``batch`` does not allow next (other rows are left as they are).
+
+        A request whose grammar cannot go on is left unmasked and gets its ``grammar_failure`` (it then
+        ends with that error, alone: :func:`~mm_serve.runtime.post_step.process_step`): its matcher cannot
+        be built from its outputs, or its grammar allows no token next and is not complete (a rule that
+        derives no string, ``root ::= "a" b`` with ``b ::= b``, or a character no token of the vocabulary
+        writes). Its row masked, a sampled request drew from no token at all and the step failed for the
+        whole batch."""
+        rows = [i for i, r in enumerate(batch) if r.sampling_params.structured is not None and r.grammar_failure is None]
         if not rows:
             return
         xgrammar = self._xgrammar_module()
         vocab = logits.shape[-1]
         bitmask = xgrammar.allocate_token_bitmask(len(batch), vocab)
+        live = []
         for i in rows:
-            self.matcher(batch[i], vocab).fill_next_token_bitmask(bitmask, i)
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+            request = batch[i]
+            try:
+                matcher = self.matcher(request, vocab)
+            except GrammarError as exc:
+                request.grammar_failure = f"its grammar does not accept its own output: {exc}"
+                continue
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if bool(bitmask[i].any()) or matcher.is_terminated():
+                live.append(i)
+            else:
+                request.grammar_failure = (f"its grammar allows no token after its {len(request.output_token_ids)} "
+                                           "output token(s): no output can complete it (a rule that derives no "
+                                           "string, or a character no token of the vocabulary writes)")
+        if live:
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=live)
 
     def accept(self, batch: list[Request], tokens: list[int]) -> list[int]:
         """Feed each structured request's sampled token to its matcher (after :meth:`mask`); returns the
@@ -578,7 +624,7 @@ class GrammarBook:
         out = list(tokens)
         for i, (request, token) in enumerate(zip(batch, tokens, strict=True)):
             matcher: Any = request.grammar_matcher
-            if matcher is None or matcher.is_terminated():
+            if matcher is None or matcher.is_terminated() or request.grammar_failure is not None:
                 continue
             spec = request.sampling_params.structured
             if spec is not None and spec[0] == "json_object":

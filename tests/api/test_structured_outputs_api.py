@@ -119,6 +119,11 @@ def test_json_object_regex_and_choice(server: ServerProcess) -> None:
     ({"guided_json": "[" * 5000 + "]" * 5000}, "guided_json", None),  # past the JSON parser's stack
     ({"structured_outputs": {"json": "{\"a\": " * 3000 + "1" + "}" * 3000}}, "structured_outputs.json", None),
     ({"guided_grammar": "root ::= ("}, "guided_grammar", "invalid_grammar"),
+    # grammars that compile but with which no output can start: no first token, not complete when empty
+    ({"guided_grammar": "root ::= root"}, "guided_grammar", "invalid_grammar"),
+    ({"guided_grammar": "root ::= a\na ::= root"}, "guided_grammar", "invalid_grammar"),
+    ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex", "invalid_grammar"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar", "invalid_grammar"),
     ({"guided_json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "guided_json", "invalid_grammar"),
     ({"guided_json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "guided_json", "invalid_grammar"),
     # keywords xgrammar would compile by ignoring one (outputs broke them: 25 for a multiple of 7 over 10)
@@ -142,8 +147,52 @@ def test_what_cannot_be_compiled_is_a_400_naming_the_field(server: ServerProcess
         words = ("frobnicate", "parenthesis", "optional properties", "minLength", "maxLength", "patternProperties",
                  "$ref", "levels deep", "lookaround", "not in properties", "EBNF parser error", "oneOf schemas",
                  "allOf: 'type'", "multipleOf", "together", "'dependencies'", "breaks the schema's", "empty list",
-                 "lone surrogate")
+                 "lone surrogate", "allows no output")
         assert any(word in error["message"] for word in words), error["message"]
+
+
+DEAD_END = "root ::= [a-z] rest\nrest ::= rest"  # a first letter, then no token at all
+
+
+def test_a_grammar_that_dead_ends_fails_its_own_call_alone(server: ServerProcess) -> None:
+    """Calls whose grammar allows a first letter and then nothing, batched with plain calls: each ends alone
+    with a 400 ``invalid_grammar`` (streamed: that error event, then [DONE]), and the plain calls beside them
+    give the tokens they give alone. The decode worker's step used to fail for the whole batch (503s for
+    every call in it), and a sampled dead-end row drew from no token at all; one with no output allowed at
+    all is refused before any work."""
+    error = chat_error(server, {"messages": PROMPT, "guided_grammar": "root ::= root"})
+    assert "allows no output" in error["message"], error
+
+    def plain(i: int) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": f"Count to {i}"}], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True})
+
+    def dead_end(i: int) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": PROMPT, "max_tokens": 24, "temperature": 1.0, "seed": i,
+            "guided_grammar": DEAD_END})
+
+    def streamed_dead_end() -> list[str]:
+        body = {"model": "tiny", "messages": PROMPT, "max_tokens": 24, "stream": True, "guided_grammar": DEAD_END}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            return [line for line in r.iter_lines() if line]
+
+    alone = [plain(i).json()["choices"][0]["message"]["content"] for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        plains = [pool.submit(plain, i) for i in range(4)]
+        dead = [pool.submit(dead_end, i) for i in range(3)]
+        stream = pool.submit(streamed_dead_end)
+        assert [f.result().json()["choices"][0]["message"]["content"] for f in plains] == alone
+        for f in dead:
+            r = f.result()
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
+            assert "its grammar allows no token after its 1 output token(s)" in r.json()["error"]["message"]
+        lines = stream.result()
+    assert lines[-1] == "data: [DONE]"
+    last = json.loads(lines[-2][len("data: "):])["error"]
+    assert last["type"] == "invalid_request_error" and last["code"] == "invalid_grammar", last
 
 
 def test_pydantic_models_with_urls_constrained_strings_and_multiples_are_served(server: ServerProcess) -> None:
