@@ -165,6 +165,17 @@ def test_a_grammar_with_no_token_next_ends_its_request_alone(tiny_llava: Path) -
     assert token_update(live).finish_reason is None
 
 
+def test_the_offline_api_fails_a_call_whose_grammar_dead_ends_and_serves_the_next(tiny_llava: Path) -> None:
+    """In-process (colocated), as with workers: ``generate`` raises with the reason, the engine keeps no
+    request of the call, and the next call is served."""
+    llm = LLM(tiny_llava, mode="colocated")
+    dead = SamplingParams(max_tokens=8, structured=("grammar", "root ::= [a-z] r\nr ::= r"))
+    with pytest.raises(RuntimeError, match="1 request\\(s\\) failed: its grammar allows no token after its 1"):
+        llm.generate([PROMPT, PROMPT], [dead, SamplingParams(max_tokens=8)])
+    assert llm.engine is not None and not llm.engine.has_unfinished() and not llm.engine.requests
+    assert len(llm.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5
+
+
 def test_the_setup_a_worker_takes_out_of_its_step_time_is_counted_once_per_matcher(tiny_llava: Path) -> None:
     """``setup_s`` adds the seconds spent importing xgrammar and building a request's matcher (the
     compiler's first load and the compile: the first structured request's decode step took 0.68 s, and

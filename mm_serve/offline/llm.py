@@ -157,6 +157,8 @@ class LLM:
 
         Raises:
             InvalidRequestError: a request is malformed or too long (nothing is run).
+            RuntimeError: a request failed (a worker fault past its migrations, or a grammar that allows no
+                token at some point: its message says why).
         """
         if isinstance(requests, str | dict):
             requests = [requests]
@@ -184,6 +186,11 @@ class LLM:
                 for request in self.engine.step():
                     done[request.request_id] = request
                     bar.update(1)
+        failed = [r for r in done.values() if r.grammar_failure is not None]
+        if failed:  # as with workers: a request that cannot go on fails the call
+            for request in done.values():
+                self.engine.release(request.request_id)
+            raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].grammar_failure}")
         return [self._collect(rid, sub_ids, n_prompt, done) for rid, sub_ids, n_prompt in plan]
 
     def _generate_with_workers(
