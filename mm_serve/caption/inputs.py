@@ -19,8 +19,10 @@ OpenAI batch file. A malformed row, a duplicate id or an empty input raises
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -100,17 +102,17 @@ def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet
         text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is skipped
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read: {exc}") from None
-    rows = _parse_rows(path, text)
-    if not rows:
+    rows = _rows(path, text)
+    first = next(rows, None)
+    if first is None:
         raise InputError(f"{path}: no rows (expected JSON lines)")
-    if "custom_id" in rows[0][1]:
+    if "custom_id" in first[1]:
         fmt: InputFormat = "openai-batch"
-        items = [_batch_item(path, n, row, frozenset({BATCH_URL})) for n, row in rows]
-    else:
-        fmt = "jsonl"
-        items = [_jsonl_item(path, n, row, default_prompt) for n, row in rows]
-    _check_unique(path, [n for n, _ in rows], [item.id for item in items])
-    return InputSet(fmt, items)
+        return InputSet(fmt, _items(path, itertools.chain([first], rows),
+                                    lambda n, row: _batch_item(path, n, row, frozenset({BATCH_URL}))))
+    fmt = "jsonl"
+    return InputSet(fmt, _items(path, itertools.chain([first], rows),
+                                lambda n, row: _jsonl_item(path, n, row, default_prompt)))
 
 
 def parse_batch_rows(text: str, source: str, urls: frozenset[str]) -> list[CaptionInput]:
@@ -127,11 +129,9 @@ def parse_batch_rows(text: str, source: str, urls: frozenset[str]) -> list[Capti
             that is not a request for its ``url``, a duplicate ``custom_id``, or no rows.
     """
     path = Path(source)
-    rows = _parse_rows(path, text)
-    if not rows:
+    items = _items(path, _rows(path, text), lambda n, row: _batch_item(path, n, row, urls), "custom_id")
+    if not items:
         raise InputError(f"{path}: no rows (expected JSON lines)")
-    items = [_batch_item(path, n, row, urls) for n, row in rows]
-    _check_unique(path, [n for n, _ in rows], [item.id for item in items], "custom_id")
     return items
 
 
@@ -144,14 +144,13 @@ def _read_folder(root: Path, prompt: str) -> list[CaptionInput]:
     return sorted(items, key=lambda item: item.id)
 
 
-def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, object)`` for every non-blank line.
+def _rows(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for every non-blank line, in file order, each parsed when it is reached.
 
     Raises:
         InputError: a line that is not JSON (nested past Python's recursion limit, an integer of over
             4,300 digits included) or not a JSON object.
     """
-    rows = []
     # lines end at \n only: str.splitlines() also splits at U+2028 and U+0085, which JSON strings may hold
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -162,8 +161,26 @@ def _parse_rows(path: Path, text: str) -> list[tuple[int, dict[str, Any]]]:
             raise InputError(f"{path}:{number}: not valid JSON ({exc.reason})") from None
         if not isinstance(row, dict):
             raise InputError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}")
-        rows.append((number, row))
-    return rows
+        yield number, row
+
+
+def _items(path: Path, rows: Iterator[tuple[int, dict[str, Any]]],
+           item_of: Callable[[int, dict[str, Any]], CaptionInput], key: str = "id") -> list[CaptionInput]:
+    """``item_of(line number, row)`` of each row, in file order, each line parsed and checked before the
+    next, so that an error names the first bad line.
+
+    Raises:
+        InputError: as :func:`_rows` and ``item_of``; a duplicate id (``key`` names it).
+    """
+    first: dict[str, int] = {}
+    items = []
+    for number, row in rows:
+        item = item_of(number, row)
+        if item.id in first:
+            raise InputError(f"{path}:{number}: duplicate {key} {item.id!r} (first on line {first[item.id]})")
+        first[item.id] = number
+        items.append(item)
+    return items
 
 
 def _row_id(path: Path, number: int, row: dict[str, Any], key: str, integers: bool = False) -> str:
@@ -217,11 +234,3 @@ def _batch_item(path: Path, number: int, row: dict[str, Any], urls: frozenset[st
     elif not isinstance(body, dict) or not isinstance(body.get("messages"), list):
         raise InputError(f"{path}:{number}: 'body' must be a chat-completion request with 'messages'")
     return CaptionInput(item_id, None, None, None, body, str(url))
-
-
-def _check_unique(path: Path, numbers: list[int], ids: list[str], key: str = "id") -> None:
-    first: dict[str, int] = {}
-    for number, item_id in zip(numbers, ids, strict=True):
-        if item_id in first:
-            raise InputError(f"{path}:{number}: duplicate {key} {item_id!r} (first on line {first[item_id]})")
-        first[item_id] = number

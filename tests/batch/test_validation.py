@@ -34,6 +34,10 @@ def test_completion_rows_are_read_in_order_with_blank_lines_skipped(tmp_path: Pa
     (f"{_line('a')}\n" + json.dumps({"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {}}),
      "in.jsonl:2: 'body' must be a completion request with 'prompt'"),
     ("", "in.jsonl: no rows"),
+    # the first bad line is named, whatever is wrong further down (every line was parsed before any was checked)
+    (json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}) + '\n{"custom_id": "a"}\n'
+     "not json", "in.jsonl:1: 'body' must be a completion request with 'prompt'"),
+    (f"{_line('a')}\n{_line('a')}\nnot json", "in.jsonl:2: duplicate custom_id 'a' (first on line 1)"),
 ])
 def test_each_problem_is_named_with_its_line(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(BatchFileError) as caught:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mm_serve.caption.inputs import InputError, _parse_rows, read_inputs
+from mm_serve.caption.inputs import InputError, _rows, read_inputs
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -98,7 +98,7 @@ def test_a_line_whose_strings_hold_unicode_line_separators_is_one_row(tmp_path: 
     rows = [{"custom_id": "a", "prompt": "one\u2028two"}, {"custom_id": "b", "prompt": "x\x85y"}]
     text = "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n"
     assert "\u2028" in text and "\x85" in text
-    assert _parse_rows(source, text) == [(1, rows[0]), (2, rows[1])]
+    assert list(_rows(source, text)) == [(1, rows[0]), (2, rows[1])]
 
 
 def test_a_leading_byte_order_mark_is_skipped(tmp_path: Path) -> None:
