@@ -37,6 +37,7 @@ from mm_serve.caption.backends import (
 from mm_serve.caption.inputs import CaptionInput
 from mm_serve.caption.records import Outcome, failure
 from mm_serve.media.errors import ImageError
+from mm_serve.media.local_file import read_media_file
 from mm_serve.protocol.batch_rows import answered_whole
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -127,8 +128,7 @@ class ServerBackend(CaptionBackend):
         assert item.image is not None
         if item.image[:5].lower() == "data:":
             return item.image
-        with open(item.image, "rb") as handle:
-            data = handle.read()
+        data = read_media_file(item.image)
         subtype = _VIDEO_TYPES.get(Path(item.image).suffix.lower(), "mp4")
         return f"data:video/{subtype};base64,{base64.b64encode(data).decode('ascii')}"
 
@@ -137,8 +137,7 @@ class ServerBackend(CaptionBackend):
         image = load_item_image(item, self.max_pixels)
         if item.image is None or item.image[:5].lower() == "data:":
             return str(item.image)
-        with open(item.image, "rb") as handle:
-            data = handle.read()
+        data = read_media_file(item.image)
         with Image.open(io.BytesIO(data)) as header:
             fmt = header.format or ""
         if fmt not in _PASS_THROUGH:

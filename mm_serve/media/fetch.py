@@ -16,12 +16,11 @@ last part only), so a concurrent swap of a parent directory could escape the roo
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import ipaddress
-import os
 import re
 import socket
-import stat
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from PIL import Image
 
 from mm_serve.media.errors import ImageError, InvalidImageURLError
 from mm_serve.media.image_loading import decode_data_uri, load_image_bytes
+from mm_serve.media.local_file import read_media_file
 from mm_serve.media.media_runner import RunCPU
 from mm_serve.media.video_loading import (
     Reserve,
@@ -360,24 +360,19 @@ def _read_local_file(url: str, policy: MediaPolicy) -> bytes:
     if parts.netloc not in ("", "localhost") or not path.startswith("/") or "\x00" in path:
         raise MediaFetchError(f"file:// {policy.kind} URL must be file:///<absolute path> on this host")
     cap = policy.max_fetch_bytes
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         resolved = Path(path).resolve()
         if not resolved.is_relative_to(root.resolve()):
             raise MediaFetchError(f"file:// {policy.kind} path is outside the allowed media directory")
-        with open(os.open(resolved, flags), "rb") as handle:
-            info = os.fstat(handle.fileno())
-            regular = stat.S_ISREG(info.st_mode)
-            data = handle.read(cap + 1) if regular and info.st_size <= cap else b""
-    except IsADirectoryError as exc:
-        raise MediaFetchError(f"file:// {policy.kind} is not a regular file") from exc
-    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        return read_media_file(resolved, cap, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise MediaFetchError(f"file:// {policy.kind} is not a regular file") from exc
+        if exc.errno == errno.EFBIG:
+            raise MediaFetchError(f"{policy.kind} file is larger than the {cap}-byte limit") from exc
         raise MediaFetchError(f"file:// {policy.kind} does not exist or cannot be read") from exc
-    if not regular:
-        raise MediaFetchError(f"file:// {policy.kind} is not a regular file")
-    if info.st_size > cap or len(data) > cap:
-        raise MediaFetchError(f"{policy.kind} file is larger than the {cap}-byte limit")
-    return data
+    except RuntimeError as exc:  # a symlink loop
+        raise MediaFetchError(f"file:// {policy.kind} does not exist or cannot be read") from exc
 
 
 def _shorten(text: str) -> str:

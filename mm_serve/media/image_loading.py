@@ -30,6 +30,7 @@ from mm_serve.media.errors import (
     ImageTooLargeError,
     InvalidImageURLError,
 )
+from mm_serve.media.local_file import read_media_file
 
 SUPPORTED_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 """Pillow format names that :func:`load_image_bytes` will open ("JPEG" includes MPO)."""
@@ -259,12 +260,12 @@ def declared_size(uri: str, head_chars: int = 88_000) -> tuple[int, int] | None:
 
 
 def load_image_file(path: str | os.PathLike[str], *, max_pixels: int) -> Image.Image:
-    """Read a file and decode it with :func:`load_image_bytes`.
+    """Read a regular file of at most :data:`~mm_serve.media.local_file.MAX_MEDIA_FILE_BYTES` and decode it with
+    :func:`load_image_bytes`.
 
     Raises:
-        OSError: the file cannot be read (a server-side problem, not an ImageError).
+        OSError: the file cannot be read, is not a regular file or is larger than that
+            (:func:`~mm_serve.media.local_file.read_media_file`; not an ImageError).
         ImageTooLargeError, ImageDecodeError: as :func:`load_image_bytes`.
     """
-    with open(path, "rb") as handle:
-        data = handle.read()
-    return load_image_bytes(data, max_pixels=max_pixels)
+    return load_image_bytes(read_media_file(path), max_pixels=max_pixels)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mm_serve.media.errors import ImageError
+from mm_serve.media.local_file import read_media_file
 
 
 class VideoError(ImageError):
@@ -222,14 +223,15 @@ def decode_video_data_uri(uri: str, limits: VideoLimits, reserve: Reserve | None
 
 
 def load_video_file(path: str | os.PathLike[str], limits: VideoLimits) -> Video:
-    """Read a file and decode it with :func:`load_video_bytes`.
+    """Read a regular file of at most :data:`~mm_serve.media.local_file.MAX_MEDIA_FILE_BYTES` and decode it with
+    :func:`load_video_bytes`.
 
     Raises:
-        OSError: the file cannot be read.
+        OSError: the file cannot be read, is not a regular file or is larger than that
+            (:func:`~mm_serve.media.local_file.read_media_file`).
         VideoError: as :func:`load_video_bytes`.
     """
-    with open(path, "rb") as handle:
-        return load_video_bytes(handle.read(), limits)
+    return load_video_bytes(read_media_file(path), limits)
 
 
 def encode_video(frames: np.ndarray, fps: float, codec: str = "mpeg4", container_format: str = "mp4") -> bytes:
