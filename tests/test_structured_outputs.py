@@ -176,6 +176,26 @@ def test_the_offline_api_fails_a_call_whose_grammar_dead_ends_and_serves_the_nex
     assert len(llm.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5
 
 
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_the_offline_api_refuses_grammars_before_anything_runs_and_serves_on(tiny_llava: Path, mode: str) -> None:
+    """As the server's 400s: a grammar that does not compile (a schema or choices that are not JSON: they
+    raised a bare JSONDecodeError in the colocated engine's step and left it failing every later call) or
+    that allows no output is an InvalidRequestError before anything runs; the next call is served."""
+    from mm_serve.inputs.input_processor import InvalidRequestError
+
+    with LLM(tiny_llava, mode=mode) as llm:
+        for spec, words in [(("json", "{bad"), "cannot be compiled: the schema is not JSON"),
+                            (("choice", "not json"), "cannot be compiled: the choices are not JSON"),
+                            (("choice", "[]"), "a non-empty list of strings"),
+                            (("grammar", "root ::= ("), "cannot be compiled"),
+                            (("grammar", "root ::= root"), "allows no output")]:
+            with pytest.raises(InvalidRequestError, match=re.escape(words)) as caught:
+                llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, structured=spec)])
+            assert caught.value.param == "structured"
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))[0]
+        assert len(out.token_ids) == 5
+
+
 def test_the_setup_a_worker_takes_out_of_its_step_time_is_counted_once_per_matcher(tiny_llava: Path) -> None:
     """``setup_s`` adds the seconds spent importing xgrammar and building a request's matcher (the
     compiler's first load and the compile: the first structured request's decode step took 0.68 s, and

@@ -26,12 +26,14 @@ from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
 from mm_serve.ground.roles import Role
-from mm_serve.inputs.input_processor import ProcessedInputs
+from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
 from mm_serve.models.named_models import resolve_model
 from mm_serve.offline.outputs import CompletionOutput, RequestOutput
 from mm_serve.runtime.engine_config import EngineConfig
+from mm_serve.runtime.grammar_spec import GrammarAllowsNothing, GrammarError
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.sampling_params import SamplingParams
+from mm_serve.runtime.structured_output import GrammarBook
 
 # LLM keyword -> dotted ServiceConfig key, for the worker-process modes.
 _SERVICE_KEYS = {
@@ -112,6 +114,7 @@ class LLM:
         if mode == "colocated":
             self.engine = LLMEngine(self.model_dir, _colocated_engine_config(config, kwargs))
             self.inputs = self.engine.inputs
+            self.grammars = self.engine.grammars
             return
         unknown = sorted(set(kwargs) - set(_SERVICE_KEYS))
         if unknown:
@@ -122,6 +125,7 @@ class LLM:
         service = config_from_dict(base, overrides)
         self.client = EngineClient(self.model_dir, service)
         self.inputs = self.client.inputs
+        self.grammars = GrammarBook(self.model_dir)  # checks the grammars before anything runs (as the server's front end)
         self.client.start()
         atexit.register(self.close)
 
@@ -156,7 +160,8 @@ class LLM:
         "max_pixels": M}`` for a Qwen2-VL checkpoint's images; another key is an error.
 
         Raises:
-            InvalidRequestError: a request is malformed or too long (nothing is run).
+            InvalidRequestError: a request is malformed or too long, or a structured output's grammar does not
+                compile or allows no output (nothing is run).
             RuntimeError: a request failed (a worker fault past its migrations, or a grammar that allows no
                 token at some point: its message says why).
         """
@@ -164,6 +169,7 @@ class LLM:
             requests = [requests]
         batch = [{"prompt": r} if isinstance(r, str) else r for r in requests]
         params = self._params_for(batch, sampling_params)
+        self._check_grammars(params)
         processed = [self.inputs.process(r) for r in batch]
         if self.client is not None:
             return self._generate_with_workers(processed, params, use_tqdm)
@@ -192,6 +198,26 @@ class LLM:
                 self.engine.release(request.request_id)
             raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].grammar_failure}")
         return [self._collect(rid, sub_ids, n_prompt, done) for rid, sub_ids, n_prompt in plan]
+
+    def _check_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile each structured output's grammar and check that some output can start under it, as the
+        server's front end does (:meth:`~mm_serve.runtime.structured_output.GrammarBook.check_start`).
+
+        Raises:
+            InvalidRequestError: a grammar that does not compile or allows no output (param ``structured``).
+        """
+        if self.engine is not None:
+            model_config = self.engine.model_config
+        else:
+            assert self.client is not None
+            model_config = self.client.model_config
+        for spec in dict.fromkeys(p.structured for p in params if p.structured is not None):
+            try:
+                self.grammars.check_start(spec, model_config.text.vocab_size)
+            except GrammarAllowsNothing as exc:
+                raise InvalidRequestError(f"the {spec[0]} grammar allows no output: {exc}", "structured") from None
+            except GrammarError as exc:
+                raise InvalidRequestError(f"the {spec[0]} grammar cannot be compiled: {exc}", "structured") from None
 
     def _generate_with_workers(
         self, processed: list[ProcessedInputs], params: list[SamplingParams], use_tqdm: bool

@@ -358,6 +358,21 @@ def _fast_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def _choices(text: str) -> list[str]:
+    """The strings of a ``choice`` spec's text (a JSON list of them).
+
+    Raises:
+        GrammarError: not JSON, or not a non-empty list of strings.
+    """
+    try:
+        choices = json.loads(text)
+    except ValueError as exc:
+        raise GrammarError(f"the choices are not JSON: {exc}") from None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise GrammarError("the choices must be a non-empty list of strings")
+    return choices
+
+
 @functools.lru_cache(maxsize=256)
 def _rewritten_schema(text: str) -> str:
     """A JSON schema's text as compiled (:func:`strings_as_patterns`), once per schema: xgrammar's cache is
@@ -513,7 +528,7 @@ class GrammarBook:
     def _compile_now(self, spec: GrammarSpec, vocab_size: int) -> Any:
         kind, text = spec
         if kind == "choice":
-            kind, text = "grammar", choice_ebnf(json.loads(text))
+            kind, text = "grammar", choice_ebnf(_choices(text))
         try:
             text.encode("utf-8")  # xgrammar takes UTF-8: a lone surrogate (JSON's "\ud800") has none
         except UnicodeEncodeError as exc:
@@ -522,7 +537,13 @@ class GrammarBook:
         compiler = self._compiler_for(vocab_size)
         try:
             if kind == "json":
-                return compiler.compile_json_schema(_rewritten_schema(text), any_whitespace=False)
+                try:
+                    schema = _rewritten_schema(text)
+                except GrammarError:
+                    raise
+                except ValueError as exc:  # json's
+                    raise GrammarError(f"the schema is not JSON: {exc}") from None
+                return compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
