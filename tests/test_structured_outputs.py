@@ -165,6 +165,18 @@ def test_a_grammar_with_no_token_next_ends_its_request_alone(tiny_llava: Path) -
     assert token_update(live).finish_reason is None
 
 
+def test_a_grammar_complete_when_empty_ends_its_request_with_no_token(tiny_llava: Path) -> None:
+    """``root ::= ""`` without a stop token (``ignore_eos``): nothing may follow, so the request ends with no
+    output (its all-masked row drew token 0, outside the grammar); with EOS it ends on EOS."""
+    llm = LLM(tiny_llava, mode="colocated")
+    empty = SamplingParams(max_tokens=8, ignore_eos=True, structured=("grammar", 'root ::= ""'))
+    out = llm.generate([PROMPT, PROMPT], [empty, SamplingParams(max_tokens=3, ignore_eos=True)])
+    assert (out[0].token_ids, out[0].text, out[0].finish_reason) == ([], "", "stop")
+    assert len(out[1].token_ids) == 3
+    with_eos = llm.generate(PROMPT, SamplingParams(max_tokens=8, structured=("grammar", 'root ::= ""')))[0]
+    assert with_eos.finish_reason == "stop" and len(with_eos.token_ids) == 1 and with_eos.text == ""
+
+
 def test_the_offline_api_fails_a_call_whose_grammar_dead_ends_and_serves_the_next(tiny_llava: Path) -> None:
     """In-process (colocated), as with workers: ``generate`` raises with the reason, the engine keeps no
     request of the call, and the next call is served."""

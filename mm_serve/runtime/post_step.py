@@ -74,7 +74,9 @@ def process_step(
     holds (pages, queue entries). Finished requests are stamped
     :attr:`~LifetimeEvent.FINISHED`. A request whose grammar could not go on in this step
     (``request.grammar_failure``, set by the grammar book's mask) gets no token and ends
-    ``FINISHED_ABORTED``; its update says why (:func:`token_update`).
+    ``FINISHED_ABORTED``; its update says why (:func:`token_update`). One whose grammar was
+    complete before this step's token (``request.grammar_complete``) gets no token and ends
+    ``FINISHED_STOPPED``.
 
     Returns:
         The requests of ``batch`` that finished in this step, in batch order.
@@ -86,6 +88,8 @@ def process_step(
     for request, token, lp in zip(batch, tokens, logprobs, strict=True):
         if request.grammar_failure is not None:  # its grammar cannot go on: it ends with that error, token dropped
             status: RequestStatus | None = RequestStatus.FINISHED_ABORTED
+        elif request.grammar_complete:  # its grammar was complete before this token: it ends, token dropped
+            status = RequestStatus.FINISHED_STOPPED
         else:
             request.append_output(token, lp)
             status = check_stop(request, token, criteria)

@@ -95,6 +95,7 @@ class Request:
     json_closing: object | None = None  # a json_object request's json_closing.JsonClosing (built with its matcher)
     json_closed_by_budget: bool = False  # max_tokens made the sampler write its JSON's closing (it ends as length)
     grammar_failure: str | None = None  # why its grammar cannot go on (no token allowed next): it ends with this error
+    grammar_complete: bool = False  # its grammar was complete before its next token (nothing may follow): it ends, no token
     logit_state: object | None = None  # logit_controls.TokenCounts, built when a penalty first needs it
     priority: int = 1  # SLO tier rank: 0 interactive, 1 standard, 2 batch; lower is served first, preempted last
     max_wait_s: float = 0.0  # prefill ageing: waiting longer than this (seconds) it counts as rank 0; 0 = never

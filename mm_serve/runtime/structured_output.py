@@ -608,13 +608,17 @@ class GrammarBook:
         """Set to ``-inf``, in ``logits`` ``[B, V]`` (float32, in place), every token the grammar of a
         structured request of ``batch`` does not allow next (other rows are left as they are).
 
-        A request whose grammar cannot go on is left unmasked and gets its ``grammar_failure`` (it then
+        A request whose grammar is already complete (it allows only an empty output and the request has no
+        stop token) gets ``grammar_complete``: it ends with no token (:func:`~mm_serve.runtime.post_step.process_step`;
+        its all-masked row drew an arbitrary token). A request whose grammar cannot go on is left unmasked and
+        gets its ``grammar_failure`` (it then
         ends with that error, alone: :func:`~mm_serve.runtime.post_step.process_step`): its matcher cannot
         be built from its outputs, or its grammar allows no token next and is not complete (a rule that
         derives no string, ``root ::= "a" b`` with ``b ::= b``, or a character no token of the vocabulary
         writes). Its row masked, a sampled request drew from no token at all and the step failed for the
         whole batch."""
-        rows = [i for i, r in enumerate(batch) if r.sampling_params.structured is not None and r.grammar_failure is None]
+        rows = [i for i, r in enumerate(batch) if r.sampling_params.structured is not None
+                and r.grammar_failure is None and not r.grammar_complete]
         if not rows:
             return
         xgrammar = self._xgrammar_module()
@@ -628,8 +632,11 @@ class GrammarBook:
             except GrammarError as exc:
                 request.grammar_failure = f"its grammar does not accept its own output: {exc}"
                 continue
+            if matcher.is_terminated():  # complete before any token (only an empty output, no stop token): it ends
+                request.grammar_complete = True
+                continue
             matcher.fill_next_token_bitmask(bitmask, i)
-            if bool(bitmask[i].any()) or matcher.is_terminated():
+            if bool(bitmask[i].any()):
                 live.append(i)
             else:
                 request.grammar_failure = (f"its grammar allows no token after its {len(request.output_token_ids)} "

@@ -256,6 +256,7 @@ def test_a_history_call_with_arguments_nested_past_the_parser_is_taken_as_text(s
     ({"structured_outputs": {"grammar": 'root ::= [0-9] [0-9]? "!"'}}, lambda text: re.fullmatch(r"\d\d?!", text)),
     ({"guided_json": {"type": "integer", "allOf": [{"maximum": 5}], "minimum": 2}},  # allOf merged with its siblings
      lambda text: 2 <= json.loads(text) <= 5),
+    ({"guided_grammar": 'root ::= ""', "ignore_eos": True}, lambda text: text == ""),  # complete at once: no token
 ])
 def test_grammars_at_the_edges_are_served(server: ServerProcess, body: dict, check: Any) -> None:
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
@@ -263,6 +264,8 @@ def test_grammars_at_the_edges_are_served(server: ServerProcess, body: dict, che
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and check(choice["message"]["content"]), choice
+    if body.get("ignore_eos"):
+        assert r.json()["usage"]["completion_tokens"] == 0  # not an arbitrary token the grammar refuses
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ok"
 
 
