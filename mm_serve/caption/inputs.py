@@ -99,9 +99,14 @@ def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet
         raise InputError(f"{path}: INPUT must be a folder of images or a JSONL file, not one image "
                          "(put it in a folder, or use `mm-serve generate --image` for a single image)")
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is skipped
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc}") from None
+    try:
+        text = data.decode("utf-8-sig")  # a leading byte-order mark is skipped
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line}: not UTF-8 text") from None
     rows = _rows(path, text)
     first = next(rows, None)
     if first is None:

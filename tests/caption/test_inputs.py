@@ -106,3 +106,11 @@ def test_a_leading_byte_order_mark_is_skipped(tmp_path: Path) -> None:
     source = tmp_path / "bom.jsonl"
     source.write_bytes(b"\xef\xbb\xbf" + (json.dumps(_batch_row("r1")) + "\n" + json.dumps(_batch_row("r2"))).encode())
     assert [i.id for i in read_inputs(source, "p").items] == ["r1", "r2"]
+
+
+def test_bytes_that_are_not_utf8_name_their_line(tmp_path: Path) -> None:
+    """As the Batch API's check of the same file: the line, not the codec's byte offset."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(json.dumps(_batch_row("r1")).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(InputError, match=r"in.jsonl:2: not UTF-8 text$"):
+        read_inputs(source, "p")
