@@ -187,11 +187,18 @@ class LLM:
             plan.append((rid, sub_ids, len(inputs.prompt_token_ids)))
         done: dict[str, Request] = {}
         total = sum(len(s) for _, s, _ in plan)
-        with tqdm(total=total, disable=not use_tqdm, desc="generate") as bar:
-            while self.engine.has_unfinished():
-                for request in self.engine.step():
-                    done[request.request_id] = request
-                    bar.update(1)
+        try:
+            with tqdm(total=total, disable=not use_tqdm, desc="generate") as bar:
+                while self.engine.has_unfinished():
+                    for request in self.engine.step():
+                        done[request.request_id] = request
+                        bar.update(1)
+        except BaseException:  # a failed step (or Ctrl-C): the call's requests go, so the engine serves the next call
+            for _, sub_ids, _ in plan:
+                for sub_id in sub_ids:
+                    self.engine.abort(sub_id)
+                    self.engine.release(sub_id)
+            raise
         failed = [r for r in done.values() if r.grammar_failure is not None]
         if failed:  # as with workers: a request that cannot go on fails the call
             for request in done.values():
