@@ -608,15 +608,15 @@ class GrammarBook:
         """Set to ``-inf``, in ``logits`` ``[B, V]`` (float32, in place), every token the grammar of a
         structured request of ``batch`` does not allow next (other rows are left as they are).
 
-        A request whose grammar is already complete (it allows only an empty output and the request has no
-        stop token) gets ``grammar_complete``: it ends with no token (:func:`~mm_serve.runtime.post_step.process_step`;
-        its all-masked row drew an arbitrary token). A request whose grammar cannot go on is left unmasked and
-        gets its ``grammar_failure`` (it then
-        ends with that error, alone: :func:`~mm_serve.runtime.post_step.process_step`): its matcher cannot
-        be built from its outputs, or its grammar allows no token next and is not complete (a rule that
-        derives no string, ``root ::= "a" b`` with ``b ::= b``, or a character no token of the vocabulary
-        writes). Its row masked, a sampled request drew from no token at all and the step failed for the
-        whole batch."""
+        Rows that would have no token to draw (masked whole, the sampler would pick token 0) are left
+        unmasked, and their requests end in :func:`~mm_serve.runtime.post_step.process_step` with no token:
+
+        - ``grammar_complete``: the grammar is complete already (it allows only an empty output and the
+          request has no stop token); the request ends as stopped;
+        - ``grammar_failure``: the grammar cannot go on: it allows no token next and is not complete (a rule
+          that derives no string, ``root ::= "a" b`` with ``b ::= b``, or a character no token of the
+          vocabulary writes), or the request's matcher cannot be built from its outputs (that GrammarError
+          used to fail the step of the whole batch); the request ends with that error, alone."""
         rows = [i for i, r in enumerate(batch) if r.sampling_params.structured is not None
                 and r.grammar_failure is None and not r.grammar_complete]
         if not rows:
