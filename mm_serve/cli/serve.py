@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         if server.should_exit:
             return
         failed.append(True)
-        say(f"mm-serve: error: {holder.client.flights.unavailable_reason}; exiting so that a supervisor can start "
+        say(f"mm-serve: error: {holder.unavailable_reason}; exiting so that a supervisor can start "
             "the service again (fault.exit_when_unavailable)")
         server.should_exit = True
 

@@ -79,6 +79,11 @@ class EngineHolder:
         """Whether the first start succeeded (later faults are the pool's to repair)."""
         return self.ready_event.is_set() and self.start_error is None and self.client.router is not None
 
+    @property
+    def unavailable_reason(self) -> str:
+        """Why no request can be served any more, once :attr:`unavailable` is set (which role has no worker)."""
+        return self.client.flights.unavailable_reason
+
     def health(self) -> tuple[str, dict[str, str], dict[str, str]]:
         """(status, per-worker status, last fault per worker).
 
