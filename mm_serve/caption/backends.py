@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING
 
-from mm_serve.caption.inputs import CaptionInput
+from mm_serve.caption.inputs import CaptionInput, printable_name
 from mm_serve.caption.records import Outcome
 from mm_serve.config import APIConfig
 
@@ -95,4 +95,4 @@ def load_item_image(item: CaptionInput, max_pixels: int) -> Image.Image:
 def read_error_message(item: CaptionInput, exc: OSError) -> str:
     """The error text for an image (or video) file that cannot be read."""
     reason = exc.strerror or str(exc)
-    return f"cannot read {'video' if item.is_video else 'image'} file {item.image}: {reason}"
+    return f"cannot read {'video' if item.is_video else 'image'} file {printable_name(str(item.image))}: {reason}"

@@ -144,9 +144,15 @@ def _read_folder(root: Path, prompt: str) -> list[CaptionInput]:
     items = []
     for file in root.rglob("*"):
         if file.suffix.lower() in IMAGE_SUFFIXES | VIDEO_SUFFIXES and file.is_file():
-            rel = file.relative_to(root).as_posix()
-            items.append(CaptionInput(rel, os.path.abspath(file), str(file), prompt))
+            rel = printable_name(file.relative_to(root).as_posix())
+            items.append(CaptionInput(rel, printable_name(os.path.abspath(file)), str(file), prompt))
     return sorted(items, key=lambda item: item.id)
+
+
+def printable_name(name: str) -> str:
+    """A file name as text an output row can hold: the bytes of a name that are not UTF-8 (Python keeps them
+    as lone surrogates, which no UTF-8 writer takes) written as ``\\xNN``; other names unchanged."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _rows(path: Path, text: str) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -114,3 +114,20 @@ def test_bytes_that_are_not_utf8_name_their_line(tmp_path: Path) -> None:
     source.write_bytes(json.dumps(_batch_row("r1")).encode() + b"\n\xff\xfe\n")
     with pytest.raises(InputError, match=r"in.jsonl:2: not UTF-8 text$"):
         read_inputs(source, "p")
+
+
+def test_a_file_name_that_is_not_utf8_gets_an_id_an_output_row_can_hold(tmp_path: Path) -> None:
+    """A name with a 0xFF byte: Python holds it as a lone surrogate, which the UTF-8 output writer refused
+    (the job died at that row on every run); its id and path show the byte as \\xff, and the file still
+    opens by its real name."""
+    from mm_serve.caption.backends import read_error_message
+
+    raw = os.fsencode(tmp_path) + b"/bad\xffname.png"
+    with open(raw, "wb") as handle:
+        handle.write(b"x")
+    (item,) = read_inputs(tmp_path, "p").items
+    assert item.id == "bad\\xffname.png" and item.path == f"{tmp_path}/bad\\xffname.png"
+    assert item.image is not None and os.fsencode(item.image) == raw
+    json.dumps({"id": item.id, "path": item.path}, ensure_ascii=False).encode("utf-8")  # what the writer does
+    message = read_error_message(item, OSError(13, "Permission denied"))
+    assert message == f"cannot read image file {tmp_path}/bad\\xffname.png: Permission denied"
