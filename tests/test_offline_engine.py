@@ -1,7 +1,11 @@
-"""The offline API's in-process engine after a failure: it goes on serving."""
+"""The offline API after a failure or Ctrl-C: it goes on serving, and what the call left does not run on."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,3 +38,21 @@ def test_a_failed_in_process_step_leaves_the_offline_engine_serving(tiny_llava: 
     assert not llm.engine.has_unfinished() and not llm.engine.requests and llm.engine.num_free_pages() == free
     again = llm.generate(["a purple circle and", "a red square and"], params)
     assert [o.token_ids for o in again] == [o.token_ids for o in expected]
+
+
+def test_ctrl_c_during_a_call_on_the_workers_stops_its_requests(tiny_llava: Path) -> None:
+    """SIGINT while a call's 24 long requests run on the workers: generate raises KeyboardInterrupt and each
+    of them is aborted at once (they ran on, slowing the next calls for seconds); the next call is served."""
+    with LLM(tiny_llava, mode="disaggregated") as llm:
+        assert llm.client is not None
+        timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(["a purple circle and"] * 24, SamplingParams(max_tokens=2000, ignore_eos=True))
+        finally:
+            timer.cancel()
+        assert not llm.client.requests  # aborted: no request of that call is in flight
+        started = time.monotonic()
+        out = llm.generate("a red square and", SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+        assert len(out[0].token_ids) == 4 and time.monotonic() - started < 10

@@ -198,9 +198,10 @@ def test_the_offline_api_refuses_grammars_before_anything_runs_and_serves_on(tin
     with LLM(tiny_llava, mode=mode) as llm:
         for spec, words in [(("json", "{bad"), "cannot be compiled: the schema is not JSON"),
                             (("choice", "not json"), "cannot be compiled: the choices are not JSON"),
-                            (("choice", "[]"), "a non-empty list of strings"),
-                            (("grammar", "root ::= ("), "cannot be compiled"),
-                            (("grammar", "root ::= root"), "allows no output")]:
+                            (("choice", "[]"), "a non-empty list of non-empty strings"),
+                            (("choice", '[""]'), "a non-empty list of non-empty strings"),
+                            (("grammar", "root ::= ("), "the grammar cannot be compiled"),
+                            (("grammar", "root ::= root"), "the grammar allows no output")]:
             with pytest.raises(InvalidRequestError, match=re.escape(words)) as caught:
                 llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, structured=spec)])
             assert caught.value.param == "structured"

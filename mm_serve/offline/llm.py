@@ -56,6 +56,11 @@ _SERVICE_KEYS = {
 _ENGINE_KEYS = list(EngineConfig.field_names())
 
 
+def _grammar_name(kind: str) -> str:
+    """How a message names a structured output's grammar of ``kind``."""
+    return "the grammar" if kind == "grammar" else f"the {kind} grammar"
+
+
 def _colocated_engine_config(config: ServiceConfig | None, kwargs: dict[str, Any]) -> EngineConfig:
     """The in-process engine's settings: ``config`` as its colocated worker would get it, then ``kwargs``.
 
@@ -222,28 +227,35 @@ class LLM:
             try:
                 self.grammars.check_start(spec, model_config.text.vocab_size)
             except GrammarAllowsNothing as exc:
-                raise InvalidRequestError(f"the {spec[0]} grammar allows no output: {exc}", "structured") from None
+                raise InvalidRequestError(f"{_grammar_name(spec[0])} allows no output: {exc}", "structured") from None
             except GrammarError as exc:
-                raise InvalidRequestError(f"the {spec[0]} grammar cannot be compiled: {exc}", "structured") from None
+                raise InvalidRequestError(f"{_grammar_name(spec[0])} cannot be compiled: {exc}", "structured") from None
 
     def _generate_with_workers(
         self, processed: list[ProcessedInputs], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         assert self.client is not None
         plan: list[tuple[str, list[RequestState]]] = []
-        for inputs, p in zip(processed, params, strict=True):
-            rid = f"req-{uuid.uuid4().hex[:8]}-{self._counter}"
-            self._counter += 1
-            states = [
-                self.client.submit(f"{rid}/{i}", inputs, replace(p, seed=None if p.seed is None else p.seed + i, n=1))
-                for i in range(p.n)
-            ]
-            plan.append((rid, states))
-        all_states = [s for _, states in plan for s in states]
-        with tqdm(total=len(all_states), disable=not use_tqdm, desc="generate") as bar:
+        all_states: list[RequestState] = []
+        try:
+            for inputs, p in zip(processed, params, strict=True):
+                rid = f"req-{uuid.uuid4().hex[:8]}-{self._counter}"
+                self._counter += 1
+                states = []
+                for i in range(p.n):
+                    states.append(self.client.submit(f"{rid}/{i}", inputs,
+                                                     replace(p, seed=None if p.seed is None else p.seed + i, n=1)))
+                    all_states.append(states[-1])
+                plan.append((rid, states))
+            with tqdm(total=len(all_states), disable=not use_tqdm, desc="generate") as bar:
+                for state in all_states:
+                    state.wait()
+                    bar.update(1)
+        except BaseException:  # Ctrl-C, or a submission refused: the call's requests stop running on the workers
             for state in all_states:
-                state.wait()
-                bar.update(1)
+                if not state.finished:
+                    self.client.abort(state.request_id)
+            raise
         failed = [s for s in all_states if s.error]
         if failed:
             raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0].error}")

@@ -362,14 +362,14 @@ def _choices(text: str) -> list[str]:
     """The strings of a ``choice`` spec's text (a JSON list of them).
 
     Raises:
-        GrammarError: not JSON, or not a non-empty list of strings.
+        GrammarError: not JSON, or not a non-empty list of non-empty strings.
     """
     try:
         choices = json.loads(text)
     except ValueError as exc:
         raise GrammarError(f"the choices are not JSON: {exc}") from None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise GrammarError("the choices must be a non-empty list of strings")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("the choices must be a non-empty list of non-empty strings (as guided_choice)")
     return choices
 
 
