@@ -33,6 +33,7 @@ IMAGE_SUFFIXES: frozenset[str] = frozenset({".jpg", ".jpeg", ".png", ".webp", ".
 VIDEO_SUFFIXES: frozenset[str] = frozenset({".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v"})
 BATCH_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+JSONL_KEYS = frozenset({"id", "image", "video", "prompt"})  # a JSONL input row's keys
 
 InputFormat = Literal["folder", "jsonl", "openai-batch"]
 
@@ -207,8 +208,14 @@ def _row_id(path: Path, number: int, row: dict[str, Any], key: str, integers: bo
 def _jsonl_item(path: Path, number: int, row: dict[str, Any], default_prompt: str) -> CaptionInput:
     if "custom_id" in row:
         raise InputError(f"{path}:{number}: an OpenAI batch row in a file whose first row is not one")
+    unknown = sorted(set(row) - JSONL_KEYS)
+    if unknown:  # a misspelt 'prompt' left out would caption with the default prompt
+        raise InputError(f"{path}:{number}: unknown key(s) {', '.join(map(repr, unknown))}; a row has "
+                         f"{', '.join(sorted(JSONL_KEYS))}")
+    if "image" in row and "video" in row:
+        raise InputError(f"{path}:{number}: a row has an 'image' or a 'video', not both")
     item_id = _row_id(path, number, row, "id", integers=True)
-    key = "video" if "video" in row and "image" not in row else "image"
+    key = "video" if "video" in row else "image"
     image = row.get(key)
     if not isinstance(image, str) or not image:
         raise InputError(f"{path}:{number}: '{key}' must be a file path or a data: URI, got {image!r}")

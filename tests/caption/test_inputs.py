@@ -131,3 +131,17 @@ def test_a_file_name_that_is_not_utf8_gets_an_id_an_output_row_can_hold(tmp_path
     json.dumps({"id": item.id, "path": item.path}, ensure_ascii=False).encode("utf-8")  # what the writer does
     message = read_error_message(item, OSError(13, "Permission denied"))
     assert message == f"cannot read image file {tmp_path}/bad\\xffname.png: Permission denied"
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ({"id": "a", "image": "x.png", "promt": "Describe."}, "in.jsonl:1: unknown key(s) 'promt'; a row has id, image, prompt, video"),
+    ({"id": "a", "image": "x.png", "video": "x.mp4"}, "in.jsonl:1: a row has an 'image' or a 'video', not both"),
+])
+def test_a_jsonl_row_with_a_key_it_does_not_take_is_a_usage_error(tmp_path: Path, row: dict, message: str) -> None:
+    """A misspelt 'prompt' was left out (the row captioned with the default prompt); an 'image' beside a
+    'video' was taken and the video dropped."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps(row) + "\n")
+    with pytest.raises(InputError) as caught:
+        read_inputs(source, "p")
+    assert str(caught.value).endswith(message)
