@@ -1,8 +1,8 @@
 """A local media file read whole into memory, within a byte cap, and only if it is a regular file.
 
 A caption job's input row, an offline ``LLM`` image path or ``mm-serve generate --image`` may name any
-path: ``/dev/zero`` or a named pipe read with a bare ``read()`` grew the process until the kernel killed
-it. Here the file is opened without blocking (a FIFO with no writer does not hang the open), checked to
+path: a bare ``read()`` of ``/dev/zero`` grows the process until the kernel kills it, and one of a named
+pipe with no writer blocks. Here the file is opened without blocking (a FIFO with no writer does not hang the open), checked to
 be a regular file, and read up to its cap plus one byte (a file that grows while it is read is refused
 too). The server's ``file://`` URLs are read the same way, under their own cap
 (:mod:`mm_serve.media.fetch`).

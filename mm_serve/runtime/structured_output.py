@@ -615,8 +615,8 @@ class GrammarBook:
           request has no stop token); the request ends as stopped;
         - ``grammar_failure``: the grammar cannot go on: it allows no token next and is not complete (a rule
           that derives no string, ``root ::= "a" b`` with ``b ::= b``, or a character no token of the
-          vocabulary writes), or the request's matcher cannot be built from its outputs (that GrammarError
-          used to fail the step of the whole batch); the request ends with that error, alone."""
+          vocabulary writes), or the request's matcher cannot be built from its outputs (raised, that
+          GrammarError would fail the step of the whole batch); the request ends with that error, alone."""
         rows = [i for i, r in enumerate(batch) if r.sampling_params.structured is not None
                 and r.grammar_failure is None and not r.grammar_complete]
         if not rows:
