@@ -127,14 +127,19 @@ UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "audio": _empty, "modalities": _is(["text"]), "best_of": _one,
 }
 UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"suffix": _empty, "best_of": _one}
+# what such a parameter may be set to, where a value other than none is accepted
+ACCEPTED_VALUES = {"best_of": "1 (the default)", "modalities": '["text"]', "function_call": '"none" or "auto"'}
 
 
 def _refuse(data: Any, unsupported: dict[str, Callable[[Any], bool]]) -> Any:
     if isinstance(data, dict):
         for name, asks_nothing in unsupported.items():
             if not asks_nothing(data.get(name)):
+                accepted = ACCEPTED_VALUES.get(name)
                 raise PydanticCustomError(
-                    "unsupported_parameter", "'{name}' is not supported by this server", {"name": name},
+                    "unsupported_parameter",
+                    "'{name}' is not supported by this server" + (": only {accepted} is accepted" if accepted else ""),
+                    {"name": name, "accepted": accepted},
                 )
     return data
 
