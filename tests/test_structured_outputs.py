@@ -109,6 +109,7 @@ def test_the_compiler_is_warmed_in_the_background_once_the_event_is_set(tiny_lla
     reported ready); a checkpoint whose tokenizer cannot be read leaves the error to the first structured
     request."""
     import threading
+    import time
 
     gate = threading.Event()
     book = GrammarBook(tiny_llava)
@@ -123,6 +124,21 @@ def test_the_compiler_is_warmed_in_the_background_once_the_event_is_set(tiny_lla
     assert broken._compiler is None
     with pytest.raises(ValueError, match="tokenizer"):  # transformers' reason
         broken.warm(512)
+    unwanted = GrammarBook(tiny_llava)  # the API process's after a start that failed: no warm-up
+    unwanted.warm_in_background(512, wanted=lambda: False).join(60)
+    assert unwanted._compiler is None
+    closing, gate = GrammarBook(tiny_llava), threading.Event()
+    late = closing.warm_in_background(512, after=gate)
+    closing.close()  # nothing under way: returns at once, and none starts after it
+    gate.set()
+    late.join(60)
+    assert closing._compiler is None
+    busy = GrammarBook(tiny_llava)
+    busy.warm_in_background(512)
+    while not busy._warming and busy._compiler is None:  # until it has begun
+        time.sleep(0.001)
+    busy.close()  # waits for the warm-up under way (the process exits next)
+    assert busy._compiler is not None and not busy._warming
 
 
 def test_a_grammar_with_no_token_next_ends_its_request_alone(tiny_llava: Path) -> None:

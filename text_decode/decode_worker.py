@@ -75,9 +75,6 @@ class DecodeWorker(WorkerShell):
     def warm_up(self) -> None:
         warm_up(self.runner, self.stops.max_model_len, encode=False)
 
-    def after_ready(self) -> None:
-        self.grammars.warm_in_background(self.model_config.text.vocab_size)  # off the first structured request
-
     # ---- requests ----------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> None:

@@ -59,9 +59,6 @@ class PrefillWorker(WorkerShell):
     def warm_up(self) -> None:
         warm_up(self.runner, self.stops.max_model_len, decode=False)
 
-    def after_ready(self) -> None:
-        self.grammars.warm_in_background(self.model_config.text.vocab_size)  # off the first structured request
-
     # ---- requests ----------------------------------------------------------------------------
 
     def accept(self, msg: messages.PrefillRequest) -> None:

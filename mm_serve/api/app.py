@@ -102,7 +102,9 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if start_engine:
             ctx.holder.start_background()
-            ctx.grammars.warm_in_background(ctx.holder.model_config.text.vocab_size, after=ctx.holder.ready_event)
+            # once every worker is ready (before, it lengthened the start), and only if the start succeeded
+            ctx.grammars.warm_in_background(ctx.holder.model_config.text.vocab_size, after=ctx.holder.ready_event,
+                                            wanted=lambda: ctx.holder.started and not ctx.holder.draining.is_set())
             for extension in extensions:
                 extension.start()
             await asyncio.to_thread(parser.start)
@@ -113,6 +115,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
                 await extension.close()
             await asyncio.to_thread(parser.close)
             ctx.media_runner.close()
+            await asyncio.to_thread(ctx.grammars.close)  # a warm-up under way ends first: exiting in it aborts
             if start_engine:
                 await asyncio.to_thread(ctx.holder.stop)
 

@@ -30,13 +30,10 @@ class ColocatedWorker(WorkerShell):
 
     def load(self) -> None:
         self.engine = LLMEngine(self.spec.model_dir, self.spec.sizing)
-        self.kv_cache = self.engine.kv_cache
+        self.kv_cache, self.model_config, self.grammars = self.engine.kv_cache, self.engine.model_config, self.engine.grammars
 
     def warm_up(self) -> None:
         warm_up(self.engine.runner, self.engine.max_model_len)
-
-    def after_ready(self) -> None:
-        self.engine.grammars.warm_in_background(self.engine.model_config.text.vocab_size)  # off the first structured request
 
     def accept(self, msg: messages.PrefillRequest) -> None:
         pixels = None if msg.pixel_values is None else msg.pixel_values.to_tensor()

@@ -275,13 +275,10 @@ class AdmissionGate:
             return
         with self.counted(tier):  # a call past the caps is refused, not held
             self._check_caps(tier, call.num_prompts, tokens)
-        async def gone_or_draining() -> bool:
-            ctx.refuse_if_draining()
-            return await gone()
-
         ctx.media_held_bytes += body
-        try:
-            await ctx.media_hold.wait(ready, call.num_prompts, tokens, self._longest_hold(call), gone_or_draining)
+        try:  # refused once the drain starts: nothing is done for it yet, as for a call that arrives then
+            await ctx.media_hold.wait(ready, call.num_prompts, tokens, self._longest_hold(call),
+                                      _gone_or_refused(gone, ctx.refuse_if_draining))
         finally:
             ctx.media_held_bytes -= body
 
@@ -291,15 +288,12 @@ class AdmissionGate:
         longest = min(self.config.slo.of(call.tier).ttft_s / 2, self.config.api.timeout_ms / 2000.0)
         return max(0.0, longest - (time.monotonic() - call.arrival))
 
-    def _gone_or_stopped(self, gone: Callable[[], Awaitable[bool]]) -> Callable[[], Awaitable[bool]]:
-        """``gone``, raising the stopping 503 once the service's drain has ended."""
-        holder = self.ctx.holder
-
-        async def gone_or_stopped() -> bool:
-            if holder.drain_ended.is_set():  # the grace passed, or a second signal: not dispatched now
-                raise unavailable(STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S)
-            return await gone()
-        return gone_or_stopped
+    def _refuse_if_stopped(self) -> None:
+        """Raises:
+            APIError: the stopping 503 once the service's drain has ended (the grace passed, or a second
+                signal): a held call is not dispatched then."""
+        if self.ctx.holder.drain_ended.is_set():
+            raise unavailable(STOPPED_MESSAGE, STOPPED_RETRY_AFTER_S)
 
     def hold_images(self, call: Call) -> AbstractAsyncContextManager[Hold | None]:
         """An async context manager holding the call's image bytes (see :func:`image_reservation`), waiting
@@ -409,7 +403,7 @@ class AdmissionGate:
                                              params.max_tokens, inputs) is None
 
         await ctx.dispatch_hold.wait(ready, *prompt_work(prepared), self._longest_hold(call),
-                                     self._gone_or_stopped(gone))
+                                     _gone_or_refused(gone, self._refuse_if_stopped))
 
     def admit(self, call: Call, prepared: Prepared, committed: bool) -> Prediction | None:
         """The queue caps, then the latency prediction, for the call's ``prepared`` prompts (the
@@ -433,3 +427,11 @@ class AdmissionGate:
         if ctx.tier_metrics is not None:
             ctx.tier_metrics.observe_admission(tier, None)
         return prediction
+
+
+def _gone_or_refused(gone: Callable[[], Awaitable[bool]], refuse: Callable[[], None]) -> Callable[[], Awaitable[bool]]:
+    """A held call's check: ``refuse()`` (which raises to end the hold with its error), then ``gone()``."""
+    async def check() -> bool:
+        refuse()
+        return await gone()
+    return check

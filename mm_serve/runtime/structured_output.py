@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -412,30 +413,51 @@ class GrammarBook:
         # step time it reports, which the admission predictor fits as model work
         self.setup_s = 0.0
         self._xgrammar: Any = None
+        self._warm_guard = threading.Condition()  # the background warm-up against close()
+        self._warming = False  # a background warm-up is building the compiler
+        self._closed = False  # close() was called: no background warm-up starts
 
     def warm(self, vocab_size: int) -> None:
         """Build the compiler for ``vocab_size``-wide logits now (the vocabulary's tables: up to seconds for a
         large vocabulary), so that a later compile's time is the grammar's own."""
         self._compiler_for(vocab_size)
 
-    def warm_in_background(self, vocab_size: int, after: threading.Event | None = None) -> threading.Thread:
-        """:meth:`warm` on a daemon thread of its own, once ``after`` is set (None: now): a worker or the API
-        process at start, so that its first structured request does not pay for importing xgrammar and
-        building the vocabulary's tables (~0.7 s on a 2-core CPU). It runs at the process's priority: a
-        structured request that comes meanwhile waits for it (niced, it would starve behind a loaded CPU).
-        A failure is left for the first structured request to raise (a checkpoint without a fast tokenizer
-        serves everything else). Returns the thread."""
+    def warm_in_background(self, vocab_size: int, after: threading.Event | None = None,
+                           wanted: Callable[[], bool] | None = None) -> threading.Thread:
+        """:meth:`warm` on a daemon thread of its own, once ``after`` is set (None: now) and if ``wanted()``
+        says so then (None: always) and :meth:`close` was not called: a worker or the API process at start,
+        so that its first structured request does not pay for importing xgrammar and building the
+        vocabulary's tables (~0.7 s on a 2-core CPU). It runs at the process's priority: a structured
+        request that comes meanwhile waits for it (niced, it would starve behind a loaded CPU). A failure is
+        left for the first structured request to raise (a checkpoint without a fast tokenizer serves
+        everything else). Returns the thread."""
         def run() -> None:
             if after is not None:
                 after.wait()
+            with self._warm_guard:
+                if self._closed or (wanted is not None and not wanted()):
+                    return
+                self._warming = True
             try:
                 self.warm(vocab_size)
             except Exception:  # noqa: BLE001 - raised again, with its reason, by the first structured request
                 pass
+            finally:
+                with self._warm_guard:
+                    self._warming = False
+                    self._warm_guard.notify_all()
 
         thread = threading.Thread(target=run, name="grammar-warm", daemon=True)
         thread.start()
         return thread
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Before the process exits: no background warm-up starts from now on, and one under way is waited
+        for, up to ``timeout_s`` seconds (a process that exits in its middle is aborted by native code:
+        "terminate called without an active exception", SIGABRT)."""
+        with self._warm_guard:
+            self._closed = True
+            self._warm_guard.wait_for(lambda: not self._warming, timeout_s)
 
     def mark_slow(self, spec: GrammarSpec) -> None:
         """Remember that ``spec`` took too long to compile (the last :data:`SLOW_REMEMBERED` such specs)."""

@@ -8,7 +8,7 @@ request does not pay the worker's share of it. On a CPU that share is small: the
 fresh bench-llava server stays ~20 ms slower than the next ones with or without the pass (the rest is
 the API process's first paths; benchmarks/results/2026-12-05-decode-step-profile.md); on a GPU it has
 not been measured. Once a worker has reported ready it also builds its structured-output compiler in
-the background (:meth:`~mm_serve.runtime.worker_shell.WorkerShell.after_ready`). The planner's profiler
+the background (:meth:`~mm_serve.runtime.worker_shell.WorkerShell.serve`). The planner's profiler
 builds its timed requests with the same :func:`scratch_requests`.
 """
 

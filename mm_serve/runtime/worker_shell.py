@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from mm_serve.ground.console import say
 from mm_serve.ground.roles import Role
+from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime import messages
 from mm_serve.runtime.heap_freeze import freeze_startup_heap
 from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.runtime.worker_setup import pin_and_set_threads
 from mm_serve.runtime.worker_spec import WorkerSpec
@@ -39,14 +41,16 @@ class WorkerShell(ABC):
     """Base of the prefill, decode and colocated workers.
 
     Subclasses set :attr:`role` and :attr:`accepts` (the message union their channel
-    decodes), and in :meth:`load` :attr:`kv_cache` (and :attr:`wake_on`, :attr:`idle_wait_ms`
-    where they differ).
+    decodes), and in :meth:`load` :attr:`kv_cache`, :attr:`model_config` and :attr:`grammars` (and
+    :attr:`wake_on`, :attr:`idle_wait_ms` where they differ).
     """
 
     role: ClassVar[Role]
     accepts: ClassVar[Any] = messages.ToPrefill
     idle_wait_ms: int = IDLE_WAIT_MS  # longest wait for a message while idle (a doorbell ends it early)
     kv_cache: PagedKVCache
+    model_config: ModelConfig
+    grammars: GrammarBook  # the structured-output compiler, warmed in the background once the worker is ready
     wake_on: DoorbellListener | None = None  # a doorbell whose ring also ends the idle wait
 
     def __init__(self, spec: WorkerSpec, link: RayLink | None = None) -> None:
@@ -76,10 +80,6 @@ class WorkerShell(ABC):
     def warm_up(self) -> None:
         """Run the role's passes once on throw-away inputs before reporting ready
         (:func:`mm_serve.runtime.warm_up.warm_up`; default: nothing)."""
-        return None
-
-    def after_ready(self) -> None:
-        """Start what can wait until the worker has reported ready, in the background (default: nothing)."""
         return None
 
     def accept(self, msg: messages.PrefillRequest) -> None:
@@ -157,7 +157,8 @@ class WorkerShell(ABC):
         freeze_startup_heap()
         self.channel.send(messages.WorkerReady(self.role, self.spec.index, os.getpid(), self.kv_cache.num_pages,
                                                self.warm_up_error))
-        self.after_ready()
+        # off the first structured request, now that the worker serves (a warm-up before "ready" lengthened the start)
+        self.grammars.warm_in_background(self.model_config.text.vocab_size)
         running = True
         while running and self.channel.parent_alive():
             for msg in self.channel.recv(self.wait_ms()):
@@ -169,5 +170,6 @@ class WorkerShell(ABC):
                 self.send_stats()
 
     def close(self) -> None:
+        self.grammars.close()  # a warm-up under way ends first: exiting in its middle aborts the process
         self.release_resources()
         self.channel.close()
