@@ -230,7 +230,8 @@ def _openai_routes(app: FastAPI, ctx: ServerContext, auth: list[DependsParam], p
 def _service_routes(app: FastAPI, ctx: ServerContext, registry: CollectorRegistry, auth: list[DependsParam]) -> None:
     """``/health``, ``/metrics``, ``/version`` and ``/internal/stats``."""
 
-    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,  # HEAD: load balancers' probes
+                   responses={503: {"model": HealthResponse}})
     async def health() -> JSONResponse:
         status, workers, faults = ctx.holder.health()
         body = HealthResponse(status=status, workers=workers, faults=faults,  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from mm_serve.protocol.schemas import (
     DeltaMessage,
     dump,
 )
+from mm_serve.protocol.service_tier import openai_tier
 
 
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request, ctx: ServerContext) -> object:
@@ -33,7 +34,7 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
     gen: Generation = admitted.generations[0]
     tokenizer, top_n = ctx.holder.inputs.tokenizer, admitted.call.logprobs
     chunk = ChatCompletionChunk(id=f"chatcmpl-{gen.request_id}", created=int(time.time()),
-                                model=ctx.served_model_name, choices=[], service_tier=admitted.call.tier.label)
+                                model=ctx.served_model_name, choices=[], service_tier=openai_tier(admitted.call.tier))
 
     def emit(choices: list[ChatChunkChoice]) -> str:
         chunk.choices = choices

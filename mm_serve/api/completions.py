@@ -15,6 +15,7 @@ from mm_serve.pipeline.pipeline import AdmittedCall
 from mm_serve.pipeline.responses import echo_logprobs, echo_text, finish_reason, timeout_message
 from mm_serve.protocol.logprobs_format import completion_logprobs
 from mm_serve.protocol.schemas import CompletionRequest, dump
+from mm_serve.protocol.service_tier import openai_tier
 
 
 async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerContext) -> object:
@@ -25,7 +26,7 @@ async def create_completion(body: CompletionRequest, raw: Request, ctx: ServerCo
 async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, include_usage: bool) -> AsyncIterator[str]:
     gen = admitted.generations[0]  # a stream has one prompt
     base = {"id": f"cmpl-{gen.request_id}", "object": "text_completion", "created": int(time.time()),
-            "model": ctx.served_model_name, "service_tier": admitted.call.tier.label}
+            "model": ctx.served_model_name, "service_tier": openai_tier(admitted.call.tier)}
     closed = [False] * len(gen.states)
     sent_tokens, offsets = [0] * len(gen.states), [0] * len(gen.states)
     tokenizer, top_n = ctx.holder.inputs.tokenizer, admitted.call.logprobs

@@ -26,10 +26,11 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
-    """Map validation errors to 400 and every error to OpenAI's error JSON; ``on_error(status)`` counts them."""
+    """Map validation errors to 400 and every error to OpenAI's error JSON; ``on_error(status)`` counts them
+    (not those whose call's engine requests were counted as they finished: :attr:`APIError.counted`)."""
 
     def respond(error: APIError) -> JSONResponse:
-        if on_error is not None:
+        if on_error is not None and not error.counted:
             on_error(error.status)
         return error_response(error)
 

@@ -300,11 +300,15 @@ class EngineClient:
             raise InvalidRequestError(str(exc)) from None
         return state
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request wherever it is; its pages are freed by the workers."""
+    def abort(self, request_id: str, failure: str | None = None) -> None:
+        """Cancel a request wherever it is; its pages are freed by the workers. It ends cancelled by its
+        caller, or with ``failure`` when given (the service gave up on it: its deadline passed)."""
         state = self.flights.abort(request_id)
         if state is not None:
-            state.abort()
+            if failure is None:
+                state.abort()
+            else:
+                state.fail(failure)
             self._notify_finished(state)
 
     # ---- workers ---------------------------------------------------------------------------

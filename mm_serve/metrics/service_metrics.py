@@ -60,12 +60,17 @@ class ServiceMetrics:
         self.images = Counter("mm_serve_image_inputs", "Images received.", registry=registry)
 
     def observe_finished(self, state: RequestState) -> None:
-        """Record one finished engine request (called on the engine client's receiver thread)."""
+        """Record one finished engine request (called on the engine client's receiver thread). Its
+        ``status_code`` is its call's answer: 200; 499 cancelled by the client; 400 its input cannot be served
+        (a grammar that allows no token); 503 failed (a fault past its migrations, ``api.timeout_ms``). A
+        stream that fails after its 200 counts its error event's status."""
         reason = state.finish_reason or "unknown"
         if reason in ("stop", "length"):
             code = "200"
-        else:  # cancelled by the client (disconnect, timeout): 499; ended by a fault or a worker error: 503
-            code = "499" if state.failure is None else "503"
+        elif state.failure is None:
+            code = "499"
+        else:
+            code = "400" if state.invalid_input else "503"
         self.requests.labels(finish_reason=reason, status_code=code).inc()
         self.prompt_tokens.inc(state.num_prompt_tokens)
         self.generation_tokens.inc(len(state.token_ids))

@@ -141,6 +141,12 @@ class Call:
         """
         body = self.body
         max_tokens = self.max_tokens or max(1, context_len - prompt_len)  # a full context: refused below
+        if self.max_tokens is None and prompt_len >= context_len:  # no room for the one token generated
+            raise bad_request(
+                f"this model's context length is {context_len} tokens; the prompt alone has {prompt_len} tokens "
+                "(image tokens included), which leaves no room for output: shorten it",
+                "messages" if self.chat is not None else "prompt", "context_length_exceeded",
+            )
         if prompt_len + max_tokens > context_len:
             raise bad_request(
                 f"this model's context length is {context_len} tokens; the prompt has {prompt_len} tokens "

@@ -22,6 +22,7 @@ from mm_serve.protocol.schemas import PromptTokensDetails, Usage
 from mm_serve.runtime.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
+DEADLINE_PASSED = "it did not finish by its deadline"  # why a request the deadline ended failed
 
 
 def engine_id(request_id: str, index: int) -> str:
@@ -84,11 +85,12 @@ class Generation:
     def finished(self) -> bool:
         return all(s.finished for s in self.states)
 
-    def abort(self) -> None:
-        """Cancel every unfinished request of this call (pages are freed by the workers)."""
+    def abort(self, failure: str | None = None) -> None:
+        """Cancel every unfinished request of this call (pages are freed by the workers); with ``failure``
+        they end failed with it rather than cancelled (:meth:`EngineClient.abort`)."""
         for state in self.states:
             if not state.finished:
-                self.client.abort(state.request_id)
+                self.client.abort(state.request_id, failure)
 
     async def changes(
         self, deadline: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None
@@ -96,7 +98,8 @@ class Generation:
         """Yield the index of each request that changed, until all finish, then every index once more.
 
         Raises:
-            TimeoutError: ``deadline`` (``time.monotonic()``) passed; everything is aborted.
+            TimeoutError: ``deadline`` (``time.monotonic()``) passed; everything unfinished ends failed
+                (:data:`DEADLINE_PASSED`).
             ConnectionAbortedError: the client went away; everything is aborted.
         """
         next_poll = time.monotonic() + DISCONNECT_POLL_S
@@ -104,7 +107,7 @@ class Generation:
             now = time.monotonic()
             remaining = deadline - now
             if remaining <= 0:
-                self.abort()
+                self.abort(DEADLINE_PASSED)
                 raise TimeoutError
             if now >= next_poll:  # on a clock, so a steady stream of tokens cannot hide a disconnect
                 next_poll = now + DISCONNECT_POLL_S

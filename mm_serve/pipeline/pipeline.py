@@ -49,10 +49,10 @@ class AdmittedCall:
     prediction: Prediction | None  # of its first request (None: none was made)
     generations: list[Generation]
 
-    def abort(self) -> None:
-        """Cancel every unfinished request of the call."""
+    def abort(self, failure: str | None = None) -> None:
+        """Cancel every unfinished request of the call (with ``failure``: they end failed, :meth:`Generation.abort`)."""
         for generation in self.generations:
-            generation.abort()
+            generation.abort(failure)
 
 
 async def admit_call(ctx: ServerContext, body: Body, origin: CallOrigin) -> AdmittedCall:

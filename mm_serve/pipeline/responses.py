@@ -10,9 +10,10 @@ from typing import Literal
 
 from mm_serve.engine.request_state import RequestState
 from mm_serve.pipeline.context import ServerContext
+from mm_serve.pipeline.generation import DEADLINE_PASSED
 from mm_serve.pipeline.pipeline import AdmittedCall
 from mm_serve.pipeline.tool_answer import answer_message
-from mm_serve.protocol.errors import bad_request, unavailable
+from mm_serve.protocol.errors import bad_request, counted, unavailable
 from mm_serve.protocol.logprobs_format import chat_logprobs, completion_logprobs
 from mm_serve.protocol.schemas import (
     ChatChoice,
@@ -23,6 +24,7 @@ from mm_serve.protocol.schemas import (
     PromptTokensDetails,
     Usage,
 )
+from mm_serve.protocol.service_tier import openai_tier
 
 FAILED_RETRY_AFTER_S = 1  # a request that failed (its workers lost or stopped): retry, on this server or another
 
@@ -53,17 +55,17 @@ async def wait_all(ctx: ServerContext, admitted: AdmittedCall, gone: Callable[[]
     try:
         for generation in admitted.generations:
             await generation.wait(deadline, gone)
-    except TimeoutError:
-        admitted.abort()
-        raise unavailable(timeout_message(ctx)) from None
+    except TimeoutError:  # the requests end failed (counted as such), the other prompts' too
+        admitted.abort(DEADLINE_PASSED)
+        raise counted(unavailable(timeout_message(ctx))) from None
     except ConnectionAbortedError:
         admitted.abort()
         raise
     failed = next((state for g in admitted.generations if (state := g.failed()) is not None), None)
     if failed is not None and failed.invalid_input:  # what it asked cannot be done: sending it again would not help
-        raise bad_request(str(failed.failure_message), None, "invalid_grammar")
+        raise counted(bad_request(str(failed.failure_message), None, "invalid_grammar"))
     if failed is not None:
-        raise unavailable(str(failed.failure_message), FAILED_RETRY_AFTER_S)
+        raise counted(unavailable(str(failed.failure_message), FAILED_RETRY_AFTER_S))
 
 
 def chat_response(ctx: ServerContext, admitted: AdmittedCall) -> ChatCompletionResponse:
@@ -77,7 +79,7 @@ def chat_response(ctx: ServerContext, admitted: AdmittedCall) -> ChatCompletionR
             index=i, message=message, finish_reason=reason,
             logprobs=None if top_n is None else chat_logprobs(tokenizer, s.token_ids, s.logprobs, top_n)))
     return ChatCompletionResponse(model=ctx.served_model_name, choices=choices, usage=generation.usage(),
-                                  service_tier=admitted.call.tier.label)
+                                  service_tier=openai_tier(admitted.call.tier))
 
 
 def completion_response(ctx: ServerContext, admitted: AdmittedCall) -> CompletionResponse:
@@ -101,7 +103,7 @@ def completion_response(ctx: ServerContext, admitted: AdmittedCall) -> Completio
                   total_tokens=prompt_tokens + completion_tokens,
                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
     return CompletionResponse(model=ctx.served_model_name, choices=choices, usage=usage,
-                              service_tier=call.tier.label)
+                              service_tier=openai_tier(call.tier))
 
 
 def echo_text(ctx: ServerContext, admitted: AdmittedCall, p: int) -> str:

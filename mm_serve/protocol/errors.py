@@ -31,6 +31,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self.counted = False  # its call's engine requests were counted as they finished (mm_serve_requests_total)
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -44,6 +45,13 @@ class APIError(Exception):
 
 STOPPED_MESSAGE = "the service stopped before this request was answered; send it again"
 STOPPED_RETRY_AFTER_S = 1  # the Retry-After of that 503: a replacement may answer soon
+
+def counted(error: APIError) -> APIError:
+    """``error``, marked as the answer of a call whose engine requests the metrics counted as they finished
+    (so the error handler does not count the call again)."""
+    error.counted = True
+    return error
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """400 ``invalid_request_error`` naming ``param`` (and OpenAI's ``code`` when given)."""

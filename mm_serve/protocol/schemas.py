@@ -56,7 +56,14 @@ class VideoPart(_Lenient):
     video_url: VideoURL
 
 
-ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+class RefusalPart(_Lenient):
+    """An assistant turn's refusal (OpenAI's form, in a conversation sent back): rendered as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart | RefusalPart, Field(discriminator="type")]
 
 
 def invalid(name: str, message: str, code: str | None = None) -> PydanticCustomError:
@@ -71,11 +78,17 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    refusal: str | None = None  # an assistant turn's refusal (OpenAI's response field, sent back): its content
 
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
         """Only an assistant turn may have no content (OpenAI's rule: it may carry tool calls instead); a tool
-        turn names the call it answers; only an assistant turn carries calls."""
+        turn names the call it answers; only an assistant turn carries calls or refusals."""
+        refusals = isinstance(self.content, list) and any(part.type == "refusal" for part in self.content)
+        if (self.refusal is not None or refusals) and self.role != "assistant":
+            raise invalid("messages", f"a {self.role} message cannot carry a refusal (only assistant messages do)")
+        if self.content is None and self.refusal is not None:
+            self.content = self.refusal  # what the assistant said
         if self.content is None and self.role != "assistant":
             raise invalid("messages", f"a {self.role} message needs 'content' (a string or a list of parts); "
                                       "null is allowed only for assistant messages")
@@ -124,11 +137,15 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 # name -> whether a value asks for nothing (then it is accepted and ignored)
 UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "functions": _empty, "function_call": _is("none", "auto"), "prediction": _empty,
-    "audio": _empty, "modalities": _is(["text"]), "best_of": _one,
+    "audio": _empty, "modalities": _is(["text"]), "best_of": _one, "store": _empty, "web_search_options": _empty,
 }
 UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"suffix": _empty, "best_of": _one}
 # what such a parameter may be set to, where a value other than none is accepted
-ACCEPTED_VALUES = {"best_of": "1 (the default)", "modalities": '["text"]', "function_call": '"none" or "auto"'}
+ACCEPTED_VALUES = {"best_of": "1 (the default)", "modalities": '["text"]', "function_call": '"none" or "auto"',
+                   "store": "false (the default: nothing is stored for retrieval)"}
+
+
+NULL_IS_DEFAULT = ("n", "stream", "ignore_eos", "logprobs", "parallel_tool_calls")  # OpenAI's nullable fields
 
 
 def _refuse(data: Any, unsupported: dict[str, Callable[[Any], bool]]) -> Any:
@@ -182,6 +199,14 @@ class _SamplingFields(StructuredFields):
     service_tier: str | None = Field(
         None, description="SLO tier: priority -> interactive, default -> standard, flex -> batch, auto or absent -> "
         "slo.default_tier; interactive, standard, batch name ours directly (mm_serve/protocol/service_tier.py)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_as_absent(cls, data: Any) -> Any:
+        """``null`` for a field of :data:`NULL_IS_DEFAULT` is its default, as OpenAI takes it."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NULL_IS_DEFAULT):
+            return {key: value for key, value in data.items() if not (key in NULL_IS_DEFAULT and value is None)}
+        return data
 
     @field_validator("service_tier", mode="before")
     @classmethod
@@ -319,7 +344,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    service_tier: str | None = None  # the SLO tier served (interactive | standard | batch)
+    service_tier: str | None = None  # the SLO tier served, by its OpenAI name (priority | default | flex)
     choices: list[ChatChoice]
     usage: Usage
 
@@ -354,7 +379,7 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    service_tier: str | None = None  # the SLO tier served
+    service_tier: str | None = None  # the SLO tier served, by its OpenAI name (priority | default | flex)
     usage: Usage | None = None
 
 
@@ -377,7 +402,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    service_tier: str | None = None  # the SLO tier served (interactive | standard | batch)
+    service_tier: str | None = None  # the SLO tier served, by its OpenAI name (priority | default | flex)
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

@@ -7,6 +7,9 @@
 ``auto`` or absent    the configured default tier (``slo.default_tier``)
 ``interactive``, ``standard``, ``batch``   themselves (our names)
 ====================  ==============================================
+
+A response's ``service_tier`` is OpenAI's name of the tier served (:func:`openai_tier`): ``priority``,
+``default`` or ``flex``, the values OpenAI's own response types accept.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from mm_serve.ground.tiers import Tier
 
 OPENAI_TIERS: Final = MappingProxyType({"priority": Tier.INTERACTIVE, "default": Tier.STANDARD, "flex": Tier.BATCH})
 OUR_TIERS: Final[Mapping[str, Tier]] = MappingProxyType({tier.label: tier for tier in Tier})
+OPENAI_NAMES: Final[Mapping[Tier, str]] = MappingProxyType({tier: name for name, tier in OPENAI_TIERS.items()})
 ALLOWED_VALUES: Final[tuple[str, ...]] = ("auto", *OPENAI_TIERS, *OUR_TIERS)
 ECHO_CHARS = 64  # an unknown service_tier is quoted in its 400 up to this many characters
 
@@ -49,3 +53,8 @@ def tier_of(service_tier: str | None, default: Tier) -> Tier:
     if service_tier in OPENAI_TIERS:
         return OPENAI_TIERS[service_tier]
     return OUR_TIERS[service_tier]
+
+
+def openai_tier(tier: Tier) -> str:
+    """OpenAI's ``service_tier`` name of ``tier``, as a response reports it: ``priority``, ``default``, ``flex``."""
+    return OPENAI_NAMES[tier]

@@ -17,6 +17,9 @@ from pathlib import Path
 import httpx
 import yaml
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def free_port() -> int:
@@ -113,3 +116,21 @@ def chat_error(server: ServerProcess, body: dict, status: int = 400) -> dict:
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={"model": "tiny", "max_tokens": 4, **body})
     assert r.status_code == status, r.text
     return r.json()["error"]
+
+
+def scrape_metrics(url: str) -> Samples:
+    """Every sample of the server's ``/metrics``, parsed by prometheus-client: ``(name, sorted labels) -> value``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def requests_counted(before: Samples, after: Samples) -> dict[tuple[str, str], float]:
+    """``mm_serve_requests_total`` increments between two :func:`scrape_metrics`: ``(finish_reason,
+    status_code) -> count``, the labels that grew only."""
+    grown = {}
+    for (name, labels), value in after.items():
+        if name == "mm_serve_requests_total" and value > before.get((name, labels), 0.0):
+            label = dict(labels)
+            grown[(label["finish_reason"], label["status_code"])] = value - before.get((name, labels), 0.0)
+    return grown

@@ -81,7 +81,7 @@ def test_a_batch_call_waits_for_a_running_standard_request_then_is_answered(hold
     r = httpx.post(f"{url}/v1/completions", json=_body("flex", 4), timeout=120)
     answered = time.monotonic()
     runner.join()
-    assert r.status_code == 200 and r.json()["service_tier"] == "batch"
+    assert r.status_code == 200 and r.json()["service_tier"] == "flex"
     assert r.json()["usage"]["completion_tokens"] == 4
     # it was let go when the standard request finished, not before (its longest hold is 30 s)
     assert answered >= finished["standard"] - 0.05
@@ -111,7 +111,7 @@ def test_a_batch_call_with_an_image_waits_before_its_image_is_decoded(hold_serve
     waiter.join(120)
     reply = results["flex"]
     assert reply.status_code == 200, reply.text
-    assert reply.json()["service_tier"] == "batch" and reply.json()["usage"]["completion_tokens"] == 3
+    assert reply.json()["service_tier"] == "flex" and reply.json()["usage"]["completion_tokens"] == 3
     assert results["answered"] >= finished["standard"] - 0.05
     after = httpx.get(f"{url}/health", timeout=10).json()["admission"]
     assert after["held"]["requests_waiting"] == 0 and after["held"]["released_by_time_before_media"] == 0

@@ -102,6 +102,12 @@ CASES: list[tuple[str, Any, int]] = [
     ("completions best_of 0 (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 0}, 400),
     ("completions best_of true (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": True}, 400),
     ("completions best_of 3 (unsupported)", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 3}, 400),
+    ("store (unsupported)", _chat(store=True), 400),
+    ("web_search_options (unsupported)", _chat(web_search_options={"search_context_size": "high"}), 400),
+    ("a refusal part in a user message", _chat(messages=[{"role": "user", "content": [
+        {"type": "refusal", "refusal": "no"}]}]), 400),
+    ("a prompt alone over the context", _chat(max_tokens=None, messages=[{"role": "user", "content": "word " * 2100}]),
+     400),
 ]
 
 
@@ -129,7 +135,8 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
     if "(unsupported)" in name:
         param = name.split()[1] if name.startswith("completions") else name.split()[0]
         accepted = {"best_of": ": only 1 (the default) is accepted", "modalities": ': only ["text"] is accepted',
-                    "function_call": ': only "none" or "auto" is accepted'}.get(param, "")
+                    "function_call": ': only "none" or "auto" is accepted',
+                    "store": ": only false (the default: nothing is stored for retrieval) is accepted"}.get(param, "")
         assert error["message"] == f"'{param}' is not supported by this server{accepted}", error["message"]
         assert error["param"] == param
     if name.startswith("prompt plus max_"):  # the message and param name the field the call set
@@ -139,16 +146,51 @@ def test_bad_input_table(server: ServerProcess, name: str, body: Any, status: in
     if name == "content a number":  # both shapes content may take are named, not the last one tried
         assert error["message"] == "Input should be a valid string or a valid list at 'messages.0.content'"
         assert error["param"] == "messages.0.content"
+    if name == "a refusal part in a user message":
+        assert error["message"] == "a user message cannot carry a refusal (only assistant messages do)", error
+    if name == "a prompt alone over the context":  # no max_tokens was sent: the message names none
+        assert "the prompt alone has" in error["message"] and "max_tokens" not in error["message"], error["message"]
+        assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
     if name == "min_tokens over max_completion_tokens":
         assert "must be at most max_completion_tokens (2)" in error["message"], error["message"]
 
 
 def test_values_of_unsupported_parameters_that_ask_for_nothing_are_accepted(server: ServerProcess) -> None:
     harmless = _chat(function_call="none", functions=[], prediction=None, best_of=1, modalities=["text"],
-                     max_tokens=2)
+                     store=False, web_search_options=None, max_tokens=2)
     assert httpx.post(f"{server.url}/v1/chat/completions", json=harmless, timeout=30).status_code == 200
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "echo": False, "suffix": "", "best_of": 1}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
+
+
+def test_null_for_a_nullable_openai_field_is_its_default(server: ServerProcess) -> None:
+    """``null`` for ``n``, ``stream``, ``logprobs``, ``parallel_tool_calls`` (and ``ignore_eos``) answers as
+    the field left out: one choice, not streamed, no log-probabilities (OpenAI's spec has them nullable)."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None, "ignore_eos": None,
+             "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(**nulls), timeout=30)
+    plain = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(temperature=0), timeout=30)
+    assert r.status_code == 200, r.text
+    assert [c["message"]["content"] for c in r.json()["choices"]] == [plain.json()["choices"][0]["message"]["content"]]
+    assert r.json()["choices"][0]["logprobs"] is None
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "logprobs": None}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+
+
+def test_an_assistant_refusal_sent_back_is_part_of_the_conversation(server: ServerProcess) -> None:
+    """An assistant turn's refusal, as a content part or as OpenAI's message-level ``refusal`` field, is
+    rendered as that turn's text: the same prompt as the refusal sent as plain content."""
+    def prompt_tokens(assistant: dict[str, Any]) -> int:
+        messages = [{"role": "user", "content": "a"}, {"role": "assistant", **assistant}, {"role": "user", "content": "b"}]
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=_chat(messages=messages, max_tokens=1), timeout=30)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    as_text = prompt_tokens({"content": "I will not say that"})
+    assert prompt_tokens({"content": [{"type": "refusal", "refusal": "I will not say that"}]}) == as_text
+    assert prompt_tokens({"content": None, "refusal": "I will not say that"}) == as_text
+    assert prompt_tokens({"content": ""}) < as_text
 
 
 def test_server_still_serves_after_bad_inputs(server: ServerProcess) -> None:

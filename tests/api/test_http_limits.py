@@ -14,7 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.server_process import ServerProcess, configured_server, data_uri
+from tests.api.server_process import (
+    ServerProcess,
+    configured_server,
+    data_uri,
+    requests_counted,
+    scrape_metrics,
+)
 from tests.factories import gradient_image
 
 HEADER_TIMEOUT_S = 1.0
@@ -271,3 +277,29 @@ def test_a_grammar_slower_to_compile_than_the_limit_is_a_400_and_refused_at_once
     body["guided_choice"] = ["yes", "no"]
     r = httpx.post(f"{guarded.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] in ("yes", "no"), r.text
+
+
+def test_a_call_past_api_timeout_ms_is_one_503_and_frees_its_pages(tiny_llava: Path, tmp_path: Path) -> None:
+    """A call still generating at ``api.timeout_ms``: a 503 naming the key (streamed: that error event, then
+    [DONE]); ``mm_serve_requests_total`` counts it once, as the 503 its client saw; its pages go back."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Talk"}], "max_tokens": 3000,
+            "ignore_eos": True}
+    with configured_server(tiny_llava, {"model": str(tiny_llava), "api": {"timeout_ms": 1000}}, tmp_path) as server:
+        before = scrape_metrics(server.url)
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["message"] == "the request did not finish within api.timeout_ms (1000 ms)"
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as streamed:
+            lines = [line for line in streamed.iter_lines() if line]
+        assert streamed.status_code == 200 and lines[-1] == "data: [DONE]"
+        assert "api.timeout_ms (1000 ms)" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+        deadline = time.monotonic() + 30
+        while True:
+            after = scrape_metrics(server.url)
+            used = [v for (name, _), v in after.items() if name == "mm_serve_kv_pages_used"]
+            if (after[("mm_serve_requests_in_flight", ())] == 0 and not any(used)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert after[("mm_serve_requests_in_flight", ())] == 0 and used and not any(used)
+        assert requests_counted(before, after) == {("error", "503"): 2}

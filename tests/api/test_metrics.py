@@ -5,19 +5,9 @@ from __future__ import annotations
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.server_process import ServerProcess, data_uri
+from tests.api.server_process import ServerProcess, data_uri, scrape_metrics
 from tests.factories import gradient_image
-
-
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
 
 
 def _client_ttft(http: httpx.Client, url: str, i: int) -> float:
@@ -38,10 +28,10 @@ def test_ttft_histogram_matches_client_and_gauges_return_to_idle(server: ServerP
     n = 8
     with httpx.Client() as http:  # one kept-alive connection: TCP set-up is not part of TTFT
         _client_ttft(http, server.url, 0)  # warm-up, before the baseline scrape
-        before = _scrape(server.url)
+        before = scrape_metrics(server.url)
         client_sum = sum(_client_ttft(http, server.url, i) for i in range(n))
     time.sleep(0.2)
-    after = _scrape(server.url)
+    after = scrape_metrics(server.url)
     key_count = ("mm_serve_time_to_first_token_seconds_count", ())
     key_sum = ("mm_serve_time_to_first_token_seconds_sum", ())
     count = after[key_count] - before.get(key_count, 0.0)
@@ -55,7 +45,7 @@ def test_ttft_histogram_matches_client_and_gauges_return_to_idle(server: ServerP
     assert after[("mm_serve_encode_seconds_count", ())] - before.get(("mm_serve_encode_seconds_count", ()), 0.0) == n
     deadline = time.monotonic() + 10
     while True:
-        idle = _scrape(server.url)
+        idle = scrape_metrics(server.url)
         running = [v for (name, _), v in idle.items() if name == "mm_serve_requests_running"]
         used = [v for (name, _), v in idle.items() if name == "mm_serve_kv_pages_used"]
         totals = [v for (name, _), v in idle.items() if name == "mm_serve_kv_pages_total"]
@@ -67,9 +57,9 @@ def test_ttft_histogram_matches_client_and_gauges_return_to_idle(server: ServerP
 
 
 def test_rejected_requests_are_counted_by_status(server: ServerProcess) -> None:
-    before = _scrape(server.url)
+    before = scrape_metrics(server.url)
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=10)
     assert r.status_code == 400
-    after = _scrape(server.url)
+    after = scrape_metrics(server.url)
     key = ("mm_serve_requests_total", (("finish_reason", "error"), ("status_code", "400")))
     assert after[key] - before.get(key, 0.0) == 1

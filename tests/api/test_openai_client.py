@@ -47,6 +47,31 @@ def test_health_reported_warming_then_ok(server: ServerProcess) -> None:
     assert all(v == "ready" for v in seen[-1]["workers"].values())
     warming = [s for s in seen if s["status_code"] == 503]
     assert all(s["status"] == "warming" for s in warming)
+    head = httpx.head(f"{server.url}/health", timeout=10)  # a load balancer's probe
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_raw_bodies_validate_as_the_openai_sdk_types(server: ServerProcess) -> None:
+    """Each body and stream chunk, as sent, validates as the official SDK's response types (which check the
+    values of ``finish_reason``, ``object`` and ``service_tier``); ``service_tier`` is OpenAI's name of the tier
+    served."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    url = f"{server.url}/v1"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    for sent, named in ((None, "default"), ("flex", "flex"), ("priority", "priority"), ("batch", "flex"),
+                        ("interactive", "priority"), ("auto", "default")):
+        tier = {} if sent is None else {"service_tier": sent}
+        assert ChatCompletion.model_validate(httpx.post(f"{url}/chat/completions", json={**chat, **tier},
+                                                        timeout=60).json()).service_tier == named
+    with httpx.stream("POST", f"{url}/chat/completions", timeout=60, json={
+            **chat, "stream": True, "service_tier": "flex", "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= 3 and all(ChatCompletionChunk.model_validate(c).service_tier == "flex" for c in chunks)
+    completion = httpx.post(f"{url}/completions", timeout=60,
+                            json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "logprobs": 2}).json()
+    assert Completion.model_validate(completion).choices[0].finish_reason == "length"
 
 
 def test_banner_with_working_curl_example(server: ServerProcess, tmp_path: Path) -> None:

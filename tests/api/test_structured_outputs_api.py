@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.api.server_process import ServerProcess, chat_error
+from tests.api.server_process import ServerProcess, chat_error, requests_counted, scrape_metrics
 from tests.schemas_gen import random_schema
 
 PROMPT = [{"role": "user", "content": "Describe the scene as JSON."}]
@@ -159,7 +159,9 @@ def test_a_grammar_that_dead_ends_fails_its_own_call_alone(server: ServerProcess
     with a 400 ``invalid_grammar`` (streamed: that error event, then [DONE]), and the plain calls beside them
     give the tokens they give alone. The decode worker's step used to fail for the whole batch (503s for
     every call in it), and a sampled dead-end row drew from no token at all; one with no output allowed at
-    all is refused before any work."""
+    all is refused before any work. ``mm_serve_requests_total`` counts each call once, with the status its
+    client saw (a stream's error event's)."""
+    before = scrape_metrics(server.url)
     error = chat_error(server, {"messages": PROMPT, "guided_grammar": "root ::= root"})
     assert "allows no output" in error["message"], error
 
@@ -193,6 +195,7 @@ def test_a_grammar_that_dead_ends_fails_its_own_call_alone(server: ServerProcess
     assert lines[-1] == "data: [DONE]"
     last = json.loads(lines[-2][len("data: "):])["error"]
     assert last["type"] == "invalid_request_error" and last["code"] == "invalid_grammar", last
+    assert requests_counted(before, scrape_metrics(server.url)) == {("length", "200"): 8, ("error", "400"): 5}
 
 
 def test_pydantic_models_with_urls_constrained_strings_and_multiples_are_served(server: ServerProcess) -> None:

@@ -186,5 +186,5 @@ def test_a_completions_batch_answers_as_v1_completions(client: openai.OpenAI) ->
     for r in output_rows(client, batch.output_file_id):
         live = client.completions.create(model="tiny", prompt=prompts[r["custom_id"]], max_tokens=8, temperature=0)
         assert r["response"]["body"]["object"] == "text_completion"
-        assert r["response"]["body"]["service_tier"] == ("standard" if r["custom_id"] == "p-2" else "batch")
+        assert r["response"]["body"]["service_tier"] == ("default" if r["custom_id"] == "p-2" else "flex")
         assert r["response"]["body"]["choices"][0]["text"] == live.choices[0].text

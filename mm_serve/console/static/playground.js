@@ -7,6 +7,7 @@
 const $ = (id) => document.getElementById(id);
 const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"];  // what the server decodes
 const RETRY_MS = 2000;
+const OUR_TIER = {priority: "interactive", default: "standard", flex: "batch"};  // OpenAI's service_tier names → the tiers
 // conversation: bumped by New chat, so a reply still streaming for an earlier one is dropped, not carried over
 const state = {info: null, messages: [], pending: [], busy: false, conversation: 0, inflight: null};
 const headers = () => ConsoleKey.headers({"Content-Type": "application/json"});
@@ -230,7 +231,7 @@ async function send() {
     }
     await readEvents(response, (chunk) => {
       if (chunk.error) { failed = chunk.error.message; return; }
-      tier = chunk.service_tier || tier;
+      tier = OUR_TIER[chunk.service_tier] || chunk.service_tier || tier;  // responses name OpenAI's tiers
       if (chunk.usage) usage = chunk.usage;
       for (const choice of chunk.choices || []) {
         const piece = (choice.delta && choice.delta.content) || "";
