@@ -22,6 +22,7 @@ from mm_serve.ground.dtypes import DTypeChoice, DTypeName, resolve_dtype
 from mm_serve.ground.slo import SLO
 from mm_serve.ground.tiers import Tier, TierLabel
 from mm_serve.runtime.engine_config import DEFAULT_ENGINE as _E
+from mm_serve.workloads.builtin import BUILTIN_WORKLOADS
 
 
 class ConfigError(ValueError):
@@ -313,6 +314,16 @@ class PlacementConfig(_Frozen):
     workload: str = Field("auto", min_length=1, description="The traffic the placement is planned for: a workload `mm-serve bench` knows (chatbot, code, summarization, llava, long-multimodal, caption, ...) or a JSONL workload file; auto = llava for a model with a vision tower, else chatbot.")
     profile_dir: str | None = Field(None, description="Where machine profiles are cached; null = $MM_SERVE_PROFILE_DIR, else $MM_SERVE_CACHE_DIR/profiles, else $XDG_CACHE_HOME/mm-serve/profiles, else ~/.cache/mm-serve/profiles.")
 
+    @field_validator("workload")
+    @classmethod
+    def _known_workload(cls, value: str) -> str:
+        """auto, a built-in workload's name or an existing file: a misspelt name is an error at load, not a
+        planner that quietly cannot choose."""
+        if value == "auto" or value in BUILTIN_WORKLOADS or Path(value).is_file():
+            return value
+        raise ValueError(f"unknown workload {value!r}: choose auto, {', '.join(BUILTIN_WORKLOADS)}, or the path of "
+                         "a JSONL workload file")
+
 
 class ClusterConfig(_Frozen):
     """Where the workers run: local processes on this machine, or Ray actors on the nodes of a
@@ -479,11 +490,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping, got {type(loaded).__name__}")
         data = loaded
-        if overrides:  # the file stands on its own: an override must not hide a bad value in it
-            try:
-                config_from_dict(data)
-            except ConfigError as exc:
-                raise ConfigError(f"{p}: {exc}") from None
+        try:  # the file stands on its own (an override must not hide a bad value in it), and its errors name it
+            config_from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: {exc}") from None
     return config_from_dict(data, overrides)
 
 

@@ -60,6 +60,8 @@ def test_default_yaml_lists_every_key_with_its_default() -> None:
     ("api.http_parser", "h2", "'auto', 'h11' or 'httptools'"),
     ("api.shutdown_grace_s", float("nan"), "finite number"),  # was "less than or equal to 3600"
     ("api.timeout_ms", float("inf"), "finite number"),
+    ("placement.workload", "chatbott", "unknown workload 'chatbott': choose auto, chatbot, code"),
+    ("placement.workload", "/no/such/workload.jsonl", "or the path of a JSONL workload file"),
 ])
 def test_bad_values_name_key_value_and_rule(key: str, value: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -216,6 +218,8 @@ def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_p
     path.write_text("api:\n  port: 70000\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: invalid configuration:\n  api\.port = 70000"):
         load_config(path, {"api.port": 8124})
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid configuration:\n  api\.port = 70000"):
+        load_config(path)  # without overrides (mm-serve caption --config) the message names the file too
     path.write_text("api:\n  port: 9000\n")
     assert load_config(path, {"api.port": 8124}).api.port == 8124
 

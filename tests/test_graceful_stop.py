@@ -342,3 +342,33 @@ def test_a_signal_caught_inside_exec_code_exits_with_the_status_main_returns(tmp
                           text=True, timeout=60)
     assert done.stdout == "caught\n", done.stderr
     assert done.returncode == status
+
+
+def test_an_interrupt_a_library_turned_into_its_own_error_exits_130(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGTERM landing inside transformers' lazy import leaves as its ``ModuleNotFoundError`` (the interrupt
+    as its context): the CLI exits 130, "interrupted", with no traceback; an error not caused by an
+    interrupt still propagates."""
+    import argparse
+
+    from mm_serve.cli import main as cli
+
+    def rewrapped(_: argparse.Namespace) -> int:
+        try:
+            raise cli.StopSignal
+        except KeyboardInterrupt:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from None  # context kept
+
+    def plain(_: argparse.Namespace) -> int:
+        raise ModuleNotFoundError("Could not import module 'LlamaConfig'")
+
+    for func in (rewrapped, plain):
+        parser = argparse.ArgumentParser()
+        parser.set_defaults(func=func)
+        monkeypatch.setattr(cli, "build_parser", lambda parser=parser: parser)
+        if func is plain:
+            with pytest.raises(ModuleNotFoundError):
+                cli.main([])
+        else:
+            assert cli.main([]) == 130
+            assert capsys.readouterr().err.strip().endswith("mm-serve: interrupted")

@@ -38,6 +38,14 @@ def test_exits_hangs_and_slow_starts_are_failures() -> None:
     worker.process = python("raise SystemExit(3)")
     worker.process.wait()
     assert supervision.failure_reason(worker, 0.0, FAULT) == "exited with code 3"
+    worker.process = python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    worker.process.wait()
+    assert supervision.failure_reason(worker, 0.0, FAULT) == (  # what the out-of-memory killer leaves
+        "exited with code -9, killed by SIGKILL (when nothing else sent it, the kernel's out-of-memory killer: "
+        "see `dmesg`)")
+    worker.process = python("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    worker.process.wait()
+    assert supervision.failure_reason(worker, 0.0, FAULT) == "exited with code -11, killed by SIGSEGV"
     worker.process = python("import time; time.sleep(60)")
     try:
         worker.status, worker.last_seen = WorkerStatus.READY, 100.0

@@ -51,6 +51,20 @@ def stop_on_signal(signum: int, frame: object) -> None:
     raise StopSignal
 
 
+def _from_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while handling, or because of, a Ctrl-C or :class:`StopSignal`: a signal
+    that lands inside transformers' lazy import leaves it as a ``ModuleNotFoundError`` whose context is
+    the interrupt."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument error is one line, in the same format as every other user error
     (argparse would print the whole usage block first), exit status 2."""
@@ -98,6 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `mm-serve plan ... | head`: the reader left, nothing to report
         drop_output(sys.stdout)  # no second error at exit
         return 0
+    except Exception as exc:
+        if not _from_interrupt(exc):
+            raise
+        say("mm-serve: interrupted")  # a library turned the interrupt into its own error (a lazy import's)
+        return 130
 
 
 if __name__ == "__main__":  # `python -m mm_serve.cli.main`: run the package's module, so that

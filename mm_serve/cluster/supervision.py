@@ -11,7 +11,7 @@ others. :class:`~mm_serve.cluster.worker_pool.WorkerPool` applies these rules.
 
 from __future__ import annotations
 
-from mm_serve.cluster.worker_state import WorkerKey, WorkerRecord, WorkerStatus
+from mm_serve.cluster.worker_state import WorkerKey, WorkerRecord, WorkerStatus, exit_description
 from mm_serve.config import FaultConfig
 
 MAX_BACKOFF_S = 10.0
@@ -25,7 +25,7 @@ def failure_reason(worker: WorkerRecord, now: float, fault: FaultConfig) -> str 
         return None
     code = worker.process.poll()
     if code is not None:
-        return f"exited with code {code}"
+        return exit_description(code)
     if worker.status is WorkerStatus.READY and now - worker.last_seen > fault.heartbeat_timeout_s:
         return f"hung: no heartbeat for {now - worker.last_seen:.1f} s (fault.heartbeat_timeout_s)"
     if worker.status is not WorkerStatus.READY and now - worker.started_at > fault.start_timeout_s:

@@ -30,6 +30,7 @@ from pathlib import Path
 import msgspec
 
 from mm_serve.cluster import supervision
+from mm_serve.cluster.host_memory import check_host_memory
 from mm_serve.cluster.kernel_prebuild import BuildStopped, prebuild_cpu_kernels
 from mm_serve.cluster.ring_generations import RingGenerations
 from mm_serve.cluster.ring_sizing import ring_specs
@@ -83,6 +84,8 @@ class WorkerPool(WorkerProcesses):
             say(f"mm-serve: removed the run directories and shared memory of {len(stale)} stopped "
                 f"instance(s) whose process is gone: {', '.join(stale)}")
         ring_list = [] if self.colocated else ring_specs(self.instance, cfg, self.model_config)
+        if cfg.cluster.backend == "local":  # with Ray the workers' memory is their nodes'
+            check_host_memory(cfg, self.model_config, ring_list)
         if cfg.cluster.backend == "ray":
             from mm_serve.cluster.ray_launch import RayLaunch
 

@@ -26,7 +26,13 @@ import msgspec
 from mm_serve.cluster.control_sockets import ControlSockets
 from mm_serve.cluster.launcher import WorkerProcess, start_worker, stop_workers
 from mm_serve.cluster.stale_instances import write_owner
-from mm_serve.cluster.worker_state import WorkerKey, WorkerRecord, WorkerStartError, WorkerStatus
+from mm_serve.cluster.worker_state import (
+    WorkerKey,
+    WorkerRecord,
+    WorkerStartError,
+    WorkerStatus,
+    exit_description,
+)
 from mm_serve.ground.console import say
 from mm_serve.runtime import messages
 from mm_serve.runtime.worker_spec import WorkerSpec
@@ -91,7 +97,7 @@ class WorkerProcesses:
             for (role, index), worker in self.workers.items():
                 code = None if worker.process is None else worker.process.poll()
                 if code is not None:
-                    raise WorkerStartError(f"{role} worker {index} exited with {code}:\n{self.log_tail()}")
+                    raise WorkerStartError(f"{role} worker {index} {exit_description(code)}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise WorkerStartError(f"workers not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
             msg = self.recv(200)

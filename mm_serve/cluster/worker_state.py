@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,6 +19,19 @@ enum: ``("decode", 0)`` names the same worker)."""
 
 class WorkerStartError(RuntimeError):
     """A worker exited or did not report ready in time; the message has its log tail."""
+
+
+def exit_description(code: int) -> str:
+    """``exited with code <code>``, naming the signal of a negative code; SIGKILL that nothing here sent is
+    most often the kernel's out-of-memory killer, which leaves nothing in the worker's log."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"exited with code {code}"
+    oom = " (when nothing else sent it, the kernel's out-of-memory killer: see `dmesg`)" if name == "SIGKILL" else ""
+    return f"exited with code {code}, killed by {name}{oom}"
 
 
 class WorkerStatus(str, enum.Enum):

@@ -88,7 +88,7 @@ class PlacementChoice:
     shared_core: SharedCorePlacement | None = None  # the decode worker shares the last prefill core
     prefill_worker_nice: int | None = None  # that core's prefill worker's niceness (shared_core only)
     profile_under_load: float | None = None  # the busy share of its cores while it was measured, if over the limit
-    plan_saved: bool = False  # read from the plan saved beside the profile by an earlier start (no search)
+    plan_reused: bool = False  # read from the plan saved beside the profile by an earlier start (no search)
 
     @property
     def keys(self) -> dict[str, Any]:
@@ -110,7 +110,7 @@ class PlacementChoice:
     def describe(self) -> str:
         """The log line: the choice, each candidate's predicted goodput, the inputs."""
         figures = ", ".join(f"{name} {rate:.2f} req/s" for name, rate in self.predicted.items())
-        saved = ", the plan saved by an earlier start" if self.plan_saved else ""
+        saved = ", the plan saved by an earlier start" if self.plan_reused else ""
         return (f"placement {self.name} chosen by the planner ({figures} predicted on {self.cores} cores for "
                 f"workload {self.workload}, TTFT {self.slo.ttft_s:g} s / TPOT {self.slo.tpot_s:g} s at "
                 f"{self.slo.attainment:.0%}; profile {self.profile}{saved})")
@@ -123,7 +123,7 @@ class PlacementChoice:
             "predicted_goodput": self.predicted, "candidates": self.candidates, "workload": self.workload,
             "slo": {"ttft_s": self.slo.ttft_s, "tpot_s": self.slo.tpot_s, "attainment": self.slo.attainment},
             "cores": self.cores, "profile": self.profile, "profile_measured": self.profile_measured,
-            "profile_measured_under_load": self.profile_under_load, "plan_saved": self.plan_saved,
+            "profile_measured_under_load": self.profile_under_load, "plan_reused": self.plan_reused,
         }
 
 
@@ -304,7 +304,8 @@ def choose_placement(
     choice = _choice(result, cores, workload_name, tier_slo, str(profile), measured, colocated, colocated_rate,
                      shared, nice, time.perf_counter() - start,
                      under_load if isinstance(under_load, (int, float)) else None)
-    _write_choice(saved, choice)
+    if choice.profile_under_load is None:  # the next start measures a loaded profile again: no start reads it
+        _write_choice(saved, choice)
     return choice
 
 
@@ -336,7 +337,7 @@ def _read_choice(path: Path, measured: bool) -> PlacementChoice | None:
         saved = json.loads(path.read_text())
         shared = saved.pop("shared_core")
         choice = PlacementChoice(**{**saved, "slo": SLO(*saved["slo"]), "profile_measured": measured,
-                                    "plan_saved": True, "shared_core": SharedCorePlacement(**shared) if shared else None})
+                                    "plan_reused": True, "shared_core": SharedCorePlacement(**shared) if shared else None})
     except (OSError, ValueError, TypeError, KeyError):
         return None
     with contextlib.suppress(OSError):
@@ -346,7 +347,7 @@ def _read_choice(path: Path, measured: bool) -> PlacementChoice | None:
 
 def _write_choice(path: Path, choice: PlacementChoice) -> None:
     """Save ``choice`` at ``path`` (atomically; a cache that cannot be written is skipped)."""
-    fields = {name: getattr(choice, name) for name in PlacementChoice.__dataclass_fields__ if name != "plan_saved"}
+    fields = {name: getattr(choice, name) for name in PlacementChoice.__dataclass_fields__ if name != "plan_reused"}
     fields["slo"] = [choice.slo.ttft_s, choice.slo.tpot_s, choice.slo.attainment]
     fields["shared_core"] = None if choice.shared_core is None else {"cores": choice.shared_core.cores,
                                                                      "pacing": choice.shared_core.pacing}

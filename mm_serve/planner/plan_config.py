@@ -10,7 +10,8 @@ than one node also writes the ``cluster`` section: ``backend: ray`` and the node
 every instance (``cluster.prefill_nodes`` / ``decode_nodes``, its first node when it
 spans several), which the Ray backend maps to nodes by custom resource; there each worker
 gets one GPU from Ray. ``device="cpu"`` writes no GPU ids: the planned devices are CPU
-worker slots (a plan from an ``mm-serve profile`` of a CPU machine).
+worker slots (a plan from an ``mm-serve profile`` of a CPU machine), and no KV page count (the
+planner's is per GPU; on a CPU every worker's pool comes out of the host's memory).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def placement_dict(result: PlanResult, model: str, device: str = "cuda") -> dict
             "prefill_token_budget": spec.prefill_token_budget,
             "decode_max_concurrent": spec.decode_max_batch,
         },
-        "kv_cache": {"page_size": PAGE_SIZE, "max_pages_per_gpu": pages},
+        # on a CPU every worker's pool (prefill ones too) comes out of the host's memory: the default there
+        "kv_cache": {"page_size": PAGE_SIZE, **({"max_pages_per_gpu": pages} if gpus else {})},
     }
     if spec.nodes > 1:
         tree["cluster"] = {"backend": "ray", "prefill_nodes": [i.nodes[0] for i in pre],
@@ -93,7 +95,8 @@ def write_placement_config(result: PlanResult, model: str, path: str | Path, dev
         f"# GPU ids are global and node-major: node = id // {spec.gpus_per_node}, "
         f"CUDA device = id % {spec.gpus_per_node}"
         + (" (with cluster.backend ray each worker uses the GPU Ray gives it).\n" if spec.nodes > 1 else ".\n")
-        + ("# --device cpu: the planned devices are CPU worker slots; no GPU ids are written.\n"
+        + ("# --device cpu: the planned devices are CPU worker slots; no GPU ids are written, and\n"
+           "# kv_cache.max_pages_per_gpu keeps its default (every worker's KV pool is allocated from this host's memory).\n"
            if device == "cpu" else "")
         + ("# Start the Ray cluster with node i offering the custom resource mm_serve_node_<i> "
            "(docs/multi_node.md).\n" if spec.nodes > 1 else "")

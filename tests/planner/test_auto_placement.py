@@ -419,8 +419,8 @@ def test_a_profile_measured_on_busy_cores_is_used_once_then_measured_again(
     tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While other processes keep this process's cores busy, the profile is marked with their share and
-    the next start measures it again (a 40x slower point kept for good flipped placements); measured on
-    quiet cores (here: whatever else runs, counted as quiet), the new profile is cached and read."""
+    the next start measures it again (a 40x slower point kept for good flipped placements), so its plan is not
+    saved; measured on quiet cores (here: whatever else runs, counted as quiet), the new profile is cached and read."""
     from mm_serve.planner import auto_placement
     from mm_serve.planner.auto_placement import BUSY_SHARE_LIMIT, UNDER_LOAD_KEY, usable_cores
 
@@ -437,6 +437,7 @@ def test_a_profile_measured_on_busy_cores_is_used_once_then_measured_again(
     assert any(line.startswith(f"other processes kept {share:.0%} of this process's cores busy") for line in lines)
     tight = config_from_dict(QUICK_PLAN, {"placement.workload": "chatbot"})
     assert choose_placement(tight, tiny_llama, path, [0, 1]).as_dict()["profile_measured_under_load"] == share
+    assert not list(tmp_path.glob("*.plan-*.json"))  # no later start reads a plan of that profile: none saved
     lines = []
     monkeypatch.setattr(auto_placement, "BUSY_SHARE_LIMIT", 1.0)
     assert cached_profile(tiny_llama, "float32", 2, tmp_path, lines.append) == (path, True)
@@ -453,17 +454,17 @@ def test_a_plan_is_saved_beside_its_profile_and_reused_until_an_input_changes(em
     cfg = config_from_dict(QUICK_PLAN)
     first = choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1])
     saved = list(embedded_profile.parent.glob(f"{embedded_profile.stem}.plan-*.json"))
-    assert not first.plan_saved and len(saved) == 1
+    assert not first.plan_reused and len(saved) == 1
     again = choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1])
-    assert again.plan_saved and "the plan saved by an earlier start" in again.describe()
+    assert again.plan_reused and "the plan saved by an earlier start" in again.describe()
     assert (again.name, again.predicted, again.keys, again.slo) == (first.name, first.predicted, first.keys, first.slo)
-    assert again.as_dict() == {**first.as_dict(), "plan_saved": True}
+    assert again.as_dict() == {**first.as_dict(), "plan_reused": True}
     looser = config_from_dict({"slo": {"tiers": {"interactive": {"ttft_ms": 200, "tpot_ms": 20},
                                                  "standard": {"ttft_ms": 300, "tpot_ms": 30}}}})
-    assert not choose_placement(looser, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
+    assert not choose_placement(looser, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_reused
     saved[0].write_text("{torn")
-    assert not choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
-    assert choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_saved
+    assert not choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_reused
+    assert choose_placement(cfg, EMBEDDED_MODEL_DIR, embedded_profile, [0, 1]).plan_reused
 
 
 def test_saved_plans_beyond_the_last_used_sixteen_are_deleted(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mm_serve.config import load_config
+from mm_serve.config import config_from_dict, load_config
 from mm_serve.ground.slo import SLO
 from mm_serve.planner.candidates import PhaseCandidate, choose_mix, tp_degrees
 from mm_serve.planner.errors import PlannerError
@@ -116,6 +116,19 @@ def test_written_config_loads_and_matches_the_placement(tmp_path: Path, configs:
     # a TP2 decode instance of OPT-13B on A100-80GB holds ~149k KV tokens
     assert 9000 < cfg.kv_cache.max_pages_per_gpu < 9600
     assert yaml.safe_load(path.read_text())["compute"]["decode_workers"] == 4
+
+
+
+def test_a_cpu_placement_keeps_the_default_kv_pool(tmp_path: Path, configs: Configs) -> None:
+    """``--device cpu``: no GPU ids and no per-GPU KV page count (every CPU worker's pool, prefill ones too,
+    comes out of the host's memory: the planner's count for a GPU of the profile's memory, written for
+    each of three workers, got a worker OOM-killed); the header says so."""
+    result = fake_result(configs["opt-13b"], Unit(P(1, 1), P(1, 1), 1, 1), nodes=1)
+    path = tmp_path / "plan.yaml"
+    cfg = write_placement_config(result, "/models/opt-13b", path, device="cpu")
+    assert cfg.compute.prefill_gpus == [] and cfg.compute.decode_gpus == []
+    assert cfg.kv_cache.max_pages_per_gpu == config_from_dict({}).kv_cache.max_pages_per_gpu
+    assert "kv_cache.max_pages_per_gpu keeps its default" in path.read_text()
 
 
 def test_config_limits_are_reported(configs: Configs) -> None:
