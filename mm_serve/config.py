@@ -385,6 +385,13 @@ class ServiceConfig(_Frozen):
         if paced and self.mode == "colocated":
             lines.append("decode pacing (scheduler.decode_step_pacing / decode_step_interval_ms) has no effect in "
                          "colocated mode: one worker runs both phases, there is no prefill worker to yield to")
+        cluster, defaults = self.cluster, ClusterConfig()
+        ray_only = [key for key in ("address", "advertise_host", "node_resource")
+                    if getattr(cluster, key) != getattr(defaults, key)]  # a written-out default asks for nothing
+        if ray_only and cluster.backend == "local":
+            keys = " and ".join(f"cluster.{key}" for key in ray_only)
+            lines.append(f"{keys} {'has' if len(ray_only) == 1 else 'have'} no effect with cluster.backend local "
+                         "(--cluster-backend ray joins a Ray cluster)")
         return lines
 
     def serving_dtype(self, raw: dict[str, Any]) -> DTypeName:

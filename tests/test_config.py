@@ -198,7 +198,8 @@ def test_decode_pacing_by_rule_is_a_fraction_and_excludes_a_fixed_interval() -> 
 
 
 def test_settings_that_do_nothing_with_the_rest_of_the_config_are_named() -> None:
-    """Valid but inert: pacing every step with no pacing set, pacing in colocated mode (one line each)."""
+    """Valid but inert: pacing every step with no pacing set, pacing in colocated mode, a Ray cluster's keys with
+    the local backend (one line each)."""
     assert load_config(None, {}).ineffective_settings() == []
     assert load_config(None, {"scheduler.decode_step_pacing": 0.7,
                               "scheduler.decode_pacing_always": True}).ineffective_settings() == []
@@ -210,6 +211,11 @@ def test_settings_that_do_nothing_with_the_rest_of_the_config_are_named() -> Non
     assert lines == ["compute.prefill_workers (2) has no effect in colocated mode: one worker runs both phases (on "
                      "the cores of compute.prefill_cpus and compute.decode_cpus)"]
     assert load_config(None, {"mode": "colocated", "compute.prefill_workers": 1}).ineffective_settings() == []
+    lines = load_config(None, {"cluster.address": "10.0.0.1:6379", "cluster.advertise_host": "10.0.0.2"}
+                        ).ineffective_settings()  # --ray-address without --cluster-backend ray
+    assert lines == ["cluster.address and cluster.advertise_host have no effect with cluster.backend local "
+                     "(--cluster-backend ray joins a Ray cluster)"]
+    assert load_config(None, {"cluster.address": "auto"}).ineffective_settings() == []  # the default, written out
 
 
 def test_a_bad_value_in_the_file_is_an_error_even_when_a_flag_overrides_it(tmp_path: Path) -> None:

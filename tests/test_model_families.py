@@ -5,6 +5,8 @@ registry's refusal of an architecture it does not serve."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,50 @@ def test_a_mistral_decoder_matches_transformers(tmp_path: Path) -> None:
     assert llm.engine is not None
     expected, _ = reference_generate(lm.eval(), llm.engine.inputs.process(TEXT), NEW_TOKENS)
     assert llm.generate(TEXT, _greedy())[0].token_ids == expected
+
+
+def _broken_copies(tiny_llama: Path, tmp_path: Path) -> dict[str, Path]:
+    """Copies of ``tiny_llama`` broken as a download or an edit breaks a checkpoint."""
+    copies = {}
+    for name in ("cut-short", "wrong-shape", "no-weights", "no-tokenizer"):
+        copies[name] = tmp_path / name
+        shutil.copytree(tiny_llama, copies[name])
+    weights = (tiny_llama / "model.safetensors").read_bytes()
+    (copies["cut-short"] / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    config = json.loads((tiny_llama / "config.json").read_text())
+    (copies["wrong-shape"] / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    (copies["no-weights"] / "model.safetensors").unlink()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copies["no-tokenizer"] / name).unlink(missing_ok=True)
+    return copies
+
+
+BROKEN = {
+    "cut-short": r"model\.safetensors: not a readable safetensors file \(cut short or corrupt\?\)",
+    "wrong-shape": r"language-model weights do not match config\.json \(\d+\): layers\.0\.mlp\.down_proj\.weight is "
+                   r"\(\d+, \d+\), config\.json gives",
+    "no-weights": r"no model\.safetensors or model\.safetensors\.index\.json",
+    "no-tokenizer": r"(the tokenizer has no vocabulary|cannot load the tokenizer).*; a checkpoint directory needs "
+                    r"tokenizer\.json or tokenizer\.model with tokenizer_config\.json",
+}
+
+
+def test_a_broken_checkpoint_is_one_clear_error_offline_and_from_serve(tiny_llama: Path, tmp_path: Path) -> None:
+    """A weights file cut short, weights of another shape than config.json's, no weights, no tokenizer files
+    (transformers then builds an empty tokenizer, and every call was "prompt is empty"): the offline API
+    raises CheckpointError saying which; ``mm-serve serve`` says that one line with no traceback, in both
+    placements (the workers' load says it too) and where the placement is planned (the profile loads it)."""
+    import subprocess
+    import sys
+
+    for name, model_dir in _broken_copies(tiny_llama, tmp_path).items():
+        with pytest.raises(CheckpointError, match=BROKEN[name]):
+            LLM(model=model_dir, mode="colocated", num_pages=64)
+        for mode in ("colocated", "disaggregated", *(("planned",) if name in ("wrong-shape", "no-tokenizer") else ())):
+            pinned = [] if mode == "planned" else ["--mode", mode]
+            done = subprocess.run(
+                [sys.executable, "-m", "mm_serve", "serve", "--model", str(model_dir), "--port", "0", *pinned],
+                capture_output=True, text=True, timeout=300, env={**os.environ, "MM_SERVE_PROFILE_DIR": str(tmp_path)})
+            output = done.stdout + done.stderr
+            assert done.returncode in (1, 2) and "Traceback" not in output, (name, mode, output[-2000:])
+            assert re.search(BROKEN[name], output), (name, mode, output[-2000:])

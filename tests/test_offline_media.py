@@ -72,6 +72,9 @@ def test_normalize_rejects_unknown_parts_and_malformed_messages() -> None:
         normalize_messages([])
     with pytest.raises(ValueError, match="'role'"):
         normalize_messages(["hello"])
+    with pytest.raises(ValueError, match="message 0: role 'wizard' is not one of system, developer, user, "
+                                         "assistant, tool"):  # as the server's schema
+        normalize_messages([{"role": "wizard", "content": "x"}])
     messages, images = normalize_messages([{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": IMAGE}}, {"type": "text", "text": "hi"}]}])
     assert images == [IMAGE] and messages[0]["content"][0] == {"type": "image", "image": IMAGE}

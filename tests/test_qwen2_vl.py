@@ -235,12 +235,17 @@ def test_a_follow_up_turn_reuses_the_first_turns_kv(qwen2_vl: Path, colocated: L
 
 def test_an_image_the_processor_refuses_is_a_clear_error(colocated: LLM) -> None:
     """Qwen2-VL's processor refuses an aspect ratio over 200: an ImageError (a 400 on the API) naming the
-    image, not a bare ValueError from transformers (a 500)."""
+    image, not a bare ValueError from transformers (a 500); the offline API raises it as InvalidRequestError,
+    as every other bad input."""
     from mm_serve.media.errors import ImageError
 
     assert colocated.engine is not None
     with pytest.raises(ImageError, match=r"image 2 \(1x3000 px\) cannot be preprocessed for this model"):
         colocated.engine.inputs.process({"prompt": Q2, "images": [IMAGES["square"], gradient_image(1, 3000)]})
+    from mm_serve.inputs.input_processor import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=r"^image: image 2 \(1x3000 px\) cannot be preprocessed"):
+        colocated.generate({"prompt": Q2, "images": [IMAGES["square"], gradient_image(1, 3000)]})  # as other bad input
 
 
 def test_a_misspelt_request_key_is_refused(colocated: LLM) -> None:

@@ -132,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
     print(stats.format(), flush=True)
     if stats.interrupted:
         return 128 + (received[0] if received else int(signal.SIGINT))
+    if stats.failed and not stats.succeeded:  # every input run failed: a script must not read that as done
+        print(f"mm-serve caption: every input of this run failed ({stats.failed}); see the error rows in {args.out}",
+              file=sys.stderr)
+        return 1
     return 1 if stats.fatal_error else 0
 
 

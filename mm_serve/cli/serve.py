@@ -153,6 +153,7 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
     for this machine (mm_serve.planner.auto_placement) when the config pins no placement and
     ``placement.auto`` is on, else the config's own. A planner that cannot plan leaves the
     config's placement, with a warning that says why."""
+    from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.registry import load_model_config
     from mm_serve.planner.auto_placement import (
         apply_placement,
@@ -185,6 +186,8 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
         dtype = cfg.serving_dtype(load_model_config(model_dir).raw)
         profile, measured = cached_profile(model_dir, dtype, len(cores), profile_dir, log)
         choice = choose_placement(cfg, model_dir, profile, cores, measured)
+    except CheckpointError:  # the checkpoint cannot serve either: said once, not as the planner's trouble
+        raise
     except (PlannerError, ProfileError, WorkloadError, ValueError) as exc:
         say(f"mm-serve: warning: placement.auto: the planner cannot choose ({exc}); serving the config's "
             f"placement ({cfg.mode}; pin one with --mode or turn this off with --no-auto-placement)")
@@ -241,10 +244,12 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.engine.engine_holder import EngineHolder
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.named_models import resolve_model
+    from mm_serve.models.weights import check_weight_files
 
     try:
         cfg = load_config(args.config, _overrides(args))
         model_dir = resolve_model(cfg.model)
+        check_weight_files(model_dir)  # its headers (milliseconds): no weights or a file cut short is said here once
         if cfg.attention_backend == "flex" and not cfg.compute.uses_gpus:
             raise CLIError("attention_backend flex runs eager FlexAttention on a CPU: dense scores over every page "
                            "of the cache (gigabytes and seconds a pass), for tests only; serve on a CPU with auto "

@@ -54,7 +54,9 @@ def main(argv: list[str]) -> int:
 
 def run_worker(spec: Any, *args: Any) -> int:
     """Build ``spec``'s role worker (``args`` after the spec: a Ray actor's link), serve until
-    Shutdown and close: 0; 1 on a crash (its traceback printed to the worker's log)."""
+    Shutdown and close: 0; 1 on a crash (its traceback printed to the worker's log); 2 for a checkpoint
+    that cannot be loaded (one line: what is wrong with it)."""
+    from mm_serve.models.model_config import CheckpointError
     from mm_serve.runtime.heap_freeze import defer_collection
 
     defer_collection()  # until the worker is loaded (WorkerShell.serve freezes its heap); a Ray actor enters here too
@@ -66,6 +68,9 @@ def run_worker(spec: Any, *args: Any) -> int:
         worker.serve()
         worker.close()
         return 0
+    except CheckpointError as exc:  # the user's checkpoint, not a crash: its message says what is wrong
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except Exception:
         traceback.print_exc()
         return 1

@@ -77,16 +77,21 @@ def load_tokenizer(model_dir: str | Path) -> Any:
     """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (offline).
 
     Raises:
-        CheckpointError: the directory has no usable tokenizer files.
+        CheckpointError: the directory has no usable tokenizer files: none load, or what loads encodes text
+            as nothing (transformers builds an empty tokenizer of the config's class when its files are gone).
     """
     from transformers import AutoTokenizer
 
+    needs = "a checkpoint directory needs tokenizer.json or tokenizer.model with tokenizer_config.json"
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError, RecursionError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({first[:300]}); a checkpoint directory "
-                              "needs tokenizer.json or tokenizer.model with tokenizer_config.json") from None
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({first[:300]}); {needs}") from None
+    if not tokenizer.encode("Hello world", add_special_tokens=False):
+        raise CheckpointError(f"{model_dir}: the tokenizer has no vocabulary ({len(tokenizer)} token(s): it encodes "
+                              f"text as nothing); {needs}")
+    return tokenizer
 
 
 def _check_chat_template(model_dir: str | Path, tokenizer: Any) -> None:

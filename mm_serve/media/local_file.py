@@ -33,14 +33,14 @@ def read_media_file(path: str | os.PathLike[str], max_bytes: int = MAX_MEDIA_FIL
     try:
         info = os.fstat(fd)  # before Python's file object, which refuses a directory in its own words
         if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
         if info.st_size > max_bytes:
-            raise OSError(errno.EFBIG, f"larger than the {max_bytes}-byte limit")
+            raise OSError(errno.EFBIG, f"larger than the {max_bytes}-byte limit", os.fspath(path))
     except BaseException:
         os.close(fd)
         raise
     with open(fd, "rb") as handle:
         data = handle.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise OSError(errno.EFBIG, f"larger than the {max_bytes}-byte limit")
+        raise OSError(errno.EFBIG, f"larger than the {max_bytes}-byte limit", os.fspath(path))
     return data

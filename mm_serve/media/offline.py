@@ -33,6 +33,7 @@ from mm_serve.media.video_loading import (
 )
 
 OFFLINE_MAX_PIXELS = 40_000_000  # the HTTP API's default ``api.max_image_pixels``
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # as the server's request schema
 TEXT_PART_TYPES = ("text",)
 IMAGE_PART_TYPES = ("image", "image_url")
 VIDEO_PART_TYPES = ("video", "video_url")
@@ -138,6 +139,8 @@ def normalize_messages(messages: Any, video_limits: VideoLimits | None = None
     for number, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError("each message must be a dict with 'role' and 'content'")
+        if message["role"] not in CHAT_ROLES:  # the server's schema takes these only
+            raise ValueError(f"message {number}: role {message['role']!r} is not one of {', '.join(CHAT_ROLES)}")
         content = message.get("content")
         if not isinstance(content, list):
             out.append(message)

@@ -57,7 +57,7 @@ class ServiceMetrics:
                                 registry=registry)
         self.prompt_tokens = Counter("mm_serve_prompt_tokens", "Prompt tokens, image tokens included.", registry=registry)
         self.generation_tokens = Counter("mm_serve_generation_tokens", "Generated tokens.", registry=registry)
-        self.images = Counter("mm_serve_image_inputs", "Images received.", registry=registry)
+        self.images = Counter("mm_serve_image_inputs", "Images and videos received.", registry=registry)
 
     def observe_finished(self, state: RequestState) -> None:
         """Record one finished engine request (called on the engine client's receiver thread). Its

@@ -77,9 +77,10 @@ class MultimodalLM(nn.Module):
             ValueError: no vision tower (a text-only checkpoint, or built with ``vision`` False).
         """
         if self.vision is None or self.projector is None:
-            what = "text-only" if self.config.vision is None else "built without its vision tower"
             if self.config.vision is not None and self.config.vision.dynamic_resolution:
-                what = "of a dynamic-resolution family (encode_image_list takes its patches and grids)"
+                raise ValueError("this model is of a dynamic-resolution family: its tower takes patches and grids "
+                                 "(encode_image_list), not a batch of square images")
+            what = "text-only" if self.config.vision is None else "built without its vision tower"
             raise ValueError(f"this model is {what}; it cannot take images")
         from mm_serve.models.vision_encoder import VisionEncoder
 

@@ -27,6 +27,12 @@ def _load_part(module: torch.nn.Module, state: dict[str, torch.Tensor], part: st
         raise CheckpointError(f"{model_dir}: unexpected {part} weights {unexpected[:5]}")
     if missing:
         raise CheckpointError(f"{model_dir}: missing {part} weights {missing[:5]}")
+    shapes = module.state_dict()
+    wrong = [f"{name} is {tuple(state[name].shape)}, config.json gives {tuple(shapes[name].shape)}"
+             for name in sorted(expected) if state[name].shape != shapes[name].shape]
+    if wrong:
+        raise CheckpointError(f"{model_dir}: {part} weights do not match config.json ({len(wrong)}): "
+                              + "; ".join(wrong[:3]))
     module.load_state_dict(state, strict=True)
 
 

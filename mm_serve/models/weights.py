@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mm_serve.models.model_config import CheckpointError
 
@@ -87,14 +87,36 @@ def iter_weights(model_dir: str | Path, parts: Collection[str] = PARTS) -> Itera
     (the others are not read from disk).
 
     Keys that belong to no known part (e.g. rotary ``inv_freq`` buffers) are skipped.
+
+    Raises:
+        CheckpointError: no weights, a missing shard, or a file that is not readable safetensors (cut short,
+            corrupt), naming the file.
     """
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                name = canonical_name(key)
-                if name is None or name.endswith("rotary_emb.inv_freq") or name.partition(".")[0] not in parts:
-                    continue
-                yield name, handle.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    name = canonical_name(key)
+                    if name is None or name.endswith("rotary_emb.inv_freq") or name.partition(".")[0] not in parts:
+                        continue
+                    yield name, handle.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file (cut short or corrupt?): {exc}") from None
+
+
+def check_weight_files(model_dir: str | Path) -> None:
+    """Read the header of every weight file of the checkpoint (milliseconds: no tensor is read), so that a
+    checkpoint without weights, or with a file cut short, is refused before anything is built from it.
+
+    Raises:
+        CheckpointError: as :func:`iter_weights`.
+    """
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file (cut short or corrupt?): {exc}") from None
 
 
 def load_state_dicts(model_dir: str | Path, parts: Collection[str] = PARTS) -> dict[str, dict[str, torch.Tensor]]:

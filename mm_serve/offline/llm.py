@@ -27,6 +27,8 @@ from mm_serve.engine.engine_client import EngineClient
 from mm_serve.engine.request_state import RequestState
 from mm_serve.ground.roles import Role
 from mm_serve.inputs.input_processor import InvalidRequestError, ProcessedInputs
+from mm_serve.media.errors import ImageError
+from mm_serve.media.video_loading import VideoError
 from mm_serve.models.named_models import resolve_model
 from mm_serve.offline.outputs import CompletionOutput, RequestOutput
 from mm_serve.runtime.engine_config import EngineConfig
@@ -175,7 +177,7 @@ class LLM:
         batch = [{"prompt": r} if isinstance(r, str) else r for r in requests]
         params = self._params_for(batch, sampling_params)
         self._check_grammars(params)
-        processed = [self.inputs.process(r) for r in batch]
+        processed = [self._process(r) for r in batch]
         if self.client is not None:
             return self._generate_with_workers(processed, params, use_tqdm)
         assert self.engine is not None
@@ -230,6 +232,20 @@ class LLM:
                 raise InvalidRequestError(f"{_grammar_name(spec[0])} allows no output: {exc}", "structured") from None
             except GrammarError as exc:
                 raise InvalidRequestError(f"{_grammar_name(spec[0])} cannot be compiled: {exc}", "structured") from None
+
+    def _process(self, request: dict[str, Any]) -> ProcessedInputs:
+        """``request`` processed; an image or video the model's processor refuses (Qwen2-VL's aspect ratio over
+        200) is an :class:`InvalidRequestError` too, as every other bad input (the server's 400 ``invalid_image``).
+
+        Raises:
+            InvalidRequestError: as :meth:`~mm_serve.inputs.input_processor.InputProcessor.process`.
+        """
+        try:
+            return self.inputs.process(request)
+        except VideoError as exc:
+            raise InvalidRequestError(f"video: {exc}") from None
+        except ImageError as exc:
+            raise InvalidRequestError(f"image: {exc}") from None
 
     def _generate_with_workers(
         self, processed: list[ProcessedInputs], params: list[SamplingParams], use_tqdm: bool

@@ -43,6 +43,7 @@ from typing import Any
 from mm_serve.cluster.launcher import available_cpus
 from mm_serve.config import ServiceConfig, config_from_dict
 from mm_serve.ground.slo import SLO
+from mm_serve.models.model_config import CheckpointError
 from mm_serve.planner.candidates import tp_degrees
 from mm_serve.planner.errors import PlannerError, ProfileError
 from mm_serve.planner.evaluator import GoodputEvaluator
@@ -203,6 +204,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     Raises:
         PlannerError: the profile folder cannot be written (checked before measuring), or the
             checkpoint cannot be profiled (the message says why).
+        CheckpointError: the checkpoint cannot be loaded (its weights or tokenizer).
     """
     degrees = parallel_degrees(cores, load_model_shape(str(model_dir)).num_heads)
     path = profile_dir / f"{model_dir.name}-{profile_key(model_dir, dtype, cores, degrees)}.json"
@@ -243,6 +245,8 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
         profile["model"] = json.loads((model_dir / "config.json").read_text())  # not a path: any copy reads it
         Path(tmp).write_text(json.dumps(profile, indent=2))
         os.replace(tmp, path)
+    except CheckpointError:  # the checkpoint cannot be served at all: the caller's error, not the planner's
+        raise
     except ValueError as exc:
         raise PlannerError(f"cannot profile {model_dir}: {exc}") from None
     finally:

@@ -92,9 +92,10 @@ def test_openai_batch_round_trip_via_server(server: ServerProcess, tmp_path: Pat
         assert got[key]["error"] is None and got[key]["response"]["status_code"] == 200
         assert got[key]["response"]["body"]["object"] == "chat.completion"
     assert got["req-1"]["response"]["status_code"] == 400 and got["req-1"]["error"]["code"] == "invalid_image"
-    # Resume: nothing left but the error row, which --retry-errors re-sends (and it fails the same way).
+    # Resume: nothing left but the error row, which --retry-errors re-sends; it fails the same way, and a run
+    # whose every input failed exits 1
     assert main(["caption", str(source), "--out", str(out), "--server", server.url, "--no-progress",
-                 "--retry-errors"]) == 0
+                 "--retry-errors"]) == 1
     again = _rows(out)
     assert sorted(r["custom_id"] for r in again) == ["req-0", "req-1", "req-2"]
 

@@ -21,6 +21,7 @@ def test_a_regular_file_is_read_whole_and_one_past_the_cap_is_refused(tmp_path: 
     with pytest.raises(OSError) as caught:
         read_media_file(path, 99)
     assert caught.value.errno == errno.EFBIG and caught.value.strerror == "larger than the 99-byte limit"
+    assert caught.value.filename == str(path)  # named in the message, as open()'s own errors are
 
 
 @pytest.mark.parametrize("kind", ["device", "fifo", "directory"])
@@ -34,6 +35,7 @@ def test_what_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, kind: str
     with pytest.raises(OSError) as caught:
         read_media_file(path)
     assert caught.value.errno == errno.EINVAL and caught.value.strerror == "not a regular file"
+    assert str(caught.value) == f"[Errno 22] not a regular file: '{path}'"
 
 
 def test_a_symlink_is_refused_when_asked_and_followed_otherwise(tmp_path: Path) -> None:
