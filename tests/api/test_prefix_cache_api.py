@@ -12,8 +12,7 @@ import pytest
 
 from mm_serve.inputs.input_processor import InputProcessor
 from mm_serve.models.registry import load_model_config
-from tests.api.server_process import ServerProcess, data_uri
-from tests.api.test_metrics import _scrape
+from tests.api.server_process import ServerProcess, data_uri, scrape_metrics
 from tests.factories import gradient_image
 
 SYSTEM = "You describe pictures carefully and briefly. " * 8
@@ -47,7 +46,7 @@ def _ask(client: openai.OpenAI, image_seed: int, question: str, stream: bool = F
 
 
 def _counter(url: str, name: str) -> float:
-    return sum(v for (n, _), v in _scrape(url).items() if n == name)
+    return sum(v for (n, _), v in scrape_metrics(url).items() if n == name)
 
 
 def _wait_for(predicate, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
