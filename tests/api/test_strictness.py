@@ -57,7 +57,7 @@ CASES: list[tuple[str, str, Any, int, str, str | None]] = [
     ("seed below signed 64-bit", "chat", _chat(seed=-(2**63) - 1), 400, "invalid_request_error", "seed"),
     ("prompt filling the context, no max_tokens", "chat",
      _chat(max_tokens=None, messages=[{"role": "user", "content": "circle " * 5000}]), 400,
-     "invalid_request_error", "max_tokens"),
+     "invalid_request_error", "messages"),  # the prompt alone: no max_tokens was sent to name
     ("image in a system message", "chat", _chat(messages=[{"role": "system", "content": [IMAGE]},
                                                           {"role": "user", "content": "hi"}]), 400,
      "invalid_request_error", "messages"),
