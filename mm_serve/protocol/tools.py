@@ -19,7 +19,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from mm_serve.ground.json_text import JSONTextError, load_json
 from mm_serve.protocol.call_spans import call_spans, name_without_arguments
@@ -68,19 +68,33 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+def _without_nulls(out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` less its ``None`` values: a later piece of a streamed call leaves out what it does not carry,
+    as OpenAI's do (the SDK's stream helper takes a ``"type": null`` for a change of type and fails)."""
+    return {key: value for key, value in out.items() if value is not None}
+
+
 class DeltaFunctionCall(BaseModel):
     name: str | None = None
     arguments: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _without_nulls(handler(self))
+
 
 class DeltaToolCall(BaseModel):
-    """A streamed piece of a call: the first carries its ``id``, ``type`` and ``name``, the rest argument
-    text (OpenAI's stream format)."""
+    """A streamed piece of a call: the first carries its ``id``, ``type`` and ``name``, the rest only their
+    ``index`` and argument text (OpenAI's stream format: absent keys, not nulls)."""
 
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _without_nulls(handler(self))
 
 
 class ToolError(ValueError):

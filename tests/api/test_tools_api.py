@@ -92,6 +92,25 @@ def test_forced_tool_calls_are_valid_streamed_or_not(client: openai.OpenAI, choi
     assert min(pieces) >= 1 and max(pieces) >= 3, pieces
 
 
+def test_the_sdk_s_stream_helper_reassembles_streamed_calls(client: openai.OpenAI, server: ServerProcess) -> None:
+    """``client.chat.completions.stream`` (the SDK's own reassembly, with its ``done`` events) gives the calls of
+    the JSON answer. A later piece of a call leaves out ``id``, ``type`` and ``name`` rather than sending them
+    null: the helper took ``"type": null`` for a new type and failed its assertion on every streamed call."""
+    kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                   "max_tokens": 200, "temperature": 1.0, "seed": 1, "parallel_tool_calls": True}
+    answer = _valid(client.chat.completions.create(**kwargs).choices[0].message.tool_calls)
+    with client.chat.completions.stream(**kwargs) as stream:
+        done = [(e.name, e.arguments) for e in stream if e.type == "tool_calls.function.arguments.done"]
+        final = stream.get_final_completion()
+    assert done == answer == _valid(final.choices[0].message.tool_calls)
+    body = {**kwargs, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as r:
+        deltas = [d for line in r.iter_lines() if line.startswith("data: {")
+                  for c in json.loads(line[6:])["choices"] for d in c["delta"].get("tool_calls", [])]
+    assert all(None not in d.values() and None not in d["function"].values() for d in deltas), deltas
+    assert any(set(d) == {"index", "function"} for d in deltas)  # a later piece: argument text only
+
+
 def test_a_required_choice_among_the_most_tools_is_served(client: openai.OpenAI, server: ServerProcess) -> None:
     """``api.max_tools`` (128) small tools under tool_choice required: the grammar (~29 KB) is under the limit
     and travels to the decode worker with the request."""
