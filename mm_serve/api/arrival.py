@@ -1,9 +1,11 @@
-"""The arrival of an HTTP call: stamped before its body is read, the phases of its handling
-reported in ``Server-Timing``, and the call's origin as the pipeline takes it."""
+"""The arrival of an HTTP call: stamped before its body is read, named by a request id, the phases of its
+handling reported in ``Server-Timing``, and the call's origin as the pipeline takes it."""
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from typing import Any
 
 from fastapi import Request
@@ -11,6 +13,16 @@ from fastapi import Request
 from mm_serve.pipeline.origin import CallOrigin
 
 Scope = dict[str, Any]
+CLIENT_REQUEST_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # a client's X-Request-Id that is echoed: visible ASCII
+
+
+def request_id(scope: Scope) -> str:
+    """The call's ``x-request-id``: the client's ``X-Request-Id`` when it sent one of at most 128 visible ASCII
+    characters (vLLM's echo), else a fresh ``req_<32 hex digits>`` (OpenAI's form)."""
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"x-request-id" and CLIENT_REQUEST_ID.fullmatch(value):
+            return str(value.decode("ascii"))
+    return f"req_{uuid.uuid4().hex}"
 
 
 class ArrivalTimeMiddleware:
@@ -20,7 +32,9 @@ class ArrivalTimeMiddleware:
     time to its headers. A client that measures more has spent the rest outside the application
     (connection, HTTP parsing, its own event loop). The phases a handler marked on the way
     (:func:`mark_phase`) follow as more metrics, each the milliseconds since the previous mark:
-    ``app;dur=41.0, parse;dur=2.1, precheck;dur=0.4, media;dur=37.9``."""
+    ``app;dur=41.0, parse;dur=2.1, precheck;dur=0.4, media;dur=37.9``. Every response carries the call's
+    ``x-request-id`` (:func:`request_id`; also ``request.state.request_id``), which OpenAI's SDK reports as
+    a response's ``_request_id``."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -32,6 +46,7 @@ class ArrivalTimeMiddleware:
         arrival = time.monotonic()
         state = scope.setdefault("state", {})
         state["arrival"] = arrival
+        state["request_id"] = call_id = request_id(scope)
         phases: list[tuple[str, float]] = state.setdefault("phases", [])
 
         async def timed_send(message: Any) -> None:
@@ -41,7 +56,7 @@ class ArrivalTimeMiddleware:
                     metrics.append(f"{name};dur={1000.0 * (at - since):.1f}")
                     since = at
                 headers = list(message.get("headers", []))
-                headers.append((b"server-timing", ", ".join(metrics).encode()))
+                headers += [(b"server-timing", ", ".join(metrics).encode()), (b"x-request-id", call_id.encode())]
                 message = {**message, "headers": headers}
             await send(message)
 

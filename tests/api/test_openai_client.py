@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -72,6 +74,21 @@ def test_raw_bodies_validate_as_the_openai_sdk_types(server: ServerProcess) -> N
     completion = httpx.post(f"{url}/completions", timeout=60,
                             json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "logprobs": 2}).json()
     assert Completion.model_validate(completion).choices[0].finish_reason == "length"
+
+
+def test_every_answer_carries_a_request_id(client: openai.OpenAI, server: ServerProcess) -> None:
+    """``x-request-id`` on every answer, as OpenAI sends it (the SDK's ``_request_id``): a fresh ``req_`` id, or
+    the client's own ``X-Request-Id`` echoed (vLLM's rule); a 400 carries one too."""
+    chat: Any = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    first, second = (client.chat.completions.with_raw_response.create(**chat) for _ in range(2))
+    ids = [r.headers["x-request-id"] for r in (first, second)]
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in ids) and ids[0] != ids[1]
+    assert first.parse()._request_id == ids[0]
+    echoed = client.chat.completions.with_raw_response.create(**chat, extra_headers={"X-Request-Id": "trace-7/a"})
+    assert echoed.headers["x-request-id"] == "trace-7/a"
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "n": 0}, timeout=30,
+                         headers={"X-Request-Id": "bad id with spaces"})
+    assert refused.status_code == 400 and re.fullmatch(r"req_[0-9a-f]{32}", refused.headers["x-request-id"])
 
 
 def test_banner_with_working_curl_example(server: ServerProcess, tmp_path: Path) -> None:
