@@ -47,7 +47,12 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         return respond(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no such route (a handler's 404 says more)
+            served = sorted({path for route in app.routes if (path := getattr(route, "path", "")).startswith("/v1/")
+                             and "{" not in path})
+            return respond(APIError(404, f"Invalid URL ({request.method} {request.url.path}): this server serves "
+                                         f"{', '.join(served)}", "not_found_error", code="unknown_url"))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return respond(APIError(exc.status_code, str(exc.detail), kind))
 

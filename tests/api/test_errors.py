@@ -163,6 +163,17 @@ def test_values_of_unsupported_parameters_that_ask_for_nothing_are_accepted(serv
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
 
 
+def test_an_unknown_url_is_a_404_naming_what_is_served(server: ServerProcess) -> None:
+    """OpenAI's "Invalid URL" 404 for a route this server does not have (the Responses API, a typo), listing
+    the ``/v1`` routes it does serve, instead of a bare "Not Found"."""
+    for method, path in (("POST", "/v1/responses"), ("GET", "/v1/chat/completion")):
+        r = httpx.request(method, f"{server.url}{path}", json={"input": "hi"}, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 404 and (error["type"], error["code"]) == ("not_found_error", "unknown_url")
+        assert error["message"] == (f"Invalid URL ({method} {path}): this server serves /v1/batches, "
+                                    "/v1/chat/completions, /v1/completions, /v1/files, /v1/models")
+
+
 def test_null_for_a_nullable_openai_field_is_its_default(server: ServerProcess) -> None:
     """``null`` for ``n``, ``stream``, ``logprobs``, ``parallel_tool_calls`` (and ``ignore_eos``) answers as
     the field left out: one choice, not streamed, no log-probabilities (OpenAI's spec has them nullable)."""
