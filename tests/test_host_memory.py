@@ -53,3 +53,20 @@ def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
     assert available_bytes(tmp_path / "missing") is None
     real = available_bytes()
     assert real is None or real > 0
+
+
+def test_serve_refuses_such_a_pool_in_one_line_with_exit_status_2(tiny_llava: Path, tmp_path: Path) -> None:
+    """The documented maximum of kv_cache.max_pages_per_gpu on this machine: a usage error before any
+    worker allocates, not a worker OOM-killed with an empty log."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "huge.yaml"
+    config.write_text("kv_cache:\n  max_pages_per_gpu: 16777216\n")
+    done = subprocess.run([sys.executable, "-m", "mm_serve", "serve", "--model", str(tiny_llava), "--mode", "colocated",
+                           "--port", "0", "--config", str(config)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MM_SERVE_PROFILE_DIR": str(tmp_path)})
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output, output[-2000:]
+    assert "mm-serve: error: the KV caches need" in output and "lower kv_cache.max_pages_per_gpu" in output

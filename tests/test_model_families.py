@@ -208,8 +208,8 @@ BROKEN = {
 def test_a_broken_checkpoint_is_one_clear_error_offline_and_from_serve(tiny_llama: Path, tmp_path: Path) -> None:
     """A weights file cut short, weights of another shape than config.json's, no weights, no tokenizer files
     (transformers then builds an empty tokenizer, and every call was "prompt is empty"): the offline API
-    raises CheckpointError saying which; ``mm-serve serve`` says that one line with no traceback, from a
-    worker's load and from the start's profile alike."""
+    raises CheckpointError saying which; ``mm-serve serve`` says that one line, exit status 2, with no
+    traceback or log tail, from a worker's load and from the start's profile alike."""
     import subprocess
     import sys
 
@@ -224,5 +224,6 @@ def test_a_broken_checkpoint_is_one_clear_error_offline_and_from_serve(tiny_llam
                 [sys.executable, "-m", "mm_serve", "serve", "--model", str(model_dir), "--port", "0", *pinned],
                 capture_output=True, text=True, timeout=300, env={**os.environ, "MM_SERVE_PROFILE_DIR": str(tmp_path)})
             output = done.stdout + done.stderr
-            assert done.returncode in (1, 2) and "Traceback" not in output, (name, mode, output[-2000:])
+            assert done.returncode == 2 and "Traceback" not in output, (name, mode, output[-2000:])
+            assert "workers failed to start" not in output and "--- " not in output  # one line, no log tail
             assert re.search(BROKEN[name], output), (name, mode, output[-2000:])

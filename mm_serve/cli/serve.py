@@ -289,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
         raise
 
     failed: list[bool] = []
+    usage_error: list[bool] = []
     announced: list[bool] = []
 
     def announce() -> None:
@@ -298,7 +299,11 @@ def run(args: argparse.Namespace) -> int:
             return
         if holder.start_error:
             failed.append(True)
-            say(f"mm-serve: error: workers failed to start:\n{holder.start_error}")
+            if holder.start_user_error:  # one line that says what to change: a usage error's exit status
+                usage_error.append(True)
+                say(f"mm-serve: error: {holder.start_error}")
+            else:
+                say(f"mm-serve: error: workers failed to start:\n{holder.start_error}")
             server.should_exit = True
         else:
             _keep_front_end_off_paced_decode(holder)
@@ -329,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
         _ignore_signals()  # the server has stopped: nothing may cut the workers' stop short
         holder.stop()  # the lifespan's shutdown has stopped them, unless uvicorn ended before its startup
     say("mm-serve: stopped (workers and shared memory released)")
+    if usage_error:
+        return 2
     if failed or not server.started:
         return 1
     if not announced:  # a signal while the workers still loaded: the start was stopped, as before uvicorn ran

@@ -66,4 +66,4 @@ def check_host_memory(cfg: ServiceConfig, model: ModelConfig, rings: Sequence[Ri
         f"the KV caches need {needed / gib:.1f} GiB ({workers} CPU worker(s) x {pool / gib:.2f} GiB for "
         f"kv_cache.max_pages_per_gpu = {cfg.kv_cache.max_pages_per_gpu} pages, plus {ring / gib:.2f} GiB of "
         f"rings), over {USABLE_SHARE:.0%} of the {available / gib:.1f} GiB this machine has available: lower "
-        "kv_cache.max_pages_per_gpu (and kv_cache.ring_pages)")
+        "kv_cache.max_pages_per_gpu (and kv_cache.ring_pages)", user_error=True)

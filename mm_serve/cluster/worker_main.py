@@ -56,6 +56,7 @@ def run_worker(spec: Any, *args: Any) -> int:
     """Build ``spec``'s role worker (``args`` after the spec: a Ray actor's link), serve until
     Shutdown and close: 0; 1 on a crash (its traceback printed to the worker's log); 2 for a checkpoint
     that cannot be loaded (one line: what is wrong with it)."""
+    from mm_serve.cluster.worker_state import USER_ERROR_EXIT
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.runtime.heap_freeze import defer_collection
 
@@ -70,7 +71,7 @@ def run_worker(spec: Any, *args: Any) -> int:
         return 0
     except CheckpointError as exc:  # the user's checkpoint, not a crash: its message says what is wrong
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return USER_ERROR_EXIT
     except Exception:
         traceback.print_exc()
         return 1

@@ -27,6 +27,7 @@ from mm_serve.cluster.control_sockets import ControlSockets
 from mm_serve.cluster.launcher import WorkerProcess, start_worker, stop_workers
 from mm_serve.cluster.stale_instances import write_owner
 from mm_serve.cluster.worker_state import (
+    USER_ERROR_EXIT,
     WorkerKey,
     WorkerRecord,
     WorkerStartError,
@@ -96,6 +97,8 @@ class WorkerProcesses:
                 raise WorkerStartError("stopped while the workers were starting")
             for (role, index), worker in self.workers.items():
                 code = None if worker.process is None else worker.process.poll()
+                if code == USER_ERROR_EXIT and (said := self._error_line(f"{role}{index}.log")) is not None:
+                    raise WorkerStartError(said, user_error=True)  # the checkpoint: its one line, not a log tail
                 if code is not None:
                     raise WorkerStartError(f"{role} worker {index} {exit_description(code)}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
@@ -185,6 +188,16 @@ class WorkerProcesses:
 
     def _on_ready(self, key: WorkerKey) -> None:
         """Worker ``key`` just reported ready (after its queued messages went out)."""
+
+    def _error_line(self, log_name: str) -> str | None:
+        """The ``error: ...`` line a worker wrote last in its log before exiting with :data:`USER_ERROR_EXIT`
+        (without the prefix); None when there is none."""
+        try:
+            lines = (self.run_dir / log_name).read_text(errors="replace").splitlines()
+        except OSError:
+            return None
+        said = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+        return said[-1] if said else None
 
     def log_tail(self, lines: int = 30) -> str:
         """The last lines of every worker's log."""

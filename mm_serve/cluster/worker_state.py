@@ -17,8 +17,17 @@ WorkerKey = tuple[str, int]
 enum: ``("decode", 0)`` names the same worker)."""
 
 
+USER_ERROR_EXIT = 2  # a worker's exit status when what it was given cannot be loaded (its checkpoint)
+
+
 class WorkerStartError(RuntimeError):
-    """A worker exited or did not report ready in time; the message has its log tail."""
+    """A worker exited or did not report ready in time; the message has its log tail. ``user_error``: what
+    the user gave cannot serve (a checkpoint a worker cannot load, KV caches past the host's memory), and
+    the message says what, in one line."""
+
+    def __init__(self, message: str, user_error: bool = False) -> None:
+        super().__init__(message)
+        self.user_error = user_error
 
 
 def exit_description(code: int) -> str:

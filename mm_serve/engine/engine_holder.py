@@ -33,6 +33,7 @@ class EngineHolder:
         self.client = client
         self.model_config = client.model_config
         self.start_error: str | None = None
+        self.start_user_error = False  # the start failed for what the user gave (WorkerStartError.user_error)
         self.ready_event = threading.Event()
         if client.router is not None:
             self.ready_event.set()
@@ -65,6 +66,7 @@ class EngineHolder:
             self.ready_event.set()
         except Exception as exc:  # reported through /health and the CLI
             self.start_error = str(exc)
+            self.start_user_error = bool(getattr(exc, "user_error", False))
             self.ready_event.set()
 
     @property

@@ -53,7 +53,9 @@ class ServiceMetrics:
         self.encode = hist("encode_seconds", "Vision encoder + projector time of a request's prefill batch.")
         self.prefill = hist("prefill_seconds", "LLM prefill time of a request's prefill batch.")
         self.handoff = hist("kv_handoff_seconds", "KV hand-off: publish start to decode's copy done.")
-        self.requests = Counter("mm_serve_requests", "Finished requests.", ("finish_reason", "status_code"),
+        self.requests = Counter("mm_serve_requests", "Finished requests: engine requests (a call's n choices count n) by finish "
+                                "reason and their answer's status, and calls refused before any ran.",
+                                ("finish_reason", "status_code"),
                                 registry=registry)
         self.prompt_tokens = Counter("mm_serve_prompt_tokens", "Prompt tokens, image tokens included.", registry=registry)
         self.generation_tokens = Counter("mm_serve_generation_tokens", "Generated tokens.", registry=registry)
