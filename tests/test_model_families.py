@@ -218,7 +218,9 @@ def test_a_broken_checkpoint_is_one_clear_error_offline_and_from_serve(tiny_llam
             LLM(model=model_dir, mode="colocated", num_pages=64)
         # the weight files' headers are read before anything else (one start says it); a shape or a tokenizer
         # shows when the model loads: in a worker (colocated), or in the start's profile (planned)
-        for mode in ("disaggregated",) if name in ("cut-short", "no-weights") else ("colocated", "planned"):
+        modes = {"cut-short": ("disaggregated",), "no-weights": ("disaggregated",), "wrong-shape": ("colocated",),
+                 "no-tokenizer": ("colocated", "planned")}[name]
+        for mode in modes:
             pinned = [] if mode == "planned" else ["--mode", mode]
             done = subprocess.run(
                 [sys.executable, "-m", "mm_serve", "serve", "--model", str(model_dir), "--port", "0", *pinned],
