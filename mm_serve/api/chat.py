@@ -47,7 +47,8 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
     closed = [False] * len(gen.states)
     calls = ToolStream(ctx, admitted.call, len(gen.states))
     try:
-        yield emit([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        opening = None if calls.forced else ""  # an answer that is a tool call has no content (OpenAI's null)
+        yield emit([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=opening))
                     for i in range(len(gen.states))])
         async for i in gen.changes(ctx.deadline(), raw.is_disconnected):
             state = gen.states[i]

@@ -34,6 +34,11 @@ class ToolStream:
         self.calls: list[list[list[str]]] = [[] for _ in range(choices)]  # per choice, per call: [name, arguments sent]
         self.declared = {tool.function.name for tool in getattr(call.body, "tools", None) or []}
 
+    @property
+    def forced(self) -> bool:
+        """Whether every answer is a tool call (a named or required tool choice): it has no content."""
+        return self.mode in ("named", "required")
+
     def step(self, i: int, text: str, reason: FinishReason | None) -> tuple[DeltaMessage | None, FinishReason | None]:
         """Choice ``i``'s new ``text`` (``reason`` set when it finished): the delta to send (None: nothing
         yet) and the finish reason to send with it."""
