@@ -115,6 +115,20 @@ def test_an_unsupported_architecture_is_refused_naming_those_supported(tiny_llam
         load_model_config(model_dir)
 
 
+@pytest.mark.parametrize(("key", "value"), [("num_hidden_layers", -1), ("hidden_size", 0), ("vocab_size", "512"),
+                                            ("num_key_value_heads", 2.5), ("intermediate_size", True)])
+def test_a_size_that_is_not_a_positive_integer_is_named(tiny_llama: Path, tmp_path: Path, key: str,
+                                                        value: object) -> None:
+    """A size in config.json that no model can have is refused naming it (``num_hidden_layers: -1`` was
+    blamed on the weights, as "unexpected weights")."""
+    model_dir = tmp_path / "bad-size"
+    shutil.copytree(tiny_llama, model_dir)
+    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(CheckpointError, match=re.escape(f"config.json {key} must be a positive integer, got {value!r}")):
+        load_model_config(model_dir)
+
+
 def test_a_sliding_window_caps_the_served_context(tiny_llama: Path, tmp_path: Path) -> None:
     """Our layers attend to the whole context, which equals sliding-window attention while the context
     fits the window: a decoder with one is served up to the window."""

@@ -200,13 +200,22 @@ def _served_positions(cfg: dict[str, Any]) -> int:
     return min(limit, int(window)) if sliding and window else limit
 
 
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")  # when given: positive integers
+
+
 def parse_text_config(cfg: dict[str, Any]) -> TextConfig:
     """Build a :class:`TextConfig` from a Llama-family config dict.
 
     Raises:
-        CheckpointError: a required key is missing or the architecture is unsupported.
+        CheckpointError: a required key is missing, a size is not a positive integer (naming the key), or the
+            architecture is unsupported.
     """
     model_type = cfg.get("model_type", "llama")
+    for key in SIZE_KEYS:
+        value = cfg.get(key, 1)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"config.json {key} must be a positive integer, got {value!r}")
     if model_type not in TEXT_MODEL_TYPES:
         raise CheckpointError(f"text model_type '{model_type}' is not supported ({', '.join(TEXT_MODEL_TYPES)})")
     if cfg.get("hidden_act", "silu") != "silu":
