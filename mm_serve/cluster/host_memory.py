@@ -8,9 +8,11 @@ start fails at once with the sizes and the key to lower.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from mm_serve.cluster.ring_sizing import kv_page_shape
 from mm_serve.cluster.worker_state import WorkerStartError
 from mm_serve.config import ServiceConfig
 from mm_serve.ground.dtypes import DTYPE_BYTES
@@ -36,9 +38,7 @@ def host_kv_bytes(cfg: ServiceConfig, model: ModelConfig, rings: Sequence[RingSp
     """``(workers, pool bytes of each, ring bytes)`` that this machine's memory holds: the KV pools of the
     workers that run on the CPU (a colocated one, or each prefill and decode worker without GPUs) and the
     rings' page pools (shared memory, here whatever the workers' devices)."""
-    text = model.text
-    page = (text.num_layers * 2 * cfg.kv_cache.page_size * text.num_kv_heads * text.head_dim
-            * DTYPE_BYTES[cfg.serving_dtype(model.raw)])
+    page = math.prod(kv_page_shape(model, cfg.kv_cache.page_size)) * DTYPE_BYTES[cfg.serving_dtype(model.raw)]
     compute = cfg.compute
     if cfg.mode == "colocated":
         workers = 0 if compute.uses_gpus else 1

@@ -9,6 +9,13 @@ from mm_serve.runtime.kv_cache import pages_for
 from mm_serve.transport.ring_spec import RingSpec
 
 
+def kv_page_shape(model: ModelConfig, page_size: int) -> tuple[int, int, int, int, int]:
+    """One KV page's shape, as the workers' caches and the rings hold it: ``[layers, 2 (K, V), page_size,
+    kv_heads, head_dim]``."""
+    text = model.text
+    return (text.num_layers, 2, page_size, text.num_kv_heads, text.head_dim)
+
+
 def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[RingSpec]:
     """One :class:`RingSpec` per (prefill, decode) pair, ordered prefill-major (p0d0, p0d1, ...).
 
@@ -39,7 +46,7 @@ def ring_specs(instance: str, cfg: ServiceConfig, model: ModelConfig) -> list[Ri
         for d in range(cfg.compute.decode_workers):
             specs.append(RingSpec(
                 name=f"mmsrv-{instance}-p{p}d{d}", num_pages=num_pages,
-                page_shape=(text.num_layers, 2, page_size, text.num_kv_heads, text.head_dim),
+                page_shape=kv_page_shape(model, page_size),
                 dtype=cfg.serving_dtype(model.raw), feature_rows=feature_rows, feature_dim=text.hidden_size, capacity=capacity,
                 max_pages_per_handoff=max_pages, meta_bytes=meta_bytes,
             ))

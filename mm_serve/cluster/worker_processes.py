@@ -80,7 +80,7 @@ class WorkerProcesses:
         if self._ray is not None:
             worker.process = self._ray.spawn(spec, worker.generation)
         else:
-            worker.process = start_worker(spec, str(self.run_dir / f"{spec.role}{spec.index}.log"))
+            worker.process = start_worker(spec, str(self._log_path(key)))
         worker.pid = worker.process.pid  # 0 for an actor until it has started (see observe)
         worker.started_at = worker.last_seen = time.monotonic()
         worker.restart_at = None
@@ -97,7 +97,7 @@ class WorkerProcesses:
                 raise WorkerStartError("stopped while the workers were starting")
             for (role, index), worker in self.workers.items():
                 code = None if worker.process is None else worker.process.poll()
-                if code == USER_ERROR_EXIT and (said := self._error_line(f"{role}{index}.log")) is not None:
+                if code == USER_ERROR_EXIT and (said := self._error_line((role, index))) is not None:
                     raise WorkerStartError(said, user_error=True)  # the checkpoint: its one line, not a log tail
                 if code is not None:
                     raise WorkerStartError(f"{role} worker {index} {exit_description(code)}:\n{self.log_tail()}")
@@ -189,11 +189,16 @@ class WorkerProcesses:
     def _on_ready(self, key: WorkerKey) -> None:
         """Worker ``key`` just reported ready (after its queued messages went out)."""
 
-    def _error_line(self, log_name: str) -> str | None:
-        """The ``error: ...`` line a worker wrote last in its log before exiting with :data:`USER_ERROR_EXIT`
-        (without the prefix); None when there is none."""
+    def _log_path(self, key: WorkerKey) -> Path:
+        """Where worker ``key`` writes its output (``decode0.log``)."""
+        role, index = key
+        return self.run_dir / f"{role}{index}.log"
+
+    def _error_line(self, key: WorkerKey) -> str | None:
+        """The ``error: ...`` line worker ``key`` wrote last in its log before exiting with
+        :data:`USER_ERROR_EXIT` (without the prefix); None when there is none."""
         try:
-            lines = (self.run_dir / log_name).read_text(errors="replace").splitlines()
+            lines = self._log_path(key).read_text(errors="replace").splitlines()
         except OSError:
             return None
         said = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -93,15 +95,26 @@ def iter_weights(model_dir: str | Path, parts: Collection[str] = PARTS) -> Itera
             corrupt), naming the file.
     """
     for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
-                    name = canonical_name(key)
-                    if name is None or name.endswith("rotary_emb.inv_freq") or name.partition(".")[0] not in parts:
-                        continue
-                    yield name, handle.get_tensor(key)
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file (cut short or corrupt?): {exc}") from None
+        with _opened(path) as handle:
+            for key in handle.keys():
+                name = canonical_name(key)
+                if name is None or name.endswith("rotary_emb.inv_freq") or name.partition(".")[0] not in parts:
+                    continue
+                yield name, handle.get_tensor(key)
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """``safe_open`` of ``path``; what it or reading through it raises is a :class:`CheckpointError` naming the file.
+
+    Raises:
+        CheckpointError: not a readable safetensors file (cut short, corrupt).
+    """
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            yield handle
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file (cut short or corrupt?): {exc}") from None
 
 
 def check_weight_files(model_dir: str | Path) -> None:
@@ -112,11 +125,8 @@ def check_weight_files(model_dir: str | Path) -> None:
         CheckpointError: as :func:`iter_weights`.
     """
     for path in safetensors_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                handle.keys()
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file (cut short or corrupt?): {exc}") from None
+        with _opened(path) as handle:
+            handle.keys()
 
 
 def load_state_dicts(model_dir: str | Path, parts: Collection[str] = PARTS) -> dict[str, dict[str, torch.Tensor]]:

@@ -90,10 +90,9 @@ class ChatPrompt:
                 continue
             parts: list[tuple[str, str | int]] = []
             for part in content:
-                if part.type in ("text", "refusal"):  # a refusal: what the assistant said
-                    text = part.text if part.type == "text" else part.refusal  # type: ignore[union-attr]
-                    chars += len(text)
-                    parts.append(("text", text))
+                if part.type in ("text", "refusal"):  # a refusal: what the assistant said, as text
+                    chars += len(part.text)
+                    parts.append(("text", part.text))
                     continue
                 video = part.type == "video_url"
                 if message.role != "user":

@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from mm_serve.protocol.service_tier import check_service_tier
 from mm_serve.protocol.structured_outputs import StructuredFields
-from mm_serve.protocol.tools import DeltaToolCall, Tool, ToolCall, ToolChoice
+from mm_serve.protocol.tools import DeltaToolCall, StreamDelta, Tool, ToolCall, ToolChoice
 
 
 class _Lenient(BaseModel):
@@ -61,6 +61,11 @@ class RefusalPart(_Lenient):
 
     type: Literal["refusal"]
     refusal: str
+
+    @property
+    def text(self) -> str:
+        """What the assistant said, as a text part's ``text``."""
+        return self.refusal
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart | RefusalPart, Field(discriminator="type")]
@@ -349,21 +354,13 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(StreamDelta):
     """A streamed delta; ``role`` is sent in a choice's first chunk only, and a delta with no new
     text (a choice's last chunk, which carries its ``finish_reason``) is ``{}``, as OpenAI sends them."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        out: dict[str, Any] = handler(self)
-        for key in ("role", "content", "tool_calls"):
-            if out.get(key) is None:
-                out.pop(key, None)
-        return out
 
 
 class ChatChunkChoice(BaseModel):

@@ -68,22 +68,21 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-def _without_nulls(out: dict[str, Any]) -> dict[str, Any]:
-    """``out`` less its ``None`` values: a later piece of a streamed call leaves out what it does not carry,
-    as OpenAI's do (the SDK's stream helper takes a ``"type": null`` for a change of type and fails)."""
-    return {key: value for key, value in out.items() if value is not None}
-
-
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+class StreamDelta(BaseModel):
+    """A piece of a streamed answer: a field it does not carry is left out, not sent null, as OpenAI's are
+    (the SDK's stream helper takes a tool call's ``"type": null`` for a change of type and fails)."""
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        return _without_nulls(handler(self))
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class DeltaToolCall(BaseModel):
+class DeltaFunctionCall(StreamDelta):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(StreamDelta):
     """A streamed piece of a call: the first carries its ``id``, ``type`` and ``name``, the rest only their
     ``index`` and argument text (OpenAI's stream format: absent keys, not nulls)."""
 
@@ -91,10 +90,6 @@ class DeltaToolCall(BaseModel):
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall
-
-    @model_serializer(mode="wrap")
-    def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        return _without_nulls(handler(self))
 
 
 class ToolError(ValueError):
