@@ -80,7 +80,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         return "invalid request", None, None
     # For a union such as ``content: str | list[part]``, report the most specific branch
     # (the part's own error), not "should be a valid string".
-    specific = [e for e in errors if str(e.get("loc", ("",))[-1]) not in ("str",) and "str" not in map(str, e.get("loc", ()))]
+    # A whole-model validator's error has an empty ``loc`` (FastAPI prefixes "body"; a direct
+    # ``model_validate``, as a batch row's, does not).
+    specific = [e for e in errors if "str" not in map(str, e.get("loc", ()))]
     first = max(specific or errors, key=lambda e: len(e.get("loc", ())))
     loc = _json_path(first)
     message = str(first.get("msg", "invalid value"))

@@ -334,3 +334,28 @@ def test_each_request_limit_serves_at_it_and_refuses_past_it(server: ServerProce
         assert r.status_code == 400, r.text[:300]
         error = r.json()["error"]
         assert (error["param"], error["code"]) == (param, code) and key in error["message"], error
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (_chat(functions=[{"name": "f", "parameters": {}}]), "'functions' is not supported by this server"),
+    (_chat(store=True), "'store' is not supported by this server: only false"),
+    (_chat(modalities=["audio"]), "'modalities' is not supported by this server: only [\"text\"]"),
+    (_chat(top_logprobs=2), "top_logprobs"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 2, "suffix": "end"}, "'suffix' is not supported by this server"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 2, "best_of": 2}, "'best_of' is not supported by this server"),
+])
+def test_a_whole_request_refusal_validated_outside_http_is_the_same_400(body: dict[str, Any], message: str) -> None:
+    """A batch row or a caption job validates its body with ``model_validate`` (no FastAPI "body" prefix on the
+    errors' locations): a refusal of the whole request is still its 400, not an IndexError."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from mm_serve.protocol.errors import validation_error
+    from mm_serve.protocol.schemas import ChatCompletionRequest, CompletionRequest
+
+    kind = CompletionRequest if "prompt" in body else ChatCompletionRequest
+    with pytest.raises(ValidationError) as caught:
+        kind.model_validate(body)
+    error = validation_error(RequestValidationError(caught.value.errors()))
+    assert error.status == 400 and error.type == "invalid_request_error"
+    assert error.message.startswith(message) if message.startswith("'") else message in error.message, error.message
