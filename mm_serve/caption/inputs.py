@@ -95,6 +95,8 @@ def read_inputs(source: str | os.PathLike[str], default_prompt: str) -> InputSet
             raise InputError(f"{path}: no images or videos found ({', '.join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES))})")
         return InputSet("folder", items)
     if not path.is_file():
+        if path.exists():  # /dev/zero, a pipe (<(cat rows.jsonl)), a socket: read without end or only once
+            raise InputError(f"{path}: is not a regular file (a device or a pipe); INPUT must be a folder or a JSONL file")
         raise InputError(f"{path}: no such file or folder")
     if path.suffix.lower() in IMAGE_SUFFIXES:
         raise InputError(f"{path}: INPUT must be a folder of images or a JSONL file, not one image "

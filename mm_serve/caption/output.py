@@ -8,8 +8,9 @@ While a job runs it holds an exclusive ``flock`` on OUT, so a second job on the
 same file is refused instead of writing ids twice.
 
 Resume (:meth:`OutputFile.open`): a kill can leave a partial last line. Opening
-cuts everything after the last newline unless that tail is itself a complete
-JSON object. Every other line must be a JSON object of the job's row layout
+cuts everything after the last newline when that tail is the start of a row (it
+begins with ``{``) but not a complete JSON object; a tail that is no row's start
+is checked as any other line. Every other line must be a JSON object of the job's row layout
 (:mod:`mm_serve.caption.records`); anything else is an :class:`OutputError`,
 never silently skipped. Ids with a success row are done; ids with only error
 rows are done too, unless ``retry_errors`` is set, in which case those rows are
@@ -66,12 +67,14 @@ class OutputFile:
         same OUT fails at once instead of writing the same ids again.
 
         Raises:
-            OutputError: OUT is a folder, unreadable, locked by another job, has a
-                corrupt line, or holds rows of another layout.
+            OutputError: OUT is a folder or anything else but a regular file (a device, a pipe),
+                unreadable, locked by another job, has a corrupt line, or holds rows of another layout.
         """
         target = Path(path)
         if target.is_dir():
             raise OutputError(f"{target}: is a folder; --out needs a file path")
+        if target.exists() and not target.is_file():  # /dev/zero would be read without end
+            raise OutputError(f"{target}: is not a regular file (a device or a pipe); --out needs a file path")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             handle = _open_locked(target)
@@ -131,7 +134,8 @@ def _complete_lines(data: bytes) -> tuple[list[tuple[int, bytes]], bool, bool]:
     """``([(line number, line), ...] non-blank, rewrite needed, partial line cut)`` of an existing OUT.
 
     A last line without its newline is kept when it is a complete JSON value (the
-    file is rewritten to end in a newline) and cut when it is not (a kill mid-write).
+    file is rewritten to end in a newline) and cut when it is the start of a row but not
+    complete (a kill mid-write); anything else there is kept, for :func:`_parse` to refuse.
     """
     lines = data.split(b"\n")
     tail = lines.pop()  # the bytes after the last newline: b"" for a complete file
@@ -141,7 +145,10 @@ def _complete_lines(data: bytes) -> tuple[list[tuple[int, bytes]], bool, bool]:
             load_json(tail)
             lines.append(tail)
         except JSONTextError:
-            cut = True
+            if tail.startswith(b"{"):  # each row is written as one line starting with its "{"
+                cut = True
+            else:
+                lines.append(tail)
     numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
     return numbered, bool(tail.strip()), cut
 
@@ -152,8 +159,8 @@ def _parse(path: Path, number: int, line: bytes, fmt: InputFormat) -> dict[str, 
     except JSONTextError:
         raise OutputError(f"{path}:{number}: not valid JSON; fix or delete that line, then re-run") from None
     if not isinstance(row, dict) or row_id(fmt, row) is None:
-        layout = "OpenAI batch output" if fmt == "openai-batch" else "caption"
-        raise OutputError(f"{path}:{number}: not a {layout} row; is --out the output of another job?")
+        layout = "an OpenAI batch output" if fmt == "openai-batch" else "a caption"
+        raise OutputError(f"{path}:{number}: not {layout} row; is --out the output of another job?")
     return row
 
 

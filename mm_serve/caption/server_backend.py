@@ -86,11 +86,15 @@ class ServerBackend(CaptionBackend):
         """Check the server answers and pick the model when none was given.
 
         Raises:
-            FatalBackendError: unreachable, or ``/v1/models`` lists no model.
+            FatalBackendError: unreachable, a 401/403 (a bad key), or ``/v1/models`` lists no model.
         """
         if self.model is not None:
             return
-        status, payload, _ = await self._send("GET", "/models")
+        status, payload, request_id = await self._send("GET", "/models")
+        if status in (401, 403):  # the key, not the model: say so (--served-model would only move the 401)
+            error = _outcome(0.0, status, payload, request_id).error
+            raise FatalBackendError(f"{self.base_url}/models answered {status} (check the API key: $OPENAI_API_KEY "
+                                    f"or --api-key): {error}")
         models = payload.get("data") if status == 200 else None
         if not isinstance(models, list) or not models or not isinstance(models[0], dict):
             raise FatalBackendError(f"{self.base_url}/models answered {status} without a model; pass --served-model")

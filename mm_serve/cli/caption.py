@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
                     "--server. Re-running the same command resumes: ids already in OUT are skipped.",
     )
     p.add_argument("input", metavar="INPUT",
-                   help="a folder (recursive: jpg jpeg png webp gif bmp tiff; mp4 webm mov mkv avi m4v for a "
+                   help="a folder (recursive: jpg jpeg png webp gif bmp tif tiff; mp4 webm mov mkv avi m4v for a "
                         'model that takes video), a JSONL file of {"id", "image" | "video", "prompt"?} rows, or an '
                         "OpenAI batch input file")
     p.add_argument("--out", required=True, metavar="OUT.jsonl", help="output JSON lines (appended to; resumed)")

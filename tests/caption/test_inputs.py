@@ -77,6 +77,10 @@ def test_batch_rows_keep_their_body(tmp_path: Path) -> None:
 def test_missing_empty_and_non_json_inputs(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="no such file or folder"):
         read_inputs(tmp_path / "nope", "p")
+    os.mkfifo(tmp_path / "rows.fifo")
+    for device in ("/dev/zero", str(tmp_path / "rows.fifo")):
+        with pytest.raises(InputError, match="is not a regular file"):
+            read_inputs(device, "p")
     with pytest.raises(InputError, match="no images or videos found"):
         read_inputs(tmp_path, "p")
     (tmp_path / "empty.jsonl").write_text("\n\n")

@@ -84,6 +84,27 @@ def test_corrupt_middle_line_and_foreign_rows_are_refused(tmp_path: Path) -> Non
         OutputFile.open(tmp_path, "folder")
 
 
+def test_a_last_line_that_is_no_row_is_refused_not_cut(tmp_path: Path) -> None:
+    """Only a tail that starts like a row is taken for an interrupted write: an unrelated file given as
+    OUT is refused untouched."""
+    path = tmp_path / "notes.txt"
+    path.write_text("my only line, no newline")
+    with pytest.raises(OutputError, match="notes.txt:1: not valid JSON"):
+        OutputFile.open(path, "folder")
+    assert path.read_text() == "my only line, no newline"
+    path.write_text(_ok("a") + "\n" + '{"id": "b", "capt')
+    out, resume = OutputFile.open(path, "folder")
+    out.close()
+    assert resume.repaired_tail and resume.done == {"a"} and path.read_text() == _ok("a") + "\n"
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/null"])
+def test_out_that_is_not_a_regular_file_is_refused(device: str) -> None:
+    """A device as OUT would be read back without end (/dev/zero) or lose every row (/dev/null)."""
+    with pytest.raises(OutputError, match="is not a regular file"):
+        OutputFile.open(device, "folder")
+
+
 def test_row_layouts() -> None:
     item = CaptionInput("a.png", "/x/a.png", "/x/a.png", "Describe.")
     ok = Outcome(latency_s=0.123456, caption="a red circle", prompt_tokens=80, completion_tokens=4, status_code=200)
