@@ -4,7 +4,10 @@ The data directory (``batch.data_dir``) is opened on the first batch call, or at
 start-up when it already holds a database (then every unfinished batch resumes),
 so a server that never sees a batch call writes nothing. It is locked (``flock``
 on ``DATA_DIR/lock``) by one server at a time; a second server on the same
-directory answers batch calls with 503 and serves everything else.
+directory answers batch calls with 503 and serves everything else, and takes the
+directory over once the first lets it go: each batch call tries the lock again, and
+a server that found a database at start-up tries every :data:`LOCK_RETRY_S` seconds
+(so its unfinished batches resume without waiting for a call).
 
 Every route's method takes the calling key's ``owner`` (:func:`mm_serve.batch.records.owner_of`;
 no default, so no caller forgets it): a key sees, reads, deletes and cancels only its own files
@@ -36,6 +39,7 @@ from mm_serve.protocol.errors import APIError, bad_request, unavailable
 ENDPOINTS = (BATCH_URL, COMPLETIONS_URL)
 COMPLETION_WINDOWS = ("24h",)
 DB_NAME = "batches.sqlite3"
+LOCK_RETRY_S = 5.0  # seconds between tries for a data directory another server holds (see the module docstring)
 
 
 def data_dir(config: BatchConfig) -> Path:
@@ -67,18 +71,33 @@ class BatchService:
         self.config = ctx.config.batch
         self.root = data_dir(self.config)
         self._open: _Open | None = None
-        self._refusal: str | None = None
+        self._refusal: str | None = None  # the database cannot be used: for good (the lock is tried again)
+        self._retry: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """At server start-up: open the data directory if it holds a database, and resume its batches."""
+        """At server start-up (on the event loop): open the data directory if it holds a database, and
+        resume its batches; while another server holds it, try again every :data:`LOCK_RETRY_S` seconds."""
         if (self.root / DB_NAME).exists():
             try:
                 self._opened()
             except APIError:  # locked by another server, or unusable: batch calls say why
+                if self._refusal is None:
+                    self._retry = asyncio.get_running_loop().create_task(self._open_when_free())
+
+    async def _open_when_free(self) -> None:
+        """Try the data directory every :data:`LOCK_RETRY_S` seconds until it opens (or cannot be used)."""
+        while self._open is None and self._refusal is None:
+            await asyncio.sleep(LOCK_RETRY_S)
+            try:
+                self._opened()
+            except APIError:
                 pass
 
     async def close(self) -> None:
         """Stop the running batches (resumable), close the database and release the lock."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self._open is None:
             return
         opened, self._open = self._open, None
@@ -90,7 +109,8 @@ class BatchService:
         """The open data directory (opened, locked and resumed on first use).
 
         Raises:
-            APIError: 503 when another server holds the directory or it cannot be opened.
+            APIError: 503 when another server holds the directory (each call tries its lock again)
+                or it cannot be opened.
         """
         if self._open is not None:
             return self._open
@@ -105,9 +125,9 @@ class BatchService:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            self._refusal = (f"the batch data directory {self.root} is in use by another mm-serve process; "
-                             "give this server its own batch.data_dir")
-            raise unavailable(self._refusal) from None
+            raise unavailable(f"the batch data directory {self.root} is in use by another mm-serve process; "
+                              "give this server its own batch.data_dir (this one takes it over once that "
+                              "process lets it go)", retry_after_s=int(LOCK_RETRY_S)) from None
         try:
             store = BatchStore(self.root / DB_NAME)
         except sqlite3.Error as exc:  # a newer version's database, or a broken one

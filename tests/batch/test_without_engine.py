@@ -3,6 +3,7 @@ per server (a second app on the same one answers batch calls with 503)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -79,3 +80,46 @@ def test_a_second_server_on_the_same_data_directory_is_refused(app: TestClient, 
         r = second.get("/v1/batches")
         assert r.status_code == 503 and "in use by another mm-serve process" in r.json()["error"]["message"]
         assert second.get("/v1/models").status_code == 200
+
+
+
+def _context(model: Path, data_dir: Path) -> ServerContext:
+    cfg = load_config(None, {"model": str(model), "batch.data_dir": str(data_dir)})
+    return ServerContext(holder=EngineHolder(model, cfg), config=cfg, served_model_name="tiny")
+
+
+def test_a_second_server_takes_the_directory_over_once_the_first_lets_it_go(
+        tiny_llava: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch call tries the lock again (no restart needed); a server that found a database at start-up
+    tries it every LOCK_RETRY_S seconds, so that the batches there resume without waiting for a call."""
+    from mm_serve.batch import service
+
+    data = tmp_path / "data"
+    with _app(tiny_llava, data) as first, _app(tiny_llava, data) as second:
+        assert first.get("/v1/files").status_code == 200  # the first opens and holds the directory
+        refused = second.get("/v1/files")
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        first.__exit__(None, None, None)  # the first server stops and lets the directory go
+        assert second.get("/v1/files").status_code == 200  # this call takes it over
+
+    monkeypatch.setattr(service, "LOCK_RETRY_S", 0.05)
+
+    async def start_while_held() -> None:
+        holder = service.BatchService(_context(tiny_llava, data))
+        holder.start()  # a database is there: opened at start-up
+        later = service.BatchService(_context(tiny_llava, data))
+        later.start()
+        try:
+            await asyncio.sleep(0.2)
+            assert later._open is None  # still held
+            await holder.close()
+            for _ in range(100):
+                if later._open is not None:
+                    break
+                await asyncio.sleep(0.02)
+            assert later._open is not None, "the second server never took the directory over"
+        finally:
+            await holder.close()
+            await later.close()
+
+    asyncio.run(start_while_held())
