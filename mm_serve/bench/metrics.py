@@ -10,6 +10,10 @@ Definitions (DistServe, arXiv:2401.09670, §2; the same as vLLM's ``benchmark_se
   error and met both the TTFT and the TPOT SLO; failed, cancelled and unsent requests
   count as misses.
 * **TTFT per turn** and the **prompt-cache hit rate**: :mod:`mm_serve.bench.cache_stats`.
+* **A burst**: a run whose requests were all sent in less time than their median e2e latency
+  (:attr:`RunSummary.burst`). It says how the server absorbs that many requests at once, not
+  whether it sustains the rate: a server that finishes 20 requests sent within a millisecond
+  inside the SLOs "passes" 45,000 requests/s. The goodput search does not credit such a run.
 
 Percentiles interpolate linearly between order statistics (numpy's default method),
 so they are exact, reproducible numbers on known inputs.
@@ -94,6 +98,13 @@ class RunSummary:
     ttft_by_turn: dict[str, Distribution] = field(default_factory=dict)  # "1", "2", ..., "2+"; {} if no turns
     cache: CacheTokens = CacheTokens(0, 0, 0)  # usage.prompt_tokens_details.cached_tokens, summed
     server_counters: dict[str, float] = field(default_factory=dict)  # /metrics cache counters, run delta
+    arrival_span_s: float = math.nan  # first send to last send, seconds (NaN: none sent)
+
+    @property
+    def burst(self) -> bool:
+        """The requests were all sent in less time than their median e2e latency: the run measured how a burst
+        of them is absorbed, not a sustained rate (see the module docstring). False without finished requests."""
+        return self.arrival_span_s < self.e2e.p50  # False when either is NaN
 
 
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
@@ -110,6 +121,7 @@ def summarize(records: Sequence[RequestRecord], rate: float, slo: SLO | None,
     sent = [r for r in records if r.sent_s is not None]
     start = min((r.sent_s for r in sent if r.sent_s is not None), default=0.0)
     end = max((r.end_s for r in sent if r.end_s is not None), default=start)
+    last_sent = max((r.sent_s for r in sent if r.sent_s is not None), default=math.nan)
     duration = max(end - start, 1e-9)
     return RunSummary(
         rate=rate,
@@ -129,4 +141,5 @@ def summarize(records: Sequence[RequestRecord], rate: float, slo: SLO | None,
         errors=dict(Counter((r.error or "")[:120] for r in records if r.error is not None)),
         ttft_by_turn={turn: Distribution.of(v) for turn, v in ttfts_by_turn(records).items()},
         cache=CacheTokens.of(records),
+        arrival_span_s=last_sent - start if sent else math.nan,
     )

@@ -64,6 +64,9 @@ def _pct(x: float) -> str:
 def format_run(name: str, run: RunSummary) -> str:
     """One progress line for a finished run (with the per-turn TTFT and cache lines, if any)."""
     flag = " (stopped early)" if run.stopped_early else ""
+    if run.burst:
+        flag += (f" (a burst: all sent in {run.arrival_span_s:.3f} s, under the median e2e {run.e2e.p50:.3f} s; "
+                 "it does not measure this rate: send more requests)")
     errors = {k: v for k, v in run.errors.items() if k not in ("cancelled", "not sent")}
     if errors:
         message, count = max(errors.items(), key=lambda kv: kv[1])
@@ -120,7 +123,7 @@ def format_runs(result: SystemResult) -> str:
             f"{'TPOT p50':>8} {'p90':>6} {'p99':>6} {'ITL p99':>7} {'e2e p90':>7} {'req/s':>6} {'tok/s':>6}")
     lines = [f"{result.name} ({result.url}): rate in req/s, TTFT and e2e in s, TPOT and ITL in ms", head]
     for r in result.runs:
-        mark = "*" if r.stopped_early else " "
+        mark = "*" if r.stopped_early else "b" if r.burst else " "
         lines.append(
             f"{r.rate:>7.3f} {r.num_requests:>5} {100 * r.attainment:>6.1f}{mark} {_s(r.ttft.p50):>8} "
             f"{_s(r.ttft.p90):>7} {_s(r.ttft.p99):>7} {_ms(r.tpot.p50):>8} {_ms(r.tpot.p90):>6} "
@@ -131,6 +134,9 @@ def format_runs(result: SystemResult) -> str:
         lines += [f"  at {r.rate:.3f} req/s: {extra}" for extra in cache_lines(r)]
     if any(r.stopped_early for r in result.runs):
         lines.append("  * stopped early once the target was out of reach; unfinished requests count as misses")
+    if any(r.burst and not r.stopped_early for r in result.runs):
+        lines.append("  b a burst: every request was sent before the median one finished, so the run does not "
+                     "measure its rate (the goodput search does not credit it); send more requests")
     return "\n".join(lines)
 
 

@@ -8,6 +8,10 @@ cheap simulator): double (or halve) the rate until one probe passes and one fail
 then bisect geometrically until the bracket ``hi / lo`` is within ``1 + rel_tol``.
 With a guess within 2x of the answer and ``rel_tol = 0.1`` that is about five runs.
 
+A probe that was a burst (:attr:`~mm_serve.bench.metrics.RunSummary.burst`: every request sent
+before the median one finished) does not pass whatever its attainment: at rates that high a probe
+of a fixed number of requests no longer measures a rate.
+
 SLO attainment is made (nearly) monotone in the rate by common random numbers:
 every probe replays the same requests on the same unit-rate arrival path scaled
 by ``1 / rate`` (see :func:`mm_serve.workloads.arrivals.unit_rate_arrivals`).
@@ -39,7 +43,7 @@ class SweepResult:
 
 def find_goodput(probe: Probe, target: float, start_rate: float, rel_tol: float = 0.1,
                  min_rate: float | None = None, max_steps: int = 8) -> SweepResult:
-    """Highest rate (requests/s) whose probe attains ``target``, searched from ``start_rate``.
+    """Highest rate (requests/s) whose probe attains ``target`` and was no burst, searched from ``start_rate``.
 
     Args:
         probe: runs the workload at a rate (requests/s) and returns its summary.
@@ -62,7 +66,7 @@ def find_goodput(probe: Probe, target: float, start_rate: float, rel_tol: float 
     def passes(rate: float) -> bool:
         if rate not in runs:
             runs[rate] = probe(rate)
-        return runs[rate].attainment >= target
+        return runs[rate].attainment >= target and not runs[rate].burst
 
     lo, hi = _bracket(passes, start_rate, floor, max_steps)
     if lo > 0 and hi is not None:

@@ -73,3 +73,22 @@ def test_each_rate_is_probed_once() -> None:
 def test_bad_arguments(start: float, tol: float) -> None:
     with pytest.raises(ValueError):
         find_goodput(probe, 0.9, start_rate=start, rel_tol=tol)
+
+
+def test_a_burst_is_not_credited_as_a_rate() -> None:
+    """A server that answers any number of requests at once in 0.52 s passes every rate with a fixed count of
+    requests; once they are all sent before the median one finished (20 requests: above ~37 req/s) a probe
+    measures a burst, not a rate, and the search does not credit it."""
+    def unbounded(rate: float) -> RunSummary:
+        records = [RequestRecord(i, 3, sent_s=t, chunk_s=[t + 0.5, t + 0.51, t + 0.52], end_s=t + 0.52,
+                                 output_tokens=3)
+                   for i, t in enumerate(x / rate for x in unit_rate_arrivals(20, seed=0, cv=0.01))]
+        return summarize(records, rate, SLO_FIXED)
+
+    assert unbounded(1000.0).attainment == 1.0 and unbounded(1000.0).burst
+    assert not unbounded(10.0).burst
+    result = find_goodput(unbounded, 0.9, start_rate=4.0, rel_tol=0.05)
+    arrivals = unit_rate_arrivals(20, seed=0, cv=0.01)
+    span = arrivals[-1] - arrivals[0]  # seconds from the first send to the last at 1 request/s
+    assert span / 0.52 / 1.05 <= result.goodput <= span / 0.52
+    assert all(r.burst for r in result.runs if r.rate > result.goodput)
