@@ -97,6 +97,11 @@ def take_chunk(line: str, rec: RequestRecord, now: float) -> bool:
         if text:
             rec.chunk_s.append(now)
             rec.content.append(text)
+        elif choice.get("finish_reason") and not rec.chunk_s:
+            # tokens that write no text (an EOS under ignore_eos, a special token) ended the answer: its
+            # first token arrived by this chunk at the latest (a valid answer, not a failure)
+            rec.chunk_s.append(now)
+            rec.content.append("")
     return True
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -27,6 +28,33 @@ import httpx
 
 class LaunchError(RuntimeError):
     """The server exited or did not become healthy; the message ends with its log tail."""
+
+
+def wait_while_warming(url: str, timeout_s: float = 600.0, api_key: str | None = None,
+                       log: Callable[[str], None] = print) -> None:
+    """Wait while ``url``'s ``/health`` answers 503 (a server still loading or warming its workers), up to
+    ``timeout_s`` seconds; any other answer (200, a server without ``/health``, no answer) returns at once,
+    for the run itself to report.
+
+    Raises:
+        LaunchError: still 503 after ``timeout_s`` seconds.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline, said = time.monotonic() + timeout_s, False
+    with httpx.Client(trust_env=False, timeout=5.0, headers=headers) as http:
+        while True:
+            try:
+                answer = http.get(f"{url.rstrip('/')}/health")
+            except httpx.HTTPError:
+                return
+            if answer.status_code != 503:
+                return
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"{url}/health still answered 503 after {timeout_s:.0f} s: {answer.text[:200]}")
+            if not said:
+                log(f"{url}/health answers 503 (starting or warming up): waiting up to {timeout_s:.0f} s")
+                said = True
+            time.sleep(1.0)
 
 
 def free_port() -> int:

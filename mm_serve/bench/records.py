@@ -19,7 +19,7 @@ class RequestRecord:
     index: int  # position in the run's request plan
     max_tokens: int  # output tokens asked for (the answer has at most this many)
     sent_s: float | None = None  # request sent; None = never sent
-    chunk_s: list[float] = field(default_factory=list)  # arrival of each non-empty content chunk
+    chunk_s: list[float] = field(default_factory=list)  # arrival of each non-empty content chunk (or the finish)
     end_s: float | None = None  # stream finished (or failed)
     output_tokens: int = 0  # from the server's usage, else the number of content chunks
     prompt_tokens: int | None = None  # from the server's usage, when reported

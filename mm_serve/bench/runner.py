@@ -111,7 +111,9 @@ class LoadRunner:
         else:  # one start per conversation (per request outside conversations)
             starts = len(conversation_groups([s.conversation_id for s in specs]))
             unit = unit_rate_arrivals(starts, self.load.seed, self.load.burstiness)
-            arrivals = conversation_arrivals(specs, unit, rate)
+            # the first start at once (its gap from 0 is ~1 / rate: 24 days at 1e-6 requests/s), the
+            # rest as the path has them: a run plans no arrival past (count - 1) / rate
+            arrivals = conversation_arrivals(specs, [t - unit[0] for t in unit], rate)
         # content differs between rates (and salts), so no run is served from another's prefix or encoder cache
         return self.factory.plan(specs, arrivals, salt=round(rate * 1e6) + 1_000_003 * self.load.content_salt)
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 
 CHAT_TEMPLATE_TOKENS = 32  # context left for the chat template's tokens when prompts are fitted to it
+COMPLETION_EXTRA_TOKENS = 4  # the same for a plain prompt: the tokenizer's BOS, and slack for re-tokenizing
 
 
 def register(subparsers: Any) -> None:
@@ -94,11 +95,14 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+MAX_NUMBER = 1e9  # bound of every rate, SLO and duration flag (1e308 requests/s overflowed the request count)
+
+
 def _check(args: argparse.Namespace) -> None:
     for name in ("rate", "slo_ttft", "slo_tpot", "duration", "start_rate", "rate_tolerance", "burstiness"):
         value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise CLIError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        if value is not None and not 0 < value < MAX_NUMBER:  # NaN and inf too
+            raise CLIError(f"--{name.replace('_', '-')} must be > 0 and < {MAX_NUMBER:g}, got {value}")
     if not 0 < args.attainment <= 1:
         raise CLIError(f"--attainment must be in (0, 1], got {args.attainment}")
     if args.repeat < 1:
@@ -206,8 +210,9 @@ def _settings(args: argparse.Namespace, model_dir: Path | None) -> BenchSettings
     try:
         if (args.workload in IMAGE_WORKLOADS or args.workload in VIDEO_WORKLOADS) and model_dir is None:
             raise WorkloadError(f"workload '{args.workload}' with --server needs --model DIR (image size)")
-        # a chat template adds its own tokens around the text (6-30 on the families served): room for them
-        room = max_context - (CHAT_TEMPLATE_TOKENS if args.api == "chat" else 0)
+        # a chat template adds its own tokens around the text (6-30 on the families served), a plain prompt
+        # its BOS: room for them
+        room = max_context - (CHAT_TEMPLATE_TOKENS if args.api == "chat" else COMPLETION_EXTRA_TOKENS)
         workload = make_workload(args.workload, image_tokens, room, tokens_per_video)
         load = LoadSpec(workload, args.seed, args.duration, args.num_requests, burstiness=args.burstiness)
     except WorkloadError as exc:
@@ -279,7 +284,7 @@ def _start_rate(results: list[SystemResult], name: str) -> float | None:
 
 def _run(args: argparse.Namespace) -> int:
     """Measure each system in turn (starting our servers when asked), print and write the results."""
-    from mm_serve.bench.launch import LaunchError, LocalServer
+    from mm_serve.bench.launch import LaunchError, LocalServer, wait_while_warming
     from mm_serve.bench.report import format_goodput, format_runs
     from mm_serve.bench.session import measure
     from mm_serve.ground.slo import SLO
@@ -293,6 +298,8 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError(f"--out {args.out}: cannot create it ({exc.strerror})") from None
         if not os.access(out, os.W_OK):
             raise CLIError(f"--out {args.out}: not writable")
+        for stale in (*out.glob("records-*.jsonl"), *out.glob("round-*/records-*.jsonl")):
+            stale.unlink()  # this run's records, not appended to an earlier run's
     model_dir, mode = _model_dir(args)
     settings = _settings(args, model_dir)
     slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft else None
@@ -316,6 +323,8 @@ def _run(args: argparse.Namespace) -> int:
             if args.repeat > 1:
                 _log(f"[{name}] round {round_} of {args.repeat}")
             try:
+                if args.server and round_ == 1:
+                    wait_while_warming(args.server, api_key=settings.api_key, log=_log)
                 url = args.server or (server.start() if server else "")
                 shown = name if args.server else served_placement_name(url, name)
                 result, slo = measure(shown, url, round_settings, slo, args.model_name,
@@ -338,4 +347,20 @@ def _run(args: argparse.Namespace) -> int:
         print(format_goodput(results, slo, settings.target))
     if out is not None:
         print(f"\nwrote {out / 'bench.json'} and {out / 'attainment.png'}")
-    return 0
+    elif logs is not None:
+        print(f"\nserver logs: {logs}")
+    return _all_failed(results)
+
+
+def _all_failed(results: list[SystemResult]) -> int:
+    """1 (and the most common error on stderr) when no request of any run succeeded, else 0."""
+    runs = [run for result in results for run in (result.unloaded, *result.runs)]
+    if any(run.num_ok for run in runs):
+        return 0
+    errors: dict[str, int] = {}
+    for run in runs:
+        for message, count in run.errors.items():
+            errors[message] = errors.get(message, 0) + count
+    worst = max(errors.items(), key=lambda kv: kv[1], default=("no request was sent", 0))
+    print(f"mm-serve: error: no request succeeded (e.g. {worst[0]!r} x{worst[1]})", file=sys.stderr)
+    return 1

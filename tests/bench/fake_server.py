@@ -75,8 +75,10 @@ class _PrefixCache:
             f"mm_serve_encoder_cache_misses_total {c['encoder_misses']}.0", ""])
 
 
-def build_app(service_s: float, itl_s: float = 0.0, status: int = 200, prefix_cache: bool = False) -> FastAPI:
-    """The fake app; every request gets ``status`` (an error body unless 200)."""
+def build_app(service_s: float, itl_s: float = 0.0, status: int = 200, prefix_cache: bool = False,
+              warming_checks: int = 0) -> FastAPI:
+    """The fake app; every request gets ``status`` (an error body unless 200). With ``warming_checks`` it has a
+    ``/health`` that answers 503 that many times (a server warming up), then 200."""
     app = FastAPI()
     slot = asyncio.Lock()
     app.state.bodies = []
@@ -86,6 +88,15 @@ def build_app(service_s: float, itl_s: float = 0.0, status: int = 200, prefix_ca
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
             return PlainTextResponse(cache.metrics())
+
+    if warming_checks:
+        app.state.health_checks = 0
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            app.state.health_checks += 1
+            warm = app.state.health_checks > warming_checks
+            return JSONResponse({"status": "ok" if warm else "warming"}, status_code=200 if warm else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
@@ -126,8 +137,8 @@ class FakeServer:
     """Runs :func:`build_app` under uvicorn in a daemon thread; a context manager."""
 
     def __init__(self, service_s: float, itl_s: float = 0.0, status: int = 200,
-                 prefix_cache: bool = False) -> None:
-        self.app = build_app(service_s, itl_s, status, prefix_cache)
+                 prefix_cache: bool = False, warming_checks: int = 0) -> None:
+        self.app = build_app(service_s, itl_s, status, prefix_cache, warming_checks)
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="error"))

@@ -13,6 +13,9 @@ from tests.bench.fake_server import FakeServer
 
 @pytest.mark.parametrize("argv, message", [
     (["--rate", "-1"], "--rate must be > 0"),
+    (["--rate", "inf"], "--rate must be > 0 and < 1e+09, got inf"),
+    (["--rate", "1e308", "--num-requests", "5"], "--rate must be > 0 and < 1e+09"),
+    (["--rate", "1", "--duration", "nan"], "--duration must be > 0"),
     (["--sweep", "--attainment", "1.5"], "--attainment"),
     (["--sweep", "--slo-ttft", "1"], "both --slo-ttft and --slo-tpot"),
     (["--sweep", "--num-requests", "0"], "--num-requests"),
@@ -82,3 +85,25 @@ def test_repeat_runs_the_sweep_k_times_with_other_content(tmp_path: Path, capsys
     assert first and second
     out = capsys.readouterr().out
     assert "round 2 of 2" in out and "over 2 rounds" in out
+
+
+def test_a_run_where_no_request_succeeded_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeServer(service_s=0.0, status=404) as server:
+        status = main(["bench", "--server", server.url, "--workload", "chatbot", "--rate", "5", "--num-requests",
+                       "4", "--slo-ttft", "1", "--slo-tpot", "1", "--label", "fake"])
+    assert status == 1
+    assert "no request succeeded (e.g. 'HTTP 404: " in capsys.readouterr().err
+
+
+def test_a_warming_server_is_waited_for_and_a_rerun_replaces_the_records(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeServer(service_s=0.01, warming_checks=2) as server:
+        argv = ["bench", "--server", server.url, "--workload", "chatbot", "--rate", "5", "--num-requests", "6",
+                "--slo-ttft", "1", "--slo-tpot", "1", "--label", "fake", "--out", str(tmp_path)]
+        assert main(argv) == 0
+        assert server.app.state.health_checks == 3  # 503, 503, then 200: measured once warm
+        assert "answers 503 (starting or warming up): waiting" in capsys.readouterr().out
+        first = (tmp_path / "records-fake.jsonl").read_text().splitlines()
+        assert main(argv) == 0
+    second = (tmp_path / "records-fake.jsonl").read_text().splitlines()
+    assert len(first) == len(second) >= 6  # the second run's, not appended to the first's

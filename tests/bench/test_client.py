@@ -110,3 +110,20 @@ def test_event_stream_lines_split_at_line_feeds_only() -> None:
     got = asyncio.run(lines())
     assert got == ['data: {"text": "a\u2028b\u0085c"}', "", "data: [DONE]"]
     assert json.loads(got[0].removeprefix("data: "))["text"] == "a\u2028b\u0085c"
+
+
+def test_an_answer_whose_tokens_write_no_text_is_not_a_failure() -> None:
+    """One token that decodes to no text (an EOS under ignore_eos): a role chunk, then the finish chunk with no
+    content. The answer is valid; its first token came by the finish chunk."""
+    from mm_serve.bench.client import take_chunk
+    from mm_serve.bench.records import RequestRecord
+
+    rec = RequestRecord(0, 1, sent_s=0.0)
+    lines = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+             {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+             {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}}]
+    for now, chunk in zip((0.1, 0.3, 0.31), lines, strict=True):
+        assert take_chunk("data: " + json.dumps(chunk), rec, now)
+    assert not take_chunk("data: [DONE]", rec, 0.32)
+    rec.end_s = 0.32  # as stream_one sets it
+    assert rec.ok and rec.ttft_s == 0.3 and rec.output_tokens == 1 and rec.answer == ""
