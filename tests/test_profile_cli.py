@@ -62,3 +62,21 @@ def test_profile_default_sizes_fit_the_embedded_model(tmp_path: Path, capsys: py
                  "--prefill-tokens", "32,512"]) == 2
     assert "sizes exceed the model's context length (512 tokens): --prefill-tokens 512 (at most 511" \
         in capsys.readouterr().err
+
+
+def test_a_bad_checkpoint_or_out_is_one_line_before_any_measuring(
+        tiny_llava: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    opt = tmp_path / "opt"
+    opt.mkdir()
+    (opt / "config.json").write_text(json.dumps({"architectures": ["OPTForCausalLM"], "model_type": "opt"}))
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tiny_llava / "config.json").read_text())
+    for model, expected in ((opt, "OPTForCausalLM"), (no_weights, "safetensors")):
+        assert main(["profile", "--model", str(model), "--out", str(tmp_path / "p.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("mm-serve: error: ") and expected in err and "Traceback" not in err
+    for out, expected in ((tmp_path, "is a folder"), (Path("/proc/nope/p.json"), "cannot create its folder")):
+        assert main(["profile", "--model", str(tiny_llava), "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert f"--out {out}: {expected}" in captured.err and "prefill" not in captured.out  # nothing measured

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,19 +70,34 @@ def run(args: argparse.Namespace) -> int:
     if parallel and not 2 <= min(parallel) <= max(parallel) <= cores:
         raise CLIError(f"--parallel-threads counts must be between 2 and the {cores} usable cores, "
                        f"got {args.parallel_threads!r}")
+    out = _writable(Path(args.out))  # before minutes of measuring
     try:
         model_dir = resolve_model(args.model)
-    except CheckpointError as exc:
+        limit = _context_limit(model_dir)
+        prefill_tokens, contexts = _fit_sizes(prefill_tokens, contexts, limit)
+        profile = measure_profile(model_dir, args.threads, args.repeats, prefill_tokens, batches, contexts,
+                                  log=lambda line: print(line, flush=True), parallel_threads=parallel)
+    except CheckpointError as exc:  # an unsupported family, no weights, a broken config.json
         raise CLIError(str(exc)) from None
-    limit = _context_limit(model_dir)
-    prefill_tokens, contexts = _fit_sizes(prefill_tokens, contexts, limit)
-    profile = measure_profile(model_dir, args.threads, args.repeats, prefill_tokens, batches, contexts,
-                              log=lambda line: print(line, flush=True), parallel_threads=parallel)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(profile, indent=2))
+    try:
+        out.write_text(json.dumps(profile, indent=2))
+    except OSError as exc:
+        raise CLIError(f"--out {out}: cannot write it ({exc.strerror or exc})") from None
     print(f"wrote {out}")
     return 0
+
+
+def _writable(out: Path) -> Path:
+    """``out``, its folder created; a folder, or a place no file can be written, is a :class:`CLIError` now."""
+    if out.is_dir():
+        raise CLIError(f"--out {out}: is a folder; give the profile's file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CLIError(f"--out {out}: cannot create its folder ({exc.strerror or exc})") from None
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise CLIError(f"--out {out}: not writable")
+    return out
 
 
 def _join(sizes: tuple[int, ...] | list[int]) -> str:
