@@ -228,6 +228,23 @@ def _ignore_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _check_admission_profile(path: str | None) -> None:
+    """``admission.profile`` loads as a profile (read again by the admission controller once the workers start).
+
+    Raises:
+        CLIError: missing, unreadable or not a valid profile.
+    """
+    if path is None:
+        return
+    from mm_serve.planner.errors import ProfileError
+    from mm_serve.planner.profile_file import load_profile
+
+    try:
+        load_profile(path)
+    except ProfileError as exc:
+        raise CLIError(f"admission.profile: {exc}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate the config, start uvicorn (workers start in the background), print the banner when ready."""
     # Until uvicorn takes the signals over (it restores these after), SIGTERM stops the start as Ctrl-C
@@ -258,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"--allowed-local-media-path {cfg.api.allowed_local_media_path} is not a directory")
         _check_http_stack(cfg.api.event_loop, cfg.api.http_parser)
         _check_port_free(cfg.api.host, cfg.api.port)
+        _check_admission_profile(cfg.admission.profile)
         cfg, placement = _placement(cfg, model_dir)
         for line in cfg.ineffective_settings():
             say(f"mm-serve: warning: {line}")

@@ -98,10 +98,25 @@ def _num(row: Mapping[str, Any], key: str, where: str, default: float | None = N
          integer: bool = False) -> float:
     value = row.get(key, default)
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or value is None or not math.isfinite(value) or value <= 0:
-        kind = "a positive integer" if integer else "a positive finite number"
-        raise ProfileError(f"{where}: '{key}' must be {kind}, got {value!r}")
+    kind = "a positive integer" if integer else "a positive finite number"
+    if isinstance(value, bool) or not ok or value is None or value <= 0 or not _finite(value):
+        raise ProfileError(f"{where}: '{key}' must be {kind}, got {_shown(value)}")
     return float(value)
+
+
+def _finite(value: float) -> bool:
+    """Finite as a float: an integer past float's range (a 400-digit memory size) is not."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error message, a huge integer by its digit count."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
 
 
 def _rows(data: Mapping[str, Any], key: str, where: str, required: bool) -> list[Mapping[str, Any]]:

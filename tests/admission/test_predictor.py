@@ -873,3 +873,24 @@ def test_under_pacing_a_tighter_tier_is_protected_by_the_work_not_by_a_looser_ti
     router.prefilled("running-interactive")
     with pytest.raises(Rejection, match="serving interactive requests"):
         slow.admit(_Client(router), Tier.STANDARD, 100, 0, 16)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("content", [None, '{"format": "mm-serve-pro'])
+def test_serve_refuses_a_bad_admission_profile_before_any_worker_starts(
+        tiny_llava: Path, tmp_path: Path, content: str | None) -> None:
+    """A missing or truncated admission.profile is one line (exit 2), not a traceback after the workers started."""
+    import os
+    import subprocess
+    import sys
+
+    profile = tmp_path / "profile.json"
+    if content is not None:
+        profile.write_text(content)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"admission:\n  profile: {profile}\n")
+    done = subprocess.run([sys.executable, "-m", "mm_serve", "serve", "--model", str(tiny_llava), "--mode", "colocated",
+                           "--port", "0", "--config", str(config)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MM_SERVE_PROFILE_DIR": str(tmp_path)})
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in output and "starting colocated" not in output, output[-2000:]
+    assert "mm-serve: error: admission.profile: " in output and str(profile) in output

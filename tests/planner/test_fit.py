@@ -103,6 +103,7 @@ def test_nnls_keeps_coefficients_non_negative() -> None:
         ({"prefill": [{"tokens": 0, "seconds": 1.0}]}, "'tokens' must be a positive integer"),
         ({"memory_bytes": "lots"}, "'memory_bytes' must be a positive finite number"),
         ({"memory_bytes": float("inf")}, "'memory_bytes' must be a positive finite number"),
+        ({"memory_bytes": 10**400}, "'memory_bytes' must be a positive finite number, got an integer of 401 digits"),
         ({"prefill": [{"tokens": 64, "seconds": float("nan")}]}, "'seconds' must be a positive finite"),
         ({"prefill": [{"tokens": 64, "seconds": 1e-300}], "decode": [{"batch": 1, "context": 64,
                                                                       "seconds": 1e-300}]},
