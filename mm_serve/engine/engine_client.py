@@ -253,14 +253,16 @@ class EngineClient:
 
     def submit(self, request_id: str, inputs: ProcessedInputs, params: SamplingParams,
                arrival_time: float | None = None, tier: Tier | None = None, max_wait_s: float = 0.0,
-               predicted_ttft_s: float | None = None) -> RequestState:
+               predicted_ttft_s: float | None = None, counts_inputs: bool = True) -> RequestState:
         """Route a processed request to a ready prefill (or colocated) worker; while its role
         has none ready but one restarting, the request waits for it.
 
         ``tier`` is its SLO tier (None: standard, not counted per tier in the metrics) and
         ``max_wait_s`` the prefill wait (seconds) after which it is served as the tightest tier
         (0: never); ``arrival_time`` (``time.monotonic()`` seconds) when its call arrived;
-        ``predicted_ttft_s`` the admission's prediction, kept on the state for the metrics.
+        ``predicted_ttft_s`` the admission's prediction, kept on the state for the metrics;
+        ``counts_inputs`` False for a call's second and later choices, whose prompt tokens and images the
+        metrics counted with its first.
 
         Raises:
             InvalidRequestError: duplicate id, or prompt + ``max_tokens`` over the context length.
@@ -276,6 +278,7 @@ class EngineClient:
         state = RequestState(request_id, n, IncrementalDetokenizer(self.inputs.tokenizer, params.stop,
                                                                              min_tokens=params.min_tokens))
         state.num_images = inputs.num_images
+        state.counts_inputs = counts_inputs
         state.structured = params.structured is not None
         state.tier, state.predicted_ttft_s = tier, predicted_ttft_s
         if arrival_time is not None:

@@ -25,6 +25,7 @@ class RequestState:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_images = 0
+        self.counts_inputs = True  # the metrics count its prompt tokens and images (a call's first choice)
         self.detokenizer = detokenizer
         self.token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []

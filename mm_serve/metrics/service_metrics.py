@@ -57,16 +57,18 @@ class ServiceMetrics:
                                 "reason and their answer's status, and calls refused before any ran.",
                                 ("finish_reason", "status_code"),
                                 registry=registry)
-        self.prompt_tokens = Counter("mm_serve_prompt_tokens", "Prompt tokens, image tokens included.", registry=registry)
+        self.prompt_tokens = Counter("mm_serve_prompt_tokens", "Prompt tokens, image tokens included (once per "
+                                     "prompt, whatever its call's n).", registry=registry)
         self.generation_tokens = Counter("mm_serve_generation_tokens", "Generated tokens.", registry=registry)
-        self.images = Counter("mm_serve_image_inputs", "Images and videos received.", registry=registry)
+        self.images = Counter("mm_serve_image_inputs", "Images and videos received (once per prompt, whatever its "
+                              "call's n).", registry=registry)
 
     def observe_finished(self, state: RequestState) -> None:
         """Record one finished engine request (called on the engine client's receiver thread). Its
         ``status_code`` is its call's answer: 200; 499 cancelled by the client; 400 its input cannot be served
         (a grammar that allows no token); 503 failed (a fault past its migrations, ``api.timeout_ms``). A
         stream that fails after its 200 counts its error event's status."""
-        reason = state.finish_reason or "unknown"
+        reason = "abort" if state.aborted else state.finish_reason or "unknown"
         if reason in ("stop", "length"):
             code = "200"
         elif state.failure is None:
@@ -74,9 +76,10 @@ class ServiceMetrics:
         else:
             code = "400" if state.invalid_input else "503"
         self.requests.labels(finish_reason=reason, status_code=code).inc()
-        self.prompt_tokens.inc(state.num_prompt_tokens)
+        if state.counts_inputs:  # a call's choices share its prompt: counted once
+            self.prompt_tokens.inc(state.num_prompt_tokens)
+            self.images.inc(state.num_images)
         self.generation_tokens.inc(len(state.token_ids))
-        self.images.inc(state.num_images)
         if state.first_token_time is None:
             return
         self.ttft.observe(state.first_token_time - state.arrival_time)

@@ -64,7 +64,7 @@ class Generation:
                 seed = None if params.seed is None else params.seed + i
                 one = replace(params, n=1, seed=seed)
                 state = client.submit(engine_id(self.request_id, i), inputs, one, arrival_time, tier, max_wait_s,
-                                      predicted_ttft_s if i == 0 else None)
+                                      predicted_ttft_s if i == 0 else None, counts_inputs=i == 0)
                 state.listener = self._notifier(loop, i)
                 self.states.append(state)
                 self._queue.put_nowait(i)  # in case updates arrived before the listener was set

@@ -63,3 +63,24 @@ def test_rejected_requests_are_counted_by_status(server: ServerProcess) -> None:
     after = scrape_metrics(server.url)
     key = ("mm_serve_requests_total", (("finish_reason", "error"), ("status_code", "400")))
     assert after[key] - before.get(key, 0.0) == 1
+
+
+def test_a_calls_choices_count_its_prompt_and_images_once(server: ServerProcess) -> None:
+    """n choices share one prompt: prompt tokens and images are counted once, generated tokens n times."""
+    content = [{"type": "image_url", "image_url": {"url": data_uri(gradient_image(48, 40, 7))}},
+               {"type": "text", "text": "What is this?"}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2, "n": 3,
+            "temperature": 1, "ignore_eos": True}
+    before = scrape_metrics(server.url)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    time.sleep(0.2)
+    after = scrape_metrics(server.url)
+
+    def grown(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert grown("mm_serve_image_inputs_total") == 1
+    assert grown("mm_serve_prompt_tokens_total") == usage["prompt_tokens"]
+    assert grown("mm_serve_generation_tokens_total") == usage["completion_tokens"] == 6

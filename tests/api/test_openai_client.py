@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from mm_serve import LLM, SamplingParams
-from tests.api.server_process import ServerProcess, data_uri
+from tests.api.server_process import ServerProcess, data_uri, requests_counted, scrape_metrics
 from tests.factories import gradient_image
 
 
@@ -294,6 +294,7 @@ def test_32_concurrent_streams_mixed(server: ServerProcess) -> None:
 def test_disconnect_mid_stream_frees_pages(server: ServerProcess) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Talk for a long time"}],
             "max_tokens": 3000, "stream": True, "extra": 1, "ignore_eos": True}
+    before = scrape_metrics(server.url)
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i >= 5:
@@ -306,6 +307,7 @@ def test_disconnect_mid_stream_frees_pages(server: ServerProcess) -> None:
         time.sleep(0.1)
     assert all(s["kv_pages_used"] == 0 for s in stats.values()), stats
     assert all(s["pages_integrity_ok"] for s in stats.values())
+    assert requests_counted(before, scrape_metrics(server.url)) == {("abort", "499"): 1}
 
 
 def test_disconnect_of_a_non_streaming_request_aborts_it(server: ServerProcess) -> None:
