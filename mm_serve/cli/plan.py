@@ -141,5 +141,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan_text(result))
         if written:
-            print(f"Config written to {written}")
+            print(f"Config written to {written}" + (" (the disaggregated placement; colocated was predicted higher)"
+                                                   if result.ratio < 1 else ""))
     return 0

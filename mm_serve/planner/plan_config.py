@@ -100,6 +100,10 @@ def write_placement_config(result: PlanResult, model: str, path: str | Path, dev
            if device == "cpu" else "")
         + ("# Start the Ray cluster with node i offering the custom resource mm_serve_node_<i> "
            "(docs/multi_node.md).\n" if spec.nodes > 1 else "")
+        + (f"# Colocated serving was predicted higher ({result.colocated_per_gpu_goodput:.3f} req/s/GPU, "
+           f"{result.ratio:.2f}x): this is the best disaggregated placement;\n# for the better one serve with "
+           "mode: colocated (or no placement keys: mm-serve serve then picks).\n"
+           if result.ratio < 1 else "")
     )
     p = Path(path)
     try:

@@ -105,6 +105,8 @@ def test_written_config_loads_and_matches_the_placement(tmp_path: Path, configs:
     cfg = write_placement_config(result, "/models/opt-13b", path)
     assert cfg == load_config(path)
     assert path.read_text().startswith("# Written by `mm-serve plan`")
+    # 2.5 req/s/GPU disaggregated against 3.5 colocated: the file says which placement it is
+    assert "# Colocated serving was predicted higher (3.500 req/s/GPU, 0.71x)" in path.read_text()
     c = cfg.compute
     assert (c.prefill_workers, c.decode_workers) == (8, 4)
     assert (c.prefill_tensor_parallel, c.decode_tensor_parallel) == (1, 2)
@@ -129,6 +131,7 @@ def test_a_cpu_placement_keeps_the_default_kv_pool(tmp_path: Path, configs: Conf
     assert cfg.compute.prefill_gpus == [] and cfg.compute.decode_gpus == []
     assert cfg.kv_cache.max_pages_per_gpu == config_from_dict({}).kv_cache.max_pages_per_gpu
     assert "kv_cache.max_pages_per_gpu keeps its default" in path.read_text()
+    assert "Colocated serving was predicted higher" not in path.read_text()  # 5 req/s/GPU against 3.5
 
 
 def test_config_limits_are_reported(configs: Configs) -> None:
