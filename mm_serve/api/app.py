@@ -125,7 +125,7 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     registry = CollectorRegistry()
     app.state.registry = registry  # what /metrics renders; extensions read it (the console's dashboard)
     metrics = _wire_metrics(ctx, registry)
-    install_error_handlers(app, metrics.observe_rejected)
+    install_error_handlers(app, metrics.observe_rejected, GENERATION_PATHS)  # calls; not files, health, 404s
     path_limits = {path: limit for extension in extensions for path, limit in extension.body_limits().items()}
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes, path_limits=path_limits,
                        budget=ctx.image_budget, budget_paths=GENERATION_PATHS, on_refused=metrics.observe_rejected,

@@ -52,7 +52,7 @@ class BodyLimitMiddleware:
     over fresh connections. Bodies this middleware does not read (file uploads) get the idle
     timeout and the stopping 503 too. Every answer given here closes the connection (its body is
     unread, whatever a client sending ``Expect: 100-continue`` does next). ``on_refused(status)``
-    counts the 401s, 408s, 413s and 503s given here."""
+    counts the 401s, 408s, 413s and 503s given here to generation calls (``budget_paths``)."""
 
     def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None,
                  budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
@@ -255,7 +255,7 @@ class BodyLimitMiddleware:
     async def _answer(self, scope: Scope, receive: Any, send: Any, error: APIError) -> None:
         """Send ``error`` (OpenAI's error format), counted by ``on_refused``, closing the connection:
         its body is unread."""
-        if self.on_refused is not None:
+        if self.on_refused is not None and scope.get("path") in self.budget_paths:  # generation calls only
             self.on_refused(error.status)
         response = error_response(error)
         response.headers["connection"] = "close"

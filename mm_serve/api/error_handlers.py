@@ -25,37 +25,40 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.response_headers() or None)
 
 
-def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None) -> None:
-    """Map validation errors to 400 and every error to OpenAI's error JSON; ``on_error(status)`` counts them
-    (not those whose call's engine requests were counted as they finished: :attr:`APIError.counted`)."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None,
+                           counted_paths: frozenset[str] | None = None) -> None:
+    """Map validation errors to 400 and every error to OpenAI's error JSON; ``on_error(status)`` counts those
+    of the ``counted_paths`` (all when None; not those whose call's engine requests were counted as they
+    finished: :attr:`APIError.counted`)."""
 
-    def respond(error: APIError) -> JSONResponse:
-        if on_error is not None and not error.counted:
+    def respond(request: Request, error: APIError) -> JSONResponse:
+        counted = counted_paths is None or request.url.path in counted_paths
+        if on_error is not None and counted and not error.counted:
             on_error(error.status)
         return error_response(error)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return respond(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(Rejection)
-    async def _rejection(_: Request, exc: Rejection) -> JSONResponse:
-        return respond(from_rejection(exc))
+    async def _rejection(request: Request, exc: Rejection) -> JSONResponse:
+        return respond(request, from_rejection(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(validation_error(exc))
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404 and exc.detail == "Not Found":  # no such route (a handler's 404 says more)
             served = sorted({path for route in app.routes if (path := getattr(route, "path", "")).startswith("/v1/")
                              and "{" not in path})
-            return respond(APIError(404, f"Invalid URL ({request.method} {request.url.path}): this server serves "
+            return respond(request, APIError(404, f"Invalid URL ({request.method} {request.url.path}): this server serves "
                                          f"{', '.join(served)}", "not_found_error", code="unknown_url"))
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return respond(APIError(exc.status_code, str(exc.detail), kind))
+        return respond(request, APIError(exc.status_code, str(exc.detail), kind))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return respond(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"))
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error"))

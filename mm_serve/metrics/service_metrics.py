@@ -46,11 +46,14 @@ class ServiceMetrics:
             return Histogram(f"mm_serve_{name}", doc, labels, registry=registry, buckets=LATENCY_BUCKETS)
 
         self.ttft = hist("time_to_first_token_seconds", "Request received to first output token (TTFT).")
-        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first (TPOT).")
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first (TPOT), of "
+                         "requests that finished (stop or length).")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens (ITL).")
-        self.e2e = hist("e2e_request_latency_seconds", "Request received to last output token.")
+        self.e2e = hist("e2e_request_latency_seconds", "Request received to last output token, of requests that "
+                        "finished (stop or length).")
         self.queue = hist("queue_time_seconds", "Time waiting in a stage's queue.", ("stage",))
-        self.encode = hist("encode_seconds", "Vision encoder + projector time of a request's prefill batch.")
+        self.encode = hist("encode_seconds", "Vision encoder + projector time of a request's prefill batch (requests "
+                           "with images or videos).")
         self.prefill = hist("prefill_seconds", "LLM prefill time of a request's prefill batch.")
         self.handoff = hist("kv_handoff_seconds", "KV hand-off: publish start to decode's copy done.")
         self.requests = Counter("mm_serve_requests", "Finished requests: engine requests (a call's n choices count n) by finish "
@@ -86,14 +89,19 @@ class ServiceMetrics:
         times = state.token_times
         for earlier, later in zip(times, times[1:], strict=False):
             self.itl.observe(later - earlier)
-        if len(times) > 1:
-            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
-        self.e2e.observe((state.finish_time or times[-1]) - state.arrival_time)
-        self._observe_events(state.events)
+        if code == "200":  # a request cut short (client gone, failed) has no whole answer to time
+            if len(times) > 1:
+                self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+            self.e2e.observe((state.finish_time or times[-1]) - state.arrival_time)
+        self._observe_events(state.events, state.num_images > 0)
 
-    def _observe_events(self, events: dict[str, float]) -> None:
+    def _observe_events(self, events: dict[str, float], encoded: bool) -> None:
+        """The stage histograms from a request's lifetime events (``encoded``: it had images or videos;
+        a text-only request's empty encode span is not an encode)."""
         targets = {"encode": self.encode, "prefill": self.prefill, "handoff": self.handoff}
         for kind, begin, end, stage in _EVENT_SPANS:
+            if kind == "encode" and not encoded:
+                continue
             if begin.value in events and end.value in events:
                 seconds = max(0.0, events[end.value] - events[begin.value])
                 if kind == "queue":

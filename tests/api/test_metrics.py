@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from tests.api.server_process import ServerProcess, data_uri, scrape_metrics
+from tests.api.server_process import ServerProcess, data_uri, requests_counted, scrape_metrics
 from tests.factories import gradient_image
 
 
@@ -42,7 +42,8 @@ def test_ttft_histogram_matches_client_and_gauges_return_to_idle(server: ServerP
     assert generated == n
     images = after[("mm_serve_image_inputs_total", ())] - before.get(("mm_serve_image_inputs_total", ()), 0.0)
     assert images == n // 2
-    assert after[("mm_serve_encode_seconds_count", ())] - before.get(("mm_serve_encode_seconds_count", ()), 0.0) == n
+    # the requests with an image: a text-only request's empty encode span is no encode
+    assert after[("mm_serve_encode_seconds_count", ())] - before.get(("mm_serve_encode_seconds_count", ()), 0.0) == n // 2
     deadline = time.monotonic() + 10
     while True:
         idle = scrape_metrics(server.url)
@@ -63,6 +64,9 @@ def test_rejected_requests_are_counted_by_status(server: ServerProcess) -> None:
     after = scrape_metrics(server.url)
     key = ("mm_serve_requests_total", (("finish_reason", "error"), ("status_code", "400")))
     assert after[key] - before.get(key, 0.0) == 1
+    for path in ("/", "/favicon.ico", "/v1/files/file-nope", "/v1/batches/batch_nope"):  # not generation calls
+        assert httpx.get(f"{server.url}{path}", timeout=10).status_code == 404
+    assert requests_counted(after, scrape_metrics(server.url)) == {}
 
 
 def test_a_calls_choices_count_its_prompt_and_images_once(server: ServerProcess) -> None:
