@@ -59,12 +59,16 @@ def _listed_models(url: str, api_key: str | None) -> list[dict[str, Any]]:
     """``GET /v1/models``'s ``data``, not empty.
 
     Raises:
-        ConnectionError: the server cannot be reached or lists no model.
+        ConnectionError: the server cannot be reached, refuses the key (saying so), or lists no model.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with httpx.Client(trust_env=False, timeout=10.0) as http:
             resp = http.get(url.rstrip("/") + "/v1/models", headers=headers)
+            if resp.status_code in (401, 403):
+                raise ConnectionError(f"{url}/v1/models answered {resp.status_code}: "
+                                      + ("a wrong key: check --api-key" if api_key else "the server wants a key: "
+                                         "pass --api-key"))
             resp.raise_for_status()
             models = resp.json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError) as exc:

@@ -82,6 +82,7 @@ def build_app(service_s: float, itl_s: float = 0.0, status: int = 200, prefix_ca
     app = FastAPI()
     slot = asyncio.Lock()
     app.state.bodies = []
+    app.state.api_key = None  # set: /v1/models wants it as a bearer key
     cache = _PrefixCache() if prefix_cache else None
 
     if cache is not None:
@@ -99,7 +100,9 @@ def build_app(service_s: float, itl_s: float = 0.0, status: int = 200, prefix_ca
             return JSONResponse({"status": "ok" if warm else "warming"}, status_code=200 if warm else 503)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, object]:
+    async def models(request: Request) -> object:
+        if app.state.api_key and request.headers.get("authorization") != f"Bearer {app.state.api_key}":
+            return JSONResponse({"error": {"message": "invalid API key"}}, status_code=401)
         return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
 
     @app.post("/v1/chat/completions")

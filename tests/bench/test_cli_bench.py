@@ -107,3 +107,13 @@ def test_a_warming_server_is_waited_for_and_a_rerun_replaces_the_records(
         assert main(argv) == 0
     second = (tmp_path / "records-fake.jsonl").read_text().splitlines()
     assert len(first) == len(second) >= 6  # the second run's, not appended to the first's
+
+
+@pytest.mark.parametrize(("key", "expected"), [(None, "the server wants a key: pass --api-key"),
+                                               ("wrong", "a wrong key: check --api-key")])
+def test_a_refused_key_is_named(key: str | None, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeServer(service_s=0.0) as server:
+        server.app.state.api_key = "sekret"
+        argv = ["bench", "--server", server.url, "--rate", "1", "--num-requests", "2"]
+        assert main(argv + (["--api-key", key] if key else [])) == 2
+    assert f"answered 401: {expected}" in capsys.readouterr().err
