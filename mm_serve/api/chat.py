@@ -54,20 +54,19 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
             state = gen.states[i]
             if closed[i]:
                 continue
-            text = state.take_text()
-            if state.finished and state.failure:
+            piece = state.take(sent_tokens[i])  # text, tokens and their log-probabilities of one moment
+            if piece.finished and state.failure:
                 yield failure_event(state)
                 yield DONE
                 return
-            delta, reason = calls.step(i, text, finish_reason(state.finish_reason) if state.finished else None)
-            if delta is None and not state.finished:
-                continue  # held: a tool call is read whole
+            delta, reason = calls.step(i, piece.text, finish_reason(state.finish_reason) if piece.finished else None)
+            if delta is None and not piece.finished:
+                continue  # held: a tool call is read whole (its tokens go with the chunk that sends it)
             logprobs = None  # the log-probabilities of the tokens since the last chunk
-            new_tokens = state.token_ids[sent_tokens[i]:]
-            if top_n is not None and new_tokens:
-                logprobs = chat_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n)
-            sent_tokens[i] = len(state.token_ids)
-            closed[i] = state.finished
+            if top_n is not None and piece.token_ids:
+                logprobs = chat_logprobs(tokenizer, piece.token_ids, piece.logprobs, top_n)
+            sent_tokens[i] += len(piece.token_ids)
+            closed[i] = piece.finished
             yield emit([ChatChunkChoice(index=i, delta=delta or DeltaMessage(), logprobs=logprobs,
                                         finish_reason=reason)])
         if include_usage:

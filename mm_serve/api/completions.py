@@ -36,27 +36,27 @@ async def _stream(admitted: AdmittedCall, ctx: ServerContext, raw: Request, incl
             state = gen.states[i]
             if closed[i]:
                 continue
-            text = state.take_text()
-            if state.finished and state.failure:
+            piece = state.take(sent_tokens[i])  # text, tokens and their log-probabilities of one moment
+            text = piece.text
+            if piece.finished and state.failure:
                 yield failure_event(state)
                 yield DONE
                 return
-            if state.finished:
+            if piece.finished:
                 closed[i] = True
-            if text or state.finished:
+            if text or piece.finished:
                 logprobs, before = None, None
                 if not echoed[i]:  # the prompt goes first, in the choice's first chunk
                     echoed[i], text, offsets[i] = True, echo + text, len(echo)
                     before = echo_logprobs(ctx, admitted, 0, state, echo)
-                new_tokens = state.token_ids[sent_tokens[i]:]  # the tokens since the last chunk
+                new_tokens = piece.token_ids  # the tokens since the last chunk
                 if top_n is not None and (new_tokens or before is not None):
-                    part = completion_logprobs(tokenizer, new_tokens, state.logprobs[sent_tokens[i]:], top_n,
-                                               offsets[i], before)
+                    part = completion_logprobs(tokenizer, new_tokens, piece.logprobs, top_n, offsets[i], before)
                     offsets[i] += sum(len(token) for token in part.tokens[len(part.tokens) - len(new_tokens):])
                     logprobs = dump(part)
-                sent_tokens[i] = len(state.token_ids)
+                sent_tokens[i] += len(new_tokens)
                 choice = {"index": i, "text": text, "logprobs": logprobs,
-                          "finish_reason": finish_reason(state.finish_reason) if state.finished else None}
+                          "finish_reason": finish_reason(state.finish_reason) if piece.finished else None}
                 yield event({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
             yield event({**base, "choices": [], "usage": dump(gen.usage())})

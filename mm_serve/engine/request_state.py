@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from mm_serve.ground.tiers import Tier
@@ -12,6 +13,23 @@ from mm_serve.runtime import messages
 from mm_serve.runtime.detokenizer import IncrementalDetokenizer
 
 ABORTED = "aborted"  # the error of a request its caller cancelled: not a failure of the service
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """One read of a running request for its stream (:meth:`RequestState.take`).
+
+    Attributes:
+        text: the text since the previous read.
+        token_ids: the output token ids from the index asked for on.
+        logprobs: their log-probabilities (empty when none were asked for), one dict per token.
+        finished: the request had finished when this was read (its last text and tokens are in it).
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finished: bool
 
 
 class RequestState:
@@ -156,12 +174,14 @@ class RequestState:
         with self._lock:
             self._early.clear()
 
-    def take_text(self) -> str:
-        """Text that arrived since the last call (safe to stream)."""
+    def take(self, sent: int) -> StreamPiece:
+        """What a stream sends next, read in one go (the receiver thread adds tokens meanwhile): the text
+        since the last call (safe to stream), the token ids and log-probabilities from index ``sent`` on,
+        and whether the request had finished by then (so nothing that came with its end is left behind)."""
         with self._lock:
-            out = "".join(self._pending_text)
+            text = "".join(self._pending_text)
             self._pending_text.clear()
-            return out
+            return StreamPiece(text, self.token_ids[sent:], self.logprobs[sent:], self._done.is_set())
 
     def served_latency(self) -> tuple[float, float] | None:
         """(TTFT, TPOT) in seconds of a request served to its end (by a stop or the length limit):

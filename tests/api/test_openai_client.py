@@ -408,3 +408,30 @@ def test_echo_without_logprobs_prepends_the_prompt_to_every_choice(client: opena
     plain = client.completions.create(model="tiny", prompt=["one two", "three"], max_tokens=3, temperature=0, n=2)
     assert [c.text for c in r.choices] == [p + c.text for p, c in zip(["one two"] * 2 + ["three"] * 2, plain.choices, strict=True)]
     assert r.usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_streamed_logprobs_cover_every_token_under_load(server: ServerProcess) -> None:
+    """Tokens arrive on the receiver thread while a chunk's log-probabilities are formatted: each chunk's
+    text, tokens and log-probabilities are read together, so every token's entry is sent once (entries were
+    lost, 380 of 400, when tokens came in between)."""
+    def one(path: str, seed: int) -> list[int]:
+        chat = path.endswith("chat/completions")
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 150, "ignore_eos": True, "n": 3, "temperature": 1.3,
+                                "seed": seed, "stream": True}
+        if chat:
+            body.update(messages=[{"role": "user", "content": "How many shapes?"}], logprobs=True, top_logprobs=20)
+        else:
+            body.update(prompt="How many shapes?", logprobs=20)
+        counts = [0, 0, 0]
+        with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        entries = c.get("logprobs") or {}
+                        counts[c["index"]] += len(entries.get("content") or entries.get("tokens") or [])
+        return counts
+
+    paths = ["/v1/chat/completions", "/v1/completions"] * 3
+    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
+        results = list(pool.map(one, paths, range(len(paths))))
+    assert results == [[150, 150, 150]] * len(paths)
