@@ -75,3 +75,37 @@ def test_a_finished_stream_or_a_json_response_already_started_is_not_answered_ag
 
     assert [m.get("body") for m in _run_cancelled(json_app)] == [None, b"{"]
     assert [m.get("body") for m in _run_cancelled(ended_stream)] == [None, b"data: [DONE]\n\n"]
+
+
+def test_a_client_that_does_not_read_is_dropped_after_the_last_words_wait() -> None:
+    """Its socket buffers full, the last event would wait forever (the server then never exited on a second
+    SIGTERM): it gets LAST_WORDS_S seconds, then the call ends quietly."""
+    from mm_serve.api import cancelled_answer
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await asyncio.Event().wait()
+
+    async def main() -> float:
+        started = asyncio.Event()
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started.set()
+                return
+            await asyncio.Event().wait()  # never drained
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {}
+
+        task = asyncio.ensure_future(CancelledAnswerMiddleware(app)(dict(SCOPE), receive, send))
+        await started.wait()
+        task.cancel()
+        begun = asyncio.get_running_loop().time()
+        await asyncio.wait_for(task, 10)  # ends by itself, without an exception
+        return asyncio.get_running_loop().time() - begun
+
+    took = asyncio.run(main())
+    assert cancelled_answer.LAST_WORDS_S <= took < cancelled_answer.LAST_WORDS_S + 2
