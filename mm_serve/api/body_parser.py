@@ -41,6 +41,9 @@ from mm_serve.protocol.errors import APIError, bad_request, validation_error
 
 INLINE_PARSE_BYTES = 256 << 10
 PARENT_CHECK_S = 0.5  # how often the parse process checks that the API process is alive
+# Seconds a body may take in the parse process (the worst the default limits allow is ~7 s on a 2-core CPU,
+# see above); past it the process is taken for hung (stopped, swapped out), killed and started again.
+PARSE_TIMEOUT_S = 30.0
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -134,7 +137,8 @@ class BodyParser:
             APIError: 415 for a ``Content-Encoding`` other than ``identity`` (bodies are not decompressed:
                 a small gzip body could expand past ``api.max_body_bytes``); 400 as :func:`parse_body`; 503
                 when the parse process died on this body twice (found dead once, e.g. killed while idle, it
-                is started again and the body parsed there).
+                is started again and the body parsed there), or did not answer within :data:`PARSE_TIMEOUT_S`
+                (it is killed and started again).
         """
         if content_encoding and content_encoding.strip().lower() != "identity":
             raise APIError(415, f"request bodies are not decompressed: send it without Content-Encoding "
@@ -147,14 +151,16 @@ class BodyParser:
             if pool is None:  # (re)started in a thread: a fork is no work for the event loop
                 pool = await asyncio.to_thread(self.start)
             try:
-                kind, value = await asyncio.wrap_future(pool.submit(_parse_in_process, source, content_type, model,
-                                                                    self.api))
+                kind, value = await asyncio.wait_for(asyncio.wrap_future(
+                    pool.submit(_parse_in_process, source, content_type, model, self.api)), PARSE_TIMEOUT_S)
                 break
+            except TimeoutError:
+                self._drop(pool, kill=True)
+                raise APIError(503, f"the request body was not parsed within {PARSE_TIMEOUT_S:g} s (the parse process "
+                               "did not answer; it is started again); send it again", "service_unavailable",
+                               code="service_unavailable", headers={"Retry-After": "1"}) from None
             except concurrent.futures.process.BrokenProcessPool:
-                with self._lock:
-                    if self._pool is pool:
-                        self._pool = None
-                pool.shutdown(wait=False, cancel_futures=True)
+                self._drop(pool)
                 if attempt:  # it died on this body twice
                     raise APIError(503, "the request body could not be parsed (the parse process stopped); send "
                                    "it again", "service_unavailable", code="service_unavailable",
@@ -174,6 +180,17 @@ class BodyParser:
                     initargs=(os.getpid(),))
                 self._pool.submit(is_json, "application/json").result()  # spawned, and this module imported
             return self._pool
+
+    def _drop(self, pool: concurrent.futures.ProcessPoolExecutor, kill: bool = False) -> None:
+        """Stop using ``pool`` (the next large body starts another); ``kill``: its process hangs, SIGKILL it
+        (a stopped process too) so that its shutdown does not wait for it."""
+        with self._lock:
+            if self._pool is pool:
+                self._pool = None
+        if kill:
+            for process in list(getattr(pool, "_processes", {}).values()):  # the executor keeps no public handle
+                process.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         """Stop the parse process (waiting for it to exit), if one was started."""

@@ -117,3 +117,36 @@ def test_the_parse_process_ends_with_a_killed_api_process(tiny_llava: Path, tmp_
         parser.wait(10)  # psutil.TimeoutExpired if it outlives its parent
     finally:
         proc.stop()
+
+
+def test_a_hung_parse_process_is_a_503_and_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGSTOP to the parse process (hung, swapped out): a large body waits PARSE_TIMEOUT_S, not forever, gets a
+    503 to send it again, and the process is killed; the next large body is parsed by a new one."""
+    import asyncio
+
+    from mm_serve.api import body_parser
+    from mm_serve.config import APIConfig
+    from mm_serve.protocol.errors import APIError
+    from mm_serve.protocol.schemas import ChatCompletionRequest
+
+    monkeypatch.setattr(body_parser, "PARSE_TIMEOUT_S", 1.0)
+    parser = body_parser.BodyParser(APIConfig())
+    body = json.dumps(_chat([{"type": "text", "text": "hi"}])).encode() + b" " * 300_000  # 300 KB: parsed there
+
+    async def parse() -> ChatCompletionRequest:
+        return await parser.parse(body, "application/json", ChatCompletionRequest)
+
+    try:
+        assert asyncio.run(parse()).messages[0].role == "user"
+        (process,) = [psutil.Process(p.pid) for p in parser._pool._processes.values()]  # type: ignore[union-attr]
+        process.suspend()
+        started = time.monotonic()
+        with pytest.raises(APIError) as refused:
+            asyncio.run(parse())
+        assert refused.value.status == 503 and "not parsed within 1 s" in refused.value.message
+        assert time.monotonic() - started < 5
+        process.wait(10)  # killed, stopped as it was (reaped by the pool: no exit code here)
+        assert not process.is_running()
+        assert asyncio.run(parse()).messages[0].role == "user"  # a new parse process
+    finally:
+        parser.close()
