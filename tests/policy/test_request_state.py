@@ -28,15 +28,18 @@ def make_state(tokenizer: Any, stops: tuple[str, ...] = ()) -> RequestState:
 
 
 def test_in_order_updates_build_the_text(tokenizer: Any) -> None:
-    """Updates in order extend the tokens; take_text streams each new piece once."""
+    """Updates in order extend the tokens; take streams each new piece of text once, with the tokens since
+    the index it is given and whether the request had finished, read together."""
     ids = encode(tokenizer, "Hello world")
     state = make_state(tokenizer)
     assert state.apply(TokenUpdate("req", 0, ids[:4])) is False
-    assert state.token_ids == ids[:4] and state.take_text() == "Hello" and state.take_text() == ""
+    assert state.token_ids == ids[:4] and state.take(0).text == "Hello" and state.take(0).text == ""
     assert state.apply(TokenUpdate("req", 4, ids[4:], finish_reason="length")) is True
     assert state.finished and state.finish_reason == "length" and state.stop_reason is None
-    assert state.text == "Hello world" and state.take_text() == " world"
+    assert state.text == "Hello world" and state.take(0).text == " world"
     assert len(state.token_times) == 6 and state.first_token_time is not None
+    piece = state.take(4)
+    assert piece.text == "" and piece.token_ids == ids[4:] and piece.logprobs == [] and piece.finished
 
 
 def test_out_of_order_updates_are_applied_in_start_index_order(tokenizer: Any) -> None:
@@ -45,10 +48,10 @@ def test_out_of_order_updates_are_applied_in_start_index_order(tokenizer: Any) -
     state = make_state(tokenizer)
     assert state.apply(TokenUpdate("req", 4, ids[4:6])) is False
     assert state.apply(TokenUpdate("req", 6, ids[6:])) is False
-    assert state.token_ids == [] and state.text == "" and state.take_text() == ""
+    assert state.token_ids == [] and state.text == "" and state.take(0).text == ""
     assert state.apply(TokenUpdate("req", 0, ids[:4])) is False
     assert state.token_ids == ids and state.text == "Hello world there"
-    assert state.take_text() == "Hello world there" and not state.finished
+    assert state.take(0).text == "Hello world there" and not state.finished
 
 
 def test_early_final_update_waits_for_the_gap(tokenizer: Any) -> None:
@@ -69,10 +72,10 @@ def test_stop_string_split_across_two_updates(tokenizer: Any) -> None:
     ids = encode(tokenizer, "abc STOP def")
     state = make_state(tokenizer, ("STOP",))
     assert state.apply(TokenUpdate("req", 0, ids[:5])) is False  # "abc S"
-    assert state.take_text() == "ab"  # the last len("STOP") - 1 characters are held: they may start it
+    assert state.take(0).text == "ab"  # the last len("STOP") - 1 characters are held: they may start it
     assert state.apply(TokenUpdate("req", 5, ids[5:])) is True  # "TOP def"
     assert (state.finish_reason, state.stop_reason) == ("stop", "STOP")
-    assert state.text == "abc " and state.take_text() == "c " and state.token_ids == ids  # the held rest, up to it
+    assert state.text == "abc " and state.take(0).text == "c " and state.token_ids == ids  # the held rest, up to it
     assert state.apply(TokenUpdate("req", len(ids), [99], finish_reason="length")) is False
     assert state.finish_reason == "stop" and state.token_ids == ids
 
@@ -84,7 +87,7 @@ def test_stop_string_split_across_updates_arriving_out_of_order(tokenizer: Any) 
     assert state.apply(TokenUpdate("req", 5, ids[5:], finish_reason="length")) is False
     assert state.apply(TokenUpdate("req", 0, ids[:5])) is True
     assert (state.finish_reason, state.stop_reason, state.text) == ("stop", "STOP", "abc ")
-    assert state.take_text() == "abc "
+    assert state.take(0).text == "abc "
 
 
 def test_abort_in_order_finishes_with_abort(tokenizer: Any) -> None:
