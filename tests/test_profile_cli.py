@@ -76,7 +76,8 @@ def test_a_bad_checkpoint_or_out_is_one_line_before_any_measuring(
         assert main(["profile", "--model", str(model), "--out", str(tmp_path / "p.json")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("mm-serve: error: ") and expected in err and "Traceback" not in err
-    for out, expected in ((tmp_path, "is a folder"), (Path("/proc/nope/p.json"), "cannot create its folder")):
+    for out, expected in ((tmp_path, "is a folder"), (Path("/proc/nope/p.json"), "cannot create its folder"),
+                          (Path("/proc/p.json"), "not writable")):
         assert main(["profile", "--model", str(tiny_llava), "--out", str(out)]) == 2
         captured = capsys.readouterr()
         assert f"--out {out}: {expected}" in captured.err and "prefill" not in captured.out  # nothing measured

@@ -137,6 +137,10 @@ def format_runs(result: SystemResult) -> str:
     if any(r.burst and not r.stopped_early for r in result.runs):
         lines.append("  b a burst: every request was sent before the median one finished, so the run does not "
                      "measure its rate (the goodput search does not credit it); send more requests")
+    sweep = result.sweep
+    if sweep is not None and sweep.goodput == 0 and any(r.burst and r.attainment >= sweep.target for r in sweep.runs):
+        lines.append("  no rate was measured: every run that met the target was a burst, and the search stopped at "
+                     "its lowest rate; send more requests (--num-requests, --duration) or start lower (--start-rate)")
     return "\n".join(lines)
 
 

@@ -298,10 +298,11 @@ def _run(args: argparse.Namespace) -> int:
             raise CLIError(f"--out {args.out}: cannot create it ({exc.strerror})") from None
         if not os.access(out, os.W_OK):
             raise CLIError(f"--out {args.out}: not writable")
-        for stale in (*out.glob("records-*.jsonl"), *out.glob("round-*/records-*.jsonl")):
-            stale.unlink()  # this run's records, not appended to an earlier run's
     model_dir, mode = _model_dir(args)
     settings = _settings(args, model_dir)
+    if out is not None:  # the run is valid: its records replace an earlier run's (not appended to them)
+        for stale in (*out.glob("records-*.jsonl"), *out.glob("round-*/records-*.jsonl")):
+            stale.unlink()
     slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft else None
     # the logs of the servers this command starts: in --out, else in a temporary folder kept for reading
     logs = out or (None if args.server else Path(tempfile.mkdtemp(prefix="mm-serve-bench-")))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,8 +94,15 @@ def _writable(out: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CLIError(f"--out {out}: cannot create its folder ({exc.strerror or exc})") from None
-    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise CLIError(f"--out {out}: not writable")
+    existed = out.exists()
+    try:  # opened for appending, as the write will be (os.access says yes to root, even on /proc)
+        with open(out, "a"):
+            pass
+    except OSError as exc:
+        raise CLIError(f"--out {out}: not writable ({exc.strerror or exc})") from None
+    finally:
+        if not existed:
+            out.unlink(missing_ok=True)  # nothing half-made is left if the measuring is stopped
     return out
 
 

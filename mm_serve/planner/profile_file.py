@@ -191,10 +191,22 @@ def _parallel(data: Mapping[str, Any], where: str) -> tuple[ParallelPoints, ...]
     return tuple(out)
 
 
+MAX_PROFILE_BYTES = 16 << 20  # a profile is a few KB; a bigger file is not one (and is not read whole)
+
+
 def load_profile(path: str | Path) -> Profile:
-    """Read and validate a profile JSON file."""
+    """Read and validate a profile JSON file.
+
+    Raises:
+        ProfileError: not a regular file (a device or a pipe would be read without end), over
+            :data:`MAX_PROFILE_BYTES`, unreadable, not JSON, or not a valid profile.
+    """
     p = Path(path)
+    if p.exists() and not p.is_file():
+        raise ProfileError(f"{p}: is not a regular file (a folder, a device or a pipe); give a profile JSON file")
     try:
+        if p.stat().st_size > MAX_PROFILE_BYTES:
+            raise ProfileError(f"{p}: {p.stat().st_size} bytes is not a profile (at most {MAX_PROFILE_BYTES})")
         data = json.loads(p.read_text())
     except OSError as exc:
         raise ProfileError(f"cannot read profile {p}: {exc.strerror}") from None

@@ -105,8 +105,10 @@ def test_a_warming_server_is_waited_for_and_a_rerun_replaces_the_records(
         assert "answers 503 (starting or warming up): waiting" in capsys.readouterr().out
         first = (tmp_path / "records-fake.jsonl").read_text().splitlines()
         assert main(argv) == 0
-    second = (tmp_path / "records-fake.jsonl").read_text().splitlines()
-    assert len(first) == len(second) >= 6  # the second run's, not appended to the first's
+        second = (tmp_path / "records-fake.jsonl").read_text().splitlines()
+        assert len(first) == len(second) >= 6  # the second run's, not appended to the first's
+        assert main([*argv, "--workload", "nosuch"]) == 2  # refused before it runs: the records stay
+    assert (tmp_path / "records-fake.jsonl").read_text().splitlines() == second
 
 
 @pytest.mark.parametrize(("key", "expected"), [(None, "the server wants a key: pass --api-key"),

@@ -92,3 +92,20 @@ def test_a_burst_is_not_credited_as_a_rate() -> None:
     span = arrivals[-1] - arrivals[0]  # seconds from the first send to the last at 1 request/s
     assert span / 0.52 / 1.05 <= result.goodput <= span / 0.52
     assert all(r.burst for r in result.runs if r.rate > result.goodput)
+
+
+def test_a_search_of_bursts_only_says_no_rate_was_measured() -> None:
+    """Started far above what 20 requests can measure, every passing probe is a burst down to the search's
+    floor: the goodput is 0 and the table says why, instead of a bare 0 req/s."""
+    from mm_serve.bench.report import SystemResult, format_runs
+
+    def unbounded(rate: float) -> RunSummary:
+        records = [RequestRecord(i, 3, sent_s=t, chunk_s=[t + 0.5, t + 0.51, t + 0.52], end_s=t + 0.52,
+                                 output_tokens=3)
+                   for i, t in enumerate(x / rate for x in unit_rate_arrivals(20, seed=0, cv=0.01))]
+        return summarize(records, rate, SLO_FIXED)
+
+    result = find_goodput(unbounded, 0.9, start_rate=100_000.0)
+    assert result.goodput == 0 and all(r.burst and r.attainment == 1 for r in result.runs)
+    table = format_runs(SystemResult("fake", "http://x", unbounded(1.0), sweep=result))
+    assert "no rate was measured: every run that met the target was a burst" in table

@@ -175,3 +175,20 @@ def test_a_bad_tensor_parallel_entry_is_an_error_naming_it(
     data["tensor_parallel"] = entries
     with pytest.raises(ProfileError, match=message):
         parse_profile(data, tmp_path)
+
+
+def test_a_profile_path_that_is_no_regular_file_is_refused_without_reading(tmp_path: Path) -> None:
+    """/dev/zero was read without end (13 GB in 8 s at a serve start naming it as admission.profile)."""
+    import os
+
+    from mm_serve.planner.profile_file import MAX_PROFILE_BYTES, load_profile
+
+    os.mkfifo(tmp_path / "pipe")
+    for path in ("/dev/zero", tmp_path, tmp_path / "pipe"):
+        with pytest.raises(ProfileError, match="is not a regular file"):
+            load_profile(path)
+    big = tmp_path / "big.json"
+    with open(big, "wb") as out:
+        out.truncate(MAX_PROFILE_BYTES + 1)  # sparse: no disk written
+    with pytest.raises(ProfileError, match="is not a profile"):
+        load_profile(big)
