@@ -125,10 +125,17 @@ def build_api(ctx: ServerContext, start_engine: bool = True, extensions: Sequenc
     registry = CollectorRegistry()
     app.state.registry = registry  # what /metrics renders; extensions read it (the console's dashboard)
     metrics = _wire_metrics(ctx, registry)
-    install_error_handlers(app, metrics.observe_rejected, GENERATION_PATHS)  # calls; not files, health, 404s
+
+    def count_refusal(path: str, status: int) -> None:
+        """A generation call refused before its requests ran counts in ``mm_serve_requests_total``; another
+        route's error (a file, a batch, an unknown path's 404) is no call."""
+        if path in GENERATION_PATHS:
+            metrics.observe_rejected(status)
+
+    install_error_handlers(app, count_refusal)
     path_limits = {path: limit for extension in extensions for path, limit in extension.body_limits().items()}
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.api.max_body_bytes, path_limits=path_limits,
-                       budget=ctx.image_budget, budget_paths=GENERATION_PATHS, on_refused=metrics.observe_rejected,
+                       budget=ctx.image_budget, budget_paths=GENERATION_PATHS, on_refused=count_refusal,
                        api_keys=ctx.config.api.api_keys, idle_timeout_s=ctx.config.api.body_idle_timeout_s,
                        read_timeout_s=ctx.config.api.body_read_timeout_s, stopping=ctx.drain_retry_after_s,
                        wait_s=ctx.config.admission.image_wait_s, spool_bytes=INLINE_PARSE_BYTES)

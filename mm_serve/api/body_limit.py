@@ -51,12 +51,12 @@ class BodyLimitMiddleware:
     arrive), so one client cannot keep the budget by announcing large bodies and trickling them
     over fresh connections. Bodies this middleware does not read (file uploads) get the idle
     timeout and the stopping 503 too. Every answer given here closes the connection (its body is
-    unread, whatever a client sending ``Expect: 100-continue`` does next). ``on_refused(status)``
-    counts the 401s, 408s, 413s and 503s given here to generation calls (``budget_paths``)."""
+    unread, whatever a client sending ``Expect: 100-continue`` does next). ``on_refused(path, status)`` is
+    told of the 401s, 408s, 413s and 503s given here."""
 
     def __init__(self, app: Any, max_body_bytes: int, path_limits: dict[str, tuple[int, str]] | None = None,
                  budget: ByteBudget | None = None, budget_paths: frozenset[str] = frozenset(),
-                 on_refused: Callable[[int], None] | None = None, api_keys: tuple[str, ...] = (),
+                 on_refused: Callable[[str, int], None] | None = None, api_keys: tuple[str, ...] = (),
                  idle_timeout_s: float = 10.0, read_timeout_s: float = 60.0,
                  stopping: Callable[[], int | None] = lambda: None, wait_s: float = 10.0,
                  spool_bytes: int = 256 << 10) -> None:
@@ -255,8 +255,8 @@ class BodyLimitMiddleware:
     async def _answer(self, scope: Scope, receive: Any, send: Any, error: APIError) -> None:
         """Send ``error`` (OpenAI's error format), counted by ``on_refused``, closing the connection:
         its body is unread."""
-        if self.on_refused is not None and scope.get("path") in self.budget_paths:  # generation calls only
-            self.on_refused(error.status)
+        if self.on_refused is not None:
+            self.on_refused(scope.get("path", ""), error.status)
         response = error_response(error)
         response.headers["connection"] = "close"
         await response(scope, receive, send)

@@ -25,16 +25,13 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.response_headers() or None)
 
 
-def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None = None,
-                           counted_paths: frozenset[str] | None = None) -> None:
-    """Map validation errors to 400 and every error to OpenAI's error JSON; ``on_error(status)`` counts those
-    of the ``counted_paths`` (all when None; not those whose call's engine requests were counted as they
-    finished: :attr:`APIError.counted`)."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[str, int], None] | None = None) -> None:
+    """Map validation errors to 400 and every error to OpenAI's error JSON; ``on_error(path, status)`` is told of
+    each (not of those whose call's engine requests were counted as they finished: :attr:`APIError.counted`)."""
 
     def respond(request: Request, error: APIError) -> JSONResponse:
-        counted = counted_paths is None or request.url.path in counted_paths
-        if on_error is not None and counted and not error.counted:
-            on_error(error.status)
+        if on_error is not None and not error.counted:
+            on_error(request.url.path, error.status)
         return error_response(error)
 
     @app.exception_handler(APIError)

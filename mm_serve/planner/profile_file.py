@@ -33,6 +33,7 @@ degree from them instead of dividing one device's times by the degree.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from mm_serve.ground.dtypes import DTYPE_BYTES
+from mm_serve.media.local_file import read_media_file
 from mm_serve.planner.errors import ModelShapeError, ProfileError
 from mm_serve.planner.model_shape import ModelShape, load_model_shape, shape_from_config
 
@@ -202,13 +204,14 @@ def load_profile(path: str | Path) -> Profile:
             :data:`MAX_PROFILE_BYTES`, unreadable, not JSON, or not a valid profile.
     """
     p = Path(path)
-    if p.exists() and not p.is_file():
-        raise ProfileError(f"{p}: is not a regular file (a folder, a device or a pipe); give a profile JSON file")
     try:
-        if p.stat().st_size > MAX_PROFILE_BYTES:
-            raise ProfileError(f"{p}: {p.stat().st_size} bytes is not a profile (at most {MAX_PROFILE_BYTES})")
-        data = json.loads(p.read_text())
+        data = json.loads(read_media_file(p, MAX_PROFILE_BYTES))  # a regular file, read within the cap
     except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise ProfileError(f"{p}: is not a regular file (a folder, a device or a pipe); give a profile JSON "
+                               "file") from None
+        if exc.errno == errno.EFBIG:
+            raise ProfileError(f"{p}: over {MAX_PROFILE_BYTES} bytes is not a profile") from None
         raise ProfileError(f"cannot read profile {p}: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProfileError(f"{p}: not valid JSON: {exc}") from None

@@ -78,8 +78,8 @@ def test_a_finished_stream_or_a_json_response_already_started_is_not_answered_ag
 
 
 def test_a_client_that_does_not_read_is_dropped_after_the_last_words_wait() -> None:
-    """Its socket buffers full, the last event would wait forever (the server then never exited on a second
-    SIGTERM): it gets LAST_WORDS_S seconds, then the call ends quietly."""
+    """Its socket buffers full, the last event would wait forever and keep the process from exiting: it gets
+    LAST_WORDS_S seconds, then the call ends quietly."""
     from mm_serve.api import cancelled_answer
 
     async def app(scope: Any, receive: Any, send: Any) -> None:

@@ -412,8 +412,8 @@ def test_echo_without_logprobs_prepends_the_prompt_to_every_choice(client: opena
 
 def test_streamed_logprobs_cover_every_token_under_load(server: ServerProcess) -> None:
     """Tokens arrive on the receiver thread while a chunk's log-probabilities are formatted: each chunk's
-    text, tokens and log-probabilities are read together, so every token's entry is sent once (entries were
-    lost, 380 of 400, when tokens came in between)."""
+    text, tokens and log-probabilities are read together, so every token's entry is sent exactly once, also
+    when tokens come in between."""
     def one(path: str, seed: int) -> list[int]:
         chat = path.endswith("chat/completions")
         body: dict[str, Any] = {"model": "tiny", "max_tokens": 150, "ignore_eos": True, "n": 3, "temperature": 1.3,

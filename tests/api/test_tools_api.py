@@ -95,8 +95,8 @@ def test_forced_tool_calls_are_valid_streamed_or_not(client: openai.OpenAI, choi
 def test_the_sdk_s_stream_helper_reassembles_streamed_calls(client: openai.OpenAI, server: ServerProcess) -> None:
     """``client.chat.completions.stream`` (the SDK's own reassembly, with its ``done`` events) gives the calls of
     the JSON answer. A later piece of a call leaves out ``id``, ``type`` and ``name`` rather than sending them
-    null: the helper took ``"type": null`` for a new type and failed its assertion on every streamed call. The
-    stream of a forced call opens with no ``content`` (it was ``""``, left in the helper's final message)."""
+    null (``chat.completions.stream`` takes ``"type": null`` for a new type and fails its assertion). The
+    stream of a forced call opens with no ``content``, so the reassembled message's content is None, not ``""``."""
     kwargs: Any = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
                    "max_tokens": 200, "temperature": 1.0, "seed": 1, "parallel_tool_calls": True}
     answer = _valid(client.chat.completions.create(**kwargs).choices[0].message.tool_calls)

@@ -178,7 +178,8 @@ def test_a_bad_tensor_parallel_entry_is_an_error_naming_it(
 
 
 def test_a_profile_path_that_is_no_regular_file_is_refused_without_reading(tmp_path: Path) -> None:
-    """/dev/zero was read without end (13 GB in 8 s at a serve start naming it as admission.profile)."""
+    """A device, a folder or a pipe is refused before any read (/dev/zero would be read without end), and a file
+    over MAX_PROFILE_BYTES is refused unread."""
     import os
 
     from mm_serve.planner.profile_file import MAX_PROFILE_BYTES, load_profile
