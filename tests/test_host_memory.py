@@ -12,6 +12,7 @@ from mm_serve.cluster.host_memory import (
     available_bytes,
     check_host_memory,
     host_kv_bytes,
+    total_bytes,
 )
 from mm_serve.cluster.ring_sizing import ring_specs
 from mm_serve.cluster.worker_state import WorkerStartError
@@ -46,10 +47,12 @@ def test_a_pool_past_the_usable_share_of_memory_is_refused_naming_the_key(tiny_l
     assert message.endswith("lower kv_cache.max_pages_per_gpu (and kv_cache.ring_pages)")
 
 
-def test_available_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+def test_available_and_total_memory_are_read_from_meminfo(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n")
     assert available_bytes(meminfo) == 20_000_000 * 1024
+    assert total_bytes(meminfo) == 24_000_000 * 1024
+    assert total_bytes(tmp_path / "missing") is None
     assert available_bytes(tmp_path / "missing") is None
     real = available_bytes()
     assert real is None or real > 0

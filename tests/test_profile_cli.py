@@ -81,3 +81,31 @@ def test_a_bad_checkpoint_or_out_is_one_line_before_any_measuring(
         assert main(["profile", "--model", str(tiny_llava), "--out", str(out)]) == 2
         captured = capsys.readouterr()
         assert f"--out {out}: {expected}" in captured.err and "prefill" not in captured.out  # nothing measured
+
+
+def test_a_profile_measured_beside_a_busy_process_says_so(tiny_llava: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A process spinning on one of the cores while the profile measures: a warning on stderr, and the
+    share in the file (``measured_under_load``, what a server start reads as "measure again").
+    ``memory_bytes`` is this machine's memory."""
+    import subprocess
+    import sys
+    import time
+
+    from mm_serve.cluster.host_memory import total_bytes
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # running before the measuring starts
+        out = tmp_path / "busy.json"
+        assert main(["profile", "--model", str(tiny_llava), "--out", str(out), "--prefill-tokens", "16,64",
+                     "--decode-batches", "1,2", "--decode-contexts", "32", "--repeats", "3"]) == 0
+    finally:
+        spinner.kill()
+        spinner.wait()
+    data = json.loads(out.read_text())
+    share = data["measured_under_load"]
+    assert 0.2 < share <= 1.0
+    assert f"other processes kept {share:.0%} of this process's cores busy while it measured" in capsys.readouterr().err
+    assert data["memory_bytes"] == total_bytes() and data["memory_bytes"] > 2**30
+    load_profile(out)  # still a profile the planner reads

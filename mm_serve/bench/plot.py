@@ -98,12 +98,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     curves: list[Curve] = []
     target = 0.9
     for f in args.files:
-        doc = json.loads(f.read_text())
-        target = float(doc.get("slo", {}).get("attainment_target", target))
-        curves += curves_from_json(doc)
-    plot_attainment(curves, target, args.out, args.title)
+        doc = _read_bench_json(f, parser)
+        try:
+            target = float(doc.get("slo", {}).get("attainment_target", target))
+            curves += curves_from_json(doc)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            parser.error(f"{f}: not an `mm-serve bench --out` result ({type(exc).__name__}: {exc})")
+    if not curves:
+        parser.error("no system in these files has a measured run to plot")
+    try:
+        plot_attainment(curves, target, args.out, args.title)
+    except OSError as exc:
+        parser.error(f"cannot write {args.out}: {exc.strerror or exc}")
     print(args.out)
     return 0
+
+
+def _read_bench_json(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The JSON object in ``path``; a usage error (exit 2) names the file when it cannot be read."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        parser.error(f"cannot read {path}: {exc.strerror or exc}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        parser.error(f"{path}: not JSON ({exc})")
+    if not isinstance(doc, dict):
+        parser.error(f"{path}: not an `mm-serve bench --out` result (a JSON {type(doc).__name__})")
+    return doc
 
 
 if __name__ == "__main__":

@@ -167,8 +167,9 @@ def _placement(cfg: Any, model_dir: Path) -> tuple[Any, dict[str, Any]]:
     from mm_serve.workloads import WorkloadError
 
     pinned = pinned_keys(cfg)
-    own = {"source": "config", "mode": cfg.mode, "prefill_workers": cfg.compute.prefill_workers,
-           "decode_workers": cfg.compute.decode_workers}
+    own: dict[str, Any] = {"source": "config", "mode": cfg.mode}
+    if cfg.mode != "colocated":  # one colocated worker runs both phases: no counts of either
+        own.update(prefill_workers=cfg.compute.prefill_workers, decode_workers=cfg.compute.decode_workers)
     if not cfg.placement.auto or pinned:
         reason = "placement.auto is false" if not cfg.placement.auto else f"given: {', '.join(pinned)}"
         return cfg, {**own, "reason": reason}

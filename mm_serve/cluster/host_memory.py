@@ -25,9 +25,19 @@ MEMINFO = Path("/proc/meminfo")
 
 def available_bytes(meminfo: Path = MEMINFO) -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read (not Linux)."""
+    return _meminfo_bytes("MemAvailable", meminfo)
+
+
+def total_bytes(meminfo: Path = MEMINFO) -> int | None:
+    """``MemTotal`` of ``/proc/meminfo`` (this machine's memory) in bytes; None where it cannot be read."""
+    return _meminfo_bytes("MemTotal", meminfo)
+
+
+def _meminfo_bytes(field: str, meminfo: Path) -> int | None:
+    """The ``field`` line of ``/proc/meminfo`` (given in kB there) in bytes; None where it cannot be read."""
     try:
         for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None

@@ -167,7 +167,7 @@ class WorkerStatsCollector(Collector):
         yield rate
 
 
-def cache_health(stats: dict[tuple[str, int], Any]) -> dict[str, dict[str, float]]:
+def cache_health(stats: dict[tuple[str, int], Any]) -> dict[str, dict[str, float | int]]:
     """``/health``'s ``caches``: per prefill (or colocated) worker, ``kv_cache_hit_rate`` (prompt
     tokens whose KV was reused / prompt tokens, since it started), ``kv_cached_pages``,
     ``encoder_cache_hit_rate`` (images) and ``encoder_cache_bytes``, from its latest stats."""

@@ -17,11 +17,15 @@ from typing import Any
 
 import torch
 
+from mm_serve.cluster.host_memory import total_bytes
 from mm_serve.colocated.llm_engine import LLMEngine
 from mm_serve.planner.profile_file import DecodePoint, EncodePoint, PrefillPoint, points_to_json
 from mm_serve.runtime.engine_config import EngineConfig
 from mm_serve.runtime.request import Request
 from mm_serve.runtime.warm_up import free_scratch, scratch_requests
+
+UNKNOWN_MEMORY_BYTES = 16 * 2**30
+"""A profile's ``memory_bytes`` where this machine's memory cannot be read (no ``/proc/meminfo``)."""
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -120,7 +124,9 @@ def measure_profile(
     with the prefill coefficients). Each count in ``parallel_threads`` (above ``threads``) times the same
     sizes again on that many threads, as a ``tensor_parallel`` entry of that degree: on a CPU an
     instance of several cores is one worker on as many threads, and the planner prices it from these
-    points instead of dividing one thread's times (threads share memory bandwidth and caches).
+    points instead of dividing one thread's times (threads share memory bandwidth and caches). The
+    profile's ``memory_bytes`` is this machine's memory (``MemTotal``, bytes): a CPU instance keeps its
+    weights and KV pages in it.
 
     Raises:
         ValueError: no prefill size or decode context fits the model's context, or ``parallel_threads``
@@ -152,7 +158,8 @@ def measure_profile(
     profile: dict[str, Any] = {
         "format": "mm-serve-profile/1", "name": f"cpu-{threads}thread",
         "device": f"{os.cpu_count()} CPU cores, {threads} torch thread(s), torch {torch.__version__}",
-        "memory_bytes": 16 * 2**30, "model": str(Path(model_dir).resolve()), "dtype": engine.config.dtype, **rows,
+        "memory_bytes": total_bytes() or UNKNOWN_MEMORY_BYTES, "model": str(Path(model_dir).resolve()),
+        "dtype": engine.config.dtype, **rows,
     }
     if parallel:
         profile["tensor_parallel"] = parallel

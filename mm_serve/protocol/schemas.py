@@ -429,6 +429,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class WorkerCaches(BaseModel):
+    """One prefill (or colocated) worker's caches in ``/health``, since the worker started."""
+
+    kv_cache_hit_rate: float  # prompt tokens whose KV was reused / prompt tokens looked up, 0..1
+    kv_cached_pages: int  # KV pages the prefix cache holds now
+    encoder_cache_hit_rate: float  # images whose encoder output was reused / images looked up, 0..1
+    encoder_cache_bytes: int  # bytes of encoder outputs the encoder cache holds now
+
+
 class HealthResponse(BaseModel):
     """``/health``: 200 when ``ok`` or ``degraded``, else 503."""
 
@@ -436,7 +445,7 @@ class HealthResponse(BaseModel):
     workers: dict[str, str]  # worker name (prefill0, decode0, colocated0) -> ready | warming | restarting | down
     faults: dict[str, str] = {}  # worker name -> its last failure (exit code, hang), for workers that had one
     admission: dict[str, Any] | None = None  # the latency predictor's coefficients, observations and their age
-    caches: dict[str, dict[str, float]] = {}  # prefill/colocated worker -> kv_cache_hit_rate, encoder cache figures
+    caches: dict[str, WorkerCaches] = {}  # prefill/colocated worker -> its cache figures
     event_loop: str = "asyncio"  # the API process's event loop: "uvloop" or "asyncio" (api.event_loop)
     placement: dict[str, Any] | None = None  # how the placement was chosen: the planner's choice and predictions, or the config's
 

@@ -275,7 +275,12 @@ def test_a_colocated_server_learns_its_step_times(tiny_llava: Path, tmp_path: Pa
                 messages=[{"role": "user", "content": content}], max_tokens=8, ignore_eos=True), timeout=60)
             assert r.status_code == 200, r.text
         _wait_idle(proc.url)
-        admission = httpx.get(f"{proc.url}/health", timeout=10).json()["admission"]
+        health = httpx.get(f"{proc.url}/health", timeout=10).json()
+    admission = health["admission"]
+    # one worker runs both phases: the placement names the mode, no counts of prefill or decode workers
+    assert health["placement"]["mode"] == "colocated" and health["placement"]["source"] == "config"
+    assert not {"prefill_workers", "decode_workers"} & health["placement"].keys()
+    assert set(health["workers"]) == {"colocated0"}
     assert admission["prefill"]["observations"] >= 8  # a step with prompts in it each
     assert admission["decode"]["observations"] >= 8 * 6  # the 7 steps after each first token, less mixed ones
     assert admission["prefill"]["worker_speed"].keys() == admission["decode"]["worker_speed"].keys() == {"0"}

@@ -74,6 +74,9 @@ def test_repeated_image_and_prefix_are_reported_as_cached(client: openai.OpenAI,
     health = httpx.get(f"{server.url}/health", timeout=5).json()
     assert 0 < health["caches"]["prefill0"]["kv_cache_hit_rate"] <= 1
     assert health["caches"]["prefill0"]["encoder_cache_hit_rate"] > 0
+    pages, held = health["caches"]["prefill0"]["kv_cached_pages"], health["caches"]["prefill0"]["encoder_cache_bytes"]
+    assert type(pages) is int and pages >= cached2 // 16  # counts stay integers in the JSON
+    assert type(held) is int and held > 0
     assert "decode0" not in health["caches"]
 
 
