@@ -16,7 +16,7 @@ them against the same SLOs, and reports per round:
 Usage::
 
     python benchmarks/planner_vs_measured.py OUT WORKLOAD SLO_TTFT SLO_TPOT --profile PROFILE.json
-        [--rounds 3] [--model out/bench-llama] [--cores 2]
+        [--rounds 3] [--num-requests 100] [--model out/bench-llama] [--cores 2] [--latencies]
 
 OUT holds ``colocated-r<k>/`` and ``disaggregated-r<k>/`` from default_vs_peers.sh (or, for 1P+1D, the
 default service's rounds where the planner chose it). Text workloads only.
@@ -113,6 +113,29 @@ def simulated_attainment(requests: list[SimRequest], system: str, model: Latency
     return ok / max(1, len(requests))
 
 
+def replayed_latencies(records: Path, rate: float, system: str, model: LatencyModel, cores: int,
+                       slo: SLO) -> str:
+    """Mean TTFT and TPOT of a probe's answered requests, measured and simulated: the probe's own records
+    (send times, prompt and output lengths) replayed through the simulator as ``system``. Where the
+    simulated TPOT is far below the measured one at a low rate, the profile's step times are not what
+    the service ran at (the machine's speed changed, or the service spends time the profile does not)."""
+    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if float(r["rate"]) == rate and r["error"] is None and r["tpot_s"] is not None]
+    if not rows:
+        return "no answered request"
+    start = min(float(r["sent_s"]) for r in rows)
+    replayed = [SimRequest(i, float(r["sent_s"]) - start, int(r["prompt_tokens"] or 1),
+                           max(1, int(r["output_tokens"] or 1))) for i, r in enumerate(rows)]
+    simulated_attainment(replayed, system, model, cores, slo)
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values)
+
+    return (f"TTFT mean {mean([float(r['ttft_s']) for r in rows]):.3f} / {mean([q.ttft for q in replayed]):.3f} s, "
+            f"TPOT mean {1e3 * mean([float(r['tpot_s']) for r in rows]):.1f} / "
+            f"{1e3 * mean([q.tpot for q in replayed]):.1f} ms (measured / replayed, {len(rows)} requests)")
+
+
 def probe_goodput(passed: dict[float, bool]) -> float:
     """The highest probe rate below the lowest failing one (0.0 when the lowest fails)."""
     best = 0.0
@@ -159,6 +182,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=100, help="requests per probe (the bench's)")
     parser.add_argument("--model", type=Path, default=Path("out/bench-llama"))
     parser.add_argument("--cores", type=int, default=2, help="cores of the machine measured")
+    parser.add_argument("--latencies", action="store_true",
+                        help="also replay each probe's records and print mean TTFT and TPOT, measured / simulated")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="the rounds' systems: colocated,disaggregated (default), or mixed<N>/apart rounds")
     args = parser.parse_args()
@@ -187,6 +212,8 @@ def main() -> None:
                 stopped = " (stopped early)" if run.get("stopped_early") else ""
                 print(f"  {folder.name} at {rate:7.3f} req/s: measured {100 * float(run.get('attainment', 0)):5.1f} %"
                       f"{stopped}, simulated {100 * attained:5.1f} %")
+                if args.latencies:
+                    print(f"    {replayed_latencies(found, rate, system, model, args.cores, slo)}")
             simulated[system].append(probe_goodput(passed))
     if systems != SYSTEMS:
         print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}")
