@@ -268,8 +268,11 @@ def _write(out: Path, results: list[SystemResult], slo: SLO, settings: BenchSett
     write_json(out / "bench.json", results, slo, settings.target,
                {k: v for k, v in vars(args).items() if k not in ("func", "api_key")})
     doc = json.loads((out / "bench.json").read_text())
-    plot_attainment(curves_from_json(doc), settings.target, out / "attainment.png",
-                    f"{args.workload}: TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
+    try:
+        plot_attainment(curves_from_json(doc), settings.target, out / "attainment.png",
+                        f"{args.workload}: TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
+    except (OSError, ValueError) as exc:  # the figure only: bench.json and the records are written
+        print(f"mm-serve bench: warning: no attainment.png ({exc})", file=sys.stderr, flush=True)
 
 
 def _start_rate(results: list[SystemResult], name: str) -> float | None:

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
         shape = load_model_shape(NAMED_MODELS.get(args.model, args.model))  # registered names too (embedded)
         hardware = get_hardware(args.hardware)
+        _warn_if_measured_under_load(args.hardware)
         workload = make_workload(args.workload, shape.image_tokens, shape.max_context)
         spec = PlanSpec(
             shape=shape, hardware=hardware, workload=workload,
@@ -144,3 +145,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"Config written to {written}" + (" (the disaggregated placement; colocated was predicted higher)"
                                                    if result.ratio < 1 else ""))
     return 0
+
+
+def _warn_if_measured_under_load(hardware: str) -> None:
+    """A warning on stderr when ``--hardware`` is a profile file measured while other processes kept its
+    cores busy (``measured_under_load``, written by ``mm-serve profile``): its times are slow."""
+    from mm_serve.planner.profile_file import load_profile
+
+    path = Path(hardware)
+    if not path.is_file():
+        return
+    share = load_profile(path).measured_under_load
+    if share is not None:
+        print(f"mm-serve: warning: {path} was measured while other processes kept {share:.0%} of its cores busy: "
+              "its times are slower than this machine's (measure again with `mm-serve profile` when it is idle)",
+              file=sys.stderr)

@@ -94,6 +94,7 @@ class Profile:
     inter_node_bandwidth: float | None = None
     collective_latency_s: float | None = None
     tensor_parallel: tuple[ParallelPoints, ...] = ()  # by degree, each above 1 and at most once
+    measured_under_load: float | None = None  # others' busy share of the cores while measured (0..1), if over the limit
 
 
 def _num(row: Mapping[str, Any], key: str, where: str, default: float | None = None,
@@ -164,7 +165,18 @@ def parse_profile(data: Any, base: Path = Path("."), where: str = "profile") -> 
         name=str(data.get("name", "profiled")), device=str(data.get("device", "")),
         memory_bytes=_num(data, "memory_bytes", where), shape=_shape(data, base, where),
         prefill=pre, decode=dec, encode=enc, **optional, tensor_parallel=_parallel(data, where),
+        measured_under_load=_share(data, "measured_under_load", where),
     )
+
+
+def _share(data: Mapping[str, Any], key: str, where: str) -> float | None:
+    """``data[key]`` as a share in (0, 1], or None when absent; raises :class:`ProfileError` naming it."""
+    if key not in data:
+        return None
+    share = _num(data, key, where)
+    if share > 1:
+        raise ProfileError(f"{where}: {key!r} must be a share between 0 and 1, got {data[key]!r}")
+    return share
 
 
 def _points(data: Mapping[str, Any], where: str) -> tuple[tuple[PrefillPoint, ...], tuple[DecodePoint, ...],

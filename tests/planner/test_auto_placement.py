@@ -482,3 +482,22 @@ def test_saved_plans_beyond_the_last_used_sixteen_are_deleted(tmp_path: Path) ->
     _prune_plans(plans[0])
     assert sorted(tmp_path.glob("prof.plan-*.json")) == sorted(plans[:PLANS_KEPT])
     assert other.exists()
+
+
+@pytest.mark.parametrize(("share", "exit_code", "says"), [
+    (0.5, 0, "was measured while other processes kept 50% of its cores busy"),
+    ("x", 2, "'measured_under_load' must be a positive finite number"),
+    (1.5, 2, "'measured_under_load' must be a share between 0 and 1, got 1.5"),
+])
+def test_plan_warns_of_a_profile_measured_under_load(two_core_machine: tuple[Path, Path], share: object,
+                                                     exit_code: int, says: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`mm-serve plan --hardware` with a profile that `mm-serve profile` marked as measured beside busy cores
+    says so on stderr (its times are slow); a share that is no number in (0, 1] is a profile error."""
+    from mm_serve.cli.main import main
+
+    model, profile = two_core_machine
+    profile.write_text(json.dumps({**json.loads(profile.read_text()), "measured_under_load": share}))
+    assert main(["plan", "--model", str(model), "--hardware", str(profile), "--slo-ttft", "1", "--slo-tpot", "0.05",
+                 "--workload", "chatbot", "--nodes", "1", "--gpus-per-node", "2", "--num-requests", "200"]) == exit_code
+    assert says in capsys.readouterr().err
