@@ -82,7 +82,7 @@ def test_an_out_that_is_no_image_file_is_a_usage_error(tmp_path: Path, capsys: p
 
 
 def test_dollar_signs_are_drawn_as_written(tmp_path: Path) -> None:
-    """A title or system name with ``$`` is text, not TeX for matplotlib's mathtext (which raised)."""
+    """A title or system name with ``$`` is drawn as text, not parsed as TeX by matplotlib's mathtext (whose parser raises on ``$\\foo$``)."""
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(_doc("a $x^$ b", [1.0, 2.0], [1.0, 0.5])))
     assert main([str(path), "--out", str(tmp_path / "f.png"), "--title", "$\\foo$"]) == 0
