@@ -197,7 +197,8 @@ def get_hardware(name_or_path: str) -> Hardware:
     """A built-in profile by name, or a fitted one from a profile JSON file.
 
     Raises:
-        HardwareError: the name is unknown and no such file exists.
+        HardwareError: the name is unknown and no such file exists, or the path is a folder (or
+            another file that is not a regular one).
         ProfileError: the file is not a valid or fittable profile (see
             :mod:`mm_serve.planner.profile_file`).
     """
@@ -207,6 +208,9 @@ def get_hardware(name_or_path: str) -> Hardware:
     path = Path(name_or_path)
     if path.is_file():
         return fit_profile_file(path).hardware
+    if path.exists():
+        raise HardwareError(f"hardware profile {name_or_path} is not a file (give a profile JSON file, "
+                            "as `mm-serve profile --out` writes)")
     if key.endswith(".json") or "/" in name_or_path:
         raise HardwareError(f"hardware profile file not found: {name_or_path}")
     raise HardwareError(

@@ -65,6 +65,7 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "{bad}"], "not valid JSON"),
         (["--hardware", "tpu-v5"], "unknown hardware 'tpu-v5'"),
         (["--hardware", "{bad}"], "not valid JSON"),
+        (["--hardware", "{adir}"], "adir.jsonl is not a file (give a profile JSON file"),
         (["--slo-ttft", "0"], "SLOs must be > 0"),
         (["--slo-tpot", "-1"], "SLOs must be > 0"),
         (["--attainment", "1.5"], "attainment must be in (0, 1]"),
