@@ -53,9 +53,12 @@ def run(args: argparse.Namespace) -> int:
     """Measure and write the profile; prints each point as it goes."""
     from mm_serve.models.model_config import CheckpointError
     from mm_serve.models.named_models import resolve_model
-    from mm_serve.planner.auto_placement import BUSY_SHARE_LIMIT, UNDER_LOAD_KEY, usable_cores
+    from mm_serve.planner.auto_placement import (
+        BUSY_SHARE_LIMIT,
+        measure_watching_load,
+        usable_cores,
+    )
     from mm_serve.planner.profiler import measure_profile
-    from mm_serve.runtime.core_load import CoreLoad
 
     prefill_tokens = _ints(args.prefill_tokens, "--prefill-tokens") if args.prefill_tokens is not None else None
     batches = _ints(args.decode_batches, "--decode-batches")
@@ -75,14 +78,13 @@ def run(args: argparse.Namespace) -> int:
         model_dir = resolve_model(args.model)
         limit = _context_limit(model_dir)
         prefill_tokens, contexts = _fit_sizes(prefill_tokens, contexts, limit)
-        with CoreLoad(usable_cores()) as load:
-            profile = measure_profile(model_dir, args.threads, args.repeats, prefill_tokens, batches, contexts,
-                                      log=lambda line: print(line, flush=True), parallel_threads=parallel)
+        profile, share = measure_watching_load(lambda: measure_profile(
+            model_dir, args.threads, args.repeats, prefill_tokens, batches, contexts,
+            log=lambda line: print(line, flush=True), parallel_threads=parallel))
     except CheckpointError as exc:  # an unsupported family, no weights, a broken config.json
         raise CLIError(str(exc)) from None
-    if load.share is not None and load.share > BUSY_SHARE_LIMIT:
-        profile[UNDER_LOAD_KEY] = round(load.share, 3)
-        print(f"mm-serve profile: warning: other processes kept {load.share:.0%} of this process's cores busy "
+    if share is not None:
+        print(f"mm-serve profile: warning: other processes kept {share:.0%} of this process's cores busy "
               f"while it measured (over {BUSY_SHARE_LIMIT:.0%}): the times are slower than this machine's; "
               "measure again when it is idle", file=sys.stderr, flush=True)
     try:

@@ -191,6 +191,19 @@ def profile_key(model_dir: Path, dtype: str, cores: int, degrees: list[int] | No
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+def measure_watching_load(measure: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float | None]:
+    """The profile ``measure()`` returns and the share of this process's usable cores that other processes
+    kept busy meanwhile (:class:`~mm_serve.runtime.core_load.CoreLoad`) when it is over
+    :data:`BUSY_SHARE_LIMIT`, else None. Over the limit, the profile carries that share (rounded to
+    three places) under :data:`UNDER_LOAD_KEY`."""
+    with CoreLoad(usable_cores()) as load:
+        profile = measure()
+    if load.share is None or load.share <= BUSY_SHARE_LIMIT:
+        return profile, None
+    profile[UNDER_LOAD_KEY] = share = round(load.share, 3)
+    return profile, share
+
+
 def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
                    log: Callable[[str], None] = print) -> tuple[Path, bool]:
     """The profile file of ``model_dir`` in ``dtype`` on this machine and whether it was measured now
@@ -234,11 +247,10 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     log(f"profiling this machine for the placement (once; cached at {path}; delete it to measure again) ...")
     threads = torch.get_num_threads()
     try:
-        with CoreLoad(usable_cores()) as load:
-            profile = measure_profile(model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
-                                      parallel_threads=degrees, **PROFILE_SIZES)  # type: ignore[arg-type]
-        if load.share is not None and load.share > BUSY_SHARE_LIMIT:
-            profile[UNDER_LOAD_KEY] = share = round(load.share, 3)  # what the next start reads and prints
+        profile, share = measure_watching_load(lambda: measure_profile(
+            model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
+            parallel_threads=degrees, **PROFILE_SIZES))  # type: ignore[arg-type]
+        if share is not None:  # what the next start reads and prints
             log(f"other processes kept {share:.0%} of this process's cores busy while profiling (over "
                 f"{BUSY_SHARE_LIMIT:.0%}): the placement uses this profile now, and the next start measures again")
         profile["cache_key"] = path.stem
