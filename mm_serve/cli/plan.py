@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from mm_serve.cli.main import CLIError
     from mm_serve.ground.slo import SLO
     from mm_serve.planner.errors import PlannerError
-    from mm_serve.planner.fit import get_hardware
+    from mm_serve.planner.fit import resolve_hardware
     from mm_serve.planner.model_shape import load_model_shape
     from mm_serve.planner.plan_spec import PlanSpec
     from mm_serve.planner.report import plan_dict, plan_text
@@ -111,8 +111,11 @@ def run(args: argparse.Namespace) -> int:
         from mm_serve.models.named_models import NAMED_MODELS
 
         shape = load_model_shape(NAMED_MODELS.get(args.model, args.model))  # registered names too (embedded)
-        hardware = get_hardware(args.hardware)
-        _warn_if_measured_under_load(args.hardware)
+        hardware, profile = resolve_hardware(args.hardware)
+        if profile is not None and profile.measured_under_load is not None:
+            print(f"mm-serve: warning: {args.hardware} was measured while other processes kept "
+                  f"{profile.measured_under_load:.0%} of its cores busy: its times are slower than this machine's "
+                  "(measure again with `mm-serve profile` when it is idle)", file=sys.stderr)
         workload = make_workload(args.workload, shape.image_tokens, shape.max_context)
         spec = PlanSpec(
             shape=shape, hardware=hardware, workload=workload,
@@ -146,17 +149,3 @@ def run(args: argparse.Namespace) -> int:
                                                    if result.ratio < 1 else ""))
     return 0
 
-
-def _warn_if_measured_under_load(hardware: str) -> None:
-    """A warning on stderr when ``--hardware`` is a profile file measured while other processes kept its
-    cores busy (``measured_under_load``, written by ``mm-serve profile``): its times are slow."""
-    from mm_serve.planner.profile_file import load_profile
-
-    path = Path(hardware)
-    if not path.is_file():
-        return
-    share = load_profile(path).measured_under_load
-    if share is not None:
-        print(f"mm-serve: warning: {path} was measured while other processes kept {share:.0%} of its cores busy: "
-              "its times are slower than this machine's (measure again with `mm-serve profile` when it is idle)",
-              file=sys.stderr)

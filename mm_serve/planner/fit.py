@@ -194,7 +194,13 @@ def fit_profile_file(path: str | Path) -> ProfileFit:
 
 
 def get_hardware(name_or_path: str) -> Hardware:
-    """A built-in profile by name, or a fitted one from a profile JSON file.
+    """A built-in profile by name, or a fitted one from a profile JSON file (:func:`resolve_hardware`)."""
+    return resolve_hardware(name_or_path)[0]
+
+
+def resolve_hardware(name_or_path: str) -> tuple[Hardware, Profile | None]:
+    """A built-in profile by name, or a fitted one from a profile JSON file; with the parsed file (None
+    for a built-in name).
 
     Raises:
         HardwareError: the name is unknown and no such file exists, or the path is a folder (or
@@ -204,10 +210,11 @@ def get_hardware(name_or_path: str) -> Hardware:
     """
     key = name_or_path.lower()
     if key in SPECS:
-        return SPECS[key].to_hardware()
+        return SPECS[key].to_hardware(), None
     path = Path(name_or_path)
     if path.is_file():
-        return fit_profile_file(path).hardware
+        profile = load_profile(path)
+        return fit_profile(profile).hardware, profile
     if path.exists():
         raise HardwareError(f"hardware profile {name_or_path} is not a file (give a profile JSON file, "
                             "as `mm-serve profile --out` writes)")
