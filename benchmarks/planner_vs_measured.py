@@ -34,6 +34,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -113,14 +114,13 @@ def simulated_attainment(requests: list[SimRequest], system: str, model: Latency
     return ok / max(1, len(requests))
 
 
-def replayed_latencies(records: Path, rate: float, system: str, model: LatencyModel, cores: int,
+def replayed_latencies(records: list[dict[str, Any]], rate: float, system: str, model: LatencyModel, cores: int,
                        slo: SLO) -> str:
-    """Mean TTFT and TPOT of a probe's answered requests, measured and simulated: the probe's own records
-    (send times, prompt and output lengths) replayed through the simulator as ``system``. Where the
+    """Mean TTFT and TPOT of a probe's answered requests, measured and simulated: the probe's own rows of
+    the bench's ``records`` (send times, prompt and output lengths) replayed through the simulator as ``system``. Where the
     simulated TPOT is far below the measured one at a low rate, the profile's step times are not what
     the service ran at (the machine's speed changed, or the service spends time the profile does not)."""
-    rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if float(r["rate"]) == rate and r["error"] is None and r["tpot_s"] is not None]
+    rows = [r for r in records if float(r["rate"]) == rate and r["error"] is None and r["tpot_s"] is not None]
     if not rows:
         return "no answered request"
     start = min(float(r["sent_s"]) for r in rows)
@@ -204,6 +204,7 @@ def main() -> None:
             measured[system].append(float(result["goodput"] or 0.0))
             runs = {float(run["rate"]): run for run in result["sweep"]["runs"]}
             passed = {}
+            rows = [json.loads(line) for line in found.read_text().splitlines() if line.strip()] if args.latencies else []
             for rate in probe_rates(found):
                 requests = planned_requests(args.workload, fit.shape.max_context, k, args.num_requests, rate)
                 attained = simulated_attainment(requests, system, model, args.cores, slo)
@@ -213,7 +214,7 @@ def main() -> None:
                 print(f"  {folder.name} at {rate:7.3f} req/s: measured {100 * float(run.get('attainment', 0)):5.1f} %"
                       f"{stopped}, simulated {100 * attained:5.1f} %")
                 if args.latencies:
-                    print(f"    {replayed_latencies(found, rate, system, model, args.cores, slo)}")
+                    print(f"    {replayed_latencies(rows, rate, system, model, args.cores, slo)}")
             simulated[system].append(probe_goodput(passed))
     if systems != SYSTEMS:
         print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}")
