@@ -69,8 +69,8 @@ def test_unwritable_out_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
 ])
 def test_an_out_that_is_no_image_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        out: str, says: str) -> None:
-    """matplotlib would write ``noext.png`` beside a name without a suffix (and the tool print the name it
-    was given) and raise on an unknown suffix: both are refused, nothing is written."""
+    """An --out that is a folder, has no suffix (matplotlib writes ``NAME.png`` beside such a name) or has a
+    suffix that is no image format is refused, and nothing is written."""
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(_doc("ours", [1.0], [1.0])))
     (tmp_path / "folder").mkdir()
