@@ -95,16 +95,20 @@ def mixed_budget(system: str) -> int | None:
 
 
 def simulated_attainment(requests: list[SimRequest], system: str, model: LatencyModel, cores: int,
-                         slo: SLO) -> float:
+                         slo: SLO, front_end_s: float) -> float:
     """Share of ``requests`` whose run in the simulator meets both SLOs: colocated (one instance of
-    ``cores`` devices, with the system's mixed-step budget: :func:`mixed_budget`) or 1P+1D (one device
-    each), the default config's batch limits and KV capacity."""
+    ``cores`` devices, with the system's mixed-step budget: :func:`mixed_budget`, its steps stalled
+    ``front_end_s`` seconds per sequence on more than one core, as the planner prices it) or 1P+1D (one
+    device each), the default config's batch limits and KV capacity."""
     cfg = load_config(None)
     capacity = cfg.kv_cache.max_pages_per_gpu * cfg.kv_cache.page_size
     budget = mixed_budget(system)
     if budget is not None:
         par = ParallelConfig(cores, 1)
-        server = DecodeServer(model.decode_timing(par), capacity, cfg.scheduler.decode_max_concurrent)
+        timing = model.decode_timing(par)
+        if cores > 1:
+            timing = timing.with_stall_per_seq(front_end_s)
+        server = DecodeServer(timing, capacity, cfg.scheduler.decode_max_concurrent)
         mixed = MixedSteps(budget, cfg.scheduler.prefill_batch_size, cfg.kv_cache.page_size) if budget else None
         simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests, mixed=mixed)
     else:
@@ -115,7 +119,7 @@ def simulated_attainment(requests: list[SimRequest], system: str, model: Latency
 
 
 def replayed_latencies(records: list[dict[str, Any]], rate: float, system: str, model: LatencyModel, cores: int,
-                       slo: SLO) -> str:
+                       slo: SLO, front_end_s: float) -> str:
     """Mean TTFT and TPOT of a probe's answered requests, measured and simulated: the probe's own rows of
     the bench's ``records`` (send times, prompt and output lengths) replayed through the simulator as ``system``. Where the
     simulated TPOT is far below the measured one at a low rate, the profile's step times are not what
@@ -126,7 +130,7 @@ def replayed_latencies(records: list[dict[str, Any]], rate: float, system: str, 
     start = min(float(r["sent_s"]) for r in rows)
     replayed = [SimRequest(i, float(r["sent_s"]) - start, int(r["prompt_tokens"] or 1),
                            max(1, int(r["output_tokens"] or 1))) for i, r in enumerate(rows)]
-    simulated_attainment(replayed, system, model, cores, slo)
+    simulated_attainment(replayed, system, model, cores, slo, front_end_s)
 
     def mean(values: list[float]) -> float:
         return sum(values) / len(values)
@@ -161,14 +165,18 @@ def measured_run(out: Path, system: str, k: int) -> tuple[Path, Path]:
     sys.exit(f"error: no round {k} of {system} in {out} (run benchmarks/{script} first)")
 
 
-def planner_prediction(model_dir: Path, profile: Path, workload: str, slo: SLO, cores: int) -> dict[str, float]:
+def planner_prediction(model_dir: Path, profile: Path, workload: str, slo: SLO, cores: int,
+                       front_end_s: float) -> dict[str, float]:
     """``mm-serve serve``'s predicted goodput of each candidate (requests/s) for these SLOs and workload."""
     tier = {"ttft_ms": slo.ttft_s * 1000, "tpot_ms": slo.tpot_s * 1000}
-    cfg = config_from_dict({"placement": {"workload": workload}, "slo": {"tiers": {
+    placement = {"workload": workload, "front_end_ms_per_token": front_end_s * 1000}
+    cfg = config_from_dict({"placement": placement, "slo": {"tiers": {
         "interactive": {"ttft_ms": min(1000.0, tier["ttft_ms"]), "tpot_ms": min(100.0, tier["tpot_ms"])},
         "standard": tier}}})
     choice = choose_placement(cfg, model_dir, profile, list(range(cores)))
-    return {("colocated" if name == "colocated" else "disaggregated"): rate for name, rate in choice.predicted.items()}
+    # the measured 1P+1D is configs/default.yaml's unit; the shared-core candidate is another placement
+    names = {"colocated": "colocated", "1P+1D": "disaggregated"}
+    return {names[name]: rate for name, rate in choice.predicted.items() if name in names}
 
 
 def main() -> None:
@@ -186,6 +194,9 @@ def main() -> None:
                         help="also replay each probe's records and print mean TTFT and TPOT, measured / simulated")
     parser.add_argument("--systems", default=",".join(SYSTEMS),
                         help="the rounds' systems: colocated,disaggregated (default), or mixed<N>/apart rounds")
+    parser.add_argument("--front-end-ms-per-token", type=float, default=None,
+                        help="the front end's CPU per streamed token that stalls a colocated worker (default: "
+                             "the config's placement.front_end_ms_per_token; 0: not priced)")
     args = parser.parse_args()
     systems = tuple(args.systems.split(","))
     for system in systems:
@@ -193,6 +204,12 @@ def main() -> None:
     if not args.profile.is_file():
         sys.exit(f"error: no profile at {args.profile} (mm-serve profile writes one)")
     slo = SLO(args.slo_ttft, args.slo_tpot)
+    front_end_ms = args.front_end_ms_per_token
+    if front_end_ms is None:
+        front_end_ms = load_config(None).placement.front_end_ms_per_token
+    if not 0 <= front_end_ms <= 100:
+        sys.exit(f"error: --front-end-ms-per-token must be in 0..100, got {front_end_ms}")
+    front_end_s = front_end_ms / 1000
     fit = fit_profile_file(args.profile)
     model = LatencyModel(fit.shape, fit.hardware)
     measured: dict[str, list[float]] = {s: [] for s in systems}
@@ -207,14 +224,14 @@ def main() -> None:
             rows = [json.loads(line) for line in found.read_text().splitlines() if line.strip()] if args.latencies else []
             for rate in probe_rates(found):
                 requests = planned_requests(args.workload, fit.shape.max_context, k, args.num_requests, rate)
-                attained = simulated_attainment(requests, system, model, args.cores, slo)
+                attained = simulated_attainment(requests, system, model, args.cores, slo, front_end_s)
                 passed[rate] = attained >= 0.9
                 run = runs.get(rate, {})
                 stopped = " (stopped early)" if run.get("stopped_early") else ""
                 print(f"  {folder.name} at {rate:7.3f} req/s: measured {100 * float(run.get('attainment', 0)):5.1f} %"
                       f"{stopped}, simulated {100 * attained:5.1f} %")
                 if args.latencies:
-                    print(f"    {replayed_latencies(rows, rate, system, model, args.cores, slo)}")
+                    print(f"    {replayed_latencies(rows, rate, system, model, args.cores, slo, front_end_s)}")
             simulated[system].append(probe_goodput(passed))
     if systems != SYSTEMS:
         print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}")
@@ -222,10 +239,11 @@ def main() -> None:
             pairs = ", ".join(f"{m:.3f} / {s:.3f}" for m, s in zip(measured[system], simulated[system], strict=True))
             print(f"{system}: measured / simulated goodput per round {pairs}")
         return
-    steady = planner_prediction(args.model, args.profile, args.workload, slo, args.cores)
+    steady = planner_prediction(args.model, args.profile, args.workload, slo, args.cores, front_end_s)
     if set(steady) != set(SYSTEMS):
-        sys.exit(f"error: the planner's candidates are {sorted(steady)}, not colocated and one 1P+1D-like unit")
-    print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}")
+        sys.exit("error: the planner's candidates hold no colocated or no 1P+1D placement")
+    print(f"{args.workload}, SLO TTFT {slo.ttft_s:g} s / TPOT {slo.tpot_s * 1e3:g} ms at 90 %; profile {args.profile}; "
+          f"front end {front_end_ms:g} ms per token")
     print(f"{'round':>5} | {'colocated meas / sim':>21} | {'1P+1D meas / sim':>17} | ratio 1P+1D/colocated meas / sim")
     for k in range(args.rounds):
         mc, sc = measured["colocated"][k], simulated["colocated"][k]

@@ -62,6 +62,9 @@ def test_default_yaml_lists_every_key_with_its_default() -> None:
     ("api.timeout_ms", float("inf"), "finite number"),
     ("placement.workload", "chatbott", "unknown workload 'chatbott': choose auto, chatbot, code"),
     ("placement.workload", "/no/such/workload.jsonl", "or the path of a JSONL workload file"),
+    ("placement.front_end_ms_per_token", -0.1, "greater than or equal to 0"),
+    ("placement.front_end_ms_per_token", 250, "less than or equal to 100"),
+    ("placement.front_end_ms_per_token", float("nan"), "finite number"),
 ])
 def test_bad_values_name_key_value_and_rule(key: str, value: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -58,6 +58,10 @@ def register(subparsers: Any) -> None:
                    help="prompt tokens per prefill batch (default 2048)")
     p.add_argument("--decode-max-batch", type=int, default=256,
                    help="running requests per decode instance (default 256)")
+    p.add_argument("--front-end-ms-per-token", type=float, default=None, metavar="MS",
+                   help="CPU milliseconds the front end spends per streamed token, which stall an instance "
+                   "of several CPU threads (default: with --device cpu, placement.front_end_ms_per_token's "
+                   "default, as mm-serve serve plans; else 0)")
     p.set_defaults(func=run)
 
 
@@ -93,6 +97,7 @@ def _check_writable(path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the search and print the result; user errors raise ``CLIError``."""
     from mm_serve.cli.main import CLIError
+    from mm_serve.config import PlacementConfig
     from mm_serve.ground.slo import SLO
     from mm_serve.planner.errors import PlannerError
     from mm_serve.planner.fit import resolve_hardware
@@ -105,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
     if not (0 < args.slo_ttft <= MAX_SLO_S and 0 < args.slo_tpot <= MAX_SLO_S):
         raise CLIError(f"SLOs must be > 0 and at most {MAX_SLO_S:g} seconds, got --slo-ttft "
                        f"{args.slo_ttft} --slo-tpot {args.slo_tpot}")
+    front_end_ms = args.front_end_ms_per_token
+    if front_end_ms is None:
+        front_end_ms = PlacementConfig().front_end_ms_per_token if args.device == "cpu" else 0.0
+    if not 0 <= front_end_ms <= 100:
+        raise CLIError(f"--front-end-ms-per-token must be in 0..100 milliseconds, got {front_end_ms}")
     if args.write_config is not None:
         _check_writable(args.write_config)
     try:
@@ -123,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             nodes=args.nodes, gpus_per_node=args.gpus_per_node, affinity=args.affinity,
             num_requests=args.num_requests, seed=args.seed, burstiness=args.burstiness,
             prefill_token_budget=args.prefill_token_budget, decode_max_batch=args.decode_max_batch,
+            front_end_s_per_token=front_end_ms / 1000,
         )
         result = plan(spec)
         if args.slo_ttft >= LOOSE_TTFT_S or args.slo_tpot >= LOOSE_TPOT_S:

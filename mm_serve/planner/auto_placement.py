@@ -289,6 +289,7 @@ def choose_placement(
         gpus_per_node=len(cores), seed=cfg.seed, prefill_token_budget=cfg.scheduler.prefill_token_budget,
         prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
         colocated_mixed_tokens=cfg.scheduler.mixed_step_tokens, page_size=cfg.kv_cache.page_size,
+        front_end_s_per_token=cfg.placement.front_end_ms_per_token / 1000,
     )
     # every plain field of the spec (a field added later is in the key without being named here); the model
     # shape and hardware are keyed by config.json and the profile's bytes, the workload by its name

@@ -115,8 +115,20 @@ class GoodputEvaluator:
                              s.prefill_max_batch)
 
     def decode_server(self, par: ParallelConfig, cross_node: bool, vision: bool = False) -> DecodeServer:
+        """A decode (or colocated) instance of ``par``. With the spec's ``front_end_s_per_token`` above 0,
+        an instance of several devices (on a CPU: one worker on as many threads, every core of a colocated
+        instance) pays it per sequence in each step: its threads run each layer in lockstep, so the time
+        the front end takes from any of its cores, to stream that step's tokens, stalls the whole step
+        (``d + f * batch`` for a step of ``d`` seconds alone). A one-thread worker pays nothing: the front
+        end runs on another core. Measured on a 2-core Xeon, colocated under chatbot load: the steps
+        exceeded their profiled time by 0.34-0.38 ms per sequence, against 0.28 ms of front-end CPU per
+        token (API process and bench client) and 0.05 ms of the engine's own per-token work
+        (``benchmarks/results/2026-12-07-colocated-front-end-stall.md``)."""
         cap = self.memory(par, vision).kv_capacity_tokens
-        return DecodeServer(self.model.decode_timing(par, cross_node), cap, self.spec.decode_max_batch)
+        timing = self.model.decode_timing(par, cross_node)
+        if par.tp > 1 and self.spec.front_end_s_per_token > 0:
+            timing = timing.with_stall_per_seq(self.spec.front_end_s_per_token)
+        return DecodeServer(timing, cap, self.spec.decode_max_batch)
 
     def handoff(self, prefill: ParallelConfig, decode: ParallelConfig, cross_node: bool) -> Handoff:
         """KV link of a pair: parallel streams = the smaller instance's GPU count."""

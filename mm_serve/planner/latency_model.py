@@ -25,6 +25,7 @@ is reduced once to a handful of coefficients (:class:`PrefillTiming`,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,6 +121,20 @@ class DecodeTiming:
             context += batch
             ends.append(t)
         return ends
+
+    def with_stall_per_seq(self, seconds: float) -> DecodeTiming:
+        """This timing with ``seconds`` more per sequence in each step (pp 1): the CPU time that the
+        front end spends on each streamed token, where it stalls the instance's step
+        (:attr:`~mm_serve.planner.plan_spec.PlanSpec.front_end_s_per_token`).
+
+        Raises:
+            ValueError: ``seconds`` is negative or not finite, or the timing has pipeline stages.
+        """
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"a per-sequence stall must be >= 0 seconds, got {seconds}")
+        if self.pp > 1:
+            raise ValueError("a per-sequence stall is modelled without pipeline stages (pp 1)")
+        return dataclasses.replace(self, stage_per_seq=self.stage_per_seq + seconds)
 
     def min_step_time(self, context: float) -> float:
         """A lower bound (seconds) on the step of a sequence holding ``context`` KV

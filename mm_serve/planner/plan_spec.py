@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,6 +22,7 @@ Affinity = Literal["high", "low"]
 MAX_NODES = 1024
 MAX_GPUS_PER_NODE = 64
 MAX_NUM_REQUESTS = 50_000  # ~2 min of search per 10 000 on one core; past that, no gain
+MAX_FRONT_END_S_PER_TOKEN = 0.1  # seconds: a front end slower than this per token is a mistyped unit
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class PlanSpec:
     decode_max_batch: int = 256  # running requests per decode / colocated instance
     colocated_mixed_tokens: int = 0  # colocated instances' mixed-step budget (0: prefill steps apart, vLLM's old policy)
     page_size: int = 16  # KV page, tokens: a mixed step prefills at least this many
+    # CPU seconds the front end (the API process, and a load generator on the same machine) spends on each
+    # streamed token, which stalls a CPU instance whose threads span several cores: they run each step in
+    # lockstep, so a core taken from one thread holds up all of them (0: GPU instances, or a front end on
+    # cores of its own; see the evaluator's decode_server)
+    front_end_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +70,8 @@ class PlanSpec:
             (self.decode_max_batch >= 1, "decode max batch must be >= 1"),
             (self.colocated_mixed_tokens >= 0, "colocated mixed-step tokens must be >= 0"),
             (self.page_size >= 1, "page size must be >= 1"),
+            (math.isfinite(self.front_end_s_per_token) and 0 <= self.front_end_s_per_token <= MAX_FRONT_END_S_PER_TOKEN,
+             f"front-end seconds per token must be in 0..{MAX_FRONT_END_S_PER_TOKEN:g}, got {self.front_end_s_per_token}"),
         ]
         for ok, message in checks:
             if not ok:

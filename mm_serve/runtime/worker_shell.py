@@ -27,6 +27,7 @@ from mm_serve.models.model_config import ModelConfig
 from mm_serve.runtime import messages
 from mm_serve.runtime.heap_freeze import freeze_startup_heap
 from mm_serve.runtime.kv_cache import PagedKVCache
+from mm_serve.runtime.step_log import StepLog
 from mm_serve.runtime.structured_output import GrammarBook
 from mm_serve.runtime.worker_channel import IDLE_WAIT_MS, WorkerChannel
 from mm_serve.runtime.worker_setup import pin_and_set_threads
@@ -52,6 +53,7 @@ class WorkerShell(ABC):
     model_config: ModelConfig
     grammars: GrammarBook  # the structured-output compiler, warmed in the background once the worker is ready
     wake_on: DoorbellListener | None = None  # a doorbell whose ring also ends the idle wait
+    step_log: StepLog | None = None  # one JSON line per timed step, where MM_SERVE_STEP_LOG names a file
 
     def __init__(self, spec: WorkerSpec, link: RayLink | None = None) -> None:
         """``link``: set when the worker runs as a Ray actor (its rings over Ray meet the
@@ -70,6 +72,7 @@ class WorkerShell(ABC):
         if self.wake_on is not None:
             self.channel.listen_to(self.wake_on)
         self._next_stats = 0.0
+        self.step_log = StepLog.from_env(self.role.value, spec.index)  # MM_SERVE_STEP_LOG (None: unset)
 
     # ---- what a role supplies ---------------------------------------------------------------
 
@@ -128,6 +131,8 @@ class WorkerShell(ABC):
         """Report token updates of one step (and its timing) to the front end (nothing when empty)."""
         if updates:
             self.channel.send(messages.TokenBatch(self.role, self.spec.index, updates, step))
+        if step is not None and self.step_log is not None:
+            self.step_log.write(step)
 
     def send_stats(self) -> None:
         pool = self.kv_cache.pool
@@ -173,3 +178,5 @@ class WorkerShell(ABC):
         self.grammars.close()  # a warm-up under way ends first: exiting in its middle aborts the process
         self.release_resources()
         self.channel.close()
+        if self.step_log is not None:
+            self.step_log.close()

@@ -118,10 +118,11 @@ def _config(workload: str, ttft_ms: float, tpot_ms: float, **more: Any) -> Any:
 
 
 def test_chatbot_at_tpot_50_ms_on_two_cores_runs_colocated(two_core_machine: tuple[Path, Path]) -> None:
-    """Chatbot at TTFT 1 s / TPOT 50 ms: one worker on both cores is predicted ahead of 1 prefill + 1 decode
-    worker on a core each, so the service runs colocated."""
+    """Chatbot at TTFT 1 s / TPOT 50 ms with the front end on cores of its own (no stall priced): one worker
+    on both cores is predicted ahead of 1 prefill + 1 decode worker on a core each, so the service runs
+    colocated."""
     model, profile = two_core_machine
-    cfg = _config("chatbot", 1000, 50)
+    cfg = _config("chatbot", 1000, 50, placement={"workload": "chatbot", "front_end_ms_per_token": 0})
     choice = choose_placement(cfg, model, profile, [0, 1])
     (shared,) = set(choice.predicted) - {"colocated", "1P+1D"}
     assert shared.startswith("2P+1D shared core (")  # the decode worker beside the second prefill worker
@@ -140,6 +141,39 @@ def test_chatbot_at_tpot_50_ms_on_two_cores_runs_colocated(two_core_machine: tup
     assert health["source"] == "planner" and health["chosen"] == "colocated"
     assert health["predicted_goodput"] == choice.predicted and health["slo"]["tpot_s"] == 0.05
     assert health["profile_measured_under_load"] is None  # measured on quiet cores
+
+
+def test_a_front_end_that_stalls_the_colocated_threads_turns_chatbot_to_one_prefill_and_one_decode_worker(
+    two_core_machine: tuple[Path, Path],
+) -> None:
+    """The same profile and SLOs with the default front end (0.35 ms of CPU per streamed token, which stalls the
+    colocated worker's two threads at every step): colocated is predicted below 1 prefill + 1 decode worker,
+    so that unit runs; the one-thread workers' predictions do not move, and the colocated instance's equals
+    the evaluator's with that stall."""
+    model, profile = two_core_machine
+    apart = choose_placement(_config("chatbot", 1000, 50, placement={"workload": "chatbot", "front_end_ms_per_token": 0}),
+                             model, profile, [0, 1])
+    cfg = _config("chatbot", 1000, 50)
+    assert cfg.placement.front_end_ms_per_token == 0.35
+    choice = choose_placement(cfg, model, profile, [0, 1])
+    assert choice.predicted["1P+1D"] > choice.predicted["colocated"] > 0
+    assert choice.predicted["colocated"] < 0.8 * apart.predicted["colocated"]
+    assert {k: v for k, v in choice.predicted.items() if k != "colocated"} == {
+        k: v for k, v in apart.predicted.items() if k != "colocated"}
+    assert (choice.mode, choice.name, choice.prefill_cpus, choice.decode_cpus) == ("disaggregated", "1P+1D", [0], [1])
+    shape = load_model_shape(str(model))
+    spec = PlanSpec(shape=shape, hardware=get_hardware(str(profile)), workload=make_workload("chatbot", 0, shape.max_context),
+                    slo=SLO(1.0, 0.05), gpus_per_node=2, prefill_token_budget=cfg.scheduler.prefill_token_budget,
+                    prefill_max_batch=cfg.scheduler.prefill_batch_size, decode_max_batch=cfg.scheduler.decode_max_concurrent,
+                    colocated_mixed_tokens=cfg.scheduler.mixed_step_tokens, page_size=cfg.kv_cache.page_size,
+                    front_end_s_per_token=0.00035)
+    evaluator = GoodputEvaluator(spec)
+    assert evaluator.colocated_goodput(ParallelConfig(2, 1), False) == choice.predicted["colocated"]
+    one = evaluator.decode_server(ParallelConfig(1, 1), False).timing
+    assert one == evaluator.model.decode_timing(ParallelConfig(1, 1))  # a one-thread worker: no stall
+    two = evaluator.decode_server(ParallelConfig(2, 1), False).timing
+    assert two.step_time(16, 16 * 400) - evaluator.model.decode_timing(ParallelConfig(2, 1)).step_time(
+        16, 16 * 400) == pytest.approx(16 * 0.00035, rel=1e-9)
 
 
 def test_summarization_at_a_tight_tpot_runs_one_prefill_and_one_decode_worker(

@@ -105,6 +105,8 @@ def test_text_plan(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--slo-tpot", "0.00001"], "no decode configuration of tiny-llama on h100-80gb meets TPOT"),
         (["--slo-ttft", "0.0001", "--nodes", "2", "--affinity", "low"], "no prefill configuration"),
         (["--gpus-per-node", "1"], "needs at least 2 GPUs"),
+        (["--front-end-ms-per-token", "-1"], "--front-end-ms-per-token must be in 0..100 milliseconds, got -1.0"),
+        (["--front-end-ms-per-token", "nan"], "--front-end-ms-per-token must be in 0..100 milliseconds, got nan"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(

@@ -134,3 +134,21 @@ def test_a_tiled_image_costs_its_tower_passes(configs: Configs) -> None:
     five = LatencyModel(tiled, HW).prefill_timing(ParallelConfig())
     assert encode_work(tiled, 5).flops == encode_work(base, 5).flops
     assert five.per_image == pytest.approx(5 * one.per_image, rel=1e-9)
+
+
+def test_a_per_sequence_stall_adds_its_seconds_for_every_sequence_of_a_step(opt: ModelShape) -> None:
+    """The front end's CPU per streamed token, priced into an instance whose threads it stalls: a step of
+    ``B`` sequences takes ``B * stall`` seconds more, whatever their context; a bad stall is refused."""
+    timing = LatencyModel(opt, HW).decode_timing(ParallelConfig(2, 1))
+    stalled = timing.with_stall_per_seq(0.0004)
+    for batch, context in ((1, 600), (8, 8 * 600), (32, 32 * 1200)):
+        assert stalled.step_time(batch, context) - timing.step_time(batch, context) == pytest.approx(
+            0.0004 * batch, rel=1e-9)
+    assert stalled.step_ends(0.0, 4, 4 * 100, 3)[-1] - timing.step_ends(0.0, 4, 4 * 100, 3)[-1] == pytest.approx(
+        3 * 4 * 0.0004, rel=1e-9)
+    assert timing.with_stall_per_seq(0.0) == timing
+    for bad in (-1e-4, math.nan, math.inf):
+        with pytest.raises(ValueError, match="per-sequence stall must be >= 0 seconds"):
+            timing.with_stall_per_seq(bad)
+    with pytest.raises(ValueError, match="without pipeline stages"):
+        LatencyModel(opt, HW).decode_timing(ParallelConfig(1, 2)).with_stall_per_seq(0.0004)

@@ -1,0 +1,65 @@
+"""A JSON line per timed worker step, for finding where a step's time goes under load.
+
+With ``MM_SERVE_STEP_LOG`` set to a file path, each worker process appends one line for every step
+that it reports a :class:`~mm_serve.runtime.messages.StepTiming` for (prefill batches, decode steps,
+a colocated worker's steps), as the front end's latency predictor receives it::
+
+    {"time": 1796677983.44, "role": "colocated", "index": 0, "kind": "decode", "seconds": 0.0213,
+     "requests": 16, "tokens": 6441, "images": 0, "cpu_seconds": 0.0189, "decode_requests": 0,
+     "decode_context": 0}
+
+``time`` is the Unix time of the report (seconds); the other fields are :class:`StepTiming`'s
+(seconds, tokens; ``tokens`` of a decode step is its batch's context). Each line is one ``write``
+to a file opened for appending, so the workers of one service can share the file.
+``benchmarks/step_stall.py`` compares such a log with a profile. Unset (the default): nothing is
+written. A path that cannot be opened is reported once and the worker serves without the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import msgspec
+
+from mm_serve.ground.console import say
+from mm_serve.runtime.messages import StepTiming
+
+STEP_LOG_ENV = "MM_SERVE_STEP_LOG"
+
+
+class StepLog:
+    """An open step log (:meth:`from_env` gives one where ``MM_SERVE_STEP_LOG`` is set)."""
+
+    def __init__(self, fd: int, role: str, index: int) -> None:
+        self._fd, self._role, self._index = fd, role, index
+
+    @classmethod
+    def from_env(cls, role: str, index: int) -> StepLog | None:
+        """The log named by ``MM_SERVE_STEP_LOG`` for worker ``index`` of ``role``; None where it is unset
+        or empty, or cannot be opened (said once on the worker's console)."""
+        path = os.environ.get(STEP_LOG_ENV, "")
+        if not path:
+            return None
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            say(f"[{role} {index}] {STEP_LOG_ENV}={path}: cannot open ({exc.strerror}); serving without a step log")
+            return None
+        return cls(fd, role, index)
+
+    def write(self, step: StepTiming) -> None:
+        """Append ``step``'s line (a failed write, e.g. a full disk, closes the log: serving goes on)."""
+        line = {"time": round(time.time(), 6), "role": self._role, "index": self._index, **msgspec.to_builtins(step)}
+        try:
+            os.write(self._fd, (json.dumps(line) + "\n").encode())
+        except OSError as exc:
+            say(f"[{self._role} {self._index}] {STEP_LOG_ENV}: write failed ({exc.strerror}); step log closed")
+            self.close()
+
+    def close(self) -> None:
+        """Close the file (again: nothing)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
