@@ -23,6 +23,7 @@ def test_a_step_log_line_holds_the_role_the_index_and_the_step_timing(tmp_path: 
     log.write(StepTiming("prefill", 0.25, 2, 700, 1, 0.24, 3, 1500))
     log.close()
     log.close()  # twice: nothing
+    log.write(StepTiming("decode", 0.01, 1, 10))  # closed: nothing written
     first, second = (json.loads(line) for line in path.read_text().splitlines())
     assert {k: v for k, v in first.items() if k != "time"} == {
         "role": "decode", "index": 3, "kind": "decode", "seconds": 0.0125, "requests": 4, "tokens": 2048,
@@ -69,3 +70,15 @@ def test_every_worker_of_a_server_logs_its_timed_steps(tiny_llama: Path, tmp_pat
     last = usage["prompt_tokens"] + usage["completion_tokens"]
     assert all(usage["prompt_tokens"] <= row["tokens"] <= last for row in decode)
     assert len(decode) <= usage["completion_tokens"] - 1
+
+
+def test_a_failed_write_closes_the_log_and_says_so_once(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """/dev/full: every write fails with ENOSPC, as on a full disk; the worker goes on without the log."""
+    monkeypatch.setenv(STEP_LOG_ENV, "/dev/full")
+    log = StepLog.from_env("colocated", 0)
+    assert log is not None
+    for _ in range(3):
+        log.write(StepTiming("decode", 0.01, 1, 10))
+    said = capsys.readouterr()
+    assert (said.out + said.err).count(f"[colocated 0] {STEP_LOG_ENV}: write failed (No space left on device); step log closed") == 1

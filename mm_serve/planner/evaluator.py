@@ -121,7 +121,7 @@ class GoodputEvaluator:
         the front end takes from any of its cores, to stream that step's tokens, stalls the whole step
         (``d + f * batch`` for a step of ``d`` seconds alone). A one-thread worker pays nothing: the front
         end runs on another core. Measured on a 2-core Xeon, colocated under chatbot load: the steps
-        exceeded their profiled time by 0.34-0.38 ms per sequence, against 0.28 ms of front-end CPU per
+        exceeded their profiled time by 0.34-0.40 ms per sequence, against 0.28 ms of front-end CPU per
         token (API process and bench client) and 0.05 ms of the engine's own per-token work
         (``benchmarks/results/2026-12-07-colocated-front-end-stall.md``)."""
         cap = self.memory(par, vision).kv_capacity_tokens

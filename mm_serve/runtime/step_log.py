@@ -50,7 +50,10 @@ class StepLog:
         return cls(fd, role, index)
 
     def write(self, step: StepTiming) -> None:
-        """Append ``step``'s line (a failed write, e.g. a full disk, closes the log: serving goes on)."""
+        """Append ``step``'s line (a failed write, e.g. a full disk, closes the log: serving goes on; a closed
+        log writes nothing)."""
+        if self._fd < 0:
+            return
         line = {"time": round(time.time(), 6), "role": self._role, "index": self._index, **msgspec.to_builtins(step)}
         try:
             os.write(self._fd, (json.dumps(line) + "\n").encode())
