@@ -44,8 +44,13 @@ def main() -> None:
     parser.add_argument("log", type=Path, help="a step log (MM_SERVE_STEP_LOG)")
     parser.add_argument("--profile", type=Path, required=True, help="mm-serve profile of the model on this machine")
     parser.add_argument("--role", default="colocated", help="whose steps: colocated (default) or decode")
-    parser.add_argument("--threads", type=int, default=2, help="the worker's torch threads (a profiled degree)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the worker's torch threads, a profiled degree (default: 2 for colocated, else 1)")
     args = parser.parse_args()
+    if args.threads is None:
+        args.threads = 2 if args.role == "colocated" else 1
+    if args.threads < 1:
+        sys.exit(f"error: --threads must be at least 1, got {args.threads}")
     for path, what in ((args.log, "step log"), (args.profile, "profile")):
         if not path.is_file():
             sys.exit(f"error: no {what} at {path}")
@@ -55,10 +60,16 @@ def main() -> None:
         sys.exit(f"error: {args.profile} has no points on {args.threads} threads (mm-serve profile --parallel-threads)")
     decode = model.decode_timing(ParallelConfig(args.threads, 1))
     steps = []
-    for number, line in enumerate(args.log.read_text().splitlines(), 1):
+    lines = args.log.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             row = json.loads(line)
         except ValueError:
+            if number == len(lines):  # cut by a short write (a full disk): the log ends there
+                print(f"warning: {args.log} line {number}, the last, is cut short; left out", file=sys.stderr)
+                continue
             sys.exit(f"error: {args.log} line {number} is not JSON")
         if row.get("role") == args.role and row.get("kind") == "decode" and row.get("requests", 0) > 0:
             batch, context = int(row["requests"]), int(row["tokens"])
@@ -66,13 +77,17 @@ def main() -> None:
     if not steps:
         sys.exit(f"error: no decode step of role {args.role} in {args.log}")
     print(f"{len(steps)} decode steps of {args.role}, profile {args.profile} on {args.threads} thread(s)")
-    print(f"{'batch':>9} {'steps':>6} {'wall s':>8} {'cpu s':>8} {'profiled s':>10} {'wall/prof':>9} {'cpu/prof':>8}")
+    timed_cpu = any(s[2] > 0 for s in steps)  # a decode worker reports no CPU time (its step is a period)
+    cpu_head = f" {'cpu s':>8}" if timed_cpu else ""
+    print(f"{'batch':>9} {'steps':>6} {'wall s':>8}{cpu_head} {'profiled s':>10} {'wall/prof':>9}"
+          + (f" {'cpu/prof':>8}" if timed_cpu else ""))
     for low, high in BANDS:
         band = [s for s in steps if low <= s[0] <= high]
         if band:
             wall, cpu, prof = (sum(s[i] for s in band) for i in (1, 2, 3))
             label = f"{low}-{high}" if high < 1 << 20 else f"{low}+"
-            print(f"{label:>9} {len(band):>6} {wall:>8.2f} {cpu:>8.2f} {prof:>10.2f} {wall / prof:>9.2f} {cpu / prof:>8.2f}")
+            print(f"{label:>9} {len(band):>6} {wall:>8.2f}" + (f" {cpu:>8.2f}" if timed_cpu else "")
+                  + f" {prof:>10.2f} {wall / prof:>9.2f}" + (f" {cpu / prof:>8.2f}" if timed_cpu else ""))
     batches = np.array([s[0] for s in steps], dtype=float)
     excess = np.array([s[1] - s[3] for s in steps])
     (a, b), *_ = np.linalg.lstsq(np.vstack([np.ones_like(batches), batches]).T, excess, rcond=None)

@@ -82,3 +82,16 @@ def test_a_failed_write_closes_the_log_and_says_so_once(monkeypatch: pytest.Monk
         log.write(StepTiming("decode", 0.01, 1, 10))
     said = capsys.readouterr()
     assert (said.out + said.err).count(f"[colocated 0] {STEP_LOG_ENV}: write failed (No space left on device); step log closed") == 1
+
+
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A named pipe with no reader would hold the worker's start in open(); it is refused instead."""
+    import os
+
+    fifo = tmp_path / "steps.fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setenv(STEP_LOG_ENV, str(fifo))
+    assert StepLog.from_env("decode", 1) is None
+    said = capsys.readouterr()
+    assert f"[decode 1] {STEP_LOG_ENV}={fifo}: cannot open" in said.out + said.err

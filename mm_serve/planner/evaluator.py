@@ -116,8 +116,8 @@ class GoodputEvaluator:
 
     def decode_server(self, par: ParallelConfig, cross_node: bool, vision: bool = False) -> DecodeServer:
         """A decode (or colocated) instance of ``par``. With the spec's ``front_end_s_per_token`` above 0,
-        an instance of several devices (on a CPU: one worker on as many threads, every core of a colocated
-        instance) pays it per sequence in each step: its threads run each layer in lockstep, so the time
+        an instance of tensor-parallel degree above 1 without pipeline stages (on a CPU: one worker on as
+        many threads, every core of a colocated instance) pays it per sequence in each step: its threads run each layer in lockstep, so the time
         the front end takes from any of its cores, to stream that step's tokens, stalls the whole step
         (``d + f * batch`` for a step of ``d`` seconds alone). A one-thread worker pays nothing: the front
         end runs on another core. Measured on a 2-core Xeon, colocated under chatbot load: the steps
@@ -126,7 +126,7 @@ class GoodputEvaluator:
         (``benchmarks/results/2026-12-07-colocated-front-end-stall.md``)."""
         cap = self.memory(par, vision).kv_capacity_tokens
         timing = self.model.decode_timing(par, cross_node)
-        if par.tp > 1 and self.spec.front_end_s_per_token > 0:
+        if par.tp > 1 and par.pp == 1 and self.spec.front_end_s_per_token > 0:
             timing = timing.with_stall_per_seq(self.spec.front_end_s_per_token)
         return DecodeServer(timing, cap, self.spec.decode_max_batch)
 

@@ -51,9 +51,9 @@ class PlanSpec:
     colocated_mixed_tokens: int = 0  # colocated instances' mixed-step budget (0: prefill steps apart, vLLM's old policy)
     page_size: int = 16  # KV page, tokens: a mixed step prefills at least this many
     # CPU seconds the front end (the API process, and a load generator on the same machine) spends on each
-    # streamed token, which stalls a CPU instance whose threads span several cores: they run each step in
-    # lockstep, so a core taken from one thread holds up all of them (0: GPU instances, or a front end on
-    # cores of its own; see the evaluator's decode_server)
+    # streamed token, which stalls a CPU instance whose threads span several cores (tensor-parallel degree
+    # above 1, pp 1): they run each step in lockstep, so a core taken from one thread holds up all of them
+    # (0: GPU instances, or a front end on cores of its own; see the evaluator's decode_server)
     front_end_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:

@@ -44,6 +44,7 @@ def plan_dict(result: PlanResult) -> dict[str, Any]:
         "nodes": spec.nodes,
         "gpus_per_node": spec.gpus_per_node,
         "affinity": spec.affinity,
+        "front_end_ms_per_token": spec.front_end_s_per_token * 1000,
         "per_gpu_goodput": result.per_gpu_goodput,
         "colocated_per_gpu_goodput": result.colocated_per_gpu_goodput,
         "disaggregated_over_colocated": result.ratio if col else None,
@@ -94,6 +95,8 @@ def plan_text(result: PlanResult) -> str:
         f"{spec.hardware.name} (affinity {spec.affinity}), workload {spec.workload.name}, "
         f"SLO TTFT {spec.slo.ttft_s:g} s / TPOT {spec.slo.tpot_s:g} s at {spec.attainment:.0%}",
         *_image_line(spec.shape.vision),
+        *([f"Front end: {spec.front_end_s_per_token * 1000:g} ms of CPU per streamed token, priced into each step "
+           "of an instance on several threads"] if spec.front_end_s_per_token else []),
         f"Unit: {unit.num_prefill} prefill x {unit.prefill} + {unit.num_decode} decode x "
         f"{unit.decode} = {unit.gpus} GPUs, {result.unit_goodput:.2f} req/s "
         f"(phase estimate {result.estimated_unit_goodput:.2f}); replicated {result.units}x",

@@ -248,7 +248,7 @@ def _no_phase_message(
                   for p in configs]
     else:
         slo = f"TPOT {spec.slo.tpot_s} s"
-        shares = [(ev.alone_attainment(len(ev.specs), None, ev.model.decode_timing(p, cross(p))), p)
+        shares = [(ev.alone_attainment(len(ev.specs), None, ev.decode_server(p, cross(p)).timing), p)
                   for p in configs]
     share, par = max(shares, key=lambda x: (x[0], -x[1].gpus))
     sizes = sorted({p.gpus for p in configs})

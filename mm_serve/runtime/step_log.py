@@ -12,13 +12,15 @@ a colocated worker's steps), as the front end's latency predictor receives it::
 (seconds, tokens; ``tokens`` of a decode step is its batch's context). Each line is one ``write``
 to a file opened for appending, so the workers of one service can share the file.
 ``benchmarks/step_stall.py`` compares such a log with a profile. Unset (the default): nothing is
-written. A path that cannot be opened is reported once and the worker serves without the log.
+written. A path that cannot be opened, or names a FIFO or a socket, is reported once and the worker serves
+without the log; so is a failed or short write, after which the log is closed. The file has no size limit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 
 import msgspec
@@ -43,10 +45,17 @@ class StepLog:
         if not path:
             return None
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # non-blocking: a FIFO without a reader fails here instead of holding the worker's start
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             say(f"[{role} {index}] {STEP_LOG_ENV}={path}: cannot open ({exc.strerror}); serving without a step log")
             return None
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):  # a file, or a device such as /dev/null
+            os.close(fd)
+            say(f"[{role} {index}] {STEP_LOG_ENV}={path}: not a regular file or a device; serving without a step log")
+            return None
+        os.set_blocking(fd, True)
         return cls(fd, role, index)
 
     def write(self, step: StepTiming) -> None:
@@ -55,10 +64,16 @@ class StepLog:
         if self._fd < 0:
             return
         line = {"time": round(time.time(), 6), "role": self._role, "index": self._index, **msgspec.to_builtins(step)}
+        data = (json.dumps(line) + "\n").encode()
         try:
-            os.write(self._fd, (json.dumps(line) + "\n").encode())
+            written = os.write(self._fd, data)
         except OSError as exc:
             say(f"[{self._role} {self._index}] {STEP_LOG_ENV}: write failed ({exc.strerror}); step log closed")
+            self.close()
+            return
+        if written < len(data):  # a disk that is nearly full: the line is cut, and so would the next ones be
+            say(f"[{self._role} {self._index}] {STEP_LOG_ENV}: short write ({written} of {len(data)} bytes); "
+                "step log closed")
             self.close()
 
     def close(self) -> None:

@@ -176,6 +176,15 @@ def test_a_front_end_that_stalls_the_colocated_threads_turns_chatbot_to_one_pref
         16, 16 * 400) == pytest.approx(16 * 0.00035, rel=1e-9)
 
 
+def test_six_cores_plan_with_the_stall_priced(two_core_machine: tuple[Path, Path]) -> None:
+    """On six cores the search also tries instances of tensor and pipeline parallelism together; the stall
+    is priced where there are no pipeline stages and the plan completes (it once raised there)."""
+    model, profile = two_core_machine
+    choice = choose_placement(_config("chatbot", 1000, 50), model, profile, list(range(6)))
+    assert choice.cores == 6 and choice.predicted["colocated"] > 0
+    assert choice.name in choice.predicted and max(choice.predicted.values()) == choice.predicted[choice.name]
+
+
 def test_summarization_at_a_tight_tpot_runs_one_prefill_and_one_decode_worker(
     two_core_machine: tuple[Path, Path],
 ) -> None:

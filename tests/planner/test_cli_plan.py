@@ -231,3 +231,18 @@ def test_a_tiling_checkpoint_plans_fewer_image_requests(tmp_path: Path, configs:
     assert 0 < goodputs["llava-next"] < goodputs["llava-1.5"] / 2
     assert main(args) == 0
     assert "2928 tokens and 5 tower passes each" in capsys.readouterr().out
+
+
+def test_a_cpu_plan_prices_the_front_ends_stall_and_says_so(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device cpu`` prices placement.front_end_ms_per_token's default into instances on several threads,
+    pipeline-parallel ones included in the search (they pay none: pp > 1 is planned without it); GPU plans
+    price none unless asked."""
+    assert main([*BASE, "--model", str(tiny_dir), "--json", "--device", "cpu"]) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert cpu["front_end_ms_per_token"] == pytest.approx(0.35)
+    assert main([*BASE, "--model", str(tiny_dir), "--json"]) == 0
+    gpu = json.loads(capsys.readouterr().out)
+    assert gpu["front_end_ms_per_token"] == 0
+    assert cpu["colocated_per_gpu_goodput"] <= gpu["colocated_per_gpu_goodput"]
+    assert main([*BASE, "--model", str(tiny_dir), "--front-end-ms-per-token", "0.5"]) == 0
+    assert "Front end: 0.5 ms of CPU per streamed token" in capsys.readouterr().out
