@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from planner_calibration import one_prefill_one_decode  # noqa: E402 (benchmarks/, this script's folder)
 
-from mm_serve.config import config_from_dict, load_config  # noqa: E402
+from mm_serve.config import ConfigError, config_from_dict, load_config  # noqa: E402
 from mm_serve.ground.slo import SLO  # noqa: E402
 from mm_serve.planner.auto_placement import choose_placement  # noqa: E402
 from mm_serve.planner.colocated_instance import MixedSteps  # noqa: E402
@@ -105,10 +105,8 @@ def simulated_attainment(requests: list[SimRequest], system: str, model: Latency
     budget = mixed_budget(system)
     if budget is not None:
         par = ParallelConfig(cores, 1)
-        timing = model.decode_timing(par)
-        if cores > 1:
-            timing = timing.with_stall_per_seq(front_end_s)
-        server = DecodeServer(timing, capacity, cfg.scheduler.decode_max_concurrent)
+        server = DecodeServer(model.decode_timing(par, front_end_s_per_token=front_end_s), capacity,
+                              cfg.scheduler.decode_max_concurrent)
         mixed = MixedSteps(budget, cfg.scheduler.prefill_batch_size, cfg.kv_cache.page_size) if budget else None
         simulate_colocated(model.prefill_timing(par), server, cfg.scheduler.prefill_token_budget, requests, mixed=mixed)
     else:
@@ -204,11 +202,11 @@ def main() -> None:
     if not args.profile.is_file():
         sys.exit(f"error: no profile at {args.profile} (mm-serve profile writes one)")
     slo = SLO(args.slo_ttft, args.slo_tpot)
-    front_end_ms = args.front_end_ms_per_token
-    if front_end_ms is None:
-        front_end_ms = load_config(None).placement.front_end_ms_per_token
-    if not 0 <= front_end_ms <= 100:
-        sys.exit(f"error: --front-end-ms-per-token must be in 0..100, got {front_end_ms}")
+    given = {} if args.front_end_ms_per_token is None else {"placement.front_end_ms_per_token": args.front_end_ms_per_token}
+    try:  # the config's default and bounds
+        front_end_ms = load_config(None, given).placement.front_end_ms_per_token
+    except ConfigError as exc:
+        sys.exit(f"error: --front-end-ms-per-token: {exc}")
     front_end_s = front_end_ms / 1000
     fit = fit_profile_file(args.profile)
     model = LatencyModel(fit.shape, fit.hardware)

@@ -125,9 +125,7 @@ class GoodputEvaluator:
         token (API process and bench client) and 0.05 ms of the engine's own per-token work
         (``benchmarks/results/2026-12-07-colocated-front-end-stall.md``)."""
         cap = self.memory(par, vision).kv_capacity_tokens
-        timing = self.model.decode_timing(par, cross_node)
-        if par.tp > 1 and par.pp == 1 and self.spec.front_end_s_per_token > 0:
-            timing = timing.with_stall_per_seq(self.spec.front_end_s_per_token)
+        timing = self.model.decode_timing(par, cross_node, self.spec.front_end_s_per_token)
         return DecodeServer(timing, cap, self.spec.decode_max_batch)
 
     def handoff(self, prefill: ParallelConfig, decode: ParallelConfig, cross_node: bool) -> Handoff:

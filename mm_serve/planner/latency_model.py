@@ -215,8 +215,11 @@ class LatencyModel:
         return PrefillTiming(par.pp, const, per_tok, per_sq, per_seq, enc_const, per_image,
                              hop_const, hop_tok)
 
-    def decode_timing(self, par: ParallelConfig, cross_node: bool = False) -> DecodeTiming:
-        """Decode step coefficients of one pipeline stage, plus hops."""
+    def decode_timing(self, par: ParallelConfig, cross_node: bool = False,
+                      front_end_s_per_token: float = 0.0) -> DecodeTiming:
+        """Decode step coefficients of one pipeline stage, plus hops. An instance of tensor-parallel degree
+        above 1 without pipeline stages also pays ``front_end_s_per_token`` per sequence in each step
+        (:meth:`DecodeTiming.with_stall_per_seq`; the rule is the evaluator's ``decode_server``'s)."""
         hw, shape, tp = self.hardware, self.shape, par.tp
         layers = self.stage_layers(par.pp)
 
@@ -230,7 +233,10 @@ class LatencyModel:
 
         const, per_seq, per_ctx = _affine(stage, 2)
         hop_const, hop_tok = self._hop(cross_node)
-        return DecodeTiming(par.pp, const, per_seq, per_ctx, hop_const, hop_tok)
+        timing = DecodeTiming(par.pp, const, per_seq, per_ctx, hop_const, hop_tok)
+        if par.tp > 1 and par.pp == 1 and front_end_s_per_token > 0:
+            timing = timing.with_stall_per_seq(front_end_s_per_token)
+        return timing
 
     def kv_transfer_time(self, tokens: int, streams: int, cross_node: bool) -> float:
         """Seconds to move ``tokens`` tokens of KV cache from a prefill to a decode
