@@ -72,26 +72,6 @@ def engine_work(engine: LLMEngine, batch: int) -> tuple[float, float, int]:
     return statistics.mean(times), EngineProfiler(engine, repeats=30).decode(batch, context), context
 
 
-def decode_mean(profiler: EngineProfiler, batch: int, context: int, steps: int = 60) -> float:
-    """Mean seconds of ``steps`` decode passes of ``batch`` sequences of ``context`` tokens."""
-    engine = profiler.engine
-    requests = profiler._requests(batch, context)
-    try:
-        with torch.inference_mode():
-            engine.runner.prefill(requests)
-            for request in requests:
-                request.output_token_ids = [7]
-            engine.runner.decode(requests)
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                engine.runner.decode(requests)
-                times.append(time.perf_counter() - start)
-    finally:
-        profiler._free(requests)
-    return statistics.mean(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="out/bench-llama")
@@ -116,7 +96,7 @@ def main() -> None:
                 neighbour.start()
                 time.sleep(0.3)
             try:
-                means = [decode_mean(profiler, batch, 512) for batch in (8, 16)]
+                means = [statistics.mean(profiler.decode_steps(batch, 512, 60)) for batch in (8, 16)]
             finally:
                 if neighbour is not None:
                     stop.set()

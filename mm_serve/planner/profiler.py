@@ -28,14 +28,19 @@ UNKNOWN_MEMORY_BYTES = 16 * 2**30
 """A profile's ``memory_bytes`` where this machine's memory cannot be read (no ``/proc/meminfo``)."""
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _seconds(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after one untimed call."""
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    return statistics.median(_seconds(fn, repeats))
 
 
 class EngineProfiler:
@@ -63,15 +68,21 @@ class EngineProfiler:
         finally:
             self._free(requests)
 
-    @torch.inference_mode()
     def decode(self, batch: int, context: int) -> float:
-        """Seconds for one decode step of ``batch`` sequences with ``context`` tokens of KV each."""
+        """Seconds for one decode step of ``batch`` sequences with ``context`` tokens of KV each (the median
+        of ``repeats``)."""
+        return statistics.median(self.decode_steps(batch, context, self.repeats))
+
+    @torch.inference_mode()
+    def decode_steps(self, batch: int, context: int, steps: int) -> list[float]:
+        """Seconds of each of ``steps`` decode steps of ``batch`` sequences with ``context`` tokens of KV
+        each, after one untimed step (the same sequences every step)."""
         requests = self._requests(batch, context)
         try:
             self.engine.runner.prefill(requests)
             for request in requests:
                 request.output_token_ids = [7]
-            return _median_seconds(lambda: self.engine.runner.decode(requests), self.repeats)
+            return _seconds(lambda: self.engine.runner.decode(requests), steps)
         finally:
             self._free(requests)
 
