@@ -28,6 +28,12 @@ def test_profile_writes_a_file_the_planner_loads(tiny_llava: Path, tmp_path: Pat
     assert len(two.encode) == 2
     printed = capsys.readouterr().out
     assert "wrote" in printed and "[2 threads] decode  batch=  2 context=   32" in printed
+    # each size on both thread counts before the next size (a slowdown while profiling falls on both)
+    timed = [line.split(" ms")[0].rsplit(None, 1)[0] for line in printed.splitlines() if line.endswith(" ms")]
+    assert timed[:4] == ["prefill tokens=   16", "[2 threads] prefill tokens=   16",
+                         "prefill tokens=   64", "[2 threads] prefill tokens=   64"]
+    assert timed[4:8] == ["decode  batch=  1 context=   32", "[2 threads] decode  batch=  1 context=   32",
+                          "decode  batch=  2 context=   32", "[2 threads] decode  batch=  2 context=   32"]
 
 
 def test_profile_rejects_bad_sizes(tiny_llava: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +26,8 @@ from mm_serve.runtime.warm_up import free_scratch, scratch_requests
 
 UNKNOWN_MEMORY_BYTES = 16 * 2**30
 """A profile's ``memory_bytes`` where this machine's memory cannot be read (no ``/proc/meminfo``)."""
+
+T = TypeVar("T")
 
 
 def _seconds(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -98,29 +100,54 @@ class EngineProfiler:
         return _median_seconds(lambda: model.encode_images(pixels), self.repeats)
 
 
-def _measure_points(prof: EngineProfiler, prefill_tokens: Sequence[int], decode_batches: Sequence[int],
-                    decode_contexts: Sequence[int], log: Callable[[str], None]) -> dict[str, list[dict[str, float]]]:
-    """Time every size on the current torch threads: the rows of a profile (or of a ``tensor_parallel`` entry)."""
-    prefill: list[PrefillPoint] = []
-    decode: list[DecodePoint] = []
-    encode: list[EncodePoint] = []
-    for tokens in prefill_tokens:
-        prefill.append(PrefillPoint(tokens, 1, prof.prefill(tokens, 1)))
-        log(f"prefill tokens={tokens:5d}              {prefill[-1].seconds * 1000:9.2f} ms")
-    for batch in decode_batches:
-        for context in decode_contexts:
-            decode.append(DecodePoint(batch, context, prof.decode(batch, context)))
-            log(f"decode  batch={batch:3d} context={context:5d} {decode[-1].seconds * 1000:9.2f} ms")
-    for images in (1, 4):
-        try:
-            encoded = prof.encode(images)
-        except ValueError as exc:  # e.g. Qwen2-VL's tower takes patches and grids, not square images
-            log(f"encode  not timed: {exc}")
-            break
-        if encoded is not None:
-            encode.append(EncodePoint(images, encoded))
-            log(f"encode  images={images}                {encoded * 1000:9.2f} ms")
-    return points_to_json(prefill, decode, encode)
+def measure_points(prof: EngineProfiler, thread_counts: Sequence[int], prefill_tokens: Sequence[int],
+                    decode_batches: Sequence[int], decode_contexts: Sequence[int],
+                    log: Callable[[str], None]) -> list[dict[str, list[dict[str, float]]]]:
+    """Time every size on each of ``thread_counts`` torch threads: one profile's rows per count, in that
+    order (the first count's rows are the profile's own, the others its ``tensor_parallel`` entries).
+
+    Each size is timed on every count before the next size, so a change in the machine's speed while
+    profiling (a neighbour on a shared host) falls on the counts alike: the planner compares their
+    times (one worker on two threads against two one-thread workers), and timing all of one count's
+    sizes before the other's let a minute's slowdown decide that comparison. The torch threads are
+    left at the first count.
+    """
+    counts = list(thread_counts)
+    prefill: list[list[PrefillPoint]] = [[] for _ in counts]
+    decode: list[list[DecodePoint]] = [[] for _ in counts]
+    encode: list[list[EncodePoint]] = [[] for _ in counts]
+    prefixes = [f"[{count} threads] " if i else "" for i, count in enumerate(counts)]
+
+    def each_count(time_one: Callable[[], T]) -> list[T]:
+        seconds = []
+        for count in counts:
+            torch.set_num_threads(count)
+            seconds.append(time_one())
+        return seconds
+
+    try:
+        for tokens in prefill_tokens:
+            for i, t in enumerate(each_count(lambda: prof.prefill(tokens, 1))):  # noqa: B023 (called at once)
+                prefill[i].append(PrefillPoint(tokens, 1, t))
+                log(f"{prefixes[i]}prefill tokens={tokens:5d}              {prefill[i][-1].seconds * 1000:9.2f} ms")
+        for batch in decode_batches:
+            for context in decode_contexts:
+                for i, t in enumerate(each_count(lambda: prof.decode(batch, context))):  # noqa: B023
+                    decode[i].append(DecodePoint(batch, context, t))
+                    log(f"{prefixes[i]}decode  batch={batch:3d} context={context:5d} {decode[i][-1].seconds * 1000:9.2f} ms")
+        for images in (1, 4):
+            try:
+                encoded = each_count(lambda: prof.encode(images))  # noqa: B023
+            except ValueError as exc:  # e.g. Qwen2-VL's tower takes patches and grids, not square images
+                log(f"encode  not timed: {exc}")
+                break
+            for i, seconds in enumerate(encoded):
+                if seconds is not None:
+                    encode[i].append(EncodePoint(images, seconds))
+                    log(f"{prefixes[i]}encode  images={images}                {seconds * 1000:9.2f} ms")
+    finally:
+        torch.set_num_threads(counts[0])
+    return [points_to_json(p, d, e) for p, d, e in zip(prefill, decode, encode, strict=True)]
 
 
 def measure_profile(
@@ -155,17 +182,10 @@ def measure_profile(
     if not prefill_tokens or not decode_contexts:
         raise ValueError(f"no profile size fits the model's context ({engine.max_model_len} tokens)")
     prof = EngineProfiler(engine, repeats)
-    rows = _measure_points(prof, prefill_tokens, decode_batches, decode_contexts, log)
-    parallel = []
-    try:
-        for count in sorted(set(parallel_threads)):
-            torch.set_num_threads(count)
-            prefix = f"[{count} threads] "
-            points = _measure_points(prof, prefill_tokens, decode_batches, decode_contexts,
-                                     lambda line: log(prefix + line))  # noqa: B023 (called within this iteration)
-            parallel.append({"degree": count, **points})
-    finally:
-        torch.set_num_threads(threads)
+    degrees = sorted(set(parallel_threads))
+    rows, *parallel_rows = measure_points(prof, [threads, *degrees], prefill_tokens, decode_batches,
+                                           decode_contexts, log)
+    parallel = [{"degree": count, **points} for count, points in zip(degrees, parallel_rows, strict=True)]
     profile: dict[str, Any] = {
         "format": "mm-serve-profile/1", "name": f"cpu-{threads}thread",
         "device": f"{os.cpu_count()} CPU cores, {threads} torch thread(s), torch {torch.__version__}",
