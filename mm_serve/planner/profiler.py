@@ -101,8 +101,8 @@ class EngineProfiler:
 
 
 def measure_points(prof: EngineProfiler, thread_counts: Sequence[int], prefill_tokens: Sequence[int],
-                    decode_batches: Sequence[int], decode_contexts: Sequence[int],
-                    log: Callable[[str], None]) -> list[dict[str, list[dict[str, float]]]]:
+                   decode_batches: Sequence[int], decode_contexts: Sequence[int],
+                   log: Callable[[str], None]) -> list[dict[str, list[dict[str, float]]]]:
     """Time every size on each of ``thread_counts`` torch threads: one profile's rows per count, in that
     order (the first count's rows are the profile's own, the others its ``tensor_parallel`` entries).
 
@@ -129,12 +129,12 @@ def measure_points(prof: EngineProfiler, thread_counts: Sequence[int], prefill_t
         for tokens in prefill_tokens:
             for i, t in enumerate(each_count(lambda: prof.prefill(tokens, 1))):  # noqa: B023 (called at once)
                 prefill[i].append(PrefillPoint(tokens, 1, t))
-                log(f"{prefixes[i]}prefill tokens={tokens:5d}              {prefill[i][-1].seconds * 1000:9.2f} ms")
+                log(f"{prefixes[i]}prefill tokens={tokens:5d}              {t * 1000:9.2f} ms")
         for batch in decode_batches:
             for context in decode_contexts:
                 for i, t in enumerate(each_count(lambda: prof.decode(batch, context))):  # noqa: B023
                     decode[i].append(DecodePoint(batch, context, t))
-                    log(f"{prefixes[i]}decode  batch={batch:3d} context={context:5d} {decode[i][-1].seconds * 1000:9.2f} ms")
+                    log(f"{prefixes[i]}decode  batch={batch:3d} context={context:5d} {t * 1000:9.2f} ms")
         for images in (1, 4):
             try:
                 encoded = each_count(lambda: prof.encode(images))  # noqa: B023
@@ -184,7 +184,7 @@ def measure_profile(
     prof = EngineProfiler(engine, repeats)
     degrees = sorted(set(parallel_threads))
     rows, *parallel_rows = measure_points(prof, [threads, *degrees], prefill_tokens, decode_batches,
-                                           decode_contexts, log)
+                                          decode_contexts, log)
     parallel = [{"degree": count, **points} for count, points in zip(degrees, parallel_rows, strict=True)]
     profile: dict[str, Any] = {
         "format": "mm-serve-profile/1", "name": f"cpu-{threads}thread",
