@@ -1,5 +1,5 @@
 """MM_SERVE_STEP_LOG: one JSON line per timed worker step, from every worker of a real server; a path
-that cannot be opened leaves the worker serving without it."""
+that cannot be opened leaves the worker serving without it, said on the serve console at start."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from mm_serve.runtime.messages import StepTiming
-from mm_serve.runtime.step_log import STEP_LOG_ENV, StepLog
+from mm_serve.runtime.step_log import STEP_LOG_ENV, StepLog, step_log_problem
 from tests.api.server_process import ServerProcess
 
 
@@ -95,3 +95,42 @@ def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path: Path, monkeypatch: py
     assert StepLog.from_env("decode", 1) is None
     said = capsys.readouterr()
     assert f"[decode 1] {STEP_LOG_ENV}={fifo}: cannot open" in said.out + said.err
+
+
+def test_the_front_end_says_why_a_step_log_cannot_be_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    monkeypatch.delenv(STEP_LOG_ENV, raising=False)
+    assert step_log_problem() is None
+    usable = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(STEP_LOG_ENV, str(usable))
+    assert step_log_problem() is None and usable.is_file() and usable.read_bytes() == b""  # created, nothing written
+    missing = tmp_path / "no" / "steps.jsonl"
+    monkeypatch.setenv(STEP_LOG_ENV, str(missing))
+    assert step_log_problem() == (f"{STEP_LOG_ENV}={missing}: cannot open (No such file or directory); "
+                                  "the workers serve without a step log")
+    fifo = tmp_path / "steps.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # with a reader the FIFO opens, and is refused as one
+    try:
+        monkeypatch.setenv(STEP_LOG_ENV, str(fifo))
+        assert step_log_problem() == (f"{STEP_LOG_ENV}={fifo}: not a regular file or a device; "
+                                      "the workers serve without a step log")
+    finally:
+        os.close(reader)
+
+
+def test_a_folder_as_step_log_is_a_warning_on_the_serve_console(tiny_llama: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' own notice goes to their log files; the user sees the front end's, and the service serves."""
+    monkeypatch.setenv(STEP_LOG_ENV, str(tmp_path))
+    proc = ServerProcess(tiny_llama, log_dir=tmp_path)
+    try:
+        proc.wait_ready()
+        r = httpx.post(f"{proc.url}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "one two", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        assert proc.stop() == 0
+    assert (f"mm-serve: warning: {STEP_LOG_ENV}={tmp_path}: cannot open (Is a directory); the workers serve "
+            "without a step log") in proc.output()

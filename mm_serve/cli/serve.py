@@ -280,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
         cfg, placement = _placement(cfg, model_dir)
         for line in cfg.ineffective_settings():
             say(f"mm-serve: warning: {line}")
+        from mm_serve.runtime.step_log import step_log_problem
+
+        if (problem := step_log_problem()) is not None:  # the workers' own notice goes to their log files
+            say(f"mm-serve: warning: {problem}")
         say(f"mm-serve: starting {cfg.mode} workers for {model_dir} ...", sys.stdout)
         # The workers start now, on a thread, and this process loads the tokenizer, media processors
         # and app while they load the model: about 2 s of a start.
