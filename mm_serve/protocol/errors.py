@@ -91,8 +91,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if len(wrong_type) > 1 and str(first.get("type", "")).endswith("_type"):
         kinds = list(dict.fromkeys(m.removeprefix("Input should be ") for m in wrong_type))
         message = "Input should be " + " or ".join(kinds)
-    if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('msg')}", None, None
+    if first.get("type") == "json_invalid":  # loc ("body", character offset); ctx the parser's reason
+        reason = first.get("ctx", {}).get("error") or first.get("msg")
+        where = first.get("loc", ())[-1:]
+        at = f" at character {where[0]}" if where and isinstance(where[0], int) else ""
+        return f"request body is not valid JSON: {reason}{at}", None, None
     if first.get("type") in ("unsupported_parameter", "invalid_parameter"):
         ctx = first.get("ctx", {})
         return str(first.get("msg")), str(ctx.get("name")) or None, ctx.get("code")

@@ -195,6 +195,7 @@ def test_a_refused_body_the_client_is_still_sending_gets_its_answer_not_a_reset(
 
 @pytest.mark.parametrize(("content", "headers", "status", "fragment"), [
     (b'{"model":"tiny","prompt":"hi\xff","max_tokens":2}', {}, 400, "not valid JSON"),
+    (b'{"model":"tiny",', {}, 400, "not valid JSON: Expecting property name enclosed in double quotes at character 16"),
     (b'{"model":"tiny","prompt":"hi","zz":' + b"9" * 5000 + b"}", {}, 400, "not valid JSON: an integer of over 4300 digits"),
     (b'{"model":"tiny","prompt":"hi","max_tokens":2}', {"content-encoding": "gzip"}, 415, "Content-Encoding"),
     (json.dumps({"model": "tiny", "prompt": "hi", "stop_token_ids": [1] * 1025}).encode(), {}, 400,
@@ -205,7 +206,7 @@ def test_a_refused_body_the_client_is_still_sending_gets_its_answer_not_a_reset(
 ])
 def test_bodies_that_fail_to_parse_get_4xx_json(guarded: ServerProcess, content: bytes, headers: dict[str, str],
                                                 status: int, fragment: str) -> None:
-    """Invalid UTF-8, an integer past Python's 4300 digits, a compressed body, too many stop_token_ids (inline
+    """Invalid UTF-8, a body cut short (its position named), an integer past Python's 4300 digits, a compressed body, too many stop_token_ids (inline
     and in the parse process) and an overlong model name: each a 4xx naming why, never a 500."""
     r = httpx.post(f"{guarded.url}/v1/completions", content=content, timeout=60,
                    headers={"content-type": "application/json", "authorization": f"Bearer {KEY}", **headers})
