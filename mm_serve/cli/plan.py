@@ -36,8 +36,10 @@ def register(subparsers: Any) -> None:
                    help="fraction of requests that must meet both SLOs (default 0.9)")
     p.add_argument("--hardware", default="a100-80gb",
                    help="a100-80gb, h100-80gb, h200-141gb, or a measured profile JSON file")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
+                   help="devices per node: GPUs, or with --device cpu one-thread CPU worker slots (cores) "
+                   "(default 8; with --device cpu, this machine's usable cores)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (default 1)")
     p.add_argument("--affinity", choices=("high", "low"), default="high",
                    help="high: KV may cross nodes; low: each prefill stage's decode partner "
                    "stays on its node (default high)")
@@ -117,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--front-end-ms-per-token must be in 0..100 milliseconds, got {front_end_ms}")
     if args.write_config is not None:
         _check_writable(args.write_config)
+    gpus_per_node = args.gpus_per_node
+    if gpus_per_node is None:
+        from mm_serve.planner.auto_placement import usable_cores
+
+        gpus_per_node = len(usable_cores()) if args.device == "cpu" else 8
     try:
         from mm_serve.models.named_models import NAMED_MODELS
 
@@ -130,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         spec = PlanSpec(
             shape=shape, hardware=hardware, workload=workload,
             slo=SLO(args.slo_ttft, args.slo_tpot), attainment=args.attainment,
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node, affinity=args.affinity,
+            nodes=args.nodes, gpus_per_node=gpus_per_node, affinity=args.affinity,
             num_requests=args.num_requests, seed=args.seed, burstiness=args.burstiness,
             prefill_token_budget=args.prefill_token_budget, decode_max_batch=args.decode_max_batch,
             front_end_s_per_token=front_end_ms / 1000,
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         out["config_written"] = written
         print(json.dumps(out, indent=2))
     else:
-        print(plan_text(result))
+        print(plan_text(result, "core" if args.device == "cpu" else "GPU"))
         if written:
             print(f"Config written to {written}" + (" (the disaggregated placement; colocated was predicted higher)"
                                                    if result.ratio < 1 else ""))

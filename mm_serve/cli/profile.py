@@ -25,11 +25,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory or registered name (default: embedded)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--threads", type=int, default=1, help="torch threads (one core per worker by default)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per size, the median kept (default 3)")
     p.add_argument("--prefill-tokens", default=None, metavar="N,...",
                    help=f"prompt lengths to time (default: {_join(DEFAULT_PREFILL_TOKENS)}, the ones past the "
                         "model's context replaced by the longest that fits)")
-    p.add_argument("--decode-batches", default="1,4,16,32")
+    p.add_argument("--decode-batches", default="1,4,16,32", metavar="N,...",
+                   help="decode steps' batch sizes (default 1,4,16,32)")
     p.add_argument("--decode-contexts", default=None, metavar="N,...",
                    help=f"context lengths to time decode steps at (default: {_join(DEFAULT_DECODE_CONTEXTS)}, "
                         "capped to the model's context as --prefill-tokens)")

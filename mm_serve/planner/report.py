@@ -87,9 +87,14 @@ def _image_line(vision: VisionShape | None) -> list[str]:
             f"{vision.tiles_per_image} tower passes each (the largest tile grid plus the whole image)"]
 
 
-def plan_text(result: PlanResult) -> str:
-    """Human-readable summary: placement table, goodputs, colocated comparison."""
+def plan_text(result: PlanResult, device: str = "GPU") -> str:
+    """Human-readable summary: placement table, goodputs, colocated comparison. ``device``: what one planned
+    device is called (``GPU``; ``core`` for a CPU plan, whose devices are one-thread worker slots)."""
     spec, unit = result.spec, result.unit
+
+    def count(n: int) -> str:
+        return f"{n} {device}{'' if n == 1 else 's'}"
+
     lines = [
         f"Placement for {spec.shape.name} on {spec.nodes} x {spec.gpus_per_node} "
         f"{spec.hardware.name} (affinity {spec.affinity}), workload {spec.workload.name}, "
@@ -98,10 +103,10 @@ def plan_text(result: PlanResult) -> str:
         *([f"Front end: {spec.front_end_s_per_token * 1000:g} ms of CPU per streamed token, priced into each step "
            "of an instance on several threads"] if spec.front_end_s_per_token else []),
         f"Unit: {unit.num_prefill} prefill x {unit.prefill} + {unit.num_decode} decode x "
-        f"{unit.decode} = {unit.gpus} GPUs, {result.unit_goodput:.2f} req/s "
+        f"{unit.decode} = {count(unit.gpus)}, {result.unit_goodput:.2f} req/s "
         f"(phase estimate {result.estimated_unit_goodput:.2f}); replicated {result.units}x",
         "",
-        f"  {'role':<8} {'tp':>3} {'pp':>3} {'gpus':>5}  {'nodes':<8} gpu ids",
+        f"  {'role':<8} {'tp':>3} {'pp':>3} {device.lower() + 's':>5}  {'nodes':<8} {device.lower()} ids",
     ]
     for inst in result.placement:
         nodes = ",".join(str(n) for n in inst.nodes)
@@ -109,15 +114,15 @@ def plan_text(result: PlanResult) -> str:
                      f"{nodes:<8} {_gpus(inst.gpus)}")
     lines += [
         "",
-        f"Per-GPU goodput:   {result.per_gpu_goodput:.3f} req/s/GPU "
-        f"(cluster {result.cluster_goodput:.1f} req/s on {result.gpus_used} GPUs)",
+        f"{'Per-' + device + ' goodput:':<19}{result.per_gpu_goodput:.3f} req/s/{device} "
+        f"(cluster {result.cluster_goodput:.1f} req/s on {count(result.gpus_used)})",
     ]
     col = result.colocated
     if col is None:
         lines.append("Colocated best:    none meets the SLOs")
     else:
         lines.append(
-            f"Colocated best:    {result.colocated_per_gpu_goodput:.3f} req/s/GPU "
+            f"{'Colocated best:':<19}{result.colocated_per_gpu_goodput:.3f} req/s/{device} "
             f"({col.par}, {result.colocated_unit_instances} "
             f"{'instance' if result.colocated_unit_instances == 1 else 'instances simulated together'}; "
             + (f"mixed steps of {spec.colocated_mixed_tokens} tokens)" if spec.colocated_mixed_tokens

@@ -246,3 +246,19 @@ def test_a_cpu_plan_prices_the_front_ends_stall_and_says_so(tiny_dir: Path, caps
     assert cpu["colocated_per_gpu_goodput"] <= gpu["colocated_per_gpu_goodput"]
     assert main([*BASE, "--model", str(tiny_dir), "--front-end-ms-per-token", "0.5"]) == 0
     assert "Front end: 0.5 ms of CPU per streamed token" in capsys.readouterr().out
+
+
+def test_a_cpu_plan_counts_this_machines_cores_and_calls_them_cores(tiny_dir: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --gpus-per-node, --device cpu plans on this machine's usable cores (a GPU plan on 8 GPUs), and
+    the text names the devices cores."""
+    from mm_serve.planner.auto_placement import usable_cores
+
+    args = ["plan", "--slo-ttft", "0.25", "--slo-tpot", "0.1", "--hardware", "h100-80gb", "--model", str(tiny_dir)]
+    assert main([*args, "--json", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpus_per_node"] == len(usable_cores())
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpus_per_node"] == 8
+    assert main([*args, "--device", "cpu", "--gpus-per-node", "2"]) == 0
+    text = capsys.readouterr().out
+    assert " = 2 cores, " in text and "req/s/core" in text and "core ids" in text and "GPU" not in text
