@@ -212,7 +212,10 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     older file naming a path that is gone, like one that is not a valid profile, is measured again).
     A profile measured while other processes kept more than :data:`BUSY_SHARE_LIMIT` of this process's
     cores busy (:class:`~mm_serve.runtime.core_load.CoreLoad`) is used, marked with that share under
-    :data:`UNDER_LOAD_KEY`, and measured again at the next start instead of being read.
+    :data:`UNDER_LOAD_KEY`, and measured again at the next start instead of being read. Each point is the
+    median of 3 passes, so one slow pass (a neighbour's burst) does not move it (as the mean of 2 did);
+    the third pass adds little to the ~30 s of a profile of bench-llama, most of it the decode points'
+    prefills.
 
     Raises:
         PlannerError: the profile folder cannot be written (checked before measuring), or the
@@ -248,7 +251,7 @@ def cached_profile(model_dir: Path, dtype: str, cores: int, profile_dir: Path,
     threads = torch.get_num_threads()
     try:
         profile, share = measure_watching_load(lambda: measure_profile(
-            model_dir, threads=1, repeats=2, log=lambda line: log(f"  {line}"), dtype=dtype,
+            model_dir, threads=1, repeats=3, log=lambda line: log(f"  {line}"), dtype=dtype,
             parallel_threads=degrees, **PROFILE_SIZES))  # type: ignore[arg-type]
         if share is not None:  # what the next start reads and prints
             log(f"other processes kept {share:.0%} of this process's cores busy while profiling (over "
