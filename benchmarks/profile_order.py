@@ -3,8 +3,8 @@ every size on one thread and then every size on two (the order before 2026-12-08
 size on both counts before the next (``mm_serve.planner.profiler``'s order since), alternating which goes
 first; for each, the planner's predicted 1P+1D / colocated goodput ratio on code (SLO 0.797 s / 32.4 ms)
 and chatbot (1 s / 50 ms) on 2 cores, front end 0.35 ms per token. Prints every profile's ratios and
-each order's median, range and standard deviation. The profiles (``mm-serve serve``'s sizes, 2 repeats)
-are kept in OUT. Run nothing else meanwhile; about a minute per profile. Usage::
+each order's median, range and standard deviation. The profiles (``mm-serve serve``'s sizes, 2 passes a
+point, as its profile took them until 2026-12-08; 3 since) are kept in OUT. Run nothing else meanwhile; about a minute per profile. Usage::
 
     python benchmarks/profile_order.py OUT PAIRS [BASE_PROFILE]
 
@@ -26,11 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from planner_vs_measured import planner_prediction  # noqa: E402 (benchmarks/, this script's folder)
 
-from mm_serve.colocated.llm_engine import LLMEngine  # noqa: E402
 from mm_serve.ground.slo import SLO  # noqa: E402
 from mm_serve.planner.auto_placement import PROFILE_SIZES  # noqa: E402
-from mm_serve.planner.profiler import EngineProfiler, measure_points  # noqa: E402
-from mm_serve.runtime.engine_config import EngineConfig  # noqa: E402
+from mm_serve.planner.profiler import measure_points, sized_profiler  # noqa: E402
 
 MODEL = Path("out/bench-llama")
 WORKLOADS = (("code", SLO(0.797, 0.0324)), ("chatbot", SLO(1.0, 0.05)))
@@ -45,9 +43,9 @@ def main() -> None:
     base = json.loads(Path(base_path).read_text())
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    tokens, batches, contexts = (PROFILE_SIZES[k] for k in ("prefill_tokens", "decode_batches", "decode_contexts"))
-    need = max(max(tokens), max(batches) * (max(contexts) + 16))
-    prof = EngineProfiler(LLMEngine(str(MODEL), EngineConfig(num_pages=need // 16 + 64, dtype="float32")), 2)
+    batches = PROFILE_SIZES["decode_batches"]
+    prof, tokens, contexts = sized_profiler(MODEL, 2, PROFILE_SIZES["prefill_tokens"], batches,
+                                            PROFILE_SIZES["decode_contexts"], "float32")
 
     def rows(counts: list[int]) -> list[dict[str, list[dict[str, float]]]]:
         return measure_points(prof, counts, tokens, batches, contexts, lambda line: None)

@@ -150,6 +150,24 @@ def measure_points(prof: EngineProfiler, thread_counts: Sequence[int], prefill_t
     return [points_to_json(p, d, e) for p, d, e in zip(prefill, decode, encode, strict=True)]
 
 
+def sized_profiler(model_dir: str | Path, repeats: int, prefill_tokens: Sequence[int], decode_batches: Sequence[int],
+                   decode_contexts: Sequence[int], dtype: str = "auto") -> tuple[EngineProfiler, list[int], list[int]]:
+    """A profiler of ``model_dir``'s engine in ``dtype`` with KV pages for the largest of these sizes, and the
+    prefill lengths and decode contexts (tokens) that fit the model's context.
+
+    Raises:
+        ValueError: no prefill size or decode context fits the model's context.
+    """
+    need = max(max(prefill_tokens), max(decode_batches) * (max(decode_contexts) + 16))
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64, dtype=dtype))  # type: ignore[arg-type]
+    limit = engine.max_model_len - 1
+    fitting_prefill = [t for t in prefill_tokens if t <= limit]
+    fitting_contexts = [c for c in decode_contexts if c <= limit]
+    if not fitting_prefill or not fitting_contexts:
+        raise ValueError(f"no profile size fits the model's context ({engine.max_model_len} tokens)")
+    return EngineProfiler(engine, repeats), fitting_prefill, fitting_contexts
+
+
 def measure_profile(
     model_dir: str | Path, threads: int = 1, repeats: int = 3, prefill_tokens: Sequence[int] = (32, 128, 512, 1024),
     decode_batches: Sequence[int] = (1, 4, 16, 32), decode_contexts: Sequence[int] = (128, 512),
@@ -174,14 +192,8 @@ def measure_profile(
     if parallel_threads and (threads != 1 or min(parallel_threads) < 2):
         raise ValueError(f"parallel_threads {list(parallel_threads)} needs threads=1 (got {threads}) and counts above 1")
     torch.set_num_threads(threads)
-    need = max(max(prefill_tokens), max(decode_batches) * (max(decode_contexts) + 16))
-    engine = LLMEngine(model_dir, EngineConfig(num_pages=need // 16 + 64, dtype=dtype))  # type: ignore[arg-type]
-    limit = engine.max_model_len - 1
-    prefill_tokens = [t for t in prefill_tokens if t <= limit]
-    decode_contexts = [c for c in decode_contexts if c <= limit]
-    if not prefill_tokens or not decode_contexts:
-        raise ValueError(f"no profile size fits the model's context ({engine.max_model_len} tokens)")
-    prof = EngineProfiler(engine, repeats)
+    prof, prefill_tokens, decode_contexts = sized_profiler(model_dir, repeats, prefill_tokens, decode_batches,
+                                                           decode_contexts, dtype)
     degrees = sorted(set(parallel_threads))
     rows, *parallel_rows = measure_points(prof, [threads, *degrees], prefill_tokens, decode_batches,
                                           decode_contexts, log)
@@ -190,7 +202,7 @@ def measure_profile(
         "format": "mm-serve-profile/1", "name": f"cpu-{threads}thread",
         "device": f"{os.cpu_count()} CPU cores, {threads} torch thread(s), torch {torch.__version__}",
         "memory_bytes": total_bytes() or UNKNOWN_MEMORY_BYTES, "model": str(Path(model_dir).resolve()),
-        "dtype": engine.config.dtype, **rows,
+        "dtype": prof.engine.config.dtype, **rows,
     }
     if parallel:
         profile["tensor_parallel"] = parallel
