@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
                    help="a100-80gb, h100-80gb, h200-141gb, or a measured profile JSON file")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="N",
                    help="devices per node: GPUs, or with --device cpu one-thread CPU worker slots (cores) "
-                   "(default 8; with --device cpu, this machine's usable cores)")
+                   "(default 8; with --device cpu, this machine's usable cores, at most 64)")
     p.add_argument("--nodes", type=int, default=1, help="nodes of the cluster (default 1)")
     p.add_argument("--affinity", choices=("high", "low"), default="high",
                    help="high: KV may cross nodes; low: each prefill stage's decode partner "
@@ -122,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     gpus_per_node = args.gpus_per_node
     if gpus_per_node is None:
         from mm_serve.planner.auto_placement import usable_cores
+        from mm_serve.planner.plan_spec import MAX_GPUS_PER_NODE
 
-        gpus_per_node = len(usable_cores()) if args.device == "cpu" else 8
+        gpus_per_node = min(len(usable_cores()), MAX_GPUS_PER_NODE) if args.device == "cpu" else 8
     try:
         from mm_serve.models.named_models import NAMED_MODELS
 

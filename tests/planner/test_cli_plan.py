@@ -248,15 +248,18 @@ def test_a_cpu_plan_prices_the_front_ends_stall_and_says_so(tiny_dir: Path, caps
     assert "Front end: 0.5 ms of CPU per streamed token" in capsys.readouterr().out
 
 
-def test_a_cpu_plan_counts_this_machines_cores_and_calls_them_cores(tiny_dir: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """Without --gpus-per-node, --device cpu plans on this machine's usable cores (a GPU plan on 8 GPUs), and
-    the text names the devices cores."""
+def test_a_cpu_plan_counts_this_machines_cores_and_calls_them_cores(tiny_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --gpus-per-node, --device cpu plans on this machine's usable cores (at most the planner's 64; a GPU
+    plan on 8 GPUs), and the text names the devices cores."""
     from mm_serve.planner.auto_placement import usable_cores
 
     args = ["plan", "--slo-ttft", "0.25", "--slo-tpot", "0.1", "--hardware", "h100-80gb", "--model", str(tiny_dir)]
     assert main([*args, "--json", "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["gpus_per_node"] == len(usable_cores())
+    monkeypatch.setattr("mm_serve.planner.auto_placement.usable_cores", lambda: list(range(96)))
+    assert main([*args, "--json", "--device", "cpu"]) == 0  # a 96-core machine: the planner's bound, not an error
+    assert json.loads(capsys.readouterr().out)["gpus_per_node"] == 64
     assert main([*args, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["gpus_per_node"] == 8
     assert main([*args, "--device", "cpu", "--gpus-per-node", "2"]) == 0
